@@ -1,0 +1,37 @@
+# metasched: `make run` and `make test` do all setup on a fresh machine.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+# torch is pinned here (not in pyproject) so installs take the local CPU wheel.
+CONSTRAINTS := constraints.txt
+STAMP  := $(VENV)/.installed
+
+.PHONY: install run test test-all lint bench clean
+
+$(STAMP): pyproject.toml $(CONSTRAINTS)
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet -c $(CONSTRAINTS) torch
+	$(PIP) install --quiet -c $(CONSTRAINTS) -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/metasched-eval
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q -m ''
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check metasched envs agents tests benchmarks
+
+bench: $(STAMP)
+	$(PY) benchmarks/sim_throughput.py
+
+clean:
+	rm -rf $(VENV) outputs multirun

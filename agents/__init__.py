@@ -1,0 +1,36 @@
+"""Schedulers: heuristic baselines (and, later, learned policies) behind one interface.
+
+``make_scheduler(name, **params)`` builds a scheduler by name; ``BASELINES`` lists the
+heuristic names.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from metasched.agents.elastic import ElasticGreedyScheduler
+from metasched.agents.partitioned import StaticScheduler, TaskIsolatedScheduler
+from metasched.agents.queue import FifoScheduler, RandomScheduler, SjfScheduler
+from metasched.errors import ConfigError
+from metasched.scheduler import Scheduler
+
+_REGISTRY: dict[str, type[Scheduler]] = {
+    cls.name: cls for cls in (StaticScheduler, TaskIsolatedScheduler, FifoScheduler,
+                              SjfScheduler, ElasticGreedyScheduler, RandomScheduler)
+}
+BASELINES: tuple[str, ...] = tuple(_REGISTRY)
+
+
+def make_scheduler(name: str, **params: Any) -> Scheduler:
+    """A fresh scheduler by name (one of ``BASELINES``), with optional parameters."""
+    if name not in _REGISTRY:
+        raise ConfigError("schedulers", f"unknown scheduler {name!r} (known: "
+                          f"{', '.join(BASELINES)})")
+    try:
+        return _REGISTRY[name](**params)
+    except TypeError as e:
+        raise ConfigError(f"scheduler.{name}", str(e)) from None
+
+
+__all__ = ["BASELINES", "ElasticGreedyScheduler", "FifoScheduler", "RandomScheduler",
+           "SjfScheduler", "StaticScheduler", "TaskIsolatedScheduler", "make_scheduler"]

@@ -1,0 +1,173 @@
+"""``elastic_greedy``: the strongest hand-written action-level scheduler here, in the
+spirit of ARL-Tangram: shared pools, elastic core counts, GPU-residency awareness,
+quota awareness.
+
+CPU, per node: shortest estimated job first; every action that fits gets its minimum
+cores; when nothing is left waiting, spare cores go to the actions whose estimated run
+time they cut most (Amdahl marginal gain), keeping a headroom for actions that the
+node's other trajectories may submit meanwhile.
+
+GPU: requests are served by service, oldest first, as batches; a resident service is
+preferred; a service resident on a busy device is waited for when that device should
+free up sooner than a restore elsewhere would take; restores evict the services with
+the least queued work.
+
+API: shortest estimated call first, whenever the endpoint's RPM/TPM buckets and
+concurrency allow.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+import numpy as np
+
+from metasched.agents.ledger import Ledger
+from metasched.model import Action, Grant
+from metasched.scheduler import Scheduler
+from metasched.state import ClusterState
+
+
+def _sjf_key(a: Action) -> tuple[float, int]:
+    return (a.spec.est_s / a.spec.speedup(a.spec.max_cores), a.id)
+
+
+class ElasticGreedyScheduler(Scheduler):
+    """Elastic, residency- and quota-aware greedy scheduling.
+
+    Args:
+        headroom: most of a node's cores (fraction) kept free for arrivals when
+            handing out extra cores; at most one core per live sandbox on the node is kept.
+        min_gain_s: an extra core is granted only if it cuts the estimated run time by
+            at least this many seconds.
+    """
+
+    name = "elastic_greedy"
+
+    def __init__(self, headroom: float = 0.25, min_gain_s: float = 0.05) -> None:
+        if not 0.0 <= headroom <= 1.0:
+            raise ValueError(f"headroom must be in [0, 1] (got {headroom})")
+        self.headroom = headroom
+        self.min_gain_s = min_gain_s
+
+    def reset(self, state: ClusterState, rng: np.random.Generator) -> None:
+        self.dev_free_est = [0.0] * state.gpu.total
+
+    def decide(self, state: ClusterState) -> list[Grant]:
+        led = Ledger(state)
+        grants: list[Grant] = []
+        if state.pending["cpu"]:
+            self._cpu(state, led, grants)
+        if state.pending["gpu"] and led.idle:
+            self._gpu(state, led, grants)
+        if state.pending["api"]:
+            for a in sorted(state.pending["api"].values(), key=_sjf_key):
+                if led.api_ok(a):
+                    grants.append(led.take_api(a))
+        return grants
+
+    # ------------------------------------------------------------------ cpu
+
+    def _cpu(self, state: ClusterState, led: Ledger, grants: list[Grant]) -> None:
+        by_node: dict[int, list[Action]] = {}
+        for a in state.pending["cpu"].values():
+            by_node.setdefault(a.node, []).append(a)
+        free = led.free
+        cpu = state.cpu
+        for node, acts in sorted(by_node.items(), key=lambda kv: kv[0] < 0):
+            if len(acts) > 1:
+                acts.sort(key=_sjf_key)
+            chosen: list[tuple[Action, int]] = []
+            waiting = False
+            for a in acts:
+                n = node
+                if n < 0:  # no sandbox: the node with most free cores
+                    n = max(range(len(free)), key=free.__getitem__)
+                if free[n] >= a.spec.min_cores:
+                    free[n] -= a.spec.min_cores
+                    chosen.append((a, n))
+                else:
+                    waiting = True
+            extra = [0] * len(chosen)
+            if not waiting and node >= 0:
+                keep = min(math.ceil(self.headroom * cpu.cores[node]),
+                           max(0, cpu.sandboxes[node] - len(chosen)))
+                self._spread(chosen, extra, free[node] - keep)
+                free[node] -= sum(extra)
+            for (a, n), x in zip(chosen, extra):
+                grants.append(Grant(a, cores=a.spec.min_cores + x, node=n))
+
+    def _spread(self, chosen: list[tuple[Action, int]], extra: list[int], spare: int) -> None:
+        """Give ``spare`` cores one at a time to the largest estimated time saving."""
+        if spare <= 0:
+            return
+        heap = []
+        for i, (a, _) in enumerate(chosen):
+            s = a.spec
+            if s.max_cores > s.min_cores and s.parallel_fraction > 0:
+                k = s.min_cores
+                heap.append((-s.est_s * s.parallel_fraction * (1 / k - 1 / (k + 1)), i))
+        heapq.heapify(heap)
+        while spare > 0 and heap:
+            neg_gain, i = heapq.heappop(heap)
+            if -neg_gain < self.min_gain_s:
+                break
+            extra[i] += 1
+            spare -= 1
+            s = chosen[i][0].spec
+            k = s.min_cores + extra[i]
+            if k < s.max_cores:
+                heapq.heappush(heap, (-s.est_s * s.parallel_fraction * (1 / k - 1 / (k + 1)), i))
+
+    # ------------------------------------------------------------------ gpu
+
+    def _gpu(self, state: ClusterState, led: Ledger, grants: list[Grant]) -> None:
+        gpu = state.gpu
+        t = state.t
+        queues: dict[str, list[Action]] = {}
+        for a in state.pending["gpu"].values():
+            queues.setdefault(a.spec.service, []).append(a)
+        # Oldest waiting request first, across services.
+        for svc_name in sorted(queues, key=lambda s: queues[s][0].submit_t):
+            q = queues[svc_name]
+            svc = gpu.services[svc_name]
+            while q and led.idle:
+                resident_idle = [d for d in led.idle if svc_name in gpu.devices[d].resident]
+                if resident_idle:
+                    device = resident_idle[0]
+                else:
+                    busy_res = [d for d in range(gpu.total)
+                                if d not in led.idle and svc_name in gpu.devices[d].resident]
+                    if busy_res and min(self.dev_free_est[d] for d in busy_res) - t <= svc.restore_s:
+                        break  # cheaper to wait for the resident copy
+                    device = self._restore_target(state, led, svc_name, queues)
+                    if device < 0:
+                        break
+                batch = q[: svc.max_batch]
+                del q[: svc.max_batch]
+                delay = gpu.restore_cost(svc_name, device)
+                self.dev_free_est[device] = t + delay + svc.batch_s([b.spec.est_s for b in batch])
+                grants.append(led.take_gpu(batch[0], device, tuple(batch[1:])))
+
+    def _restore_target(self, state: ClusterState, led: Ledger, service: str,
+                        queues: dict[str, list[Action]]) -> int:
+        """The idle device where making ``service`` resident evicts the least queued work."""
+        gpu = state.gpu
+        need = gpu.services[service].mem_gb
+        best, best_key = -1, None
+        for d in led.idle:
+            dev = gpu.devices[d]
+            if need > dev.mem_gb:
+                continue
+            used = dev.mem_used(gpu.services)
+            damage = 0.0
+            for victim in sorted(dev.resident, key=dev.resident.__getitem__):
+                if used + need <= dev.mem_gb:
+                    break
+                used -= gpu.services[victim].mem_gb
+                damage += sum(b.spec.est_s for b in queues.get(victim, ())) + 1e-3
+            key = (damage, d)
+            if best_key is None or key < best_key:
+                best, best_key = d, key
+        return best

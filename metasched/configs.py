@@ -1,0 +1,52 @@
+"""Locating and composing the Hydra configs in ``configs/``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from metasched.config import (ClusterConfig, WorkloadConfig, check_compatible, parse_cluster,
+                              parse_workload)
+from metasched.errors import ConfigError
+
+
+def config_dir() -> Path:
+    """The ``configs/`` directory (``METASCHED_CONFIG_DIR`` overrides it)."""
+    env = os.environ.get("METASCHED_CONFIG_DIR")
+    if env:
+        return Path(env).resolve()
+    return (Path(__file__).resolve().parent.parent / "configs").resolve()
+
+
+def compose(config_name: str = "eval", overrides: list[str] | None = None) -> dict[str, Any]:
+    """Compose ``configs/<config_name>.yaml`` with Hydra overrides into a plain dict."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        with initialize_config_dir(str(config_dir()), version_base="1.3"):
+            cfg = hydra_compose(config_name, overrides=list(overrides or []))
+        return OmegaConf.to_container(cfg, resolve=True)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError("overrides", str(e).splitlines()[0]) from None
+
+
+def load_profile(cfg: dict[str, Any]) -> tuple[WorkloadConfig, ClusterConfig]:
+    """Validated workload and cluster from a composed config dict."""
+    if "workload" not in cfg:
+        raise ConfigError("workload", "is required")
+    if "cluster" not in cfg:
+        raise ConfigError("cluster", "is required")
+    w = parse_workload(cfg["workload"])
+    c = parse_cluster(cfg["cluster"])
+    check_compatible(w, c)
+    return w, c
+
+
+def profile(name: str, overrides: list[str] | None = None) -> tuple[WorkloadConfig, ClusterConfig]:
+    """The named workload profile with its cluster, e.g. ``profile("coding")``."""
+    return load_profile(compose("eval", [f"workload={name}", *(overrides or [])]))

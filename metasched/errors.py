@@ -1,0 +1,15 @@
+"""Errors raised for user input (configs, traces, overrides)."""
+
+
+class ConfigError(ValueError):
+    """A user-supplied setting is invalid.
+
+    The message is one line that names the offending field, e.g.
+    ``workload.tasks[0].actions[1].duration_s.median: must be > 0 (got -1)``.
+    Command-line apps print it without a traceback and exit with status 2.
+    """
+
+    def __init__(self, field: str, problem: str) -> None:
+        self.field = field
+        self.problem = problem
+        super().__init__(f"{field}: {problem}")

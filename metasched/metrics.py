@@ -1,0 +1,135 @@
+"""What a run records: per-action ACT, per-step time, per-pool busy / held-but-idle
+resource-seconds (totals and a bucketed timeline), failures."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from metasched.model import KINDS
+
+POOLS = KINDS  # cpu, gpu, api
+# Timeline columns: busy and held-but-idle units per pool, then api requests issued.
+CPU_BUSY, CPU_HELD, GPU_BUSY, GPU_HELD, API_BUSY, API_HELD, API_REQ = range(7)
+N_COLS = 7
+
+
+class Recorder:
+    """Accumulates a run's measurements; cheap enough to run on every event."""
+
+    def __init__(self, timeline_dt: float = 10.0) -> None:
+        self.dt = timeline_dt
+        self.timeline: list[list[float]] = []
+        self.totals = [0.0] * N_COLS
+        self.kind: list[int] = []
+        self.task: list[str] = []
+        self.submit: list[float] = []
+        self.start: list[float] = []
+        self.end: list[float] = []
+        self.ok: list[bool] = []
+        self.lower_bound: list[float] = []
+        self.steps: list[tuple[float, float]] = []
+        self.reasons: dict[str, int] = {}
+
+    def _bucket(self, b: int) -> list[float]:
+        tl = self.timeline
+        while len(tl) <= b:
+            tl.append([0.0] * N_COLS)
+        return tl[b]
+
+    def integrate(self, t0: float, t1: float, levels: tuple[float, ...]) -> None:
+        """Add ``levels`` (units in use per column) held constant over [t0, t1)."""
+        tot = self.totals
+        span = t1 - t0
+        for i in range(6):
+            tot[i] += levels[i] * span
+        dt = self.dt
+        while t0 < t1:
+            b = int(t0 / dt)
+            seg = min(t1, (b + 1) * dt) - t0
+            if seg <= 0.0:  # float edge: t0 sits on a bucket boundary
+                seg = min(t1 - t0, dt)
+                b += 1
+            row = self._bucket(b)
+            for i in range(6):
+                row[i] += levels[i] * seg
+            t0 += seg
+
+    def request(self, t: float) -> None:
+        self.totals[API_REQ] += 1
+        self._bucket(int(t / self.dt))[API_REQ] += 1
+
+    def action(self, kind: int, task: str, submit: float, start: float, end: float, ok: bool,
+               lower_bound: float, reason: str = "") -> None:
+        self.kind.append(kind)
+        self.task.append(task)
+        self.submit.append(submit)
+        self.start.append(start)
+        self.end.append(end)
+        self.ok.append(ok)
+        self.lower_bound.append(lower_bound)
+        if not ok:
+            self.reasons[reason] = self.reasons.get(reason, 0) + 1
+
+
+@dataclass
+class RunResult:
+    """Everything one simulation (or live run) measured, as arrays."""
+
+    kind: np.ndarray  # per finished action: 0 cpu, 1 gpu, 2 api
+    task: np.ndarray
+    submit: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    ok: np.ndarray
+    lower_bound: np.ndarray
+    step_start: np.ndarray
+    step_end: np.ndarray
+    timeline: np.ndarray  # (buckets, N_COLS) resource-seconds per bucket (API_REQ: count)
+    timeline_dt: float
+    totals: np.ndarray
+    capacity: dict[str, float]  # units per pool (cores, devices, api concurrency)
+    api_rps: float  # total request quota per second over all endpoints
+    makespan: float
+    counters: dict[str, int]
+    failure_reasons: dict[str, int]
+
+    @classmethod
+    def from_recorder(cls, r: Recorder, capacity: dict[str, float], api_rps: float,
+                      makespan: float, counters: dict[str, int]) -> RunResult:
+        steps = np.array(r.steps, dtype=float).reshape(-1, 2)
+        return cls(
+            kind=np.array(r.kind, dtype=np.int8), task=np.array(r.task, dtype=object),
+            submit=np.array(r.submit), start=np.array(r.start), end=np.array(r.end),
+            ok=np.array(r.ok, dtype=bool), lower_bound=np.array(r.lower_bound),
+            step_start=steps[:, 0], step_end=steps[:, 1],
+            timeline=np.array(r.timeline, dtype=float).reshape(-1, N_COLS),
+            timeline_dt=r.dt, totals=np.array(r.totals), capacity=capacity, api_rps=api_rps,
+            makespan=makespan, counters=counters, failure_reasons=dict(r.reasons))
+
+    @property
+    def act(self) -> np.ndarray:
+        """Action completion time (queue wait + run) of every finished action."""
+        return self.end - self.submit
+
+    @property
+    def step_s(self) -> np.ndarray:
+        return self.step_end - self.step_start
+
+    def utilisation(self) -> dict[str, float]:
+        """Busy fraction of capacity over the makespan; for api, the fraction of the
+        request quota (RPM) used."""
+        span = max(self.makespan, 1e-12)
+        tot = self.totals
+        out = {}
+        for pool, col in (("cpu", CPU_BUSY), ("gpu", GPU_BUSY)):
+            cap = self.capacity[pool]
+            out[pool] = float(tot[col] / (cap * span)) if cap else 0.0
+        out["api"] = float(tot[API_REQ] / (self.api_rps * span)) if self.api_rps else 0.0
+        return out
+
+    def idle_held(self) -> dict[str, float]:
+        """Resource-seconds held (by a trajectory or a task partition) but idle."""
+        return {"cpu": float(self.totals[CPU_HELD]), "gpu": float(self.totals[GPU_HELD]),
+                "api": float(self.totals[API_HELD])}

@@ -1,0 +1,175 @@
+"""Domain objects: action specs, actions, trajectories, grants.
+
+Names follow ARCHITECTURE §3. Schedulers see only *estimates*: an action's true
+duration lives in ``ActionSpec.true_s`` and must never be read by a scheduler; the
+simulator uses it to decide when the action finishes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+KINDS = ("cpu", "gpu", "api")
+
+# Action status values.
+PENDING, RUNNING, DONE, FAILED = "pending", "running", "done", "failed"
+
+
+@dataclass(frozen=True, slots=True)
+class ActionSpec:
+    """What an action is, independent of when it runs.
+
+    Attributes:
+        kind: ``"cpu"``, ``"gpu"`` or ``"api"``.
+        name: the action type within its task (``"shell"``, ``"test_run"`` ...).
+        true_s: true base duration in seconds: on one core (cpu), for a batch of one
+            on a resident service (gpu), or the call latency (api). Hidden from schedulers.
+        est_s: the scheduler-visible estimate of ``true_s``.
+        timeout_s: the action is killed and recorded failed this long after it starts.
+        min_cores, max_cores: cpu core range the action can use.
+        parallel_fraction: Amdahl parallel fraction p; speedup(k) = 1 / ((1-p) + p/k).
+        service: gpu service (reward model) name.
+        endpoint: api endpoint name.
+        tokens: api tokens the call consumes (for TPM limits).
+        reward: whether this is the trajectory's final reward action.
+    """
+
+    kind: str
+    name: str
+    true_s: float
+    est_s: float
+    timeout_s: float
+    min_cores: int = 1
+    max_cores: int = 1
+    parallel_fraction: float = 0.0
+    service: str | None = None
+    endpoint: str | None = None
+    tokens: int = 0
+    reward: bool = False
+
+    def speedup(self, cores: int) -> float:
+        """Amdahl speedup on ``cores`` cores relative to one core."""
+        p = self.parallel_fraction
+        return 1.0 / ((1.0 - p) + p / cores)
+
+    def est_run_s(self, cores: int = 1) -> float:
+        """Estimated run time on ``cores`` cores (cpu) or alone (gpu, api)."""
+        if self.kind == "cpu":
+            return self.est_s / self.speedup(cores)
+        return self.est_s
+
+
+def amdahl_run_s(base_s: float, parallel_fraction: float, cores: int) -> float:
+    """Run time of ``base_s`` seconds of one-core work on ``cores`` cores (Amdahl)."""
+    return base_s * ((1.0 - parallel_fraction) + parallel_fraction / cores)
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxSpec:
+    """A per-trajectory sandbox: memory held on one node for the trajectory's life."""
+
+    mem_gb: float
+    startup_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """One turn of a trajectory: LLM generation for ``gen_s`` seconds, then ``action``."""
+
+    gen_s: float
+    action: ActionSpec
+
+
+class Trajectory:
+    """A sequence of turns; its last action is the reward action.
+
+    The scheduler may read ``task``, ``step``, ``turn`` (turns submitted so far),
+    ``start_t``, ``node`` and ``held_cores``; the number of turns left is unknown to it
+    (``n_turns`` is for the simulator and accounting).
+    """
+
+    __slots__ = (
+        "id", "task", "step", "turns", "sandbox", "node", "start_t", "end_t",
+        "turn", "held_cores", "ready_t", "act_s",
+    )
+
+    def __init__(self, id: int, task: str, step: int, turns: list[Turn],
+                 sandbox: SandboxSpec | None) -> None:
+        self.id = id
+        self.task = task
+        self.step = step
+        self.turns = turns
+        self.sandbox = sandbox
+        self.node: int = -1  # sandbox node; -1 until placed (or no sandbox)
+        self.start_t = math.nan
+        self.end_t = math.nan
+        self.ready_t = 0.0  # when its sandbox is ready
+        self.turn = 0  # index of the next turn to submit
+        self.held_cores = 0  # cores reserved for the trajectory (trajectory-bound practice)
+        self.act_s = 0.0  # sum of ACT of its finished actions (critical-path feature)
+
+    @property
+    def n_turns(self) -> int:
+        return len(self.turns)
+
+
+class Action:
+    """One schedulable unit, submitted at ``submit_t``.
+
+    Schedulers read ``spec`` (except ``spec.true_s``), ``task``, ``traj``,
+    ``turn``, ``submit_t`` and ``node`` (the node it must run on, -1 = any).
+    """
+
+    __slots__ = (
+        "id", "spec", "task", "traj", "turn", "submit_t", "start_t", "end_t",
+        "status", "cores", "node", "device", "reason", "lower_bound_s",
+    )
+
+    def __init__(self, id: int, spec: ActionSpec, task: str, traj: Trajectory | None,
+                 turn: int, submit_t: float) -> None:
+        self.id = id
+        self.spec = spec
+        self.task = task
+        self.traj = traj
+        self.turn = turn
+        self.submit_t = submit_t
+        self.start_t = math.nan
+        self.end_t = math.nan
+        self.status = PENDING
+        self.cores = 0
+        self.node = traj.node if traj is not None else -1
+        self.device = -1
+        self.reason = ""
+        self.lower_bound_s = math.nan
+
+    @property
+    def kind(self) -> str:
+        return self.spec.kind
+
+    def __repr__(self) -> str:
+        return (f"Action(id={self.id}, {self.spec.kind}:{self.task}/{self.spec.name}, "
+                f"status={self.status}, submit_t={self.submit_t:.3f})")
+
+
+@dataclass(slots=True)
+class Grant:
+    """A scheduling decision: run ``action`` now with this allocation.
+
+    Attributes:
+        action: a pending action.
+        cores: cpu cores to grant (``min_cores <= cores <= max_cores``).
+        node: cpu node for actions without a sandbox (``action.node == -1``).
+        device: gpu device to run the batch on.
+        batch: further pending requests to the same gpu service to run in the same batch.
+        hold: cpu only: cores to reserve for the action's trajectory (at least
+            ``cores``); they stay reserved after the action ends and return to the pool when
+            the trajectory ends (trajectory-bound practice). 0: no reservation.
+    """
+
+    action: Action
+    cores: int = 1
+    node: int = -1
+    device: int = -1
+    batch: tuple[Action, ...] = ()
+    hold: int = 0

@@ -1,0 +1,228 @@
+"""Resource pools: CPU (nodes x cores + sandbox memory), GPU (devices x memory with
+resident services), API (endpoints with RPM/TPM token buckets and max concurrency).
+
+Pools hold mechanics only (what is free, what an allocation costs); *policy* belongs to
+schedulers. Both clocks (simulator, live dispatcher) drive the same pool objects.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from metasched.model import amdahl_run_s
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceSpec:
+    """A GPU service (reward model) that can be made resident on a device.
+
+    Attributes:
+        mem_gb: device memory it occupies while resident.
+        restore_s: time to load it from host memory onto a device.
+        max_batch: most queued requests served by one batch.
+        batch_marginal: each extra request in a batch adds this fraction of the slowest
+            request's latency (batch latency = max latency x (1 + marginal x (b - 1))).
+    """
+
+    mem_gb: float
+    restore_s: float
+    max_batch: int = 1
+    batch_marginal: float = 0.0
+
+    def batch_s(self, latencies: list[float]) -> float:
+        """Latency of one batch whose requests alone would take ``latencies``."""
+        return max(latencies) * (1.0 + self.batch_marginal * (len(latencies) - 1))
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointSpec:
+    """An API endpoint's quota.
+
+    Attributes:
+        rpm: requests per minute (token bucket refilled at rpm/60 per second).
+        max_concurrency: most calls in flight at once.
+        tpm: tokens per minute, or None for no token limit.
+        burst_s: bucket capacity, in seconds of refill (capacity = rate x burst_s).
+    """
+
+    rpm: float
+    max_concurrency: int
+    tpm: float | None = None
+    burst_s: float = 1.0
+
+    @property
+    def req_capacity(self) -> float:
+        return max(1.0, self.rpm / 60.0 * self.burst_s)
+
+    @property
+    def tok_capacity(self) -> float:
+        return math.inf if self.tpm is None else self.tpm / 60.0 * self.burst_s
+
+
+class CpuPool:
+    """Nodes x cores. Sandboxes hold memory on one node; cores are granted per action,
+    or held for a trajectory's whole life by trajectory-bound schedulers."""
+
+    def __init__(self, cores_per_node: list[int], mem_gb_per_node: list[float]) -> None:
+        self.cores = list(cores_per_node)
+        self.mem_gb = list(mem_gb_per_node)
+        self.free = list(cores_per_node)  # cores neither running nor held
+        self.mem_free = list(mem_gb_per_node)
+        self.busy = 0  # cores running actions
+        self.held = 0  # cores held by trajectories (running or not)
+        self.held_busy = 0  # held cores that are running an action
+        self.sandboxes = [0] * len(cores_per_node)  # live sandboxes per node
+
+    @property
+    def n_nodes(self) -> int:
+        return len(self.cores)
+
+    @property
+    def total(self) -> int:
+        return sum(self.cores)
+
+    def place_sandbox(self, mem_gb: float) -> int:
+        """Node for a new sandbox (most free memory, then most free cores); -1 if none fits."""
+        best, key = -1, None
+        for n in range(len(self.cores)):
+            if self.mem_free[n] >= mem_gb:
+                k = (self.mem_free[n], self.free[n], -n)
+                if key is None or k > key:
+                    best, key = n, k
+        if best >= 0:
+            self.mem_free[best] -= mem_gb
+            self.sandboxes[best] += 1
+        return best
+
+    def release_sandbox(self, node: int, mem_gb: float) -> None:
+        self.mem_free[node] += mem_gb
+        self.sandboxes[node] -= 1
+
+
+class Device:
+    """One GPU: memory, resident services (name -> last use time), and at most one
+    running batch at a time."""
+
+    __slots__ = ("index", "mem_gb", "resident", "busy", "service", "task")
+
+    def __init__(self, index: int, mem_gb: float) -> None:
+        self.index = index
+        self.mem_gb = mem_gb
+        self.resident: dict[str, float] = {}
+        self.busy = False
+        self.service: str | None = None  # service of the running batch
+        self.task: str | None = None  # task of the running batch's first request
+
+    def mem_used(self, services: dict[str, ServiceSpec]) -> float:
+        return sum(services[s].mem_gb for s in self.resident)
+
+
+class GpuPool:
+    """Devices x memory. A service stays resident until evicted (least recently used
+    first) to make room for another; making it resident costs its restore time."""
+
+    def __init__(self, n_devices: int, mem_gb: float, services: dict[str, ServiceSpec]) -> None:
+        self.devices = [Device(i, mem_gb) for i in range(n_devices)]
+        self.services = dict(services)
+        self.busy = 0
+        self.restores = 0
+        self.evictions = 0
+
+    @property
+    def total(self) -> int:
+        return len(self.devices)
+
+    def fits(self, service: str, device: int) -> bool:
+        return self.services[service].mem_gb <= self.devices[device].mem_gb
+
+    def restore_cost(self, service: str, device: int) -> float:
+        """Seconds before ``service`` can run on ``device`` (0 when resident)."""
+        return 0.0 if service in self.devices[device].resident else self.services[service].restore_s
+
+    def make_resident(self, service: str, device: int, t: float) -> float:
+        """Make ``service`` resident on an idle ``device``, evicting LRU services as
+        needed; returns the restore time paid."""
+        d = self.devices[device]
+        if service in d.resident:
+            d.resident[service] = t
+            return 0.0
+        need = self.services[service].mem_gb
+        used = d.mem_used(self.services)
+        for victim in sorted(d.resident, key=d.resident.__getitem__):
+            if used + need <= d.mem_gb:
+                break
+            used -= self.services[victim].mem_gb
+            del d.resident[victim]
+            self.evictions += 1
+        d.resident[service] = t
+        self.restores += 1
+        return self.services[service].restore_s
+
+    def resident_on(self, service: str) -> list[int]:
+        return [d.index for d in self.devices if service in d.resident]
+
+
+class Endpoint:
+    """Live state of one API endpoint: two token buckets and a concurrency count."""
+
+    __slots__ = ("name", "spec", "req", "tok", "last_t", "in_flight", "requests")
+
+    def __init__(self, name: str, spec: EndpointSpec) -> None:
+        self.name = name
+        self.spec = spec
+        self.req = spec.req_capacity
+        self.tok = spec.tok_capacity
+        self.last_t = 0.0
+        self.in_flight = 0
+        self.requests = 0
+
+    def refill(self, t: float) -> None:
+        dt = t - self.last_t
+        if dt > 0:
+            s = self.spec
+            self.req = min(s.req_capacity, self.req + dt * s.rpm / 60.0)
+            if s.tpm is not None:
+                self.tok = min(s.tok_capacity, self.tok + dt * s.tpm / 60.0)
+            self.last_t = t
+
+    def can_start(self, tokens: int, t: float) -> bool:
+        self.refill(t)
+        return (self.in_flight < self.spec.max_concurrency and self.req >= 1.0
+                and self.tok >= tokens)
+
+    def ready_in(self, tokens: int, t: float) -> float:
+        """Seconds until the buckets hold enough for a call of ``tokens`` (inf if never)."""
+        self.refill(t)
+        s = self.spec
+        wait = max(0.0, (1.0 - self.req) / (s.rpm / 60.0))
+        if s.tpm is not None and tokens > self.tok:
+            if tokens > s.tok_capacity:
+                return math.inf
+            wait = max(wait, (tokens - self.tok) / (s.tpm / 60.0))
+        return wait
+
+    def take(self, tokens: int, t: float) -> None:
+        self.refill(t)
+        self.req -= 1.0
+        self.tok -= tokens
+        self.in_flight += 1
+        self.requests += 1
+
+
+class ApiPool:
+    """API endpoints by name."""
+
+    def __init__(self, endpoints: dict[str, EndpointSpec]) -> None:
+        self.endpoints = {name: Endpoint(name, spec) for name, spec in endpoints.items()}
+        self.busy = 0
+
+    @property
+    def total(self) -> int:
+        return sum(e.spec.max_concurrency for e in self.endpoints.values())
+
+
+__all__ = [
+    "ApiPool", "CpuPool", "Device", "Endpoint", "EndpointSpec", "GpuPool", "ServiceSpec",
+    "amdahl_run_s",
+]

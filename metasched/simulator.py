@@ -1,0 +1,257 @@
+"""The event-driven simulator: a heap of typed events over the shared core state.
+
+Synchronous RL steps: a step starts its trajectories together and ends when its
+slowest trajectory ends; the next step starts then. The scheduler is asked only at
+events after which some pending action could start. Deterministic for a seed: the
+workload instance is drawn up front from one generator, and the scheduler gets its
+own generator spawned from the same seed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+
+import numpy as np
+
+from metasched.config import ClusterConfig, WorkloadConfig
+from metasched.metrics import RunResult
+from metasched.model import Action, Grant, Trajectory
+from metasched.scheduler import Scheduler
+from metasched.state import ClusterState
+from metasched.workload import WorkloadInstance, sample_workload
+
+# Event types, in the order events at the same instant are handled.
+END, DEVICE_FREE, ARRIVE, INDEPENDENT, WAKE = range(5)
+
+
+class SimulationError(RuntimeError):
+    """The run cannot make progress (e.g. a scheduler left work with no future event)."""
+
+
+class Simulator:
+    """Runs one workload instance on one cluster under one scheduler.
+
+    Use :meth:`run` for a whole run, or drive it one decision at a time (the
+    Gymnasium env does): ``next_decision()`` advances to the next decision point and
+    returns False at the end; then ``apply(grant)`` or ``wait()``.
+
+    Args:
+        workload: the profile (sampled with ``seed``), unless ``instance`` is given.
+        cluster: the resources.
+        seed: the run's seed.
+        instance: a fixed workload instance (trace replay) instead of sampling.
+        timeline_dt: bucket width of the utilisation timeline, seconds.
+        check_invariants: verify the accounting invariant at every event (slow; tests).
+    """
+
+    def __init__(self, workload: WorkloadConfig, cluster: ClusterConfig, seed: int, *,
+                 instance: WorkloadInstance | None = None, timeline_dt: float = 10.0,
+                 check_invariants: bool = False) -> None:
+        self.workload = workload
+        self.cluster = cluster
+        self.seed = seed
+        root = np.random.SeedSequence(seed)
+        wl_seq, self._sched_seq = root.spawn(2)
+        self.instance = instance if instance is not None else sample_workload(
+            workload, np.random.default_rng(wl_seq))
+        self.state = ClusterState(cluster, workload.services, timeline_dt=timeline_dt)
+        self.check_invariants = check_invariants
+        self.state.task_demand = self.instance.demand_by_task()
+        self._heap: list[tuple[float, int, int, object]] = []
+        self._seq = 0
+        self._waited = False
+        self._next_action_id = 0
+        self._next_traj_id = 0
+        self._step = -1
+        self._step_left = 0
+        self._step_start = 0.0
+        self._sandbox_queue: deque[Trajectory] = deque()
+        self._wake_at: dict[str, float] = {}
+        self.n_events = 0
+        self.n_decisions = 0
+        self.n_waits = 0
+        for ia in self.instance.independent:
+            self._push(ia.arrival_s, INDEPENDENT, ia)
+        self._start_next_step()
+
+    # ------------------------------------------------------------------ driving
+
+    def run(self, scheduler: Scheduler) -> RunResult:
+        """Run to the end under ``scheduler`` and return what was measured."""
+        scheduler.reset(self.state, self.scheduler_rng())
+        decide = scheduler.decide
+        apply = self.apply
+        while self.next_decision():
+            self.n_decisions += 1
+            grants = decide(self.state)
+            if grants:
+                for g in grants:
+                    apply(g)
+            else:
+                self.wait()
+        return self.result()
+
+    def scheduler_rng(self) -> np.random.Generator:
+        """The generator a scheduler gets for this run (independent of the workload's)."""
+        return np.random.default_rng(self._sched_seq)
+
+    @property
+    def done(self) -> bool:
+        return not self._heap and self.state.n_pending == 0 and self.state.n_running == 0
+
+    def next_decision(self) -> bool:
+        """Advance through events until a decision is possible; False when the run ends."""
+        state = self.state
+        while True:
+            if not self._waited and state.decision_possible():
+                return True
+            if not self._heap:
+                if state.n_pending:
+                    raise SimulationError(
+                        f"{state.n_pending} actions pending at t={state.t:.1f}s with nothing "
+                        "left to happen: the scheduler waited when only it could act")
+                return False
+            self._process_instant()
+            self._waited = False
+
+    def apply(self, grant: Grant) -> None:
+        """Start ``grant`` now (raises ``InvalidGrant`` if it is illegal)."""
+        state = self.state
+        started, delay = state.start(grant)
+        t = state.t
+        spec = grant.action.spec
+        if spec.kind == "cpu":
+            run = spec.true_s / spec.speedup(grant.cores)
+            self._push_end(grant.action, t, run)
+        elif spec.kind == "gpu":
+            svc = state.gpu.services[spec.service]
+            batch_s = svc.batch_s([b.spec.true_s for b in started])
+            end = t + delay + batch_s
+            for b in started:
+                self._push_end(b, t, delay + batch_s)
+            self._push(end, DEVICE_FREE, grant.device)
+        else:
+            self._push_end(grant.action, t, spec.true_s)
+
+    def wait(self) -> None:
+        """Decline to act until the next event."""
+        self.n_waits += 1
+        self._waited = True
+        self._schedule_api_wakeups()
+
+    def result(self) -> RunResult:
+        state = self.state
+        state.check_invariant()
+        counters = {"events": self.n_events, "decisions": self.n_decisions,
+                    "grants": state.n_grants, "waits": self.n_waits,
+                    "submitted": state.n_submitted, "completed": state.n_done,
+                    "failed": state.n_failed, "pending": state.n_pending + state.n_running,
+                    "gpu_restores": state.gpu.restores, "gpu_evictions": state.gpu.evictions}
+        cap = {"cpu": float(state.cpu.total), "gpu": float(state.gpu.total),
+               "api": float(state.api.total)}
+        rps = sum(e.spec.rpm / 60.0 for e in state.api.endpoints.values())
+        return RunResult.from_recorder(state.metrics, cap, rps, state.t, counters)
+
+    # ------------------------------------------------------------------ events
+
+    def _push(self, t: float, etype: int, obj: object) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, etype, self._seq, obj))
+
+    def _push_end(self, a: Action, t: float, run_s: float) -> None:
+        # A run past its timeout is killed at the timeout.
+        self._push(t + min(run_s, a.spec.timeout_s), END, a)
+        if run_s > a.spec.timeout_s:
+            a.reason = "timeout"
+
+    def _process_instant(self) -> None:
+        heap = self._heap
+        t = heap[0][0]
+        self.state.advance(t)
+        while heap and heap[0][0] <= t:
+            _, etype, _, obj = heapq.heappop(heap)
+            self.n_events += 1
+            if etype == END:
+                self._on_end(obj)
+            elif etype == DEVICE_FREE:
+                self.state.release_device(obj)
+            elif etype == ARRIVE:
+                self._on_arrive(obj)
+            elif etype == INDEPENDENT:
+                self._submit(obj.spec, obj.task, None, 0)
+            else:  # WAKE: tokens have refilled; nothing to do but ask again
+                self._wake_at.pop(obj, None)
+            if self.check_invariants:
+                self.state.check_invariant()
+
+    def _submit(self, spec, task: str, traj: Trajectory | None, turn: int) -> None:
+        a = Action(self._next_action_id, spec, task, traj, turn, self.state.t)
+        self._next_action_id += 1
+        self.state.submit(a)
+
+    def _on_arrive(self, traj: Trajectory) -> None:
+        turn = traj.turn
+        traj.turn += 1
+        self._submit(traj.turns[turn].action, traj.task, traj, turn)
+
+    def _on_end(self, a: Action) -> None:
+        failed = a.reason == "timeout"
+        self.state.finish(a, not failed, a.reason)
+        traj = a.traj
+        if traj is None:
+            return
+        if traj.turn < traj.n_turns:
+            self._push(self.state.t + traj.turns[traj.turn].gen_s, ARRIVE, traj)
+            return
+        traj.end_t = self.state.t
+        self.state.close_trajectory(traj)
+        self._open_waiting_sandboxes()
+        self._step_left -= 1
+        if self._step_left == 0:
+            self.state.metrics.steps.append((self._step_start, self.state.t))
+            self._start_next_step()
+
+    def _start_next_step(self) -> None:
+        self._step += 1
+        if self._step >= len(self.instance.steps):
+            return
+        t = self.state.t
+        self._step_start = t
+        specs = self.instance.steps[self._step]
+        self._step_left = len(specs)
+        for ts in specs:
+            traj = Trajectory(self._next_traj_id, ts.task, self._step, list(ts.turns), ts.sandbox)
+            self._next_traj_id += 1
+            traj.start_t = t
+            self._sandbox_queue.append(traj)
+        self._open_waiting_sandboxes()
+
+    def _open_waiting_sandboxes(self) -> None:
+        q = self._sandbox_queue
+        while q and self.state.open_trajectory(q[0]):
+            traj = q.popleft()
+            t = self.state.t
+            startup = traj.sandbox.startup_s if traj.sandbox is not None else 0.0
+            traj.ready_t = t + startup
+            # Sandbox creation overlaps the first LLM generation.
+            self._push(t + max(traj.turns[0].gen_s, startup), ARRIVE, traj)
+
+    def _schedule_api_wakeups(self) -> None:
+        """When api calls wait only for tokens, make sure an event fires once they refill."""
+        state = self.state
+        if not state.pending["api"]:
+            return
+        for a in state.pending["api"].values():
+            ep = state.api.endpoints[a.spec.endpoint]
+            if ep.in_flight >= ep.spec.max_concurrency:
+                continue
+            wait = ep.ready_in(a.spec.tokens, state.t)
+            if wait <= 0 or math.isinf(wait):
+                continue
+            at = state.t + wait + 1e-9  # past the refill instant despite rounding
+            prev = self._wake_at.get(ep.name)
+            if prev is None or at < prev:
+                self._wake_at[ep.name] = at
+                self._push(at, WAKE, ep.name)

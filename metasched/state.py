@@ -1,0 +1,313 @@
+"""The scheduling core's state: pools, the pending queue, trajectories and accounting.
+
+One ``ClusterState`` is driven by a clock: the simulator's event heap or the live
+dispatcher's asyncio loop. Both call the same ``submit`` / ``start`` / ``finish``
+methods, so what a scheduler sees (``ClusterState`` is the ``ClusterView`` handed to
+``Scheduler.decide``) cannot differ between simulation and live dispatch.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from metasched.config import ClusterConfig
+from metasched.metrics import Recorder
+from metasched.model import DONE, FAILED, KINDS, RUNNING, Action, Grant, Trajectory
+from metasched.pools import ApiPool, CpuPool, GpuPool, ServiceSpec
+
+KIND_INDEX = {k: i for i, k in enumerate(KINDS)}
+
+
+def api_key(endpoint: str) -> str:
+    """The pool key of one API endpoint in ``reserved`` / ``busy_by_task``."""
+    return f"api/{endpoint}"
+
+
+class InvalidGrant(ValueError):
+    """A scheduler asked for an allocation the state cannot give."""
+
+
+class ClusterState:
+    """Pools, queue and trajectories at time ``t``; the view every scheduler reads.
+
+    Attributes:
+        t: current time in seconds.
+        cpu, gpu, api: the pools.
+        pending: per kind, pending actions by id in submission order.
+        trajectories: trajectories alive now, by id.
+        task_demand: per pool kind, each task's expected work in estimate-seconds
+            (partitioning schedulers size partitions by it).
+        reserved: ``(pool, task) -> units`` that a partitioning scheduler reserved for a
+            task; they count as held, and as held-but-idle while the task does not use them.
+            ``pool`` is ``"cpu"`` (cores), ``"gpu"`` (devices) or ``api_key(endpoint)``
+            (concurrency slots of one endpoint).
+        busy_by_task: ``(pool, task) -> units`` in use now, keyed like ``reserved``.
+    """
+
+    def __init__(self, cluster: ClusterConfig, services: dict[str, ServiceSpec],
+                 *, timeline_dt: float = 10.0) -> None:
+        self.cluster = cluster
+        self.t = 0.0
+        self.cpu = CpuPool([cluster.cores_per_node] * cluster.cpu_nodes,
+                           [cluster.mem_gb_per_node] * cluster.cpu_nodes)
+        self.gpu = GpuPool(cluster.gpu_devices, cluster.gpu_mem_gb, services)
+        self.api = ApiPool(cluster.endpoints)
+        self.pending: dict[str, dict[int, Action]] = {k: {} for k in KINDS}
+        self.trajectories: dict[int, Trajectory] = {}
+        self.reserved: dict[tuple[str, str], int] = {}
+        # Expected work per pool and task (estimate-seconds), for partitioning schedulers.
+        self.task_demand: dict[str, dict[str, float]] = {k: {} for k in KINDS}
+        self.busy_by_task: dict[tuple[str, str], int] = defaultdict(int)
+        self.n_submitted = self.n_running = self.n_done = self.n_failed = 0
+        self.n_grants = 0
+        self.metrics = Recorder(timeline_dt)
+        self.max_node_cores = cluster.cores_per_node
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def n_pending(self) -> int:
+        p = self.pending
+        return len(p["cpu"]) + len(p["gpu"]) + len(p["api"])
+
+    def cpu_feasible(self, a: Action) -> bool:
+        """Whether ``a`` could start now with its minimum cores."""
+        traj = a.traj
+        need = a.spec.min_cores - (traj.held_cores if traj is not None else 0)
+        if a.node >= 0:
+            return self.cpu.free[a.node] >= need
+        return max(self.cpu.free, default=0) >= need
+
+    def api_feasible(self, a: Action) -> bool:
+        return self.api.endpoints[a.spec.endpoint].can_start(a.spec.tokens, self.t)
+
+    def gpu_idle_devices(self) -> list[int]:
+        return [d.index for d in self.gpu.devices if not d.busy]
+
+    def feasible(self, a: Action) -> bool:
+        """Whether some grant for ``a`` is legal now."""
+        k = a.spec.kind
+        if k == "cpu":
+            return self.cpu_feasible(a)
+        if k == "gpu":
+            return any(not d.busy for d in self.gpu.devices)
+        return self.api_feasible(a)
+
+    def decision_possible(self) -> bool:
+        """Whether any pending action could be granted now (the scheduler is asked only
+        then)."""
+        p = self.pending
+        if p["cpu"]:
+            cpu = self.cpu
+            if max(cpu.free, default=0) > 0 or cpu.held > cpu.held_busy:
+                for a in p["cpu"].values():
+                    if self.cpu_feasible(a):
+                        return True
+        if p["gpu"] and any(not d.busy for d in self.gpu.devices):
+            return True
+        if p["api"]:
+            seen = set()
+            for a in p["api"].values():
+                ep = a.spec.endpoint
+                if ep in seen:
+                    continue
+                if self.api_feasible(a):
+                    return True
+                if self.api.endpoints[ep].in_flight >= self.api.endpoints[ep].spec.max_concurrency:
+                    seen.add(ep)
+        return False
+
+    # ------------------------------------------------------------------ mutations
+
+    def advance(self, t: float) -> None:
+        """Move the clock to ``t``, integrating resource use over the interval."""
+        if t <= self.t:
+            return
+        cpu, gpu, api = self.cpu, self.gpu, self.api
+        held = [0, 0, 0]
+        if self.reserved:
+            bbt = self.busy_by_task
+            for (kind, task), units in self.reserved.items():
+                idle = units - bbt[(kind, task)]
+                if idle > 0:
+                    held[KIND_INDEX[kind[:3]]] += idle
+        self.metrics.integrate(self.t, t, (
+            cpu.busy, cpu.held - cpu.held_busy + held[0], gpu.busy, held[1], api.busy, held[2]))
+        self.t = t
+
+    def reserve(self, pool: str, task: str, units: int) -> None:
+        """Declare ``units`` of a pool reserved for ``task`` (partitioning schedulers)."""
+        self.reserved[(pool, task)] = units
+
+    def submit(self, a: Action) -> None:
+        """Queue a newly arrived action."""
+        spec = a.spec
+        if spec.kind == "cpu":
+            best = spec.true_s / spec.speedup(min(spec.max_cores, self.max_node_cores))
+        else:
+            best = spec.true_s
+        a.lower_bound_s = min(best, spec.timeout_s)
+        self.pending[spec.kind][a.id] = a
+        self.n_submitted += 1
+
+    def check(self, g: Grant) -> str | None:
+        """Why ``g`` is illegal now, or None when it is legal."""
+        a = g.action
+        spec = a.spec
+        if self.pending[spec.kind].get(a.id) is not a:
+            return f"action {a.id} is not pending"
+        if spec.kind == "cpu":
+            if not spec.min_cores <= g.cores <= spec.max_cores:
+                return f"cores {g.cores} outside [{spec.min_cores}, {spec.max_cores}]"
+            node = a.node if a.node >= 0 else g.node
+            if not 0 <= node < self.cpu.n_nodes:
+                return f"node {node} does not exist"
+            held = a.traj.held_cores if a.traj is not None else 0
+            if g.hold and a.traj is None:
+                return "hold needs a trajectory"
+            new_held = max(held, g.hold)
+            if new_held - held + max(0, g.cores - new_held) > self.cpu.free[node]:
+                return (f"{g.cores} cores (holding {g.hold}) requested, "
+                        f"{self.cpu.free[node] + held} available")
+        elif spec.kind == "gpu":
+            if not 0 <= g.device < self.gpu.total:
+                return f"device {g.device} does not exist"
+            if self.gpu.devices[g.device].busy:
+                return f"device {g.device} is busy"
+            svc = self.gpu.services[spec.service]
+            if svc.mem_gb > self.gpu.devices[g.device].mem_gb:
+                return f"service {spec.service} does not fit device {g.device}"
+            if len(g.batch) + 1 > svc.max_batch:
+                return f"batch of {len(g.batch) + 1} exceeds max_batch {svc.max_batch}"
+            ids = {a.id}
+            for b in g.batch:
+                if b.spec.service != spec.service or self.pending["gpu"].get(b.id) is not b:
+                    return f"batch member {b.id} is not a pending request to {spec.service}"
+                if b.id in ids:
+                    return f"batch member {b.id} repeated"
+                ids.add(b.id)
+        elif not self.api_feasible(a):
+            return f"endpoint {spec.endpoint} has no free slot or tokens"
+        return None
+
+    def start(self, g: Grant) -> tuple[tuple[Action, ...], float]:
+        """Allocate ``g`` and mark its action(s) running.
+
+        Returns the actions started (a gpu batch may start several) and the setup delay
+        before they run (a gpu service restore). Raises :class:`InvalidGrant`.
+        """
+        why = self.check(g)
+        if why is not None:
+            raise InvalidGrant(why)
+        a = g.action
+        kind = a.spec.kind
+        t = self.t
+        delay = 0.0
+        started: tuple[Action, ...] = (a,)
+        if kind == "cpu":
+            cpu = self.cpu
+            node = a.node if a.node >= 0 else g.node
+            traj = a.traj
+            k = g.cores
+            if g.hold:
+                extra = max(0, g.hold - traj.held_cores)
+                traj.held_cores += extra
+                cpu.held += extra
+                cpu.free[node] -= extra
+                if traj.node < 0:
+                    traj.node = node
+            from_held = min(k, traj.held_cores) if traj is not None else 0
+            cpu.free[node] -= k - from_held
+            cpu.busy += k
+            cpu.held_busy += from_held
+            a.node, a.cores = node, k
+            self.busy_by_task[("cpu", a.task)] += k
+        elif kind == "gpu":
+            d = self.gpu.devices[g.device]
+            delay = self.gpu.make_resident(a.spec.service, g.device, t)
+            d.busy, d.service, d.task = True, a.spec.service, a.task
+            self.gpu.busy += 1
+            self.busy_by_task[("gpu", a.task)] += 1
+            started = (a, *g.batch)
+            for b in started:
+                b.device = g.device
+        else:
+            self.api.endpoints[a.spec.endpoint].take(a.spec.tokens, t)
+            self.api.busy += 1
+            self.busy_by_task[(api_key(a.spec.endpoint), a.task)] += 1
+            self.metrics.request(t)
+        for b in started:
+            del self.pending[kind][b.id]
+            b.status = RUNNING
+            b.start_t = t
+        self.n_running += len(started)
+        self.n_grants += 1
+        return started, delay
+
+    def finish(self, a: Action, ok: bool, reason: str = "") -> None:
+        """Record ``a`` as finished (``ok``) or failed (with ``reason``) at ``t`` and free
+        what it held (a gpu device is freed by :meth:`release_device`)."""
+        kind = a.spec.kind
+        if kind == "cpu":
+            cpu = self.cpu
+            traj = a.traj
+            from_held = min(a.cores, traj.held_cores) if traj is not None else 0
+            cpu.free[a.node] += a.cores - from_held
+            cpu.busy -= a.cores
+            cpu.held_busy -= from_held
+            self.busy_by_task[("cpu", a.task)] -= a.cores
+        elif kind == "api":
+            self.api.endpoints[a.spec.endpoint].in_flight -= 1
+            self.api.busy -= 1
+            self.busy_by_task[(api_key(a.spec.endpoint), a.task)] -= 1
+        a.end_t = self.t
+        a.status = DONE if ok else FAILED
+        a.reason = reason
+        self.n_running -= 1
+        if ok:
+            self.n_done += 1
+        else:
+            self.n_failed += 1
+        if a.traj is not None:
+            a.traj.act_s += self.t - a.submit_t
+        self.metrics.action(KIND_INDEX[kind], a.task, a.submit_t, a.start_t, self.t, ok,
+                            a.lower_bound_s, reason)
+
+    def release_device(self, device: int) -> None:
+        """The batch on ``device`` has ended; the service stays resident."""
+        d = self.gpu.devices[device]
+        d.busy = False
+        self.gpu.busy -= 1
+        self.busy_by_task[("gpu", d.task)] -= 1
+        d.service = d.task = None
+
+    def open_trajectory(self, traj: Trajectory) -> bool:
+        """Place the sandbox of a starting trajectory; False when no node has memory."""
+        if traj.sandbox is not None:
+            node = self.cpu.place_sandbox(traj.sandbox.mem_gb)
+            if node < 0:
+                return False
+            traj.node = node
+        self.trajectories[traj.id] = traj
+        return True
+
+    def close_trajectory(self, traj: Trajectory) -> None:
+        """Free a finished trajectory's held cores and sandbox memory."""
+        cpu = self.cpu
+        if traj.held_cores:
+            cpu.free[traj.node] += traj.held_cores
+            cpu.held -= traj.held_cores
+            traj.held_cores = 0
+        if traj.sandbox is not None and traj.node >= 0:
+            cpu.release_sandbox(traj.node, traj.sandbox.mem_gb)
+        del self.trajectories[traj.id]
+
+    def check_invariant(self) -> None:
+        """submitted = completed + failed + pending (queued or running)."""
+        if self.n_submitted != self.n_done + self.n_failed + self.n_pending + self.n_running:
+            raise AssertionError(
+                f"accounting broken: submitted {self.n_submitted} != done {self.n_done} + "
+                f"failed {self.n_failed} + queued {self.n_pending} + running {self.n_running}")
+
+
+__all__ = ["ClusterState", "InvalidGrant", "api_key"]
