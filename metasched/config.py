@@ -101,15 +101,15 @@ class ClusterConfig:
 
     def scaled(self, factor: float, pools: tuple[str, ...] = ("cpu", "gpu")) -> ClusterConfig:
         """The cluster with the named pools scaled by ``factor`` (at least one unit each
-        where the original had any). CPU scales cores per node and sandbox memory with
-        them; GPU scales the device count; API scales RPM/TPM and concurrency."""
+        where the original had any). CPU scales cores per node (sandbox memory is
+        kept: a sandbox's state is needed whoever schedules it); GPU scales the device
+        count; API scales RPM/TPM and concurrency."""
         from dataclasses import replace
 
         c = self
         if "cpu" in pools:
-            cores = max(1, round(self.cores_per_node * factor))
-            c = replace(c, cores_per_node=cores,
-                        mem_gb_per_node=self.mem_gb_per_node * cores / self.cores_per_node)
+            if self.cores_per_node:
+                c = replace(c, cores_per_node=max(1, round(self.cores_per_node * factor)))
         if "gpu" in pools and self.gpu_devices:
             c = replace(c, gpu_devices=max(1, round(self.gpu_devices * factor)))
         if "api" in pools:

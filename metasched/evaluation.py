@@ -1,0 +1,171 @@
+"""Evaluating schedulers on evaluation seeds: parallel runs, aggregation, reports.
+
+Seeds: evaluation uses ``seed_offset .. seed_offset + n_seeds - 1`` with
+``EVAL_SEED_OFFSET`` = 1,000,000 by default; training uses seeds below it, so the
+two ranges are disjoint.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from metasched.config import ClusterConfig, WorkloadConfig
+from metasched.metrics import API_REQ, CPU_BUSY, GPU_BUSY
+
+EVAL_SEED_OFFSET = 1_000_000
+TRAIN_SEED_MAX = EVAL_SEED_OFFSET  # training seeds are 0 .. TRAIN_SEED_MAX - 1
+
+
+@dataclass(frozen=True)
+class Job:
+    """One simulation: a scheduler on a seed."""
+
+    workload: WorkloadConfig
+    cluster: ClusterConfig
+    scheduler: str
+    params: dict[str, Any]
+    seed: int
+    timeline_dt: float = 10.0
+
+
+def run_job(job: Job) -> dict[str, Any]:
+    """Run one job and return its compact measurements (picklable)."""
+    from metasched.agents import make_scheduler
+    from metasched.simulator import Simulator
+
+    sim = Simulator(job.workload, job.cluster, job.seed, timeline_dt=job.timeline_dt)
+    r = sim.run(make_scheduler(job.scheduler, **job.params))
+    tl = r.timeline
+    span = r.timeline_dt
+    timeline = {
+        "t": (np.arange(len(tl)) * span).tolist(),
+        "cpu": (tl[:, CPU_BUSY] / (span * r.capacity["cpu"])).tolist() if r.capacity["cpu"] else [],
+        "gpu": (tl[:, GPU_BUSY] / (span * r.capacity["gpu"])).tolist() if r.capacity["gpu"] else [],
+        "api": (tl[:, API_REQ] / (span * r.api_rps)).tolist() if r.api_rps else [],
+    }
+    act = r.act
+    return {
+        "scheduler": job.scheduler, "seed": job.seed,
+        "act": act.astype(np.float32), "kind": r.kind, "ok": r.ok,
+        "mean_act_s": float(act.mean()) if act.size else math.nan,
+        "mean_lower_bound_s": float(r.lower_bound.mean()) if act.size else math.nan,
+        "step_s": r.step_s.tolist(), "utilisation": r.utilisation(),
+        "idle_held_resource_s": r.idle_held(), "failed": int(r.counters["failed"]),
+        "failure_reasons": r.failure_reasons, "counters": r.counters,
+        "makespan_s": r.makespan, "timeline": timeline,
+    }
+
+
+# Student t 0.975 quantiles for 1..30 degrees of freedom.
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+         2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t975(df: int) -> float:
+    """The 0.975 quantile of Student's t with ``df`` degrees of freedom."""
+    if df <= len(_T975):
+        return _T975[df - 1]
+    return 1.959964 + 2.37 / df  # within 0.1% of the exact quantile above 30 df
+
+
+def ci95(values: Sequence[float]) -> list[float]:
+    """Student-t 95% confidence interval of the mean of ``values``."""
+    x = np.asarray(values, dtype=float)
+    m = float(x.mean())
+    if x.size < 2:
+        return [m, m]
+    half = float(t975(x.size - 1) * x.std(ddof=1) / math.sqrt(x.size))
+    return [m - half, m + half]
+
+
+def run_jobs(jobs: list[Job], workers: int = 1, progress: bool = True,
+             on_done: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+    """Run jobs in ``workers`` processes (in-process when 1) with a progress bar."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    results: list[dict[str, Any]] = []
+    columns = ("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    with Progress(*columns, disable=not progress, transient=False) as bar:
+        task = bar.add_task("simulating", total=len(jobs))
+        if workers <= 1:
+            for job in jobs:
+                results.append(run_job(job))
+                bar.advance(task)
+        else:
+            ctx = mp.get_context("spawn")
+            with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+                futures = [pool.submit(run_job, j) for j in jobs]
+                for f in as_completed(futures):
+                    results.append(f.result())
+                    bar.advance(task)
+    results.sort(key=lambda r: (r["scheduler"], r["seed"]))
+    return results
+
+
+def aggregate(workload: str, seeds: list[int], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ``results.json`` document from per-run measurements."""
+    by_sched: dict[str, list[dict[str, Any]]] = {}
+    for r in runs:
+        by_sched.setdefault(r["scheduler"], []).append(r)
+    lb = [r["mean_lower_bound_s"] for r in next(iter(by_sched.values()))] if by_sched else []
+    out: dict[str, Any] = {"workload": workload, "seeds": seeds,
+                           "lower_bound": {"mean_act_s": float(np.mean(lb)) if lb else math.nan},
+                           "schedulers": {}}
+    for name, rs in by_sched.items():
+        act = np.concatenate([r["act"] for r in rs]).astype(float)
+        per_seed_act = [r["mean_act_s"] for r in rs]
+        per_seed_step = [float(np.mean(r["step_s"])) if r["step_s"] else math.nan for r in rs]
+        steps = [s for r in rs for s in r["step_s"]]
+        mean_act = float(np.mean(per_seed_act))
+        out["schedulers"][name] = {
+            "mean_act_s": mean_act,
+            "p50_act_s": float(np.percentile(act, 50)) if act.size else math.nan,
+            "p95_act_s": float(np.percentile(act, 95)) if act.size else math.nan,
+            "p99_act_s": float(np.percentile(act, 99)) if act.size else math.nan,
+            "mean_step_s": float(np.mean(per_seed_step)),
+            "max_step_s": float(max(steps)) if steps else math.nan,
+            "utilisation": {k: float(np.mean([r["utilisation"][k] for r in rs]))
+                            for k in ("cpu", "gpu", "api")},
+            "idle_held_resource_s": {k: float(np.mean([r["idle_held_resource_s"][k] for r in rs]))
+                                     for k in ("cpu", "gpu", "api")},
+            "failed": int(sum(r["failed"] for r in rs)),
+            "ci95": {"mean_act_s": ci95(per_seed_act), "mean_step_s": ci95(per_seed_step)},
+            "act_over_lower_bound": mean_act / out["lower_bound"]["mean_act_s"],
+            "actions": int(act.size),
+            "failure_reasons": _sum_dicts(r["failure_reasons"] for r in rs),
+            "decisions": int(sum(r["counters"]["decisions"] for r in rs)),
+            "mean_makespan_s": float(np.mean([r["makespan_s"] for r in rs])),
+        }
+    return out
+
+
+def _sum_dicts(ds) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for d in ds:
+        for k, v in d.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+def evaluate(workload: WorkloadConfig, cluster: ClusterConfig, schedulers: Sequence[str],
+             seeds: Sequence[int], *, params: dict[str, dict[str, Any]] | None = None,
+             workers: int = 1, timeline_dt: float = 10.0,
+             progress: bool = True) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Run every scheduler on every seed; returns (results document, per-run data)."""
+    params = params or {}
+    jobs = [Job(workload, cluster, s, dict(params.get(s, {})), seed, timeline_dt)
+            for s in schedulers for seed in seeds]
+    runs = run_jobs(jobs, workers=workers, progress=progress)
+    order = {s: i for i, s in enumerate(schedulers)}
+    doc = aggregate(workload.name, list(seeds), runs)
+    doc["schedulers"] = dict(sorted(doc["schedulers"].items(), key=lambda kv: order[kv[0]]))
+    return doc, runs

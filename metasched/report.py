@@ -1,0 +1,93 @@
+"""Human-readable outputs of an evaluation: the markdown table and the plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def _fmt(x: float) -> str:
+    return "—" if x != x else (f"{x:.3g}" if abs(x) < 100 else f"{x:,.0f}")
+
+
+def results_table(doc: dict[str, Any]) -> str:
+    """The results as a markdown table, one row per scheduler."""
+    lb = doc["lower_bound"]["mean_act_s"]
+    head = ("| scheduler | mean ACT s (95% CI) | p50 | p95 | p99 | ACT/LB | mean step s (95% CI) "
+            "| max step s | util cpu/gpu/api | idle-held cpu core-s | failed |")
+    lines = [f"Workload `{doc['workload']}`, {len(doc['seeds'])} evaluation seeds "
+             f"({doc['seeds'][0]}..{doc['seeds'][-1]}); lower bound mean ACT {_fmt(lb)} s.", "",
+             head, "|" + "---|" * 11]
+    for name, s in doc["schedulers"].items():
+        ca, cs = s["ci95"]["mean_act_s"], s["ci95"]["mean_step_s"]
+        u = s["utilisation"]
+        lines.append(
+            f"| {name} | {_fmt(s['mean_act_s'])} ({_fmt(ca[0])}–{_fmt(ca[1])}) "
+            f"| {_fmt(s['p50_act_s'])} | {_fmt(s['p95_act_s'])} | {_fmt(s['p99_act_s'])} "
+            f"| {s['act_over_lower_bound']:.2f} | {_fmt(s['mean_step_s'])} "
+            f"({_fmt(cs[0])}–{_fmt(cs[1])}) | {_fmt(s['max_step_s'])} "
+            f"| {u['cpu']:.1%} / {u['gpu']:.1%} / {u['api']:.1%} "
+            f"| {_fmt(s['idle_held_resource_s']['cpu'])} | {s['failed']} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_all(doc: dict[str, Any], runs: list[dict[str, Any]], out: Path) -> list[Path]:
+    """Write act_cdf.png, utilisation.png and step_time.png into ``out``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(doc["schedulers"])
+    by = {n: [r for r in runs if r["scheduler"] == n] for n in names}
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for n in names:
+        act = np.sort(np.concatenate([r["act"] for r in by[n]]))
+        if act.size:
+            ax.plot(np.maximum(act, 1e-3), np.arange(1, act.size + 1) / act.size, label=n)
+    ax.set_xscale("log")
+    ax.set_xlabel("action completion time (s, log)")
+    ax.set_ylabel("fraction of actions")
+    ax.set_title(f"ACT CDF — {doc['workload']}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    paths.append(_save(fig, out / "act_cdf.png"))
+
+    pools = [p for p in ("cpu", "gpu", "api") if any(by[n][0]["timeline"][p] for n in names)]
+    fig, axes = plt.subplots(len(pools) or 1, 1, figsize=(8, 2.6 * max(1, len(pools))),
+                             squeeze=False)
+    for ax, pool in zip(axes[:, 0], pools):
+        for n in names:
+            tl = by[n][0]["timeline"]
+            if tl[pool]:
+                ax.plot(tl["t"], tl[pool], label=n, lw=1)
+        ax.set_ylabel(f"{pool} utilisation")
+        ax.set_ylim(0, 1.05)
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel(f"time (s), seed {doc['seeds'][0]}")
+    axes[0, 0].legend(fontsize=8, ncol=3)
+    axes[0, 0].set_title(f"Utilisation over time — {doc['workload']}")
+    paths.append(_save(fig, out / "utilisation.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    data = [[s for r in by[n] for s in r["step_s"]] for n in names]
+    ax.boxplot(data, showmeans=True)
+    ax.set_xticks(range(1, len(names) + 1), names, rotation=20)
+    ax.set_ylabel("RL step time (s)")
+    ax.set_title(f"Step time — {doc['workload']}")
+    ax.grid(alpha=0.3, axis="y")
+    paths.append(_save(fig, out / "step_time.png"))
+    return paths
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
