@@ -28,8 +28,8 @@ def make_scheduler(name: str, **params: Any) -> Scheduler:
                           f"{', '.join(BASELINES)})")
     try:
         return _REGISTRY[name](**params)
-    except TypeError as e:
-        raise ConfigError(f"scheduler.{name}", str(e)) from None
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"scheduler_params.{name}", str(e)) from None
 
 
 __all__ = ["BASELINES", "ElasticGreedyScheduler", "FifoScheduler", "RandomScheduler",

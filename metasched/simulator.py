@@ -38,7 +38,8 @@ class Simulator:
     returns False at the end; then ``apply(grant)`` or ``wait()``.
 
     Args:
-        workload: the profile (sampled with ``seed``), unless ``instance`` is given.
+        workload: the profile (sampled with ``seed``), unless ``instance`` is given or
+            the profile names a ``trace`` file to replay.
         cluster: the resources.
         seed: the run's seed.
         instance: a fixed workload instance (trace replay) instead of sampling.
@@ -54,6 +55,10 @@ class Simulator:
         self.seed = seed
         root = np.random.SeedSequence(seed)
         wl_seq, self._sched_seq = root.spawn(2)
+        if instance is None and workload.trace is not None:
+            from metasched.trace import read_trace
+
+            instance = read_trace(workload.trace)
         self.instance = instance if instance is not None else sample_workload(
             workload, np.random.default_rng(wl_seq))
         self.state = ClusterState(cluster, workload.services, timeline_dt=timeline_dt)

@@ -28,6 +28,34 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def preflight(config_name: str, argv: list[str] | None = None) -> None:
+    """Compose the config with the command line's overrides before Hydra runs, so a bad
+    override is reported as one line (Hydra's own report spans several). Sweeps
+    (``--multirun``) are left to Hydra."""
+    args = sys.argv[1:] if argv is None else argv
+    if any(a.startswith("-") for a in args):
+        return
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        with initialize_config_dir(CONFIG_PATH, version_base="1.3"):
+            compose(config_name, overrides=args, return_hydra_config=True)
+    except (HydraException, OmegaConfBaseException) as e:
+        lines = [ln.strip() for ln in str(e).splitlines()]
+        keep = [ln for ln in lines if ln and not ln.startswith((
+            "full_key", "object_type", "provider=", "Set the env", "Config search path"))]
+        for i, ln in enumerate(keep):  # "Available options in 'g':" + one option a line
+            if ln.startswith("Available options"):
+                keep[i:] = [f"{ln} {', '.join(keep[i + 1:])}"]
+                break
+        field = next((a.split("=", 1)[0].lstrip("+~") for a in args
+                      if a.split("=", 1)[0].lstrip("+~") in str(e)), "overrides")
+        print(f"error: {field}: {'; '.join(keep)}", file=sys.stderr)
+        sys.exit(2)
+
+
 def int_setting(cfg: dict[str, Any], key: str, lo: int) -> int:
     v = cfg.get(key)
     if isinstance(v, bool) or not isinstance(v, int) or v < lo:
@@ -39,6 +67,17 @@ def seeds_setting(cfg: dict[str, Any]) -> list[int]:
     n = int_setting(cfg, "n_seeds", 1)
     off = int_setting(cfg, "seed_offset", 0)
     return list(range(off, off + n))
+
+
+def json_safe(x: Any) -> Any:
+    """``x`` with non-finite floats as None, so the JSON written is standard."""
+    if isinstance(x, float):
+        return x if x == x and abs(x) != float("inf") else None
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    return x
 
 
 def run_dir() -> Path:

@@ -15,7 +15,8 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from metasched.cli.common import CONFIG_PATH, int_setting, run_dir, seeds_setting, user_errors
+from metasched.cli.common import (CONFIG_PATH, int_setting, json_safe, preflight, run_dir,
+                                  seeds_setting, user_errors)
 from metasched.configs import load_profile
 from metasched.errors import ConfigError
 
@@ -57,7 +58,7 @@ def run_eval(cfg: dict[str, Any], out_dir, progress: bool = True) -> dict[str, A
                          workers=s["workers"], timeline_dt=s["timeline_dt"], progress=progress)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
+    (out / "results.json").write_text(json.dumps(json_safe(doc), indent=2) + "\n")
     table = results_table(doc)
     (out / "results.md").write_text(table)
     if s["plots"]:
@@ -69,8 +70,14 @@ def run_eval(cfg: dict[str, Any], out_dir, progress: bool = True) -> dict[str, A
 
 @hydra.main(config_path=CONFIG_PATH, config_name="eval", version_base="1.3")
 @user_errors
-def main(cfg: DictConfig) -> None:
+def _hydra_main(cfg: DictConfig) -> None:
     run_eval(OmegaConf.to_container(cfg, resolve=True), run_dir())
+
+
+def main() -> None:
+    """Console entry point."""
+    preflight("eval")
+    _hydra_main()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,112 @@
+"""Capacity planning: the smallest cluster on which a scheduler meets a target step time.
+
+Bisection over a scale factor applied to the chosen pools (``ClusterConfig.scaled``).
+Step time is not strictly monotone in cluster size for every workload, so the answer is
+the upper end of the final bisection bracket (a tested scale that met the target); all
+trials are reported so a non-monotone curve is visible.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from metasched.config import ClusterConfig, WorkloadConfig, check_compatible
+from metasched.errors import ConfigError
+from metasched.evaluation import Job, run_jobs
+
+
+@dataclass
+class Trial:
+    scale: float
+    resources: dict[str, float]
+    mean_step_s: float
+    meets: bool
+
+
+@dataclass
+class Plan:
+    """The outcome of :func:`plan_capacity`."""
+
+    scheduler: str
+    target_step_s: float
+    target_source: str
+    scale: float | None
+    full: dict[str, float]
+    planned: dict[str, float] | None
+    trials: list[Trial] = field(default_factory=list)
+
+    def saved(self) -> dict[str, float] | None:
+        """Fraction of each pool's resources saved (pools the cluster has)."""
+        if self.planned is None:
+            return None
+        return {k: 1.0 - self.planned[k] / v for k, v in self.full.items() if v}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"scheduler": self.scheduler, "target_step_s": self.target_step_s,
+                "target_source": self.target_source, "scale": self.scale,
+                "resources_full": self.full, "resources_planned": self.planned,
+                "resources_saved": self.saved(),
+                "trials": [t.__dict__ for t in sorted(self.trials, key=lambda t: t.scale)]}
+
+
+def mean_step(workload: WorkloadConfig, cluster: ClusterConfig, scheduler: str,
+              params: dict[str, Any], seeds: Sequence[int], workers: int,
+              progress: bool) -> float:
+    jobs = [Job(workload, cluster, scheduler, params, s) for s in seeds]
+    runs = run_jobs(jobs, workers=workers, progress=progress)
+    return float(np.mean([np.mean(r["step_s"]) for r in runs]))
+
+
+def plan_capacity(workload: WorkloadConfig, cluster: ClusterConfig, scheduler: str,
+                  seeds: Sequence[int], *, params: dict[str, Any] | None = None,
+                  target_step_s: float | None = None, baseline: str = "static",
+                  baseline_params: dict[str, Any] | None = None,
+                  pools: tuple[str, ...] = ("cpu", "gpu", "api"), tolerance: float = 0.02,
+                  min_scale: float = 0.01, workers: int = 1, progress: bool = True) -> Plan:
+    """Bisect the scale factor of ``pools`` for the smallest cluster on which
+    ``scheduler``'s mean step time is at most the target (default: ``baseline``'s mean
+    step time on the full cluster)."""
+    params = params or {}
+    source = "given"
+    if target_step_s is None:
+        target_step_s = mean_step(workload, cluster, baseline, baseline_params or {}, seeds,
+                                  workers, progress)
+        source = f"{baseline} on the full cluster"
+    plan = Plan(scheduler, target_step_s, source, None, cluster.resources(), None)
+    seen: dict[tuple, Trial] = {}
+
+    def trial(scale: float) -> Trial:
+        c = cluster.scaled(scale, pools)
+        key = tuple(sorted(c.resources().items())) + (c.cores_per_node,)
+        if key in seen:  # rounding mapped this scale onto a cluster already tried
+            return seen[key]
+        try:
+            check_compatible(workload, c)
+            step = mean_step(workload, c, scheduler, params, seeds, workers, progress)
+        except ConfigError:  # the scaled cluster cannot run some action at all
+            step = float("inf")
+        t = Trial(scale, c.resources(), step, step <= target_step_s)
+        seen[key] = t
+        plan.trials.append(t)
+        return t
+
+    if not trial(1.0).meets:
+        return plan
+    lo, hi = min_scale, 1.0
+    if trial(lo).meets:
+        hi = lo
+    else:
+        while hi - lo > tolerance:
+            mid = (lo + hi) / 2
+            if trial(mid).meets:
+                hi = mid
+            else:
+                lo = mid
+    best = next(t for t in sorted(plan.trials, key=lambda t: t.scale) if t.scale >= hi)
+    plan.scale = best.scale
+    plan.planned = best.resources
+    return plan

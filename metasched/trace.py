@@ -1,0 +1,355 @@
+"""Trace replay: a JSONL file that stands in for the workload generator.
+
+A trace holds a :class:`~metasched.workload.WorkloadInstance` one JSON object per line:
+``{"type": "trajectory", ...}`` lines (grouped into RL steps by their ``step``) and
+``{"type": "action", ...}`` lines (independent actions with explicit arrival times).
+Blank lines and lines starting with ``#`` are ignored. The format is described for users
+in ``docs/trace-format.md``.
+
+Reading is strict: any malformed line raises :class:`~metasched.errors.ConfigError` with a
+one-line message naming the file, the line number and the field, e.g.
+``trace.jsonl:12: action.duration_s: must be > 0 (got -1)``. Floats are written with
+``repr`` precision, so ``read_trace(write_trace(x))`` equals ``x`` field by field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from metasched.config import ClusterConfig, WorkloadConfig, _num
+from metasched.errors import ConfigError
+from metasched.model import KINDS, ActionSpec, SandboxSpec, Turn
+from metasched.pools import ServiceSpec
+from metasched.workload import IndependentAction, TrajectorySpec, WorkloadInstance, sample_workload
+
+PathLike = str | os.PathLike
+
+# Optional action fields that only one kind may carry.
+_KIND_FIELDS = {"cpu": ("min_cores", "max_cores", "parallel_fraction"),
+                "gpu": ("service",), "api": ("endpoint", "tokens")}
+_OWNER = {f: kind for kind, fs in _KIND_FIELDS.items() for f in fs}
+_ACTION_KEYS = {"kind", "name", "duration_s", "est_s", "timeout_s", "reward", *_OWNER}
+_TRAJECTORY_KEYS = {"type", "task", "step", "sandbox", "turns"}
+_INDEPENDENT_KEYS = {"type", "arrival_s", "task", "action"}
+
+
+# ---------------------------------------------------------------- field readers
+
+
+@dataclass(frozen=True, slots=True)
+class _Field:
+    """Where a value sits: ``file:line`` and the field path within the line."""
+
+    loc: str
+    path: str = ""
+
+    def __getitem__(self, key: str) -> _Field:
+        sep = "." if self.path and not key.startswith("[") else ""
+        return _Field(self.loc, f"{self.path}{sep}{key}")
+
+    def __str__(self) -> str:
+        return f"{self.loc}: {self.path}" if self.path else self.loc
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters (keeps error messages short)."""
+    r = repr(value)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+def _number(value: Any, at: _Field, **bounds: Any) -> Any:
+    """``config._num`` plus the checks it leaves out: finite values only, no giant ints."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(str(at), f"must be a number (got {_short(value)})")
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        finite = False
+    if not finite:
+        raise ConfigError(str(at), f"must be a finite number (got {_short(value)})")
+    return _num(value, str(at), **bounds)
+
+
+def _string(value: Any, at: _Field) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(str(at), f"must be a non-empty string (got {_short(value)})")
+    return value
+
+
+def _object(value: Any, at: _Field, allowed: set[str]) -> dict[str, Any]:
+    """``value`` as a JSON object with no keys outside ``allowed``."""
+    if not isinstance(value, dict):
+        raise ConfigError(str(at), f"must be a JSON object (got {_short(value)})")
+    unknown = sorted(set(value) - allowed)
+    if unknown:
+        raise ConfigError(str(at[unknown[0]]),
+                          f"unknown field (expected one of: {', '.join(sorted(allowed))})")
+    return value
+
+
+def _required(d: dict[str, Any], key: str, at: _Field) -> Any:
+    if key not in d:
+        raise ConfigError(str(at[key]), "is required")
+    return d[key]
+
+
+def _parse_action(value: Any, at: _Field) -> ActionSpec:
+    """An ``ACTION`` object as an :class:`ActionSpec` (``duration_s`` -> ``true_s``)."""
+    d = _object(value, at, _ACTION_KEYS)
+    kind = _required(d, "kind", at)
+    if kind not in KINDS:
+        raise ConfigError(str(at["kind"]),
+                          f"must be one of {', '.join(KINDS)} (got {_short(kind)})")
+    for key in d:
+        owner = _OWNER.get(key)
+        if owner is not None and owner != kind:
+            raise ConfigError(str(at[key]), f"only {owner} actions have it (this is {kind})")
+    name = _string(_required(d, "name", at), at["name"])
+    true_s = _number(_required(d, "duration_s", at), at["duration_s"], lo=0.0, lo_open=True)
+    est_s = _number(d.get("est_s", true_s), at["est_s"], lo=0.0, lo_open=True)
+    timeout_s = _number(_required(d, "timeout_s", at), at["timeout_s"], lo=0.0, lo_open=True)
+    reward = d.get("reward", False)
+    if not isinstance(reward, bool):
+        raise ConfigError(str(at["reward"]), f"must be true or false (got {_short(reward)})")
+    min_c = _number(d.get("min_cores", 1), at["min_cores"], lo=1, integer=True)
+    max_c = _number(d.get("max_cores", min_c), at["max_cores"], lo=min_c, integer=True)
+    pf = _number(d.get("parallel_fraction", 0.0), at["parallel_fraction"], lo=0.0, hi=1.0)
+    service = _string(_required(d, "service", at), at["service"]) if kind == "gpu" else None
+    endpoint = _string(_required(d, "endpoint", at), at["endpoint"]) if kind == "api" else None
+    tokens = _number(d.get("tokens", 0), at["tokens"], lo=0, integer=True)
+    return ActionSpec(kind, name, true_s, est_s, timeout_s, min_c, max_c, pf, service,
+                      endpoint, tokens, reward)
+
+
+def _parse_sandbox(value: Any, at: _Field) -> SandboxSpec | None:
+    if value is None:
+        return None
+    d = _object(value, at, {"mem_gb", "startup_s"})
+    return SandboxSpec(_number(_required(d, "mem_gb", at), at["mem_gb"], lo=0.0),
+                       _number(_required(d, "startup_s", at), at["startup_s"], lo=0.0))
+
+
+def _parse_trajectory(d: dict[str, Any], at: _Field) -> tuple[int, TrajectorySpec]:
+    """A ``trajectory`` line: its step number and the trajectory."""
+    _object(d, at, _TRAJECTORY_KEYS)
+    task = _string(_required(d, "task", at), at["task"])
+    step = _number(_required(d, "step", at), at["step"], lo=0, integer=True)
+    sandbox = _parse_sandbox(d.get("sandbox"), at["sandbox"])
+    turns_v = _required(d, "turns", at)
+    if not isinstance(turns_v, list) or not turns_v:
+        raise ConfigError(str(at["turns"]),
+                          f"must be a non-empty list of turns (got {_short(turns_v)})")
+    turns = []
+    for i, value in enumerate(turns_v):
+        t_at = at["turns"][f"[{i}]"]
+        t = _object(value, t_at, {"gen_s", "action"})
+        gen_s = _number(_required(t, "gen_s", t_at), t_at["gen_s"], lo=0.0)
+        action = _parse_action(_required(t, "action", t_at), t_at["action"])
+        last = i == len(turns_v) - 1
+        if action.reward != last:
+            raise ConfigError(str(t_at["action"]["reward"]),
+                              'the last turn\'s action must have "reward": true' if last
+                              else "only the last turn's action may be the reward")
+        turns.append(Turn(gen_s, action))
+    return step, TrajectorySpec(task, tuple(turns), sandbox)
+
+
+def _parse_independent(d: dict[str, Any], at: _Field) -> IndependentAction:
+    """An ``action`` line: an independent action with its arrival time."""
+    _object(d, at, _INDEPENDENT_KEYS)
+    arrival = _number(_required(d, "arrival_s", at), at["arrival_s"], lo=0.0)
+    task = _string(_required(d, "task", at), at["task"])
+    spec = _parse_action(_required(d, "action", at), at["action"])
+    return IndependentAction(arrival, task, spec)
+
+
+def _parse_line(text: str, loc: str) -> tuple[int, TrajectorySpec] | IndependentAction:
+    """One non-blank, non-comment line at ``loc`` (``file:line``)."""
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(loc, f"invalid JSON: {e.msg} (column {e.colno})") from None
+    except (ValueError, RecursionError) as e:  # too many digits, nesting too deep
+        raise ConfigError(loc, f"invalid JSON ({type(e).__name__})") from None
+    at = _Field(loc)
+    if not isinstance(d, dict):
+        raise ConfigError(loc, f"must be a JSON object (got {_short(d)})")
+    kind = _required(d, "type", at)
+    if kind == "trajectory":
+        return _parse_trajectory(d, at)
+    if kind == "action":
+        return _parse_independent(d, at)
+    raise ConfigError(str(at["type"]), f'must be "trajectory" or "action" (got {_short(kind)})')
+
+
+# ---------------------------------------------------------------- reading and writing
+
+
+def read_trace(path: PathLike) -> WorkloadInstance:
+    """Load a JSONL trace (see ``docs/trace-format.md``) as a workload instance.
+
+    Raises:
+        ConfigError: the file cannot be read, is empty, or a line is malformed; the
+            one-line message names the file, the line number and the field.
+    """
+    name = str(path)
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise ConfigError(name, f"cannot read trace ({e.strerror or type(e).__name__})") from None
+    by_step: dict[int, list[TrajectorySpec]] = {}
+    first_line: dict[int, int] = {}  # step -> line of its first trajectory
+    independent: list[IndependentAction] = []
+    for lineno, raw in enumerate(data.split(b"\n"), start=1):
+        loc = f"{name}:{lineno}"
+        try:
+            text = raw.decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise ConfigError(loc, "not valid UTF-8") from None
+        if not text or text.startswith("#"):
+            continue
+        item = _parse_line(text, loc)
+        if isinstance(item, IndependentAction):
+            independent.append(item)
+        else:
+            step, traj = item
+            by_step.setdefault(step, []).append(traj)
+            first_line.setdefault(step, lineno)
+    if not by_step and not independent:
+        raise ConfigError(name, "trace is empty: it has no trajectory or action lines")
+    missing = next((s for s in range(len(by_step)) if s not in by_step), None)
+    if missing is not None:
+        line = min(first_line[s] for s in by_step if s > missing)
+        raise ConfigError(f"{name}:{line}: step", f"steps must be numbered 0..S-1 without "
+                          f"gaps; no trajectory has step {missing}")
+    return WorkloadInstance(steps=[by_step[s] for s in range(len(by_step))],
+                            independent=independent)
+
+
+def _action_obj(spec: ActionSpec) -> dict[str, Any]:
+    """An :class:`ActionSpec` as an ``ACTION`` object, leaving out default values."""
+    obj: dict[str, Any] = {"kind": spec.kind, "name": spec.name,
+                           "duration_s": float(spec.true_s)}
+    if spec.est_s != spec.true_s:
+        obj["est_s"] = float(spec.est_s)
+    obj["timeout_s"] = float(spec.timeout_s)
+    optional = (("min_cores", int(spec.min_cores), 1),
+                ("max_cores", int(spec.max_cores), int(spec.min_cores)),
+                ("parallel_fraction", float(spec.parallel_fraction), 0.0),
+                ("service", spec.service, None), ("endpoint", spec.endpoint, None),
+                ("tokens", int(spec.tokens), 0), ("reward", bool(spec.reward), False))
+    for key, value, default in optional:
+        if value != default:
+            obj[key] = value
+    return obj
+
+
+def _trace_lines(instance: WorkloadInstance) -> list[dict[str, Any]]:
+    lines: list[dict[str, Any]] = []
+    for step, trajs in enumerate(instance.steps):
+        for ts in trajs:
+            obj: dict[str, Any] = {"type": "trajectory", "task": ts.task, "step": step}
+            if ts.sandbox is not None:
+                obj["sandbox"] = {"mem_gb": float(ts.sandbox.mem_gb),
+                                  "startup_s": float(ts.sandbox.startup_s)}
+            obj["turns"] = [{"gen_s": float(t.gen_s), "action": _action_obj(t.action)}
+                            for t in ts.turns]
+            lines.append(obj)
+    for ia in instance.independent:
+        lines.append({"type": "action", "arrival_s": float(ia.arrival_s), "task": ia.task,
+                      "action": _action_obj(ia.spec)})
+    return lines
+
+
+def write_trace(instance: WorkloadInstance, path: PathLike) -> None:
+    """Write ``instance`` as a JSONL trace that :func:`read_trace` reads back exactly.
+
+    Trajectories come first, step by step, then the independent actions. Every line is
+    checked as :func:`read_trace` would check it before anything is written.
+
+    Raises:
+        ConfigError: the instance cannot be represented (e.g. an infinite timeout, a
+            trajectory whose reward flags are misplaced, an empty instance); the field is
+            named by the line it would have had.
+        OSError: the file cannot be written.
+    """
+    name = str(path)
+    lines = _trace_lines(instance)
+    if not lines:
+        raise ConfigError(name, "trace would be empty: the instance has no trajectories "
+                          "or independent actions")
+    text = []
+    for lineno, obj in enumerate(lines, start=1):
+        line = json.dumps(obj, separators=(",", ":"))
+        _parse_line(line, f"{name}:{lineno}")
+        text.append(line + "\n")
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(text)
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def validate_against(instance: WorkloadInstance, workload_services: dict[str, ServiceSpec],
+                     cluster: ClusterConfig, path: str = "trace") -> None:
+    """Fail when ``instance`` needs something ``cluster`` can never provide.
+
+    Checks: gpu actions name a service in ``workload_services`` that fits a device (and
+    the cluster has a device); api actions name an endpoint of the cluster and need no
+    more tokens than its bucket holds; cpu actions fit on one node (``min_cores`` at most
+    ``cores_per_node``, and some CPU node exists); sandboxes fit a node's memory.
+
+    Raises:
+        ConfigError: naming the action as ``trace.steps[s][i].turns[j].action.<field>``
+            or ``trace.independent[k].action.<field>``.
+    """
+    items: list[tuple[str, ActionSpec]] = []
+    for s, trajs in enumerate(instance.steps):
+        for i, ts in enumerate(trajs):
+            where = f"{path}.steps[{s}][{i}]"
+            if ts.sandbox is not None and ts.sandbox.mem_gb > cluster.mem_gb_per_node:
+                raise ConfigError(f"{where}.sandbox.mem_gb", f"{ts.sandbox.mem_gb:g} GB "
+                                  f"exceeds a node's {cluster.mem_gb_per_node:g} GB")
+            items += [(f"{where}.turns[{j}].action", t.action) for j, t in enumerate(ts.turns)]
+    items += [(f"{path}.independent[{k}].action", ia.spec)
+              for k, ia in enumerate(instance.independent)]
+    for where, a in items:
+        if a.kind == "cpu":
+            if cluster.cpu_nodes == 0 or a.min_cores > cluster.cores_per_node:
+                raise ConfigError(f"{where}.min_cores", f"needs {a.min_cores} cores on one "
+                                  f"node; cluster.cpu has {cluster.cpu_nodes} x "
+                                  f"{cluster.cores_per_node}")
+        elif a.kind == "gpu":
+            if a.service not in workload_services:
+                raise ConfigError(f"{where}.service", f"unknown service {a.service!r} "
+                                  f"(defined: {', '.join(sorted(workload_services)) or 'none'})")
+            if cluster.gpu_devices == 0:
+                raise ConfigError(f"{where}.service", "needs a GPU; cluster.gpu.devices is 0")
+            mem = workload_services[a.service].mem_gb
+            if mem > cluster.gpu_mem_gb:
+                raise ConfigError(f"{where}.service", f"service {a.service!r} needs {mem:g} "
+                                  f"GB; a device has {cluster.gpu_mem_gb:g} GB")
+        elif a.endpoint not in cluster.endpoints:
+            raise ConfigError(f"{where}.endpoint", f"unknown endpoint {a.endpoint!r} (cluster "
+                              f"defines: {', '.join(sorted(cluster.endpoints)) or 'none'})")
+        elif a.tokens > cluster.endpoints[a.endpoint].tok_capacity:
+            raise ConfigError(f"{where}.tokens", f"{a.tokens} exceeds the token bucket of "
+                              f"endpoint {a.endpoint!r}")
+
+
+def trace_from_workload(workload: WorkloadConfig, seed: int) -> WorkloadInstance:
+    """The instance :class:`~metasched.simulator.Simulator` samples for ``seed``.
+
+    Uses the simulator's derivation (the first of two children of
+    ``SeedSequence(seed)``), so ``write_trace(trace_from_workload(w, seed), p)`` records
+    exactly what ``Simulator(w, cluster, seed)`` would run.
+    """
+    wl_seq, _ = np.random.SeedSequence(seed).spawn(2)
+    return sample_workload(workload, np.random.default_rng(wl_seq))
