@@ -12,7 +12,7 @@ preferred; a service resident on a busy device is waited for when that device sh
 free up sooner than a restore elsewhere would take; restores evict the services with
 the least queued work.
 
-API: shortest estimated call first, whenever the endpoint's RPM/TPM buckets and
+API: the call using the least quota first (shortest estimated call among equals), whenever the endpoint's RPM/TPM buckets and
 concurrency allow.
 """
 
@@ -25,12 +25,20 @@ import numpy as np
 
 from metasched.agents.ledger import Ledger
 from metasched.model import Action, Grant
+from metasched.pools import EndpointSpec
 from metasched.scheduler import Scheduler
 from metasched.state import ClusterState
 
 
 def _sjf_key(a: Action) -> tuple[float, int]:
     return (a.spec.est_s / a.spec.speedup(a.spec.max_cores), a.id)
+
+
+def _quota_s(ep: EndpointSpec, a: Action) -> float:
+    """Seconds of the endpoint's quota a call uses: its request or its tokens,
+    whichever bucket refills slower for it."""
+    req = 60.0 / ep.rpm
+    return req if ep.tpm is None else max(req, 60.0 * a.spec.tokens / ep.tpm)
 
 
 class ElasticGreedyScheduler(Scheduler):
@@ -62,7 +70,9 @@ class ElasticGreedyScheduler(Scheduler):
         if state.pending["gpu"] and led.idle:
             self._gpu(state, led, grants)
         if state.pending["api"]:
-            for a in sorted(state.pending["api"].values(), key=_sjf_key):
+            eps = state.api.endpoints
+            for a in sorted(state.pending["api"].values(),
+                            key=lambda a: (_quota_s(eps[a.spec.endpoint].spec, a), _sjf_key(a))):
                 if led.api_ok(a):
                     grants.append(led.take_api(a))
         return grants

@@ -142,10 +142,12 @@ def _num(value: Any, path: str, *, lo: float = -math.inf, hi: float = math.inf,
          lo_open: bool = False, integer: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(path, f"must be a number (got {value!r})")
-    if integer and float(value) != int(value):
-        raise ConfigError(path, f"must be a whole number (got {value!r})")
     v = float(value)
-    if math.isnan(v) or (lo_open and v <= lo) or (not lo_open and v < lo) or v > hi:
+    if not math.isfinite(v):
+        raise ConfigError(path, f"must be a finite number (got {value!r})")
+    if integer and v != int(v):
+        raise ConfigError(path, f"must be a whole number (got {value!r})")
+    if (lo_open and v <= lo) or (not lo_open and v < lo) or v > hi:
         bound = f"> {lo:g}" if lo_open else f">= {lo:g}"
         if hi < math.inf:
             bound += f" and <= {hi:g}"
@@ -177,7 +179,7 @@ def parse_dist(d: Any, path: str, *, positive: bool = True) -> Dist:
             v = _num(d[q], f"{path}.{q}", lo=median)
             sigma = math.log(v / median) / z if median > 0 else 0.0
     lo = _num(d.get("min", 0.0), f"{path}.min", lo=0.0)
-    hi = _num(d.get("max", math.inf), f"{path}.max", lo=max(lo, 0.0))
+    hi = _num(d["max"], f"{path}.max", lo=max(lo, 0.0)) if "max" in d else math.inf
     if not lo <= median <= hi:
         raise ConfigError(path, f"median {median:g} must lie within [min, max] = [{lo:g}, {hi:g}]")
     return Dist(median, sigma, lo, hi)

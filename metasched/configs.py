@@ -43,7 +43,12 @@ def load_profile(cfg: dict[str, Any]) -> tuple[WorkloadConfig, ClusterConfig]:
         raise ConfigError("cluster", "is required")
     w = parse_workload(cfg["workload"])
     c = parse_cluster(cfg["cluster"])
-    check_compatible(w, c)
+    if w.trace is not None:
+        from metasched.trace import read_trace, validate_against
+
+        validate_against(read_trace(w.trace), w.services, c)
+    else:
+        check_compatible(w, c)
     return w, c
 
 

@@ -276,11 +276,15 @@ def write_trace(instance: WorkloadInstance, path: PathLike) -> None:
 
     Raises:
         ConfigError: the instance cannot be represented (e.g. an infinite timeout, a
-            trajectory whose reward flags are misplaced, an empty instance); the field is
-            named by the line it would have had.
+            trajectory whose reward flags are misplaced, an empty step or instance); a
+            field is named by the line it would have had.
         OSError: the file cannot be written.
     """
     name = str(path)
+    empty = next((s for s, trajs in enumerate(instance.steps) if not trajs), None)
+    if empty is not None:
+        raise ConfigError(name, f"step {empty} has no trajectories (a trace cannot record "
+                          "an empty step)")
     lines = _trace_lines(instance)
     if not lines:
         raise ConfigError(name, "trace would be empty: the instance has no trajectories "

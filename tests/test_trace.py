@@ -133,6 +133,11 @@ TRAJ = {"type": "trajectory", "task": "swe", "step": 0,
         "sandbox": {"mem_gb": 4, "startup_s": 20},
         "turns": [{"gen_s": 1.0, "action": ACTION}, {"gen_s": 2.0, "action": REWARD}]}
 INDEP = {"type": "action", "arrival_s": 3.0, "task": "x", "action": ACTION}
+FULL = {**TRAJ, "turns": [  # every optional field given
+    {"gen_s": 0, "action": {**ACTION, "est_s": 2.0, "min_cores": 2, "max_cores": 4,
+                            "parallel_fraction": 0.5, "reward": False}},
+    {"gen_s": 1, "action": {"kind": "api", "name": "judge", "duration_s": 1, "timeout_s": 9,
+                            "endpoint": "llm_judge", "tokens": 100, "reward": True}}]}
 
 
 def with_(obj: dict, path: str, value=...) -> str:
@@ -230,14 +235,17 @@ def test_write_refuses_what_it_cannot_read_back(tmp_path: Path) -> None:
     bad = WorkloadInstance(steps=[[dataclasses.replace(traj, turns=(turn, *traj.turns[1:]))]])
     with pytest.raises(ConfigError, match=r":1: turns\[0\]\.action\.timeout_s"):
         write_trace(bad, tmp_path / "t.jsonl")
-    with pytest.raises(ConfigError):
-        write_trace(WorkloadInstance(), tmp_path / "t.jsonl")
+    for empty in (WorkloadInstance(), WorkloadInstance(steps=[[traj], []])):
+        with pytest.raises(ConfigError):
+            write_trace(empty, tmp_path / "t.jsonl")
 
 
 # ---------------------------------------------------------------- fuzzing
 
+SPECIAL = st.sampled_from([math.nan, math.inf, -math.inf, 10**400, -1, 0, 0.5, 2, True, "",
+                           "cpu", "gpu", "api", "trajectory", "action", None, [], {}])
 JSON = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    SPECIAL | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
                                                                  max_size=4),
     max_leaves=12)
@@ -258,7 +266,7 @@ def _paths(obj, prefix=()):
 @st.composite
 def near_valid(draw) -> object:
     """A valid line with one value replaced, deleted or added (reaches the deep checks)."""
-    obj = json.loads(json.dumps(draw(st.sampled_from([TRAJ, INDEP]))))
+    obj = json.loads(json.dumps(draw(st.sampled_from([TRAJ, INDEP, FULL]))))
     path = draw(st.sampled_from(list(_paths(obj))))
     parent = obj
     for k in path[:-1]:

@@ -50,8 +50,8 @@ def preflight(config_name: str, argv: list[str] | None = None) -> None:
             if ln.startswith("Available options"):
                 keep[i:] = [f"{ln} {', '.join(keep[i + 1:])}"]
                 break
-        field = next((a.split("=", 1)[0].lstrip("+~") for a in args
-                      if a.split("=", 1)[0].lstrip("+~") in str(e)), "overrides")
+        keys = [a.split("=", 1)[0].lstrip("+~") for a in args]
+        field = max((k for k in keys if k in str(e)), key=len, default="overrides")
         print(f"error: {field}: {'; '.join(keep)}", file=sys.stderr)
         sys.exit(2)
 
