@@ -12,8 +12,8 @@ preferred; a service resident on a busy device is waited for when that device sh
 free up sooner than a restore elsewhere would take; restores evict the services with
 the least queued work.
 
-API: the call using the least quota first (shortest estimated call among equals), whenever the endpoint's RPM/TPM buckets and
-concurrency allow.
+API: the call using the least quota first (shortest estimated call among equals),
+whenever the endpoint's RPM/TPM buckets and concurrency allow.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import math
 
 import numpy as np
 
-from metasched.agents.ledger import Ledger
+from metasched.ledger import Ledger
 from metasched.model import Action, Grant
 from metasched.pools import EndpointSpec
 from metasched.scheduler import Scheduler
@@ -105,7 +105,7 @@ class ElasticGreedyScheduler(Scheduler):
                            max(0, cpu.sandboxes[node] - len(chosen)))
                 self._spread(chosen, extra, free[node] - keep)
                 free[node] -= sum(extra)
-            for (a, n), x in zip(chosen, extra):
+            for (a, n), x in zip(chosen, extra, strict=True):
                 grants.append(Grant(a, cores=a.spec.min_cores + x, node=n))
 
     def _spread(self, chosen: list[tuple[Action, int]], extra: list[int], spare: int) -> None:
@@ -149,7 +149,8 @@ class ElasticGreedyScheduler(Scheduler):
                 else:
                     busy_res = [d for d in range(gpu.total)
                                 if d not in led.idle and svc_name in gpu.devices[d].resident]
-                    if busy_res and min(self.dev_free_est[d] for d in busy_res) - t <= svc.restore_s:
+                    soonest = min((self.dev_free_est[d] for d in busy_res), default=None)
+                    if soonest is not None and soonest - t <= svc.restore_s:
                         break  # cheaper to wait for the resident copy
                     device = self._restore_target(state, led, svc_name, queues)
                     if device < 0:

@@ -14,7 +14,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from metasched.agents.ledger import Ledger
+from metasched.ledger import Ledger
 from metasched.model import Action, Grant
 from metasched.scheduler import Scheduler
 from metasched.state import ClusterState, api_key
@@ -30,7 +30,7 @@ def partition(units: int, demand: dict[str, float]) -> dict[str, int]:
     if units < len(tasks):
         return {t: int(i < units) for i, t in enumerate(tasks)}
     counts = split_counts([demand[t] for t in tasks], units - len(tasks))
-    return {t: c + 1 for t, c in zip(tasks, counts)}
+    return {t: c + 1 for t, c in zip(tasks, counts, strict=True)}
 
 
 class PartitionedScheduler(Scheduler):
@@ -48,7 +48,8 @@ class PartitionedScheduler(Scheduler):
         for task, n in n_dev.items():
             self.devices[task] = list(range(start, start + n)) if n else []
             start += n
-            state.reserve("gpu", task, n)
+            for d in self.devices[task]:
+                state.reserve_device(d, task)
         for task in demand["gpu"]:
             if not self.devices.get(task):  # fewer devices than tasks: share them all
                 self.devices[task] = list(range(state.gpu.total))
@@ -164,7 +165,8 @@ class TaskIsolatedScheduler(PartitionedScheduler):
         planned: dict[str, int] = defaultdict(int)
         for a in state.pending["cpu"].values():
             k = a.spec.min_cores
-            if state.busy_by_task[("cpu", a.task)] + planned[a.task] + k > self.cores.get(a.task, 0):
+            used = state.busy_by_task[("cpu", a.task)] + planned[a.task]
+            if used + k > self.cores.get(a.task, 0):
                 continue
             node, room = led.cpu_room(a)
             if room >= k:

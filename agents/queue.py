@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from metasched.agents.ledger import Ledger
+from metasched.ledger import Ledger
 from metasched.model import Action, Grant
 from metasched.scheduler import Scheduler
 from metasched.state import ClusterState

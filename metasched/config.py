@@ -142,7 +142,10 @@ def _num(value: Any, path: str, *, lo: float = -math.inf, hi: float = math.inf,
          lo_open: bool = False, integer: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(path, f"must be a number (got {value!r})")
-    v = float(value)
+    try:
+        v = float(value)
+    except OverflowError:
+        v = math.inf
     if not math.isfinite(v):
         raise ConfigError(path, f"must be a finite number (got {value!r})")
     if integer and v != int(v):
@@ -155,8 +158,17 @@ def _num(value: Any, path: str, *, lo: float = -math.inf, hi: float = math.inf,
     return int(v) if integer else v
 
 
+def _mapping(value: Any, path: str) -> Mapping:
+    """``value`` if it is a mapping, {} if it is absent (None); otherwise an error."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(path, f"must be a mapping (got {type(value).__name__})")
+    return value
+
+
 def _check_keys(d: Mapping, allowed: set[str], path: str) -> None:
-    unknown = sorted(set(d) - allowed)
+    unknown = sorted(set(d) - allowed, key=str)
     if unknown:
         raise ConfigError(f"{path}.{unknown[0]}", f"unknown field (expected one of: "
                           f"{', '.join(sorted(allowed))})")
@@ -212,7 +224,7 @@ def parse_action_type(name: str, d: Any, path: str, services: Mapping, *,
         pf = _num(d.get("parallel_fraction", 0.0), f"{path}.parallel_fraction", lo=0.0, hi=1.0)
     elif kind == "gpu":
         service = _get(d, "service", path)
-        if service not in services:
+        if not isinstance(service, str) or service not in services:
             raise ConfigError(f"{path}.service", f"unknown service {service!r} (defined: "
                               f"{', '.join(sorted(services)) or 'none'})")
     else:
@@ -243,7 +255,7 @@ def parse_workload(d: Mapping, path: str = "workload") -> WorkloadConfig:
                     "tasks", "trace"}, path)
     name = str(_get(d, "name", path))
     services = {str(k): _parse_service(v, f"{path}.services.{k}")
-                for k, v in (d.get("services") or {}).items()}
+                for k, v in _mapping(d.get("services"), f"{path}.services").items()}
     trace = d.get("trace")
     steps = _num(_get(d, "steps", path, 1), f"{path}.steps", lo=1, integer=True)
     n_traj = _num(_get(d, "trajectories_per_step", path, 1), f"{path}.trajectories_per_step",
@@ -255,7 +267,7 @@ def parse_workload(d: Mapping, path: str = "workload") -> WorkloadConfig:
     if not tasks_d and trace is None:
         raise ConfigError(f"{path}.tasks", "at least one task is required (or give a trace)")
     tasks = []
-    for tname in sorted(tasks_d):
+    for tname in sorted(tasks_d, key=str):
         t, tp = tasks_d[tname], f"{path}.tasks.{tname}"
         if not isinstance(t, Mapping):
             raise ConfigError(tp, f"must be a mapping (got {t!r})")
@@ -273,7 +285,7 @@ def parse_workload(d: Mapping, path: str = "workload") -> WorkloadConfig:
         if not isinstance(acts_d, Mapping):
             raise ConfigError(f"{tp}.actions", "must be a mapping of action name to action")
         actions = tuple(parse_action_type(str(a), acts_d[a], f"{tp}.actions.{a}", services)
-                        for a in sorted(acts_d))
+                        for a in sorted(acts_d, key=str))
         if actions and abs(sum(a.prob for a in actions) - 1.0) > 1e-6:
             raise ConfigError(f"{tp}.actions", "probabilities (prob) must sum to 1 "
                               f"(got {sum(a.prob for a in actions):g})")
@@ -298,14 +310,14 @@ def parse_cluster(d: Mapping, path: str = "cluster") -> ClusterConfig:
     if not isinstance(d, Mapping):
         raise ConfigError(path, f"must be a mapping (got {type(d).__name__})")
     _check_keys(d, {"name", "cpu", "gpu", "api"}, path)
-    cpu = d.get("cpu") or {}
-    gpu = d.get("gpu") or {}
-    api = d.get("api") or {}
+    cpu = _mapping(d.get("cpu"), f"{path}.cpu")
+    gpu = _mapping(d.get("gpu"), f"{path}.gpu")
+    api = _mapping(d.get("api"), f"{path}.api")
     for sub, keys in (("cpu", {"nodes", "cores_per_node", "mem_gb_per_node"}),
                       ("gpu", {"devices", "mem_gb"}), ("api", {"endpoints"})):
         _check_keys(locals()[sub], keys, f"{path}.{sub}")
     endpoints = {}
-    for ename, e in (api.get("endpoints") or {}).items():
+    for ename, e in _mapping(api.get("endpoints"), f"{path}.api.endpoints").items():
         ep = f"{path}.api.endpoints.{ename}"
         if not isinstance(e, Mapping):
             raise ConfigError(ep, f"must be a mapping (got {e!r})")
@@ -353,6 +365,9 @@ def check_compatible(w: WorkloadConfig, c: ClusterConfig, path: str = "workload"
             elif a.tokens is not None and a.tokens.hi > c.endpoints[a.endpoint].tok_capacity:
                 raise ConfigError(f"{ap}.tokens", f"max {a.tokens.hi:g} exceeds the token bucket "
                                   f"of endpoint {a.endpoint!r}")
+        if t.sandbox is not None and c.cpu_nodes == 0:
+            raise ConfigError(f"{path}.tasks.{t.name}.sandbox",
+                              "needs a CPU node to live on; cluster.cpu.nodes is 0")
         if t.sandbox is not None and t.sandbox.mem_gb > c.mem_gb_per_node:
             raise ConfigError(f"{path}.tasks.{t.name}.sandbox.mem_gb",
                               f"{t.sandbox.mem_gb:g} GB exceeds a node's {c.mem_gb_per_node:g} GB")

@@ -10,6 +10,7 @@ class ConfigError(ValueError):
     """
 
     def __init__(self, field: str, problem: str) -> None:
-        self.field = field
-        self.problem = problem
-        super().__init__(f"{field}: {problem}")
+        # One line, whatever the names in it contain.
+        self.field = str(field).replace("\r", "\\r").replace("\n", "\\n")
+        self.problem = str(problem).replace("\r", "\\r").replace("\n", "\\n")
+        super().__init__(f"{self.field}: {self.problem}")

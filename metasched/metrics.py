@@ -91,13 +91,15 @@ class RunResult:
     totals: np.ndarray
     capacity: dict[str, float]  # units per pool (cores, devices, api concurrency)
     api_rps: float  # total request quota per second over all endpoints
+    api_burst: float  # requests the full buckets allow at once, over all endpoints
     makespan: float
     counters: dict[str, int]
     failure_reasons: dict[str, int]
 
     @classmethod
     def from_recorder(cls, r: Recorder, capacity: dict[str, float], api_rps: float,
-                      makespan: float, counters: dict[str, int]) -> RunResult:
+                      api_burst: float, makespan: float,
+                      counters: dict[str, int]) -> RunResult:
         steps = np.array(r.steps, dtype=float).reshape(-1, 2)
         return cls(
             kind=np.array(r.kind, dtype=np.int8), task=np.array(r.task, dtype=object),
@@ -106,7 +108,8 @@ class RunResult:
             step_start=steps[:, 0], step_end=steps[:, 1],
             timeline=np.array(r.timeline, dtype=float).reshape(-1, N_COLS),
             timeline_dt=r.dt, totals=np.array(r.totals), capacity=capacity, api_rps=api_rps,
-            makespan=makespan, counters=counters, failure_reasons=dict(r.reasons))
+            api_burst=api_burst, makespan=makespan, counters=counters,
+            failure_reasons=dict(r.reasons))
 
     @property
     def act(self) -> np.ndarray:
@@ -119,14 +122,15 @@ class RunResult:
 
     def utilisation(self) -> dict[str, float]:
         """Busy fraction of capacity over the makespan; for api, the fraction of the
-        request quota (RPM) used."""
+        request quota used (requests / (full buckets + RPM x makespan))."""
         span = max(self.makespan, 1e-12)
         tot = self.totals
         out = {}
         for pool, col in (("cpu", CPU_BUSY), ("gpu", GPU_BUSY)):
             cap = self.capacity[pool]
             out[pool] = float(tot[col] / (cap * span)) if cap else 0.0
-        out["api"] = float(tot[API_REQ] / (self.api_rps * span)) if self.api_rps else 0.0
+        quota = self.api_burst + self.api_rps * self.makespan
+        out["api"] = float(tot[API_REQ] / quota) if quota else 0.0
         return out
 
     def idle_held(self) -> dict[str, float]:

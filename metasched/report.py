@@ -60,7 +60,7 @@ def plot_all(doc: dict[str, Any], runs: list[dict[str, Any]], out: Path) -> list
     pools = [p for p in ("cpu", "gpu", "api") if any(by[n][0]["timeline"][p] for n in names)]
     fig, axes = plt.subplots(len(pools) or 1, 1, figsize=(8, 2.6 * max(1, len(pools))),
                              squeeze=False)
-    for ax, pool in zip(axes[:, 0], pools):
+    for ax, pool in zip(axes[:, 0], pools, strict=False):
         for n in names:
             tl = by[n][0]["timeline"]
             if tl[pool]:

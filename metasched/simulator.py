@@ -16,6 +16,7 @@ from collections import deque
 import numpy as np
 
 from metasched.config import ClusterConfig, WorkloadConfig
+from metasched.guard import WaitGuard
 from metasched.metrics import RunResult
 from metasched.model import Action, Grant, Trajectory
 from metasched.scheduler import Scheduler
@@ -44,12 +45,14 @@ class Simulator:
         seed: the run's seed.
         instance: a fixed workload instance (trace replay) instead of sampling.
         timeline_dt: bucket width of the utilisation timeline, seconds.
+        max_wait_s: the core's starvation guard: an action that waited longer is started
+            (default allocation) before the scheduler is asked; None disables it.
         check_invariants: verify the accounting invariant at every event (slow; tests).
     """
 
     def __init__(self, workload: WorkloadConfig, cluster: ClusterConfig, seed: int, *,
                  instance: WorkloadInstance | None = None, timeline_dt: float = 10.0,
-                 check_invariants: bool = False) -> None:
+                 max_wait_s: float | None = None, check_invariants: bool = False) -> None:
         self.workload = workload
         self.cluster = cluster
         self.seed = seed
@@ -63,6 +66,7 @@ class Simulator:
             workload, np.random.default_rng(wl_seq))
         self.state = ClusterState(cluster, workload.services, timeline_dt=timeline_dt)
         self.check_invariants = check_invariants
+        self.guard = WaitGuard(max_wait_s)
         self.state.task_demand = self.instance.demand_by_task()
         self._heap: list[tuple[float, int, int, object]] = []
         self._seq = 0
@@ -111,12 +115,30 @@ class Simulator:
         state = self.state
         while True:
             if not self._waited and state.decision_possible():
-                return True
+                forced = self.guard.overdue(state)
+                if not forced:
+                    return True
+                for g in forced:
+                    self.apply(g)
+                continue
+            if state.pending["api"]:
+                self._schedule_api_wakeups()
             if not self._heap:
+                if state.n_pending and self._waited:
+                    forced = self.guard.overdue(state, stalled=True)
+                    for g in forced:
+                        self.apply(g)
+                    if forced:
+                        self._waited = False
+                        continue
                 if state.n_pending:
                     raise SimulationError(
                         f"{state.n_pending} actions pending at t={state.t:.1f}s with nothing "
                         "left to happen: the scheduler waited when only it could act")
+                if self._sandbox_queue:
+                    raise SimulationError(
+                        f"{len(self._sandbox_queue)} trajectories never got a sandbox: no node "
+                        "has the memory")
                 return False
             self._process_instant()
             self._waited = False
@@ -144,7 +166,6 @@ class Simulator:
         """Decline to act until the next event."""
         self.n_waits += 1
         self._waited = True
-        self._schedule_api_wakeups()
 
     def result(self) -> RunResult:
         state = self.state
@@ -153,11 +174,14 @@ class Simulator:
                     "grants": state.n_grants, "waits": self.n_waits,
                     "submitted": state.n_submitted, "completed": state.n_done,
                     "failed": state.n_failed, "pending": state.n_pending + state.n_running,
-                    "gpu_restores": state.gpu.restores, "gpu_evictions": state.gpu.evictions}
+                    "gpu_restores": state.gpu.restores, "gpu_evictions": state.gpu.evictions,
+                    "guard_fired": self.guard.fired}
         cap = {"cpu": float(state.cpu.total), "gpu": float(state.gpu.total),
                "api": float(state.api.total)}
-        rps = sum(e.spec.rpm / 60.0 for e in state.api.endpoints.values())
-        return RunResult.from_recorder(state.metrics, cap, rps, state.t, counters)
+        eps = state.api.endpoints.values()
+        rps = sum(e.spec.rpm / 60.0 for e in eps)
+        burst = sum(e.spec.req_capacity for e in eps)
+        return RunResult.from_recorder(state.metrics, cap, rps, burst, state.t, counters)
 
     # ------------------------------------------------------------------ events
 
@@ -214,6 +238,7 @@ class Simulator:
         self.state.close_trajectory(traj)
         self._open_waiting_sandboxes()
         self._step_left -= 1
+        self.state.step_done += 1
         if self._step_left == 0:
             self.state.metrics.steps.append((self._step_start, self.state.t))
             self._start_next_step()
@@ -226,6 +251,9 @@ class Simulator:
         self._step_start = t
         specs = self.instance.steps[self._step]
         self._step_left = len(specs)
+        state = self.state
+        state.step_index, state.step_start_t = self._step, t
+        state.step_total, state.step_done = len(specs), 0
         for ts in specs:
             traj = Trajectory(self._next_traj_id, ts.task, self._step, list(ts.turns), ts.sandbox)
             self._next_traj_id += 1
@@ -244,19 +272,23 @@ class Simulator:
             self._push(t + max(traj.turns[0].gen_s, startup), ARRIVE, traj)
 
     def _schedule_api_wakeups(self) -> None:
-        """When api calls wait only for tokens, make sure an event fires once they refill."""
+        """When api calls wait only for tokens, make sure an event fires once they refill
+        (for each endpoint, when its smallest waiting call fits)."""
         state = self.state
-        if not state.pending["api"]:
-            return
+        smallest: dict[str, int] = {}
         for a in state.pending["api"].values():
-            ep = state.api.endpoints[a.spec.endpoint]
+            ep = a.spec.endpoint
+            if ep not in smallest or a.spec.tokens < smallest[ep]:
+                smallest[ep] = a.spec.tokens
+        for name, tokens in smallest.items():
+            ep = state.api.endpoints[name]
             if ep.in_flight >= ep.spec.max_concurrency:
-                continue
-            wait = ep.ready_in(a.spec.tokens, state.t)
+                continue  # a call ending will be the next event
+            wait = ep.ready_in(tokens, state.t)
             if wait <= 0 or math.isinf(wait):
                 continue
             at = state.t + wait + 1e-9  # past the refill instant despite rounding
-            prev = self._wake_at.get(ep.name)
-            if prev is None or at < prev:
-                self._wake_at[ep.name] = at
-                self._push(at, WAKE, ep.name)
+            prev = self._wake_at.get(name)
+            if prev is None or prev <= state.t or at < prev:
+                self._wake_at[name] = at
+                self._push(at, WAKE, name)

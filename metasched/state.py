@@ -39,8 +39,10 @@ class ClusterState:
             (partitioning schedulers size partitions by it).
         reserved: ``(pool, task) -> units`` that a partitioning scheduler reserved for a
             task; they count as held, and as held-but-idle while the task does not use them.
-            ``pool`` is ``"cpu"`` (cores), ``"gpu"`` (devices) or ``api_key(endpoint)``
-            (concurrency slots of one endpoint).
+            ``pool`` is ``"cpu"`` (cores) or ``api_key(endpoint)`` (concurrency slots of
+            one endpoint).
+        device_owner: GPU device -> the task it is reserved for; an owned device
+            counts as held-but-idle while no batch runs on it.
         busy_by_task: ``(pool, task) -> units`` in use now, keyed like ``reserved``.
     """
 
@@ -55,6 +57,7 @@ class ClusterState:
         self.pending: dict[str, dict[int, Action]] = {k: {} for k in KINDS}
         self.trajectories: dict[int, Trajectory] = {}
         self.reserved: dict[tuple[str, str], int] = {}
+        self.device_owner: dict[int, str] = {}
         # Expected work per pool and task (estimate-seconds), for partitioning schedulers.
         self.task_demand: dict[str, dict[str, float]] = {k: {} for k in KINDS}
         self.busy_by_task: dict[tuple[str, str], int] = defaultdict(int)
@@ -62,6 +65,13 @@ class ClusterState:
         self.n_grants = 0
         self.metrics = Recorder(timeline_dt)
         self.max_node_cores = cluster.cores_per_node
+        # Time-in-system of unfinished actions, integrated (the progress reward's basis).
+        self.in_system_s = 0.0
+        # The current RL step, as the clock driving the state knows it (0 when none).
+        self.step_index = 0
+        self.step_start_t = 0.0
+        self.step_total = 0
+        self.step_done = 0
 
     # ------------------------------------------------------------------ queries
 
@@ -131,13 +141,23 @@ class ClusterState:
                 idle = units - bbt[(kind, task)]
                 if idle > 0:
                     held[KIND_INDEX[kind[:3]]] += idle
+        if self.device_owner:
+            devs = gpu.devices
+            held[1] = sum(1 for d in self.device_owner if not devs[d].busy)
+        self.in_system_s += (self.n_pending + self.n_running) * (t - self.t)
         self.metrics.integrate(self.t, t, (
             cpu.busy, cpu.held - cpu.held_busy + held[0], gpu.busy, held[1], api.busy, held[2]))
         self.t = t
 
     def reserve(self, pool: str, task: str, units: int) -> None:
         """Declare ``units`` of a pool reserved for ``task`` (partitioning schedulers)."""
+        if pool == "gpu":
+            raise ValueError("reserve GPU devices with reserve_device()")
         self.reserved[(pool, task)] = units
+
+    def reserve_device(self, device: int, task: str) -> None:
+        """Declare GPU ``device`` reserved for ``task`` (partitioning schedulers)."""
+        self.device_owner[device] = task
 
     def submit(self, a: Action) -> None:
         """Queue a newly arrived action."""

@@ -99,7 +99,7 @@ def sample_workload(w: WorkloadConfig, rng: np.random.Generator) -> WorkloadInst
     steps = []
     for _ in range(w.steps):
         step = []
-        for task, c in zip(w.tasks, counts):
+        for task, c in zip(w.tasks, counts, strict=True):
             step.extend(sample_trajectory(task, rng, w.estimate_error) for _ in range(c))
         steps.append(step)
     return WorkloadInstance(steps=steps)

@@ -1,4 +1,4 @@
-"""Tentative resource accounting within one ``decide`` call.
+"""Tentative resource accounting while planning several grants at one instant.
 
 A scheduler that returns several grants at once must not hand the same core, device
 or API slot out twice; the ledger tracks what the grants planned so far will use.
@@ -81,6 +81,20 @@ class Ledger:
         calls, tokens = self._api.get(ep.name, (0, 0))
         return (ep.in_flight + calls < ep.spec.max_concurrency and ep.req - calls >= 1.0
                 and ep.tok - tokens >= a.spec.tokens)
+
+    def default_grant(self, a: Action) -> Grant | None:
+        """The plainest legal grant for ``a`` (minimum cores; an idle device, resident
+        first, with a batch of queued same-service requests; the API call), or None."""
+        kind = a.spec.kind
+        if kind == "cpu":
+            node, room = self.cpu_room(a)
+            return self.take_cpu(a, node, a.spec.min_cores) if room >= a.spec.min_cores else None
+        if kind == "gpu":
+            if a.id in self.batched:
+                return None
+            device = self.idle_device_for(a.spec.service)
+            return None if device < 0 else self.take_gpu(a, device, self.batch_for(a))
+        return self.take_api(a) if self.api_ok(a) else None
 
     def take_api(self, a: Action) -> Grant:
         c = self._api.setdefault(a.spec.endpoint, [0, 0])

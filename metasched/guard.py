@@ -1,0 +1,46 @@
+"""Guardrails of the scheduling core: they hold for every scheduler, simulated or live.
+
+- No decision exceeds capacity: ``ClusterState.check`` rejects any grant the pools
+  cannot give (and the env's masks never offer one).
+- No action starves: an action that has waited longer than ``max_wait_s`` and could
+  start now is started before the scheduler is asked (and so is every action that
+  could start, when the scheduler waits with nothing left to happen), with a default
+  allocation
+  (its minimum cores; an idle device, resident service first, with the queued requests
+  to that service as a batch; its API call).
+"""
+
+from __future__ import annotations
+
+from metasched.ledger import Ledger
+from metasched.model import KINDS, Grant
+from metasched.state import ClusterState
+
+
+class WaitGuard:
+    """Serves actions past ``max_wait_s`` first; counts how often it fired."""
+
+    def __init__(self, max_wait_s: float | None) -> None:
+        if max_wait_s is not None and not max_wait_s > 0:
+            raise ValueError(f"max_wait_s must be > 0 or None (got {max_wait_s})")
+        self.max_wait_s = max_wait_s
+        self.fired = 0
+
+    def overdue(self, state: ClusterState, *, stalled: bool = False) -> list[Grant]:
+        """Default grants for the feasible actions that waited past the limit, oldest
+        first; with ``stalled`` (nothing else will ever happen), for all feasible ones."""
+        if self.max_wait_s is None:
+            return []
+        deadline = float("inf") if stalled else state.t - self.max_wait_s
+        led: Ledger | None = None
+        grants: list[Grant] = []
+        for kind in KINDS:
+            for a in state.pending[kind].values():  # submission order: oldest first
+                if a.submit_t >= deadline:
+                    break
+                led = led or Ledger(state)
+                g = led.default_grant(a)
+                if g is not None:
+                    grants.append(g)
+        self.fired += len(grants)
+        return grants

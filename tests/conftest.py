@@ -1,0 +1,110 @@
+"""Shared fixtures: tiny workloads and clusters built from plain dicts, and the
+Hypothesis profile (no deadline: the machine running the suite is shared)."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+from hypothesis import settings
+
+from metasched.config import parse_cluster, parse_workload
+
+settings.register_profile("metasched", deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "metasched"))
+
+# One GPU service, one API endpoint: enough for every action kind.
+SERVICES = {"rm": {"mem_gb": 30, "restore_s": 4.0, "max_batch": 8, "batch_marginal": 0.05}}
+
+
+def _workload_dict(reward: dict, *, actions: dict | None = None, turns=0, trajectories: int = 1,
+                  steps: int = 1, generation_s=1.0, sandbox: dict | None = None,
+                  services: dict | None = None, estimate_error: float = 0.0) -> dict:
+    """A one-task workload dict (task ``t``) with constant shapes by default."""
+    return {
+        "name": "tiny", "steps": steps, "trajectories_per_step": trajectories,
+        "estimate_error": estimate_error,
+        "services": copy.deepcopy(SERVICES if services is None else services),
+        "tasks": {"t": {"turns": turns, "generation_s": generation_s, "sandbox": sandbox,
+                        "actions": copy.deepcopy(actions or {}),
+                        "reward": copy.deepcopy(reward)}},
+    }
+
+
+def _cluster_dict(*, nodes: int = 1, cores: int = 4, mem_gb: float = 64.0, gpus: int = 1,
+                 gpu_mem_gb: float = 80.0, endpoints: dict | None = None) -> dict:
+    """A cluster dict; by default one 4-core node, one 80 GB GPU, endpoint ``e``."""
+    if endpoints is None:
+        endpoints = {"e": {"rpm": 600, "tpm": 60000, "max_concurrency": 4, "burst_s": 1.0}}
+    return {"name": "tiny",
+            "cpu": {"nodes": nodes, "cores_per_node": cores, "mem_gb_per_node": mem_gb},
+            "gpu": {"devices": gpus, "mem_gb": gpu_mem_gb},
+            "api": {"endpoints": copy.deepcopy(endpoints)}}
+
+
+@pytest.fixture
+def make_workload():
+    """Factory: ``make_workload(reward_dict, **kw)`` -> validated WorkloadConfig."""
+    def make(reward: dict, **kw):
+        return parse_workload(_workload_dict(reward, **kw))
+    return make
+
+
+@pytest.fixture
+def make_cluster():
+    """Factory: ``make_cluster(**kw)`` -> validated ClusterConfig."""
+    def make(**kw):
+        return parse_cluster(_cluster_dict(**kw))
+    return make
+
+
+@pytest.fixture
+def valid_config() -> tuple[dict, dict]:
+    """A valid (workload, cluster) dict pair using every kind of action, for tests that
+    break one field at a time. Task ``code`` (cpu, sandbox), ``rm`` (gpu reward),
+    ``search`` (api)."""
+    workload = {
+        "name": "valid", "steps": 2, "trajectories_per_step": 4, "estimate_error": 0.5,
+        "services": {"rm7b": {"mem_gb": 15, "restore_s": 4, "max_batch": 8,
+                              "batch_marginal": 0.05}},
+        "tasks": {
+            "code": {
+                "share": 0.5,
+                "turns": {"median": 3, "p90": 6, "min": 1, "max": 10},
+                "generation_s": {"median": 2.0, "p99": 20, "max": 60},
+                "sandbox": {"mem_gb": 4, "startup_s": 5},
+                "actions": {
+                    "shell": {"kind": "cpu", "prob": 0.7,
+                              "duration_s": {"median": 0.3, "p99": 5}, "timeout_s": 60},
+                    "tests": {"kind": "cpu", "prob": 0.3, "duration_s": {"median": 2, "p90": 10},
+                              "cores": [1, 8], "parallel_fraction": 0.8, "timeout_s": 60},
+                },
+                "reward": {"kind": "cpu", "duration_s": 10, "cores": [2, 8],
+                           "parallel_fraction": 0.9, "timeout_s": 300},
+            },
+            "rm": {
+                "share": 0.25, "turns": 0, "generation_s": 5, "sandbox": None, "actions": {},
+                "reward": {"kind": "gpu", "service": "rm7b", "duration_s": 0.2, "timeout_s": 60},
+            },
+            "search": {
+                "share": 0.25, "turns": {"median": 2, "min": 1, "max": 3}, "generation_s": 2,
+                "sandbox": None,
+                "actions": {"web": {"kind": "api", "prob": 1.0, "endpoint": "web",
+                                    "duration_s": 1.0, "timeout_s": 30}},
+                "reward": {"kind": "api", "endpoint": "judge", "duration_s": 3.0,
+                           "timeout_s": 300,
+                           "tokens": {"median": 2000, "p99": 6000, "max": 8000}},
+            },
+        },
+    }
+    cluster = {
+        "name": "valid",
+        "cpu": {"nodes": 2, "cores_per_node": 16, "mem_gb_per_node": 64},
+        "gpu": {"devices": 1, "mem_gb": 80},
+        "api": {"endpoints": {
+            "web": {"rpm": 600, "max_concurrency": 16},
+            "judge": {"rpm": 500, "tpm": 600000, "max_concurrency": 16, "burst_s": 1.0},
+        }},
+    }
+    return workload, cluster

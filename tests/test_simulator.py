@@ -1,0 +1,289 @@
+"""The event-driven simulator: timeouts, determinism, accounting at every event,
+synchronous steps, GPU batching, and runs that cannot make progress."""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import cache
+
+import numpy as np
+import pytest
+from metasched.agents import BASELINES, make_scheduler
+
+from metasched.configs import profile
+from metasched.errors import ConfigError
+from metasched.metrics import API_REQ, N_COLS
+from metasched.scheduler import Scheduler
+from metasched.simulator import SimulationError, Simulator
+
+
+@cache
+def small(name: str, steps: int = 1, trajectories: int = 24):
+    w, c = profile(name)
+    return dataclasses.replace(w, steps=steps, trajectories_per_step=trajectories), c
+
+
+class AlwaysWait(Scheduler):
+    name = "always_wait"
+
+    def decide(self, state):
+        return []
+
+
+def assert_same_result(a, b):
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, np.ndarray):
+            assert x.shape == y.shape and np.array_equal(x, y), f.name
+        else:
+            assert x == y, f.name
+
+
+# ------------------------------------------------------------------ timeouts
+
+
+def test_timeout_fails_at_start_plus_timeout_and_frees_cores(make_workload, make_cluster):
+    # Two 10 s actions with a 3 s timeout compete for a single core.
+    w = make_workload({"kind": "cpu", "duration_s": 10.0, "timeout_s": 3.0}, trajectories=2)
+    sim = Simulator(w, make_cluster(nodes=1, cores=1), seed=0)
+    r = sim.run(make_scheduler("fifo"))
+    order = np.argsort(r.start)
+    assert r.start[order].tolist() == [1.0, 4.0]  # the second starts when the first is killed
+    assert r.end[order].tolist() == [4.0, 7.0]  # start + timeout, not start + 10
+    assert not r.ok.any()
+    assert r.failure_reasons == {"timeout": 2}
+    assert (r.counters["completed"], r.counters["failed"], r.counters["pending"]) == (0, 2, 0)
+    assert r.makespan == 7.0
+    assert sim.state.cpu.free == [1] and sim.state.cpu.busy == 0
+
+
+@pytest.mark.parametrize("duration, ok", [(3.0, True), (3.0 + 1e-6, False), (2.0, True)])
+def test_timeout_boundary(make_workload, make_cluster, duration, ok):
+    w = make_workload({"kind": "cpu", "duration_s": duration, "timeout_s": 3.0})
+    r = Simulator(w, make_cluster(), seed=0).run(make_scheduler("fifo"))
+    assert r.ok.tolist() == [ok]
+    assert r.end[0] - r.start[0] == pytest.approx(min(duration, 3.0))
+
+
+@pytest.mark.parametrize("reward", [
+    {"kind": "api", "endpoint": "e", "duration_s": 10.0, "timeout_s": 2.0},
+    {"kind": "gpu", "service": "rm", "duration_s": 10.0, "timeout_s": 2.0},
+], ids=["api", "gpu"])
+def test_timeout_other_kinds(make_workload, make_cluster, reward):
+    r = Simulator(make_workload(reward), make_cluster(), seed=0).run(make_scheduler("fifo"))
+    assert r.ok.tolist() == [False]
+    assert r.end[0] == r.start[0] + 2.0
+    assert r.failure_reasons == {"timeout": 1}
+
+
+def test_api_slot_freed_after_timeout(make_workload, make_cluster):
+    # One concurrency slot: the second call starts when the first is killed at 1 + 2.
+    w = make_workload({"kind": "api", "endpoint": "e", "duration_s": 10.0, "timeout_s": 2.0},
+                      trajectories=2)
+    c = make_cluster(endpoints={"e": {"rpm": 6000, "max_concurrency": 1}})
+    r = Simulator(w, c, seed=0).run(make_scheduler("fifo"))
+    assert sorted(r.start.tolist()) == [1.0, 3.0]
+    assert sorted(r.end.tolist()) == [3.0, 5.0]
+
+
+# ------------------------------------------------------------------ determinism
+
+
+@pytest.mark.parametrize("scheduler", ["fifo", "random", "elastic_greedy", "static"])
+def test_same_seed_same_result(scheduler):
+    w, c = small("mixed")
+    a = Simulator(w, c, seed=7).run(make_scheduler(scheduler))
+    b = Simulator(w, c, seed=7).run(make_scheduler(scheduler))
+    assert len(a.act) > 50
+    assert_same_result(a, b)
+
+
+@pytest.mark.parametrize("scheduler", ["fifo", "random"])
+def test_different_seed_different_result(scheduler):
+    w, c = small("mixed")
+    a = Simulator(w, c, seed=7).run(make_scheduler(scheduler))
+    b = Simulator(w, c, seed=8).run(make_scheduler(scheduler))
+    assert a.submit.shape != b.submit.shape or not np.array_equal(a.submit, b.submit)
+    assert a.makespan != b.makespan
+
+
+def test_schedulers_see_the_same_workload_for_a_seed():
+    """Common random numbers: the scheduler's generator is separate from the workload's."""
+    w, c = small("mixed")
+    a = Simulator(w, c, seed=3).run(make_scheduler("fifo"))
+    b = Simulator(w, c, seed=3).run(make_scheduler("random"))
+    assert np.array_equal(np.sort(a.lower_bound), np.sort(b.lower_bound))
+    assert sorted(a.task.tolist()) == sorted(b.task.tolist())
+
+
+# ------------------------------------------------------------------ accounting
+
+
+def run_counting_invariants(w, c, scheduler, min_actions):
+    sim = Simulator(w, c, seed=0, check_invariants=True)
+    assert sim.instance.n_actions >= min_actions
+    state = sim.state
+    builtin = state.check_invariant
+    calls = [0]
+
+    def checked():
+        calls[0] += 1
+        builtin()
+        # Independently of the counters: every finished action was recorded once.
+        assert len(state.metrics.ok) + state.n_pending + state.n_running == state.n_submitted
+
+    state.check_invariant = checked
+    r = sim.run(make_scheduler(scheduler))
+    assert calls[0] >= sim.n_events  # checked at every event
+    n = r.counters["submitted"]
+    assert n == sim.instance.n_actions
+    assert n == r.counters["completed"] + r.counters["failed"]
+    assert r.counters["pending"] == 0
+    assert len(r.act) == n
+    assert r.counters["completed"] == int(r.ok.sum())
+    return r
+
+
+def test_accounting_invariant_every_event_100k_actions():
+    w, c = profile("mixed")  # every pool kind; ~5,300 actions per step
+    r = run_counting_invariants(dataclasses.replace(w, steps=21), c, "elastic_greedy", 100_000)
+    assert r.counters["events"] >= 200_000
+
+
+@pytest.mark.parametrize("scheduler", BASELINES)
+def test_accounting_invariant_every_event_10k_actions(scheduler):
+    w, c = small("mixed", steps=2, trajectories=256)
+    run_counting_invariants(w, c, scheduler, 10_000)
+
+
+def test_timeline_matches_totals():
+    w, c = small("mixed")
+    r = Simulator(w, c, seed=1, timeline_dt=5.0).run(make_scheduler("elastic_greedy"))
+    assert r.timeline.shape[1] == N_COLS
+    assert r.timeline.shape[0] == pytest.approx(np.ceil(r.makespan / 5.0), abs=1)
+    assert np.allclose(r.timeline.sum(axis=0)[:API_REQ], r.totals[:API_REQ], rtol=1e-9)
+    assert r.timeline[:, API_REQ].sum() == r.totals[API_REQ] == int((r.kind == 2).sum())
+
+
+# ------------------------------------------------------------------ steps
+
+
+def test_synchronous_steps_exact(make_workload, make_cluster):
+    # Each step: 1 s generation, then a 2 s reward; the next step starts at its end.
+    w = make_workload({"kind": "cpu", "duration_s": 2.0, "timeout_s": 10.0},
+                      trajectories=2, steps=3)
+    r = Simulator(w, make_cluster(), seed=0).run(make_scheduler("fifo"))
+    assert r.step_start.tolist() == [0.0, 3.0, 6.0]
+    assert r.step_end.tolist() == [3.0, 6.0, 9.0]
+    assert sorted(r.submit.tolist()) == [1.0, 1.0, 4.0, 4.0, 7.0, 7.0]
+
+
+@pytest.mark.parametrize("name, steps", [("coding", 3), ("rm_math", 4)])
+def test_synchronous_steps_on_profile(name, steps):
+    w, c = small(name, steps=steps, trajectories=6)
+    r = Simulator(w, c, seed=2).run(make_scheduler("elastic_greedy"))
+    assert len(r.step_start) == len(r.step_end) == steps
+    assert r.step_start[0] == 0.0
+    assert np.array_equal(r.step_start[1:], r.step_end[:-1])  # no gap, no overlap
+    assert (r.step_s > 0).all()
+    assert r.makespan == r.step_end[-1]
+    # Every action lives inside one step, and a step ends with its last action.
+    step = np.searchsorted(r.step_end, r.submit, side="left")
+    assert (r.submit >= r.step_start[step]).all()
+    assert (r.end <= r.step_end[step]).all()
+    for k in range(steps):
+        assert r.end[step == k].max() == r.step_end[k]
+
+
+# ------------------------------------------------------------------ GPU batching
+
+
+@pytest.mark.parametrize("scheduler", BASELINES)
+def test_gpu_requests_are_batched(make_workload, make_cluster, scheduler):
+    """32 requests arrive at t = 1 on one device (max_batch 8, marginal 0.05, restore 4 s):
+    4 batches of 8, each taking 0.5 x (1 + 0.05 x 7) = 0.675 s, the first after a restore."""
+    w = make_workload({"kind": "gpu", "service": "rm", "duration_s": 0.5, "timeout_s": 300},
+                      trajectories=32)
+    r = Simulator(w, make_cluster(), seed=0).run(make_scheduler(scheduler))
+    assert r.counters["submitted"] == 32 and r.ok.all()
+    assert r.counters["grants"] == 4  # fewer batches than requests
+    assert r.counters["gpu_restores"] == 1
+    ends = np.unique(r.end)
+    assert ends == pytest.approx([5.675, 6.35, 7.025, 7.7])
+    assert [int((r.end == e).sum()) for e in ends] == [8, 8, 8, 8]
+
+
+def test_gpu_batches_on_profile():
+    w, c = small("rm_math", trajectories=64)
+    r = Simulator(w, c, seed=0).run(make_scheduler("fifo"))
+    n_gpu = int((r.kind == 1).sum())
+    n_cpu = int((r.kind == 0).sum())
+    assert n_gpu == 64  # one reward request per trajectory
+    # Every cpu action is one grant; the gpu requests took fewer grants than requests.
+    assert r.counters["grants"] - n_cpu < n_gpu
+
+
+# ------------------------------------------------------------------ no progress
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("reward", [
+    {"kind": "cpu", "duration_s": 1.0, "timeout_s": 10.0},
+    {"kind": "gpu", "service": "rm", "duration_s": 1.0, "timeout_s": 10.0},
+    {"kind": "api", "endpoint": "e", "duration_s": 1.0, "timeout_s": 10.0},
+], ids=["cpu", "gpu", "api"])
+def test_always_waiting_scheduler_raises(make_workload, make_cluster, reward):
+    w = make_workload(reward, trajectories=3, steps=2)
+    sim = Simulator(w, make_cluster(), seed=0)
+    with pytest.raises(SimulationError, match="3 actions pending"):
+        sim.run(AlwaysWait())
+    assert sim.n_waits >= 1 and sim.state.n_grants == 0
+
+
+def test_illegal_grant_raises(make_workload, make_cluster):
+    from metasched.model import Grant
+    from metasched.state import InvalidGrant
+
+    class TooGreedy(Scheduler):
+        def decide(self, state):
+            return [Grant(a, cores=99, node=0) for a in state.pending["cpu"].values()]
+
+    w = make_workload({"kind": "cpu", "duration_s": 1.0, "timeout_s": 10.0, "cores": [1, 128]})
+    with pytest.raises(InvalidGrant):
+        Simulator(w, make_cluster(), seed=0).run(TooGreedy())
+
+
+# ------------------------------------------------------------------ regressions
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("scheduler", ["fifo", "elastic_greedy"])
+def test_api_calls_waiting_for_rpm_refill_complete(make_workload, make_cluster, scheduler):
+    # 60 rpm, bucket of 1: three calls at t = 1 start at 1, 2 and 3.
+    w = make_workload({"kind": "api", "endpoint": "e", "duration_s": 0.1, "timeout_s": 10.0},
+                      trajectories=3)
+    c = make_cluster(endpoints={"e": {"rpm": 60, "max_concurrency": 10}})
+    r = Simulator(w, c, seed=0).run(make_scheduler(scheduler))
+    assert sorted(r.start.tolist()) == pytest.approx([1.0, 2.0, 3.0])
+
+
+@pytest.mark.timeout(30)
+def test_sandbox_without_cpu_nodes_is_an_error(make_workload, make_cluster):
+    from metasched.config import check_compatible
+
+    w = make_workload({"kind": "api", "endpoint": "e", "duration_s": 0.1, "timeout_s": 10.0},
+                      sandbox={"mem_gb": 0, "startup_s": 0}, trajectories=2)
+    c = make_cluster(nodes=0, cores=0, mem_gb=0.0)
+    with pytest.raises((ConfigError, SimulationError)):
+        check_compatible(w, c)
+        Simulator(w, c, seed=0).run(make_scheduler("fifo"))
+
+
+def test_api_utilisation_at_most_one_with_burst(make_workload, make_cluster):
+    # 60 rpm with a 10 s bucket: 10 calls start at once, the run lasts 1.1 s.
+    w = make_workload({"kind": "api", "endpoint": "e", "duration_s": 0.1, "timeout_s": 10.0},
+                      trajectories=10)
+    c = make_cluster(endpoints={"e": {"rpm": 60, "max_concurrency": 10, "burst_s": 10.0}})
+    r = Simulator(w, c, seed=0).run(make_scheduler("fifo"))
+    assert r.ok.all() and r.makespan == pytest.approx(1.1)
+    assert 0.0 <= r.utilisation()["api"] <= 1.0
