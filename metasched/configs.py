@@ -6,8 +6,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-from metasched.config import (ClusterConfig, WorkloadConfig, check_compatible, parse_cluster,
-                              parse_workload)
+from metasched.config import (
+    ClusterConfig,
+    WorkloadConfig,
+    check_compatible,
+    parse_cluster,
+    parse_workload,
+)
 from metasched.errors import ConfigError
 
 

@@ -8,8 +8,8 @@ from functools import cache
 
 import numpy as np
 import pytest
-from metasched.agents import BASELINES, make_scheduler
 
+from metasched.agents import BASELINES, make_scheduler
 from metasched.configs import profile
 from metasched.errors import ConfigError
 from metasched.metrics import CPU_BUSY, CPU_HELD, GPU_BUSY, GPU_HELD

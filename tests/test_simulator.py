@@ -8,8 +8,8 @@ from functools import cache
 
 import numpy as np
 import pytest
-from metasched.agents import BASELINES, make_scheduler
 
+from metasched.agents import BASELINES, make_scheduler
 from metasched.configs import profile
 from metasched.errors import ConfigError
 from metasched.metrics import API_REQ, N_COLS

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from metasched.agents import make_scheduler
 
+from metasched.agents import make_scheduler
 from metasched.config import ClusterConfig, WorkloadConfig
 from metasched.configs import profile
 from metasched.errors import ConfigError

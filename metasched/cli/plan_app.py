@@ -14,8 +14,15 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from metasched.cli.common import (CONFIG_PATH, int_setting, json_safe, preflight, run_dir,
-                                  seeds_setting, user_errors)
+from metasched.cli.common import (
+    CONFIG_PATH,
+    int_setting,
+    json_safe,
+    preflight,
+    run_dir,
+    seeds_setting,
+    user_errors,
+)
 from metasched.configs import load_profile
 from metasched.errors import ConfigError
 from metasched.model import KINDS
