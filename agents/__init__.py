@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from metasched.agents.checkpoint import is_checkpoint
 from metasched.agents.elastic import ElasticGreedyScheduler
 from metasched.agents.partitioned import StaticScheduler, TaskIsolatedScheduler
 from metasched.agents.queue import FifoScheduler, RandomScheduler, SjfScheduler
@@ -22,10 +23,15 @@ BASELINES: tuple[str, ...] = tuple(_REGISTRY)
 
 
 def make_scheduler(name: str, **params: Any) -> Scheduler:
-    """A fresh scheduler by name (one of ``BASELINES``), with optional parameters."""
+    """A fresh scheduler by name (one of ``BASELINES``) with optional parameters, or the
+    learned scheduler of a checkpoint directory when ``name`` is its path."""
+    if name not in _REGISTRY and is_checkpoint(name):
+        from metasched.agents.learned import LearnedScheduler
+
+        return LearnedScheduler(name, **params)
     if name not in _REGISTRY:
         raise ConfigError("schedulers", f"unknown scheduler {name!r} (known: "
-                          f"{', '.join(BASELINES)})")
+                          f"{', '.join(BASELINES)}, or a checkpoint directory)")
     try:
         return _REGISTRY[name](**params)
     except (TypeError, ValueError) as e:

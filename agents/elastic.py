@@ -21,8 +21,6 @@ from __future__ import annotations
 import heapq
 import math
 
-import numpy as np
-
 from metasched.ledger import Ledger
 from metasched.model import Action, Grant
 from metasched.pools import EndpointSpec
@@ -58,9 +56,6 @@ class ElasticGreedyScheduler(Scheduler):
             raise ValueError(f"headroom must be in [0, 1] (got {headroom})")
         self.headroom = headroom
         self.min_gain_s = min_gain_s
-
-    def reset(self, state: ClusterState, rng: np.random.Generator) -> None:
-        self.dev_free_est = [0.0] * state.gpu.total
 
     def decide(self, state: ClusterState) -> list[Grant]:
         led = Ledger(state)
@@ -135,6 +130,7 @@ class ElasticGreedyScheduler(Scheduler):
     def _gpu(self, state: ClusterState, led: Ledger, grants: list[Grant]) -> None:
         gpu = state.gpu
         t = state.t
+        planned: dict[int, float] = {}  # devices granted in this call -> estimated free time
         queues: dict[str, list[Action]] = {}
         for a in state.pending["gpu"].values():
             queues.setdefault(a.spec.service, []).append(a)
@@ -149,7 +145,8 @@ class ElasticGreedyScheduler(Scheduler):
                 else:
                     busy_res = [d for d in range(gpu.total)
                                 if d not in led.idle and svc_name in gpu.devices[d].resident]
-                    soonest = min((self.dev_free_est[d] for d in busy_res), default=None)
+                    soonest = min((planned.get(d, gpu.devices[d].est_free_t) for d in busy_res),
+                                  default=None)
                     if soonest is not None and soonest - t <= svc.restore_s:
                         break  # cheaper to wait for the resident copy
                     device = self._restore_target(state, led, svc_name, queues)
@@ -157,8 +154,8 @@ class ElasticGreedyScheduler(Scheduler):
                         break
                 batch = q[: svc.max_batch]
                 del q[: svc.max_batch]
-                delay = gpu.restore_cost(svc_name, device)
-                self.dev_free_est[device] = t + delay + svc.batch_s([b.spec.est_s for b in batch])
+                planned[device] = (t + gpu.restore_cost(svc_name, device)
+                                   + svc.batch_s([b.spec.est_s for b in batch]))
                 grants.append(led.take_gpu(batch[0], device, tuple(batch[1:])))
 
     def _restore_target(self, state: ClusterState, led: Ledger, service: str,

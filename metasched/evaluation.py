@@ -33,6 +33,8 @@ class Job:
     params: dict[str, Any]
     seed: int
     timeline_dt: float = 10.0
+    max_wait_s: float | None = None
+    label: str | None = None  # the name in results (default: ``scheduler``)
 
 
 def run_job(job: Job) -> dict[str, Any]:
@@ -40,7 +42,8 @@ def run_job(job: Job) -> dict[str, Any]:
     from metasched.agents import make_scheduler
     from metasched.simulator import Simulator
 
-    sim = Simulator(job.workload, job.cluster, job.seed, timeline_dt=job.timeline_dt)
+    sim = Simulator(job.workload, job.cluster, job.seed, timeline_dt=job.timeline_dt,
+                    max_wait_s=job.max_wait_s)
     r = sim.run(make_scheduler(job.scheduler, **job.params))
     tl = r.timeline
     span = r.timeline_dt
@@ -52,7 +55,7 @@ def run_job(job: Job) -> dict[str, Any]:
     }
     act = r.act
     return {
-        "scheduler": job.scheduler, "seed": job.seed,
+        "scheduler": job.label or job.scheduler, "seed": job.seed,
         "act": act.astype(np.float32), "kind": r.kind, "ok": r.ok,
         "mean_act_s": float(act.mean()) if act.size else math.nan,
         "mean_lower_bound_s": float(r.lower_bound.mean()) if act.size else math.nan,
@@ -143,6 +146,7 @@ def aggregate(workload: str, seeds: list[int], runs: list[dict[str, Any]]) -> di
             "actions": int(act.size),
             "failure_reasons": _sum_dicts(r["failure_reasons"] for r in rs),
             "decisions": int(sum(r["counters"]["decisions"] for r in rs)),
+            "guard_fired": int(sum(r["counters"]["guard_fired"] for r in rs)),
             "mean_makespan_s": float(np.mean([r["makespan_s"] for r in rs])),
         }
     return out
@@ -158,11 +162,14 @@ def _sum_dicts(ds) -> dict[str, int]:
 
 def evaluate(workload: WorkloadConfig, cluster: ClusterConfig, schedulers: Sequence[str],
              seeds: Sequence[int], *, params: dict[str, dict[str, Any]] | None = None,
-             workers: int = 1, timeline_dt: float = 10.0,
+             workers: int = 1, timeline_dt: float = 10.0, max_wait_s: float | None = None,
+             paths: dict[str, str] | None = None,
              progress: bool = True) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Run every scheduler on every seed; returns (results document, per-run data)."""
-    params = params or {}
-    jobs = [Job(workload, cluster, s, dict(params.get(s, {})), seed, timeline_dt)
+    """Run every scheduler on every seed; returns (results document, per-run data).
+    ``paths`` maps a scheduler name to what loads it (a checkpoint directory)."""
+    params, paths = params or {}, paths or {}
+    jobs = [Job(workload, cluster, paths.get(s, s), dict(params.get(s, {})), seed, timeline_dt,
+                max_wait_s, label=s)
             for s in schedulers for seed in seeds]
     runs = run_jobs(jobs, workers=workers, progress=progress)
     order = {s: i for i, s in enumerate(schedulers)}

@@ -26,17 +26,29 @@ class WaitGuard:
         self.max_wait_s = max_wait_s
         self.fired = 0
 
+    def next_deadline(self, state: ClusterState) -> float | None:
+        """When the longest-waiting pending action reaches the limit (None: no limit or
+        nothing pending)."""
+        if self.max_wait_s is None:
+            return None
+        oldest = min((next(iter(p.values())).submit_t for p in state.pending.values() if p),
+                     default=None)
+        return None if oldest is None else oldest + self.max_wait_s
+
     def overdue(self, state: ClusterState, *, stalled: bool = False) -> list[Grant]:
         """Default grants for the feasible actions that waited past the limit, oldest
         first; with ``stalled`` (nothing else will ever happen), for all feasible ones."""
-        if self.max_wait_s is None:
+        if stalled:
+            deadline = float("inf")
+        elif self.max_wait_s is None:
             return []
-        deadline = float("inf") if stalled else state.t - self.max_wait_s
+        else:  # waited at least the limit (a hair of slack for float rounding)
+            deadline = state.t - self.max_wait_s + 1e-9
         led: Ledger | None = None
         grants: list[Grant] = []
         for kind in KINDS:
             for a in state.pending[kind].values():  # submission order: oldest first
-                if a.submit_t >= deadline:
+                if a.submit_t > deadline:
                     break
                 led = led or Ledger(state)
                 g = led.default_grant(a)

@@ -104,7 +104,7 @@ class Device:
     """One GPU: memory, resident services (name -> last use time), and at most one
     running batch at a time."""
 
-    __slots__ = ("index", "mem_gb", "resident", "busy", "service", "task")
+    __slots__ = ("index", "mem_gb", "resident", "busy", "service", "task", "est_free_t")
 
     def __init__(self, index: int, mem_gb: float) -> None:
         self.index = index
@@ -113,6 +113,7 @@ class Device:
         self.busy = False
         self.service: str | None = None  # service of the running batch
         self.task: str | None = None  # task of the running batch's first request
+        self.est_free_t = 0.0  # when the running batch should end, by the estimates
 
     def mem_used(self, services: dict[str, ServiceSpec]) -> float:
         return sum(services[s].mem_gb for s in self.resident)

@@ -16,10 +16,10 @@ def results_table(doc: dict[str, Any]) -> str:
     """The results as a markdown table, one row per scheduler."""
     lb = doc["lower_bound"]["mean_act_s"]
     head = ("| scheduler | mean ACT s (95% CI) | p50 | p95 | p99 | ACT/LB | mean step s (95% CI) "
-            "| max step s | util cpu/gpu/api | idle-held cpu core-s | failed |")
+            "| max step s | util cpu/gpu/api | idle-held cpu core-s | failed | guard |")
     lines = [f"Workload `{doc['workload']}`, {len(doc['seeds'])} evaluation seeds "
              f"({doc['seeds'][0]}..{doc['seeds'][-1]}); lower bound mean ACT {_fmt(lb)} s.", "",
-             head, "|" + "---|" * 11]
+             head, "|" + "---|" * 12]
     for name, s in doc["schedulers"].items():
         ca, cs = s["ci95"]["mean_act_s"], s["ci95"]["mean_step_s"]
         u = s["utilisation"]
@@ -29,7 +29,8 @@ def results_table(doc: dict[str, Any]) -> str:
             f"| {s['act_over_lower_bound']:.2f} | {_fmt(s['mean_step_s'])} "
             f"({_fmt(cs[0])}–{_fmt(cs[1])}) | {_fmt(s['max_step_s'])} "
             f"| {u['cpu']:.1%} / {u['gpu']:.1%} / {u['api']:.1%} "
-            f"| {_fmt(s['idle_held_resource_s']['cpu'])} | {s['failed']} |")
+            f"| {_fmt(s['idle_held_resource_s']['cpu'])} | {s['failed']} "
+            f"| {s['guard_fired']} |")
     return "\n".join(lines) + "\n"
 
 

@@ -24,7 +24,7 @@ from metasched.state import ClusterState
 from metasched.workload import WorkloadInstance, sample_workload
 
 # Event types, in the order events at the same instant are handled.
-END, DEVICE_FREE, ARRIVE, INDEPENDENT, WAKE = range(5)
+END, DEVICE_FREE, ARRIVE, INDEPENDENT, WAKE, DEADLINE = range(6)
 
 
 class SimulationError(RuntimeError):
@@ -46,13 +46,19 @@ class Simulator:
         instance: a fixed workload instance (trace replay) instead of sampling.
         timeline_dt: bucket width of the utilisation timeline, seconds.
         max_wait_s: the core's starvation guard: an action that waited longer is started
-            (default allocation) before the scheduler is asked; None disables it.
+            (default allocation) before the scheduler is asked, as soon as it can start;
+            None disables it.
+        serve_stalled: when the scheduler waits with nothing left to happen, start what
+            can start (default allocation) instead of raising ``SimulationError``; always
+            on while ``max_wait_s`` is set. The env turns it on: a policy's wait must never
+            end a run.
         check_invariants: verify the accounting invariant at every event (slow; tests).
     """
 
     def __init__(self, workload: WorkloadConfig, cluster: ClusterConfig, seed: int, *,
                  instance: WorkloadInstance | None = None, timeline_dt: float = 10.0,
-                 max_wait_s: float | None = None, check_invariants: bool = False) -> None:
+                 max_wait_s: float | None = None, serve_stalled: bool = False,
+                 check_invariants: bool = False) -> None:
         self.workload = workload
         self.cluster = cluster
         self.seed = seed
@@ -67,6 +73,8 @@ class Simulator:
         self.state = ClusterState(cluster, workload.services, timeline_dt=timeline_dt)
         self.check_invariants = check_invariants
         self.guard = WaitGuard(max_wait_s)
+        self.serve_stalled = serve_stalled or max_wait_s is not None
+        self._deadline_at = -1.0  # the pending guard wake-up, if in the future
         self.state.task_demand = self.instance.demand_by_task()
         self._heap: list[tuple[float, int, int, object]] = []
         self._seq = 0
@@ -124,7 +132,7 @@ class Simulator:
             if state.pending["api"]:
                 self._schedule_api_wakeups()
             if not self._heap:
-                if state.n_pending and self._waited:
+                if state.n_pending and self._waited and self.serve_stalled:
                     forced = self.guard.overdue(state, stalled=True)
                     for g in forced:
                         self.apply(g)
@@ -166,6 +174,12 @@ class Simulator:
         """Decline to act until the next event."""
         self.n_waits += 1
         self._waited = True
+        deadline = self.guard.next_deadline(self.state)
+        # Wake up when the longest-waiting action reaches the guard's limit.
+        if deadline is not None and deadline > self.state.t and (
+                self._deadline_at <= self.state.t or deadline < self._deadline_at):
+            self._deadline_at = deadline
+            self._push(deadline, DEADLINE, None)
 
     def result(self) -> RunResult:
         state = self.state
@@ -210,8 +224,9 @@ class Simulator:
                 self._on_arrive(obj)
             elif etype == INDEPENDENT:
                 self._submit(obj.spec, obj.task, None, 0)
-            else:  # WAKE: tokens have refilled; nothing to do but ask again
+            elif etype == WAKE:  # tokens have refilled; nothing to do but ask again
                 self._wake_at.pop(obj, None)
+            # DEADLINE: an action reached the guard's limit; the guard acts next
             if self.check_invariants:
                 self.state.check_invariant()
 

@@ -246,6 +246,8 @@ class ClusterState:
             d = self.gpu.devices[g.device]
             delay = self.gpu.make_resident(a.spec.service, g.device, t)
             d.busy, d.service, d.task = True, a.spec.service, a.task
+            svc = self.gpu.services[a.spec.service]
+            d.est_free_t = t + delay + svc.batch_s([a.spec.est_s] + [b.spec.est_s for b in g.batch])
             self.gpu.busy += 1
             self.busy_by_task[("gpu", a.task)] += 1
             started = (a, *g.batch)

@@ -10,6 +10,7 @@ Examples::
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import hydra
@@ -37,32 +38,53 @@ def eval_settings(cfg: dict[str, Any]) -> dict[str, Any]:
         scheds = [scheds]
     if not isinstance(scheds, list) or not scheds or not all(isinstance(s, str) for s in scheds):
         raise ConfigError("schedulers", f"must be a non-empty list of names (got {scheds!r})")
+    paths = {s: resolve_scheduler(s) for s in scheds}
     if len(set(scheds)) != len(scheds):
         raise ConfigError("schedulers", f"lists a scheduler twice ({scheds})")
     params = cfg.get("scheduler_params") or {}
     if not isinstance(params, dict):
         raise ConfigError("scheduler_params", "must be a mapping of scheduler name to kwargs")
     for s in scheds:
-        make_scheduler(s, **(params.get(s) or {}))  # fails early on unknown names/params
+        make_scheduler(paths[s], **(params.get(s) or {}))  # fails early on bad names/params
     dt = cfg.get("timeline_dt", 10.0)
     if isinstance(dt, bool) or not isinstance(dt, (int, float)) or not dt > 0:
         raise ConfigError("timeline_dt", f"must be a number > 0 (got {dt!r})")
-    return {"schedulers": scheds, "params": {s: dict(params.get(s) or {}) for s in scheds},
+    wait = cfg.get("max_wait_s")
+    if wait is not None and (isinstance(wait, bool) or not isinstance(wait, (int, float))
+                             or not wait > 0):
+        raise ConfigError("max_wait_s", f"must be a number > 0 or null (got {wait!r})")
+    return {"schedulers": scheds, "paths": paths,
+            "params": {s: dict(params.get(s) or {}) for s in scheds},
             "seeds": seeds_setting(cfg), "workers": int_setting(cfg, "workers", 1),
-            "timeline_dt": float(dt), "plots": bool(cfg.get("plots", True))}
+            "timeline_dt": float(dt), "plots": bool(cfg.get("plots", True)),
+            "max_wait_s": None if wait is None else float(wait)}
+
+
+def resolve_scheduler(name: str) -> str:
+    """A scheduler name as given, or a checkpoint path made absolute (looked up from the
+    working directory, then from the repository root, where ``checkpoints/`` lives)."""
+    from metasched.agents import BASELINES
+    from metasched.agents.checkpoint import is_checkpoint
+    from metasched.configs import config_dir
+
+    if name in BASELINES:
+        return name
+    for base in (Path.cwd(), config_dir().parent):
+        if is_checkpoint(base / name):
+            return str((base / name).resolve())
+    return name
 
 
 def run_eval(cfg: dict[str, Any], out_dir, progress: bool = True) -> dict[str, Any]:
     """Evaluate as configured and write results.json, results.md and plots to ``out_dir``."""
-    from pathlib import Path
-
     from metasched.evaluation import evaluate
     from metasched.report import plot_all, results_table
 
     workload, cluster = load_profile(cfg)
     s = eval_settings(cfg)
     doc, runs = evaluate(workload, cluster, s["schedulers"], s["seeds"], params=s["params"],
-                         workers=s["workers"], timeline_dt=s["timeline_dt"], progress=progress)
+                         workers=s["workers"], timeline_dt=s["timeline_dt"],
+                         max_wait_s=s["max_wait_s"], paths=s["paths"], progress=progress)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(json_safe(doc), indent=2) + "\n")

@@ -1,0 +1,81 @@
+"""Checkpoints of a learned scheduler: a directory holding
+
+- ``model.zip``: the SB3 MaskablePPO model (to resume training);
+- ``policy.npz``: the policy's weights for the NumPy forward pass (all inference);
+- ``metadata.json``: observation schema (version, K, L, slot feature names, caps),
+  the resolved training config, training seeds and eval metrics.
+
+Loading checks the schema against the running code and fails with a clear error when
+they differ.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from metasched.encoding import OBS_SCHEMA_VERSION, SLOT_FEATURES, ObsConfig
+from metasched.errors import ConfigError
+
+METADATA = "metadata.json"
+WEIGHTS = "policy.npz"
+MODEL = "model.zip"
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` is a checkpoint directory."""
+    p = Path(path)
+    return p.is_dir() and (p / METADATA).is_file()
+
+
+def save_checkpoint(path: str | Path, model, obs_config: ObsConfig,
+                    extra: dict[str, Any]) -> Path:
+    """Write ``model`` (a MaskablePPO with a ``SlotPolicy``) as a checkpoint directory."""
+    from metasched.agents.numpy_policy import NumpyPolicy
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save(out / MODEL)
+    NumpyPolicy.from_sb3(model.policy).save(out / WEIGHTS)
+    meta = {"obs_schema": schema(obs_config), **extra}
+    (out / METADATA).write_text(json.dumps(meta, indent=2, default=str) + "\n")
+    return out
+
+
+def schema(obs_config: ObsConfig) -> dict[str, Any]:
+    """What a checkpoint records about the observation it was trained on."""
+    return {"version": OBS_SCHEMA_VERSION, "slot_features": list(SLOT_FEATURES),
+            **obs_config.to_dict()}
+
+
+def load_metadata(path: str | Path) -> dict[str, Any]:
+    """A checkpoint's metadata, its schema checked against this code."""
+    p = Path(path)
+    if not is_checkpoint(p):
+        raise ConfigError("checkpoint", f"{p} is not a checkpoint directory (no {METADATA})")
+    try:
+        meta = json.loads((p / METADATA).read_text())
+        saved = meta["obs_schema"]
+        version = saved["version"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError("checkpoint", f"{p / METADATA} is unreadable ({e!r})") from None
+    if version != OBS_SCHEMA_VERSION:
+        raise ConfigError("checkpoint", f"{p} was trained on observation schema v{version}; "
+                          f"this code encodes v{OBS_SCHEMA_VERSION}. Retrain with metasched-train")
+    missing = sorted(set(ObsConfig.__dataclass_fields__) - set(saved))
+    if missing:
+        raise ConfigError("checkpoint", f"{p} was trained on an observation schema without "
+                          f"{', '.join(missing)}. Retrain with metasched-train")
+    try:
+        cfg = ObsConfig(**{k: saved[k] for k in ObsConfig.__dataclass_fields__})
+    except TypeError as e:
+        raise ConfigError("checkpoint", f"{p / METADATA} is unreadable ({e!r})") from None
+    current = schema(cfg)
+    if saved != current:
+        diff = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+        raise ConfigError("checkpoint", f"{p} was trained on observation schema "
+                          f"v{saved.get('version')}, this code encodes v{OBS_SCHEMA_VERSION}; "
+                          f"they differ in: {', '.join(diff)}. Retrain with metasched-train")
+    meta["obs_config"] = cfg
+    return meta

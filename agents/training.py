@@ -1,0 +1,241 @@
+"""Training the learned scheduler: env construction, callbacks, the training loop.
+
+Flow (``train``): build vectorised envs over the profile (domain randomisation and a
+load curriculum as configured) -> behaviour-clone ``elastic_greedy`` -> MaskablePPO
+with checkpoint, maskable-eval, curriculum and scheduler-metrics callbacks -> write the
+final and the best checkpoint directories.
+
+Validation during training uses seeds at the top of the training range (never the
+evaluation seeds): ``VALIDATION_SEEDS``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from stable_baselines3.common.callbacks import BaseCallback, CallbackList, CheckpointCallback
+from stable_baselines3.common.monitor import Monitor
+from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecNormalize
+
+from metasched.config import ClusterConfig, WorkloadConfig
+from metasched.encoding import ObsConfig
+from metasched.envs.scheduling import ActionSchedulingEnv, Randomization, RewardConfig
+from metasched.evaluation import TRAIN_SEED_MAX
+
+VALIDATION_SEEDS = tuple(range(TRAIN_SEED_MAX - 1000, TRAIN_SEED_MAX))
+TRAIN_SIM_SEEDS = (0, TRAIN_SEED_MAX - 1000)  # episodes draw simulation seeds from here
+
+
+def env_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
+    """ActionSchedulingEnv keyword arguments from the ``env`` and ``obs`` config sections."""
+    e = cfg["env"]
+    r = e.get("randomization") or {}
+    rand = None
+    if r.get("enabled", False):
+        est = r.get("estimate_error")
+        rand = Randomization(load=tuple(r["load"]), estimate_error=tuple(est) if est else None,
+                             generation_scale=tuple(r["generation_scale"]))
+    return {"obs_config": ObsConfig(**cfg["obs"]), "reward": RewardConfig(**e["reward"]),
+            "episode_steps": int(e["episode_steps"]), "horizon_mean_s": e.get("horizon_mean_s"),
+            "max_wait_s": e.get("max_wait_s"), "randomization": rand,
+            "seed_range": TRAIN_SIM_SEEDS}
+
+
+def _make_env(workload: WorkloadConfig, cluster: ClusterConfig, kwargs: dict[str, Any],
+              load: float, rank: int, seed: int):
+    def thunk():
+        torch.set_num_threads(1)
+        env = ActionSchedulingEnv(workload, cluster, load=load, **kwargs)
+        env.reset(seed=seed + 1000 * rank)
+        return Monitor(env)
+    return thunk
+
+
+class CurriculumCallback(BaseCallback):
+    """Ramps the envs' load multiplier linearly from ``start`` to ``end`` over the first
+    ``fraction`` of training (light -> heavy)."""
+
+    def __init__(self, start: float, end: float, fraction: float, total: int) -> None:
+        super().__init__()
+        self.start, self.end, self.span = start, end, max(1, int(fraction * total))
+        self.load = start
+
+    def _on_step(self) -> bool:
+        frac = min(1.0, self.num_timesteps / self.span)
+        load = self.start + (self.end - self.start) * frac
+        if abs(load - self.load) >= 0.01 or (frac == 1.0 and load != self.load):
+            self.load = load
+            self.training_env.env_method("set_load", load)
+            self.logger.record("curriculum/load", load)
+        return True
+
+
+def simulate(workload: WorkloadConfig, cluster: ClusterConfig, scheduler, seeds, *,
+             max_wait_s: float | None) -> dict[str, float]:
+    """Mean ACT, step time, utilisation and guard firings of ``scheduler`` over seeds."""
+    from metasched.simulator import Simulator
+
+    acts, steps, cpu, gpu, api, guard = [], [], [], [], [], 0
+    for s in seeds:
+        sim = Simulator(workload, cluster, s, max_wait_s=max_wait_s)
+        r = sim.run(scheduler)
+        acts.append(float(r.act.mean()))
+        steps.append(float(r.step_s.mean()))
+        u = r.utilisation()
+        cpu.append(u["cpu"])
+        gpu.append(u["gpu"])
+        api.append(u["api"])
+        guard += r.counters["guard_fired"]
+    return {"mean_act_s": float(np.mean(acts)), "mean_step_s": float(np.mean(steps)),
+            "utilisation_cpu": float(np.mean(cpu)), "utilisation_gpu": float(np.mean(gpu)),
+            "utilisation_api": float(np.mean(api)), "guard_fired": guard}
+
+
+class SchedulerMetricsCallback(BaseCallback):
+    """Every ``freq`` steps: simulate the current policy (NumPy fast path) on validation
+    seeds; log mean ACT, step time, utilisation and the gap to ``elastic_greedy``; keep
+    the best policy by mean ACT as a checkpoint directory."""
+
+    def __init__(self, workload: WorkloadConfig, cluster: ClusterConfig, obs_config: ObsConfig,
+                 seeds, freq: int, best_dir: Path, max_wait_s: float | None,
+                 meta: dict[str, Any]) -> None:
+        super().__init__()
+        from metasched.agents import make_scheduler
+
+        self.workload, self.cluster, self.obs_config = workload, cluster, obs_config
+        self.seeds, self.freq, self.best_dir = list(seeds), freq, best_dir
+        self.max_wait_s, self.meta = max_wait_s, meta
+        self.reference = simulate(workload, cluster, make_scheduler("elastic_greedy"),
+                                  self.seeds, max_wait_s=max_wait_s)
+        self.best: dict[str, float] | None = None
+        self.history: list[dict[str, float]] = []
+        self._last = 0
+
+    def evaluate(self) -> dict[str, float]:
+        from metasched.agents.learned import PolicyScheduler
+        from metasched.agents.numpy_policy import NumpyPolicy
+
+        sched = PolicyScheduler(NumpyPolicy.from_sb3(self.model.policy), self.obs_config)
+        m = simulate(self.workload, self.cluster, sched, self.seeds, max_wait_s=self.max_wait_s)
+        m["act_vs_elastic_greedy"] = m["mean_act_s"] / self.reference["mean_act_s"]
+        m["step_vs_elastic_greedy"] = m["mean_step_s"] / self.reference["mean_step_s"]
+        m["timesteps"] = self.num_timesteps
+        return m
+
+    def _on_training_start(self) -> None:
+        self.record(self.evaluate())  # the warm-started policy, before any PPO update
+
+    def _on_step(self) -> bool:
+        if self.num_timesteps - self._last < self.freq:
+            return True
+        self._last = self.num_timesteps
+        self.record(self.evaluate())
+        return True
+
+    def record(self, m: dict[str, float]) -> None:
+        from metasched.agents.checkpoint import save_checkpoint
+
+        self.history.append(m)
+        for k, v in m.items():
+            if k != "timesteps":
+                self.logger.record(f"scheduler/{k}", v)
+        if self.best is None or m["mean_act_s"] < self.best["mean_act_s"]:
+            self.best = m
+            save_checkpoint(self.best_dir, self.model, self.obs_config,
+                            {**self.meta, "validation": m, "reference": self.reference})
+        self.logger.dump(self.num_timesteps)
+
+
+def train(cfg: dict[str, Any], workload: WorkloadConfig, cluster: ClusterConfig,
+          out_dir: Path, *, progress: bool = True) -> dict[str, Any]:
+    """Run behaviour cloning then MaskablePPO as configured; returns a summary and
+    writes ``out_dir/checkpoint`` (final), ``out_dir/best`` and TensorBoard logs."""
+    from sb3_contrib import MaskablePPO
+    from sb3_contrib.common.maskable.callbacks import MaskableEvalCallback
+
+    from metasched.agents.checkpoint import save_checkpoint
+    from metasched.agents.imitation import behaviour_clone, collect_expert
+    from metasched.agents.policy import SlotPolicy, n_parameters
+
+    torch.set_num_threads(1)
+    t_start = time.perf_counter()
+    agent, seed = cfg["agent"], int(cfg["seed"])
+    kwargs = env_kwargs(cfg)
+    cur = cfg["env"].get("curriculum") or {}
+    load0 = float(cur["load_start"]) if cur.get("enabled") else 1.0
+    n_envs = int(agent["n_envs"])
+    thunks = [_make_env(workload, cluster, kwargs, load0, i, seed) for i in range(n_envs)]
+    venv = (SubprocVecEnv(thunks) if agent.get("vec_env") == "subproc" and n_envs > 1
+            else DummyVecEnv(thunks))
+    if agent.get("normalize_reward", False):
+        # Returns of -time-in-system are large; the critic learns them better scaled.
+        venv = VecNormalize(venv, norm_obs=False, norm_reward=True, gamma=float(agent["gamma"]))
+    model = MaskablePPO(
+        SlotPolicy, venv, learning_rate=float(agent["learning_rate"]),
+        n_steps=int(agent["n_steps"]), batch_size=int(agent["batch_size"]),
+        n_epochs=int(agent["n_epochs"]), gamma=float(agent["gamma"]),
+        gae_lambda=float(agent["gae_lambda"]), clip_range=float(agent["clip_range"]),
+        ent_coef=float(agent["ent_coef"]), vf_coef=float(agent["vf_coef"]),
+        max_grad_norm=float(agent["max_grad_norm"]),
+        target_kl=None if agent.get("target_kl") is None else float(agent["target_kl"]),
+        policy_kwargs={"hidden": int(agent["hidden"])},
+        tensorboard_log=str(out_dir / "tensorboard"), seed=seed, verbose=0)
+    meta = {"training": {"seed": seed, "sim_seed_range": list(TRAIN_SIM_SEEDS),
+                         "validation_seeds": list(VALIDATION_SEEDS[: int(cfg['eval']['seeds'])])},
+            "config": cfg, "parameters": n_parameters(model.policy)}
+
+    bc = agent.get("bc") or {}
+    bc_losses: list[float] = []
+    if int(bc.get("decisions", 0)) > 0:
+        # Full load (randomised as configured): the clone must know busy clusters too.
+        env = ActionSchedulingEnv(workload, cluster, load=1.0, **kwargs)
+        obs, actions = collect_expert(env, int(bc["decisions"]), seed)
+        bc_losses = behaviour_clone(model.policy, obs, actions, epochs=int(bc["epochs"]),
+                                    batch_size=int(bc["batch_size"]), lr=float(bc["lr"]),
+                                    seed=seed)
+
+    total = int(agent["total_timesteps"])
+    ev = cfg["eval"]
+    val_seeds = VALIDATION_SEEDS[: int(ev["seeds"])]
+    val_workload = replace(workload, steps=int(cfg["env"]["episode_steps"]))
+    metrics_cb = SchedulerMetricsCallback(val_workload, cluster, kwargs["obs_config"], val_seeds,
+                                          int(ev["freq"]), out_dir / "best",
+                                          kwargs["max_wait_s"], meta)
+
+    callbacks = [metrics_cb,
+                 CheckpointCallback(max(1, int(cfg["checkpoint_freq"]) // n_envs),
+                                    str(out_dir / "sb3_checkpoints"), name_prefix="model")]
+    if cur.get("enabled"):
+        callbacks.append(CurriculumCallback(load0, float(cur["load_end"]),
+                                            float(cur["fraction"]), total))
+    eval_kwargs = {**kwargs, "randomization": None,
+                   "seed_range": (VALIDATION_SEEDS[0], VALIDATION_SEEDS[-1] + 1)}
+    eval_thunk = _make_env(workload, cluster, eval_kwargs, 1.0, 0, seed)
+    eval_env = type(venv.unwrapped if isinstance(venv, VecNormalize) else venv)([eval_thunk])
+    if isinstance(venv, VecNormalize):  # the same wrappers as training, frozen statistics
+        eval_env = VecNormalize(eval_env, norm_obs=False, norm_reward=False, training=False)
+    callbacks.append(MaskableEvalCallback(
+        eval_env, n_eval_episodes=1, eval_freq=max(1, int(ev["freq"]) // n_envs),
+        best_model_save_path=str(out_dir / "sb3_best"), log_path=str(out_dir / "sb3_eval"),
+        deterministic=True, verbose=0))
+    t_bc = time.perf_counter() - t_start
+    model.learn(total, callback=CallbackList(callbacks), progress_bar=progress,
+                tb_log_name="ppo")
+    final = metrics_cb.history[-1]
+    if final["timesteps"] != model.num_timesteps:
+        final = metrics_cb.evaluate()
+        metrics_cb.record(final)
+    venv.close()
+    elapsed = time.perf_counter() - t_start
+    summary = {"elapsed_s": elapsed, "bc_s": t_bc, "bc_losses": bc_losses,
+               "final_validation": final, "best_validation": metrics_cb.best,
+               "reference_elastic_greedy": metrics_cb.reference, "history": metrics_cb.history}
+    save_checkpoint(out_dir / "checkpoint", model, kwargs["obs_config"],
+                    {**meta, "validation": final, "reference": metrics_cb.reference,
+                     "training_summary": {k: v for k, v in summary.items() if k != "history"}})
+    return summary

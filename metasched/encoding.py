@@ -1,0 +1,372 @@
+"""Observation encoder and action masks, shared by the Gymnasium env, evaluation of
+learned policies and the live dispatcher (one encoder: no sim/live skew).
+
+Observation (a dict of float32 arrays):
+
+- ``slots`` (K * F, row-major K x F): K pending actions, one row each, zero rows after the last;
+  actions that could start now come first, then the others, each group longest
+  waiting first (ties by id); features in ``SLOT_FEATURES`` order.
+- ``backlog`` (9, row-major 3 x 3): per kind (cpu, gpu, api), for the pending actions beyond the K
+  slots: log1p(count), log1p(total estimated seconds), log1p(longest wait). Nothing in
+  the queue is invisible.
+- ``pools``: cluster-wide and per-unit state (``pool_features`` documents the layout):
+  CPU busy/held fractions and free cores per node; per GPU device busy, memory used and
+  resident services; per API endpoint request/token bucket levels and concurrency;
+  step progress and queue size. Every feature is clipped to [0, ``OBS_HIGH``].
+- ``action_mask`` (K x L + 1): which actions are legal now.
+
+The advisor (``ObsConfig.advisor``, ``elastic_greedy`` by default) is asked what it
+would start now; its proposal enters as the slot features ``advised`` /
+``advised_size_frac`` and the pool feature ``advisor_waits``. The policy learns when
+to follow it and when to do better.
+
+Action ``i = slot * L + level`` grants the action in ``slot`` at allocation ``level``;
+``i = K * L`` waits until the next event (always legal). Levels: cpu, cores spaced
+geometrically from the action's minimum (level 0) to its maximum (level L-1), legal if
+that many cores are free on its node; gpu, a batch of at most 1 .. max_batch requests
+(geometric) on the preferred idle device (service resident, else room without
+eviction, else least recently used); api, level 0 only.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from metasched.ledger import Ledger
+from metasched.model import Action, Grant
+from metasched.state import ClusterState
+
+OBS_SCHEMA_VERSION = 1
+OBS_HIGH = 1e4  # every feature is clipped to [0, OBS_HIGH]
+
+SLOT_FEATURES = (
+    "is_cpu", "is_gpu", "is_api",
+    "log_est_s",              # log1p(estimated run time at minimum allocation)
+    "log_est_best_s",         # log1p(estimated run time at maximum cores)
+    "min_cores_frac",         # min cores / cores per node
+    "max_cores_frac",         # max cores / cores per node
+    "parallel_fraction",
+    "log_wait_s",             # log1p(time since submission)
+    "is_reward",              # the trajectory's last action
+    "log_turn",               # log1p(turns the trajectory has submitted)
+    "log_traj_elapsed_s",     # log1p(time since the trajectory started)
+    "log_traj_act_s",         # log1p(sum of the trajectory's finished ACTs)
+    "node_free_frac",         # cpu: free (+ held) cores on its node / cores per node
+    "resident_idle",          # gpu: its service is resident on an idle device
+    "log_restore_s",          # gpu: log1p(restore time on the preferred idle device)
+    "same_service_frac",      # gpu: queued requests to its service / max batch
+    "req_tokens_frac",        # api: request bucket level / capacity
+    "tok_tokens_frac",        # api: token bucket level / tokens the call needs (<= 1)
+    "concurrency_frac",       # api: calls in flight / max concurrency
+    "feasible",               # some level is legal now
+    "advised",                # the advisor heuristic would start this action now
+    "advised_size_frac",      # its advised cores / max cores (cpu) or batch / max batch (gpu)
+    "present",                # 1 for a filled slot (always the last feature)
+)
+F = len(SLOT_FEATURES)
+KIND_NAMES = ("cpu", "gpu", "api")
+
+
+@dataclass(frozen=True)
+class ObsConfig:
+    """Sizes of the observation; part of a checkpoint's schema."""
+
+    k_slots: int = 16
+    levels: int = 4
+    max_nodes: int = 8
+    max_devices: int = 4
+    max_services: int = 4
+    max_endpoints: int = 4
+    advisor: str | None = "elastic_greedy"  # heuristic whose proposal is a feature
+    version: int = OBS_SCHEMA_VERSION
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def n_actions(self) -> int:
+        return self.k_slots * self.levels + 1
+
+    def pool_size(self) -> int:
+        return (2 + self.max_nodes + self.max_devices * (2 + self.max_services)
+                + self.max_endpoints * 3 + 5)
+
+
+def pool_features(cfg: ObsConfig) -> list[str]:
+    """Names of the ``pools`` entries, in order."""
+    names = ["cpu_busy_frac", "cpu_held_frac"]
+    names += [f"node{i}_free_frac" for i in range(cfg.max_nodes)]
+    for d in range(cfg.max_devices):
+        names += [f"gpu{d}_busy", f"gpu{d}_mem_frac"]
+        names += [f"gpu{d}_resident_{s}" for s in range(cfg.max_services)]
+    for e in range(cfg.max_endpoints):
+        names += [f"api{e}_req_frac", f"api{e}_tok_frac", f"api{e}_concurrency_frac"]
+    names += ["step_progress", "log_step_elapsed_s", "log_pending", "log_running",
+              "advisor_waits"]
+    return names
+
+
+def cpu_levels(min_cores: int, max_cores: int, levels: int) -> list[int]:
+    """Core counts of the allocation levels: geometric from min to max; a level that
+    repeats the previous count is -1 (never legal)."""
+    out, prev = [], 0
+    for lv in range(levels):
+        f = lv / (levels - 1) if levels > 1 else 0.0
+        c = int(round(min_cores * (max_cores / min_cores) ** f))
+        out.append(c if c != prev else -1)
+        prev = c
+    return out
+
+
+def batch_levels(max_batch: int, levels: int) -> list[int]:
+    """Batch-size caps of the gpu levels (1 .. max_batch, geometric; repeats are -1)."""
+    return cpu_levels(1, max_batch, levels)
+
+
+class ObservationEncoder:
+    """Turns a ``ClusterState`` into the observation, mask and grants of the policy.
+
+    Raises ``ValueError`` if the cluster exceeds the observation's sizes.
+    """
+
+    def __init__(self, state: ClusterState, cfg: ObsConfig | None = None) -> None:
+        self.cfg = cfg = cfg or ObsConfig()
+        if cfg.levels < 1 or cfg.k_slots < 1:
+            raise ValueError("k_slots and levels must be >= 1")
+        for what, n, cap in (("CPU nodes", state.cpu.n_nodes, cfg.max_nodes),
+                             ("GPU devices", state.gpu.total, cfg.max_devices),
+                             ("GPU services", len(state.gpu.services), cfg.max_services),
+                             ("API endpoints", len(state.api.endpoints), cfg.max_endpoints)):
+            if n > cap:
+                raise ValueError(f"{what}: {n} exceed the observation's {cap}")
+        self.advisor = None
+        if cfg.advisor is not None:
+            from metasched.agents import make_scheduler  # the core only names the advisor
+
+            self.advisor = make_scheduler(cfg.advisor)
+            self.advisor.reset(state, np.random.default_rng(0))
+        self.service_index = {s: i for i, s in enumerate(sorted(state.gpu.services))}
+        self.endpoint_names = sorted(state.api.endpoints)
+        self.node_cores = max(1, state.cluster.cores_per_node)
+
+    # ------------------------------------------------------------------ slots
+
+    def slots(self, state: ClusterState) -> list[Action]:
+        """The K actions in the slots: those that could start now first, then the rest;
+        each group longest waiting first (ties by id). So whenever a decision is
+        possible some slot holds an action that can start."""
+        p = state.pending
+        merged = heapq.merge(p["cpu"].values(), p["gpu"].values(), p["api"].values(),
+                             key=lambda a: (a.submit_t, a.id))
+        k = self.cfg.k_slots
+        ready: list[Action] = []
+        blocked: list[Action] = []
+        for a in merged:
+            if state.feasible(a):
+                ready.append(a)
+                if len(ready) == k:
+                    break
+            elif len(blocked) < k:
+                blocked.append(a)
+        return (ready + blocked)[:k]
+
+    # ------------------------------------------------------------------ mask / grants
+
+    def _legal_levels(self, state: ClusterState, led: Ledger, a: Action) -> list[bool]:
+        L = self.cfg.levels
+        spec = a.spec
+        if spec.kind == "cpu":
+            _, room = led.cpu_room(a)
+            return [0 < c <= room for c in cpu_levels(spec.min_cores, spec.max_cores, L)]
+        if spec.kind == "gpu":
+            if led.idle_device_for(spec.service) < 0:
+                return [False] * L
+            svc = state.gpu.services[spec.service]
+            return [b > 0 for b in batch_levels(svc.max_batch, L)]
+        return [led.api_ok(a)] + [False] * (L - 1)
+
+    def mask(self, state: ClusterState, slots: list[Action] | None = None) -> np.ndarray:
+        """Legal actions now: (K * L + 1,) bool, wait last and always legal."""
+        slots = self.slots(state) if slots is None else slots
+        cfg = self.cfg
+        m = np.zeros(cfg.n_actions, dtype=bool)
+        led = Ledger(state)
+        for i, a in enumerate(slots):
+            m[i * cfg.levels:(i + 1) * cfg.levels] = self._legal_levels(state, led, a)
+        m[-1] = True
+        return m
+
+    def grant(self, state: ClusterState, action: int,
+              slots: list[Action] | None = None) -> Grant | None:
+        """The grant that ``action`` means now; None for wait or an illegal action."""
+        cfg = self.cfg
+        if not 0 <= action < cfg.n_actions - 1:
+            return None
+        slots = self.slots(state) if slots is None else slots
+        i, level = divmod(int(action), cfg.levels)
+        if i >= len(slots):
+            return None
+        a = slots[i]
+        led = Ledger(state)
+        if not self._legal_levels(state, led, a)[level]:
+            return None
+        spec = a.spec
+        if spec.kind == "cpu":
+            node, _ = led.cpu_room(a)
+            return Grant(a, cores=cpu_levels(spec.min_cores, spec.max_cores, cfg.levels)[level],
+                         node=node)
+        if spec.kind == "gpu":
+            cap = batch_levels(state.gpu.services[spec.service].max_batch, cfg.levels)[level]
+            device = led.idle_device_for(spec.service)
+            return Grant(a, device=device, batch=led.batch_for(a, cap))
+        return Grant(a)
+
+    def action_for(self, state: ClusterState, g: Grant,
+                   slots: list[Action] | None = None) -> int | None:
+        """The env action closest to grant ``g`` (for imitating a heuristic), or None
+        when its action is not in a slot or no level of it is legal."""
+        slots = self.slots(state) if slots is None else slots
+        i = next((j for j, a in enumerate(slots) if a is g.action), -1)
+        if i < 0:
+            return None
+        legal = self._legal_levels(state, Ledger(state), g.action)
+        spec = g.action.spec
+        if spec.kind == "cpu":
+            sizes = cpu_levels(spec.min_cores, spec.max_cores, self.cfg.levels)
+            want = g.cores
+        elif spec.kind == "gpu":
+            sizes = batch_levels(state.gpu.services[spec.service].max_batch, self.cfg.levels)
+            want = 1 + len(g.batch)
+        else:
+            sizes, want = [1] + [-1] * (self.cfg.levels - 1), 1
+        best = min((abs(math.log(s) - math.log(want)), lv)
+                   for lv, s in enumerate(sizes) if s > 0 and legal[lv]) if any(legal) else None
+        return None if best is None else i * self.cfg.levels + best[1]
+
+    # ------------------------------------------------------------------ observation
+
+    def observe(self, state: ClusterState) -> dict[str, np.ndarray]:
+        """The observation dict (including ``action_mask``) for ``state`` now."""
+        cfg = self.cfg
+        slots = self.slots(state)
+        led = Ledger(state)
+        t = state.t
+        x = np.zeros((cfg.k_slots, F), dtype=np.float32)
+        mask = np.zeros(cfg.n_actions, dtype=bool)
+        nc = self.node_cores
+        gpu, api = state.gpu, state.api
+        advice: dict[int, float] = {}
+        if self.advisor is not None:
+            for g in self.advisor.decide(state):
+                s = g.action.spec
+                if s.kind == "cpu":
+                    advice[g.action.id] = g.cores / s.max_cores
+                elif s.kind == "gpu":
+                    cap = state.gpu.services[s.service].max_batch
+                    advice[g.action.id] = (1 + len(g.batch)) / cap
+                else:
+                    advice[g.action.id] = 1.0
+        queued_by_service: dict[str, int] = {}
+        if state.pending["gpu"]:
+            for a in state.pending["gpu"].values():
+                queued_by_service[a.spec.service] = queued_by_service.get(a.spec.service, 0) + 1
+        for i, a in enumerate(slots):
+            spec = a.spec
+            row = x[i]
+            row[0 if spec.kind == "cpu" else 1 if spec.kind == "gpu" else 2] = 1.0
+            row[3] = math.log1p(spec.est_s)
+            row[4] = math.log1p(spec.est_run_s(spec.max_cores))
+            row[5] = spec.min_cores / nc
+            row[6] = spec.max_cores / nc
+            row[7] = spec.parallel_fraction
+            row[8] = math.log1p(t - a.submit_t)
+            row[9] = float(spec.reward)
+            traj = a.traj
+            if traj is not None:
+                row[10] = math.log1p(traj.turn)
+                row[11] = math.log1p(max(0.0, t - traj.start_t))
+                row[12] = math.log1p(traj.act_s)
+            if spec.kind == "cpu":
+                _, room = led.cpu_room(a)
+                row[13] = room / nc
+            elif spec.kind == "gpu":
+                d = led.idle_device_for(spec.service)
+                if d >= 0:
+                    row[14] = float(spec.service in gpu.devices[d].resident)
+                    row[15] = math.log1p(gpu.restore_cost(spec.service, d))
+                queued = queued_by_service.get(spec.service, 0)
+                row[16] = queued / gpu.services[spec.service].max_batch
+            else:
+                ep = api.endpoints[spec.endpoint]
+                ep.refill(t)
+                row[17] = ep.req / ep.spec.req_capacity
+                row[18] = min(1.0, ep.tok / spec.tokens) if spec.tokens else 1.0
+                row[19] = ep.in_flight / ep.spec.max_concurrency
+            legal = self._legal_levels(state, led, a)
+            mask[i * cfg.levels:(i + 1) * cfg.levels] = legal
+            row[20] = float(any(legal))
+            if a.id in advice:
+                row[21] = 1.0
+                row[22] = advice[a.id]
+            row[23] = 1.0
+        mask[-1] = True
+        np.clip(x, 0.0, OBS_HIGH, out=x)
+        pools = self._pools(state)
+        pools[-1] = float(self.advisor is not None and not advice)
+        return {"slots": x.reshape(-1), "backlog": self._backlog(state, slots).reshape(-1),
+                "pools": np.clip(pools, 0.0, OBS_HIGH), "action_mask": mask.astype(np.int8)}
+
+    def _backlog(self, state: ClusterState, slots: list[Action]) -> np.ndarray:
+        b = np.zeros((3, 3), dtype=np.float32)
+        in_slots = {a.id for a in slots}
+        t = state.t
+        for k, kind in enumerate(KIND_NAMES):
+            pend = state.pending[kind]
+            if len(pend) == 0:
+                continue
+            n, work, oldest = 0, 0.0, 0.0
+            for a in pend.values():
+                if a.id in in_slots:
+                    continue
+                if n == 0:
+                    oldest = t - a.submit_t  # submission order: the first is the oldest
+                n += 1
+                work += a.spec.est_s
+            b[k] = (math.log1p(n), math.log1p(work), math.log1p(oldest))
+        return b
+
+    def _pools(self, state: ClusterState) -> np.ndarray:
+        cfg = self.cfg
+        v = np.zeros(cfg.pool_size(), dtype=np.float32)
+        cpu, gpu, api = state.cpu, state.gpu, state.api
+        total = max(1, cpu.total)
+        v[0] = cpu.busy / total
+        v[1] = cpu.held / total
+        o = 2
+        for n in range(cpu.n_nodes):
+            v[o + n] = cpu.free[n] / max(1, cpu.cores[n])
+        o += cfg.max_nodes
+        per_dev = 2 + cfg.max_services
+        for d, dev in enumerate(gpu.devices):
+            base = o + d * per_dev
+            v[base] = float(dev.busy)
+            v[base + 1] = dev.mem_used(gpu.services) / dev.mem_gb if dev.mem_gb else 0.0
+            for s in dev.resident:
+                v[base + 2 + self.service_index[s]] = 1.0
+        o += cfg.max_devices * per_dev
+        for e, name in enumerate(self.endpoint_names):
+            ep = api.endpoints[name]
+            ep.refill(state.t)
+            v[o + 3 * e] = ep.req / ep.spec.req_capacity
+            v[o + 3 * e + 1] = (ep.tok / ep.spec.tok_capacity) if ep.spec.tpm else 1.0
+            v[o + 3 * e + 2] = ep.in_flight / ep.spec.max_concurrency
+        o += cfg.max_endpoints * 3
+        v[o] = state.step_done / state.step_total if state.step_total else 0.0
+        v[o + 1] = math.log1p(max(0.0, state.t - state.step_start_t))
+        v[o + 2] = math.log1p(state.n_pending)
+        v[o + 3] = math.log1p(state.n_running)
+        return v  # v[o + 4], advisor_waits, is filled by observe()

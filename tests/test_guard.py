@@ -1,0 +1,166 @@
+"""The core's starvation guard (``max_wait_s``): it serves what a scheduler leaves
+waiting, within capacity, and bounds every wait."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import numpy as np
+import pytest
+
+from metasched.configs import profile
+from metasched.envs.scheduling import scale_workload
+from metasched.guard import WaitGuard
+from metasched.model import ActionSpec
+from metasched.scheduler import Scheduler
+from metasched.simulator import SimulationError, Simulator
+from metasched.workload import IndependentAction, WorkloadInstance
+
+PROFILES = ("coding", "search", "rm_math", "mixed")
+MAX_WAIT = 5.0
+
+
+@cache
+def shrunk(name: str):
+    w, c = profile(name)
+    return scale_workload(w, load=0.1), c
+
+
+class AlwaysWait(Scheduler):
+    name = "always_wait"
+
+    def decide(self, state):
+        return []
+
+
+class Probe(Simulator):
+    """Records, per action, since when it could start (checked after every instant and
+    every grant) and what it got; checks capacity after every grant."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.feasible_since: dict[int, float] = {}
+        self.at_start: dict[int, tuple[float, float, float | None]] = {}
+        super().__init__(*args, **kwargs)
+
+    def _probe(self) -> None:
+        st = self.state
+        for pend in st.pending.values():
+            for a in pend.values():
+                if st.feasible(a):
+                    self.feasible_since.setdefault(a.id, st.t)
+                else:
+                    self.feasible_since.pop(a.id, None)
+
+    def _process_instant(self) -> None:
+        super()._process_instant()
+        self._probe()
+
+    def apply(self, grant) -> None:
+        st = self.state
+        for a in (grant.action, *grant.batch):
+            self.at_start[a.id] = (a.submit_t, st.t, self.feasible_since.get(a.id))
+        super().apply(grant)
+        self._check_capacity()
+        self._probe()
+
+    def _check_capacity(self) -> None:
+        st = self.state
+        cpu, gpu = st.cpu, st.gpu
+        assert all(0 <= f <= c for f, c in zip(cpu.free, cpu.cores, strict=True))
+        assert 0 <= cpu.busy <= cpu.total
+        assert 0 <= gpu.busy == sum(d.busy for d in gpu.devices) <= gpu.total
+        for ep in st.api.endpoints.values():
+            assert 0 <= ep.in_flight <= ep.spec.max_concurrency
+            assert ep.req >= -1e-9 and ep.tok >= -1e-9
+
+
+def late_starts(sim: Probe, max_wait: float) -> list[tuple[int, float, float, float | None]]:
+    """Actions that started later than ``max_wait`` after submission and later than the
+    instant they last became able to start: (id, submit, start, feasible since)."""
+    out = []
+    for aid, (submit, start, since) in sim.at_start.items():
+        bound = submit + max_wait if since is None else max(submit + max_wait, since)
+        if start > bound + 1e-9:
+            out.append((aid, submit, start, since))
+    return out
+
+
+# ------------------------------------------------------------------ the guard serves
+
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_always_wait_completes_under_the_guard(name):
+    w, c = shrunk(name)
+    sim = Probe(w, c, 0, max_wait_s=MAX_WAIT, check_invariants=True)
+    r = sim.run(AlwaysWait())  # would raise SimulationError without the guard
+    n = r.counters["submitted"]
+    assert n > 0
+    assert r.counters["pending"] == 0
+    assert r.counters["completed"] + r.counters["failed"] == n == r.act.size
+    assert r.counters["grants"] > 0 and r.counters["guard_fired"] == r.counters["grants"]
+    assert len(sim.at_start) == n  # every action was started, by the guard
+    assert not np.isnan(r.start).any()
+
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_always_wait_without_guard_raises(name):
+    w, c = shrunk(name)
+    with pytest.raises(SimulationError, match="nothing left to happen"):
+        Simulator(w, c, 0, max_wait_s=None).run(AlwaysWait())
+
+
+@pytest.mark.parametrize("bad", [0, 0.0, -1.0, -1e-9, float("nan")])
+def test_guard_rejects_non_positive_limits(bad, make_workload, make_cluster):
+    with pytest.raises(ValueError, match="max_wait_s"):
+        WaitGuard(bad)
+    w = make_workload({"kind": "cpu", "duration_s": 1.0, "timeout_s": 10.0})
+    with pytest.raises(ValueError, match="max_wait_s"):
+        Simulator(w, make_cluster(), 0, max_wait_s=bad)
+
+
+def test_guard_off_and_on_construct():
+    assert WaitGuard(None).max_wait_s is None and WaitGuard(None).fired == 0
+    assert WaitGuard(0.5).max_wait_s == 0.5
+
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_guard_grants_within_capacity(name):
+    w, c = shrunk(name)
+    # Grants are checked by the state (InvalidGrant) and capacity by the probe after each.
+    sim = Probe(w, c, 1, max_wait_s=1.0, check_invariants=True)
+    r = sim.run(AlwaysWait())
+    assert r.counters["guard_fired"] > 0 and r.counters["pending"] == 0
+    u = r.utilisation()
+    assert 0.0 <= u["cpu"] <= 1.0 and 0.0 <= u["gpu"] <= 1.0 and u["api"] <= 1.0 + 1e-9
+
+
+def test_guard_leaves_a_working_scheduler_alone():
+    from metasched.agents import make_scheduler
+
+    w, c = shrunk("rm_math")
+    r = Simulator(w, c, 0, max_wait_s=1e6).run(make_scheduler("elastic_greedy"))
+    assert r.counters["guard_fired"] == 0 and r.counters["pending"] == 0
+
+
+# ------------------------------------------------------------------ the wait bound
+
+
+def test_wait_bounded_minimal(make_workload, make_cluster):
+    # Two 1-core actions arrive at t=1 and t=20 on an idle 4-core node.
+    w = make_workload({"kind": "cpu", "duration_s": 1.0, "timeout_s": 10.0})
+    spec = ActionSpec("cpu", "x", 1.0, 1.0, 10.0)
+    inst = WorkloadInstance(independent=[IndependentAction(1.0, "t", spec),
+                                         IndependentAction(20.0, "t", spec)])
+    sim = Probe(w, make_cluster(), 0, instance=inst, max_wait_s=MAX_WAIT)
+    sim.run(AlwaysWait())
+    assert sim.at_start[0][2] == 1.0  # it could start from its submission on
+    # It should start by t = 1 + 5; it starts at t = 20, when the next action arrives.
+    assert late_starts(sim, MAX_WAIT) == []
+
+
+@pytest.mark.parametrize("name", ["rm_math", "mixed"])
+def test_wait_bounded_on_profiles(name):
+    w, c = shrunk(name)
+    sim = Probe(w, c, 0, max_wait_s=MAX_WAIT)
+    sim.run(AlwaysWait())
+    assert late_starts(sim, MAX_WAIT) == []

@@ -1,0 +1,145 @@
+"""``metasched-train`` end to end at toy sizes: checkpoints that load and run, their
+metadata, TensorBoard logs, and one-line errors for bad settings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from metasched.agents.learned import LearnedScheduler
+from metasched.configs import compose, load_profile
+from metasched.encoding import ObsConfig
+from metasched.errors import ConfigError
+from metasched.simulator import Simulator
+
+TINY = ["workload=rm_math", "workload.trajectories_per_step=8", "agent.total_timesteps=512",
+        "agent.n_steps=128", "agent.batch_size=64", "agent.n_envs=1", "agent.vec_env=dummy",
+        "agent.bc.decisions=300", "agent.bc.epochs=1", "eval.freq=256", "eval.seeds=1",
+        "checkpoint_freq=256", "env.curriculum.enabled=false"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    from metasched.cli.train_app import run_train
+
+    n = torch.get_num_threads()
+    cfg = compose("train", TINY)
+    out = tmp_path_factory.mktemp("train")
+    summary = run_train(cfg, out, progress=False)
+    torch.set_num_threads(n)
+    return cfg, out, summary
+
+
+@pytest.mark.parametrize("which", ["checkpoint", "best"])
+def test_checkpoints_load_and_run(run, which):
+    cfg, out, _ = run
+    sched = LearnedScheduler(out / which)
+    assert sched.obs_config == ObsConfig(**cfg["obs"])
+    w, c = load_profile(cfg)
+    r = Simulator(w, c, 1_000_000, max_wait_s=300.0).run(sched)
+    assert r.counters["pending"] == 0
+    assert r.counters["completed"] + r.counters["failed"] == r.counters["submitted"] > 0
+
+
+def test_metadata_records_schema_config_seeds_and_validation(run):
+    cfg, out, summary = run
+    meta = json.loads((out / "checkpoint" / "metadata.json").read_text())
+    schema = meta["obs_schema"]
+    assert {k: schema[k] for k in cfg["obs"]} == cfg["obs"]
+    assert "slot_features" in schema and "version" in schema
+    assert meta["config"]["agent"]["total_timesteps"] == 512
+    assert meta["config"]["workload"]["name"] == "rm_math"
+    training = meta["training"]
+    assert training["seed"] == cfg["seed"]
+    lo, hi = training["sim_seed_range"]
+    seeds = training["validation_seeds"]
+    assert len(seeds) == 1 and 0 <= lo < hi <= seeds[0] < 1_000_000  # never eval seeds
+    val = meta["validation"]
+    assert val["mean_act_s"] > 0 and val["timesteps"] == 512
+    assert {"mean_step_s", "act_vs_elastic_greedy", "guard_fired"} <= set(val)
+    assert meta["reference"]["mean_act_s"] > 0
+    best = json.loads((out / "best" / "metadata.json").read_text())
+    assert best["validation"]["mean_act_s"] == pytest.approx(
+        summary["best_validation"]["mean_act_s"])
+    assert best["validation"]["mean_act_s"] <= val["mean_act_s"] + 1e-12
+    assert 0 < meta["parameters"] < 50_000
+    saved = json.loads((out / "train_summary.json").read_text())
+    assert saved["final_validation"]["mean_act_s"] == pytest.approx(val["mean_act_s"])
+    assert len(saved["bc_losses"]) == 1 and saved["bc_losses"][0] > 0
+
+
+def test_tensorboard_logs(run):
+    _, out, _ = run
+    events = list((out / "tensorboard").rglob("events.out.tfevents.*"))
+    assert events and all(e.stat().st_size > 0 for e in events)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags = set()
+    for e in events:
+        acc = EventAccumulator(str(e))
+        acc.Reload()
+        tags |= set(acc.Tags()["scalars"])
+    assert "scheduler/mean_act_s" in tags
+    assert any(t.startswith("train/") for t in tags)
+
+
+@pytest.mark.parametrize("override, field", [
+    ("agent.total_timesteps=0", "agent.total_timesteps"),
+    ("agent.learning_rate=-1", "agent.learning_rate"),
+    ("agent.gamma=1.5", "agent.gamma"),
+    ("obs.levels=1", "obs.levels"),
+    ("obs.k_slots=0", "obs.k_slots"),
+    ("obs.max_nodes=1", "obs"),          # rm_math has two nodes
+    ("obs.max_services=2", "obs"),       # and three reward models
+    ("seed=-1", "seed"),
+])
+def test_bad_settings_raise_config_error(tmp_path, override, field):
+    from metasched.cli.train_app import run_train
+
+    cfg = compose("train", [*TINY, override])
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError) as e:
+        run_train(cfg, out, progress=False)
+    assert e.value.field == field
+    assert "\n" not in str(e.value)
+    assert not out.exists()  # rejected before anything is written
+
+
+def test_curriculum_sets_the_envs_load():
+    from sb3_contrib import MaskablePPO
+    from stable_baselines3.common.monitor import Monitor
+    from stable_baselines3.common.vec_env import DummyVecEnv
+
+    from metasched.agents.policy import SlotPolicy
+    from metasched.agents.training import CurriculumCallback
+    from metasched.envs.scheduling import ActionSchedulingEnv
+
+    w, c = load_profile(compose("train", TINY))
+    venv = DummyVecEnv([lambda: Monitor(ActionSchedulingEnv(w, c, load=0.25))])
+    assert venv.get_attr("load") == [0.25]
+    model = MaskablePPO(SlotPolicy, venv, n_steps=64, batch_size=64, n_epochs=1, seed=0)
+    cb = CurriculumCallback(0.25, 1.0, 0.5, total=256)
+    model.learn(256, callback=cb)
+    assert cb.load == 1.0
+    assert venv.get_attr("load") == [1.0]
+
+
+@pytest.mark.slow
+def test_default_vec_env_subproc_with_curriculum(tmp_path):
+    """The default setup: two subprocess envs and the load curriculum."""
+    from metasched.cli.train_app import run_train
+
+    n = torch.get_num_threads()
+    cfg = compose("train", [*[o for o in TINY if not o.startswith(("agent.n_envs",
+                                                                   "agent.vec_env",
+                                                                   "env.curriculum"))],
+                            "agent.total_timesteps=1024", "agent.n_envs=2",
+                            "agent.vec_env=subproc"])
+    assert cfg["env"]["curriculum"]["enabled"] and cfg["agent"]["vec_env"] == "subproc"
+    summary = run_train(cfg, tmp_path, progress=False)
+    torch.set_num_threads(n)
+    assert summary["final_validation"]["timesteps"] >= 1024
+    LearnedScheduler(tmp_path / "checkpoint")
+    LearnedScheduler(tmp_path / "best")
