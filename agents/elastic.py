@@ -46,12 +46,14 @@ class ElasticGreedyScheduler(Scheduler):
         headroom: most of a node's cores (fraction) kept free for arrivals when
             handing out extra cores; at most one core per live sandbox on the node is kept.
         min_gain_s: an extra core is granted only if it cuts the estimated run time by
-            at least this many seconds.
+            more than this many seconds. 0 (the default) hands out every spare core above
+            the headroom that shortens some run: spare cores cost nothing, and estimates
+            can be far off (measured: 0.05 s left coding 1% slower).
     """
 
     name = "elastic_greedy"
 
-    def __init__(self, headroom: float = 0.25, min_gain_s: float = 0.05) -> None:
+    def __init__(self, headroom: float = 0.25, min_gain_s: float = 0.0) -> None:
         if not 0.0 <= headroom <= 1.0:
             raise ValueError(f"headroom must be in [0, 1] (got {headroom})")
         self.headroom = headroom

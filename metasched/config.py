@@ -291,7 +291,7 @@ def parse_workload(d: Mapping, path: str = "workload") -> WorkloadConfig:
                               f"(got {sum(a.prob for a in actions):g})")
         turns = parse_dist(_get(t, "turns", tp), f"{tp}.turns", positive=False)
         if not actions and turns.hi > 0:
-            raise ConfigError(f"{tp}.actions", "a task with more than one turn needs actions")
+            raise ConfigError(f"{tp}.actions", "a task with tool turns (turns > 0) needs actions")
         tasks.append(TaskConfig(
             name=str(tname),
             share=_num(_get(t, "share", tp, 1.0), f"{tp}.share", lo=0.0, lo_open=True),

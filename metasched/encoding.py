@@ -40,7 +40,7 @@ from metasched.ledger import Ledger
 from metasched.model import Action, Grant
 from metasched.state import ClusterState
 
-OBS_SCHEMA_VERSION = 1
+OBS_SCHEMA_VERSION = 2  # 2: advisor features; advised actions fill the first slots
 OBS_HIGH = 1e4  # every feature is clipped to [0, OBS_HIGH]
 
 SLOT_FEATURES = (
@@ -149,6 +149,8 @@ class ObservationEncoder:
 
             self.advisor = make_scheduler(cfg.advisor)
             self.advisor.reset(state, np.random.default_rng(0))
+        self._cache_key: tuple[int, int] | None = None
+        self._cache: tuple[list[Action], dict[int, float]] = ([], {})
         self.service_index = {s: i for i, s in enumerate(sorted(state.gpu.services))}
         self.endpoint_names = sorted(state.api.endpoints)
         self.node_cores = max(1, state.cluster.cores_per_node)
@@ -156,23 +158,55 @@ class ObservationEncoder:
     # ------------------------------------------------------------------ slots
 
     def slots(self, state: ClusterState) -> list[Action]:
-        """The K actions in the slots: those that could start now first, then the rest;
-        each group longest waiting first (ties by id). So whenever a decision is
-        possible some slot holds an action that can start."""
+        """The K actions in the slots: those the advisor would start now first, then the
+        others that could start now, then the rest; each group longest waiting first
+        (ties by id). So whenever a decision is possible some slot holds an action that
+        can start, and the advisor's choices are always visible."""
+        return self._view(state)[0]
+
+    def advice(self, state: ClusterState) -> dict[int, float]:
+        """Action id -> advised size fraction, for what the advisor would start now."""
+        return self._view(state)[1]
+
+    def _view(self, state: ClusterState) -> tuple[list[Action], dict[int, float]]:
+        key = (id(state), state.version)
+        if self._cache_key == key:
+            return self._cache
+        advice = self._ask_advisor(state)
         p = state.pending
         merged = heapq.merge(p["cpu"].values(), p["gpu"].values(), p["api"].values(),
                              key=lambda a: (a.submit_t, a.id))
         k = self.cfg.k_slots
+        advised: list[Action] = []
         ready: list[Action] = []
         blocked: list[Action] = []
         for a in merged:
-            if state.feasible(a):
-                ready.append(a)
-                if len(ready) == k:
-                    break
+            if a.id in advice:
+                advised.append(a)
+            elif state.feasible(a):
+                if len(ready) < k:
+                    ready.append(a)
             elif len(blocked) < k:
                 blocked.append(a)
-        return (ready + blocked)[:k]
+            if len(advised) + len(ready) >= k and len(advised) >= len(advice):
+                break
+        self._cache_key, self._cache = key, ((advised + ready + blocked)[:k], advice)
+        return self._cache
+
+    def _ask_advisor(self, state: ClusterState) -> dict[int, float]:
+        advice: dict[int, float] = {}
+        if self.advisor is None:
+            return advice
+        for g in self.advisor.decide(state):
+            s = g.action.spec
+            if s.kind == "cpu":
+                advice[g.action.id] = g.cores / s.max_cores
+            elif s.kind == "gpu":
+                cap = state.gpu.services[s.service].max_batch
+                advice[g.action.id] = (1 + len(g.batch)) / cap
+            else:
+                advice[g.action.id] = 1.0
+        return advice
 
     # ------------------------------------------------------------------ mask / grants
 
@@ -259,17 +293,7 @@ class ObservationEncoder:
         mask = np.zeros(cfg.n_actions, dtype=bool)
         nc = self.node_cores
         gpu, api = state.gpu, state.api
-        advice: dict[int, float] = {}
-        if self.advisor is not None:
-            for g in self.advisor.decide(state):
-                s = g.action.spec
-                if s.kind == "cpu":
-                    advice[g.action.id] = g.cores / s.max_cores
-                elif s.kind == "gpu":
-                    cap = state.gpu.services[s.service].max_batch
-                    advice[g.action.id] = (1 + len(g.batch)) / cap
-                else:
-                    advice[g.action.id] = 1.0
+        advice = self.advice(state)
         queued_by_service: dict[str, int] = {}
         if state.pending["gpu"]:
             for a in state.pending["gpu"].values():

@@ -63,6 +63,7 @@ class ClusterState:
         self.busy_by_task: dict[tuple[str, str], int] = defaultdict(int)
         self.n_submitted = self.n_running = self.n_done = self.n_failed = 0
         self.n_grants = 0
+        self.version = 0  # bumped by every change: lets readers cache what they derive
         self.metrics = Recorder(timeline_dt)
         self.max_node_cores = cluster.cores_per_node
         # Time-in-system of unfinished actions, integrated (the progress reward's basis).
@@ -133,6 +134,7 @@ class ClusterState:
         """Move the clock to ``t``, integrating resource use over the interval."""
         if t <= self.t:
             return
+        self.version += 1
         cpu, gpu, api = self.cpu, self.gpu, self.api
         held = [0, 0, 0]
         if self.reserved:
@@ -161,6 +163,7 @@ class ClusterState:
 
     def submit(self, a: Action) -> None:
         """Queue a newly arrived action."""
+        self.version += 1
         spec = a.spec
         if spec.kind == "cpu":
             best = spec.true_s / spec.speedup(min(spec.max_cores, self.max_node_cores))
@@ -216,6 +219,7 @@ class ClusterState:
         Returns the actions started (a gpu batch may start several) and the setup delay
         before they run (a gpu service restore). Raises :class:`InvalidGrant`.
         """
+        self.version += 1
         why = self.check(g)
         if why is not None:
             raise InvalidGrant(why)
@@ -269,6 +273,7 @@ class ClusterState:
     def finish(self, a: Action, ok: bool, reason: str = "") -> None:
         """Record ``a`` as finished (``ok``) or failed (with ``reason``) at ``t`` and free
         what it held (a gpu device is freed by :meth:`release_device`)."""
+        self.version += 1
         kind = a.spec.kind
         if kind == "cpu":
             cpu = self.cpu
@@ -297,6 +302,7 @@ class ClusterState:
 
     def release_device(self, device: int) -> None:
         """The batch on ``device`` has ended; the service stays resident."""
+        self.version += 1
         d = self.gpu.devices[device]
         d.busy = False
         self.gpu.busy -= 1
@@ -305,6 +311,7 @@ class ClusterState:
 
     def open_trajectory(self, traj: Trajectory) -> bool:
         """Place the sandbox of a starting trajectory; False when no node has memory."""
+        self.version += 1
         if traj.sandbox is not None:
             node = self.cpu.place_sandbox(traj.sandbox.mem_gb)
             if node < 0:
@@ -315,6 +322,7 @@ class ClusterState:
 
     def close_trajectory(self, traj: Trajectory) -> None:
         """Free a finished trajectory's held cores and sandbox memory."""
+        self.version += 1
         cpu = self.cpu
         if traj.held_cores:
             cpu.free[traj.node] += traj.held_cores

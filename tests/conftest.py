@@ -108,3 +108,14 @@ def valid_config() -> tuple[dict, dict]:
         }},
     }
     return workload, cluster
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Policy inference on one thread (the machine is shared; more threads only thrash)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

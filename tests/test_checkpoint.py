@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import shutil
-from functools import cache
 
 import numpy as np
 import pytest
 import torch
+from helpers import shrunk as shared_shrunk
 from sb3_contrib import MaskablePPO
 
 from metasched.agents import make_scheduler
@@ -24,25 +24,17 @@ from metasched.agents.checkpoint import (
 from metasched.agents.learned import LearnedScheduler, PolicyScheduler
 from metasched.agents.numpy_policy import NumpyPolicy
 from metasched.agents.policy import SlotPolicy
-from metasched.configs import compose, profile
+from metasched.configs import compose
 from metasched.encoding import OBS_SCHEMA_VERSION, SLOT_FEATURES, ObsConfig
-from metasched.envs.scheduling import ActionSchedulingEnv, scale_workload
+from metasched.envs.scheduling import ActionSchedulingEnv
 from metasched.errors import ConfigError
 from metasched.simulator import Simulator
 
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@cache
 def shrunk(name: str):
-    w, c = profile(name)
-    return scale_workload(w, load=0.1, steps=1), c
+    return shared_shrunk(name, steps=1)
 
 
 @pytest.fixture(scope="module")

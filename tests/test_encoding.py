@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import itertools
 import math
-from functools import cache
 
 import numpy as np
 import pytest
+from helpers import shrunk
 
 import metasched.simulator as simulator_module
 from metasched.agents import make_scheduler
-from metasched.configs import profile
 from metasched.encoding import (
     KIND_NAMES,
     SLOT_FEATURES,
@@ -23,7 +22,7 @@ from metasched.encoding import (
     cpu_levels,
     pool_features,
 )
-from metasched.envs.scheduling import ActionSchedulingEnv, scale_workload
+from metasched.envs.scheduling import ActionSchedulingEnv
 from metasched.model import Action, ActionSpec, Grant, Trajectory
 from metasched.pools import ServiceSpec
 from metasched.scheduler import Scheduler
@@ -35,12 +34,6 @@ SMALL = ObsConfig(k_slots=4, levels=4, max_nodes=2, max_devices=2, max_services=
                   max_endpoints=2)
 SERVICES = {"rm": ServiceSpec(mem_gb=30, restore_s=4.0, max_batch=8, batch_marginal=0.05)}
 _ids = itertools.count()
-
-
-@cache
-def shrunk(name: str, load: float = 0.1):
-    w, c = profile(name)
-    return scale_workload(w, load=load), c
 
 
 def col(name: str) -> int:
@@ -162,6 +155,22 @@ def test_features_land_where_documented(state):
 # ------------------------------------------------------------------ slots and backlog
 
 
+def test_slot_order_advised_first_then_feasible_then_blocked(state):
+    enc = ObservationEncoder(state, SMALL)
+    old = submit_at(state, 0.0, cpu_spec())
+    young = submit_at(state, 1.0, cpu_spec())
+    state.advance(2.0)
+
+    class AdvisesYoungest:
+        def decide(self, st):
+            return [Grant(young, cores=1, node=0)]
+
+    enc.advisor = AdvisesYoungest()
+    state.version += 1  # the advisor changed: drop the cached view
+    assert [a.id for a in enc.slots(state)] == [young.id, old.id]
+    assert enc.advice(state) == {young.id: 1.0}
+
+
 def test_slot_order_feasible_first_oldest_first(state):
     enc = ObservationEncoder(state, SMALL)
     big = submit_at(state, 0.0, cpu_spec(cores=(9, 9)))  # never fits the 8-core node
@@ -188,9 +197,11 @@ def test_slot_order_on_simulated_states(name):
         st = sim.state
         pending = sorted((a for d in st.pending.values() for a in d.values()),
                          key=lambda a: (a.submit_t, a.id))
-        ready = [a for a in pending if st.feasible(a)]
+        advice = enc.advice(st)
+        advised = [a for a in pending if a.id in advice]
+        ready = [a for a in pending if st.feasible(a) and a.id not in advice]
         blocked = [a for a in pending if not st.feasible(a)]
-        want = (ready + blocked)[:k]
+        want = (advised + ready + blocked)[:k]
         slots = enc.slots(st)
         assert [a.id for a in slots] == [a.id for a in want]
         obs = enc.observe(st)
@@ -200,7 +211,7 @@ def test_slot_order_on_simulated_states(name):
         assert x[:, col("feasible")].tolist() == [float(st.feasible(a)) for a in slots] + [
             0.0] * (k - len(slots))
         assert (x[:, col("feasible")] == mask.any(axis=1)).all()
-        checked += len(blocked) > 0 and len(ready) > 0
+        checked += len(blocked) > 0 and len(advised) + len(ready) > 0
     # States with actions that can start and actions that cannot (never on coding at
     # this load: its cluster is sized for every sandbox of a step).
     assert checked > 0 or name == "coding"

@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import copy
 import warnings
-from functools import cache
 
 import gymnasium as gym
 import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env as gym_check_env
+from helpers import shrunk
 from stable_baselines3.common.env_checker import check_env as sb3_check_env
 
 import metasched.envs  # noqa: F401  (registers the env id)
-from metasched.configs import profile
 from metasched.encoding import ObservationEncoder
 from metasched.envs import ENV_ID
 from metasched.envs.scheduling import (
@@ -28,22 +27,9 @@ from metasched.simulator import Simulator
 PROFILES = ("coding", "search", "rm_math", "mixed")
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """Policy inference on one thread (the machine is shared; more threads only thrash)."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@cache
-def shrunk(name: str, load: float = 0.1):
-    """A profile at ``load`` x its trajectories per step, with its cluster."""
-    w, c = profile(name)
-    return scale_workload(w, load=load), c
 
 
 def make_env(name: str = "mixed", **kw) -> ActionSchedulingEnv:

@@ -3,13 +3,10 @@ waiting, within capacity, and bounds every wait."""
 
 from __future__ import annotations
 
-from functools import cache
-
 import numpy as np
 import pytest
+from helpers import shrunk
 
-from metasched.configs import profile
-from metasched.envs.scheduling import scale_workload
 from metasched.guard import WaitGuard
 from metasched.model import ActionSpec
 from metasched.scheduler import Scheduler
@@ -18,12 +15,6 @@ from metasched.workload import IndependentAction, WorkloadInstance
 
 PROFILES = ("coding", "search", "rm_math", "mixed")
 MAX_WAIT = 5.0
-
-
-@cache
-def shrunk(name: str):
-    w, c = profile(name)
-    return scale_workload(w, load=0.1), c
 
 
 class AlwaysWait(Scheduler):

@@ -17,12 +17,7 @@ from metasched.envs.scheduling import ActionSchedulingEnv, scale_workload
 PRESENT = SLOT_FEATURES.index("present")
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_env(name: str = "mixed", obs_config: ObsConfig | None = None) -> ActionSchedulingEnv:

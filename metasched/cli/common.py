@@ -35,6 +35,7 @@ def preflight(config_name: str, argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if any(a.startswith("-") for a in args):
         return
+    import yaml
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -42,6 +43,12 @@ def preflight(config_name: str, argv: list[str] | None = None) -> None:
     try:
         with initialize_config_dir(CONFIG_PATH, version_base="1.3"):
             compose(config_name, overrides=args, return_hydra_config=True)
+    except yaml.YAMLError as e:  # a config file that is not valid YAML
+        mark = getattr(e, "problem_mark", None)
+        where = f"{mark.name}:{mark.line + 1}" if mark is not None else "a config file"
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        print(f"error: {where}: invalid YAML ({problem})", file=sys.stderr)
+        sys.exit(2)
     except (HydraException, OmegaConfBaseException) as e:
         lines = [ln.strip() for ln in str(e).splitlines()]
         keep = [ln for ln in lines if ln and not ln.startswith((
@@ -78,6 +85,24 @@ def json_safe(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [json_safe(v) for v in x]
     return x
+
+
+def make_main(config_name: str, run: Callable[[dict[str, Any], Path], Any]) -> Callable[[], None]:
+    """The console entry point of an app: check the overrides (one-line errors), then
+    let Hydra compose ``configs/<config_name>.yaml`` and call ``run(config, run_dir)``."""
+    import hydra
+    from omegaconf import DictConfig, OmegaConf
+
+    @hydra.main(config_path=CONFIG_PATH, config_name=config_name, version_base="1.3")
+    @user_errors
+    def hydra_main(cfg: DictConfig) -> None:
+        run(OmegaConf.to_container(cfg, resolve=True), run_dir())
+
+    def main() -> None:
+        preflight(config_name)
+        hydra_main()
+
+    return main
 
 
 def run_dir() -> Path:

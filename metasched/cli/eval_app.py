@@ -13,18 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-import hydra
-from omegaconf import DictConfig, OmegaConf
-
-from metasched.cli.common import (
-    CONFIG_PATH,
-    int_setting,
-    json_safe,
-    preflight,
-    run_dir,
-    seeds_setting,
-    user_errors,
-)
+from metasched.cli.common import int_setting, json_safe, make_main, seeds_setting
 from metasched.configs import load_profile
 from metasched.errors import ConfigError
 
@@ -97,16 +86,7 @@ def run_eval(cfg: dict[str, Any], out_dir, progress: bool = True) -> dict[str, A
     return doc
 
 
-@hydra.main(config_path=CONFIG_PATH, config_name="eval", version_base="1.3")
-@user_errors
-def _hydra_main(cfg: DictConfig) -> None:
-    run_eval(OmegaConf.to_container(cfg, resolve=True), run_dir())
-
-
-def main() -> None:
-    """Console entry point."""
-    preflight("eval")
-    _hydra_main()
+main = make_main("eval", run_eval)
 
 
 if __name__ == "__main__":

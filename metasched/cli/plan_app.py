@@ -11,18 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import hydra
-from omegaconf import DictConfig, OmegaConf
-
-from metasched.cli.common import (
-    CONFIG_PATH,
-    int_setting,
-    json_safe,
-    preflight,
-    run_dir,
-    seeds_setting,
-    user_errors,
-)
+from metasched.cli.common import int_setting, json_safe, make_main, seeds_setting
 from metasched.configs import load_profile
 from metasched.errors import ConfigError
 from metasched.model import KINDS
@@ -90,16 +79,7 @@ def _report(title: str, plan, cluster, sched: str) -> None:
         print(f"  {sched} meets it at scale {plan.scale:.3f}: resources saved: {saved}")
 
 
-@hydra.main(config_path=CONFIG_PATH, config_name="plan", version_base="1.3")
-@user_errors
-def _hydra_main(cfg: DictConfig) -> None:
-    run_plan(OmegaConf.to_container(cfg, resolve=True), run_dir())
-
-
-def main() -> None:
-    """Console entry point."""
-    preflight("plan")
-    _hydra_main()
+main = make_main("plan", run_plan)
 
 
 if __name__ == "__main__":

@@ -17,10 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-import hydra
-from omegaconf import DictConfig, OmegaConf
-
-from metasched.cli.common import CONFIG_PATH, json_safe, preflight, run_dir, user_errors
+from metasched.cli.common import json_safe, make_main
 from metasched.configs import load_profile
 from metasched.errors import ConfigError
 
@@ -75,16 +72,7 @@ def run_train(cfg: dict[str, Any], out_dir: str | Path, progress: bool = True) -
     return summary
 
 
-@hydra.main(config_path=CONFIG_PATH, config_name="train", version_base="1.3")
-@user_errors
-def _hydra_main(cfg: DictConfig) -> None:
-    run_train(OmegaConf.to_container(cfg, resolve=True), run_dir())
-
-
-def main() -> None:
-    """Console entry point."""
-    preflight("train")
-    _hydra_main()
+main = make_main("train", run_train)
 
 
 if __name__ == "__main__":
