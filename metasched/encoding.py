@@ -267,13 +267,18 @@ class ObservationEncoder:
         i = next((j for j, a in enumerate(slots) if a is g.action), -1)
         if i < 0:
             return None
-        legal = self._legal_levels(state, Ledger(state), g.action)
+        led = Ledger(state)
+        legal = self._legal_levels(state, led, g.action)
         spec = g.action.spec
         if spec.kind == "cpu":
             sizes = cpu_levels(spec.min_cores, spec.max_cores, self.cfg.levels)
             want = g.cores
         elif spec.kind == "gpu":
-            sizes = batch_levels(state.gpu.services[spec.service].max_batch, self.cfg.levels)
+            # A level's batch is its cap or what is queued, whichever is smaller: compare
+            # the batches the levels would really run (the smallest level on a tie).
+            queued = 1 + len(led.batch_for(g.action))
+            sizes = [min(c, queued) if c > 0 else c for c in
+                     batch_levels(state.gpu.services[spec.service].max_batch, self.cfg.levels)]
             want = 1 + len(g.batch)
         else:
             sizes, want = [1] + [-1] * (self.cfg.levels - 1), 1

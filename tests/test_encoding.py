@@ -339,6 +339,19 @@ def test_action_for_maps_elastic_greedy_back(name):
     assert mapped > 0
 
 
+@pytest.mark.parametrize("queued", [1, 2, 3, 5, 8])
+def test_action_for_reproduces_the_gpu_batch_it_maps(state, queued):
+    # max_batch 8 and L = 4: caps 1, 2, 4, 8. A batch of every queued request maps to the
+    # level whose grant runs exactly that batch (5 queued: cap 8, not the nearer cap 4).
+    enc = ObservationEncoder(state, SMALL)
+    reqs = [submit_at(state, 0.0, gpu_spec()) for _ in range(queued)]
+    state.advance(1.0)
+    g = Grant(reqs[0], device=0, batch=tuple(reqs[1:]))
+    a = enc.action_for(state, g)
+    back = enc.grant(state, a)
+    assert back.action is reqs[0] and len(back.batch) == queued - 1
+
+
 @pytest.mark.parametrize("name", ["rm_math", "mixed"])
 def test_advisor_features_mark_the_advisors_grants(name):
     cfg = ObsConfig()
