@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from metasched.config import ClusterConfig, WorkloadConfig
-from metasched.metrics import API_REQ, CPU_BUSY, GPU_BUSY
+from metasched.metrics import API_REQ, CPU_BUSY, CPU_HELD, GPU_BUSY, GPU_HELD
 
 EVAL_SEED_OFFSET = 1_000_000
 TRAIN_SEED_MAX = EVAL_SEED_OFFSET  # training seeds are 0 .. TRAIN_SEED_MAX - 1
@@ -47,12 +47,13 @@ def run_job(job: Job) -> dict[str, Any]:
     r = sim.run(make_scheduler(job.scheduler, **job.params))
     tl = r.timeline
     span = r.timeline_dt
-    timeline = {
-        "t": (np.arange(len(tl)) * span).tolist(),
-        "cpu": (tl[:, CPU_BUSY] / (span * r.capacity["cpu"])).tolist() if r.capacity["cpu"] else [],
-        "gpu": (tl[:, GPU_BUSY] / (span * r.capacity["gpu"])).tolist() if r.capacity["gpu"] else [],
-        "api": (tl[:, API_REQ] / (span * r.api_rps)).tolist() if r.api_rps else [],
-    }
+    timeline: dict[str, list[float]] = {"t": (np.arange(len(tl)) * span).tolist()}
+    for pool, busy, held in (("cpu", CPU_BUSY, CPU_HELD), ("gpu", GPU_BUSY, GPU_HELD)):
+        cap = span * r.capacity[pool]
+        timeline[pool] = (tl[:, busy] / cap).tolist() if cap else []
+        # Busy or held-but-idle: what the scheduler keeps from everyone else.
+        timeline[f"{pool}_held"] = ((tl[:, busy] + tl[:, held]) / cap).tolist() if cap else []
+    timeline["api"] = (tl[:, API_REQ] / (span * r.api_rps)).tolist() if r.api_rps else []
     act = r.act
     return {
         "scheduler": job.label or job.scheduler, "seed": job.seed,

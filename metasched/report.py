@@ -65,13 +65,17 @@ def plot_all(doc: dict[str, Any], runs: list[dict[str, Any]], out: Path) -> list
         for n in names:
             tl = by[n][0]["timeline"]
             if tl[pool]:
-                ax.plot(tl["t"], tl[pool], label=n, lw=1)
+                (line,) = ax.plot(tl["t"], tl[pool], label=n, lw=1)
+                held = tl.get(f"{pool}_held")
+                if held and any(h > b + 1e-9 for h, b in zip(held, tl[pool], strict=True)):
+                    ax.plot(tl["t"], held, ls="--", lw=1, color=line.get_color())
         ax.set_ylabel(f"{pool} utilisation")
         ax.set_ylim(0, 1.05)
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel(f"time (s), seed {doc['seeds'][0]}")
     axes[0, 0].legend(fontsize=8, ncol=3)
-    axes[0, 0].set_title(f"Utilisation over time — {doc['workload']}")
+    axes[0, 0].set_title(f"Utilisation over time — {doc['workload']} "
+                         "(dashed: busy or held for a trajectory/task)")
     paths.append(_save(fig, out / "utilisation.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
