@@ -91,7 +91,7 @@ class Trajectory:
 
     __slots__ = (
         "id", "task", "step", "turns", "sandbox", "node", "start_t", "end_t",
-        "turn", "held_cores", "ready_t", "act_s",
+        "turn", "held_cores", "act_s",
     )
 
     def __init__(self, id: int, task: str, step: int, turns: list[Turn],
@@ -104,7 +104,6 @@ class Trajectory:
         self.node: int = -1  # sandbox node; -1 until placed (or no sandbox)
         self.start_t = math.nan
         self.end_t = math.nan
-        self.ready_t = 0.0  # when its sandbox is ready
         self.turn = 0  # index of the next turn to submit
         self.held_cores = 0  # cores reserved for the trajectory (trajectory-bound practice)
         self.act_s = 0.0  # sum of ACT of its finished actions (critical-path feature)

@@ -10,8 +10,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from metasched.model import amdahl_run_s
-
 
 @dataclass(frozen=True, slots=True)
 class ServiceSpec:
@@ -225,5 +223,4 @@ class ApiPool:
 
 __all__ = [
     "ApiPool", "CpuPool", "Device", "Endpoint", "EndpointSpec", "GpuPool", "ServiceSpec",
-    "amdahl_run_s",
 ]

@@ -82,8 +82,6 @@ class Simulator:
         self._next_action_id = 0
         self._next_traj_id = 0
         self._step = -1
-        self._step_left = 0
-        self._step_start = 0.0
         self._sandbox_queue: deque[Trajectory] = deque()
         self._wake_at: dict[str, float] = {}
         self.n_events = 0
@@ -252,10 +250,9 @@ class Simulator:
         traj.end_t = self.state.t
         self.state.close_trajectory(traj)
         self._open_waiting_sandboxes()
-        self._step_left -= 1
         self.state.step_done += 1
-        if self._step_left == 0:
-            self.state.metrics.steps.append((self._step_start, self.state.t))
+        if self.state.step_done == self.state.step_total:
+            self.state.metrics.steps.append((self.state.step_start_t, self.state.t))
             self._start_next_step()
 
     def _start_next_step(self) -> None:
@@ -263,9 +260,7 @@ class Simulator:
         if self._step >= len(self.instance.steps):
             return
         t = self.state.t
-        self._step_start = t
         specs = self.instance.steps[self._step]
-        self._step_left = len(specs)
         state = self.state
         state.step_index, state.step_start_t = self._step, t
         state.step_total, state.step_done = len(specs), 0
@@ -282,7 +277,6 @@ class Simulator:
             traj = q.popleft()
             t = self.state.t
             startup = traj.sandbox.startup_s if traj.sandbox is not None else 0.0
-            traj.ready_t = t + startup
             # Sandbox creation overlaps the first LLM generation.
             self._push(t + max(traj.turns[0].gen_s, startup), ARRIVE, traj)
 

@@ -92,9 +92,6 @@ class ClusterState:
     def api_feasible(self, a: Action) -> bool:
         return self.api.endpoints[a.spec.endpoint].can_start(a.spec.tokens, self.t)
 
-    def gpu_idle_devices(self) -> list[int]:
-        return [d.index for d in self.gpu.devices if not d.busy]
-
     def feasible(self, a: Action) -> bool:
         """Whether some grant for ``a`` is legal now."""
         k = a.spec.kind
