@@ -15,16 +15,15 @@ one-line message naming the file, the line number and the field, e.g.
 from __future__ import annotations
 
 import json
-import math
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from metasched.config import ClusterConfig, WorkloadConfig, _num
+from metasched.config import ClusterConfig, WorkloadConfig
 from metasched.errors import ConfigError
+from metasched.fields import Field, json_object, number, required, short, string
 from metasched.model import KINDS, ActionSpec, SandboxSpec, Turn
 from metasched.pools import ServiceSpec
 from metasched.workload import IndependentAction, TrajectorySpec, WorkloadInstance, sample_workload
@@ -40,118 +39,58 @@ _TRAJECTORY_KEYS = {"type", "task", "step", "sandbox", "turns"}
 _INDEPENDENT_KEYS = {"type", "arrival_s", "task", "action"}
 
 
-# ---------------------------------------------------------------- field readers
-
-
-@dataclass(frozen=True, slots=True)
-class _Field:
-    """Where a value sits: ``file:line`` and the field path within the line."""
-
-    loc: str
-    path: str = ""
-
-    def __getitem__(self, key: str) -> _Field:
-        sep = "." if self.path and not key.startswith("[") else ""
-        return _Field(self.loc, f"{self.path}{sep}{key}")
-
-    def __str__(self) -> str:
-        return f"{self.loc}: {self.path}" if self.path else self.loc
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    """``repr(value)``, cut to ``limit`` characters (keeps error messages short)."""
-    r = repr(value)
-    return r if len(r) <= limit else r[: limit - 3] + "..."
-
-
-def _number(value: Any, at: _Field, **bounds: Any) -> Any:
-    """``config._num`` plus the checks it leaves out: finite values only, no giant ints."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(str(at), f"must be a number (got {_short(value)})")
-    try:
-        finite = math.isfinite(value)
-    except OverflowError:  # an int too large for a float
-        finite = False
-    if not finite:
-        raise ConfigError(str(at), f"must be a finite number (got {_short(value)})")
-    return _num(value, str(at), **bounds)
-
-
-def _string(value: Any, at: _Field) -> str:
-    if not isinstance(value, str) or not value:
-        raise ConfigError(str(at), f"must be a non-empty string (got {_short(value)})")
-    return value
-
-
-def _object(value: Any, at: _Field, allowed: set[str]) -> dict[str, Any]:
-    """``value`` as a JSON object with no keys outside ``allowed``."""
-    if not isinstance(value, dict):
-        raise ConfigError(str(at), f"must be a JSON object (got {_short(value)})")
-    unknown = sorted(set(value) - allowed)
-    if unknown:
-        raise ConfigError(str(at[unknown[0]]),
-                          f"unknown field (expected one of: {', '.join(sorted(allowed))})")
-    return value
-
-
-def _required(d: dict[str, Any], key: str, at: _Field) -> Any:
-    if key not in d:
-        raise ConfigError(str(at[key]), "is required")
-    return d[key]
-
-
-def _parse_action(value: Any, at: _Field) -> ActionSpec:
+def _parse_action(value: Any, at: Field) -> ActionSpec:
     """An ``ACTION`` object as an :class:`ActionSpec` (``duration_s`` -> ``true_s``)."""
-    d = _object(value, at, _ACTION_KEYS)
-    kind = _required(d, "kind", at)
+    d = json_object(value, at, _ACTION_KEYS)
+    kind = required(d, "kind", at)
     if kind not in KINDS:
         raise ConfigError(str(at["kind"]),
-                          f"must be one of {', '.join(KINDS)} (got {_short(kind)})")
+                          f"must be one of {', '.join(KINDS)} (got {short(kind)})")
     for key in d:
         owner = _OWNER.get(key)
         if owner is not None and owner != kind:
             raise ConfigError(str(at[key]), f"only {owner} actions have it (this is {kind})")
-    name = _string(_required(d, "name", at), at["name"])
-    true_s = _number(_required(d, "duration_s", at), at["duration_s"], lo=0.0, lo_open=True)
-    est_s = _number(d.get("est_s", true_s), at["est_s"], lo=0.0, lo_open=True)
-    timeout_s = _number(_required(d, "timeout_s", at), at["timeout_s"], lo=0.0, lo_open=True)
+    name = string(required(d, "name", at), at["name"])
+    true_s = number(required(d, "duration_s", at), at["duration_s"], lo=0.0, lo_open=True)
+    est_s = number(d.get("est_s", true_s), at["est_s"], lo=0.0, lo_open=True)
+    timeout_s = number(required(d, "timeout_s", at), at["timeout_s"], lo=0.0, lo_open=True)
     reward = d.get("reward", False)
     if not isinstance(reward, bool):
-        raise ConfigError(str(at["reward"]), f"must be true or false (got {_short(reward)})")
-    min_c = _number(d.get("min_cores", 1), at["min_cores"], lo=1, integer=True)
-    max_c = _number(d.get("max_cores", min_c), at["max_cores"], lo=min_c, integer=True)
-    pf = _number(d.get("parallel_fraction", 0.0), at["parallel_fraction"], lo=0.0, hi=1.0)
-    service = _string(_required(d, "service", at), at["service"]) if kind == "gpu" else None
-    endpoint = _string(_required(d, "endpoint", at), at["endpoint"]) if kind == "api" else None
-    tokens = _number(d.get("tokens", 0), at["tokens"], lo=0, integer=True)
+        raise ConfigError(str(at["reward"]), f"must be true or false (got {short(reward)})")
+    min_c = number(d.get("min_cores", 1), at["min_cores"], lo=1, integer=True)
+    max_c = number(d.get("max_cores", min_c), at["max_cores"], lo=min_c, integer=True)
+    pf = number(d.get("parallel_fraction", 0.0), at["parallel_fraction"], lo=0.0, hi=1.0)
+    service = string(required(d, "service", at), at["service"]) if kind == "gpu" else None
+    endpoint = string(required(d, "endpoint", at), at["endpoint"]) if kind == "api" else None
+    tokens = number(d.get("tokens", 0), at["tokens"], lo=0, integer=True)
     return ActionSpec(kind, name, true_s, est_s, timeout_s, min_c, max_c, pf, service,
                       endpoint, tokens, reward)
 
 
-def _parse_sandbox(value: Any, at: _Field) -> SandboxSpec | None:
+def _parse_sandbox(value: Any, at: Field) -> SandboxSpec | None:
     if value is None:
         return None
-    d = _object(value, at, {"mem_gb", "startup_s"})
-    return SandboxSpec(_number(_required(d, "mem_gb", at), at["mem_gb"], lo=0.0),
-                       _number(_required(d, "startup_s", at), at["startup_s"], lo=0.0))
+    d = json_object(value, at, {"mem_gb", "startup_s"})
+    return SandboxSpec(number(required(d, "mem_gb", at), at["mem_gb"], lo=0.0),
+                       number(required(d, "startup_s", at), at["startup_s"], lo=0.0))
 
 
-def _parse_trajectory(d: dict[str, Any], at: _Field) -> tuple[int, TrajectorySpec]:
+def _parse_trajectory(d: dict[str, Any], at: Field) -> tuple[int, TrajectorySpec]:
     """A ``trajectory`` line: its step number and the trajectory."""
-    _object(d, at, _TRAJECTORY_KEYS)
-    task = _string(_required(d, "task", at), at["task"])
-    step = _number(_required(d, "step", at), at["step"], lo=0, integer=True)
+    json_object(d, at, _TRAJECTORY_KEYS)
+    task = string(required(d, "task", at), at["task"])
+    step = number(required(d, "step", at), at["step"], lo=0, integer=True)
     sandbox = _parse_sandbox(d.get("sandbox"), at["sandbox"])
-    turns_v = _required(d, "turns", at)
+    turns_v = required(d, "turns", at)
     if not isinstance(turns_v, list) or not turns_v:
         raise ConfigError(str(at["turns"]),
-                          f"must be a non-empty list of turns (got {_short(turns_v)})")
+                          f"must be a non-empty list of turns (got {short(turns_v)})")
     turns = []
     for i, value in enumerate(turns_v):
         t_at = at["turns"][f"[{i}]"]
-        t = _object(value, t_at, {"gen_s", "action"})
-        gen_s = _number(_required(t, "gen_s", t_at), t_at["gen_s"], lo=0.0)
-        action = _parse_action(_required(t, "action", t_at), t_at["action"])
+        t = json_object(value, t_at, {"gen_s", "action"})
+        gen_s = number(required(t, "gen_s", t_at), t_at["gen_s"], lo=0.0)
+        action = _parse_action(required(t, "action", t_at), t_at["action"])
         last = i == len(turns_v) - 1
         if action.reward != last:
             raise ConfigError(str(t_at["action"]["reward"]),
@@ -161,12 +100,12 @@ def _parse_trajectory(d: dict[str, Any], at: _Field) -> tuple[int, TrajectorySpe
     return step, TrajectorySpec(task, tuple(turns), sandbox)
 
 
-def _parse_independent(d: dict[str, Any], at: _Field) -> IndependentAction:
+def _parse_independent(d: dict[str, Any], at: Field) -> IndependentAction:
     """An ``action`` line: an independent action with its arrival time."""
-    _object(d, at, _INDEPENDENT_KEYS)
-    arrival = _number(_required(d, "arrival_s", at), at["arrival_s"], lo=0.0)
-    task = _string(_required(d, "task", at), at["task"])
-    spec = _parse_action(_required(d, "action", at), at["action"])
+    json_object(d, at, _INDEPENDENT_KEYS)
+    arrival = number(required(d, "arrival_s", at), at["arrival_s"], lo=0.0)
+    task = string(required(d, "task", at), at["task"])
+    spec = _parse_action(required(d, "action", at), at["action"])
     return IndependentAction(arrival, task, spec)
 
 
@@ -178,15 +117,15 @@ def _parse_line(text: str, loc: str) -> tuple[int, TrajectorySpec] | Independent
         raise ConfigError(loc, f"invalid JSON: {e.msg} (column {e.colno})") from None
     except (ValueError, RecursionError) as e:  # too many digits, nesting too deep
         raise ConfigError(loc, f"invalid JSON ({type(e).__name__})") from None
-    at = _Field(loc)
+    at = Field(loc)
     if not isinstance(d, dict):
-        raise ConfigError(loc, f"must be a JSON object (got {_short(d)})")
-    kind = _required(d, "type", at)
+        raise ConfigError(loc, f"must be a JSON object (got {short(d)})")
+    kind = required(d, "type", at)
     if kind == "trajectory":
         return _parse_trajectory(d, at)
     if kind == "action":
         return _parse_independent(d, at)
-    raise ConfigError(str(at["type"]), f'must be "trajectory" or "action" (got {_short(kind)})')
+    raise ConfigError(str(at["type"]), f'must be "trajectory" or "action" (got {short(kind)})')
 
 
 # ---------------------------------------------------------------- reading and writing
