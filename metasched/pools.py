@@ -201,12 +201,18 @@ class Endpoint:
             wait = max(wait, (tokens - self.tok) / (s.tpm / 60.0))
         return wait
 
-    def take(self, tokens: int, t: float) -> None:
+    def charge(self, tokens: int, t: float) -> None:
+        """Take one request and ``tokens`` from the buckets (a call, or a retry of a call
+        already in flight: a retry is a new request against the quota)."""
         self.refill(t)
         self.req -= 1.0
         self.tok -= tokens
-        self.in_flight += 1
         self.requests += 1
+
+    def take(self, tokens: int, t: float) -> None:
+        """Start a call: charge the buckets and count it in flight."""
+        self.charge(tokens, t)
+        self.in_flight += 1
 
 
 class ApiPool:

@@ -10,7 +10,6 @@ own generator spawned from the same seed.
 from __future__ import annotations
 
 import heapq
-import math
 from collections import deque
 
 import numpy as np
@@ -284,18 +283,7 @@ class Simulator:
         """When api calls wait only for tokens, make sure an event fires once they refill
         (for each endpoint, when its smallest waiting call fits)."""
         state = self.state
-        smallest: dict[str, int] = {}
-        for a in state.pending["api"].values():
-            ep = a.spec.endpoint
-            if ep not in smallest or a.spec.tokens < smallest[ep]:
-                smallest[ep] = a.spec.tokens
-        for name, tokens in smallest.items():
-            ep = state.api.endpoints[name]
-            if ep.in_flight >= ep.spec.max_concurrency:
-                continue  # a call ending will be the next event
-            wait = ep.ready_in(tokens, state.t)
-            if wait <= 0 or math.isinf(wait):
-                continue
+        for name, wait in state.api_wakeups().items():
             at = state.t + wait + 1e-9  # past the refill instant despite rounding
             prev = self._wake_at.get(name)
             if prev is None or prev <= state.t or at < prev:

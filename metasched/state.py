@@ -8,6 +8,7 @@ methods, so what a scheduler sees (``ClusterState`` is the ``ClusterView`` hande
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 from metasched.config import ClusterConfig
@@ -124,6 +125,24 @@ class ClusterState:
                 if self.api.endpoints[ep].in_flight >= self.api.endpoints[ep].spec.max_concurrency:
                     seen.add(ep)
         return False
+
+    def api_wakeups(self) -> dict[str, float]:
+        """For each endpoint whose waiting calls wait only for tokens: seconds until its
+        smallest waiting call fits the buckets (the clock must look again then)."""
+        smallest: dict[str, int] = {}
+        for a in self.pending["api"].values():
+            ep = a.spec.endpoint
+            if ep not in smallest or a.spec.tokens < smallest[ep]:
+                smallest[ep] = a.spec.tokens
+        out: dict[str, float] = {}
+        for name, tokens in smallest.items():
+            ep = self.api.endpoints[name]
+            if ep.in_flight >= ep.spec.max_concurrency:
+                continue  # a call ending will be the next event
+            wait = ep.ready_in(tokens, self.t)
+            if 0 < wait < math.inf:
+                out[name] = wait
+        return out
 
     # ------------------------------------------------------------------ mutations
 
