@@ -29,6 +29,20 @@ def is_checkpoint(path: str | Path) -> bool:
     return p.is_dir() and (p / METADATA).is_file()
 
 
+def resolve_scheduler(name: str) -> str:
+    """A scheduler name as given, or a checkpoint path made absolute (looked up from the
+    working directory, then from the repository root, where ``checkpoints/`` lives)."""
+    from metasched.agents import BASELINES
+    from metasched.configs import config_dir
+
+    if name in BASELINES:
+        return name
+    for base in (Path.cwd(), config_dir().parent):
+        if is_checkpoint(base / name):
+            return str((base / name).resolve())
+    return name
+
+
 def save_checkpoint(path: str | Path, model, obs_config: ObsConfig,
                     extra: dict[str, Any]) -> Path:
     """Write ``model`` (a MaskablePPO with a ``SlotPolicy``) as a checkpoint directory."""

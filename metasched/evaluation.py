@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from metasched.config import ClusterConfig, WorkloadConfig
-from metasched.metrics import API_REQ, CPU_BUSY, CPU_HELD, GPU_BUSY, GPU_HELD
+from metasched.metrics import API_REQ, CPU_BUSY, CPU_HELD, GPU_BUSY, GPU_HELD, RunResult
 
 EVAL_SEED_OFFSET = 1_000_000
 TRAIN_SEED_MAX = EVAL_SEED_OFFSET  # training seeds are 0 .. TRAIN_SEED_MAX - 1
@@ -45,6 +45,12 @@ def run_job(job: Job) -> dict[str, Any]:
     sim = Simulator(job.workload, job.cluster, job.seed, timeline_dt=job.timeline_dt,
                     max_wait_s=job.max_wait_s)
     r = sim.run(make_scheduler(job.scheduler, **job.params))
+    return summarise_run(r, job.label or job.scheduler, job.seed)
+
+
+def summarise_run(r: RunResult, label: str, seed: int) -> dict[str, Any]:
+    """One run's compact measurements (picklable), as ``aggregate`` reads them; used for
+    simulated runs and for what the live dispatcher measured."""
     tl = r.timeline
     span = r.timeline_dt
     timeline: dict[str, list[float]] = {"t": (np.arange(len(tl)) * span).tolist()}
@@ -56,7 +62,7 @@ def run_job(job: Job) -> dict[str, Any]:
     timeline["api"] = (tl[:, API_REQ] / (span * r.api_rps)).tolist() if r.api_rps else []
     act = r.act
     return {
-        "scheduler": job.label or job.scheduler, "seed": job.seed,
+        "scheduler": label, "seed": seed,
         "act": act.astype(np.float32), "kind": r.kind, "ok": r.ok,
         "mean_act_s": float(act.mean()) if act.size else math.nan,
         "mean_lower_bound_s": float(r.lower_bound.mean()) if act.size else math.nan,

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from metasched.agents.checkpoint import resolve_scheduler
 from metasched.cli.common import int_setting, json_safe, make_main, seeds_setting
 from metasched.configs import load_profile
 from metasched.errors import ConfigError
@@ -47,21 +48,6 @@ def eval_settings(cfg: dict[str, Any]) -> dict[str, Any]:
             "seeds": seeds_setting(cfg), "workers": int_setting(cfg, "workers", 1),
             "timeline_dt": float(dt), "plots": bool(cfg.get("plots", True)),
             "max_wait_s": None if wait is None else float(wait)}
-
-
-def resolve_scheduler(name: str) -> str:
-    """A scheduler name as given, or a checkpoint path made absolute (looked up from the
-    working directory, then from the repository root, where ``checkpoints/`` lives)."""
-    from metasched.agents import BASELINES
-    from metasched.agents.checkpoint import is_checkpoint
-    from metasched.configs import config_dir
-
-    if name in BASELINES:
-        return name
-    for base in (Path.cwd(), config_dir().parent):
-        if is_checkpoint(base / name):
-            return str((base / name).resolve())
-    return name
 
 
 def run_eval(cfg: dict[str, Any], out_dir, progress: bool = True) -> dict[str, Any]:
