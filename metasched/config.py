@@ -305,6 +305,24 @@ def parse_workload(d: Mapping, path: str = "workload") -> WorkloadConfig:
                           None if trace is None else str(trace))
 
 
+def parse_endpoints(d: Any, path: str) -> dict[str, EndpointSpec]:
+    """Validate a mapping of API endpoint name -> ``{rpm, tpm, max_concurrency, burst_s}``."""
+    endpoints = {}
+    for ename, e in _mapping(d, path).items():
+        ep = f"{path}.{ename}"
+        if not isinstance(e, Mapping):
+            raise ConfigError(ep, f"must be a mapping (got {e!r})")
+        _check_keys(e, {"rpm", "tpm", "max_concurrency", "burst_s"}, ep)
+        tpm = e.get("tpm")
+        endpoints[str(ename)] = EndpointSpec(
+            rpm=_num(_get(e, "rpm", ep), f"{ep}.rpm", lo=0.0, lo_open=True),
+            max_concurrency=_num(_get(e, "max_concurrency", ep), f"{ep}.max_concurrency",
+                                 lo=1, integer=True),
+            tpm=None if tpm is None else _num(tpm, f"{ep}.tpm", lo=0.0, lo_open=True),
+            burst_s=_num(e.get("burst_s", 1.0), f"{ep}.burst_s", lo=0.0, lo_open=True))
+    return endpoints
+
+
 def parse_cluster(d: Mapping, path: str = "cluster") -> ClusterConfig:
     """Validate a cluster dict (see ``configs/cluster/*.yaml``)."""
     if not isinstance(d, Mapping):
@@ -316,19 +334,7 @@ def parse_cluster(d: Mapping, path: str = "cluster") -> ClusterConfig:
     for sub, keys in (("cpu", {"nodes", "cores_per_node", "mem_gb_per_node"}),
                       ("gpu", {"devices", "mem_gb"}), ("api", {"endpoints"})):
         _check_keys(locals()[sub], keys, f"{path}.{sub}")
-    endpoints = {}
-    for ename, e in _mapping(api.get("endpoints"), f"{path}.api.endpoints").items():
-        ep = f"{path}.api.endpoints.{ename}"
-        if not isinstance(e, Mapping):
-            raise ConfigError(ep, f"must be a mapping (got {e!r})")
-        _check_keys(e, {"rpm", "tpm", "max_concurrency", "burst_s"}, ep)
-        tpm = e.get("tpm")
-        endpoints[str(ename)] = EndpointSpec(
-            rpm=_num(_get(e, "rpm", ep), f"{ep}.rpm", lo=0.0, lo_open=True),
-            max_concurrency=_num(_get(e, "max_concurrency", ep), f"{ep}.max_concurrency",
-                                 lo=1, integer=True),
-            tpm=None if tpm is None else _num(tpm, f"{ep}.tpm", lo=0.0, lo_open=True),
-            burst_s=_num(e.get("burst_s", 1.0), f"{ep}.burst_s", lo=0.0, lo_open=True))
+    endpoints = parse_endpoints(api.get("endpoints"), f"{path}.api.endpoints")
     return ClusterConfig(
         name=str(d.get("name", "cluster")),
         cpu_nodes=_num(cpu.get("nodes", 0), f"{path}.cpu.nodes", lo=0, integer=True),
