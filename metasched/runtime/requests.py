@@ -1,0 +1,278 @@
+"""What rollout workers submit to the dispatcher (``Request``) and what they get back
+(``Result``), with strict parsing of the JSON form (job files, the journal).
+
+A request is one action. Fields every kind has:
+
+- ``kind``: ``"cpu"``, ``"gpu"`` or ``"api"``; ``timeout_s`` (> 0): the action is killed
+  (cpu), reported failed (gpu) or abandoned (api) this long after it starts.
+- ``id``: idempotency key (default: a fresh one). Submitting a key again returns the
+  first submission's result instead of running it twice.
+- ``task``, ``name``: the task and the action type within it (``name`` defaults to the
+  command's basename, the service or the endpoint); ``kind:task:name`` is the action's
+  signature in the online cost model.
+- ``trajectory``, ``turn``, ``reward``: the trajectory the action belongs to, its turn,
+  and whether it is the trajectory's last (reward) action; the scheduler sees
+  trajectories as in simulation.
+- ``est_s``: the caller's estimate of the run time (one core, or one request alone),
+  used until the cost model has measured the signature.
+
+Per kind:
+
+- cpu: ``argv`` (list of strings, run without a shell), ``env`` (mapping; default: the
+  dispatcher's environment), ``min_cores`` / ``max_cores``, ``parallel_fraction``
+  (Amdahl p, what the scheduler assumes about extra cores), ``mem_limit_mb``,
+  ``cpu_time_s``.
+- gpu: ``service`` and ``payload`` (a registered service scores the payload), or
+  ``argv`` (+ ``env``): a command that needs a device (it sees only its device through
+  ``CUDA_VISIBLE_DEVICES``).
+- api: ``endpoint``, ``tokens``, and ``http`` (``{"url", "method", "headers", "json",
+  "body"}``); from Python, ``call`` (an async callable) instead.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from metasched.errors import ConfigError
+from metasched.fields import Field, json_object, number, required, short, string
+from metasched.model import KINDS
+
+_COMMON = {"id", "kind", "task", "name", "trajectory", "turn", "reward", "timeout_s", "est_s"}
+_BY_KIND = {
+    "cpu": {"argv", "env", "min_cores", "max_cores", "parallel_fraction", "mem_limit_mb",
+            "cpu_time_s"},
+    "gpu": {"service", "payload", "argv", "env"},
+    "api": {"endpoint", "tokens", "http"},
+}
+_ALL = _COMMON.union(*_BY_KIND.values())
+
+
+@dataclass(frozen=True)
+class Request:
+    """One action submitted to the dispatcher (see the module docstring)."""
+
+    kind: str
+    timeout_s: float
+    id: str = ""
+    task: str = "default"
+    name: str = ""
+    trajectory: str | None = None
+    turn: int = 0
+    reward: bool = False
+    est_s: float | None = None
+    argv: tuple[str, ...] = ()
+    env: Mapping[str, str] | None = None
+    min_cores: int = 1
+    max_cores: int = 1
+    parallel_fraction: float = 0.0
+    mem_limit_mb: float | None = None
+    cpu_time_s: float | None = None
+    service: str | None = None
+    payload: Any = None
+    endpoint: str | None = None
+    tokens: int = 0
+    http: Any = None  # a metasched.runtime.api.HttpSpec
+    call: Callable[[], Awaitable[Any]] | None = field(default=None, compare=False)
+
+    @property
+    def signature(self) -> str:
+        """``kind:task:name``: what the cost model learns durations of."""
+        return f"{self.kind}:{self.task}:{self.name}"
+
+    @property
+    def replayable(self) -> bool:
+        """Whether the JSON form holds everything needed to run it again (after a
+        restart); an API request with a Python callable does not."""
+        return self.call is None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form (``parse_request`` reads it back); defaults are left out."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            if f.name == "call":
+                continue
+            v = getattr(self, f.name)
+            if f.name not in ("kind", "timeout_s", "id") and v == f.default:
+                continue
+            if f.name == "http":
+                v = {k: getattr(v, k) for k in ("url", "method", "headers", "json", "body")}
+                v = {k: dict(x) if k == "headers" else x for k, x in v.items()
+                     if x is not None and not (k == "headers" and not x)}
+            elif f.name == "argv":
+                v = list(v)
+            elif f.name == "env":
+                v = dict(v)
+            out[f.name] = v
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"), allow_nan=False)
+
+
+def parse_request(value: Any, loc: str = "request", *,
+                  call: Callable[[], Awaitable[Any]] | None = None) -> Request:
+    """A request from its JSON form (a dict), checked field by field.
+
+    Raises:
+        ConfigError: one line naming ``loc`` and the field, e.g.
+            ``jobs.jsonl:3: timeout_s: must be > 0 (got -1)``.
+    """
+    at = Field(loc)
+    d = json_object(value, at, _ALL)
+    kind = required(d, "kind", at)
+    if kind not in KINDS:
+        raise ConfigError(str(at["kind"]), f"must be one of {', '.join(KINDS)} (got {short(kind)})")
+    for key in d:
+        if key not in _COMMON and key not in _BY_KIND[kind]:
+            owner = next(k for k, keys in _BY_KIND.items() if key in keys)
+            raise ConfigError(str(at[key]), f"only {owner} requests have it (this is {kind})")
+    rid = d.get("id")
+    rid = uuid.uuid4().hex if rid is None else string(rid, at["id"])
+    timeout_s = number(required(d, "timeout_s", at), at["timeout_s"], lo=0.0, lo_open=True)
+    task = string(d.get("task", "default"), at["task"])
+    trajectory = d.get("trajectory")
+    if trajectory is not None:
+        if isinstance(trajectory, int) and not isinstance(trajectory, bool):
+            trajectory = str(trajectory)
+        trajectory = string(trajectory, at["trajectory"])
+    turn = number(d.get("turn", 0), at["turn"], lo=0, integer=True)
+    reward = d.get("reward", False)
+    if not isinstance(reward, bool):
+        raise ConfigError(str(at["reward"]), f"must be true or false (got {short(reward)})")
+    est_s = d.get("est_s")
+    if est_s is not None:
+        est_s = number(est_s, at["est_s"], lo=0.0, lo_open=True)
+    kw: dict[str, Any] = {}
+    if "argv" in d or kind == "cpu":
+        kw["argv"] = _argv(required(d, "argv", at), at["argv"])
+        if d.get("env") is not None:
+            kw["env"] = _env(d["env"], at["env"])
+    if kind == "cpu":
+        kw["min_cores"] = number(d.get("min_cores", 1), at["min_cores"], lo=1, integer=True)
+        kw["max_cores"] = number(d.get("max_cores", kw["min_cores"]), at["max_cores"],
+                                 lo=kw["min_cores"], integer=True)
+        kw["parallel_fraction"] = number(d.get("parallel_fraction", 0.0),
+                                         at["parallel_fraction"], lo=0.0, hi=1.0)
+        for key in ("mem_limit_mb", "cpu_time_s"):
+            if d.get(key) is not None:
+                kw[key] = number(d[key], at[key], lo=0.0, lo_open=True)
+        default_name = os.path.basename(kw["argv"][0])
+    elif kind == "gpu":
+        if ("service" in d) == ("argv" in d):
+            raise ConfigError(str(at["service"]), "give either a service (with its payload) "
+                              "or an argv (a command that needs a device), not both")
+        if "service" in d:
+            kw["service"] = string(d["service"], at["service"])
+            kw["payload"] = d.get("payload")
+            default_name = kw["service"]
+        else:
+            default_name = os.path.basename(kw["argv"][0])
+    else:
+        kw["endpoint"] = string(required(d, "endpoint", at), at["endpoint"])
+        kw["tokens"] = number(d.get("tokens", 0), at["tokens"], lo=0, integer=True)
+        if ("http" in d) == (call is not None):
+            raise ConfigError(str(at["http"]), "an api request needs an http spec "
+                              "(or, from Python, call=...), and not both")
+        if "http" in d:
+            from metasched.runtime.api import HttpSpec
+
+            if not isinstance(d["http"], Mapping):
+                raise ConfigError(str(at["http"]),
+                                  f"must be a JSON object (got {short(d['http'])})")
+            try:
+                kw["http"] = HttpSpec.from_dict(d["http"])
+            except ValueError as e:
+                raise ConfigError(loc, str(e)) from None
+        kw["call"] = call
+        default_name = kw["endpoint"]
+    name = string(d["name"], at["name"]) if "name" in d else default_name
+    return Request(kind=kind, timeout_s=timeout_s, id=rid, task=task, name=name,
+                   trajectory=trajectory, turn=turn, reward=reward, est_s=est_s, **kw)
+
+
+def _argv(value: Any, at: Field) -> tuple[str, ...]:
+    if (not isinstance(value, (list, tuple)) or not value
+            or not all(isinstance(x, str) for x in value)):
+        raise ConfigError(str(at), f"must be a non-empty list of strings (got {short(value)})")
+    if not value[0]:
+        raise ConfigError(str(at), "the program (first element) must not be empty")
+    if any("\0" in x for x in value):
+        raise ConfigError(str(at), "must not contain NUL characters")
+    return tuple(value)
+
+
+def _env(value: Any, at: Field) -> dict[str, str]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(str(at), f"must be a JSON object of strings (got {short(value)})")
+    for k, v in value.items():
+        if not isinstance(k, str) or not k or "=" in k or "\0" in k:
+            raise ConfigError(str(at), f"bad variable name {short(k)}")
+        if not isinstance(v, str) or "\0" in v:
+            raise ConfigError(str(at[k]), f"must be a string (got {short(v)})")
+    return dict(value)
+
+
+# Result statuses: done, failed (ran and failed, or could not run), rejected (bad input:
+# never accepted, never journaled).
+DONE, FAILED, REJECTED = "done", "failed", "rejected"
+
+
+@dataclass
+class Result:
+    """How a request ended.
+
+    Attributes:
+        id: the request's idempotency key.
+        status: ``"done"``, ``"failed"`` or ``"rejected"`` (bad input; never run).
+        reason: why it failed or was rejected (one line); empty when done.
+        exit_code: a command's exit status (negative: the signal that killed it).
+        value: a gpu service's result or an api call's response.
+        stdout, stderr: the tail of what a command wrote.
+        queued_at, started_at, finished_at: wall-clock times (Unix seconds); started_at
+            is None when it never started.
+        allocation: what it was granted (``cores`` ids, ``device``, ``batch`` size ...).
+        attempts: runs (a request re-queued after a restart may run again) or api calls.
+    """
+
+    id: str
+    status: str
+    reason: str = ""
+    exit_code: int | None = None
+    value: Any = None
+    stdout: str = ""
+    stderr: str = ""
+    queued_at: float | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    allocation: dict[str, Any] = field(default_factory=dict)
+    attempts: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.status == DONE
+
+    @property
+    def act_s(self) -> float:
+        """Action completion time: finished - queued (nan if unknown)."""
+        if self.queued_at is None or self.finished_at is None:
+            return math.nan
+        return self.finished_at - self.queued_at
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"), default=repr)
+
+    @classmethod
+    def from_json(cls, text: str) -> Result:
+        return cls(**json.loads(text))
+
+
+__all__ = ["DONE", "FAILED", "REJECTED", "Request", "Result", "parse_request"]

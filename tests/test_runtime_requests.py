@@ -1,0 +1,135 @@
+"""Requests (strict JSON parsing, round trip) and the online cost model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from metasched.errors import ConfigError
+from metasched.runtime.costmodel import CostModel
+from metasched.runtime.requests import Request, Result, parse_request
+
+CPU = {"kind": "cpu", "argv": ["/bin/echo", "hi"], "timeout_s": 5}
+
+
+def test_cpu_request_defaults_and_signature():
+    r = parse_request(dict(CPU, task="swe"))
+    assert (r.kind, r.argv, r.min_cores, r.max_cores, r.task) == ("cpu", ("/bin/echo", "hi"),
+                                                                  1, 1, "swe")
+    assert r.name == "echo" and r.signature == "cpu:swe:echo"
+    assert len(r.id) == 32  # a fresh key when none is given
+    assert parse_request(dict(CPU)).id != r.id
+
+
+@pytest.mark.parametrize("req", [
+    dict(CPU, id="a", trajectory="t1", turn=3, reward=True, est_s=0.5, min_cores=2,
+         max_cores=8, parallel_fraction=0.9, mem_limit_mb=512, cpu_time_s=10,
+         env={"A": "1"}, name="pytest"),
+    {"kind": "gpu", "id": "g", "service": "orm", "payload": [1, 2], "timeout_s": 3},
+    {"kind": "gpu", "id": "c", "argv": ["nvidia-smi"], "timeout_s": 3},
+    {"kind": "api", "id": "h", "endpoint": "search", "tokens": 20, "timeout_s": 3,
+     "http": {"url": "http://127.0.0.1:9/x", "method": "POST", "json": {"q": 1}}},
+])
+def test_round_trip_through_json(req):
+    r = parse_request(req)
+    assert parse_request(r.to_dict()) == r
+    assert parse_request(__import__("json").loads(r.to_json())) == r
+
+
+@pytest.mark.parametrize("req, message", [
+    ({"kind": "tpu", "timeout_s": 1}, "kind: must be one of cpu, gpu, api"),
+    (dict(CPU, timeout_s=-1), "timeout_s: must be > 0 (got -1)"),
+    (dict(CPU, timeout_s=0), "timeout_s: must be > 0"),
+    ({"kind": "cpu", "timeout_s": 1}, "argv: is required"),
+    (dict(CPU, argv="ls -l"), "argv: must be a non-empty list of strings"),
+    (dict(CPU, argv=[]), "argv: must be a non-empty list of strings"),
+    (dict(CPU, argv=["ls", 3]), "argv: must be a non-empty list of strings"),
+    (dict(CPU, min_cores=4, max_cores=2), "max_cores: must be >= 4"),
+    (dict(CPU, min_cores=0), "min_cores: must be >= 1"),
+    (dict(CPU, parallel_fraction=1.5), "parallel_fraction: must be >= 0 and <= 1"),
+    (dict(CPU, env={"A": 1}), "env.A: must be a string"),
+    (dict(CPU, env={"A=B": "1"}), "env: bad variable name"),
+    (dict(CPU, service="orm"), "service: only gpu requests have it (this is cpu)"),
+    (dict(CPU, colour="red"), "colour: unknown field"),
+    (dict(CPU, reward="yes"), "reward: must be true or false"),
+    (dict(CPU, turn=-1), "turn: must be >= 0"),
+    (dict(CPU, est_s=0), "est_s: must be > 0"),
+    ({"kind": "gpu", "timeout_s": 1}, "service: give either a service"),
+    ({"kind": "gpu", "timeout_s": 1, "service": "a", "argv": ["x"]}, "not both"),
+    ({"kind": "api", "timeout_s": 1, "endpoint": "e"}, "http: an api request needs"),
+    ({"kind": "api", "timeout_s": 1, "endpoint": "e", "http": {"url": "ftp://x"}},
+     "http.url: must start with http:// or https://"),
+    ({"kind": "api", "timeout_s": 1, "endpoint": "e", "http": "http://x"},
+     "http: must be a JSON object"),
+    ([1, 2], "must be a JSON object"),
+])
+def test_bad_requests_fail_with_one_line_naming_the_field(req, message):
+    with pytest.raises(ConfigError) as e:
+        parse_request(req, "jobs.jsonl:7")
+    text = str(e.value)
+    assert message in text and text.startswith("jobs.jsonl:7") and "\n" not in text
+
+
+def test_api_request_with_a_callable_is_not_replayable():
+    async def call():
+        return 1
+    r = parse_request({"kind": "api", "endpoint": "e", "timeout_s": 1}, call=call)
+    assert r.call is call and not r.replayable
+    assert parse_request(dict(CPU)).replayable
+
+
+@given(st.dictionaries(st.sampled_from(sorted({
+    "id", "kind", "task", "name", "trajectory", "turn", "reward", "timeout_s", "est_s", "argv",
+    "env", "min_cores", "max_cores", "parallel_fraction", "mem_limit_mb", "cpu_time_s",
+    "service", "payload", "endpoint", "tokens", "http", "bogus"})),
+    st.one_of(st.none(), st.booleans(), st.integers(-5, 10**20), st.floats(), st.text(max_size=5),
+              st.lists(st.text(max_size=3), max_size=3),
+              st.dictionaries(st.text(max_size=3), st.text(max_size=3), max_size=2))))
+def test_any_dict_parses_or_fails_with_config_error(d):
+    try:
+        r = parse_request(d)
+    except ConfigError as e:
+        assert "\n" not in str(e)
+        return
+    assert r.kind in ("cpu", "gpu", "api") and r.timeout_s > 0
+    assert parse_request(r.to_dict()) == r
+
+
+def test_result_json_round_trip_and_act():
+    r = Result("k", "done", queued_at=10.0, started_at=10.5, finished_at=12.0,
+               allocation={"cores": [1]}, attempts=1)
+    assert Result.from_json(r.to_json()) == r
+    assert r.act_s == pytest.approx(2.0) and r.ok
+    assert math.isnan(Result("k", "rejected").act_s)
+
+
+def test_cost_model_prior_then_ewma_in_one_core_units():
+    m = CostModel(alpha=0.5, default_s=2.0)
+    assert m.estimate("cpu:t:x") == 2.0
+    assert m.estimate("cpu:t:x", hint=0.3) == 0.3
+    # 1 s on 4 cores of a fully parallel action = 4 one-core seconds
+    m.observe("cpu:t:x", 1.0, cores=4, parallel_fraction=1.0)
+    assert m.estimate("cpu:t:x", hint=0.3) == pytest.approx(4.0)
+    m.observe("cpu:t:x", 2.0)
+    assert m.estimate("cpu:t:x") == pytest.approx(3.0)
+    m.observe("cpu:t:x", math.nan)  # ignored
+    assert m.count["cpu:t:x"] == 2
+
+
+def test_cost_model_save_load(tmp_path):
+    m = CostModel()
+    m.observe("api:t:e", 0.25)
+    m.save(tmp_path / "c.json")
+    n = CostModel()
+    n.load(tmp_path / "c.json")
+    n.load(tmp_path / "missing.json")
+    assert n.estimate("api:t:e") == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize("kw", [{"alpha": 0}, {"alpha": 1.5}, {"default_s": 0}])
+def test_cost_model_rejects_bad_settings(kw):
+    with pytest.raises(ValueError):
+        CostModel(**kw)
