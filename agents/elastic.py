@@ -32,6 +32,37 @@ def _sjf_key(a: Action) -> tuple[float, int]:
     return (a.spec.est_s / a.spec.speedup(a.spec.max_cores), a.id)
 
 
+class _Queue:
+    """Pending actions in a fixed priority order, kept incrementally so that a decision
+    costs O(examined x log n), not a sort of the whole queue (live queues can hold
+    thousands). Arrivals are found from the end of the state's pending dict (ids grow
+    in submission order); actions no longer pending are dropped when met."""
+
+    __slots__ = ("heap",)
+
+    def __init__(self) -> None:
+        self.heap: list[tuple[tuple, Action]] = []
+
+    def push(self, key: tuple, a: Action) -> None:
+        heapq.heappush(self.heap, (key, a))
+
+    def scan_keyed(self, pending: dict[int, Action]):
+        """Yield (key, action) of the pending actions, best first; the caller breaks when
+        done. Everything yielded stays queued (a decision is advice until applied)."""
+        heap = self.heap
+        taken: list[tuple[tuple, Action]] = []
+        try:
+            while heap:
+                item = heapq.heappop(heap)
+                if pending.get(item[1].id) is not item[1]:
+                    continue  # started (or failed) since it was queued
+                taken.append(item)
+                yield item
+        finally:
+            for item in taken:
+                heapq.heappush(heap, item)
+
+
 def _quota_s(ep: EndpointSpec, a: Action) -> float:
     """Seconds of the endpoint's quota a call uses: its request or its tokens,
     whichever bucket refills slower for it."""
@@ -58,44 +89,87 @@ class ElasticGreedyScheduler(Scheduler):
             raise ValueError(f"headroom must be in [0, 1] (got {headroom})")
         self.headroom = headroom
         self.min_gain_s = min_gain_s
+        self._state: ClusterState | None = None
+
+    def reset(self, state: ClusterState, rng) -> None:
+        self._state = None
+
+    def _sync(self, state: ClusterState) -> None:
+        """Queue the actions submitted since the last decision."""
+        if self._state is not state:  # a new run: start over
+            self._state = state
+            self._cpu_q: dict[int, _Queue] = {}  # by the node an action must run on
+            self._api_q: dict[str, _Queue] = {}  # by endpoint
+            self._last = {"cpu": -1, "api": -1}
+        eps = state.api.endpoints
+        for kind in ("cpu", "api"):
+            last = self._last[kind]
+            new = []
+            for a in reversed(state.pending[kind].values()):
+                if a.id <= last:
+                    break
+                new.append(a)
+            if not new:
+                continue
+            self._last[kind] = new[0].id
+            for a in new:
+                if kind == "cpu":
+                    self._cpu_q.setdefault(a.node, _Queue()).push(_sjf_key(a), a)
+                else:
+                    key = (_quota_s(eps[a.spec.endpoint].spec, a), _sjf_key(a))
+                    self._api_q.setdefault(a.spec.endpoint, _Queue()).push(key, a)
 
     def decide(self, state: ClusterState) -> list[Grant]:
+        self._sync(state)
         led = Ledger(state)
         grants: list[Grant] = []
         if state.pending["cpu"]:
             self._cpu(state, led, grants)
         if state.pending["gpu"] and led.idle:
             self._gpu(state, led, grants)
-        if state.pending["api"]:
-            eps = state.api.endpoints
-            for a in sorted(state.pending["api"].values(),
-                            key=lambda a: (_quota_s(eps[a.spec.endpoint].spec, a), _sjf_key(a))):
-                if led.api_ok(a):
-                    grants.append(led.take_api(a))
+        pending = state.pending["api"]
+        if pending:
+            # Least quota first (shortest estimated call among equals), per endpoint; an
+            # endpoint is left once no call at all can start on it.
+            planned: list[tuple[tuple, Grant]] = []
+            for name, q in self._api_q.items():
+                ep = state.api.endpoints[name]
+                for key, a in q.scan_keyed(pending):
+                    if led.api_ok(a):
+                        planned.append((key, led.take_api(a)))
+                    elif not led.api_room(ep):
+                        break
+            planned.sort(key=lambda kg: kg[0])
+            grants.extend(g for _, g in planned)
         return grants
 
     # ------------------------------------------------------------------ cpu
 
     def _cpu(self, state: ClusterState, led: Ledger, grants: list[Grant]) -> None:
-        by_node: dict[int, list[Action]] = {}
-        for a in state.pending["cpu"].values():
-            by_node.setdefault(a.node, []).append(a)
         free = led.free
         cpu = state.cpu
-        for node, acts in sorted(by_node.items(), key=lambda kv: kv[0] < 0):
-            if len(acts) > 1:
-                acts.sort(key=_sjf_key)
+        pending = state.pending["cpu"]
+        # Sandbox nodes first (each uses only its own cores), then actions free to go
+        # to the node with the most free cores.
+        for node in sorted(self._cpu_q, key=lambda n: (n < 0, n)):
+            q = self._cpu_q[node]
+            if not q.heap:
+                continue
             chosen: list[tuple[Action, int]] = []
             waiting = False
-            for a in acts:
+            for _, a in q.scan_keyed(pending):  # shortest job first
                 n = node
-                if n < 0:  # no sandbox: the node with most free cores
+                if n < 0:
                     n = max(range(len(free)), key=free.__getitem__)
                 if free[n] >= a.spec.min_cores:
                     free[n] -= a.spec.min_cores
                     chosen.append((a, n))
                 else:
                     waiting = True
+                    if free[n] == 0:
+                        break  # nothing else can fit either
+            if not chosen:
+                continue
             extra = [0] * len(chosen)
             if not waiting and node >= 0:
                 keep = min(math.ceil(self.headroom * cpu.cores[node]),

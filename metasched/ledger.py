@@ -82,6 +82,12 @@ class Ledger:
         return (ep.in_flight + calls < ep.spec.max_concurrency and ep.req - calls >= 1.0
                 and ep.tok - tokens >= a.spec.tokens)
 
+    def api_room(self, ep) -> bool:
+        """Whether endpoint ``ep`` could start any call after the planned ones (a free
+        concurrency slot and a request token; tokens aside)."""
+        calls = self._api.get(ep.name, (0, 0))[0]
+        return ep.in_flight + calls < ep.spec.max_concurrency and ep.req - calls >= 1.0
+
     def default_grant(self, a: Action) -> Grant | None:
         """The plainest legal grant for ``a`` (minimum cores; an idle device, resident
         first, with a batch of queued same-service requests; the API call), or None."""
