@@ -1,0 +1,542 @@
+"""The CPU executor: real subprocesses, pinned, limited, timed out, cancelled, cleaned up."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import tracemalloc
+from pathlib import Path
+
+import pytest
+
+from metasched.runtime import process
+from metasched.runtime.outcome import Outcome
+from metasched.runtime.process import THREAD_ENV_VARS, CpusetCgroup, kill_group, run_process
+
+PY = sys.executable
+CPUS = sorted(os.sched_getaffinity(0))
+
+
+def run(argv: list[str], **kwargs) -> Outcome:
+    kwargs.setdefault("cores", CPUS[:1])
+    kwargs.setdefault("timeout_s", 10.0)
+    return asyncio.run(run_process(argv, **kwargs))
+
+
+def py(code: str) -> list[str]:
+    return [PY, "-c", textwrap.dedent(code)]
+
+
+def gone(pid: int) -> bool:
+    """The process no longer runs (it may linger as a zombie of an init that does not
+    reap, which is dead all the same)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return state in ("Z", "X")
+
+
+def wait_gone(pid: int, within_s: float = 2.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if gone(pid):
+            return True
+        time.sleep(0.01)
+    return gone(pid)
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def my_zombies() -> list[int]:
+    """Children of this process that exited and were never reaped."""
+    me = os.getpid()
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] == "Z" and int(fields[1]) == me:
+            out.append(int(name))
+    return out
+
+
+@pytest.fixture(params=[True, False], ids=["fork_exec", "popen"])
+def spawn_path(request, monkeypatch):
+    """Run a test through both ways of starting a child (direct fork_exec and Popen)."""
+    if request.param and not process._fork_exec_usable:
+        pytest.skip("no direct fork_exec on this Python")
+    monkeypatch.setattr(process, "_fork_exec_usable", request.param)
+    return request.param
+
+
+@pytest.fixture(params=["prlimit", "preexec"])
+def limits_path(request, monkeypatch):
+    """Run a test through both ways of setting rlimits: the prlimit(1) launcher and, where
+    it is missing, a preexec_fn (fork)."""
+    if request.param == "prlimit":
+        if process._prlimit_launcher() is None:
+            pytest.skip("no util-linux prlimit")
+    else:
+        monkeypatch.setattr(process, "_prlimit_checked", True)
+        monkeypatch.setattr(process, "_prlimit_path", None)
+    return request.param
+
+
+def test_success_keeps_the_stdout_tail(spawn_path, tmp_path):
+    out = run(py("print('x' * 10000); print('end')"), tail_bytes=100, cwd_root=str(tmp_path))
+    assert out.ok and out.reason == "" and out.exit_code == 0
+    assert out.stdout == "x" * 95 + "\nend\n"
+    assert out.stderr == ""
+    assert out.detail == {"pid": out.detail["pid"], "cores": CPUS[:1]}
+    assert isinstance(out.detail["pid"], int)
+
+
+@pytest.mark.parametrize(("argv", "reason", "code"), [
+    (["/bin/false"], "exit code 1", 1),
+    (py("import sys; print('oops', file=sys.stderr); sys.exit(3)"), "exit code 3", 3),
+])
+def test_nonzero_exit(argv, reason, code):
+    out = run(argv)
+    assert not out.ok and out.reason == reason and out.exit_code == code
+    if code == 3:
+        assert out.stderr == "oops\n"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGSEGV, signal.SIGTERM, signal.SIGABRT])
+def test_death_by_signal(sig):
+    out = run(py(f"import os, signal; os.kill(os.getpid(), {int(sig)})"))
+    assert not out.ok
+    assert out.reason == f"killed by {sig.name}" and out.exit_code == -sig
+
+
+def test_timeout_kills_the_whole_group(tmp_path):
+    # The child starts a grandchild in its own group (the default) and waits on it.
+    code = """
+        import subprocess, sys, time
+        g = subprocess.Popen(["sleep", "60"])
+        print(g.pid, flush=True)
+        time.sleep(60)
+    """
+    t0 = time.monotonic()
+    out = run(py(code), timeout_s=1.0, cwd_root=str(tmp_path))
+    elapsed = time.monotonic() - t0
+    assert not out.ok and out.reason == "timeout after 1 s" and out.exit_code == -9
+    assert elapsed < 3.0
+    grandchild = int(out.stdout.split()[0])
+    assert wait_gone(grandchild)
+    assert gone(out.detail["pid"])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_leftovers_of_the_group_are_killed_when_the_main_process_exits():
+    out = run(py("""
+        import subprocess
+        g = subprocess.Popen(["sleep", "60"], stdout=subprocess.DEVNULL)
+        print(g.pid)
+    """), timeout_s=5.0)
+    assert out.ok
+    assert wait_gone(int(out.stdout))
+
+
+@pytest.mark.parametrize("limit_mb", [300, 500])
+def test_memory_limit_python_memory_error(limits_path, limit_mb):
+    out = run(py("b = bytearray(2 * 1024**3)"), mem_limit_mb=limit_mb)
+    assert not out.ok and out.reason == f"memory limit exceeded ({limit_mb} MB)"
+    assert out.exit_code == 1 and "MemoryError" in out.stderr
+
+
+def test_memory_limit_leaves_room_for_python_itself():
+    # The limit is on address space: a normal Python child runs fine under it.
+    out = run(py("b = bytearray(100 * 1024**2); print(len(b))"), mem_limit_mb=400)
+    assert out.ok and out.stdout == f"{100 * 1024**2}\n"
+
+
+def test_memory_limit_growth_without_a_message():
+    # Touches memory until an allocation fails, then exits quietly: recognised by its
+    # peak resident set near the limit.
+    out = run(py("""
+        import os
+        chunks = []
+        try:
+            while True:
+                chunks.append(bytearray(8 * 1024**2))
+        except MemoryError:
+            os._exit(1)
+    """), mem_limit_mb=300)
+    assert out.reason == "memory limit exceeded (300 MB)" and out.stderr == ""
+
+
+def test_memory_limit_of_the_group_is_watched():
+    # Three forked workers of ~150 MB each: every one is under RLIMIT_AS (300 MB), the
+    # group is not, and the watchdog kills it.
+    out = run(py("""
+        import os, time
+        for _ in range(3):
+            if os.fork() == 0:
+                b = bytearray(150 * 1024**2)
+                time.sleep(30)
+                os._exit(0)
+        time.sleep(30)
+    """), mem_limit_mb=300, timeout_s=20.0)
+    assert out.reason == "memory limit exceeded (300 MB)" and out.exit_code == -9
+
+
+C_SOURCES = {
+    "grow": r"""
+        #include <stdlib.h>
+        #include <string.h>
+        int main(void) {
+            for (;;) {
+                char *p = malloc(8 << 20);
+                if (!p) return 1;
+                memset(p, 1, 8 << 20);
+            }
+        }""",
+    "huge": r"""
+        #include <errno.h>
+        #include <stdio.h>
+        #include <stdlib.h>
+        #include <string.h>
+        int main(void) {
+            char *p = malloc((size_t)2 << 30);
+            if (!p) { fprintf(stderr, "malloc: %s\n", strerror(errno)); return 2; }
+            return 0;
+        }""",
+}
+
+
+@pytest.mark.parametrize("program", sorted(C_SOURCES))
+def test_memory_limit_c_malloc_failure(limits_path, tmp_path, program):
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    src, exe = tmp_path / f"{program}.c", tmp_path / program
+    src.write_text(textwrap.dedent(C_SOURCES[program]))
+    subprocess.run([cc, "-O0", "-o", str(exe), str(src)], check=True)
+    out = run([str(exe)], mem_limit_mb=200)
+    assert not out.ok and out.reason == "memory limit exceeded (200 MB)"
+
+
+def test_rlimits_are_in_place_when_the_program_starts(limits_path):
+    code = """
+        import resource as r, sys
+        print(sys.argv[0], [r.getrlimit(x) for x in (r.RLIMIT_AS, r.RLIMIT_CPU, r.RLIMIT_CORE)])
+    """
+    out = run([PY, "-c", textwrap.dedent(code), "--", "-x"], mem_limit_mb=512, cpu_time_s=2.5)
+    assert out.ok, out
+    mib = 512 * 1024**2
+    assert out.stdout == f"-c [({mib}, {mib}), (3, 4), (0, 0)]\n"
+
+
+@pytest.mark.parametrize(("make_argv", "why"), [
+    (lambda tmp: ["metasched-no-such-program"], "No such file or directory"),
+    (lambda tmp: [str(tmp)], "Permission denied"),
+])
+def test_cannot_start_under_limits(limits_path, tmp_path, make_argv, why):
+    out = run(make_argv(tmp_path), mem_limit_mb=300)
+    assert out.reason == f"cannot start: {why}"
+
+
+def test_failures_without_a_memory_limit_are_not_blamed_on_memory():
+    out = run(py("import sys; print('MemoryError', file=sys.stderr); sys.exit(1)"))
+    assert out.reason == "exit code 1"
+
+
+@pytest.mark.parametrize("ignore_sigxcpu", [False, True])
+def test_cpu_time_limit(limits_path, ignore_sigxcpu):
+    # Soft limit 1 s (0.3 rounded up) raises SIGXCPU; ignoring it meets the hard limit
+    # (2 s) and SIGKILL. Both are the CPU limit.
+    prelude = "import signal; signal.signal(signal.SIGXCPU, signal.SIG_IGN)\n"
+    code = (prelude if ignore_sigxcpu else "") + "while True: pass"
+    t0 = time.monotonic()
+    out = run([PY, "-c", code], cpu_time_s=0.3, timeout_s=60.0)
+    assert out.reason == "cpu time limit exceeded"
+    assert out.exit_code == (-signal.SIGKILL if ignore_sigxcpu else -signal.SIGXCPU)
+    assert time.monotonic() - t0 < 30  # CPU seconds, so slower on a busy machine
+
+
+@pytest.mark.parametrize("cores", [[0], [1], [0, 1]], ids=str)
+def test_child_runs_on_exactly_the_granted_cores(spawn_path, cores):
+    if not set(cores) <= set(CPUS):
+        pytest.skip(f"needs cpus {cores}")
+    before = os.sched_getaffinity(0)
+    out = run(py("import os; print(sorted(os.sched_getaffinity(0)))"), cores=cores)
+    assert out.ok and json.loads(out.stdout) == cores
+    assert out.detail["cores"] == cores
+    # The event-loop thread pinned itself only around the spawn.
+    assert os.sched_getaffinity(0) == before
+
+
+@pytest.mark.parametrize("cores", [[0], [0, 1]], ids=str)
+def test_thread_variables_equal_the_core_count(cores):
+    if not set(cores) <= set(CPUS):
+        pytest.skip(f"needs cpus {cores}")
+    names = ["OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+             "NUMEXPR_NUM_THREADS", "TORCH_NUM_THREADS", "VECLIB_MAXIMUM_THREADS"]
+    assert set(names) <= set(THREAD_ENV_VARS)
+    names_literal = repr(list(THREAD_ENV_VARS))
+    code = f"import json, os; print(json.dumps({{k: os.environ.get(k) for k in {names_literal}}}))"
+    # extra_env cannot undo them: the core count is what the action was granted.
+    out = run([PY, "-c", code], cores=cores, extra_env={"OMP_NUM_THREADS": "64"})
+    assert out.ok
+    assert json.loads(out.stdout) == {k: str(len(cores)) for k in THREAD_ENV_VARS}
+
+
+def test_own_temporary_working_directory_removed_afterwards(tmp_path):
+    # The command leaves files and a directory it made unreadable and unwritable.
+    out = run(py("""
+        import os
+        print(os.getcwd())
+        os.makedirs("a/b")
+        open("a/b/f", "w").write("x")
+        os.chmod("a/b", 0)
+        os.chmod("a", 0o500)
+    """), cwd_root=str(tmp_path))
+    assert out.ok
+    cwd = Path(out.stdout.strip())
+    assert cwd.parent == tmp_path and cwd.name.startswith("metasched-")
+    assert not cwd.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_each_run_gets_a_fresh_directory(tmp_path):
+    async def both() -> list[Outcome]:
+        argv = py("import os; print(os.getcwd(), os.listdir('.'))")
+        return await asyncio.gather(*(run_process(argv, cores=CPUS[:1], timeout_s=10,
+                                                  cwd_root=str(tmp_path)) for _ in range(2)))
+    first, second = asyncio.run(both())
+    assert first.stdout != second.stdout and "[]" in first.stdout and "[]" in second.stdout
+
+
+def test_environment_inherited_or_exactly_given(monkeypatch):
+    monkeypatch.setenv("METASCHED_PROCESS_TEST", "inherited")
+    dump = py("import json, os; print(json.dumps(dict(os.environ)))")
+
+    inherited = json.loads(run(dump).stdout)
+    assert inherited["METASCHED_PROCESS_TEST"] == "inherited"
+    assert inherited["PATH"] == os.environ["PATH"]
+
+    empty = json.loads(run(dump, env={}).stdout)
+    # CPython may add LC_CTYPE when it coerces the C locale.
+    assert set(empty) - {"LC_CTYPE"} == {"PATH", *THREAD_ENV_VARS}
+    assert empty["PATH"] == os.environ["PATH"]
+
+    given = json.loads(run(dump, env={"PATH": "/usr/bin:/bin", "A": "1"},
+                           extra_env={"B": "é"}).stdout)
+    assert given["PATH"] == "/usr/bin:/bin" and given["A"] == "1" and given["B"] == "é"
+    assert "METASCHED_PROCESS_TEST" not in given
+
+
+def test_a_command_printing_10_mb_keeps_only_the_tail():
+    code = """
+        import sys
+        chunk = b"y" * (1 << 20)
+        for _ in range(10):
+            sys.stdout.buffer.write(chunk)
+            sys.stderr.buffer.write(chunk)
+        sys.stdout.buffer.write(b"STDOUT-END")
+        sys.stderr.buffer.write(b"STDERR-END")
+    """
+    tracemalloc.start()
+    try:
+        out = run(py(code), tail_bytes=4096)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert out.ok
+    assert len(out.stdout) == 4096 and out.stdout.endswith("y" * 10 + "STDOUT-END")
+    assert len(out.stderr) == 4096 and out.stderr.endswith("STDERR-END")
+    assert peak < 2 * 1024**2  # 20 MB went through the pipes, not into memory
+
+
+@pytest.mark.parametrize("tail_bytes", [0, 1, 5, 6, 100])
+def test_tail_buffer_is_bounded(tail_bytes):
+    tail = process._Tail(tail_bytes)
+    data = b""
+    for chunk in (b"ab", b"cdefg", b"", b"h" * 50, b"ij"):
+        tail.feed(chunk)
+        data += chunk
+        assert bytes(tail.buf) == (data[-tail_bytes:] if tail_bytes else b"")
+
+
+def test_invalid_utf8_is_replaced():
+    out = run(py("import sys; sys.stdout.buffer.write(b'ok\\xff\\xfe')"))
+    assert out.ok and out.stdout == "ok\ufffd\ufffd"
+
+
+def not_executable(tmp_path: Path) -> list[str]:
+    path = tmp_path / "script.sh"
+    path.write_text("#!/bin/sh\necho hi\n")
+    path.chmod(0o644)
+    return [str(path)]
+
+
+@pytest.mark.parametrize(("make_argv", "why"), [
+    (lambda tmp: ["/nonexistent/program"], "No such file or directory"),
+    (lambda tmp: ["metasched-no-such-program"], "No such file or directory"),
+    (not_executable, "Permission denied"),
+    (lambda tmp: [], "empty argv"),
+])
+def test_cannot_start(spawn_path, tmp_path, make_argv, why):
+    work = tmp_path / "work"
+    work.mkdir()
+    fds = open_fds()
+    out = run(make_argv(tmp_path), cwd_root=str(work))
+    assert out == Outcome(ok=False, reason=f"cannot start: {why}", detail={"cores": CPUS[:1]})
+    assert open_fds() == fds and list(work.iterdir()) == [] and my_zombies() == []
+
+
+def test_cannot_start_without_a_working_directory(tmp_path):
+    out = run(["/bin/true"], cwd_root=str(tmp_path / "missing"))
+    assert out.reason == "cannot start: No such file or directory"
+
+
+def test_cannot_start_on_cores_the_machine_lacks():
+    before = os.sched_getaffinity(0)
+    out = run(["/bin/true"], cores=[4000])
+    assert out.reason == "cannot start: Invalid argument"
+    assert os.sched_getaffinity(0) == before
+
+
+def test_cannot_start_with_a_bad_environment():
+    out = run(["/bin/true"], env={"A=B": "1"})
+    assert out.reason == "cannot start: illegal environment variable name"
+
+
+def test_misuse_raises():
+    with pytest.raises(TypeError):
+        run("echo hi")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        run(["/bin/true"], cores=[])
+    with pytest.raises(ValueError):
+        run(["/bin/true"], timeout_s=0)
+
+
+def test_cancellation_kills_the_group(tmp_path):
+    pids_file = tmp_path / "pids"
+    work = tmp_path / "work"
+    work.mkdir()
+    code = f"""
+        import os, subprocess, time
+        g = subprocess.Popen(["sleep", "60"])
+        with open({str(pids_file)!r}, "w") as f:
+            f.write(f"{{os.getpid()}} {{g.pid}}")
+        time.sleep(60)
+    """
+
+    async def scenario() -> list[int]:
+        task = asyncio.create_task(run_process(py(code), cores=CPUS[:1], timeout_s=30,
+                                               cwd_root=str(work)))
+        for _ in range(500):
+            await asyncio.sleep(0.01)
+            if pids_file.exists() and len(pids_file.read_text().split()) == 2:
+                break
+        pids = [int(p) for p in pids_file.read_text().split()]
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return pids
+
+    fds = open_fds()
+    child, grandchild = asyncio.run(scenario())
+    assert gone(child) and wait_gone(grandchild)
+    assert child not in my_zombies()
+    assert list(work.iterdir()) == [] and open_fds() == fds
+
+
+def test_many_concurrent_runs_leak_nothing(tmp_path):
+    cases = [
+        (["/bin/true"], {}),
+        (["/bin/false"], {}),
+        (["/bin/echo", "hello"], {}),
+        (["metasched-no-such-program"], {}),
+        (["sleep", "5"], {"timeout_s": 0.2}),
+        (py("b = bytearray(2 * 1024**3)"), {"mem_limit_mb": 300}),
+    ]
+
+    async def many() -> list[Outcome]:
+        jobs = []
+        for i in range(60):
+            argv, extra = cases[i % len(cases)]
+            kwargs = {"cores": [CPUS[i % len(CPUS)]], "timeout_s": 10.0,
+                      "cwd_root": str(tmp_path), **extra}
+            jobs.append(run_process(argv, **kwargs))
+        return await asyncio.gather(*jobs)
+
+    run(["/bin/true"])  # first-use allocations (e.g. asyncio's) are not leaks
+    fds = open_fds()
+    outs = asyncio.run(many())
+    reasons = [o.reason for o in outs[:len(cases)]]
+    assert reasons == ["", "exit code 1", "", "cannot start: No such file or directory",
+                       "timeout after 0.2 s", "memory limit exceeded (300 MB)"]
+    assert all(o.stdout == "hello\n" for o in outs[2::len(cases)])
+    assert open_fds() == fds
+    assert my_zombies() == []
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_exit_is_noticed_without_pidfds(monkeypatch):
+    # Old kernels (or seccomp profiles) refuse pidfd_open: a thread waits instead.
+    def refuse(pid: int, flags: int = 0) -> int:
+        raise OSError(38, "Function not implemented")
+
+    monkeypatch.setattr(os, "pidfd_open", refuse)
+    assert run(["/bin/echo", "hi"]).stdout == "hi\n"
+    out = run(["sleep", "5"], timeout_s=0.2)
+    assert out.reason == "timeout after 0.2 s" and gone(out.detail["pid"])
+    assert my_zombies() == []
+
+
+def test_kill_group():
+    proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    kill_group(proc.pid)
+    assert proc.wait(timeout=5) == -signal.SIGKILL
+    kill_group(proc.pid)  # a group that is gone is fine
+    with pytest.raises(ValueError):
+        kill_group(0)  # would be this process's own group
+
+
+def test_cpuset_cgroup_is_a_no_op_where_unavailable(tmp_path):
+    cg = CpusetCgroup(tmp_path / "not-a-cgroup")
+    ok, why = cg.available()
+    assert not ok and "not a cgroup v2 directory" in why
+    assert cg.confine(os.getpid(), [0]) is None
+    out = run(py("import os; print(sorted(os.sched_getaffinity(0)))"), cgroup=cg)
+    assert out.ok and json.loads(out.stdout) == CPUS[:1]
+    # On this machine's real hierarchy: usable or not, it says why and never fails.
+    real = CpusetCgroup("/sys/fs/cgroup")
+    ok, why = real.available()
+    assert isinstance(ok, bool) and why
+    if not ok:
+        assert run(["/bin/true"], cgroup=real).ok
+
+
+def test_cpuset_cgroup_writes_the_child_cgroup(tmp_path):
+    # A stand-in for a delegated cgroup v2 directory (plain files behave alike here).
+    (tmp_path / "cgroup.controllers").write_text("cpuset cpu memory\n")
+    (tmp_path / "cgroup.subtree_control").write_text("")
+    cg = CpusetCgroup(tmp_path)
+    assert cg.available() == (True, "ok")
+    assert (tmp_path / "cgroup.subtree_control").read_text() == "+cpuset"
+    path = cg.confine(1234, [0, 3])
+    assert path == tmp_path / "action-1234"
+    assert (path / "cpuset.cpus").read_text() == "0,3"
+    assert (path / "cgroup.procs").read_text() == "1234"
+
+    no_cpuset = tmp_path / "other"
+    no_cpuset.mkdir()
+    (no_cpuset / "cgroup.controllers").write_text("memory\n")
+    ok, why = CpusetCgroup(no_cpuset).available()
+    assert not ok and "cpuset" in why
