@@ -185,6 +185,7 @@ async def run_process(
     extra_env: Mapping[str, str] | None = None,
     cwd_root: str | None = None,
     cgroup: CpusetCgroup | None = None,
+    on_start: Callable[[int], None] | None = None,
 ) -> Outcome:
     """Run one command pinned to ``cores`` and report how it ended.
 
@@ -204,6 +205,9 @@ async def run_process(
             temporary directory). It is removed when the call returns. A tmpfs makes
             short actions cheaper (see the module docstring).
         cgroup: optional cpuset cgroup confinement (a no-op where unavailable).
+        on_start: called with the child's pid (= its process group id) once it runs, so
+            a caller can record it (the dispatcher journals it: after a crash, the next
+            dispatcher kills the groups left behind).
 
     Returns:
         An Outcome: ``ok`` iff the exit status was 0; else ``reason`` is one of "exit code
@@ -254,7 +258,7 @@ async def run_process(
     try:
         return await _run(loop, args, core_list, child_env, preexec, cwd, timeout_s,
                           mem_limit_mb, cpu_time_s, tail_bytes, cgroup, detail,
-                          launched=launcher is not None)
+                          launched=launcher is not None, on_start=on_start)
     finally:
         _remove_tree(cwd)
 
@@ -501,7 +505,7 @@ async def _run(loop: asyncio.AbstractEventLoop, args: list[str], cores: list[int
                env: dict[bytes, bytes], preexec: Callable[[], None] | None, cwd: str,
                timeout_s: float, mem_limit_mb: float | None, cpu_time_s: float | None,
                tail_bytes: int, cgroup: CpusetCgroup | None, detail: dict[str, Any], *,
-               launched: bool) -> Outcome:
+               launched: bool, on_start: Callable[[int], None] | None = None) -> Outcome:
     try:
         out_r, out_w = os.pipe()
     except OSError as exc:
@@ -529,6 +533,8 @@ async def _run(loop: asyncio.AbstractEventLoop, args: list[str], cores: list[int
         _close_fds(out_r, err_r)
         raise
     cg_path = cgroup.confine(pid, cores) if cgroup is not None else None
+    if on_start is not None:
+        on_start(pid)
     watch = None
     if mem_limit_mb is not None:
         watch = _MemoryWatch.for_loop(loop)

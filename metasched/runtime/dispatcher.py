@@ -1,0 +1,689 @@
+"""The live dispatcher: the scheduling core on the asyncio clock.
+
+Rollout workers ``await dispatcher.submit(request)``; the dispatcher journals the
+request (SQLite, before acknowledging it), queues it in the same ``ClusterState`` the
+simulator drives, asks the same ``Scheduler`` (the shipped learned policy by default)
+whenever a decision is possible, and runs what it grants on real cores (pinned
+subprocesses), GPUs (resident services or commands) and APIs (quota-aware calls with
+retries). Observations come from the same encoder and masks as in training.
+
+One event loop thread owns the state: executors run as tasks on the loop (blocking
+work, such as a service's forward pass, runs in a worker thread) and report back on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from metasched.config import ClusterConfig
+from metasched.encoding import ObsConfig, ObservationEncoder
+from metasched.errors import ConfigError
+from metasched.guard import WaitGuard
+from metasched.metrics import RunResult
+from metasched.model import Action, ActionSpec, Grant, Trajectory
+from metasched.pools import EndpointSpec, ServiceSpec
+from metasched.runtime.api import RetryPolicy, call_api
+from metasched.runtime.costmodel import CostModel
+from metasched.runtime.gpu import LiveService, ServiceHost, command_env, discover_devices
+from metasched.runtime.journal import Journal
+from metasched.runtime.machine import (
+    MachineMonitor,
+    default_workdir,
+    memory_gb,
+    usable_cores,
+)
+from metasched.runtime.outcome import Outcome
+from metasched.runtime.process import kill_group, run_process
+from metasched.runtime.requests import DONE, FAILED, REJECTED, Request, Result, parse_request
+from metasched.scheduler import Scheduler
+from metasched.state import ClusterState, InvalidGrant
+
+log = logging.getLogger("metasched.dispatch")
+
+COMMAND_SERVICE = "@command"  # the core's service for gpu commands (no model to load)
+FALLBACK = "elastic_greedy"
+ACTION_ENV = "METASCHED_ACTION_ID"  # set in every command's environment (orphan check)
+
+
+@dataclass
+class DispatcherConfig:
+    """How a dispatcher runs.
+
+    Attributes:
+        scheduler: a checkpoint directory (the shipped ``checkpoints/default``) or a
+            heuristic's name from ``metasched.agents.BASELINES``.
+        scheduler_params: keyword arguments for a heuristic.
+        cores: CPU ids actions may use (default: all this process may run on).
+        mem_gb: memory of the node (default: the machine's).
+        gpu_standin: CPU stand-in GPU devices (tests only; real GPUs come from NVML).
+        gpu_standin_mem_gb: memory of each stand-in.
+        endpoints: API endpoint quotas by name.
+        journal: SQLite journal path (None: no durability, for tests and experiments).
+        fsync: make the journal durable against power loss too (slower).
+        max_wait_s: the core's starvation guard (None: off).
+        cost_alpha, default_est_s: the online cost model (see ``CostModel``).
+        retry: API retry policy (429 / 5xx / connection errors).
+        workdir: where commands' temporary working directories are made (None: the
+            tmpfs ``/dev/shm`` when writable, else the system temporary directory; a
+            directory costs ~10 µs to make and remove on tmpfs, ~100-800 µs on a disk,
+            which bounds the rate of short actions; files written there use memory).
+        tail_bytes: how much of a command's stdout / stderr results keep.
+        sample_interval_s: how often psutil / NVML are sampled.
+        trajectory_idle_s: a trajectory with nothing queued or running for this long is
+            closed (its held cores return), in case its reward action never comes.
+    """
+
+    scheduler: str = "checkpoints/default"
+    scheduler_params: dict[str, Any] = field(default_factory=dict)
+    cores: list[int] | None = None
+    mem_gb: float | None = None
+    gpu_standin: int = 0
+    gpu_standin_mem_gb: float = 16.0
+    endpoints: dict[str, EndpointSpec] = field(default_factory=dict)
+    journal: str | Path | None = None
+    fsync: bool = False
+    max_wait_s: float | None = 300.0
+    cost_alpha: float = 0.3
+    default_est_s: float = 1.0
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    workdir: str | None = None
+    tail_bytes: int = 4096
+    sample_interval_s: float = 1.0
+    trajectory_idle_s: float = 3600.0
+
+
+class _Job:
+    """A request the dispatcher has accepted, with its future and timings."""
+
+    __slots__ = ("request", "future", "queued_at", "started_at", "action", "alloc", "attempts")
+
+    def __init__(self, request: Request, future: asyncio.Future, queued_at: float,
+                 attempts: int = 0) -> None:
+        self.request = request
+        self.future = future
+        self.queued_at = queued_at
+        self.started_at: float | None = None
+        self.action: Action | None = None
+        self.alloc: dict[str, Any] = {}
+        self.attempts = attempts
+
+
+class Dispatcher:
+    """Runs submitted actions on this machine under a scheduler (use ``async with``).
+
+    Args:
+        config: how to run (defaults: the shipped policy, every usable core, no GPU
+            unless NVML finds one, no API endpoints, no journal).
+        services: live GPU services by name (see ``metasched.runtime.gpu``).
+        scheduler: a ``Scheduler`` object instead of ``config.scheduler``.
+        clock: monotonic seconds (tests inject a fake clock).
+    """
+
+    def __init__(self, config: DispatcherConfig | None = None, *,
+                 services: Mapping[str, LiveService] | None = None,
+                 scheduler: Scheduler | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = cfg = config or DispatcherConfig()
+        self.cores = sorted(cfg.cores) if cfg.cores is not None else usable_cores()
+        if not self.cores:
+            raise ConfigError("cores", "no CPU cores to run actions on")
+        self.devices, self.no_gpu_reason = discover_devices(
+            standin=cfg.gpu_standin, standin_mem_gb=cfg.gpu_standin_mem_gb)
+        self.host = ServiceHost(self.devices)
+        for name, svc in (services or {}).items():
+            self.host.register(name, svc)
+        specs: dict[str, ServiceSpec] = dict(self.host.specs)
+        if self.devices:
+            specs[COMMAND_SERVICE] = ServiceSpec(mem_gb=0.0, restore_s=0.0, max_batch=1)
+        self.cluster = ClusterConfig(
+            name="local", cpu_nodes=1, cores_per_node=len(self.cores),
+            mem_gb_per_node=cfg.mem_gb if cfg.mem_gb is not None else memory_gb(),
+            gpu_devices=len(self.devices),
+            gpu_mem_gb=min((d.mem_gb for d in self.devices), default=0.0),
+            endpoints=dict(cfg.endpoints))
+        self.state = ClusterState(self.cluster, specs)
+        self.guard = WaitGuard(cfg.max_wait_s)
+        self.cost = CostModel(cfg.cost_alpha, cfg.default_est_s)
+        self.journal = Journal(cfg.journal, fsync=cfg.fsync) if cfg.journal else None
+        self.workdir = cfg.workdir if cfg.workdir is not None else default_workdir()
+        self._clock = clock
+        self._t0 = clock()
+        self._wall0 = time.time()
+        self._scheduler_given = scheduler
+        self.scheduler: Scheduler | None = None
+        self.fallback_reason = ""
+        self.encoder: ObservationEncoder | None = None
+        self._jobs: dict[str, _Job] = {}  # by request id, until finished
+        self._by_action: dict[int, _Job] = {}
+        self._trajs: dict[str, Trajectory] = {}
+        self._traj_live: dict[int, int] = {}  # trajectory id -> actions queued or running
+        self._traj_ended: set[int] = set()
+        self._traj_seen: dict[int, float] = {}
+        self._free_cores = list(self.cores)
+        self._tasks: set[asyncio.Task] = set()
+        self._next_action = 0
+        self._next_traj = 0
+        self._kick_pending = False
+        self._timers: dict[str, asyncio.TimerHandle] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+        self._rng = np.random.default_rng()
+        self.monitor = MachineMonitor(self.cores)
+        self.latency_ns: deque[int] = deque(maxlen=200_000)
+        self.n_decisions = 0
+        self.n_rejected = 0
+        self._ticker: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> Dispatcher:
+        await self.start()
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        await self.close(drain=exc_type is None)
+
+    async def start(self) -> None:
+        """Load the scheduler, recover the journal, start sampling."""
+        self._loop = asyncio.get_running_loop()
+        self.scheduler = self._load_scheduler()
+        if self.journal is not None:
+            self._recover()
+        self._ticker = asyncio.create_task(self._tick())
+        self._kick()
+
+    async def close(self, *, drain: bool = True) -> None:
+        """Stop. With ``drain``, first wait for every accepted request to finish;
+        otherwise running commands are killed and unfinished requests stay in the
+        journal for the next dispatcher."""
+        if self._closed:
+            return
+        if drain:
+            futures = [j.future for j in self._jobs.values()]
+            if futures:
+                await asyncio.gather(*futures, return_exceptions=True)
+        self._closed = True
+        self.monitor.sample()  # the span since the last periodic sample
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._ticker is not None:
+            self._ticker.cancel()
+            await asyncio.gather(self._ticker, return_exceptions=True)
+        for h in self._timers.values():
+            h.cancel()
+        for job in self._jobs.values():
+            if not job.future.done():
+                job.future.cancel()
+        if self.journal is not None:
+            self.journal.close()
+
+    def _load_scheduler(self) -> Scheduler:
+        from metasched.agents import make_scheduler
+        from metasched.agents.checkpoint import resolve_scheduler
+
+        sched = self._scheduler_given
+        if sched is None:
+            try:
+                sched = make_scheduler(resolve_scheduler(self.config.scheduler),
+                                       **self.config.scheduler_params)
+            except Exception as e:  # noqa: BLE001 - any failure to load means the fallback
+                return self._fall_back(f"cannot load scheduler {self.config.scheduler!r}: {e}")
+        try:
+            sched.reset(self.state, np.random.default_rng(0))
+        except Exception as e:  # noqa: BLE001
+            return self._fall_back(f"scheduler {sched.name!r} cannot run here: {e}")
+        obs_cfg = getattr(sched, "obs_config", None) or ObsConfig()
+        try:
+            self.encoder = (getattr(sched, "encoder", None)
+                            or ObservationEncoder(self.state, obs_cfg))
+        except ValueError:
+            self.encoder = None  # the machine exceeds the observation's sizes
+        return sched
+
+    def _fall_back(self, why: str) -> Scheduler:
+        """Switch to the elastic_greedy heuristic, logging the reason once."""
+        from metasched.agents import make_scheduler
+
+        if not self.fallback_reason:
+            self.fallback_reason = why
+            log.warning("%s; falling back to %s", why, FALLBACK)
+        sched = make_scheduler(FALLBACK)
+        sched.reset(self.state, np.random.default_rng(0))
+        self.scheduler = sched
+        if self.encoder is None:
+            try:
+                self.encoder = ObservationEncoder(self.state, ObsConfig())
+            except ValueError:
+                self.encoder = None
+        return sched
+
+    def _recover(self) -> None:
+        """Re-queue what a previous dispatcher accepted but did not finish, after killing
+        the commands it left running."""
+        assert self.journal is not None
+        import psutil
+
+        for key, pid in self.journal.orphans():
+            try:  # only a process that still carries this action's id is ours
+                if psutil.Process(pid).environ().get(ACTION_ENV) == key:
+                    kill_group(pid)
+            except (psutil.Error, OSError):
+                pass
+        for key, text, attempts in self.journal.unfinished():
+            doc = json.loads(text)
+            queued_at = float(doc["queued_at"])
+            future = self._loop.create_future()
+            try:
+                req = parse_request(doc["request"], f"journal:{key}")
+            except ConfigError:
+                job = _Job(Request(kind="api", timeout_s=1.0, id=key), future, queued_at,
+                           attempts)
+                self._jobs[key] = job
+                self._finish_job(job, Result(
+                    key, FAILED, "not replayable after a restart (an api call given as a "
+                    "Python callable): resubmit it", queued_at=queued_at,
+                    finished_at=time.time(), attempts=attempts))
+                continue
+            self._enqueue(_Job(req, future, queued_at, attempts))
+
+    # ------------------------------------------------------------------ submitting
+
+    async def submit(self, request: Request | Mapping[str, Any], *,
+                     call: Callable[[], Any] | None = None) -> Result:
+        """Run one action and return its result (see :class:`Result`).
+
+        ``request`` is a :class:`Request` or its JSON form; ``call`` is an api request's
+        async callable. Bad input is not raised: it comes back as a ``rejected`` result
+        with the reason, and the dispatcher goes on serving others."""
+        return await self.accept(request, call=call)
+
+    def accept(self, request: Request | Mapping[str, Any], *,
+               call: Callable[[], Any] | None = None) -> asyncio.Future[Result]:
+        """Accept ``request`` (journaled before this returns) and return the future of
+        its result. A request whose id was accepted before gets that request's future
+        (or its stored result): ids are idempotency keys."""
+        loop = self._loop or asyncio.get_running_loop()
+        future: asyncio.Future[Result] = loop.create_future()
+        now_wall = self._wall0 + self._now()  # the dispatcher's clock, as wall time
+        try:
+            if self._closed or self._loop is None:
+                raise ConfigError("dispatcher", "not running (use `async with Dispatcher()`)")
+            req = request if isinstance(request, Request) else parse_request(request, call=call)
+            req = self._check(req)
+        except ConfigError as e:
+            rid = request.get("id") if isinstance(request, Mapping) else getattr(request, "id", "")
+            self.n_rejected += 1
+            future.set_result(Result(str(rid or ""), REJECTED, str(e), queued_at=now_wall,
+                                     finished_at=now_wall))
+            return future
+        known = self._jobs.get(req.id)
+        if known is not None:
+            return known.future
+        if self.journal is not None:
+            stored = self.journal.result(req.id)
+            if stored is not None:
+                future.set_result(Result.from_json(stored))
+                return future
+            doc = {"queued_at": now_wall, "request": req.to_dict()}
+            self.journal.accept(req.id, json.dumps(doc, separators=(",", ":")))
+        self._enqueue(_Job(req, future, now_wall))
+        return future
+
+    def _check(self, req: Request) -> Request:
+        """What the request asks of this dispatcher's resources (ConfigError if it can
+        never run here); cpu ``max_cores`` above the node is capped to the node."""
+        node = len(self.cores)
+        if req.kind == "cpu":
+            if req.min_cores > node:
+                raise ConfigError("min_cores", f"{req.min_cores} cores asked, this dispatcher "
+                                  f"has {node}")
+            if req.max_cores > node:
+                from dataclasses import replace
+
+                req = replace(req, max_cores=node)
+        elif req.kind == "gpu":
+            if not self.devices:
+                raise ConfigError("kind", f"gpu request, but {self.no_gpu_reason or 'no GPU'}")
+            if req.service is not None:
+                if req.service not in self.host.specs:
+                    known = ", ".join(sorted(self.host.specs)) or "none"
+                    raise ConfigError("service", f"unknown service {req.service!r} "
+                                      f"(registered: {known})")
+                if self.host.specs[req.service].mem_gb > self.cluster.gpu_mem_gb:
+                    raise ConfigError("service", f"{req.service} needs more memory than a "
+                                      "device has")
+        else:
+            ep = self.state.api.endpoints.get(req.endpoint)
+            if ep is None:
+                known = ", ".join(sorted(self.state.api.endpoints)) or "none"
+                raise ConfigError("endpoint", f"unknown endpoint {req.endpoint!r} "
+                                  f"(configured: {known})")
+            if req.tokens > ep.spec.tok_capacity:
+                raise ConfigError("tokens", f"{req.tokens} tokens exceed what endpoint "
+                                  f"{req.endpoint} allows at once ({ep.spec.tok_capacity:g})")
+        return req
+
+    def _enqueue(self, job: _Job) -> None:
+        req = job.request
+        state = self.state
+        t = self._now()
+        state.advance(t)
+        self._jobs[req.id] = job
+        traj = None
+        if req.trajectory is not None:
+            traj = self._trajs.get(req.trajectory)
+            if traj is None:
+                traj = Trajectory(self._next_traj, req.task, 0, [], None)
+                self._next_traj += 1
+                traj.start_t = t
+                state.open_trajectory(traj)
+                self._trajs[req.trajectory] = traj
+            traj.turn = max(traj.turn, req.turn + 1)
+            self._traj_live[traj.id] = self._traj_live.get(traj.id, 0) + 1
+            self._traj_seen[traj.id] = t
+            if req.reward:
+                self._traj_ended.add(traj.id)
+        spec = ActionSpec(
+            kind=req.kind, name=req.name, true_s=math.nan,
+            est_s=self.cost.estimate(req.signature, req.est_s), timeout_s=req.timeout_s,
+            min_cores=req.min_cores, max_cores=req.max_cores,
+            parallel_fraction=req.parallel_fraction,
+            service=(req.service or COMMAND_SERVICE) if req.kind == "gpu" else None,
+            endpoint=req.endpoint, tokens=req.tokens, reward=req.reward)
+        # Submitted when it was first accepted (a re-queued request keeps its age).
+        submit_t = min(t, job.queued_at - self._wall0)
+        a = Action(self._next_action, spec, req.task, traj, req.turn, submit_t)
+        self._next_action += 1
+        job.action = a
+        self._by_action[a.id] = job
+        state.submit(a)
+        self._kick()
+
+    # ------------------------------------------------------------------ scheduling
+
+    def _now(self) -> float:
+        return self._clock() - self._t0
+
+    def _kick(self) -> None:
+        """Ask for a scheduling pass soon (once per loop turn, however many events)."""
+        if not self._kick_pending and self._loop is not None and not self._closed:
+            self._kick_pending = True
+            self._loop.call_soon(self._schedule)
+
+    def _schedule(self) -> None:
+        self._kick_pending = False
+        if self._closed:
+            return
+        state = self.state
+        state.advance(self._now())
+        waited = False
+        while state.decision_possible():
+            forced = self.guard.overdue(state)
+            if not forced:
+                sched = self.scheduler
+                t0 = time.perf_counter_ns()
+                try:
+                    grants = sched.decide(state)
+                except Exception as e:  # noqa: BLE001 - a failing policy must not stop dispatch
+                    self._fall_back(f"scheduler {sched.name!r} failed to decide: "
+                                    f"{type(e).__name__}: {e}")
+                    continue
+                self.latency_ns.append(time.perf_counter_ns() - t0)
+                self.n_decisions += 1
+                if not grants:
+                    waited = True
+                    break
+                forced = grants
+            for g in forced:
+                try:
+                    self._start(g)
+                except InvalidGrant as e:
+                    self._fall_back(f"scheduler {self.scheduler.name!r} made an invalid "
+                                    f"grant: {e}")
+                    break
+        if waited and state.n_running == 0 and not state.api_wakeups():
+            # Nothing running will free anything: serve what can start (the sim's rule).
+            for g in self.guard.overdue(state, stalled=True):
+                self._start(g)
+        self._arm_timers()
+
+    def _arm_timers(self) -> None:
+        """Look again when API buckets refill or the guard's deadline comes."""
+        state = self.state
+        waits = []
+        if state.pending["api"]:
+            waits.extend(state.api_wakeups().values())
+        deadline = self.guard.next_deadline(state)
+        if deadline is not None:
+            waits.append(max(0.0, deadline - state.t))
+        if not waits:
+            return
+        delay = min(waits) + 1e-6
+        loop = self._loop
+        at = loop.time() + delay
+        h = self._timers.get("wake")
+        if h is not None and not h.cancelled() and h.when() <= at and h.when() > loop.time():
+            return
+        if h is not None:
+            h.cancel()
+        self._timers["wake"] = loop.call_at(at, self._kick)
+
+    def _start(self, g: Grant) -> None:
+        state = self.state
+        resident = None
+        started, _ = state.start(g)
+        if g.action.spec.kind == "gpu":
+            resident = set(state.gpu.devices[g.device].resident)
+        now_wall = self._wall0 + state.t
+        jobs = [self._by_action[a.id] for a in started]
+        for job in jobs:
+            job.started_at = now_wall
+            job.attempts += 1
+            if self.journal is not None:
+                self.journal.started(job.request.id, attempt=job.attempts)
+        kind = g.action.spec.kind
+        if kind == "cpu":
+            cores = self.monitor.least_loaded(self._free_cores, g.cores)
+            for c in cores:
+                self._free_cores.remove(c)
+            jobs[0].alloc = {"cores": cores}
+            coro = self._run_cpu(jobs[0], cores)
+        elif kind == "gpu":
+            for job in jobs:
+                job.alloc = {"device": g.device, "batch": len(jobs)}
+            coro = self._run_gpu(jobs, g.device, resident)
+        else:
+            jobs[0].alloc = {"endpoint": g.action.spec.endpoint}
+            coro = self._run_api(jobs[0])
+        task = self._loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------------ executors
+
+    def _on_pid(self, job: _Job) -> Callable[[int], None]:
+        def record(pid: int) -> None:
+            if self.journal is not None:
+                self.journal.started(job.request.id, pid=pid, attempt=job.attempts)
+        return record
+
+    async def _run_cpu(self, job: _Job, cores: list[int]) -> None:
+        req = job.request
+        try:
+            out = await run_process(
+                req.argv, cores=cores, timeout_s=req.timeout_s, env=req.env,
+                mem_limit_mb=req.mem_limit_mb, cpu_time_s=req.cpu_time_s,
+                tail_bytes=self.config.tail_bytes, extra_env={ACTION_ENV: req.id},
+                cwd_root=self.workdir, on_start=self._on_pid(job))
+        finally:
+            self._free_cores.extend(cores)
+        self._complete(job, out)
+
+    async def _run_gpu(self, jobs: list[_Job], device: int, resident: set[str]) -> None:
+        dev = self.devices[device]
+        first = jobs[0].request
+        try:
+            if first.service is None:  # a command that needs a device
+                env = {**command_env(dev), ACTION_ENV: first.id}
+                out = await run_process(
+                    first.argv, cores=self.cores, timeout_s=first.timeout_s, env=first.env,
+                    tail_bytes=self.config.tail_bytes, extra_env=env,
+                    cwd_root=self.workdir, on_start=self._on_pid(jobs[0]))
+                self._complete(jobs[0], out)
+                return
+            batch = asyncio.ensure_future(self.host.run_batch(
+                first.service, dev, resident, [j.request.payload for j in jobs]))
+            waiting = sorted(jobs, key=lambda j: j.request.timeout_s)
+            t_start = self._clock()
+            while waiting and not batch.done():
+                left = waiting[0].request.timeout_s - (self._clock() - t_start)
+                done, _ = await asyncio.wait({batch}, timeout=max(0.0, left))
+                if done:
+                    break
+                # The request's timeout passed: it fails now; the device stays busy until
+                # the batch really ends (a forward pass cannot be interrupted).
+                job = waiting.pop(0)
+                self._complete(job, Outcome(False, f"timeout after {job.request.timeout_s:g} s"))
+            out = await batch
+            for i, job in enumerate(jobs):
+                if job not in waiting:
+                    continue
+                value = out.value[i] if out.ok else None
+                self._complete(job, Outcome(out.ok, out.reason, value=value,
+                                            detail=dict(out.detail)))
+        finally:
+            if not self._closed:
+                self.state.advance(self._now())
+                self.state.release_device(device)
+                self._kick()
+
+    async def _run_api(self, job: _Job) -> None:
+        req = job.request
+        out = await call_api(req.http if req.call is None else req.call,
+                             timeout_s=req.timeout_s, retry=self.config.retry,
+                             before_retry=lambda: self._quota_for_retry(req))
+        self._complete(job, out)
+
+    async def _quota_for_retry(self, req: Request) -> None:
+        """A retry is a new request against the endpoint's quota: wait for it."""
+        ep = self.state.api.endpoints[req.endpoint]
+        while True:
+            self.state.advance(self._now())
+            t = self.state.t
+            wait = ep.ready_in(req.tokens, t)
+            if wait <= 0.0:
+                ep.charge(req.tokens, t)
+                self.state.metrics.request(t)
+                self.state.version += 1
+                return
+            await asyncio.sleep(wait)
+
+    def _complete(self, job: _Job, out: Outcome) -> None:
+        """Record a finished action in the state, the cost model and the journal."""
+        state = self.state
+        state.advance(self._now())
+        a = job.action
+        state.finish(a, out.ok, out.reason)
+        if out.ok and a.start_t == a.start_t:
+            run_s = state.t - a.start_t - float(out.detail.get("restore_s", 0.0))
+            self.cost.observe(job.request.signature, run_s, cores=max(1, a.cores),
+                              parallel_fraction=a.spec.parallel_fraction)
+        attempts = out.attempts if a.spec.kind == "api" else job.attempts
+        self._finish_job(job, Result(
+            job.request.id, DONE if out.ok else FAILED, out.reason, out.exit_code, out.value,
+            out.stdout, out.stderr, job.queued_at, job.started_at, self._wall0 + state.t,
+            job.alloc, attempts))
+        traj = a.traj
+        if traj is not None:
+            self._traj_live[traj.id] -= 1
+            self._traj_seen[traj.id] = state.t
+            if self._traj_live[traj.id] == 0 and traj.id in self._traj_ended:
+                self._close_trajectory(traj)
+        self._kick()
+
+    def _finish_job(self, job: _Job, result: Result) -> None:
+        if self.journal is not None:
+            self.journal.finished(result.id, result.to_json())
+        self._jobs.pop(result.id, None)
+        if job.action is not None:
+            self._by_action.pop(job.action.id, None)
+        if not job.future.done():
+            job.future.set_result(result)
+
+    def _close_trajectory(self, traj: Trajectory) -> None:
+        self.state.close_trajectory(traj)
+        self._traj_live.pop(traj.id, None)
+        self._traj_ended.discard(traj.id)
+        self._traj_seen.pop(traj.id, None)
+        for name, tr in list(self._trajs.items()):
+            if tr is traj:
+                del self._trajs[name]
+
+    async def _tick(self) -> None:
+        """Sample the machine; close trajectories idle too long."""
+        interval = self.config.sample_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            self.monitor.sample()
+            t = self._now()
+            idle = self.config.trajectory_idle_s
+            for traj in list(self._trajs.values()):
+                if (self._traj_live.get(traj.id, 0) == 0
+                        and t - self._traj_seen.get(traj.id, t) > idle):
+                    self._close_trajectory(traj)
+                    self._kick()
+
+    # ------------------------------------------------------------------ reading
+
+    def observe(self) -> dict[str, np.ndarray]:
+        """The policy's observation of the live state now (same encoder as the env)."""
+        if self.encoder is None:
+            raise RuntimeError("the machine exceeds the observation's sizes")
+        self.state.advance(self._now())
+        return self.encoder.observe(self.state)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters, decision latency percentiles (µs) and measured utilisation."""
+        s = self.state
+        lat = np.array(self.latency_ns, dtype=float) / 1e3
+        pct = ({f"p{q}": float(np.percentile(lat, q)) for q in (50, 90, 99)} if lat.size
+               else {})
+        return {"scheduler": self.scheduler.name if self.scheduler else None,
+                "fallback": self.fallback_reason, "submitted": s.n_submitted,
+                "done": s.n_done, "failed": s.n_failed, "rejected": self.n_rejected,
+                "queued": s.n_pending, "running": s.n_running,
+                "decisions": self.n_decisions, "grants": s.n_grants,
+                "guard_fired": self.guard.fired, "decision_latency_us": pct,
+                "measured_utilisation": self.monitor.summary()}
+
+    def run_result(self) -> RunResult:
+        """What this dispatcher measured, in the simulator's form (for the same
+        tables and plots as evaluation)."""
+        s = self.state
+        s.advance(self._now())
+        counters = {"decisions": self.n_decisions, "grants": s.n_grants,
+                    "submitted": s.n_submitted, "completed": s.n_done, "failed": s.n_failed,
+                    "pending": s.n_pending + s.n_running, "gpu_restores": s.gpu.restores,
+                    "gpu_evictions": s.gpu.evictions, "guard_fired": self.guard.fired}
+        eps = s.api.endpoints.values()
+        return RunResult.from_recorder(
+            s.metrics, {"cpu": float(s.cpu.total), "gpu": float(s.gpu.total),
+                        "api": float(s.api.total)},
+            sum(e.spec.rpm / 60.0 for e in eps), sum(e.spec.req_capacity for e in eps), s.t,
+            counters)
+
+
+__all__ = ["COMMAND_SERVICE", "Dispatcher", "DispatcherConfig"]

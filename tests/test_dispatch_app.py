@@ -1,0 +1,91 @@
+"""``metasched-dispatch``: a JSONL job file through the live dispatcher, end to end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from metasched.cli.dispatch_app import read_jobs, run_dispatch
+
+PY = sys.executable
+
+
+def write_jobs(path, lines) -> str:
+    path.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
+    return str(path)
+
+
+def job(*argv, **kw) -> dict:
+    return {"kind": "cpu", "argv": list(argv), "timeout_s": kw.pop("timeout_s", 30), **kw}
+
+
+def test_job_file_runs_with_one_result_per_line_and_bad_lines_fail_alone(tmp_path, capsys):
+    jobs = write_jobs(tmp_path / "jobs.jsonl", [
+        job(PY, "-c", "print('a')", trajectory="t", turn=0),
+        "# comment",
+        "",
+        job(PY, "-c", "import sys; sys.exit(2)"),
+        "{not json",
+        job("true", timeout_s=-1),
+        job("sleep", "5", timeout_s=0.3),
+        job(PY, "-c", "print('b')", trajectory="t", turn=1, reward=True, id="last"),
+    ])
+    doc = run_dispatch({"jobs": jobs, "scheduler": "elastic_greedy", "progress": False},
+                       tmp_path / "out")
+    lines = [json.loads(x) for x in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in lines] == ["line-1", "line-4", "line-5", "line-6", "line-7", "last"]
+    assert [r["status"] for r in lines] == ["done", "failed", "rejected", "rejected", "failed",
+                                            "done"]
+    assert lines[0]["stdout"] == "a\n" and lines[1]["reason"] == "exit code 2"
+    assert "jobs.jsonl:5: invalid JSON" in lines[2]["reason"]
+    assert lines[3]["reason"] == "jobs.jsonl:6: timeout_s: must be > 0 (got -1)"
+    assert lines[4]["reason"] == "timeout after 0.3 s"
+    s = doc["schedulers"]["elastic_greedy"]
+    assert s["actions"] == 4 and s["failed"] == 2 and s["rejected"] == 2
+    assert doc["live"]["done"] == 2 and doc["live"]["decisions"] >= 1
+    table = (tmp_path / "out" / "results.md").read_text()
+    assert "| elastic_greedy | 2 | 2 | 2 |" in table and table in capsys.readouterr().out
+    assert json.loads((tmp_path / "out" / "results.json").read_text())["workload"] == "jobs.jsonl"
+
+
+def test_rerun_on_the_same_journal_resumes_instead_of_repeating(tmp_path):
+    marker = tmp_path / "runs"
+    jobs = write_jobs(tmp_path / "jobs.jsonl", [
+        job(PY, "-c", f"open({str(marker)!r}, 'a').write('x')") for _ in range(3)])
+    cfg = {"jobs": jobs, "scheduler": "fifo", "progress": False,
+           "journal": str(tmp_path / "journal.db")}
+    run_dispatch(cfg, tmp_path / "a")
+    run_dispatch(cfg, tmp_path / "b")
+    assert marker.read_text() == "xxx"  # each line ran once over both runs
+    b = [json.loads(x) for x in (tmp_path / "b" / "results.jsonl").read_text().splitlines()]
+    assert [r["status"] for r in b] == ["done"] * 3
+
+
+def test_read_jobs_rejects_an_empty_file(tmp_path):
+    from metasched.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="holds no requests"):
+        read_jobs(write_jobs(tmp_path / "e.jsonl", ["# nothing"]))
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "error: jobs: give the JSONL job file"),
+    (["jobs=/nonexistent.jsonl"], "error: jobs: cannot read /nonexistent.jsonl"),
+    (["jobs=JOBS", "scheduler=bogus"], "error: scheduler: unknown scheduler 'bogus'"),
+    (["jobs=JOBS", "cores=[999]"], "error: cores: [999] are not usable here"),
+    (["jobs=JOBS", "max_wait_s=-3"], "error: max_wait_s: must be a number > 0"),
+    (["jobs=JOBS", "+endpoints={e: {rpm: -1, max_concurrency: 1}}"],
+     "error: endpoints.e.rpm: must be > 0"),
+    (["jobs=JOBS", "+services.x=nomodule:f"], "error: services.x: nomodule:f failed"),
+])
+def test_cli_bad_settings_are_one_line_errors(tmp_path, args, message):
+    jobs = write_jobs(tmp_path / "jobs.jsonl", [job("true")])
+    args = [a.replace("JOBS", jobs) for a in args]
+    p = subprocess.run([PY, "-m", "metasched.cli.dispatch_app", *args,
+                        f"hydra.run.dir={tmp_path}/out"], capture_output=True, text=True,
+                       cwd=tmp_path, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.startswith(message) and p.stderr.count("\n") == 1, p.stderr

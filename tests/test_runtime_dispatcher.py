@@ -1,0 +1,302 @@
+"""The live dispatcher: real commands on local cores, GPU stand-ins, API calls, faults,
+bad input, idempotency, fallback and the journal."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from metasched.pools import EndpointSpec
+from metasched.runtime.api import RetryPolicy
+from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
+from metasched.runtime.gpu import linear_scorer
+from metasched.runtime.journal import Journal
+from metasched.scheduler import Scheduler
+
+PY = sys.executable
+CORES = sorted(os.sched_getaffinity(0))
+EP = {"e": EndpointSpec(rpm=6000, max_concurrency=4, tpm=None, burst_s=1.0)}
+
+
+def cfg(**kw) -> DispatcherConfig:
+    kw.setdefault("scheduler", "elastic_greedy")
+    kw.setdefault("sample_interval_s", 0.05)
+    return DispatcherConfig(**kw)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def cpu(*argv: str, **kw) -> dict:
+    return {"kind": "cpu", "argv": list(argv), "timeout_s": kw.pop("timeout_s", 30), **kw}
+
+
+async def dispatch(requests: list[dict], config: DispatcherConfig | None = None, **kw):
+    async with Dispatcher(config or cfg(), **kw) as d:
+        results = await asyncio.gather(*(d.submit(r) for r in requests))
+        return results, d
+
+
+def test_cpu_action_runs_with_its_allocation_and_times():
+    (r,), d = run(dispatch([cpu(PY, "-c", "print('hello')", id="a")]))
+    assert r.status == "done" and r.stdout.strip() == "hello" and r.exit_code == 0
+    assert r.id == "a" and len(r.allocation["cores"]) == 1
+    assert r.queued_at <= r.started_at <= r.finished_at
+    assert d.state.n_done == 1 and d.state.cpu.free == [len(CORES)]
+
+
+@pytest.mark.skipif(len(CORES) < 2, reason="needs 2 cores")
+@pytest.mark.parametrize("grant", [[CORES[0]], [CORES[1]], CORES[:2]])
+def test_command_cannot_use_cores_it_was_not_granted(grant):
+    """The child's affinity is exactly its grant (the dispatcher owns only ``grant``)."""
+    code = "import os; print(sorted(os.sched_getaffinity(0)))"
+    req = cpu(PY, "-c", code, min_cores=len(grant), max_cores=len(grant))
+    (r,), _ = run(dispatch([req], cfg(cores=grant)))
+    assert r.ok, r.reason
+    assert json.loads(r.stdout) == sorted(r.allocation["cores"]) == grant
+
+
+def test_elastic_grant_sets_thread_variables_to_the_core_count():
+    code = "import os; print(len(os.sched_getaffinity(0)), os.environ['OMP_NUM_THREADS'])"
+    req = cpu(PY, "-c", code, min_cores=1, max_cores=len(CORES), parallel_fraction=0.95)
+    (r,), _ = run(dispatch([req]))
+    n, omp = r.stdout.split()
+    assert int(n) == int(omp) == len(r.allocation["cores"]) >= 1
+
+
+@pytest.mark.parametrize("req, reason", [
+    (cpu(PY, "-c", "import sys; sys.exit(3)"), "exit code 3"),
+    (cpu(PY, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"),
+     "killed by SIGSEGV"),
+    (cpu(PY, "-c", "import time; time.sleep(30)", timeout_s=0.5), "timeout after 0.5 s"),
+    (cpu(PY, "-c", "x = bytearray(2 * 1024**3)", mem_limit_mb=400),
+     "memory limit exceeded (400 MB)"),
+    (cpu("/nonexistent/program"), "cannot start"),
+])
+def test_faults_are_reported_and_cores_come_back(req, reason):
+    ok_req = cpu(PY, "-c", "print(1)")
+    (bad, good), d = run(dispatch([req, ok_req]))
+    assert bad.status == "failed" and reason in bad.reason
+    assert good.ok
+    assert d.state.cpu.free == [len(CORES)] and d.state.cpu.busy == 0
+    assert sorted(d._free_cores) == CORES
+    assert d.stats()["failed"] == 1
+
+
+@pytest.mark.parametrize("req, reason", [
+    ({"kind": "tpu", "timeout_s": 1}, "kind: must be one of"),
+    (cpu("/bin/true", min_cores=len(CORES) + 1, max_cores=len(CORES) + 1),
+     f"{len(CORES) + 1} cores asked, this dispatcher has {len(CORES)}"),
+    (cpu("/bin/true", timeout_s=-1), "timeout_s: must be > 0"),
+    ({"kind": "gpu", "service": "nope", "timeout_s": 1}, "unknown service 'nope'"),
+    ({"kind": "api", "endpoint": "nope", "timeout_s": 1, "http": {"url": "http://127.0.0.1:9"}},
+     "unknown endpoint 'nope'"),
+    ({"kind": "api", "endpoint": "e", "timeout_s": 1, "tokens": 10,
+      "http": {"url": "http://127.0.0.1:9"}}, None),
+])
+def test_bad_input_is_rejected_alone(req, reason):
+    async def go():
+        async with Dispatcher(cfg(gpu_standin=1, endpoints={
+                "e": EndpointSpec(rpm=60, max_concurrency=1, tpm=5, burst_s=1.0)}),
+                services={"scorer": linear_scorer(4)}) as d:
+            return await asyncio.gather(d.submit(req), d.submit(cpu("/bin/true")))
+    bad, good = run(go())
+    assert bad.status == "rejected" and "\n" not in bad.reason
+    assert reason is None or reason in bad.reason, bad.reason
+    assert good.ok
+
+
+def test_gpu_request_without_nvml_fails_fast_with_a_clear_error(monkeypatch):
+    import pynvml
+
+    def no_nvml():
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+
+    monkeypatch.setattr(pynvml, "nvmlInit", no_nvml)
+    (r,), d = run(dispatch([{"kind": "gpu", "argv": ["/bin/true"], "timeout_s": 1}]))
+    assert r.status == "rejected" and "no GPU" in r.reason and "NVML" in r.reason
+    assert d.devices == [] and d.state.gpu.total == 0
+
+
+def test_gpu_service_batches_on_a_standin_device_and_scores_correctly():
+    svc = linear_scorer(4, seed=1)
+    model = svc.load()
+    payloads = [[1.0, 2.0], [0.5, 0.0, 1.0], [3.0], [0.0, 0.0, 0.0, 1.0]]
+    reqs = [{"kind": "gpu", "service": "scorer", "payload": p, "timeout_s": 30} for p in payloads]
+    results, d = run(dispatch(reqs, cfg(gpu_standin=1), services={"scorer": svc}))
+    want = svc.infer(model, payloads)
+    assert [r.status for r in results] == ["done"] * 4
+    assert [r.value for r in results] == pytest.approx(want, abs=1e-6)
+    assert all(r.allocation["device"] == 0 for r in results)
+    assert d.state.gpu.busy == 0 and d.state.gpu.restores == 1
+
+
+def test_gpu_command_sees_only_its_device():
+    code = "import os; print(repr(os.environ.get('CUDA_VISIBLE_DEVICES')))"
+    (r,), _ = run(dispatch([{"kind": "gpu", "argv": [PY, "-c", code], "timeout_s": 30}],
+                           cfg(gpu_standin=1)))
+    assert r.ok and r.stdout.strip() == "''"  # a stand-in: no GPU visible
+
+
+class _Flaky(BaseHTTPRequestHandler):
+    calls = 0
+
+    def do_POST(self):  # noqa: N802 - http.server's naming
+        type(self).calls += 1
+        n = int(self.headers.get("Content-Length", 0))
+        body = json.loads(self.rfile.read(n))
+        status = 429 if type(self).calls <= 2 else 200
+        data = json.dumps({"echo": body}).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_api_call_retries_on_429_and_charges_the_quota_per_attempt():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Flaky)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/search"
+        req = {"kind": "api", "endpoint": "e", "timeout_s": 20,
+               "http": {"url": url, "json": {"q": "x"}}}
+        (r,), d = run(dispatch([req], cfg(endpoints=EP, retry=RetryPolicy(4, 0.01, 0.05))))
+    finally:
+        server.shutdown()
+    assert r.ok and r.value == {"echo": {"q": "x"}} and r.attempts == 3
+    ep = d.state.api.endpoints["e"]
+    assert ep.requests == 3 and ep.in_flight == 0
+
+
+def test_api_callable():
+    async def go():
+        async def call():
+            await asyncio.sleep(0.01)
+            return {"score": 1}
+        async with Dispatcher(cfg(endpoints=EP)) as d:
+            return await d.submit({"kind": "api", "endpoint": "e", "timeout_s": 5}, call=call)
+    r = run(go())
+    assert r.ok and r.value == {"score": 1}
+
+
+def test_same_id_runs_once():
+    async def go(tmp):
+        async with Dispatcher(cfg()) as d:
+            req = cpu(PY, "-c", f"open({str(tmp)!r}, 'a').write('x')", id="once")
+            return await asyncio.gather(d.submit(req), d.submit(req))
+    import tempfile
+    with tempfile.TemporaryDirectory() as t:
+        path = os.path.join(t, "count")
+        a, b = run(go(path))
+        assert a is b and a.ok and open(path).read() == "x"
+
+
+def test_accepted_requests_are_journaled_before_the_ack_and_results_after(tmp_path):
+    db = tmp_path / "j.db"
+
+    async def go():
+        async with Dispatcher(cfg(journal=db)) as d:
+            fut = d.accept(cpu("/bin/true", id="k1"))
+            with Journal(db) as j:  # another connection sees it committed already
+                assert j.status("k1") == "queued"
+            return await fut
+    r = run(go())
+    with Journal(db) as j:
+        assert j.status("k1") == "finished"
+        assert json.loads(j.result("k1"))["status"] == r.status == "done"
+
+    async def again():  # a finished id is answered from the journal, not run again
+        async with Dispatcher(cfg(journal=db)) as d:
+            out = await d.submit(cpu("/bin/false", id="k1"))
+            return out, d.state.n_submitted
+    r2, n = run(again())
+    assert r2.ok and n == 0
+
+
+class _Broken(Scheduler):
+    name = "broken"
+
+    def decide(self, state):
+        raise RuntimeError("boom")
+
+
+def test_failing_policy_falls_back_to_elastic_greedy(caplog):
+    results, d = run(dispatch([cpu("/bin/true") for _ in range(5)], scheduler=_Broken()))
+    assert all(r.ok for r in results)
+    assert "boom" in d.fallback_reason and d.scheduler.name == "elastic_greedy"
+    assert sum("falling back" in m for m in caplog.messages) == 1  # logged once
+
+
+def test_unloadable_checkpoint_falls_back(tmp_path):
+    (tmp_path / "metadata.json").write_text("{not json")
+    results, d = run(dispatch([cpu("/bin/true")], cfg(scheduler=str(tmp_path))))
+    assert results[0].ok and d.scheduler.name == "elastic_greedy"
+    assert "cannot load scheduler" in d.fallback_reason
+
+
+def test_shipped_policy_runs_live_and_observations_have_the_env_shapes():
+    async def go():
+        async with Dispatcher(DispatcherConfig(sample_interval_s=0.05)) as d:
+            futs = [d.accept(cpu(PY, "-c", "import time; time.sleep(0.2)", min_cores=1,
+                                 max_cores=2, trajectory=f"t{i % 3}", turn=i // 3,
+                                 reward=i >= 5))
+                    for i in range(8)]
+            obs = d.observe()
+            results = await asyncio.gather(*futs)
+            return results, obs, d
+    results, obs, d = run(go())
+    assert not d.fallback_reason, d.fallback_reason
+    assert d.scheduler.name.endswith("checkpoints/default")
+    assert all(r.ok for r in results)
+    enc = d.encoder
+    assert obs["slots"].shape == (enc.cfg.k_slots * 24,)
+    assert obs["action_mask"].shape == (enc.cfg.n_actions,)
+    assert d.stats()["decision_latency_us"]["p50"] > 0
+    assert d.state.trajectories == {}  # each closed when its reward action ended
+
+
+def _hypothesis_values():
+    return st.one_of(st.none(), st.booleans(), st.integers(-3, 2 ** 40),
+                     st.floats(allow_nan=True), st.text(max_size=4),
+                     st.lists(st.sampled_from(["/bin/true", "", "x"]), max_size=2))
+
+
+_KEYS = ["id", "kind", "task", "trajectory", "turn", "reward", "timeout_s", "est_s", "argv",
+         "min_cores", "max_cores", "service", "payload", "endpoint", "tokens", "http", "junk"]
+
+
+@settings(max_examples=25, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(st.lists(st.one_of(
+    st.dictionaries(st.sampled_from(_KEYS), _hypothesis_values(), max_size=6),
+    st.fixed_dictionaries({"kind": st.sampled_from(["cpu", "gpu", "api", "tpu"]),
+                           "timeout_s": st.sampled_from([-1, 0, 5, 1e9])},
+                          optional={k: _hypothesis_values() for k in _KEYS[8:]}),
+    st.builds(lambda: cpu("/bin/true"))), min_size=40, max_size=40))
+def test_generated_bad_input_never_stops_the_dispatcher(requests):
+    """1,000 generated requests (25 x 40): each is rejected with a one-line reason, fails,
+    or runs; a valid request after each batch is always served."""
+    async def go():
+        async with Dispatcher(cfg(gpu_standin=1, endpoints=EP),
+                              services={"scorer": linear_scorer(4)}) as d:
+            out = await asyncio.gather(*(d.submit(r) for r in requests))
+            last = await d.submit(cpu("/bin/true"))
+            return out, last, d
+    out, last, d = run(go())
+    assert last.ok
+    for r in out:
+        assert r.status in ("done", "failed", "rejected")
+        assert r.status == "done" or (r.reason and "\n" not in r.reason)
+    assert d.state.cpu.busy == 0 and d.state.n_running == 0
