@@ -351,21 +351,23 @@ class ObservationEncoder:
 
     def _backlog(self, state: ClusterState, slots: list[Action]) -> np.ndarray:
         b = np.zeros((3, 3), dtype=np.float32)
-        in_slots = {a.id for a in slots}
         t = state.t
         for k, kind in enumerate(KIND_NAMES):
             pend = state.pending[kind]
             if len(pend) == 0:
                 continue
-            n, work, oldest = 0, 0.0, 0.0
-            for a in pend.values():
-                if a.id in in_slots:
-                    continue
-                if n == 0:
-                    oldest = t - a.submit_t  # submission order: the first is the oldest
-                n += 1
-                work += a.spec.est_s
-            b[k] = (math.log1p(n), math.log1p(work), math.log1p(oldest))
+            in_slots = {a.id for a in slots if a.spec.kind == kind}
+            n = len(pend) - len(in_slots)
+            if n == 0:
+                continue
+            work = state.pending_est_s[kind] - sum(a.spec.est_s for a in slots
+                                                  if a.spec.kind == kind)
+            oldest = 0.0
+            for a in pend.values():  # submission order: the first not in a slot is oldest
+                if a.id not in in_slots:
+                    oldest = t - a.submit_t
+                    break
+            b[k] = (math.log1p(n), math.log1p(max(0.0, work)), math.log1p(oldest))
         return b
 
     def _pools(self, state: ClusterState) -> np.ndarray:

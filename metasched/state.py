@@ -56,6 +56,9 @@ class ClusterState:
         self.gpu = GpuPool(cluster.gpu_devices, cluster.gpu_mem_gb, services)
         self.api = ApiPool(cluster.endpoints)
         self.pending: dict[str, dict[int, Action]] = {k: {} for k in KINDS}
+        # Estimated seconds of the pending actions per kind, kept as they come and go
+        # (summing a live queue of thousands at every observation would dominate it).
+        self.pending_est_s: dict[str, float] = dict.fromkeys(KINDS, 0.0)
         self.trajectories: dict[int, Trajectory] = {}
         self.reserved: dict[tuple[str, str], int] = {}
         self.device_owner: dict[int, str] = {}
@@ -187,6 +190,7 @@ class ClusterState:
             best = spec.true_s
         a.lower_bound_s = min(best, spec.timeout_s)
         self.pending[spec.kind][a.id] = a
+        self.pending_est_s[spec.kind] += spec.est_s
         self.n_submitted += 1
 
     def check(self, g: Grant) -> str | None:
@@ -280,8 +284,11 @@ class ClusterState:
             self.metrics.request(t)
         for b in started:
             del self.pending[kind][b.id]
+            self.pending_est_s[kind] -= b.spec.est_s
             b.status = RUNNING
             b.start_t = t
+        if not self.pending[kind]:
+            self.pending_est_s[kind] = 0.0  # no rounding residue in an empty queue
         self.n_running += len(started)
         self.n_grants += 1
         return started, delay

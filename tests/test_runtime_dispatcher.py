@@ -210,7 +210,8 @@ def test_accepted_requests_are_journaled_before_the_ack_and_results_after(tmp_pa
     async def go():
         async with Dispatcher(cfg(journal=db)) as d:
             fut = d.accept(cpu("/bin/true", id="k1"))
-            with Journal(db) as j:  # another connection sees it committed already
+            d.flush()  # otherwise committed at the end of this loop turn
+            with Journal(db) as j:  # another connection sees it committed
                 assert j.status("k1") == "queued"
             return await fut
     r = run(go())

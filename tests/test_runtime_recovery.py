@@ -30,6 +30,7 @@ CHILD = textwrap.dedent("""
             for i in range(n):
                 d.accept({"id": f"r{i}", "kind": "cpu", "timeout_s": 120,
                           "argv": ["/bin/sh", "-c", 'test -e "$0" || sleep 60', gate]})
+            d.flush()  # durable now (otherwise at the end of this loop turn)
             print("accepted", flush=True)
             await asyncio.sleep(3600)
 

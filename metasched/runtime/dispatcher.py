@@ -175,6 +175,9 @@ class Dispatcher:
         self._next_action = 0
         self._next_traj = 0
         self._kick_pending = False
+        self._writes: list[tuple[Callable[..., Any], tuple]] = []  # journal, this turn
+        self._to_queue: list[_Job] = []  # accepted, queued once journaled
+        self._flush_pending = False
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
@@ -209,6 +212,8 @@ class Dispatcher:
         journal for the next dispatcher."""
         if self._closed:
             return
+        if self.journal is not None:
+            self.flush()  # what was accepted this turn is durable and queued
         if drain:
             futures = [j.future for j in self._jobs.values()]
             if futures:
@@ -228,6 +233,7 @@ class Dispatcher:
             if not job.future.done():
                 job.future.cancel()
         if self.journal is not None:
+            self.flush()
             self.journal.close()
 
     def _load_scheduler(self) -> Scheduler:
@@ -332,15 +338,52 @@ class Dispatcher:
         known = self._jobs.get(req.id)
         if known is not None:
             return known.future
-        if self.journal is not None:
-            stored = self.journal.result(req.id)
-            if stored is not None:
-                future.set_result(Result.from_json(stored))
-                return future
-            doc = {"queued_at": now_wall, "request": req.to_dict()}
-            self.journal.accept(req.id, json.dumps(doc, separators=(",", ":")))
-        self._enqueue(_Job(req, future, now_wall))
+        job = _Job(req, future, now_wall)
+        if self.journal is None:
+            self._enqueue(job)
+            return future
+        stored = self.journal.result(req.id)
+        if stored is not None:
+            future.set_result(Result.from_json(stored))
+            return future
+        # Group commit: journaled with everything else of this loop turn, and queued
+        # only once that is durable (``flush`` forces it now).
+        self._jobs[req.id] = job
+        doc = json.dumps({"queued_at": now_wall, "request": req.to_dict()},
+                         separators=(",", ":"))
+        self._journal_later(self.journal.accept, req.id, doc)
+        self._to_queue.append(job)
         return future
+
+    def flush(self) -> None:
+        """Make every request accepted so far durable now (the journal's writes are
+        otherwise grouped into one commit per loop turn), and queue them."""
+        self._flush_pending = False
+        writes, self._writes = self._writes, []
+        jobs, self._to_queue = self._to_queue, []
+        if writes:
+            try:
+                with self.journal.batch():
+                    for fn, args in writes:
+                        fn(*args)
+            except Exception as e:  # noqa: BLE001 - e.g. a full disk: not accepted
+                for job in jobs:
+                    self._jobs.pop(job.request.id, None)
+                    self.n_rejected += 1
+                    if not job.future.done():
+                        job.future.set_result(Result(
+                            job.request.id, REJECTED, f"journal write failed: {e}",
+                            queued_at=job.queued_at, finished_at=job.queued_at))
+                log.error("journal write failed: %s", e)
+                return
+        for job in jobs:
+            self._enqueue(job)
+
+    def _journal_later(self, fn: Callable[..., Any], *args: Any) -> None:
+        self._writes.append((fn, args))
+        if not self._flush_pending and self._loop is not None:
+            self._flush_pending = True
+            self._loop.call_soon(self.flush)
 
     def _check(self, req: Request) -> Request:
         """What the request asks of this dispatcher's resources (ConfigError if it can
@@ -489,12 +532,13 @@ class Dispatcher:
             resident = set(state.gpu.devices[g.device].resident)
         now_wall = self._wall0 + state.t
         jobs = [self._by_action[a.id] for a in started]
+        kind = g.action.spec.kind
         for job in jobs:
             job.started_at = now_wall
             job.attempts += 1
-            if self.journal is not None:
-                self.journal.started(job.request.id, attempt=job.attempts)
-        kind = g.action.spec.kind
+            # A command's start is journaled with its pid, once it runs (_on_pid).
+            if self.journal is not None and job.request.argv == ():
+                self._journal_later(self._started, job.request.id, None, job.attempts)
         if kind == "cpu":
             cores = self.monitor.least_loaded(self._free_cores, g.cores)
             for c in cores:
@@ -517,8 +561,11 @@ class Dispatcher:
     def _on_pid(self, job: _Job) -> Callable[[int], None]:
         def record(pid: int) -> None:
             if self.journal is not None:
-                self.journal.started(job.request.id, pid=pid, attempt=job.attempts)
+                self._journal_later(self._started, job.request.id, pid, job.attempts)
         return record
+
+    def _started(self, key: str, pid: int | None, attempt: int) -> None:
+        self.journal.started(key, pid=pid, attempt=attempt)
 
     async def _run_cpu(self, job: _Job, cores: list[int]) -> None:
         req = job.request
@@ -612,11 +659,14 @@ class Dispatcher:
             self._traj_seen[traj.id] = state.t
             if self._traj_live[traj.id] == 0 and traj.id in self._traj_ended:
                 self._close_trajectory(traj)
-        self._kick()
+        if a.spec.kind == "gpu":
+            self._kick()  # the device frees after the whole batch has been recorded
+        else:
+            self._schedule()  # now, not a loop turn later: freed cores start work at once
 
     def _finish_job(self, job: _Job, result: Result) -> None:
         if self.journal is not None:
-            self.journal.finished(result.id, result.to_json())
+            self._journal_later(self.journal.finished, result.id, result.to_json())
         self._jobs.pop(result.id, None)
         if job.action is not None:
             self._by_action.pop(job.action.id, None)

@@ -28,7 +28,8 @@ from __future__ import annotations
 import os
 import sqlite3
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 
@@ -174,6 +175,20 @@ class Journal:
             x("ROLLBACK")
             raise
         return out
+
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """Run the writes made inside as one transaction (one commit for all: group
+        commit). Nothing inside is durable until the block ends; on an exception none
+        of it is recorded."""
+        x = self._x
+        x("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            x("ROLLBACK")
+            raise
+        x("COMMIT")
 
     def started(self, key: str, *, pid: int | None = None, attempt: int | None = None
                 ) -> None:

@@ -36,7 +36,7 @@ import math
 import os
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from metasched.errors import ConfigError
@@ -265,7 +265,8 @@ class Result:
         return self.finished_at - self.queued_at
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        # Shallow (asdict deep-copies every value: measurable at thousands of results/s).
+        return {f: getattr(self, f) for f in _RESULT_FIELDS}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), separators=(",", ":"), default=repr)
@@ -274,5 +275,7 @@ class Result:
     def from_json(cls, text: str) -> Result:
         return cls(**json.loads(text))
 
+
+_RESULT_FIELDS = tuple(f.name for f in fields(Result))
 
 __all__ = ["DONE", "FAILED", "REJECTED", "Request", "Result", "parse_request"]
