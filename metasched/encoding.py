@@ -33,6 +33,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import asdict, dataclass
+from functools import cache
 
 import numpy as np
 
@@ -110,7 +111,8 @@ def pool_features(cfg: ObsConfig) -> list[str]:
     return names
 
 
-def cpu_levels(min_cores: int, max_cores: int, levels: int) -> list[int]:
+@cache  # pure, and asked for every slot of every observation
+def cpu_levels(min_cores: int, max_cores: int, levels: int) -> tuple[int, ...]:
     """Core counts of the allocation levels: geometric from min to max; a level that
     repeats the previous count is -1 (never legal)."""
     out, prev = [], 0
@@ -119,10 +121,10 @@ def cpu_levels(min_cores: int, max_cores: int, levels: int) -> list[int]:
         c = int(round(min_cores * (max_cores / min_cores) ** f))
         out.append(c if c != prev else -1)
         prev = c
-    return out
+    return tuple(out)
 
 
-def batch_levels(max_batch: int, levels: int) -> list[int]:
+def batch_levels(max_batch: int, levels: int) -> tuple[int, ...]:
     """Batch-size caps of the gpu levels (1 .. max_batch, geometric; repeats are -1)."""
     return cpu_levels(1, max_batch, levels)
 

@@ -260,14 +260,14 @@ def test_backlog_on_simulated_states(name):
 
 
 def test_cpu_and_batch_levels():
-    assert cpu_levels(1, 16, 4) == [1, 3, 6, 16]
-    assert cpu_levels(2, 8, 3) == [2, 4, 8]
-    assert cpu_levels(1, 2, 4) == [1, -1, 2, -1]
-    assert cpu_levels(1, 1, 4) == [1, -1, -1, -1]
-    assert cpu_levels(4, 8, 1) == [4]
-    assert batch_levels(32, 4) == [1, 3, 10, 32]
-    assert batch_levels(1, 3) == [1, -1, -1]
-    assert batch_levels(8, 2) == [1, 8]
+    assert cpu_levels(1, 16, 4) == (1, 3, 6, 16)
+    assert cpu_levels(2, 8, 3) == (2, 4, 8)
+    assert cpu_levels(1, 2, 4) == (1, -1, 2, -1)
+    assert cpu_levels(1, 1, 4) == (1, -1, -1, -1)
+    assert cpu_levels(4, 8, 1) == (4,)
+    assert batch_levels(32, 4) == (1, 3, 10, 32)
+    assert batch_levels(1, 3) == (1, -1, -1)
+    assert batch_levels(8, 2) == (1, 8)
     for lo, hi, n in itertools.product(range(1, 9), range(1, 70, 3), range(1, 7)):
         if hi < lo:
             continue
