@@ -301,3 +301,34 @@ def test_generated_bad_input_never_stops_the_dispatcher(requests):
         assert r.status in ("done", "failed", "rejected")
         assert r.status == "done" or (r.reason and "\n" not in r.reason)
     assert d.state.cpu.busy == 0 and d.state.n_running == 0
+
+
+def test_cost_model_learns_what_the_policy_sees():
+    """After a signature has run, the next action's estimate is the measured duration
+    (one-core seconds), not the caller's hint."""
+    async def go():
+        async with Dispatcher(cfg()) as d:
+            req = cpu(PY, "-c", "import time; time.sleep(0.3)", name="nap", est_s=50.0)
+            await d.submit(req)
+            d.accept(dict(req, id="next"))  # queued at once (no journal)
+            seen = [a.spec.est_s for a in d.state.pending["cpu"].values()]
+            return seen, d.cost.estimate("cpu:default:nap")
+    seen, est = run(go())
+    assert 0.3 <= est < 5.0
+    assert seen == [est]
+
+
+def test_cgroup_parent_that_is_not_a_cgroup_falls_back_to_affinity(tmp_path, caplog):
+    (r,), d = run(dispatch([cpu("/bin/true")], cfg(cgroup_parent=str(tmp_path))))
+    assert r.ok and d.cgroup is None
+    assert any("cgroup confinement off" in m for m in caplog.messages)
+
+
+def test_standin_gpu_utilisation_is_sampled():
+    async def go():
+        async with Dispatcher(cfg(gpu_standin=2), services={"s": linear_scorer(4)}) as d:
+            await d.submit({"kind": "gpu", "service": "s", "payload": [1.0], "timeout_s": 30})
+            await asyncio.sleep(0.12)
+            return d
+    d = run(go())
+    assert len(d.monitor.last_gpu) == 2 and "gpu" in d.stats()["measured_utilisation"]

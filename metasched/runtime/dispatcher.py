@@ -35,7 +35,13 @@ from metasched.model import Action, ActionSpec, Grant, Trajectory
 from metasched.pools import EndpointSpec, ServiceSpec
 from metasched.runtime.api import RetryPolicy, call_api
 from metasched.runtime.costmodel import CostModel
-from metasched.runtime.gpu import LiveService, ServiceHost, command_env, discover_devices
+from metasched.runtime.gpu import (
+    GpuSampler,
+    LiveService,
+    ServiceHost,
+    command_env,
+    discover_devices,
+)
 from metasched.runtime.journal import Journal
 from metasched.runtime.machine import (
     MachineMonitor,
@@ -44,7 +50,7 @@ from metasched.runtime.machine import (
     usable_cores,
 )
 from metasched.runtime.outcome import Outcome
-from metasched.runtime.process import kill_group, run_process
+from metasched.runtime.process import CpusetCgroup, kill_group, run_process
 from metasched.runtime.requests import DONE, FAILED, REJECTED, Request, Result, parse_request
 from metasched.scheduler import Scheduler
 from metasched.state import ClusterState, InvalidGrant
@@ -74,6 +80,11 @@ class DispatcherConfig:
         max_wait_s: the core's starvation guard (None: off).
         cost_alpha, default_est_s: the online cost model (see ``CostModel``).
         retry: API retry policy (429 / 5xx / connection errors).
+        cgroup_parent: a cgroup v2 directory delegated to this process (cpuset
+            controller enabled, writable): each command then also runs in a child cgroup
+            whose ``cpuset.cpus`` is its grant, which confines processes that reset their
+            own affinity. None (default), or where it is unavailable: affinity only
+            (the reason is logged once).
         workdir: where commands' temporary working directories are made (None: the
             tmpfs ``/dev/shm`` when writable, else the system temporary directory; a
             directory costs ~10 µs to make and remove on tmpfs, ~100-800 µs on a disk,
@@ -97,6 +108,7 @@ class DispatcherConfig:
     cost_alpha: float = 0.3
     default_est_s: float = 1.0
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    cgroup_parent: str | None = None
     workdir: str | None = None
     tail_bytes: int = 4096
     sample_interval_s: float = 1.0
@@ -182,7 +194,16 @@ class Dispatcher:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
         self._rng = np.random.default_rng()
-        self.monitor = MachineMonitor(self.cores)
+        self.gpu_sampler = GpuSampler(self.devices, self.host) if self.devices else None
+        self.monitor = MachineMonitor(self.cores, self.gpu_sampler)
+        self.cgroup = None
+        if cfg.cgroup_parent is not None:
+            cg = CpusetCgroup(cfg.cgroup_parent)
+            ok, why = cg.available()
+            if ok:
+                self.cgroup = cg
+            else:
+                log.warning("cgroup confinement off: %s (commands are pinned by affinity)", why)
         self.latency_ns: deque[int] = deque(maxlen=200_000)
         self.n_decisions = 0
         self.n_rejected = 0
@@ -232,6 +253,8 @@ class Dispatcher:
         for job in self._jobs.values():
             if not job.future.done():
                 job.future.cancel()
+        if self.gpu_sampler is not None:
+            self.gpu_sampler.close()
         if self.journal is not None:
             self.flush()
             self.journal.close()
@@ -574,7 +597,7 @@ class Dispatcher:
                 req.argv, cores=cores, timeout_s=req.timeout_s, env=req.env,
                 mem_limit_mb=req.mem_limit_mb, cpu_time_s=req.cpu_time_s,
                 tail_bytes=self.config.tail_bytes, extra_env={ACTION_ENV: req.id},
-                cwd_root=self.workdir, on_start=self._on_pid(job))
+                cwd_root=self.workdir, cgroup=self.cgroup, on_start=self._on_pid(job))
         finally:
             self._free_cores.extend(cores)
         self._complete(job, out)
