@@ -1,9 +1,11 @@
 """Live dispatcher throughput on no-op actions, side by side with ``xargs -P<cores>``.
 
-Runs N ``/bin/true`` actions (one core each) through the dispatcher (journal on, as in
-production) and through ``seq N | xargs -P<cores> -I{} /bin/true``, alternating, R
-rounds; prints each rate, the dispatcher ÷ xargs ratio per round and the live
-scheduler's decision latency (the ``decide`` call in the dispatcher's loop).
+Runs N ``/bin/true`` actions (one core each) through ``seq N | xargs -P<cores> -I{}
+/bin/true``, through the bare CPU executor (``run_process``, <cores> at a time, no
+dispatcher: the floor), and through the dispatcher with each scheduler (journal on, as
+in production; once more without the journal for the first scheduler), alternating, R
+rounds; prints each rate, the ratio to xargs per round and the live scheduler's
+decision latency (the ``decide`` call in the dispatcher's loop).
 
     python benchmarks/dispatch_throughput.py [--n 2000] [--rounds 3]
         [--schedulers elastic_greedy,checkpoints/default]
@@ -29,7 +31,26 @@ def xargs_rate(n: int, procs: int) -> float:
     return n / (time.perf_counter() - t0)
 
 
-async def _dispatch(n: int, scheduler: str, journal: str) -> tuple[float, dict]:
+async def _bare(n: int, cores: list[int]) -> float:
+    """Actions per second of ``run_process`` alone, one per core at a time."""
+    from metasched.runtime.machine import default_workdir
+    from metasched.runtime.process import run_process
+
+    todo = iter(range(n))
+    workdir = default_workdir()
+
+    async def lane(core: int) -> None:
+        for _ in todo:
+            out = await run_process(["/bin/true"], cores=[core], timeout_s=60, cwd_root=workdir)
+            if not out.ok:
+                raise SystemExit(f"run_process failed: {out.reason}")
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(lane(c) for c in cores))
+    return n / (time.perf_counter() - t0)
+
+
+async def _dispatch(n: int, scheduler: str, journal: str | None) -> tuple[float, dict]:
     cfg = DispatcherConfig(scheduler=scheduler, journal=journal)
     async with Dispatcher(cfg) as d:
         t0 = time.perf_counter()
@@ -43,9 +64,10 @@ async def _dispatch(n: int, scheduler: str, journal: str) -> tuple[float, dict]:
         return rate, d.stats()
 
 
-def dispatcher_rate(n: int, scheduler: str) -> tuple[float, dict]:
+def dispatcher_rate(n: int, scheduler: str, journal: bool = True) -> tuple[float, dict]:
     with tempfile.TemporaryDirectory() as tmp:
-        return asyncio.run(_dispatch(n, scheduler, os.path.join(tmp, "journal.db")))
+        path = os.path.join(tmp, "journal.db") if journal else None
+        return asyncio.run(_dispatch(n, scheduler, path))
 
 
 def main() -> None:
@@ -54,32 +76,41 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--schedulers", default="elastic_greedy,checkpoints/default")
     args = ap.parse_args()
-    procs = len(os.sched_getaffinity(0))
+    cores = sorted(os.sched_getaffinity(0))
+    procs = len(cores)
     scheds = args.schedulers.split(",")
-    rates: dict[str, list[float]] = {"xargs": []}
-    ratios: dict[str, list[float]] = {s: [] for s in scheds}
-    lat: dict[str, list[dict]] = {s: [] for s in scheds}
+    runners = ["run_process alone", *(f"dispatcher, {s}" for s in scheds),
+               f"dispatcher, {scheds[0]}, no journal"]
+    rates: dict[str, list[float]] = {r: [] for r in ["xargs", *runners]}
+    lat: dict[str, list[dict]] = {r: [] for r in runners}
     for r in range(args.rounds):
         x = xargs_rate(args.n, procs)
         rates["xargs"].append(x)
-        for s in scheds:
-            rate, stats = dispatcher_rate(args.n, s)
-            if stats["fallback"]:
-                raise SystemExit(f"{s}: fell back ({stats['fallback']})")
-            rates.setdefault(s, []).append(rate)
-            ratios[s].append(rate / x)
-            lat[s].append(stats["decision_latency_us"])
+        for name in runners:
+            if name == "run_process alone":
+                rate, stats = asyncio.run(_bare(args.n, cores)), None
+            else:
+                sched = name.split(", ")[1]
+                rate, stats = dispatcher_rate(args.n, sched, journal="no journal" not in name)
+                if stats["fallback"]:
+                    raise SystemExit(f"{sched}: fell back ({stats['fallback']})")
+                lat[name].append(stats["decision_latency_us"])
+            rates[name].append(rate)
         print(f"round {r + 1}: xargs -P{procs} {x:,.0f}/s; " + "; ".join(
-            f"{s} {rates[s][-1]:,.0f}/s ({ratios[s][-1]:.2f}x)" for s in scheds), flush=True)
-    print(f"\n{args.n} x /bin/true, {procs} cores, median of {args.rounds} rounds")
+            f"{n} {rates[n][-1]:,.0f}/s ({rates[n][-1] / x:.2f}x)" for n in runners), flush=True)
+    print(f"\n{args.n} x /bin/true, {procs} cores, median of {args.rounds} rounds "
+          "(ratios: median of the per-round ratios)")
     print("| runner | actions/s | ÷ xargs | decision p50 / p90 / p99 µs |")
     print("|---|---|---|---|")
     print(f"| xargs -P{procs} | {statistics.median(rates['xargs']):,.0f} | 1.00 | — |")
-    for s in scheds:
-        p = {k: statistics.median(x[k] for x in lat[s]) for k in ("p50", "p90", "p99")}
-        print(f"| dispatcher, {s} | {statistics.median(rates[s]):,.0f} "
-              f"| {statistics.median(ratios[s]):.2f} "
-              f"| {p['p50']:.1f} / {p['p90']:.1f} / {p['p99']:.1f} |")
+    for name in runners:
+        ratio = statistics.median(a / b for a, b in zip(rates[name], rates["xargs"], strict=True))
+        if lat[name]:
+            p = {k: statistics.median(x[k] for x in lat[name]) for k in ("p50", "p90", "p99")}
+            latency = f"{p['p50']:.1f} / {p['p90']:.1f} / {p['p99']:.1f}"
+        else:
+            latency = "—"
+        print(f"| {name} | {statistics.median(rates[name]):,.0f} | {ratio:.2f} | {latency} |")
 
 
 if __name__ == "__main__":

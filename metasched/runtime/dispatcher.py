@@ -77,6 +77,9 @@ class DispatcherConfig:
         endpoints: API endpoint quotas by name.
         journal: SQLite journal path (None: no durability, for tests and experiments).
         fsync: make the journal durable against power loss too (slower).
+        journal_delay_s: how long starts and results may wait to be journaled with
+            others (one commit for many); accepted requests are journaled at the end of
+            the loop turn that accepted them, before they are queued.
         max_wait_s: the core's starvation guard (None: off).
         cost_alpha, default_est_s: the online cost model (see ``CostModel``).
         retry: API retry policy (429 / 5xx / connection errors).
@@ -104,6 +107,7 @@ class DispatcherConfig:
     endpoints: dict[str, EndpointSpec] = field(default_factory=dict)
     journal: str | Path | None = None
     fsync: bool = False
+    journal_delay_s: float = 0.005
     max_wait_s: float | None = 300.0
     cost_alpha: float = 0.3
     default_est_s: float = 1.0
@@ -188,8 +192,9 @@ class Dispatcher:
         self._next_traj = 0
         self._kick_pending = False
         self._writes: list[tuple[Callable[..., Any], tuple]] = []  # journal, this turn
-        self._to_queue: list[_Job] = []  # accepted, queued once journaled
+        self._to_queue: list[tuple[_Job, str]] = []  # accepted, queued once journaled
         self._flush_pending = False
+        self._flush_timer: asyncio.TimerHandle | None = None
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
@@ -256,6 +261,8 @@ class Dispatcher:
         if self.gpu_sampler is not None:
             self.gpu_sampler.close()
         if self.journal is not None:
+            if self._flush_timer is not None:
+                self._flush_timer.cancel()
             self.flush()
             self.journal.close()
 
@@ -365,48 +372,63 @@ class Dispatcher:
         if self.journal is None:
             self._enqueue(job)
             return future
-        stored = self.journal.result(req.id)
-        if stored is not None:
-            future.set_result(Result.from_json(stored))
-            return future
         # Group commit: journaled with everything else of this loop turn, and queued
         # only once that is durable (``flush`` forces it now).
         self._jobs[req.id] = job
         doc = json.dumps({"queued_at": now_wall, "request": req.to_dict()},
                          separators=(",", ":"))
-        self._journal_later(self.journal.accept, req.id, doc)
-        self._to_queue.append(job)
+        self._to_queue.append((job, doc))
+        if not self._flush_pending:
+            self._flush_pending = True
+            loop.call_soon(self.flush)
         return future
 
     def flush(self) -> None:
         """Make every request accepted so far durable now (the journal's writes are
-        otherwise grouped into one commit per loop turn), and queue them."""
+        otherwise grouped into one commit per loop turn), and queue them. A request
+        whose id the journal already holds finished gets that result instead."""
         self._flush_pending = False
         writes, self._writes = self._writes, []
-        jobs, self._to_queue = self._to_queue, []
-        if writes:
-            try:
-                with self.journal.batch():
-                    for fn, args in writes:
-                        fn(*args)
-            except Exception as e:  # noqa: BLE001 - e.g. a full disk: not accepted
-                for job in jobs:
-                    self._jobs.pop(job.request.id, None)
-                    self.n_rejected += 1
-                    if not job.future.done():
-                        job.future.set_result(Result(
-                            job.request.id, REJECTED, f"journal write failed: {e}",
-                            queued_at=job.queued_at, finished_at=job.queued_at))
-                log.error("journal write failed: %s", e)
-                return
-        for job in jobs:
-            self._enqueue(job)
+        accepted, self._to_queue = self._to_queue, []
+        if not writes and not accepted:
+            return
+        fresh: list[bool] = []
+        try:
+            with self.journal.batch():
+                for job, doc in accepted:
+                    fresh.append(self.journal.accept(job.request.id, doc)[0])
+                for fn, args in writes:
+                    fn(*args)
+        except Exception as e:  # noqa: BLE001 - e.g. a full disk: not accepted
+            for job, _ in accepted:
+                self._jobs.pop(job.request.id, None)
+                self.n_rejected += 1
+                if not job.future.done():
+                    job.future.set_result(Result(
+                        job.request.id, REJECTED, f"journal write failed: {e}",
+                        queued_at=job.queued_at, finished_at=job.queued_at))
+            log.error("journal write failed: %s", e)
+            return
+        for (job, _), new in zip(accepted, fresh, strict=True):
+            stored = None if new else self.journal.result(job.request.id)
+            if stored is None:
+                self._enqueue(job)
+            else:  # finished under an earlier dispatcher: its result stands
+                self._jobs.pop(job.request.id, None)
+                job.future.set_result(Result.from_json(stored))
 
     def _journal_later(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Queue a journal write (a start or a result) for a group commit within
+        ``journal_delay_s``: a crash before then only means the request runs again."""
         self._writes.append((fn, args))
-        if not self._flush_pending and self._loop is not None:
-            self._flush_pending = True
-            self._loop.call_soon(self.flush)
+        if self._flush_timer is None and self._loop is not None:
+            self._flush_timer = self._loop.call_later(self.config.journal_delay_s,
+                                                      self._timed_flush)
+
+    def _timed_flush(self) -> None:
+        self._flush_timer = None
+        if not self._closed:
+            self.flush()
 
     def _check(self, req: Request) -> Request:
         """What the request asks of this dispatcher's resources (ConfigError if it can
