@@ -32,22 +32,25 @@ def test_job_file_runs_with_one_result_per_line_and_bad_lines_fail_alone(tmp_pat
         job("true", timeout_s=-1),
         job("sleep", "5", timeout_s=0.3),
         job(PY, "-c", "print('b')", trajectory="t", turn=1, reward=True, id="last"),
+        job("true", min_cores=999, max_cores=999),
     ])
     doc = run_dispatch({"jobs": jobs, "scheduler": "elastic_greedy", "progress": False},
                        tmp_path / "out")
     lines = [json.loads(x) for x in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
-    assert [r["id"] for r in lines] == ["line-1", "line-4", "line-5", "line-6", "line-7", "last"]
+    assert [r["id"] for r in lines] == ["line-1", "line-4", "line-5", "line-6", "line-7", "last",
+                                        "line-9"]
     assert [r["status"] for r in lines] == ["done", "failed", "rejected", "rejected", "failed",
-                                            "done"]
+                                            "done", "rejected"]
+    assert lines[6]["reason"].startswith("jobs.jsonl:9: min_cores: 999 cores asked")
     assert lines[0]["stdout"] == "a\n" and lines[1]["reason"] == "exit code 2"
     assert "jobs.jsonl:5: invalid JSON" in lines[2]["reason"]
     assert lines[3]["reason"] == "jobs.jsonl:6: timeout_s: must be > 0 (got -1)"
     assert lines[4]["reason"] == "timeout after 0.3 s"
     s = doc["schedulers"]["elastic_greedy"]
-    assert s["actions"] == 4 and s["failed"] == 2 and s["rejected"] == 2
+    assert s["actions"] == 4 and s["failed"] == 2 and s["rejected"] == 3
     assert doc["live"]["done"] == 2 and doc["live"]["decisions"] >= 1
     table = (tmp_path / "out" / "results.md").read_text()
-    assert "| elastic_greedy | 2 | 2 | 2 |" in table and table in capsys.readouterr().out
+    assert "| elastic_greedy | 2 | 2 | 3 |" in table and table in capsys.readouterr().out
     assert json.loads((tmp_path / "out" / "results.json").read_text())["workload"] == "jobs.jsonl"
 
 

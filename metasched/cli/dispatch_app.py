@@ -26,9 +26,10 @@ from metasched.errors import ConfigError
 from metasched.runtime.requests import REJECTED, Result, parse_request
 
 
-def read_jobs(path: str | Path) -> list[Any]:
-    """The job file's requests in order: parsed dicts (with their ``id``), or a
-    ``rejected`` :class:`Result` for a line that cannot be a request."""
+def read_jobs(path: str | Path) -> list[tuple[int, Any]]:
+    """The job file's requests in order, as ``(line number, request)``: a parsed dict
+    (with its ``id``), or a ``rejected`` :class:`Result` for a line that cannot be a
+    request."""
     p = Path(path)
     try:
         text = p.read_text()
@@ -44,7 +45,7 @@ def read_jobs(path: str | Path) -> list[Any]:
             d = json.loads(line)
         except (ValueError, RecursionError) as e:
             msg = getattr(e, "msg", type(e).__name__)
-            out.append(Result(f"line-{n}", REJECTED, f"{loc}: invalid JSON ({msg})"))
+            out.append((n, Result(f"line-{n}", REJECTED, f"{loc}: invalid JSON ({msg})")))
             continue
         if isinstance(d, dict) and "id" not in d:
             d["id"] = f"line-{n}"
@@ -52,9 +53,9 @@ def read_jobs(path: str | Path) -> list[Any]:
             parse_request(d, loc)
         except ConfigError as e:
             rid = d.get("id") if isinstance(d, dict) else None
-            out.append(Result(str(rid or f"line-{n}"), REJECTED, str(e)))
+            out.append((n, Result(str(rid or f"line-{n}"), REJECTED, str(e))))
             continue
-        out.append(d)
+        out.append((n, d))
     if not out:
         raise ConfigError("jobs", f"{path} holds no requests")
     return out
@@ -119,17 +120,20 @@ def dispatcher_config(cfg: dict[str, Any], run_dir: Path):
         max_wait_s=None if wait is None else float(wait), workdir=cfg.get("workdir"))
 
 
-async def dispatch_all(jobs: list[Any], dcfg, services: dict[str, Any],
-                       progress: bool = True) -> tuple[list[Result], Any, dict[str, Any]]:
-    """Run ``jobs`` through one dispatcher; (results in job order, RunResult, stats)."""
+async def dispatch_all(jobs: list[tuple[int, Any]], dcfg, services: dict[str, Any],
+                       progress: bool = True, name: str = "jobs"
+                       ) -> tuple[list[Result], Any, dict[str, Any]]:
+    """Run ``jobs`` (from :func:`read_jobs`) through one dispatcher; returns the results
+    in job order, the RunResult and the dispatcher's stats. A request the dispatcher
+    rejects gets ``<name>:<line>:`` before its reason."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     from metasched.runtime.dispatcher import Dispatcher
 
-    results: list[Result | None] = [j if isinstance(j, Result) else None for j in jobs]
+    results: list[Result | None] = [j if isinstance(j, Result) else None for _, j in jobs]
     async with Dispatcher(dcfg, services=services) as d:
         futures = {}
-        for i, j in enumerate(jobs):
+        for i, (_, j) in enumerate(jobs):
             if results[i] is None:
                 futures[d.accept(j)] = i
         columns = ("[progress.description]{task.description}", BarColumn(),
@@ -140,7 +144,9 @@ async def dispatch_all(jobs: list[Any], dcfg, services: dict[str, Any],
                 await fut
                 bar.advance(task)
         for fut, i in futures.items():
-            results[i] = fut.result()
+            r = results[i] = fut.result()
+            if r.status == REJECTED:
+                r.reason = f"{name}:{jobs[i][0]}: {r.reason}"
     return results, d.run_result(), d.stats()  # after close: its final machine sample
 
 
@@ -191,7 +197,8 @@ def run_dispatch(cfg: dict[str, Any], out_dir, progress: bool = True) -> dict[st
     dcfg = dispatcher_config(cfg, out)
     services = load_services(cfg.get("services"))
     results, run, stats = asyncio.run(
-        dispatch_all(jobs, dcfg, services, progress=progress and bool(cfg.get("progress", True))))
+        dispatch_all(jobs, dcfg, services, progress=progress and bool(cfg.get("progress", True)),
+                     name=Path(cfg["jobs"]).name))
     name = dcfg.scheduler
     doc = aggregate(Path(cfg["jobs"]).name, [0], [summarise_run(run, name, 0)])
     summary = doc["schedulers"][name]
