@@ -332,3 +332,36 @@ def test_standin_gpu_utilisation_is_sampled():
             return d
     d = run(go())
     assert len(d.monitor.last_gpu) == 2 and "gpu" in d.stats()["measured_utilisation"]
+
+
+def test_restart_fails_what_cannot_run_here_and_runs_the_rest(tmp_path):
+    """A journaled request for a service the new dispatcher lacks, or an api callable
+    (not replayable), ends failed with the reason; the others run."""
+    db = tmp_path / "j.db"
+
+    async def first():
+        d = Dispatcher(cfg(journal=db, gpu_standin=1, endpoints=EP),
+                       services={"scorer": linear_scorer(4)})
+        await d.start()
+
+        async def never():
+            await asyncio.Event().wait()
+        d.accept({"id": "g", "kind": "gpu", "service": "scorer", "payload": [1.0],
+                  "timeout_s": 30})
+        d.accept({"id": "a", "kind": "api", "endpoint": "e", "timeout_s": 30}, call=never)
+        d.accept(cpu("/bin/true", id="c"))
+        d.flush()
+        d._closed = True  # stop here as a crash would: nothing more runs or is recorded
+        d.journal.close()
+
+    run(first())
+
+    async def second():
+        async with Dispatcher(cfg(journal=db)) as d:
+            return {k: await d.accept({"id": k, "kind": "cpu", "argv": ["/bin/false"],
+                                       "timeout_s": 5}) for k in "gac"}
+    out = run(second())
+    assert out["c"].ok
+    assert out["g"].status == "failed" and "cannot run here" in out["g"].reason
+    assert "no GPU" in out["g"].reason
+    assert out["a"].status == "failed" and "not replayable" in out["a"].reason

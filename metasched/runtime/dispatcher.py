@@ -316,6 +316,10 @@ class Dispatcher:
             try:  # only a process that still carries this action's id is ours
                 if psutil.Process(pid).environ().get(ACTION_ENV) == key:
                     kill_group(pid)
+            except psutil.ZombieProcess:
+                # An unreaped leader keeps its pid (and so its group id) from reuse: what
+                # is left of the group is the action's.
+                kill_group(pid)
             except (psutil.Error, OSError):
                 pass
         for key, text, attempts in self.journal.unfinished():
@@ -323,15 +327,16 @@ class Dispatcher:
             queued_at = float(doc["queued_at"])
             future = self._loop.create_future()
             try:
-                req = parse_request(doc["request"], f"journal:{key}")
-            except ConfigError:
-                job = _Job(Request(kind="api", timeout_s=1.0, id=key), future, queued_at,
+                req = self._check(parse_request(doc["request"], f"journal:{key}"))
+            except ConfigError as e:
+                why = ("not replayable after a restart (an api call given as a Python "
+                       "callable): resubmit it" if doc["request"].get("kind") == "api"
+                       and "http" not in doc["request"] else f"cannot run here: {e}")
+                job = _Job(Request(kind="cpu", timeout_s=1.0, id=key), future, queued_at,
                            attempts)
                 self._jobs[key] = job
-                self._finish_job(job, Result(
-                    key, FAILED, "not replayable after a restart (an api call given as a "
-                    "Python callable): resubmit it", queued_at=queued_at,
-                    finished_at=time.time(), attempts=attempts))
+                self._finish_job(job, Result(key, FAILED, why, queued_at=queued_at,
+                                             finished_at=time.time(), attempts=attempts))
                 continue
             self._enqueue(_Job(req, future, queued_at, attempts))
 
