@@ -3,9 +3,10 @@
 - No decision exceeds capacity: ``ClusterState.check`` rejects any grant the pools
   cannot give (and the env's masks never offer one).
 - No action starves: an action that has waited longer than ``max_wait_s`` and could
-  start now is started before the scheduler is asked (and so is every action that
-  could start, when the scheduler waits with nothing left to happen), with a default
-  allocation
+  start now is started before the scheduler is asked, with a default allocation.
+- No idle cluster is kept idle: when the scheduler waits while nothing runs (no action,
+  no GPU batch) and no API call waits for its quota to refill (``idle``), every action
+  that could start is started, with a default allocation
   (its minimum cores; an idle device, resident service first, with the queued requests
   to that service as a batch; its API call).
 """
@@ -27,13 +28,29 @@ class WaitGuard:
         self.fired = 0
 
     def next_deadline(self, state: ClusterState) -> float | None:
-        """When the longest-waiting pending action reaches the limit (None: no limit or
-        nothing pending)."""
+        """The next instant an action reaches the limit (None: no limit, or no pending
+        action that has not reached it yet). Actions already past it are served as soon
+        as they can start, at the next event that frees something."""
         if self.max_wait_s is None:
             return None
-        oldest = min((next(iter(p.values())).submit_t for p in state.pending.values() if p),
-                     default=None)
-        return None if oldest is None else oldest + self.max_wait_s
+        now = state.t
+        out = None
+        for pend in state.pending.values():
+            for a in pend.values():  # submission order: the first one not yet due
+                due = a.submit_t + self.max_wait_s
+                if due > now:
+                    if out is None or due < out:
+                        out = due
+                    break
+        return out
+
+    @staticmethod
+    def idle(state: ClusterState) -> bool:
+        """Nothing runs (no action, no GPU batch outliving its timed-out requests) and no
+        API call waits for a refill: a wait now would leave every resource idle until
+        something arrives (both clocks then serve what can start)."""
+        return (state.n_running == 0 and state.gpu.busy == 0
+                and not (state.pending["api"] and state.api_wakeups()))
 
     def overdue(self, state: ClusterState, *, stalled: bool = False) -> list[Grant]:
         """Default grants for the feasible actions that waited past the limit, oldest

@@ -47,10 +47,12 @@ class Simulator:
         max_wait_s: the core's starvation guard: an action that waited longer is started
             (default allocation) before the scheduler is asked, as soon as it can start;
             None disables it.
-        serve_stalled: when the scheduler waits with nothing left to happen, start what
-            can start (default allocation) instead of raising ``SimulationError``; always
-            on while ``max_wait_s`` is set. The env turns it on: a policy's wait must never
-            end a run.
+        serve_stalled: when the scheduler waits while the cluster is idle (nothing runs,
+            no API call waits for a refill: ``WaitGuard.idle``), start what can start
+            (default allocation), as the live dispatcher does; without it such a wait lasts
+            until the next event, and with nothing left to happen raises
+            ``SimulationError``. Always on while ``max_wait_s`` is set. The env turns it
+            on: a policy's wait must never end a run.
         check_invariants: verify the accounting invariant at every event (slow; tests).
     """
 
@@ -168,8 +170,15 @@ class Simulator:
             self._push_end(grant.action, t, spec.true_s)
 
     def wait(self) -> None:
-        """Decline to act until the next event."""
+        """Decline to act until the next event (the guard may serve an idle cluster)."""
         self.n_waits += 1
+        state = self.state
+        if self.serve_stalled and WaitGuard.idle(state):
+            forced = self.guard.overdue(state, stalled=True)
+            if forced:
+                for g in forced:
+                    self.apply(g)
+                return  # the scheduler is asked again
         self._waited = True
         deadline = self.guard.next_deadline(self.state)
         # Wake up when the longest-waiting action reaches the guard's limit.

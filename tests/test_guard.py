@@ -155,3 +155,26 @@ def test_wait_bounded_on_profiles(name):
     sim = Probe(w, c, 0, max_wait_s=MAX_WAIT)
     sim.run(AlwaysWait())
     assert late_starts(sim, MAX_WAIT) == []
+
+
+def test_an_idle_cluster_is_not_kept_idle(make_workload, make_cluster):
+    """A wait while nothing runs is overridden at once (serve_stalled), not at the
+    deadline; a wait while something runs is respected."""
+    w = make_workload({"kind": "cpu", "duration_s": 1.0, "timeout_s": 10.0})
+    spec = ActionSpec("cpu", "x", 1.0, 1.0, 10.0)
+    inst = WorkloadInstance(independent=[IndependentAction(1.0, "t", spec),
+                                         IndependentAction(1.5, "t", spec)])
+    sim = Probe(w, make_cluster(), 0, instance=inst, max_wait_s=100.0)
+    r = sim.run(AlwaysWait())
+    assert sim.at_start[0][:2] == (1.0, 1.0)  # idle: served on arrival
+    assert sim.at_start[1][:2] == (1.5, 2.0)  # the first runs: waits for its end
+    assert r.counters["guard_fired"] == 2
+
+
+@pytest.mark.parametrize("busy_device", [False, True])
+def test_idle_means_nothing_runs_and_no_device_is_busy(busy_device, make_cluster):
+    from metasched.state import ClusterState
+
+    st = ClusterState(make_cluster(), {})
+    st.gpu.busy = int(busy_device)
+    assert WaitGuard.idle(st) is not busy_device

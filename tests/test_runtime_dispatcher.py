@@ -365,3 +365,23 @@ def test_restart_fails_what_cannot_run_here_and_runs_the_rest(tmp_path):
     assert out["g"].status == "failed" and "cannot run here" in out["g"].reason
     assert "no GPU" in out["g"].reason
     assert out["a"].status == "failed" and "not replayable" in out["a"].reason
+
+
+class _AlwaysWait(Scheduler):
+    name = "always_wait"
+
+    def decide(self, state):
+        return []
+
+
+def test_idle_cluster_rule_holds_live_as_in_simulation():
+    """A scheduler that always waits: the first action is served on arrival (idle
+    cluster), the second when the first has ended, as the simulator does."""
+    async def go():
+        async with Dispatcher(cfg(cores=CORES[:1]), scheduler=_AlwaysWait()) as d:
+            return await asyncio.gather(
+                d.submit(cpu(PY, "-c", "import time; time.sleep(0.3)")),
+                d.submit(cpu("/bin/true"))), d
+    (a, b), d = run(go())
+    assert a.ok and b.ok and d.guard.fired == 2
+    assert b.started_at >= a.finished_at - 1e-3

@@ -547,10 +547,14 @@ class Dispatcher:
                     self._fall_back(f"scheduler {self.scheduler.name!r} made an invalid "
                                     f"grant: {e}")
                     break
-        if waited and state.n_running == 0 and not state.api_wakeups():
-            # Nothing running will free anything: serve what can start (the sim's rule).
-            for g in self.guard.overdue(state, stalled=True):
+        if waited and WaitGuard.idle(state):
+            # An idle cluster is not kept idle (the simulator's rule too): serve what can
+            # start, then ask again.
+            forced = self.guard.overdue(state, stalled=True)
+            for g in forced:
                 self._start(g)
+            if forced:
+                self._kick()
         self._arm_timers()
 
     def _arm_timers(self) -> None:
