@@ -385,3 +385,28 @@ def test_idle_cluster_rule_holds_live_as_in_simulation():
     (a, b), d = run(go())
     assert a.ok and b.ok and d.guard.fired == 2
     assert b.started_at >= a.finished_at - 1e-3
+
+
+def test_policy_that_cannot_see_this_machine_falls_back():
+    """More GPU services than the checkpoint's observation holds: elastic_greedy, and
+    the reason."""
+    services = {f"s{i}": linear_scorer(4, seed=i) for i in range(4)}  # + the command one
+    (r,), d = run(dispatch([cpu("/bin/true")], DispatcherConfig(gpu_standin=1,
+                                                               sample_interval_s=0.05),
+                           services=services))
+    assert r.ok and d.scheduler.name == "elastic_greedy"
+    assert "GPU services: 5 exceed the observation's 4" in d.fallback_reason
+
+
+def test_idle_trajectories_are_closed_and_their_held_cores_return():
+    """static holds cores for a trajectory; without a reward action the trajectory is
+    closed after trajectory_idle_s and the cores come back."""
+    async def go():
+        async with Dispatcher(cfg(scheduler="static", trajectory_idle_s=0.2,
+                                  sample_interval_s=0.05)) as d:
+            await d.submit(cpu("/bin/true", trajectory="t", turn=0))
+            held = d.state.cpu.held
+            await asyncio.sleep(0.5)
+            return held, d.state.cpu.held, dict(d.state.trajectories)
+    held, later, trajs = run(go())
+    assert held > 0 and later == 0 and trajs == {}
