@@ -410,3 +410,22 @@ def test_idle_trajectories_are_closed_and_their_held_cores_return():
             return held, d.state.cpu.held, dict(d.state.trajectories)
     held, later, trajs = run(go())
     assert held > 0 and later == 0 and trajs == {}
+
+
+def test_unusable_cores_are_a_config_error():
+    from metasched.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="not usable here"):
+        Dispatcher(cfg(cores=[max(CORES) + 1]))
+
+
+def test_an_executor_bug_fails_its_action_instead_of_hanging(monkeypatch):
+    import metasched.runtime.dispatcher as mod
+
+    async def broken(*args, **kwargs):
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(mod, "run_process", broken)
+    (r, s), d = run(dispatch([cpu("/bin/true"), cpu("/bin/true")]))
+    assert r.status == s.status == "failed" and r.reason == "internal error: RuntimeError: bug"
+    assert d.state.cpu.busy == 0 and sorted(d._free_cores) == CORES

@@ -96,13 +96,6 @@ def dispatcher_config(cfg: dict[str, Any], run_dir: Path):
     standin = cfg.get("gpu_standin", 0)
     if isinstance(standin, bool) or not isinstance(standin, int) or standin < 0:
         raise ConfigError("gpu_standin", f"must be a whole number >= 0 (got {standin!r})")
-    if cores is not None:
-        import os
-
-        usable = os.sched_getaffinity(0)
-        bad = [c for c in cores if c not in usable]
-        if bad:
-            raise ConfigError("cores", f"{bad} are not usable here (usable: {sorted(usable)})")
     scheduler = str(cfg.get("scheduler") or "checkpoints/default")
     from metasched.agents import BASELINES
     from metasched.agents.checkpoint import resolve_scheduler

@@ -151,9 +151,13 @@ class Dispatcher:
                  scheduler: Scheduler | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = cfg = config or DispatcherConfig()
-        self.cores = sorted(cfg.cores) if cfg.cores is not None else usable_cores()
+        usable = usable_cores()
+        self.cores = sorted(set(cfg.cores)) if cfg.cores is not None else usable
         if not self.cores:
             raise ConfigError("cores", "no CPU cores to run actions on")
+        if not set(self.cores) <= set(usable):
+            raise ConfigError("cores", f"{sorted(set(self.cores) - set(usable))} are not "
+                              f"usable here (usable: {usable})")
         self.devices, self.no_gpu_reason = discover_devices(
             standin=cfg.gpu_standin, standin_mem_gb=cfg.gpu_standin_mem_gb)
         self.host = ServiceHost(self.devices)
@@ -198,7 +202,6 @@ class Dispatcher:
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
-        self._rng = np.random.default_rng()
         self.gpu_sampler = GpuSampler(self.devices, self.host) if self.devices else None
         self.monitor = MachineMonitor(self.cores, self.gpu_sampler)
         self.cgroup = None
@@ -606,11 +609,25 @@ class Dispatcher:
         else:
             jobs[0].alloc = {"endpoint": g.action.spec.endpoint}
             coro = self._run_api(jobs[0])
-        task = self._loop.create_task(coro)
+        task = self._loop.create_task(self._guarded(coro, jobs))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     # ------------------------------------------------------------------ executors
+
+    async def _guarded(self, coro, jobs: list[_Job]) -> None:
+        """Run an executor; if it breaks (a bug, not an action's failure), its actions
+        end failed with the error instead of waiting forever."""
+        try:
+            await coro
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            log.exception("executor failed")
+            for job in jobs:
+                if job.request.id in self._jobs and job.action.status == "running":
+                    self._complete(job, Outcome(False, f"internal error: {type(e).__name__}: "
+                                                f"{e}"))
 
     def _on_pid(self, job: _Job) -> Callable[[int], None]:
         def record(pid: int) -> None:
