@@ -429,3 +429,62 @@ def test_an_executor_bug_fails_its_action_instead_of_hanging(monkeypatch):
     (r, s), d = run(dispatch([cpu("/bin/true"), cpu("/bin/true")]))
     assert r.status == s.status == "failed" and r.reason == "internal error: RuntimeError: bug"
     assert d.state.cpu.busy == 0 and sorted(d._free_cores) == CORES
+
+
+class _Recorder(BaseHTTPRequestHandler):
+    """Records when each request arrived and how many were in flight; answers after
+    ``delay`` seconds."""
+
+    arrivals: list[float] = []
+    in_flight = 0
+    peak = 0
+    delay = 0.0
+    lock = threading.Lock()
+
+    def do_POST(self):  # noqa: N802 - http.server's naming
+        import time as _time
+
+        cls = type(self)
+        with cls.lock:
+            cls.arrivals.append(_time.monotonic())
+            cls.in_flight += 1
+            cls.peak = max(cls.peak, cls.in_flight)
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        _time.sleep(cls.delay)
+        data = b"{}"
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+        with cls.lock:
+            cls.in_flight -= 1
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("rpm, burst_s, concurrency, delay", [
+    (1200, 0.5, 64, 0.0),   # the request bucket binds: 20/s after a burst of 10
+    (60000, 1.0, 3, 0.1),   # concurrency binds: at most 3 in flight
+])
+def test_live_api_calls_keep_to_the_quota(rpm, burst_s, concurrency, delay):
+    _Recorder.arrivals, _Recorder.in_flight, _Recorder.peak = [], 0, 0
+    _Recorder.delay = delay
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/"
+    ep = {"e": EndpointSpec(rpm=rpm, max_concurrency=concurrency, burst_s=burst_s)}
+    try:
+        reqs = [{"kind": "api", "endpoint": "e", "timeout_s": 30, "http": {"url": url}}
+                for _ in range(30)]
+        results, _ = run(dispatch(reqs, cfg(endpoints=ep)))
+    finally:
+        server.shutdown()
+    assert all(r.ok for r in results)
+    assert _Recorder.peak <= concurrency
+    rate, cap = rpm / 60.0, max(1.0, rpm / 60.0 * burst_s)
+    t0 = min(_Recorder.arrivals)
+    for k, t in enumerate(sorted(_Recorder.arrivals)):
+        # a token bucket: the k-th call (0-based) cannot come before (k + 1 - cap) / rate
+        assert t - t0 >= (k + 1 - cap) / rate - 0.02, (k, t - t0)
