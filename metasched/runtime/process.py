@@ -659,34 +659,30 @@ class _Stream:
         os.set_blocking(fd, False)
         loop.add_reader(fd, self._on_readable)
 
-    def _on_readable(self) -> None:
+    def _read_once(self) -> bool:
+        """One read into the tail; False when nothing more is readable now (closed at
+        EOF or on an error)."""
         try:
             data = os.read(self.fd, _READ_CHUNK)
         except (BlockingIOError, InterruptedError):
-            return
+            return False
         except OSError:
             data = b""
-        if data:
-            self.tail.feed(data)
-        else:
+        if not data:
             self.close()
+            return False
+        self.tail.feed(data)
+        return True
+
+    def _on_readable(self) -> None:
+        self._read_once()
 
     def drain_now(self) -> None:
         """Read until the pipe is empty (a bounded number of reads: a writer that
         escaped the group could keep it full); close it at EOF."""
         for _ in range(64):
-            if self.fd < 0:
+            if self.fd < 0 or not self._read_once():
                 return
-            try:
-                data = os.read(self.fd, _READ_CHUNK)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                data = b""
-            if not data:
-                self.close()
-                return
-            self.tail.feed(data)
 
     def close(self) -> None:
         if self.fd >= 0:
