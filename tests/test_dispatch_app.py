@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -92,3 +93,35 @@ def test_cli_bad_settings_are_one_line_errors(tmp_path, args, message):
                        cwd=tmp_path, timeout=120)
     assert p.returncode == 2, p.stderr
     assert p.stderr.startswith(message) and p.stderr.count("\n") == 1, p.stderr
+
+
+def test_ctrl_c_kills_running_commands_and_says_how_to_resume(tmp_path):
+    import signal
+    import time
+
+    from metasched.runtime.journal import Journal
+
+    jobs = write_jobs(tmp_path / "jobs.jsonl", [job("sleep", "30") for _ in range(4)])
+    out = tmp_path / "out"
+    p = subprocess.Popen([PY, "-m", "metasched.cli.dispatch_app", f"jobs={jobs}",
+                          "scheduler=fifo", f"hydra.run.dir={out}"], cwd=tmp_path,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # until a command is running
+            if (out / "journal.db").exists():
+                with Journal(out / "journal.db") as j:
+                    pids = [pid for _, pid in j.orphans()]
+                if pids:
+                    break
+            time.sleep(0.1)
+        assert pids, "no command started"
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 130
+    assert "interrupted: 0 requests finished, 4 unfinished" in err
+    assert f"journal={out / 'journal.db'}" in err and "Traceback" not in err
+    for pid in pids:  # the running commands were killed with the dispatcher
+        assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read()

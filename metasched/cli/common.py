@@ -99,8 +99,12 @@ def make_main(config_name: str, run: Callable[[dict[str, Any], Path], Any]) -> C
         run(OmegaConf.to_container(cfg, resolve=True), run_dir())
 
     def main() -> None:
-        preflight(config_name)
-        hydra_main()
+        try:
+            preflight(config_name)
+            hydra_main()
+        except KeyboardInterrupt:  # Ctrl-C is not an error: no traceback
+            print("\ninterrupted", file=sys.stderr)
+            sys.exit(130)
 
     return main
 

@@ -178,6 +178,22 @@ def live_table(name: str, jobs_file: str, summary: dict[str, Any], stats: dict[s
     return "\n".join(lines) + "\n"
 
 
+def interrupted(jobs: str, journal) -> None:
+    """Ctrl-C: the running commands have been killed; say what is left and how to
+    resume, then exit with status 130."""
+    import sys
+
+    from metasched.runtime.journal import Journal
+
+    with Journal(journal) as j:
+        counts = j.counts()
+    left = counts["queued"] + counts["running"]
+    print(f"\ninterrupted: {counts['finished']} requests finished, {left} unfinished; they "
+          f"are kept in {journal}. Resume with:\n  metasched-dispatch jobs={jobs} "
+          f"journal={journal}", file=sys.stderr)
+    sys.exit(130)
+
+
 def run_dispatch(cfg: dict[str, Any], out_dir, progress: bool = True) -> dict[str, Any]:
     """Run the job file as configured; write results.jsonl, results.json, results.md."""
     from metasched.evaluation import aggregate, ci95, summarise_run
@@ -189,9 +205,12 @@ def run_dispatch(cfg: dict[str, Any], out_dir, progress: bool = True) -> dict[st
     jobs = read_jobs(cfg["jobs"])
     dcfg = dispatcher_config(cfg, out)
     services = load_services(cfg.get("services"))
-    results, run, stats = asyncio.run(
-        dispatch_all(jobs, dcfg, services, progress=progress and bool(cfg.get("progress", True)),
-                     name=Path(cfg["jobs"]).name))
+    try:
+        results, run, stats = asyncio.run(dispatch_all(
+            jobs, dcfg, services, progress=progress and bool(cfg.get("progress", True)),
+            name=Path(cfg["jobs"]).name))
+    except KeyboardInterrupt:
+        interrupted(cfg["jobs"], dcfg.journal)
     name = dcfg.scheduler
     doc = aggregate(Path(cfg["jobs"]).name, [0], [summarise_run(run, name, 0)])
     summary = doc["schedulers"][name]
