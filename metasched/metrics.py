@@ -3,6 +3,7 @@ resource-seconds (totals and a bucketed timeline), failures."""
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,19 +17,30 @@ N_COLS = 7
 
 
 class Recorder:
-    """Accumulates a run's measurements; cheap enough to run on every event."""
+    """Accumulates a run's measurements; cheap enough to run on every event.
 
-    def __init__(self, timeline_dt: float = 10.0) -> None:
+    Args:
+        timeline_dt: bucket width of the utilisation timeline, seconds.
+        max_actions: keep the per-action records of only the most recent this many
+            actions (a long-lived dispatcher would otherwise grow without bound); totals,
+            the timeline and failure counts always cover everything. None: keep all.
+    """
+
+    def __init__(self, timeline_dt: float = 10.0, max_actions: int | None = None) -> None:
         self.dt = timeline_dt
         self.timeline: list[list[float]] = []
         self.totals = [0.0] * N_COLS
-        self.kind: list[int] = []
-        self.task: list[str] = []
-        self.submit: list[float] = []
-        self.start: list[float] = []
-        self.end: list[float] = []
-        self.ok: list[bool] = []
-        self.lower_bound: list[float] = []
+
+        def per_action() -> list | deque:
+            return [] if max_actions is None else deque(maxlen=max_actions)
+
+        self.kind = per_action()
+        self.task = per_action()
+        self.submit = per_action()
+        self.start = per_action()
+        self.end = per_action()
+        self.ok = per_action()
+        self.lower_bound = per_action()
         self.steps: list[tuple[float, float]] = []
         self.reasons: dict[str, int] = {}
 

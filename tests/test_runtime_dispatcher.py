@@ -488,3 +488,12 @@ def test_live_api_calls_keep_to_the_quota(rpm, burst_s, concurrency, delay):
     for k, t in enumerate(sorted(_Recorder.arrivals)):
         # a token bucket: the k-th call (0-based) cannot come before (k + 1 - cap) / rate
         assert t - t0 >= (k + 1 - cap) / rate - 0.02, (k, t - t0)
+
+
+def test_per_action_measurements_are_bounded_in_a_long_lived_dispatcher():
+    reqs = [cpu("/bin/true") for _ in range(12)] + [cpu("/bin/false")]
+    results, d = run(dispatch(reqs, cfg(metrics_window=5)))
+    r = d.run_result()
+    assert r.act.size == 5  # the most recent five
+    assert r.counters["completed"] == 12 and r.counters["failed"] == 1  # all counted
+    assert r.failure_reasons == {"exit code 1": 1}

@@ -30,7 +30,7 @@ from metasched.config import ClusterConfig
 from metasched.encoding import ObsConfig, ObservationEncoder
 from metasched.errors import ConfigError
 from metasched.guard import WaitGuard
-from metasched.metrics import RunResult
+from metasched.metrics import Recorder, RunResult
 from metasched.model import Action, ActionSpec, Grant, Trajectory
 from metasched.pools import EndpointSpec, ServiceSpec
 from metasched.runtime.api import RetryPolicy, call_api
@@ -94,6 +94,9 @@ class DispatcherConfig:
             which bounds the rate of short actions; files written there use memory).
         tail_bytes: how much of a command's stdout / stderr results keep.
         sample_interval_s: how often psutil / NVML are sampled.
+        metrics_window: per-action measurements kept for the results (ACT percentiles):
+            the most recent this many (about 250 bytes each); counts, utilisation and
+            failure reasons always cover every action. None: keep all.
         trajectory_idle_s: a trajectory with nothing queued or running for this long is
             closed (its held cores return), in case its reward action never comes.
     """
@@ -116,6 +119,7 @@ class DispatcherConfig:
     workdir: str | None = None
     tail_bytes: int = 4096
     sample_interval_s: float = 1.0
+    metrics_window: int | None = 1_000_000
     trajectory_idle_s: float = 3600.0
 
 
@@ -173,6 +177,7 @@ class Dispatcher:
             gpu_mem_gb=min((d.mem_gb for d in self.devices), default=0.0),
             endpoints=dict(cfg.endpoints))
         self.state = ClusterState(self.cluster, specs)
+        self.state.metrics = Recorder(max_actions=cfg.metrics_window)
         self.guard = WaitGuard(cfg.max_wait_s)
         self.cost = CostModel(cfg.cost_alpha, cfg.default_est_s)
         self.journal = Journal(cfg.journal, fsync=cfg.fsync) if cfg.journal else None
