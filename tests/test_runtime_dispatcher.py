@@ -497,3 +497,17 @@ def test_per_action_measurements_are_bounded_in_a_long_lived_dispatcher():
     assert r.act.size == 5  # the most recent five
     assert r.counters["completed"] == 12 and r.counters["failed"] == 1  # all counted
     assert r.failure_reasons == {"exit code 1": 1}
+
+
+def test_enqueue_returns_once_the_request_is_durable(tmp_path):
+    db = tmp_path / "j.db"
+
+    async def go():
+        async with Dispatcher(cfg(journal=db)) as d:
+            fut = await d.enqueue(cpu("/bin/true", id="e1"))
+            with Journal(db) as j:  # committed before enqueue returned
+                assert j.status("e1") in ("queued", "running")
+            bad = await d.enqueue({"kind": "tpu"})
+            assert bad.done() and bad.result().status == "rejected"
+            return await fut
+    assert run(go()).ok

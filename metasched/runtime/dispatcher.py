@@ -202,6 +202,7 @@ class Dispatcher:
         self._kick_pending = False
         self._writes: list[tuple[Callable[..., Any], tuple]] = []  # journal, this turn
         self._to_queue: list[tuple[_Job, str]] = []  # accepted, queued once journaled
+        self._flush_waiters: list[asyncio.Future] = []  # enqueue() calls awaiting a commit
         self._flush_pending = False
         self._flush_timer: asyncio.TimerHandle | None = None
         self._timers: dict[str, asyncio.TimerHandle] = {}
@@ -359,6 +360,18 @@ class Dispatcher:
         with the reason, and the dispatcher goes on serving others."""
         return await self.accept(request, call=call)
 
+    async def enqueue(self, request: Request | Mapping[str, Any], *,
+                      call: Callable[[], Any] | None = None) -> asyncio.Future[Result]:
+        """Accept ``request`` and return once it is durable (journaled and committed):
+        the acknowledgement a caller that may crash should wait for. Returns the future
+        of its result; a rejected request's future is already done."""
+        future = self.accept(request, call=call)
+        if self.journal is not None and not future.done() and self._to_queue:
+            waiter = self._loop.create_future()
+            self._flush_waiters.append(waiter)
+            await waiter
+        return future
+
     def accept(self, request: Request | Mapping[str, Any], *,
                call: Callable[[], Any] | None = None) -> asyncio.Future[Result]:
         """Accept ``request`` (journaled before this returns) and return the future of
@@ -401,6 +414,15 @@ class Dispatcher:
         otherwise grouped into one commit per loop turn), and queue them. A request
         whose id the journal already holds finished gets that result instead."""
         self._flush_pending = False
+        waiters, self._flush_waiters = self._flush_waiters, []
+        try:
+            self._commit()
+        finally:
+            for w in waiters:  # enqueue() returns: its request is durable (or rejected)
+                if not w.done():
+                    w.set_result(None)
+
+    def _commit(self) -> None:
         writes, self._writes = self._writes, []
         accepted, self._to_queue = self._to_queue, []
         if not writes and not accepted:
