@@ -59,6 +59,8 @@ def test_kill_9_loses_nothing(tmp_path):
     assert orphans, "the killed dispatcher left its running commands"
     leftover = [pid for _, pid in orphans if psutil.pid_exists(pid)]
     assert leftover  # still sleeping: their dispatcher is gone
+    scratch = [psutil.Process(pid).cwd() for pid in leftover]
+    assert all(os.path.isdir(d) for d in scratch)
 
     gate.write_text("")
 
@@ -81,4 +83,5 @@ def test_kill_9_loses_nothing(tmp_path):
             assert psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
         except psutil.NoSuchProcess:
             pass
+    assert not any(os.path.exists(d) for d in scratch)  # their scratch dirs removed
     assert os.path.exists(db)

@@ -17,6 +17,8 @@ import asyncio
 import json
 import logging
 import math
+import os
+import shutil
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -323,8 +325,13 @@ class Dispatcher:
 
         for key, pid in self.journal.orphans():
             try:  # only a process that still carries this action's id is ours
-                if psutil.Process(pid).environ().get(ACTION_ENV) == key:
+                proc = psutil.Process(pid)
+                if proc.environ().get(ACTION_ENV) == key:
+                    scratch = proc.cwd()
                     kill_group(pid)
+                    # Its scratch directory, which its dead dispatcher would have removed.
+                    if os.path.basename(scratch).startswith("metasched-"):
+                        shutil.rmtree(scratch, ignore_errors=True)
             except psutil.ZombieProcess:
                 # An unreaped leader keeps its pid (and so its group id) from reuse: what
                 # is left of the group is the action's.
