@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -63,11 +64,28 @@ def preflight(config_name: str, argv: list[str] | None = None) -> None:
         sys.exit(2)
 
 
-def int_setting(cfg: dict[str, Any], key: str, lo: int) -> int:
-    v = cfg.get(key)
+def int_setting(cfg: dict[str, Any], key: str, lo: int, default: int | None = None) -> int:
+    v = cfg.get(key, default)
     if isinstance(v, bool) or not isinstance(v, int) or v < lo:
         raise ConfigError(key, f"must be a whole number >= {lo} (got {v!r})")
     return v
+
+
+def max_wait_setting(cfg: dict[str, Any]) -> float | None:
+    """``max_wait_s``: the core's starvation guard, a number > 0 or null (off)."""
+    wait = cfg.get("max_wait_s")
+    if wait is not None and (isinstance(wait, bool) or not isinstance(wait, (int, float))
+                             or not wait > 0):
+        raise ConfigError("max_wait_s", f"must be a number > 0 or null (got {wait!r})")
+    return None if wait is None else float(wait)
+
+
+def write_report(out: Path, doc: dict[str, Any], table: str) -> None:
+    """Write ``results.json`` and ``results.md`` into ``out`` and print the table."""
+    (out / "results.json").write_text(json.dumps(json_safe(doc), indent=2, default=repr) + "\n")
+    (out / "results.md").write_text(table)
+    print(table)
+    print(f"results written to {out}")
 
 
 def seeds_setting(cfg: dict[str, Any]) -> list[int]:

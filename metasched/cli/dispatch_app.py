@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from metasched.cli.common import json_safe, make_main
+from metasched.cli.common import int_setting, make_main, max_wait_setting, write_report
 from metasched.config import parse_endpoints
 from metasched.errors import ConfigError
 from metasched.runtime.requests import REJECTED, Result, parse_request
@@ -89,13 +89,6 @@ def dispatcher_config(cfg: dict[str, Any], run_dir: Path):
     if cores is not None and (not isinstance(cores, list) or not cores or not all(
             isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in cores)):
         raise ConfigError("cores", f"must be a list of CPU ids or null (got {cores!r})")
-    wait = cfg.get("max_wait_s")
-    if wait is not None and (isinstance(wait, bool) or not isinstance(wait, (int, float))
-                             or not wait > 0):
-        raise ConfigError("max_wait_s", f"must be a number > 0 or null (got {wait!r})")
-    standin = cfg.get("gpu_standin", 0)
-    if isinstance(standin, bool) or not isinstance(standin, int) or standin < 0:
-        raise ConfigError("gpu_standin", f"must be a whole number >= 0 (got {standin!r})")
     scheduler = str(cfg.get("scheduler") or "checkpoints/default")
     from metasched.agents import BASELINES
     from metasched.agents.checkpoint import resolve_scheduler
@@ -108,9 +101,10 @@ def dispatcher_config(cfg: dict[str, Any], run_dir: Path):
     return DispatcherConfig(
         scheduler=scheduler,
         scheduler_params=dict(cfg.get("scheduler_params") or {}), cores=cores,
-        gpu_standin=standin, endpoints=parse_endpoints(cfg.get("endpoints"), "endpoints"),
+        gpu_standin=int_setting(cfg, "gpu_standin", 0, default=0),
+        endpoints=parse_endpoints(cfg.get("endpoints"), "endpoints"),
         journal=cfg.get("journal") or run_dir / "journal.db", fsync=bool(cfg.get("fsync")),
-        max_wait_s=None if wait is None else float(wait), workdir=cfg.get("workdir"))
+        max_wait_s=max_wait_setting(cfg), workdir=cfg.get("workdir"))
 
 
 async def dispatch_all(jobs: list[tuple[int, Any]], dcfg, services: dict[str, Any],
@@ -222,11 +216,7 @@ def run_dispatch(cfg: dict[str, Any], out_dir, progress: bool = True) -> dict[st
     with open(out / "results.jsonl", "w") as f:
         for r in results:
             f.write(r.to_json() + "\n")
-    (out / "results.json").write_text(json.dumps(json_safe(doc), indent=2, default=repr) + "\n")
-    table = live_table(name, str(cfg["jobs"]), summary, stats, results)
-    (out / "results.md").write_text(table)
-    print(table)
-    print(f"results written to {out}")
+    write_report(out, doc, live_table(name, str(cfg["jobs"]), summary, stats, results))
     return doc
 
 

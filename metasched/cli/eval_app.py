@@ -9,12 +9,17 @@ Examples::
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from metasched.agents.checkpoint import resolve_scheduler
-from metasched.cli.common import int_setting, json_safe, make_main, seeds_setting
+from metasched.cli.common import (
+    int_setting,
+    make_main,
+    max_wait_setting,
+    seeds_setting,
+    write_report,
+)
 from metasched.configs import load_profile
 from metasched.errors import ConfigError
 
@@ -39,15 +44,11 @@ def eval_settings(cfg: dict[str, Any]) -> dict[str, Any]:
     dt = cfg.get("timeline_dt", 10.0)
     if isinstance(dt, bool) or not isinstance(dt, (int, float)) or not dt > 0:
         raise ConfigError("timeline_dt", f"must be a number > 0 (got {dt!r})")
-    wait = cfg.get("max_wait_s")
-    if wait is not None and (isinstance(wait, bool) or not isinstance(wait, (int, float))
-                             or not wait > 0):
-        raise ConfigError("max_wait_s", f"must be a number > 0 or null (got {wait!r})")
     return {"schedulers": scheds, "paths": paths,
             "params": {s: dict(params.get(s) or {}) for s in scheds},
             "seeds": seeds_setting(cfg), "workers": int_setting(cfg, "workers", 1),
             "timeline_dt": float(dt), "plots": bool(cfg.get("plots", True)),
-            "max_wait_s": None if wait is None else float(wait)}
+            "max_wait_s": max_wait_setting(cfg)}
 
 
 def run_eval(cfg: dict[str, Any], out_dir, progress: bool = True) -> dict[str, Any]:
@@ -62,13 +63,9 @@ def run_eval(cfg: dict[str, Any], out_dir, progress: bool = True) -> dict[str, A
                          max_wait_s=s["max_wait_s"], paths=s["paths"], progress=progress)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(json_safe(doc), indent=2) + "\n")
-    table = results_table(doc)
-    (out / "results.md").write_text(table)
     if s["plots"]:
         plot_all(doc, runs, out)
-    print(table)
-    print(f"results written to {out}")
+    write_report(out, doc, results_table(doc))
     return doc
 
 
