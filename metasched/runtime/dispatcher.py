@@ -22,7 +22,7 @@ import shutil
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -207,7 +207,7 @@ class Dispatcher:
         self._flush_waiters: list[asyncio.Future] = []  # enqueue() calls awaiting a commit
         self._flush_pending = False
         self._flush_timer: asyncio.TimerHandle | None = None
-        self._timers: dict[str, asyncio.TimerHandle] = {}
+        self._wake: asyncio.TimerHandle | None = None  # the next quota refill or deadline
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
         self.gpu_sampler = GpuSampler(self.devices, self.host) if self.devices else None
@@ -264,8 +264,8 @@ class Dispatcher:
         if self._ticker is not None:
             self._ticker.cancel()
             await asyncio.gather(self._ticker, return_exceptions=True)
-        for h in self._timers.values():
-            h.cancel()
+        if self._wake is not None:
+            self._wake.cancel()
         for job in self._jobs.values():
             if not job.future.done():
                 job.future.cancel()
@@ -481,8 +481,6 @@ class Dispatcher:
                 raise ConfigError("min_cores", f"{req.min_cores} cores asked, this dispatcher "
                                   f"has {node}")
             if req.max_cores > node:
-                from dataclasses import replace
-
                 req = replace(req, max_cores=node)
         elif req.kind == "gpu":
             if not self.devices:
@@ -608,12 +606,12 @@ class Dispatcher:
         delay = min(waits) + 1e-6
         loop = self._loop
         at = loop.time() + delay
-        h = self._timers.get("wake")
+        h = self._wake
         if h is not None and not h.cancelled() and h.when() <= at and h.when() > loop.time():
             return
         if h is not None:
             h.cancel()
-        self._timers["wake"] = loop.call_at(at, self._kick)
+        self._wake = loop.call_at(at, self._kick)
 
     def _start(self, g: Grant) -> None:
         state = self.state
