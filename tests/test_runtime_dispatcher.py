@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sqlite3
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -225,6 +226,28 @@ def test_accepted_requests_are_journaled_before_the_ack_and_results_after(tmp_pa
             return out, d.state.n_submitted
     r2, n = run(again())
     assert r2.ok and n == 0
+
+
+def test_journal_holds_running_process_groups_and_every_start(tmp_path):
+    """A running command's start (with its process group) is committed within
+    ``journal_delay_s``; a command that starts and ends within one group commit gets
+    its start recorded in the same update as its result."""
+    db = tmp_path / "j.db"
+
+    async def go():
+        async with Dispatcher(cfg(journal=db)) as d:
+            slow = d.accept(cpu("/bin/sleep", "1", id="slow"))
+            quick = await d.submit(cpu("/bin/true", id="quick"))
+            await asyncio.sleep(0.2)  # well past journal_delay_s (5 ms)
+            with Journal(db) as j:
+                orphans = j.orphans()
+            return orphans, await slow, quick
+    orphans, slow, quick = run(go())
+    assert slow.ok and quick.ok
+    assert [k for k, _ in orphans] == ["slow"] and orphans[0][1] > 0
+    rows = sqlite3.connect(db).execute(
+        "SELECT key, state, attempts, pid, started_at IS NOT NULL FROM requests ORDER BY seq")
+    assert rows.fetchall() == [("slow", "finished", 1, None, 1), ("quick", "finished", 1, None, 1)]
 
 
 class _Broken(Scheduler):

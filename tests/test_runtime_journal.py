@@ -92,6 +92,36 @@ def test_state_transitions_and_attempts(tmp_path: Path) -> None:
         assert j.result("c") == '"skipped"'  # the first result stands
 
 
+def _row(j: Journal, key: str) -> tuple:
+    return sqlite3.connect(j.path).execute(
+        "SELECT state, attempts, pid, started_at, finished_at, result FROM requests "
+        "WHERE key = ?", (key,)).fetchone()
+
+
+def test_record_matches_the_single_row_writes(tmp_path: Path) -> None:
+    with Journal(tmp_path / "j.db") as j:
+        j.accept_many([(k, _req(i)) for i, k in enumerate("abcde")])
+        j.started("e", pid=7)
+        j.finished("e", '"done before"')
+        with j.batch():
+            skipped = j.record(
+                started=[("a", 100, 1, 10.0), ("b", None, None, 11.0)],
+                finished=[("c", '"c"', 12.0)],
+                started_finished=[("d", 3, 13.0, '"d"', 14.0)])
+        assert skipped == 0
+        assert _row(j, "a") == ("running", 1, 100, 10.0, None, None)
+        assert _row(j, "b") == ("running", 1, None, 11.0, None, None)  # attempt None: +1
+        assert _row(j, "c")[0::5] == ("finished", '"c"') and _row(j, "c")[4] == 12.0
+        # a start and its finish in one update: attempts and start time recorded too
+        assert _row(j, "d") == ("finished", 3, None, 13.0, 14.0, '"d"')
+        assert j.orphans() == [("a", 100)]
+        # unknown or finished keys are counted, not raised, and change nothing
+        assert j.record([("zzz", 1, 1, 1.0)], [("e", '"again"', 1.0)],
+                        [("e", 1, 1.0, '"again"', 2.0)]) == 3
+        assert j.result("e") == '"done before"'
+        assert j.record([], []) == 0
+
+
 def test_unfinished_survives_reopen(tmp_path: Path) -> None:
     path = tmp_path / "deep" / "er" / "j.db"  # parents are created
     with Journal(path) as j:

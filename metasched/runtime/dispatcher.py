@@ -202,7 +202,11 @@ class Dispatcher:
         self._next_action = 0
         self._next_traj = 0
         self._kick_pending = False
-        self._writes: list[tuple[Callable[..., Any], tuple]] = []  # journal, this turn
+        # Journal writes waiting for the next group commit: starts by key (pid, attempt,
+        # time), and finishes; a finish whose start is still waiting takes it along.
+        self._starts: dict[str, tuple[int | None, int, float]] = {}
+        self._finishes: list[tuple[str, str, float]] = []
+        self._start_finishes: list[tuple[str, int, float, str, float]] = []
         self._to_queue: list[tuple[_Job, str]] = []  # accepted, queued once journaled
         self._flush_waiters: list[asyncio.Future] = []  # enqueue() calls awaiting a commit
         self._flush_pending = False
@@ -430,17 +434,22 @@ class Dispatcher:
                     w.set_result(None)
 
     def _commit(self) -> None:
-        writes, self._writes = self._writes, []
+        starts, self._starts = self._starts, {}
+        finishes, self._finishes = self._finishes, []
+        both, self._start_finishes = self._start_finishes, []
         accepted, self._to_queue = self._to_queue, []
-        if not writes and not accepted:
+        if not (starts or finishes or both or accepted):
             return
         fresh: list[bool] = []
         try:
             with self.journal.batch():
                 for job, doc in accepted:
                     fresh.append(self.journal.accept(job.request.id, doc)[0])
-                for fn, args in writes:
-                    fn(*args)
+                skipped = self.journal.record(
+                    [(key, *row) for key, row in starts.items()], finishes, both)
+            if skipped:  # never expected: each job is started and finished once
+                log.warning("journal: %d start/finish writes named no unfinished request",
+                            skipped)
         except Exception as e:  # noqa: BLE001 - e.g. a full disk: not accepted
             for job, _ in accepted:
                 self._jobs.pop(job.request.id, None)
@@ -459,10 +468,25 @@ class Dispatcher:
                 self._jobs.pop(job.request.id, None)
                 job.future.set_result(Result.from_json(stored))
 
-    def _journal_later(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Queue a journal write (a start or a result) for a group commit within
-        ``journal_delay_s``: a crash before then only means the request runs again."""
-        self._writes.append((fn, args))
+    def _journal_start(self, key: str, pid: int | None, attempt: int) -> None:
+        """Journal a start (with its process group, if any) in the next group commit."""
+        self._starts[key] = (pid, attempt, time.time())
+        self._commit_soon()
+
+    def _journal_finish(self, key: str, result: str) -> None:
+        """Journal a result in the next group commit; a start still waiting for that
+        commit goes into the same row update (one write instead of two)."""
+        start = self._starts.pop(key, None)
+        if start is None:
+            self._finishes.append((key, result, time.time()))
+        else:
+            _, attempt, t0 = start
+            self._start_finishes.append((key, attempt, t0, result, time.time()))
+        self._commit_soon()
+
+    def _commit_soon(self) -> None:
+        """Group commit within ``journal_delay_s``: a crash before then only means the
+        request runs again (its acceptance is already durable)."""
         if self._flush_timer is None and self._loop is not None:
             self._flush_timer = self._loop.call_later(self.config.journal_delay_s,
                                                       self._timed_flush)
@@ -627,7 +651,7 @@ class Dispatcher:
             job.attempts += 1
             # A command's start is journaled with its pid, once it runs (_on_pid).
             if self.journal is not None and job.request.argv == ():
-                self._journal_later(self._started, job.request.id, None, job.attempts)
+                self._journal_start(job.request.id, None, job.attempts)
         if kind == "cpu":
             cores = self.monitor.least_loaded(self._free_cores, g.cores)
             for c in cores:
@@ -664,11 +688,8 @@ class Dispatcher:
     def _on_pid(self, job: _Job) -> Callable[[int], None]:
         def record(pid: int) -> None:
             if self.journal is not None:
-                self._journal_later(self._started, job.request.id, pid, job.attempts)
+                self._journal_start(job.request.id, pid, job.attempts)
         return record
-
-    def _started(self, key: str, pid: int | None, attempt: int) -> None:
-        self.journal.started(key, pid=pid, attempt=attempt)
 
     async def _run_cpu(self, job: _Job, cores: list[int]) -> None:
         req = job.request
@@ -769,7 +790,7 @@ class Dispatcher:
 
     def _finish_job(self, job: _Job, result: Result) -> None:
         if self.journal is not None:
-            self._journal_later(self.journal.finished, result.id, result.to_json())
+            self._journal_finish(result.id, result.to_json())
         self._jobs.pop(result.id, None)
         if job.action is not None:
             self._by_action.pop(job.action.id, None)

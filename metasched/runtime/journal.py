@@ -60,6 +60,10 @@ _START = ("UPDATE requests SET state = 'running', attempts = COALESCE(?, attempt
           "pid = ?, started_at = ? WHERE key = ? AND state != 'finished'")
 _FINISH = ("UPDATE requests SET state = 'finished', result = ?, pid = NULL, finished_at = ? "
            "WHERE key = ? AND state != 'finished'")
+# A finish that also records its start (the start was not written yet: see ``record``).
+_START_FINISH = ("UPDATE requests SET state = 'finished', attempts = COALESCE(?, attempts + 1), "
+                 "started_at = ?, result = ?, pid = NULL, finished_at = ? "
+                 "WHERE key = ? AND state != 'finished'")
 _STATE = "SELECT state FROM requests WHERE key = ?"
 _RESULT = "SELECT result FROM requests WHERE key = ?"
 _UNFINISHED = ("SELECT key, request, attempts FROM requests WHERE state != 'finished' "
@@ -215,6 +219,38 @@ class Journal:
         """
         if self._x(_FINISH, (result, time.time(), key)).rowcount != 1:
             self._missing_or_finished(key)
+
+    def record(self, started: Iterable[tuple[str, int | None, int | None, float]],
+               finished: Iterable[tuple[str, str, float]],
+               started_finished: Iterable[tuple[str, int | None, float, str, float]] = (),
+               ) -> int:
+        """Many :meth:`started` and :meth:`finished` writes at once, one prepared
+        statement run over each list (``executemany``: far less per row than a call
+        each). Call inside :meth:`batch` to commit them together.
+
+        Args:
+            started: ``(key, pid, attempt, started_at)`` rows, as :meth:`started`.
+            finished: ``(key, result, finished_at)`` rows, as :meth:`finished`.
+            started_finished: ``(key, attempt, started_at, result, finished_at)`` rows
+                for requests that started and finished before their start was written:
+                one update records both (the start's pid is moot once finished).
+
+        Returns:
+            How many rows named no unfinished request and were skipped (unlike the
+            single-row calls, which raise): a caller that never writes for an unknown
+            or finished request gets 0.
+        """
+        x = self._db.executemany
+        rows = 0
+        started = [(attempt, pid, at, key) for key, pid, attempt, at in started]
+        finished = [(result, at, key) for key, result, at in finished]
+        both = [(attempt, t0, result, t1, key)
+                for key, attempt, t0, result, t1 in started_finished]
+        skipped = len(started) + len(finished) + len(both)
+        for sql, params in ((_START, started), (_FINISH, finished), (_START_FINISH, both)):
+            if params:
+                rows += x(sql, params).rowcount
+        return skipped - rows
 
     def _missing_or_finished(self, key: str) -> None:
         if self.status(key) is None:
