@@ -4,8 +4,11 @@ Runs N ``/bin/true`` actions (one core each) through ``seq N | xargs -P<cores> -
 /bin/true``, through the bare CPU executor (``run_process``, <cores> at a time, no
 dispatcher: the floor), and through the dispatcher with each scheduler (journal on, as
 in production; once more without the journal for the first scheduler), alternating, R
-rounds; prints each rate, the ratio to xargs per round and the live scheduler's
-decision latency (the ``decide`` call in the dispatcher's loop).
+rounds; prints each rate, the ratio to xargs per round, the live scheduler's decision
+latency (the ``decide`` call in the dispatcher's loop) and where the CPU went: this
+process's own CPU per action (the runner; xargs runs in a child, so its row has none)
+and its children's (the commands; for xargs, xargs itself too), from ``getrusage``, and
+how many cores were busy on average.
 
     python benchmarks/dispatch_throughput.py [--n 2000] [--rounds 3]
         [--schedulers elastic_greedy,checkpoints/default]
@@ -16,12 +19,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import resource
 import statistics
 import subprocess
 import tempfile
 import time
 
 from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
+
+
+def _cpu_s() -> tuple[float, float]:
+    """CPU seconds (user + system) of this process and of its reaped children."""
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
 
 
 def xargs_rate(n: int, procs: int) -> float:
@@ -83,26 +94,52 @@ def main() -> None:
                f"dispatcher, {scheds[0]}, no journal"]
     rates: dict[str, list[float]] = {r: [] for r in ["xargs", *runners]}
     lat: dict[str, list[dict]] = {r: [] for r in runners}
+    # per runner and round: (own CPU µs per action, children's CPU µs per action, cores busy)
+    cpu: dict[str, list[tuple[float, float, float]]] = {r: [] for r in rates}
+
+    def measure(name: str, run) -> float:
+        (me0, kids0), t0 = _cpu_s(), time.perf_counter()
+        rate = run()
+        (me1, kids1), wall = _cpu_s(), time.perf_counter() - t0
+        per = 1e6 / args.n
+        cpu[name].append(((me1 - me0) * per, (kids1 - kids0) * per,
+                          (me1 - me0 + kids1 - kids0) / wall))
+        rates[name].append(rate)
+        return rate
+
     for r in range(args.rounds):
-        x = xargs_rate(args.n, procs)
-        rates["xargs"].append(x)
+        x = measure("xargs", lambda: xargs_rate(args.n, procs))
         for name in runners:
             if name == "run_process alone":
-                rate, stats = asyncio.run(_bare(args.n, cores)), None
+                measure(name, lambda: asyncio.run(_bare(args.n, cores)))
             else:
                 sched = name.split(", ")[1]
-                rate, stats = dispatcher_rate(args.n, sched, journal="no journal" not in name)
+                out: dict = {}
+
+                def run(sched=sched, name=name, out=out) -> float:
+                    rate, out["stats"] = dispatcher_rate(args.n, sched,
+                                                         journal="no journal" not in name)
+                    return rate
+
+                measure(name, run)
+                stats = out["stats"]
                 if stats["fallback"]:
                     raise SystemExit(f"{sched}: fell back ({stats['fallback']})")
                 lat[name].append(stats["decision_latency_us"])
-            rates[name].append(rate)
         print(f"round {r + 1}: xargs -P{procs} {x:,.0f}/s; " + "; ".join(
             f"{n} {rates[n][-1]:,.0f}/s ({rates[n][-1] / x:.2f}x)" for n in runners), flush=True)
     print(f"\n{args.n} x /bin/true, {procs} cores, median of {args.rounds} rounds "
           "(ratios: median of the per-round ratios)")
-    print("| runner | actions/s | ÷ xargs | decision p50 / p90 / p99 µs |")
-    print("|---|---|---|---|")
-    print(f"| xargs -P{procs} | {statistics.median(rates['xargs']):,.0f} | 1.00 | — |")
+    print("| runner | actions/s | ÷ xargs | decision p50 / p90 / p99 µs "
+          "| runner CPU µs/action | children CPU µs/action | cores busy |")
+    print("|---|---|---|---|---|---|---|")
+
+    def cpu_cells(name: str) -> str:
+        own, kids, busy = (statistics.median(c[i] for c in cpu[name]) for i in range(3))
+        return f"{own:,.0f} | {kids:,.0f} | {busy:.2f}"
+
+    print(f"| xargs -P{procs} | {statistics.median(rates['xargs']):,.0f} | 1.00 | — | — "
+          f"| {cpu_cells('xargs').split(' | ', 1)[1]} |")
     for name in runners:
         ratio = statistics.median(a / b for a, b in zip(rates[name], rates["xargs"], strict=True))
         if lat[name]:
@@ -110,7 +147,8 @@ def main() -> None:
             latency = f"{p['p50']:.1f} / {p['p90']:.1f} / {p['p99']:.1f}"
         else:
             latency = "—"
-        print(f"| {name} | {statistics.median(rates[name]):,.0f} | {ratio:.2f} | {latency} |")
+        print(f"| {name} | {statistics.median(rates[name]):,.0f} | {ratio:.2f} | {latency} "
+              f"| {cpu_cells(name)} |")
 
 
 if __name__ == "__main__":
