@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import shutil
@@ -54,6 +55,9 @@ def wait_gone(pid: int, within_s: float = 2.0) -> bool:
 
 
 def open_fds() -> int:
+    """Descriptors open now, once finished event loops are collected (each loop that
+    ran commands holds one epoll set for their pipes and pidfds until then)."""
+    gc.collect()
     return len(os.listdir("/proc/self/fd"))
 
 
@@ -540,3 +544,44 @@ def test_cpuset_cgroup_writes_the_child_cgroup(tmp_path):
     (no_cpuset / "cgroup.controllers").write_text("memory\n")
     ok, why = CpusetCgroup(no_cpuset).available()
     assert not ok and "cpuset" in why
+
+
+def test_fd_watch_survives_a_failing_callback_and_releases_its_loop():
+    """A callback that raises goes to the loop's exception handler and the others still
+    run; a finished loop and its epoll set are released (nothing keeps the loop alive)."""
+    seen: list[str] = []
+    errors: list[dict] = []
+
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+        watch = process._FdWatch.for_loop(loop)
+        assert process._FdWatch.for_loop(loop) is watch  # one per loop
+        pipes = [os.pipe(), os.pipe()]
+
+        def boom() -> None:
+            raise RuntimeError("boom")
+
+        def read(fd: int) -> None:
+            seen.append(os.read(fd, 10).decode())
+            watch.remove(fd)
+
+        watch.add(pipes[0][0], boom)
+        watch.add(pipes[1][0], lambda: read(pipes[1][0]))
+        for _, w in pipes:
+            os.write(w, b"x")
+        for _ in range(20):
+            await asyncio.sleep(0.01)
+            if seen and errors:
+                break
+        watch.remove(pipes[0][0])
+        for r, w in pipes:
+            os.close(r)
+            os.close(w)
+
+    fds = open_fds()
+    asyncio.run(go())
+    assert seen == ["x"]
+    assert str(errors[0]["exception"]) == "boom"
+    errors.clear()  # its traceback's frames refer to the loop
+    assert open_fds() == fds and len(process._FdWatch._by_loop) == 0
