@@ -138,8 +138,10 @@ def _get(d: Mapping, key: str, path: str, default: Any = ...) -> Any:
     return d[key]
 
 
-def _num(value: Any, path: str, *, lo: float = -math.inf, hi: float = math.inf,
+def _num(value: Any, path: object, *, lo: float = -math.inf, hi: float = math.inf,
          lo_open: bool = False, integer: bool = False) -> float:
+    # ``path`` is turned into text only for an error (ConfigError calls str on it): the
+    # request parser passes its field locators as they are, per field, per request.
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(path, f"must be a number (got {value!r})")
     try:

@@ -43,7 +43,7 @@ def number(value: Any, at: Field, **bounds: Any) -> Any:
         finite = False
     if not finite:
         raise ConfigError(str(at), f"must be a finite number (got {short(value)})")
-    return _num(value, str(at), **bounds)
+    return _num(value, at, **bounds)
 
 
 def string(value: Any, at: Field) -> str:

@@ -94,25 +94,30 @@ class Request:
     def to_dict(self) -> dict[str, Any]:
         """The JSON form (``parse_request`` reads it back); defaults are left out."""
         out: dict[str, Any] = {}
-        for f in fields(self):
-            if f.name == "call":
+        for name, default in _REQUEST_DEFAULTS:
+            v = getattr(self, name)
+            if v is default or v == default:
                 continue
-            v = getattr(self, f.name)
-            if f.name not in ("kind", "timeout_s", "id") and v == f.default:
-                continue
-            if f.name == "http":
+            if name == "http":
                 v = {k: getattr(v, k) for k in ("url", "method", "headers", "json", "body")}
                 v = {k: dict(x) if k == "headers" else x for k, x in v.items()
                      if x is not None and not (k == "headers" and not x)}
-            elif f.name == "argv":
+            elif name == "argv":
                 v = list(v)
-            elif f.name == "env":
+            elif name == "env":
                 v = dict(v)
-            out[f.name] = v
+            out[name] = v
         return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), separators=(",", ":"), allow_nan=False)
+
+
+_ALWAYS = object()  # equal to nothing: the field is written even at its default
+# (name, default) of each field of the JSON form, in order ("call" has none).
+_REQUEST_DEFAULTS = tuple(
+    (f.name, _ALWAYS if f.name in ("kind", "timeout_s", "id") else f.default)
+    for f in fields(Request) if f.name != "call")
 
 
 def parse_request(value: Any, loc: str = "request", *,
@@ -135,13 +140,15 @@ def parse_request(value: Any, loc: str = "request", *,
     rid = d.get("id")
     rid = uuid.uuid4().hex if rid is None else string(rid, at["id"])
     timeout_s = number(required(d, "timeout_s", at), at["timeout_s"], lo=0.0, lo_open=True)
-    task = string(d.get("task", "default"), at["task"])
+    # Absent optional fields take their defaults unchecked (one dict lookup each: this
+    # runs for every request a dispatcher accepts).
+    task = string(d["task"], at["task"]) if "task" in d else "default"
     trajectory = d.get("trajectory")
     if trajectory is not None:
         if isinstance(trajectory, int) and not isinstance(trajectory, bool):
             trajectory = str(trajectory)
         trajectory = string(trajectory, at["trajectory"])
-    turn = number(d.get("turn", 0), at["turn"], lo=0, integer=True)
+    turn = number(d["turn"], at["turn"], lo=0, integer=True) if "turn" in d else 0
     reward = d.get("reward", False)
     if not isinstance(reward, bool):
         raise ConfigError(str(at["reward"]), f"must be true or false (got {short(reward)})")
@@ -154,11 +161,16 @@ def parse_request(value: Any, loc: str = "request", *,
         if d.get("env") is not None:
             kw["env"] = _env(d["env"], at["env"])
     if kind == "cpu":
-        kw["min_cores"] = number(d.get("min_cores", 1), at["min_cores"], lo=1, integer=True)
-        kw["max_cores"] = number(d.get("max_cores", kw["min_cores"]), at["max_cores"],
-                                 lo=kw["min_cores"], integer=True)
-        kw["parallel_fraction"] = number(d.get("parallel_fraction", 0.0),
-                                         at["parallel_fraction"], lo=0.0, hi=1.0)
+        if "min_cores" in d:
+            kw["min_cores"] = number(d["min_cores"], at["min_cores"], lo=1, integer=True)
+        if "max_cores" in d:
+            kw["max_cores"] = number(d["max_cores"], at["max_cores"],
+                                     lo=kw.get("min_cores", 1), integer=True)
+        else:
+            kw["max_cores"] = kw.get("min_cores", 1)
+        if "parallel_fraction" in d:
+            kw["parallel_fraction"] = number(d["parallel_fraction"], at["parallel_fraction"],
+                                             lo=0.0, hi=1.0)
         for key in ("mem_limit_mb", "cpu_time_s"):
             if d.get(key) is not None:
                 kw[key] = number(d[key], at[key], lo=0.0, lo_open=True)
@@ -175,7 +187,8 @@ def parse_request(value: Any, loc: str = "request", *,
             default_name = os.path.basename(kw["argv"][0])
     else:
         kw["endpoint"] = string(required(d, "endpoint", at), at["endpoint"])
-        kw["tokens"] = number(d.get("tokens", 0), at["tokens"], lo=0, integer=True)
+        if "tokens" in d:
+            kw["tokens"] = number(d["tokens"], at["tokens"], lo=0, integer=True)
         if ("http" in d) == (call is not None):
             raise ConfigError(str(at["http"]), "an api request needs an http spec "
                               "(or, from Python, call=...), and not both")
