@@ -585,3 +585,17 @@ def test_fd_watch_survives_a_failing_callback_and_releases_its_loop():
     assert str(errors[0]["exception"]) == "boom"
     errors.clear()  # its traceback's frames refer to the loop
     assert open_fds() == fds and len(process._FdWatch._by_loop) == 0
+
+
+def test_workdir_is_private_and_never_an_existing_one(tmp_path, monkeypatch):
+    import itertools
+    import stat
+
+    monkeypatch.setattr(process, "_workdir_numbers", itertools.count(5))
+    taken = tmp_path / f"metasched-{os.getpid()}-5"  # left by an earlier process
+    taken.mkdir()
+    (taken / "keep").write_text("x")
+    path = Path(process._make_workdir(str(tmp_path)))
+    assert path.name == f"metasched-{os.getpid()}-6" and list(path.iterdir()) == []
+    assert stat.S_IMODE(path.stat().st_mode) == 0o700
+    assert (taken / "keep").read_text() == "x"
