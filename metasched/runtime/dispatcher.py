@@ -772,21 +772,27 @@ class Dispatcher:
             run_s = state.t - a.start_t - float(out.detail.get("restore_s", 0.0))
             self.cost.observe(job.request.signature, run_s, cores=max(1, a.cores),
                               parallel_fraction=a.spec.parallel_fraction)
-        attempts = out.attempts if a.spec.kind == "api" else job.attempts
-        self._finish_job(job, Result(
-            job.request.id, DONE if out.ok else FAILED, out.reason, out.exit_code, out.value,
-            out.stdout, out.stderr, job.queued_at, job.started_at, self._wall0 + state.t,
-            job.alloc, attempts))
+        finished_at = self._wall0 + state.t
         traj = a.traj
         if traj is not None:
             self._traj_live[traj.id] -= 1
             self._traj_seen[traj.id] = state.t
             if self._traj_live[traj.id] == 0 and traj.id in self._traj_ended:
                 self._close_trajectory(traj)
+        try:
+            if a.spec.kind != "gpu":
+                # Now, not a loop turn later, and before the result is built and
+                # journaled: the time from an exit to the next start is what leaves a
+                # freed core idle.
+                self._schedule()
+        finally:
+            attempts = out.attempts if a.spec.kind == "api" else job.attempts
+            self._finish_job(job, Result(
+                job.request.id, DONE if out.ok else FAILED, out.reason, out.exit_code,
+                out.value, out.stdout, out.stderr, job.queued_at, job.started_at,
+                finished_at, job.alloc, attempts))
         if a.spec.kind == "gpu":
             self._kick()  # the device frees after the whole batch has been recorded
-        else:
-            self._schedule()  # now, not a loop turn later: freed cores start work at once
 
     def _finish_job(self, job: _Job, result: Result) -> None:
         if self.journal is not None:
