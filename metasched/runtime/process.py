@@ -460,6 +460,18 @@ _fork_exec_usable = (3, 11) <= sys.version_info[:2] <= (3, 13) and hasattr(
     _posixsubprocess, "fork_exec")
 
 
+_devnull_fd = -1
+
+
+def _devnull() -> int:
+    """A read-only, close-on-exec descriptor of /dev/null for the children's stdin,
+    opened once (an open and a close per spawn otherwise)."""
+    global _devnull_fd
+    if _devnull_fd < 0:
+        _devnull_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    return _devnull_fd
+
+
 def _disable_fork_exec() -> None:
     global _fork_exec_usable
     _fork_exec_usable = False
@@ -484,16 +496,12 @@ def _fork_exec(args: list[str], env: dict[bytes, bytes], cwd: str, out_w: int, e
             errpipe_write = os.dup(errpipe_write)
         _close_fds(*low)
         try:
-            devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                pid = _posixsubprocess.fork_exec(
-                    args, executables, True, (errpipe_write,), cwd, env_list,
-                    devnull, -1, -1, out_w, -1, err_w, errpipe_read, errpipe_write,
-                    True, True, -1, None, None, None, -1, preexec,
-                    getattr(subprocess, "_USE_VFORK", True),
-                )
-            finally:
-                os.close(devnull)
+            pid = _posixsubprocess.fork_exec(
+                args, executables, True, (errpipe_write,), cwd, env_list,
+                _devnull(), -1, -1, out_w, -1, err_w, errpipe_read, errpipe_write,
+                True, True, -1, None, None, None, -1, preexec,
+                getattr(subprocess, "_USE_VFORK", True),
+            )
         finally:
             os.close(errpipe_write)
         # EOF (exec closed the close-on-exec pipe) means success; else the child wrote
