@@ -442,13 +442,21 @@ def test_unusable_cores_are_a_config_error():
         Dispatcher(cfg(cores=[max(CORES) + 1]))
 
 
-def test_an_executor_bug_fails_its_action_instead_of_hanging(monkeypatch):
-    import metasched.runtime.dispatcher as mod
-
-    async def broken(*args, **kwargs):
+class _BrokenWait:
+    async def wait(self):
         raise RuntimeError("bug")
 
-    monkeypatch.setattr(mod, "run_process", broken)
+
+@pytest.mark.parametrize("where", ["start", "wait"])
+def test_an_executor_bug_fails_its_action_instead_of_hanging(monkeypatch, where):
+    import metasched.runtime.dispatcher as mod
+
+    def broken(*args, **kwargs):
+        if where == "start":
+            raise RuntimeError("bug")
+        return _BrokenWait()
+
+    monkeypatch.setattr(mod, "start_process", broken)
     (r, s), d = run(dispatch([cpu("/bin/true"), cpu("/bin/true")]))
     assert r.status == s.status == "failed" and r.reason == "internal error: RuntimeError: bug"
     assert d.state.cpu.busy == 0 and sorted(d._free_cores) == CORES
@@ -474,14 +482,16 @@ class _Recorder(BaseHTTPRequestHandler):
             cls.peak = max(cls.peak, cls.in_flight)
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
         _time.sleep(cls.delay)
+        # Out of flight before the answer leaves: once the client has it, it may start
+        # the next call, which could otherwise arrive before this thread counts down.
+        with cls.lock:
+            cls.in_flight -= 1
         data = b"{}"
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
-        with cls.lock:
-            cls.in_flight -= 1
 
     def log_message(self, *args):
         pass
@@ -534,3 +544,28 @@ def test_enqueue_returns_once_the_request_is_durable(tmp_path):
             assert bad.done() and bad.result().status == "rejected"
             return await fut
     assert run(go()).ok
+
+
+def test_close_without_drain_kills_commands_whose_task_never_ran(tmp_path):
+    """Commands start synchronously when scheduled; one whose waiting task is cancelled
+    before it first runs is still killed and cleaned up by close()."""
+    async def go():
+        d = Dispatcher(cfg(workdir=str(tmp_path)))
+        await d.start()
+        d.accept(cpu("sleep", "30", id="long"))
+        d._schedule()  # as a completion would: the command starts now
+        (proc,) = d._commands
+        pid = proc.pid
+        os.kill(pid, 0)
+        await d.close(drain=False)  # cancels the task before its first step
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                break
+        return pid, d
+    pid, d = run(go())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert d._commands == set() and list(tmp_path.iterdir()) == []

@@ -599,3 +599,50 @@ def test_workdir_is_private_and_never_an_existing_one(tmp_path, monkeypatch):
     assert path.name == f"metasched-{os.getpid()}-6" and list(path.iterdir()) == []
     assert stat.S_IMODE(path.stat().st_mode) == 0o700
     assert (taken / "keep").read_text() == "x"
+
+
+def test_start_process_spawns_before_returning_and_waits_once(tmp_path):
+    async def go() -> tuple[Outcome, str]:
+        proc = process.start_process(["sleep", "0.2"], cores=CPUS[:1], timeout_s=10,
+                                     cwd_root=str(tmp_path))
+        os.kill(proc.pid, 0)  # running already: no event-loop turn was needed
+        assert os.sched_getaffinity(proc.pid) == set(CPUS[:1])
+        out = await proc.wait()
+        try:
+            await proc.wait()
+        except RuntimeError as e:
+            return out, str(e)
+        return out, ""
+
+    out, second = asyncio.run(go())
+    assert out.ok and out.detail["pid"] > 0
+    assert second == ""  # a finished Process answers again with its Outcome
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_abandoned_process_is_killed_reaped_and_cleaned_up(tmp_path):
+    fds = open_fds()
+
+    async def go() -> tuple[int, Outcome]:
+        proc = process.start_process(py("import time; time.sleep(30)"), cores=CPUS[:1],
+                                     timeout_s=60, cwd_root=str(tmp_path))
+        proc.abandon()
+        proc.abandon()  # idempotent
+        for _ in range(200):  # reaped in the background once SIGKILL has taken effect
+            await asyncio.sleep(0.01)
+            if proc.pid not in my_zombies() and not _alive(proc.pid):
+                break
+        return proc.pid, await proc.wait()
+
+    pid, out = asyncio.run(go())
+    assert not _alive(pid) and pid not in my_zombies()
+    assert out.reason == "cancelled" and not out.ok
+    assert list(tmp_path.iterdir()) == [] and open_fds() == fds
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

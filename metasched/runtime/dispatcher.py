@@ -21,8 +21,9 @@ import os
 import shutil
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,7 @@ from metasched.runtime.machine import (
     usable_cores,
 )
 from metasched.runtime.outcome import Outcome
-from metasched.runtime.process import CpusetCgroup, kill_group, run_process
+from metasched.runtime.process import CpusetCgroup, Process, kill_group, run_process, start_process
 from metasched.runtime.requests import DONE, FAILED, REJECTED, Request, Result, parse_request
 from metasched.scheduler import Scheduler
 from metasched.state import ClusterState, InvalidGrant
@@ -199,6 +200,9 @@ class Dispatcher:
         self._traj_seen: dict[int, float] = {}
         self._free_cores = list(self.cores)
         self._tasks: set[asyncio.Task] = set()
+        # Started commands whose task has not finished waiting for them: on close, any
+        # whose task never ran is abandoned (killed and cleaned up) rather than leaked.
+        self._commands: set[Process] = set()
         self._next_action = 0
         self._next_traj = 0
         self._kick_pending = False
@@ -265,6 +269,9 @@ class Dispatcher:
             task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        for proc in self._commands:  # started, but cancelled before its task first ran
+            proc.abandon()
+        self._commands.clear()
         if self._ticker is not None:
             self._ticker.cancel()
             await asyncio.gather(self._ticker, return_exceptions=True)
@@ -657,25 +664,27 @@ class Dispatcher:
             for c in cores:
                 self._free_cores.remove(c)
             jobs[0].alloc = {"cores": cores}
-            coro = self._run_cpu(jobs[0], cores)
+            work = partial(self._run_cpu, jobs[0], cores, self._start_command(jobs[0], cores))
         elif kind == "gpu":
             for job in jobs:
                 job.alloc = {"device": g.device, "batch": len(jobs)}
-            coro = self._run_gpu(jobs, g.device, resident)
+            work = partial(self._run_gpu, jobs, g.device, resident)
         else:
             jobs[0].alloc = {"endpoint": g.action.spec.endpoint}
-            coro = self._run_api(jobs[0])
-        task = self._loop.create_task(self._guarded(coro, jobs))
+            work = partial(self._run_api, jobs[0])
+        task = self._loop.create_task(self._guarded(work, jobs))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     # ------------------------------------------------------------------ executors
 
-    async def _guarded(self, coro, jobs: list[_Job]) -> None:
+    async def _guarded(self, work: Callable[[], Awaitable[None]], jobs: list[_Job]) -> None:
         """Run an executor; if it breaks (a bug, not an action's failure), its actions
-        end failed with the error instead of waiting forever."""
+        end failed with the error instead of waiting forever. (``work`` makes its
+        coroutine only once this runs: a task cancelled before its first step leaves no
+        coroutine that was never awaited.)"""
         try:
-            await coro
+            await work()
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001
@@ -691,15 +700,29 @@ class Dispatcher:
                 self._journal_start(job.request.id, pid, job.attempts)
         return record
 
-    async def _run_cpu(self, job: _Job, cores: list[int]) -> None:
+    def _start_command(self, job: _Job, cores: list[int]) -> Process | Exception:
+        """Start a cpu action's command now, not a loop turn later in its task: the
+        time from a freed core to the next start is what leaves the core idle. An
+        exception (a bug, not the action's failure) is handed to the task to report."""
         req = job.request
         try:
-            out = await run_process(
+            proc = start_process(
                 req.argv, cores=cores, timeout_s=req.timeout_s, env=req.env,
                 mem_limit_mb=req.mem_limit_mb, cpu_time_s=req.cpu_time_s,
                 tail_bytes=self.config.tail_bytes, extra_env={ACTION_ENV: req.id},
                 cwd_root=self.workdir, cgroup=self.cgroup, on_start=self._on_pid(job))
+        except Exception as e:  # noqa: BLE001
+            return e
+        self._commands.add(proc)
+        return proc
+
+    async def _run_cpu(self, job: _Job, cores: list[int], proc: Process | Exception) -> None:
+        try:
+            if isinstance(proc, Exception):
+                raise proc
+            out = await proc.wait()
         finally:
+            self._commands.discard(proc)
             self._free_cores.extend(cores)
         self._complete(job, out)
 

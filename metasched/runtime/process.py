@@ -116,7 +116,8 @@ from typing import Any
 
 from metasched.runtime.outcome import Outcome
 
-__all__ = ["THREAD_ENV_VARS", "CpusetCgroup", "kill_group", "run_process"]
+__all__ = ["THREAD_ENV_VARS", "CpusetCgroup", "Process", "kill_group", "run_process",
+           "start_process"]
 
 # Set to the number of granted cores: the thread pools of OpenMP, BLAS libraries, numexpr,
 # torch, Rayon, Go, Julia and TensorFlow would otherwise size themselves to the whole
@@ -224,6 +225,38 @@ async def run_process(
         ValueError: ``cores`` is empty or ``timeout_s`` is not positive.
         asyncio.CancelledError: re-raised after the process group has been killed.
     """
+    return await start_process(
+        argv, cores=cores, timeout_s=timeout_s, env=env, mem_limit_mb=mem_limit_mb,
+        cpu_time_s=cpu_time_s, tail_bytes=tail_bytes, extra_env=extra_env,
+        cwd_root=cwd_root, cgroup=cgroup, on_start=on_start).wait()
+
+
+def start_process(
+    argv: Sequence[str],
+    *,
+    cores: Sequence[int],
+    timeout_s: float,
+    env: Mapping[str, str] | None = None,
+    mem_limit_mb: float | None = None,
+    cpu_time_s: float | None = None,
+    tail_bytes: int = 4096,
+    extra_env: Mapping[str, str] | None = None,
+    cwd_root: str | None = None,
+    cgroup: CpusetCgroup | None = None,
+    on_start: Callable[[int], None] | None = None,
+) -> Process:
+    """:func:`run_process` in two halves: start the command now, before returning (no
+    event-loop turn between the call and the spawn), and ``await`` the returned
+    :class:`Process`'s ``wait()`` for the Outcome. Must be called from the thread that
+    runs the event loop. Arguments, errors and the Outcome are those of
+    :func:`run_process`; a command that cannot start gives a Process whose ``wait()``
+    returns the failure at once.
+
+    A caller that may never await ``wait()`` (e.g. it is shutting down) must call
+    :meth:`Process.abandon` instead, which kills the group and cleans up.
+    """
+
+
     if isinstance(argv, (str, bytes)):
         raise TypeError("argv must be a sequence of arguments, not a string (no shell)")
     core_list = [int(c) for c in cores]
@@ -234,12 +267,13 @@ async def run_process(
     args = [os.fspath(a) for a in argv]
     detail: dict[str, Any] = {"cores": core_list}
     if not args:
-        return Outcome(ok=False, reason="cannot start: empty argv", detail=detail)
+        return Process.failed(Outcome(ok=False, reason="cannot start: empty argv",
+                                      detail=detail))
 
     try:
         child_env = _child_env(env, extra_env, len(core_list))
     except ValueError as exc:  # a '=' in a variable name
-        return _cannot_start(exc, detail)
+        return Process.failed(_cannot_start(exc, detail))
     limits = _rlimits(mem_limit_mb, cpu_time_s)
     preexec = None
     launcher = _prlimit_launcher() if limits else None
@@ -248,7 +282,7 @@ async def run_process(
             # The launcher would report a missing program as its own exit status.
             _check_executable(args[0], child_env.get(b"PATH", os.defpath.encode()))
         except OSError as exc:
-            return _cannot_start(exc, detail)
+            return Process.failed(_cannot_start(exc, detail))
         args = [launcher, *(f"--{name}={soft}:{hard}" for _, name, soft, hard in limits),
                 "--", *args]
     elif limits:
@@ -257,13 +291,14 @@ async def run_process(
     try:
         cwd = _make_workdir(cwd_root)
     except OSError as exc:
-        return _cannot_start(exc, detail)
+        return Process.failed(_cannot_start(exc, detail))
     try:
-        return await _run(loop, args, core_list, child_env, preexec, cwd, timeout_s,
-                          mem_limit_mb, cpu_time_s, tail_bytes, cgroup, detail,
-                          launched=launcher is not None, on_start=on_start)
-    finally:
+        return Process._start(loop, args, core_list, child_env, preexec, cwd, timeout_s,
+                              mem_limit_mb, cpu_time_s, tail_bytes, cgroup, detail,
+                              launched=launcher is not None, on_start=on_start)
+    except BaseException:
         _remove_tree(cwd)
+        raise
 
 
 _workdir_numbers = itertools.count()
@@ -531,74 +566,132 @@ def _fork_exec(args: list[str], env: dict[bytes, bytes], cwd: str, out_w: int, e
     raise subprocess.SubprocessError(message.decode(errors="replace") or "exec failed")
 
 
-async def _run(loop: asyncio.AbstractEventLoop, args: list[str], cores: list[int],
+class Process:
+    """A command started by :func:`start_process`: ``await wait()`` for its Outcome
+    (one waiter; once it has returned, ``wait()`` returns the same Outcome again), or
+    :meth:`abandon` it."""
+
+    def __init__(self, outcome: Outcome | None = None) -> None:
+        self.pid: int | None = None  # also its process group id
+        self._outcome = outcome
+        self._child: _Child | None = None
+        self._claimed = False  # wait() or abandon() has taken over the child
+
+    @classmethod
+    def failed(cls, outcome: Outcome) -> Process:
+        """A command that could not start: ``wait()`` returns ``outcome``."""
+        return cls(outcome)
+
+    @classmethod
+    def _start(cls, loop: asyncio.AbstractEventLoop, args: list[str], cores: list[int],
                env: dict[bytes, bytes], preexec: Callable[[], None] | None, cwd: str,
                timeout_s: float, mem_limit_mb: float | None, cpu_time_s: float | None,
                tail_bytes: int, cgroup: CpusetCgroup | None, detail: dict[str, Any], *,
-               launched: bool, on_start: Callable[[int], None] | None = None) -> Outcome:
-    try:
-        out_r, out_w = os.pipe()
-    except OSError as exc:
-        return _cannot_start(exc, detail)
-    try:
-        err_r, err_w = os.pipe()
-    except OSError as exc:
-        _close_fds(out_r, out_w)
-        return _cannot_start(exc, detail)
-    try:
+               launched: bool, on_start: Callable[[int], None] | None = None) -> Process:
         try:
-            pid, proc = _spawn(args, cores, env, cwd, out_w, err_w, preexec)
-        finally:
-            _close_fds(out_w, err_w)  # the child has its copies; EOF needs ours closed
-    except Exception as exc:  # OSError from exec, SubprocessError from preexec, ValueError
-        _close_fds(out_r, err_r)
-        return _cannot_start(exc, detail)
+            out_r, out_w = os.pipe()
+        except OSError as exc:
+            _remove_tree(cwd)
+            return cls.failed(_cannot_start(exc, detail))
+        try:
+            err_r, err_w = os.pipe()
+        except OSError as exc:
+            _close_fds(out_r, out_w)
+            _remove_tree(cwd)
+            return cls.failed(_cannot_start(exc, detail))
+        try:
+            try:
+                pid, proc = _spawn(args, cores, env, cwd, out_w, err_w, preexec)
+            finally:
+                _close_fds(out_w, err_w)  # the child has its copies; EOF needs ours closed
+        except Exception as exc:  # OSError from exec, SubprocessError from preexec, ValueError
+            _close_fds(out_r, err_r)
+            _remove_tree(cwd)
+            return cls.failed(_cannot_start(exc, detail))
 
-    detail = {"pid": pid, "cores": cores}
-    try:
-        child = _Child(loop, pid, proc, out_r, err_r, tail_bytes)
-    except BaseException:  # e.g. the loop is closing: do not leave the child behind
-        kill_group(pid)
-        os.waitpid(pid, 0)
-        _close_fds(out_r, err_r)
-        raise
-    cg_path = cgroup.confine(pid, cores) if cgroup is not None else None
-    if on_start is not None:
-        on_start(pid)
-    watch = None
-    if mem_limit_mb is not None:
-        watch = _MemoryWatch.for_loop(loop)
-        watch.add(pid, int(mem_limit_mb * 1024 * 1024), lambda: child.kill("memory"))
-    timer = loop.call_later(timeout_s, child.kill, "timeout")
-    try:
         try:
-            await child.exited
+            child = _Child(loop, pid, proc, out_r, err_r, tail_bytes)
+        except BaseException:  # e.g. the loop is closing: do not leave the child behind
+            kill_group(pid)
+            os.waitpid(pid, 0)
+            _close_fds(out_r, err_r)
+            raise
+        self = cls()
+        self.pid, self._child, self._loop, self._cwd = pid, child, loop, cwd
+        self._limits = (timeout_s, mem_limit_mb, cpu_time_s, launched)
+        self._detail = {"pid": pid, "cores": cores}
+        self._cgroup = cgroup
+        self._cg_path = cgroup.confine(pid, cores) if cgroup is not None else None
+        if on_start is not None:
+            on_start(pid)
+        self._watch = None
+        if mem_limit_mb is not None:
+            self._watch = _MemoryWatch.for_loop(loop)
+            self._watch.add(pid, int(mem_limit_mb * 1024 * 1024), lambda: child.kill("memory"))
+        self._timer = loop.call_later(timeout_s, child.kill, "timeout")
+        return self
+
+    async def wait(self) -> Outcome:
+        """How the command ended (see :func:`run_process`). Cancelling the wait kills
+        the group; the cancellation is re-raised once it is dead (or after a bound)."""
+        if self._outcome is not None:
+            return self._outcome
+        if self._claimed:
+            raise RuntimeError("this Process already has a waiter")
+        self._claimed = True
+        child, pid = self._child, self.pid
+        try:
+            try:
+                try:
+                    await child.exited
+                finally:
+                    self._stop_watching()
+                # The leader is a zombie, so its pid still names this group: end what
+                # is left of it (those processes hold the granted cores and the pipes),
+                # then reap.
+                kill_group(pid)
+                child.reap()
+                await child.drained(_DRAIN_GRACE_S)
+            except asyncio.CancelledError:
+                if not child.reaped:
+                    child.kill("cancelled")
+                    await child.reap_after_kill()
+                raise
+            finally:
+                self._release(child)
         finally:
-            timer.cancel()
-            if watch is not None:
-                watch.remove(pid)
-        # The leader is a zombie, so its pid still names this group: end what is left
-        # of it (those processes hold the granted cores and the pipes), then reap.
-        kill_group(pid)
-        child.reap()
-        await child.drained(_DRAIN_GRACE_S)
-    except asyncio.CancelledError:
-        if not child.reaped:
-            child.kill("cancelled")
-            await child.reap_after_kill()
-        raise
-    finally:
-        if not child.reaped:  # cancelled twice, or the leader outlived SIGKILL so far
+            _remove_tree(self._cwd)
+        self._outcome = _outcome(child, *self._limits, self._detail)
+        return self._outcome
+
+    def abandon(self) -> None:
+        """For a caller that will not await :meth:`wait`: kill the group, reap it when
+        it exits, close its pipes, remove its directory. A no-op once ``wait()`` has
+        begun (cancel that instead) and for a command that did not start."""
+        if self._claimed or self._child is None:
+            return
+        self._claimed = True
+        self._stop_watching()
+        self._release(self._child)
+        _remove_tree(self._cwd)
+        self._outcome = Outcome(ok=False, reason="cancelled", detail=self._detail)
+
+    def _stop_watching(self) -> None:
+        self._timer.cancel()
+        if self._watch is not None:
+            self._watch.remove(self.pid)
+
+    def _release(self, child: _Child) -> None:
+        if not child.reaped:  # cancelled twice, abandoned, or it outlived SIGKILL so far
             child.kill("cancelled")
             child.reap_in_background()
         child.close()
-        if cg_path is not None:
-            _release_cgroup(loop, cgroup, cg_path)
-    return _outcome(child, timeout_s, mem_limit_mb, cpu_time_s, detail, launched)
+        if self._cg_path is not None:
+            _release_cgroup(self._loop, self._cgroup, self._cg_path)
 
 
 def _outcome(child: _Child, timeout_s: float, mem_limit_mb: float | None,
-             cpu_time_s: float | None, detail: dict[str, Any], launched: bool) -> Outcome:
+             cpu_time_s: float | None, launched: bool, detail: dict[str, Any]) -> Outcome:
     stdout, stderr = child.out.text(), child.err.text()
     rc = child.returncode
     if launched and rc in (126, 127) and stderr.startswith("prlimit: failed to execute"):
