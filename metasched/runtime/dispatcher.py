@@ -257,6 +257,8 @@ class Dispatcher:
         journal for the next dispatcher."""
         if self._closed:
             return
+        if not drain:
+            self._closed = True  # nothing new starts while closing
         if self.journal is not None:
             self.flush()  # what was accepted this turn is durable and queued
         if drain:
@@ -392,9 +394,12 @@ class Dispatcher:
 
     def accept(self, request: Request | Mapping[str, Any], *,
                call: Callable[[], Any] | None = None) -> asyncio.Future[Result]:
-        """Accept ``request`` (journaled before this returns) and return the future of
-        its result. A request whose id was accepted before gets that request's future
-        (or its stored result): ids are idempotency keys."""
+        """Accept ``request`` and return the future of its result. Requests accepted in
+        one loop turn arrive together: with a journal they are journaled in one commit
+        at the end of the turn and queued once it is done (``await enqueue()`` waits for
+        that); the scheduler then sees them all at once, as the simulator does actions
+        that arrive at the same instant. A request whose id was accepted before gets
+        that request's future (or its stored result): ids are idempotency keys."""
         loop = self._loop or asyncio.get_running_loop()
         future: asyncio.Future[Result] = loop.create_future()
         now_wall = self._wall0 + self._now()  # the dispatcher's clock, as wall time
@@ -467,13 +472,17 @@ class Dispatcher:
                         queued_at=job.queued_at, finished_at=job.queued_at))
             log.error("journal write failed: %s", e)
             return
+        queued = False
         for (job, _), new in zip(accepted, fresh, strict=True):
             stored = None if new else self.journal.result(job.request.id)
             if stored is None:
                 self._enqueue(job)
+                queued = True
             else:  # finished under an earlier dispatcher: its result stands
                 self._jobs.pop(job.request.id, None)
                 job.future.set_result(Result.from_json(stored))
+        if queued:
+            self._schedule()  # in this callback rather than one more loop callback later
 
     def _journal_start(self, key: str, pid: int | None, attempt: int) -> None:
         """Journal a start (with its process group, if any) in the next group commit."""
