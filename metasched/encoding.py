@@ -212,11 +212,15 @@ class ObservationEncoder:
 
     # ------------------------------------------------------------------ mask / grants
 
-    def _legal_levels(self, state: ClusterState, led: Ledger, a: Action) -> list[bool]:
+    def _legal_levels(self, state: ClusterState, led: Ledger, a: Action,
+                      room: int | None = None) -> list[bool]:
+        """Which levels of ``a`` are legal now (``room``: its ``led.cpu_room`` if
+        already known)."""
         L = self.cfg.levels
         spec = a.spec
         if spec.kind == "cpu":
-            _, room = led.cpu_room(a)
+            if room is None:
+                _, room = led.cpu_room(a)
             return [0 < c <= room for c in cpu_levels(spec.min_cores, spec.max_cores, L)]
         if spec.kind == "gpu":
             if led.idle_device_for(spec.service) < 0:
@@ -296,7 +300,9 @@ class ObservationEncoder:
         slots = self.slots(state)
         led = Ledger(state)
         t = state.t
-        x = np.zeros((cfg.k_slots, F), dtype=np.float32)
+        # Rows are filled as Python lists and converted once: a NumPy element write
+        # costs several times a list's, and a slot has F of them.
+        rows: list[list[float]] = []
         mask = np.zeros(cfg.n_actions, dtype=bool)
         nc = self.node_cores
         gpu, api = state.gpu, state.api
@@ -307,7 +313,8 @@ class ObservationEncoder:
                 queued_by_service[a.spec.service] = queued_by_service.get(a.spec.service, 0) + 1
         for i, a in enumerate(slots):
             spec = a.spec
-            row = x[i]
+            row = [0.0] * F
+            rows.append(row)
             row[0 if spec.kind == "cpu" else 1 if spec.kind == "gpu" else 2] = 1.0
             row[3] = math.log1p(spec.est_s)
             row[4] = math.log1p(spec.est_run_s(spec.max_cores))
@@ -321,6 +328,7 @@ class ObservationEncoder:
                 row[10] = math.log1p(traj.turn)
                 row[11] = math.log1p(max(0.0, t - traj.start_t))
                 row[12] = math.log1p(traj.act_s)
+            room = None
             if spec.kind == "cpu":
                 _, room = led.cpu_room(a)
                 row[13] = room / nc
@@ -337,7 +345,7 @@ class ObservationEncoder:
                 row[17] = ep.req / ep.spec.req_capacity
                 row[18] = min(1.0, ep.tok / spec.tokens) if spec.tokens else 1.0
                 row[19] = ep.in_flight / ep.spec.max_concurrency
-            legal = self._legal_levels(state, led, a)
+            legal = self._legal_levels(state, led, a, room)
             mask[i * cfg.levels:(i + 1) * cfg.levels] = legal
             row[20] = float(any(legal))
             if a.id in advice:
@@ -345,6 +353,9 @@ class ObservationEncoder:
                 row[22] = advice[a.id]
             row[23] = 1.0
         mask[-1] = True
+        x = np.zeros((cfg.k_slots, F), dtype=np.float32)
+        if rows:
+            x[:len(rows)] = rows
         np.clip(x, 0.0, OBS_HIGH, out=x)
         pools = self._pools(state)
         pools[-1] = float(self.advisor is not None and not advice)
