@@ -246,11 +246,10 @@ class Journal:
         finished = [(result, at, key) for key, result, at in finished]
         both = [(attempt, t0, result, t1, key)
                 for key, attempt, t0, result, t1 in started_finished]
-        skipped = len(started) + len(finished) + len(both)
         for sql, params in ((_START, started), (_FINISH, finished), (_START_FINISH, both)):
             if params:
                 rows += x(sql, params).rowcount
-        return skipped - rows
+        return len(started) + len(finished) + len(both) - rows
 
     def _missing_or_finished(self, key: str) -> None:
         if self.status(key) is None:

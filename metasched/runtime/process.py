@@ -255,8 +255,6 @@ def start_process(
     A caller that may never await ``wait()`` (e.g. it is shutting down) must call
     :meth:`Process.abandon` instead, which kills the group and cleans up.
     """
-
-
     if isinstance(argv, (str, bytes)):
         raise TypeError("argv must be a sequence of arguments, not a string (no shell)")
     core_list = [int(c) for c in cores]
@@ -293,12 +291,15 @@ def start_process(
     except OSError as exc:
         return Process.failed(_cannot_start(exc, detail))
     try:
-        return Process._start(loop, args, core_list, child_env, preexec, cwd, timeout_s,
+        proc = Process._start(loop, args, core_list, child_env, preexec, cwd, timeout_s,
                               mem_limit_mb, cpu_time_s, tail_bytes, cgroup, detail,
                               launched=launcher is not None, on_start=on_start)
     except BaseException:
         _remove_tree(cwd)
         raise
+    if proc.pid is None:  # it did not start: nothing will use or remove the directory
+        _remove_tree(cwd)
+    return proc
 
 
 _workdir_numbers = itertools.count()
@@ -591,13 +592,11 @@ class Process:
         try:
             out_r, out_w = os.pipe()
         except OSError as exc:
-            _remove_tree(cwd)
             return cls.failed(_cannot_start(exc, detail))
         try:
             err_r, err_w = os.pipe()
         except OSError as exc:
             _close_fds(out_r, out_w)
-            _remove_tree(cwd)
             return cls.failed(_cannot_start(exc, detail))
         try:
             try:
@@ -606,7 +605,6 @@ class Process:
                 _close_fds(out_w, err_w)  # the child has its copies; EOF needs ours closed
         except Exception as exc:  # OSError from exec, SubprocessError from preexec, ValueError
             _close_fds(out_r, err_r)
-            _remove_tree(cwd)
             return cls.failed(_cannot_start(exc, detail))
 
         try:
@@ -771,7 +769,29 @@ class _Tail:
                 del self.buf[:excess]
 
 
-class _FdWatch:
+class _PerLoop:
+    """Base of the helpers kept one per event loop (``for_loop``), in a weak-keyed map
+    per subclass, so each goes with its loop; an instance therefore holds its loop only
+    weakly (``self.loop()``), or the loop would never be freed."""
+
+    _by_loop: weakref.WeakKeyDictionary
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._by_loop = weakref.WeakKeyDictionary()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = weakref.ref(loop)
+
+    @classmethod
+    def for_loop(cls, loop: asyncio.AbstractEventLoop) -> Any:
+        helper = cls._by_loop.get(loop)
+        if helper is None:
+            helper = cls._by_loop[loop] = cls(loop)
+        return helper
+
+
+class _FdWatch(_PerLoop):
     """The children's pipes and pidfds of one event loop, in an epoll set of their own
     that the loop watches as a single reader.
 
@@ -782,22 +802,11 @@ class _FdWatch:
     callback leaves unread is reported again on the loop's next turn.
     """
 
-    _by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _FdWatch] = (
-        weakref.WeakKeyDictionary())
-
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        # Only a weak reference to the loop: this object is a value of a weak-keyed map.
-        self.loop = weakref.ref(loop)
+        super().__init__(loop)
         self.epoll = select.epoll()  # close-on-exec
         self.callbacks: dict[int, Callable[[], None]] = {}
         loop.add_reader(self.epoll.fileno(), self._dispatch)
-
-    @classmethod
-    def for_loop(cls, loop: asyncio.AbstractEventLoop) -> _FdWatch:
-        watch = cls._by_loop.get(loop)
-        if watch is None:
-            watch = cls._by_loop[loop] = cls(loop)
-        return watch
 
     def add(self, fd: int, callback: Callable[[], None]) -> None:
         self.epoll.register(fd, select.EPOLLIN)
@@ -887,6 +896,7 @@ class _Child:
         self.maxrss_bytes = 0
         self.cpu_s = 0.0
         self.pidfd = -1
+        self.watch = _FdWatch.for_loop(loop)
         self.out = _Stream(loop, out_fd, tail_bytes)
         self.err = _Stream(loop, err_fd, tail_bytes)
         try:
@@ -897,7 +907,7 @@ class _Child:
             threading.Thread(target=self._wait_in_thread, name=f"wait-{self.pid}",
                              daemon=True).start()
         else:
-            self.out.watch.add(self.pidfd, self._on_exit)
+            self.watch.add(self.pidfd, self._on_exit)
 
     def _on_exit(self) -> None:
         self._close_pidfd()
@@ -916,7 +926,7 @@ class _Child:
 
     def _close_pidfd(self) -> None:
         if self.pidfd >= 0:
-            self.out.watch.remove(self.pidfd)
+            self.watch.remove(self.pidfd)
             _close_fds(self.pidfd)
             self.pidfd = -1
 
@@ -978,7 +988,7 @@ class _Child:
         self.err.close()
 
 
-class _MemoryWatch:
+class _MemoryWatch(_PerLoop):
     """Kills process groups whose anonymous resident memory exceeds their limit.
 
     One instance per event loop; it ticks (``call_later``, no task to cancel at
@@ -986,22 +996,11 @@ class _MemoryWatch:
     ``/proc`` for all watched groups.
     """
 
-    _by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _MemoryWatch] = (
-        weakref.WeakKeyDictionary())
-
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        # Weak: a value of the weak-keyed map must not keep its key (the loop) alive.
-        self.loop = weakref.ref(loop)
+        super().__init__(loop)
         self.groups: dict[int, tuple[int, Callable[[], None]]] = {}
         self.handle: asyncio.TimerHandle | None = None
         self.page = os.sysconf("SC_PAGE_SIZE")
-
-    @classmethod
-    def for_loop(cls, loop: asyncio.AbstractEventLoop) -> _MemoryWatch:
-        watch = cls._by_loop.get(loop)
-        if watch is None:
-            watch = cls._by_loop[loop] = cls(loop)
-        return watch
 
     def add(self, pgid: int, limit_bytes: int, on_exceed: Callable[[], None]) -> None:
         self.groups[pgid] = (limit_bytes, on_exceed)
