@@ -148,15 +148,10 @@ def test_gpu_command_sees_only_its_device():
     assert r.ok and r.stdout.strip() == "''"  # a stand-in: no GPU visible
 
 
-class _Flaky(BaseHTTPRequestHandler):
-    calls = 0
+class _JsonHandler(BaseHTTPRequestHandler):
+    """A quiet test server's handler that answers with JSON."""
 
-    def do_POST(self):  # noqa: N802 - http.server's naming
-        type(self).calls += 1
-        n = int(self.headers.get("Content-Length", 0))
-        body = json.loads(self.rfile.read(n))
-        status = 429 if type(self).calls <= 2 else 200
-        data = json.dumps({"echo": body}).encode()
+    def reply(self, status: int, data: bytes) -> None:
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
@@ -165,6 +160,17 @@ class _Flaky(BaseHTTPRequestHandler):
 
     def log_message(self, *args):
         pass
+
+
+class _Flaky(_JsonHandler):
+    calls = 0
+
+    def do_POST(self):  # noqa: N802 - http.server's naming
+        type(self).calls += 1
+        n = int(self.headers.get("Content-Length", 0))
+        body = json.loads(self.rfile.read(n))
+        status = 429 if type(self).calls <= 2 else 200
+        self.reply(status, json.dumps({"echo": body}).encode())
 
 
 def test_api_call_retries_on_429_and_charges_the_quota_per_attempt():
@@ -462,7 +468,7 @@ def test_an_executor_bug_fails_its_action_instead_of_hanging(monkeypatch, where)
     assert d.state.cpu.busy == 0 and sorted(d._free_cores) == CORES
 
 
-class _Recorder(BaseHTTPRequestHandler):
+class _Recorder(_JsonHandler):
     """Records when each request arrived and how many were in flight; answers after
     ``delay`` seconds."""
 
@@ -486,15 +492,7 @@ class _Recorder(BaseHTTPRequestHandler):
         # the next call, which could otherwise arrive before this thread counts down.
         with cls.lock:
             cls.in_flight -= 1
-        data = b"{}"
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
+        self.reply(200, b"{}")
 
 
 @pytest.mark.parametrize("rpm, burst_s, concurrency, delay", [
