@@ -1,0 +1,81 @@
+"""Costs of single steps on the dispatcher's per-action path, in isolation.
+
+    .venv/bin/python benchmarks/dispatch_steps.py [--n 20000]
+
+Prints µs per call (best of 3 ``timeit`` repeats) for: watching a pipe with asyncio's
+``add_reader``/``remove_reader`` against registering it in a plain ``select.epoll``
+(what ``_FdWatch`` does; three descriptors per action), making and removing a scratch
+directory with ``tempfile.mkdtemp`` against one exclusive ``mkdir`` (``_make_workdir``),
+parsing a one-line cpu request, its journal form, and a result's JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import select
+import tempfile
+import timeit
+
+from metasched.runtime.machine import default_workdir
+from metasched.runtime.process import _make_workdir
+from metasched.runtime.requests import Result, parse_request
+
+REQUEST = {"kind": "cpu", "argv": ["/bin/true"], "timeout_s": 60}
+
+
+def best_us(fn, n: int) -> float:
+    return min(timeit.repeat(fn, number=n, repeat=3)) / n * 1e6
+
+
+async def fd_watching(n: int) -> dict[str, float]:
+    loop = asyncio.get_running_loop()
+    r, w = os.pipe()
+    ep = select.epoll()
+    callbacks = {}
+
+    def asyncio_reader() -> None:
+        loop.add_reader(r, print)
+        loop.remove_reader(r)
+
+    def epoll_set() -> None:
+        ep.register(r, select.EPOLLIN)
+        callbacks[r] = print
+        del callbacks[r]
+        ep.unregister(r)
+
+    try:
+        return {"asyncio add_reader + remove_reader": best_us(asyncio_reader, n),
+                "epoll register + unregister": best_us(epoll_set, n)}
+    finally:
+        ep.close()
+        os.close(r)
+        os.close(w)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=20000, help="calls per timing")
+    args = ap.parse_args()
+    n = args.n
+    rows = asyncio.run(fd_watching(n))
+    root = default_workdir() or tempfile.gettempdir()
+    rows[f"tempfile.mkdtemp + rmdir ({root})"] = best_us(
+        lambda: os.rmdir(tempfile.mkdtemp(prefix="metasched-", dir=root)), n)
+    rows[f"_make_workdir + rmdir ({root})"] = best_us(lambda: os.rmdir(_make_workdir(root)), n)
+    req = parse_request(REQUEST)
+    rows["parse_request (cpu, 3 fields)"] = best_us(lambda: parse_request(REQUEST), n)
+    rows["journal form of the request"] = best_us(lambda: json.dumps(
+        {"queued_at": 1.0, "request": req.to_dict()}, separators=(",", ":")), n)
+    result = Result(req.id, "done", "", 0, None, "", "", 1.0, 2.0, 3.0, {"cores": [1]}, 1)
+    rows["Result.to_json"] = best_us(result.to_json, n)
+    print("| step | µs per call |")
+    print("|---|---|")
+    for name, us in rows.items():
+        print(f"| {name} | {us:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
