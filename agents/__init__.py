@@ -12,8 +12,8 @@ from metasched.agents.checkpoint import is_checkpoint
 from metasched.agents.elastic import ElasticGreedyScheduler
 from metasched.agents.partitioned import StaticScheduler, TaskIsolatedScheduler
 from metasched.agents.queue import FifoScheduler, RandomScheduler, SjfScheduler
+from metasched.core.scheduler import Scheduler
 from metasched.errors import ConfigError
-from metasched.scheduler import Scheduler
 
 _REGISTRY: dict[str, type[Scheduler]] = {
     cls.name: cls for cls in (StaticScheduler, TaskIsolatedScheduler, FifoScheduler,

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from metasched.encoding import OBS_SCHEMA_VERSION, SLOT_FEATURES, ObsConfig
+from metasched.core.observation import OBS_SCHEMA_VERSION, SLOT_FEATURES, ObsConfig
 from metasched.errors import ConfigError
 
 METADATA = "metadata.json"
@@ -33,7 +33,7 @@ def resolve_scheduler(name: str) -> str:
     """A scheduler name as given, or a checkpoint path made absolute (looked up from the
     working directory, then from the repository root, where ``checkpoints/`` lives)."""
     from metasched.agents import BASELINES
-    from metasched.configs import config_dir
+    from metasched.compose import config_dir
 
     if name in BASELINES:
         return name

@@ -21,11 +21,11 @@ from __future__ import annotations
 import heapq
 import math
 
-from metasched.ledger import Ledger
-from metasched.model import Action, Grant
-from metasched.pools import EndpointSpec
-from metasched.scheduler import Scheduler
-from metasched.state import ClusterState
+from metasched.core.actions import Action, Grant
+from metasched.core.ledger import Ledger
+from metasched.core.pools import EndpointSpec
+from metasched.core.scheduler import Scheduler
+from metasched.core.state import ClusterState
 
 
 def _sjf_key(a: Action) -> tuple[float, int]:

@@ -9,11 +9,11 @@ import numpy as np
 
 from metasched.agents.checkpoint import WEIGHTS, load_metadata
 from metasched.agents.numpy_policy import NumpyPolicy
-from metasched.encoding import ObsConfig, ObservationEncoder
+from metasched.core.actions import Grant
+from metasched.core.observation import ObsConfig, ObservationEncoder
+from metasched.core.scheduler import Scheduler
+from metasched.core.state import ClusterState
 from metasched.errors import ConfigError
-from metasched.model import Grant
-from metasched.scheduler import Scheduler
-from metasched.state import ClusterState
 
 
 class PolicyScheduler(Scheduler):

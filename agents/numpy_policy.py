@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from metasched.encoding import F
+from metasched.core.observation import F
 
 # (name in the npz, attribute path in SlotScorer) for every weight and bias.
 _LAYERS = {

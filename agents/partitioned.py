@@ -14,11 +14,11 @@ from collections import defaultdict
 
 import numpy as np
 
-from metasched.ledger import Ledger
-from metasched.model import Action, Grant
-from metasched.scheduler import Scheduler
-from metasched.state import ClusterState, api_key
-from metasched.workload import split_counts
+from metasched.core.actions import Action, Grant
+from metasched.core.ledger import Ledger
+from metasched.core.scheduler import Scheduler
+from metasched.core.state import ClusterState, api_key
+from metasched.sim.sampling import split_counts
 
 
 def partition(units: int, demand: dict[str, float]) -> dict[str, int]:

@@ -17,7 +17,7 @@ from sb3_contrib.common.maskable.policies import MaskableActorCriticPolicy
 from stable_baselines3.common.torch_layers import BaseFeaturesExtractor
 from torch import nn
 
-from metasched.encoding import F
+from metasched.core.observation import F
 
 
 class ConcatExtractor(BaseFeaturesExtractor):

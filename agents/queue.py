@@ -12,10 +12,10 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from metasched.ledger import Ledger
-from metasched.model import Action, Grant
-from metasched.scheduler import Scheduler
-from metasched.state import ClusterState
+from metasched.core.actions import Action, Grant
+from metasched.core.ledger import Ledger
+from metasched.core.scheduler import Scheduler
+from metasched.core.state import ClusterState
 
 
 class FifoScheduler(Scheduler):

@@ -22,10 +22,11 @@ from stable_baselines3.common.callbacks import BaseCallback, CallbackList, Check
 from stable_baselines3.common.monitor import Monitor
 from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecNormalize
 
-from metasched.config import ClusterConfig, WorkloadConfig
-from metasched.encoding import ObsConfig
+from metasched.core.cluster_config import ClusterConfig
+from metasched.core.observation import ObsConfig
 from metasched.envs.scheduling import ActionSchedulingEnv, Randomization, RewardConfig
-from metasched.evaluation import TRAIN_SEED_MAX
+from metasched.evaluation.runs import TRAIN_SEED_MAX
+from metasched.sim.workload_config import WorkloadConfig
 
 VALIDATION_SEEDS = tuple(range(TRAIN_SEED_MAX - 1000, TRAIN_SEED_MAX))
 TRAIN_SIM_SEEDS = (0, TRAIN_SEED_MAX - 1000)  # episodes draw simulation seeds from here
@@ -78,7 +79,7 @@ class CurriculumCallback(BaseCallback):
 def simulate(workload: WorkloadConfig, cluster: ClusterConfig, scheduler, seeds, *,
              max_wait_s: float | None) -> dict[str, float]:
     """Mean ACT, step time, utilisation and guard firings of ``scheduler`` over seeds."""
-    from metasched.simulator import Simulator
+    from metasched.sim.simulator import Simulator
 
     acts, steps, cpu, gpu, api, guard = [], [], [], [], [], 0
     for s in seeds:

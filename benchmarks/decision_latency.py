@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from metasched.agents.numpy_policy import NumpyPolicy
-from metasched.configs import profile
+from metasched.compose import profile
 from metasched.envs.scheduling import ActionSchedulingEnv
 
 

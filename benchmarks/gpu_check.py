@@ -38,7 +38,7 @@ try:
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from metasched.pools import GpuPool, ServiceSpec
+from metasched.core.pools import GpuPool, ServiceSpec
 from metasched.runtime.gpu import (
     GIB,
     GpuSampler,

@@ -31,12 +31,12 @@ import numpy as np
 
 from metasched.agents import make_scheduler
 from metasched.agents.checkpoint import resolve_scheduler
-from metasched.config import ClusterConfig
-from metasched.configs import profile
-from metasched.model import Turn
+from metasched.compose import profile
+from metasched.core.actions import Turn
+from metasched.core.cluster_config import ClusterConfig
 from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
-from metasched.simulator import Simulator
-from metasched.workload import TrajectorySpec, WorkloadInstance, sample_workload
+from metasched.sim.sampling import TrajectorySpec, WorkloadInstance, sample_workload
+from metasched.sim.simulator import Simulator
 
 
 def scaled_step(profile_name: str, n: int, scale: float, seed: int):

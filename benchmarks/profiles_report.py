@@ -14,7 +14,7 @@ from pathlib import Path
 
 from metasched.cli.eval_app import run_eval
 from metasched.cli.plan_app import run_plan
-from metasched.configs import compose
+from metasched.compose import compose
 
 PROFILES = ("coding", "search", "rm_math", "mixed")
 

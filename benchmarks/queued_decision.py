@@ -22,9 +22,9 @@ import numpy as np
 
 from metasched.agents import make_scheduler
 from metasched.agents.checkpoint import resolve_scheduler
-from metasched.config import ClusterConfig
-from metasched.model import Action, ActionSpec, Grant
-from metasched.state import ClusterState
+from metasched.core.actions import Action, ActionSpec, Grant
+from metasched.core.cluster_config import ClusterConfig
+from metasched.core.state import ClusterState
 
 
 def queued_state(cores: int, free: int, queued: int) -> ClusterState:

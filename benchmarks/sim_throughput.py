@@ -13,8 +13,8 @@ import os
 import time
 
 from metasched.agents import make_scheduler
-from metasched.configs import profile
-from metasched.simulator import Simulator
+from metasched.compose import profile
+from metasched.sim.simulator import Simulator
 
 PROFILES = ("coding", "search", "rm_math", "mixed")
 

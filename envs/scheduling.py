@@ -1,8 +1,8 @@
 """``metasched/ActionScheduling-v0``: one scheduling decision per step over the simulator.
 
-The env drives the foundation's :class:`~metasched.simulator.Simulator` (same state,
+The env drives the foundation's :class:`~metasched.sim.simulator.Simulator` (same state,
 same guard) and encodes it with the core's
-:class:`~metasched.encoding.ObservationEncoder`; see that module for the observation
+:class:`~metasched.core.observation.ObservationEncoder`; see that module for the observation
 and action layout. An env step applies one grant (or waits) and advances the simulator
 to the next instant where a decision is possible.
 
@@ -21,11 +21,12 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-from metasched.config import ClusterConfig, Dist, WorkloadConfig
-from metasched.encoding import OBS_HIGH, F, ObsConfig, ObservationEncoder
-from metasched.evaluation import TRAIN_SEED_MAX
-from metasched.metrics import API_HELD, CPU_HELD, GPU_HELD
-from metasched.simulator import Simulator
+from metasched.core.cluster_config import ClusterConfig
+from metasched.core.metrics import API_HELD, CPU_HELD, GPU_HELD
+from metasched.core.observation import OBS_HIGH, F, ObsConfig, ObservationEncoder
+from metasched.evaluation.runs import TRAIN_SEED_MAX
+from metasched.sim.simulator import Simulator
+from metasched.sim.workload_config import Dist, WorkloadConfig
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ class ActionSchedulingEnv(gym.Env):
                  seed_range: tuple[int, int] = (0, TRAIN_SEED_MAX)) -> None:
         super().__init__()
         if isinstance(workload, str):
-            from metasched.configs import profile
+            from metasched.compose import profile
 
             workload, default_cluster = profile(workload)
             cluster = cluster or default_cluster

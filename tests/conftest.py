@@ -9,7 +9,8 @@ import os
 import pytest
 from hypothesis import settings
 
-from metasched.config import parse_cluster, parse_workload
+from metasched.core.cluster_config import parse_cluster
+from metasched.sim.workload_config import parse_workload
 
 settings.register_profile("metasched", deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "metasched"))

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from functools import cache
 
-from metasched.config import ClusterConfig, WorkloadConfig
-from metasched.configs import profile
+from metasched.compose import profile
+from metasched.core.cluster_config import ClusterConfig
 from metasched.envs.scheduling import scale_workload
+from metasched.sim.workload_config import WorkloadConfig
 
 
 @cache

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from metasched.agents import BASELINES, make_scheduler
-from metasched.configs import profile
+from metasched.compose import profile
+from metasched.core.metrics import CPU_BUSY, CPU_HELD, GPU_BUSY, GPU_HELD
+from metasched.core.scheduler import Scheduler
 from metasched.errors import ConfigError
-from metasched.metrics import CPU_BUSY, CPU_HELD, GPU_BUSY, GPU_HELD
-from metasched.scheduler import Scheduler
-from metasched.simulator import Simulator
+from metasched.sim.simulator import Simulator
 
 PROFILES = ("coding", "search", "rm_math", "mixed")
 # Trajectories per step for the shrunk profiles: small, but enough to queue work.

@@ -24,11 +24,11 @@ from metasched.agents.checkpoint import (
 from metasched.agents.learned import LearnedScheduler, PolicyScheduler
 from metasched.agents.numpy_policy import NumpyPolicy
 from metasched.agents.policy import SlotPolicy
-from metasched.configs import compose
-from metasched.encoding import OBS_SCHEMA_VERSION, SLOT_FEATURES, ObsConfig
+from metasched.compose import compose
+from metasched.core.observation import OBS_SCHEMA_VERSION, SLOT_FEATURES, ObsConfig
 from metasched.envs.scheduling import ActionSchedulingEnv
 from metasched.errors import ConfigError
-from metasched.simulator import Simulator
+from metasched.sim.simulator import Simulator
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

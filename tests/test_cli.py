@@ -11,7 +11,7 @@ import pytest
 
 from metasched.cli.eval_app import run_eval
 from metasched.cli.plan_app import run_plan
-from metasched.configs import compose, config_dir
+from metasched.compose import compose, config_dir
 
 SMALL = ["workload.trajectories_per_step=8", "workload.steps=1", "n_seeds=2"]
 RESULT_KEYS = {"mean_act_s", "p50_act_s", "p95_act_s", "p99_act_s", "mean_step_s",
@@ -111,9 +111,9 @@ def test_invalid_yaml_profile_is_one_line(tmp_path):
 def test_default_schedulers_including_the_shipped_checkpoint_load_and_run():
     from metasched.agents import make_scheduler
     from metasched.cli.eval_app import eval_settings
-    from metasched.configs import load_profile
+    from metasched.compose import load_profile
     from metasched.envs.scheduling import scale_workload
-    from metasched.simulator import Simulator
+    from metasched.sim.simulator import Simulator
 
     cfg = compose("eval", ["workload=rm_math"])
     settings = eval_settings(cfg)  # resolves checkpoints/default from the repository root

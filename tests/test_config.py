@@ -11,11 +11,12 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from metasched.config import Z90, Z99, check_compatible, parse_cluster, parse_dist, parse_workload
-from metasched.configs import profile
+from metasched.compose import profile
+from metasched.core.actions import KINDS
+from metasched.core.cluster_config import parse_cluster
 from metasched.errors import ConfigError
-from metasched.model import KINDS
-from metasched.workload import sample_trajectory
+from metasched.sim.sampling import sample_trajectory
+from metasched.sim.workload_config import Z90, Z99, check_compatible, parse_dist, parse_workload
 
 
 def load(w: dict, c: dict):

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from helpers import shrunk
 
-import metasched.simulator as simulator_module
+import metasched.sim.simulator as simulator_module
 from metasched.agents import make_scheduler
-from metasched.encoding import (
+from metasched.core.actions import Action, ActionSpec, Grant, Trajectory
+from metasched.core.observation import (
     KIND_NAMES,
     SLOT_FEATURES,
     F,
@@ -22,12 +23,11 @@ from metasched.encoding import (
     cpu_levels,
     pool_features,
 )
+from metasched.core.pools import ServiceSpec
+from metasched.core.scheduler import Scheduler
+from metasched.core.state import ClusterState
 from metasched.envs.scheduling import ActionSchedulingEnv
-from metasched.model import Action, ActionSpec, Grant, Trajectory
-from metasched.pools import ServiceSpec
-from metasched.scheduler import Scheduler
-from metasched.simulator import Simulator
-from metasched.state import ClusterState
+from metasched.sim.simulator import Simulator
 
 PROFILES = ("coding", "search", "rm_math", "mixed")
 SMALL = ObsConfig(k_slots=4, levels=4, max_nodes=2, max_devices=2, max_services=2,

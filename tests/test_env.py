@@ -14,7 +14,7 @@ from helpers import shrunk
 from stable_baselines3.common.env_checker import check_env as sb3_check_env
 
 import metasched.envs  # noqa: F401  (registers the env id)
-from metasched.encoding import ObservationEncoder
+from metasched.core.observation import ObservationEncoder
 from metasched.envs import ENV_ID
 from metasched.envs.scheduling import (
     ActionSchedulingEnv,
@@ -22,7 +22,7 @@ from metasched.envs.scheduling import (
     RewardConfig,
     scale_workload,
 )
-from metasched.simulator import Simulator
+from metasched.sim.simulator import Simulator
 
 PROFILES = ("coding", "search", "rm_math", "mixed")
 

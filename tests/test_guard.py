@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 from helpers import shrunk
 
-from metasched.guard import WaitGuard
-from metasched.model import ActionSpec
-from metasched.scheduler import Scheduler
-from metasched.simulator import SimulationError, Simulator
-from metasched.workload import IndependentAction, WorkloadInstance
+from metasched.core.actions import ActionSpec
+from metasched.core.guard import WaitGuard
+from metasched.core.scheduler import Scheduler
+from metasched.sim.sampling import IndependentAction, WorkloadInstance
+from metasched.sim.simulator import SimulationError, Simulator
 
 PROFILES = ("coding", "search", "rm_math", "mixed")
 MAX_WAIT = 5.0
@@ -173,7 +173,7 @@ def test_an_idle_cluster_is_not_kept_idle(make_workload, make_cluster):
 
 @pytest.mark.parametrize("busy_device", [False, True])
 def test_idle_means_nothing_runs_and_no_device_is_busy(busy_device, make_cluster):
-    from metasched.state import ClusterState
+    from metasched.core.state import ClusterState
 
     st = ClusterState(make_cluster(), {})
     st.gpu.busy = int(busy_device)

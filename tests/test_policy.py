@@ -10,8 +10,8 @@ from sb3_contrib import MaskablePPO
 
 from metasched.agents.numpy_policy import NumpyPolicy
 from metasched.agents.policy import ConcatExtractor, SlotPolicy, n_parameters
-from metasched.configs import profile
-from metasched.encoding import SLOT_FEATURES, F, ObsConfig
+from metasched.compose import profile
+from metasched.core.observation import SLOT_FEATURES, F, ObsConfig
 from metasched.envs.scheduling import ActionSchedulingEnv, scale_workload
 
 PRESENT = SLOT_FEATURES.index("present")

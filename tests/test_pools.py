@@ -8,8 +8,8 @@ from itertools import pairwise
 
 import pytest
 
-from metasched.model import ActionSpec, amdahl_run_s
-from metasched.pools import ApiPool, CpuPool, Endpoint, EndpointSpec, GpuPool, ServiceSpec
+from metasched.core.actions import ActionSpec, amdahl_run_s
+from metasched.core.pools import ApiPool, CpuPool, Endpoint, EndpointSpec, GpuPool, ServiceSpec
 
 # ------------------------------------------------------------------ Amdahl
 

@@ -21,8 +21,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from metasched.runtime import api
-from metasched.runtime.api import HttpSpec, RetryableError, RetryPolicy, call_api
+from metasched.runtime import api_calls
+from metasched.runtime.api_calls import HttpSpec, RetryableError, RetryPolicy, call_api
 
 FAST = RetryPolicy(max_attempts=4, backoff_s=0.001, max_backoff_s=0.01)
 
@@ -346,7 +346,7 @@ def test_https(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
         spec = HttpSpec(f"https://127.0.0.1:{httpd.server_address[1]}/json", json=[1])
         out = _run(call_api(spec, timeout_s=5, retry=FAST))
         assert not out.ok and out.reason.startswith("TLS error") and out.attempts == 1
-        monkeypatch.setattr(api, "_ssl_context", ssl.create_default_context(cafile=cert))
+        monkeypatch.setattr(api_calls, "_ssl_context", ssl.create_default_context(cafile=cert))
         out = _run(call_api(spec, timeout_s=5, retry=FAST))
         assert out.ok and out.value["body"] == "[1]"
     finally:

@@ -15,12 +15,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from metasched.pools import EndpointSpec
-from metasched.runtime.api import RetryPolicy
+from metasched.core.pools import EndpointSpec
+from metasched.core.scheduler import Scheduler
+from metasched.runtime.api_calls import RetryPolicy
 from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
 from metasched.runtime.gpu import linear_scorer
 from metasched.runtime.journal import Journal
-from metasched.scheduler import Scheduler
 
 PY = sys.executable
 CORES = sorted(os.sched_getaffinity(0))

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pynvml
 import pytest
 
-from metasched.pools import GpuPool, ServiceSpec
+from metasched.core.pools import GpuPool, ServiceSpec
 from metasched.runtime import gpu
 from metasched.runtime.gpu import (
     GIB,

@@ -9,14 +9,14 @@ import os
 import numpy as np
 import pytest
 
-from metasched.config import ClusterConfig
-from metasched.encoding import ObservationEncoder
-from metasched.model import ActionSpec
-from metasched.pools import EndpointSpec
+from metasched.core.actions import ActionSpec
+from metasched.core.cluster_config import ClusterConfig
+from metasched.core.observation import ObservationEncoder
+from metasched.core.pools import EndpointSpec
+from metasched.core.scheduler import Scheduler
 from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
-from metasched.scheduler import Scheduler
-from metasched.simulator import Simulator
-from metasched.workload import IndependentAction, WorkloadInstance
+from metasched.sim.sampling import IndependentAction, WorkloadInstance
+from metasched.sim.simulator import Simulator
 
 CORES = sorted(os.sched_getaffinity(0))
 EP = {"judge": EndpointSpec(rpm=600, max_concurrency=8, tpm=600_000, burst_s=1.0)}

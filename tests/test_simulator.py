@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from metasched.agents import BASELINES, make_scheduler
-from metasched.configs import profile
+from metasched.compose import profile
+from metasched.core.metrics import API_REQ, N_COLS
+from metasched.core.scheduler import Scheduler
 from metasched.errors import ConfigError
-from metasched.metrics import API_REQ, N_COLS
-from metasched.scheduler import Scheduler
-from metasched.simulator import SimulationError, Simulator
+from metasched.sim.simulator import SimulationError, Simulator
 
 
 @cache
@@ -241,8 +241,8 @@ def test_always_waiting_scheduler_raises(make_workload, make_cluster, reward):
 
 
 def test_illegal_grant_raises(make_workload, make_cluster):
-    from metasched.model import Grant
-    from metasched.state import InvalidGrant
+    from metasched.core.actions import Grant
+    from metasched.core.state import InvalidGrant
 
     class TooGreedy(Scheduler):
         def decide(self, state):
@@ -269,7 +269,7 @@ def test_api_calls_waiting_for_rpm_refill_complete(make_workload, make_cluster, 
 
 @pytest.mark.timeout(30)
 def test_sandbox_without_cpu_nodes_is_an_error(make_workload, make_cluster):
-    from metasched.config import check_compatible
+    from metasched.sim.workload_config import check_compatible
 
     w = make_workload({"kind": "api", "endpoint": "e", "duration_s": 0.1, "timeout_s": 10.0},
                       sandbox={"mem_gb": 0, "startup_s": 0}, trajectories=2)

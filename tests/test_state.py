@@ -7,10 +7,19 @@ import itertools
 
 import pytest
 
-from metasched.metrics import CPU_BUSY, CPU_HELD, GPU_BUSY, GPU_HELD
-from metasched.model import DONE, FAILED, PENDING, RUNNING, Action, ActionSpec, Grant, Trajectory
-from metasched.pools import ServiceSpec
-from metasched.state import ClusterState, InvalidGrant
+from metasched.core.actions import (
+    DONE,
+    FAILED,
+    PENDING,
+    RUNNING,
+    Action,
+    ActionSpec,
+    Grant,
+    Trajectory,
+)
+from metasched.core.metrics import CPU_BUSY, CPU_HELD, GPU_BUSY, GPU_HELD
+from metasched.core.pools import ServiceSpec
+from metasched.core.state import ClusterState, InvalidGrant
 
 SERVICES = {"rm": ServiceSpec(mem_gb=30, restore_s=4.0, max_batch=3, batch_marginal=0.1),
             "judge": ServiceSpec(mem_gb=60, restore_s=9.0, max_batch=4)}
@@ -266,7 +275,7 @@ def test_hold_grows_but_never_shrinks(state):
 
 
 def test_sandbox_memory_held_for_trajectory_life(make_cluster):
-    from metasched.model import SandboxSpec
+    from metasched.core.actions import SandboxSpec
 
     state = ClusterState(make_cluster(nodes=2, cores=4, mem_gb=10.0), {})
     trajs = [Trajectory(i, "t", 0, [], SandboxSpec(mem_gb=6.0, startup_s=0.0))

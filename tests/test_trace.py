@@ -14,12 +14,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from metasched.agents import make_scheduler
-from metasched.config import ClusterConfig, WorkloadConfig
-from metasched.configs import profile
+from metasched.compose import profile
+from metasched.core.cluster_config import ClusterConfig
 from metasched.errors import ConfigError
-from metasched.simulator import Simulator
-from metasched.trace import read_trace, trace_from_workload, validate_against, write_trace
-from metasched.workload import WorkloadInstance
+from metasched.sim.sampling import WorkloadInstance
+from metasched.sim.simulator import Simulator
+from metasched.sim.trace import read_trace, trace_from_workload, validate_against, write_trace
+from metasched.sim.workload_config import WorkloadConfig
 
 SEED = 11
 

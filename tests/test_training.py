@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from metasched.agents.learned import LearnedScheduler
-from metasched.configs import compose, load_profile
-from metasched.encoding import ObsConfig
+from metasched.compose import compose, load_profile
+from metasched.core.observation import ObsConfig
 from metasched.errors import ConfigError
-from metasched.simulator import Simulator
+from metasched.sim.simulator import Simulator
 
 TINY = ["workload=rm_math", "workload.trajectories_per_step=8", "agent.total_timesteps=512",
         "agent.n_steps=128", "agent.batch_size=64", "agent.n_envs=1", "agent.vec_env=dummy",

@@ -20,8 +20,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from metasched.cli.common import int_setting, make_main, max_wait_setting, write_report
-from metasched.config import parse_endpoints
+from metasched.cli.app import make_main
+from metasched.cli.output import write_report
+from metasched.cli.settings import int_setting, max_wait_setting
+from metasched.core.cluster_config import parse_endpoints
 from metasched.errors import ConfigError
 from metasched.runtime.requests import REJECTED, Result, parse_request
 
@@ -140,7 +142,7 @@ async def dispatch_all(jobs: list[tuple[int, Any]], dcfg, services: dict[str, An
 def live_table(name: str, jobs_file: str, summary: dict[str, Any], stats: dict[str, Any],
                results: list[Result]) -> str:
     """The results table of a live run (markdown)."""
-    from metasched.report import _fmt
+    from metasched.evaluation.report import _fmt
 
     s = summary
     n_rej = sum(r.status == REJECTED for r in results)
@@ -190,7 +192,8 @@ def interrupted(jobs: str, journal) -> None:
 
 def run_dispatch(cfg: dict[str, Any], out_dir, progress: bool = True) -> dict[str, Any]:
     """Run the job file as configured; write results.jsonl, results.json, results.md."""
-    from metasched.evaluation import aggregate, ci95, summarise_run
+    from metasched.evaluation.runs import aggregate, summarise_run
+    from metasched.evaluation.statistics import ci95
 
     if not cfg.get("jobs"):
         raise ConfigError("jobs", "give the JSONL job file: metasched-dispatch jobs=<file>")

@@ -13,14 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from metasched.agents.checkpoint import resolve_scheduler
-from metasched.cli.common import (
-    int_setting,
-    make_main,
-    max_wait_setting,
-    seeds_setting,
-    write_report,
-)
-from metasched.configs import load_profile
+from metasched.cli.app import make_main
+from metasched.cli.output import write_report
+from metasched.cli.settings import int_setting, max_wait_setting, seeds_setting
+from metasched.compose import load_profile
 from metasched.errors import ConfigError
 
 
@@ -53,8 +49,8 @@ def eval_settings(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def run_eval(cfg: dict[str, Any], out_dir, progress: bool = True) -> dict[str, Any]:
     """Evaluate as configured and write results.json, results.md and plots to ``out_dir``."""
-    from metasched.evaluation import evaluate
-    from metasched.report import plot_all, results_table
+    from metasched.evaluation.report import plot_all, results_table
+    from metasched.evaluation.runs import evaluate
 
     workload, cluster = load_profile(cfg)
     s = eval_settings(cfg)

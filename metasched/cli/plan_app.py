@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from metasched.cli.common import int_setting, json_safe, make_main, seeds_setting
-from metasched.configs import load_profile
+from metasched.cli.app import make_main
+from metasched.cli.output import json_safe
+from metasched.cli.settings import int_setting, seeds_setting
+from metasched.compose import load_profile
+from metasched.core.actions import KINDS
 from metasched.errors import ConfigError
-from metasched.model import KINDS
 
 
 def _float(cfg: dict[str, Any], key: str, lo: float, hi: float = float("inf")) -> float:
@@ -29,7 +31,7 @@ def run_plan(cfg: dict[str, Any], out_dir, progress: bool = True) -> dict[str, A
     from pathlib import Path
 
     from metasched.agents import make_scheduler
-    from metasched.planning import plan_capacity
+    from metasched.evaluation.planning import plan_capacity
 
     workload, cluster = load_profile(cfg)
     pools = cfg.get("scale_pools")

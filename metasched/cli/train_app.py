@@ -17,8 +17,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from metasched.cli.common import json_safe, make_main
-from metasched.configs import load_profile
+from metasched.cli.app import make_main
+from metasched.cli.output import json_safe
+from metasched.compose import load_profile
 from metasched.errors import ConfigError
 
 _POSITIVE = ("total_timesteps", "n_envs", "n_steps", "batch_size", "n_epochs", "hidden",
@@ -52,8 +53,8 @@ def check_train_settings(cfg: dict[str, Any]) -> None:
 def run_train(cfg: dict[str, Any], out_dir: str | Path, progress: bool = True) -> dict[str, Any]:
     """Train as configured into ``out_dir``; returns the training summary."""
     from metasched.agents.training import train
-    from metasched.encoding import ObsConfig, ObservationEncoder
-    from metasched.state import ClusterState
+    from metasched.core.observation import ObsConfig, ObservationEncoder
+    from metasched.core.state import ClusterState
 
     workload, cluster = load_profile(cfg)
     check_train_settings(cfg)

@@ -29,15 +29,17 @@ from typing import Any
 
 import numpy as np
 
-from metasched.config import ClusterConfig
-from metasched.encoding import ObsConfig, ObservationEncoder
+from metasched.core.actions import Action, ActionSpec, Grant, Trajectory
+from metasched.core.cluster_config import ClusterConfig
+from metasched.core.guard import WaitGuard
+from metasched.core.metrics import Recorder, RunResult
+from metasched.core.observation import ObsConfig, ObservationEncoder
+from metasched.core.pools import EndpointSpec, ServiceSpec
+from metasched.core.scheduler import Scheduler
+from metasched.core.state import ClusterState, InvalidGrant
 from metasched.errors import ConfigError
-from metasched.guard import WaitGuard
-from metasched.metrics import Recorder, RunResult
-from metasched.model import Action, ActionSpec, Grant, Trajectory
-from metasched.pools import EndpointSpec, ServiceSpec
-from metasched.runtime.api import RetryPolicy, call_api
-from metasched.runtime.costmodel import CostModel
+from metasched.runtime.api_calls import RetryPolicy, call_api
+from metasched.runtime.cost_model import CostModel
 from metasched.runtime.gpu import (
     GpuSampler,
     LiveService,
@@ -55,8 +57,6 @@ from metasched.runtime.machine import (
 from metasched.runtime.outcome import Outcome
 from metasched.runtime.process import CpusetCgroup, Process, kill_group, run_process, start_process
 from metasched.runtime.requests import DONE, FAILED, REJECTED, Request, Result, parse_request
-from metasched.scheduler import Scheduler
-from metasched.state import ClusterState, InvalidGrant
 
 log = logging.getLogger("metasched.dispatch")
 

@@ -2,7 +2,7 @@
 and a host of GPU services whose real residency follows the scheduler's model.
 
 The scheduling core keeps a *model* of which services are resident on which device
-(:class:`metasched.pools.GpuPool`; ``ClusterState.start`` makes a granted batch's service
+(:class:`metasched.core.pools.GpuPool`; ``ClusterState.start`` makes a granted batch's service
 resident, evicting least recently used ones). :meth:`ServiceHost.run_batch` makes the
 hardware match that model (moves evicted modules back to host memory, restores the
 requested one) and runs the batch in a worker thread, so the event loop never blocks.
@@ -25,7 +25,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
-from metasched.pools import ServiceSpec
+from metasched.core.pools import ServiceSpec
 from metasched.runtime.outcome import Outcome
 
 log = logging.getLogger(__name__)

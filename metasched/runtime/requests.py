@@ -39,9 +39,9 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from metasched.core.actions import KINDS
+from metasched.core.validate import Field, json_object, number, required, short, string
 from metasched.errors import ConfigError
-from metasched.fields import Field, json_object, number, required, short, string
-from metasched.model import KINDS
 
 _COMMON = {"id", "kind", "task", "name", "trajectory", "turn", "reward", "timeout_s", "est_s"}
 _BY_KIND = {
@@ -77,7 +77,7 @@ class Request:
     payload: Any = None
     endpoint: str | None = None
     tokens: int = 0
-    http: Any = None  # a metasched.runtime.api.HttpSpec
+    http: Any = None  # a metasched.runtime.api_calls.HttpSpec
     call: Callable[[], Awaitable[Any]] | None = field(default=None, compare=False)
 
     @property
@@ -193,7 +193,7 @@ def parse_request(value: Any, loc: str = "request", *,
             raise ConfigError(str(at["http"]), "an api request needs an http spec "
                               "(or, from Python, call=...), and not both")
         if "http" in d:
-            from metasched.runtime.api import HttpSpec
+            from metasched.runtime.api_calls import HttpSpec
 
             if not isinstance(d["http"], Mapping):
                 raise ConfigError(str(at["http"]),

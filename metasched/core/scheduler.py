@@ -7,8 +7,8 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
-from metasched.model import Grant
-from metasched.state import ClusterState
+from metasched.core.actions import Grant
+from metasched.core.state import ClusterState
 
 
 class Scheduler(ABC):

@@ -13,9 +13,9 @@
 
 from __future__ import annotations
 
-from metasched.ledger import Ledger
-from metasched.model import KINDS, Grant
-from metasched.state import ClusterState
+from metasched.core.actions import KINDS, Grant
+from metasched.core.ledger import Ledger
+from metasched.core.state import ClusterState
 
 
 class WaitGuard:

@@ -6,8 +6,8 @@ or API slot out twice; the ledger tracks what the grants planned so far will use
 
 from __future__ import annotations
 
-from metasched.model import Action, Grant
-from metasched.state import ClusterState
+from metasched.core.actions import Action, Grant
+from metasched.core.state import ClusterState
 
 
 class Ledger:

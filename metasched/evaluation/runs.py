@@ -16,8 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from metasched.config import ClusterConfig, WorkloadConfig
-from metasched.metrics import API_REQ, CPU_BUSY, CPU_HELD, GPU_BUSY, GPU_HELD, RunResult
+from metasched.core.cluster_config import ClusterConfig
+from metasched.core.metrics import API_REQ, CPU_BUSY, CPU_HELD, GPU_BUSY, GPU_HELD, RunResult
+from metasched.evaluation.statistics import ci95
+from metasched.sim.workload_config import WorkloadConfig
 
 EVAL_SEED_OFFSET = 1_000_000
 TRAIN_SEED_MAX = EVAL_SEED_OFFSET  # training seeds are 0 .. TRAIN_SEED_MAX - 1
@@ -40,7 +42,7 @@ class Job:
 def run_job(job: Job) -> dict[str, Any]:
     """Run one job and return its compact measurements (picklable)."""
     from metasched.agents import make_scheduler
-    from metasched.simulator import Simulator
+    from metasched.sim.simulator import Simulator
 
     sim = Simulator(job.workload, job.cluster, job.seed, timeline_dt=job.timeline_dt,
                     max_wait_s=job.max_wait_s)
@@ -71,29 +73,6 @@ def summarise_run(r: RunResult, label: str, seed: int) -> dict[str, Any]:
         "failure_reasons": r.failure_reasons, "counters": r.counters,
         "makespan_s": r.makespan, "timeline": timeline,
     }
-
-
-# Student t 0.975 quantiles for 1..30 degrees of freedom.
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
-         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
-         2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
-
-
-def t975(df: int) -> float:
-    """The 0.975 quantile of Student's t with ``df`` degrees of freedom."""
-    if df <= len(_T975):
-        return _T975[df - 1]
-    return 1.959964 + 2.37 / df  # within 0.1% of the exact quantile above 30 df
-
-
-def ci95(values: Sequence[float]) -> list[float]:
-    """Student-t 95% confidence interval of the mean of ``values``."""
-    x = np.asarray(values, dtype=float)
-    m = float(x.mean())
-    if x.size < 2:
-        return [m, m]
-    half = float(t975(x.size - 1) * x.std(ddof=1) / math.sqrt(x.size))
-    return [m - half, m + half]
 
 
 def run_jobs(jobs: list[Job], workers: int = 1, progress: bool = True,

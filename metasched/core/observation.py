@@ -37,9 +37,9 @@ from functools import cache
 
 import numpy as np
 
-from metasched.ledger import Ledger
-from metasched.model import Action, Grant
-from metasched.state import ClusterState
+from metasched.core.actions import Action, Grant
+from metasched.core.ledger import Ledger
+from metasched.core.state import ClusterState
 
 OBS_SCHEMA_VERSION = 2  # 2: advisor features; advised actions fill the first slots
 OBS_HIGH = 1e4  # every feature is clipped to [0, OBS_HIGH]

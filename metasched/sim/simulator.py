@@ -14,13 +14,14 @@ from collections import deque
 
 import numpy as np
 
-from metasched.config import ClusterConfig, WorkloadConfig
-from metasched.guard import WaitGuard
-from metasched.metrics import RunResult
-from metasched.model import Action, Grant, Trajectory
-from metasched.scheduler import Scheduler
-from metasched.state import ClusterState
-from metasched.workload import WorkloadInstance, sample_workload
+from metasched.core.actions import Action, Grant, Trajectory
+from metasched.core.cluster_config import ClusterConfig
+from metasched.core.guard import WaitGuard
+from metasched.core.metrics import RunResult
+from metasched.core.scheduler import Scheduler
+from metasched.core.state import ClusterState
+from metasched.sim.sampling import WorkloadInstance, sample_workload
+from metasched.sim.workload_config import WorkloadConfig
 
 # Event types, in the order events at the same instant are handled.
 END, DEVICE_FREE, ARRIVE, INDEPENDENT, WAKE, DEADLINE = range(6)
@@ -66,7 +67,7 @@ class Simulator:
         root = np.random.SeedSequence(seed)
         wl_seq, self._sched_seq = root.spawn(2)
         if instance is None and workload.trace is not None:
-            from metasched.trace import read_trace
+            from metasched.sim.trace import read_trace
 
             instance = read_trace(workload.trace)
         self.instance = instance if instance is not None else sample_workload(

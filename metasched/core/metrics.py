@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from metasched.model import KINDS
+from metasched.core.actions import KINDS
 
 POOLS = KINDS  # cpu, gpu, api
 # Timeline columns: busy and held-but-idle units per pool, then api requests issued.

@@ -1,6 +1,6 @@
 """Trace replay: a JSONL file that stands in for the workload generator.
 
-A trace holds a :class:`~metasched.workload.WorkloadInstance` one JSON object per line:
+A trace holds a :class:`~metasched.sim.sampling.WorkloadInstance` one JSON object per line:
 ``{"type": "trajectory", ...}`` lines (grouped into RL steps by their ``step``) and
 ``{"type": "action", ...}`` lines (independent actions with explicit arrival times).
 Blank lines and lines starting with ``#`` are ignored. The format is described for users
@@ -21,12 +21,18 @@ from typing import Any
 
 import numpy as np
 
-from metasched.config import ClusterConfig, WorkloadConfig
+from metasched.core.actions import KINDS, ActionSpec, SandboxSpec, Turn
+from metasched.core.cluster_config import ClusterConfig
+from metasched.core.pools import ServiceSpec
+from metasched.core.validate import Field, json_object, number, required, short, string
 from metasched.errors import ConfigError
-from metasched.fields import Field, json_object, number, required, short, string
-from metasched.model import KINDS, ActionSpec, SandboxSpec, Turn
-from metasched.pools import ServiceSpec
-from metasched.workload import IndependentAction, TrajectorySpec, WorkloadInstance, sample_workload
+from metasched.sim.sampling import (
+    IndependentAction,
+    TrajectorySpec,
+    WorkloadInstance,
+    sample_workload,
+)
+from metasched.sim.workload_config import WorkloadConfig
 
 PathLike = str | os.PathLike
 
@@ -288,7 +294,7 @@ def validate_against(instance: WorkloadInstance, workload_services: dict[str, Se
 
 
 def trace_from_workload(workload: WorkloadConfig, seed: int) -> WorkloadInstance:
-    """The instance :class:`~metasched.simulator.Simulator` samples for ``seed``.
+    """The instance :class:`~metasched.sim.simulator.Simulator` samples for ``seed``.
 
     Uses the simulator's derivation (the first of two children of
     ``SeedSequence(seed)``), so ``write_trace(trace_from_workload(w, seed), p)`` records

@@ -6,14 +6,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from metasched.config import (
-    ClusterConfig,
-    WorkloadConfig,
-    check_compatible,
-    parse_cluster,
-    parse_workload,
-)
+from metasched.core.cluster_config import ClusterConfig, parse_cluster
 from metasched.errors import ConfigError
+from metasched.sim.workload_config import WorkloadConfig, check_compatible, parse_workload
 
 
 def config_dir() -> Path:
@@ -49,7 +44,7 @@ def load_profile(cfg: dict[str, Any]) -> tuple[WorkloadConfig, ClusterConfig]:
     w = parse_workload(cfg["workload"])
     c = parse_cluster(cfg["cluster"])
     if w.trace is not None:
-        from metasched.trace import read_trace, validate_against
+        from metasched.sim.trace import read_trace, validate_against
 
         validate_against(read_trace(w.trace), w.services, c)
     else:

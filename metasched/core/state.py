@@ -11,10 +11,10 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
-from metasched.config import ClusterConfig
-from metasched.metrics import Recorder
-from metasched.model import DONE, FAILED, KINDS, RUNNING, Action, Grant, Trajectory
-from metasched.pools import ApiPool, CpuPool, GpuPool, ServiceSpec
+from metasched.core.actions import DONE, FAILED, KINDS, RUNNING, Action, Grant, Trajectory
+from metasched.core.cluster_config import ClusterConfig
+from metasched.core.metrics import Recorder
+from metasched.core.pools import ApiPool, CpuPool, GpuPool, ServiceSpec
 
 KIND_INDEX = {k: i for i, k in enumerate(KINDS)}
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from metasched.config import ActionType, TaskConfig, WorkloadConfig
-from metasched.model import ActionSpec, SandboxSpec, Turn
+from metasched.core.actions import ActionSpec, SandboxSpec, Turn
+from metasched.sim.workload_config import ActionType, TaskConfig, WorkloadConfig
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from metasched.model import amdahl_run_s
+from metasched.core.actions import amdahl_run_s
 
 
 class CostModel:

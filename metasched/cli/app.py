@@ -1,15 +1,15 @@
-"""Shared plumbing of the Hydra command-line apps: config location, one-line errors."""
+"""The Hydra app skeleton shared by every command-line app: where the configs are, checking
+overrides before Hydra runs (one-line errors), and the console entry point."""
 
 from __future__ import annotations
 
 import functools
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from metasched.configs import config_dir
+from metasched.compose import config_dir
 from metasched.errors import ConfigError
 
 CONFIG_PATH = str(config_dir())
@@ -62,47 +62,6 @@ def preflight(config_name: str, argv: list[str] | None = None) -> None:
         field = max((k for k in keys if k in str(e)), key=len, default="overrides")
         print(f"error: {field}: {'; '.join(keep)}", file=sys.stderr)
         sys.exit(2)
-
-
-def int_setting(cfg: dict[str, Any], key: str, lo: int, default: int | None = None) -> int:
-    v = cfg.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise ConfigError(key, f"must be a whole number >= {lo} (got {v!r})")
-    return v
-
-
-def max_wait_setting(cfg: dict[str, Any]) -> float | None:
-    """``max_wait_s``: the core's starvation guard, a number > 0 or null (off)."""
-    wait = cfg.get("max_wait_s")
-    if wait is not None and (isinstance(wait, bool) or not isinstance(wait, (int, float))
-                             or not wait > 0):
-        raise ConfigError("max_wait_s", f"must be a number > 0 or null (got {wait!r})")
-    return None if wait is None else float(wait)
-
-
-def write_report(out: Path, doc: dict[str, Any], table: str) -> None:
-    """Write ``results.json`` and ``results.md`` into ``out`` and print the table."""
-    (out / "results.json").write_text(json.dumps(json_safe(doc), indent=2, default=repr) + "\n")
-    (out / "results.md").write_text(table)
-    print(table)
-    print(f"results written to {out}")
-
-
-def seeds_setting(cfg: dict[str, Any]) -> list[int]:
-    n = int_setting(cfg, "n_seeds", 1)
-    off = int_setting(cfg, "seed_offset", 0)
-    return list(range(off, off + n))
-
-
-def json_safe(x: Any) -> Any:
-    """``x`` with non-finite floats as None, so the JSON written is standard."""
-    if isinstance(x, float):
-        return x if x == x and abs(x) != float("inf") else None
-    if isinstance(x, dict):
-        return {k: json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [json_safe(v) for v in x]
-    return x
 
 
 def make_main(config_name: str, run: Callable[[dict[str, Any], Path], Any]) -> Callable[[], None]:

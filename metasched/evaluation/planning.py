@@ -14,9 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from metasched.config import ClusterConfig, WorkloadConfig, check_compatible
+from metasched.core.cluster_config import ClusterConfig
 from metasched.errors import ConfigError
-from metasched.evaluation import Job, run_jobs
+from metasched.evaluation.runs import Job, run_jobs
+from metasched.sim.workload_config import WorkloadConfig, check_compatible
 
 
 @dataclass

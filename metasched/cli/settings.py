@@ -1,0 +1,29 @@
+"""Readers of the apps' own settings (``n_seeds``, ``max_wait_s``, ...): one-line errors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from metasched.errors import ConfigError
+
+
+def int_setting(cfg: dict[str, Any], key: str, lo: int, default: int | None = None) -> int:
+    v = cfg.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ConfigError(key, f"must be a whole number >= {lo} (got {v!r})")
+    return v
+
+
+def max_wait_setting(cfg: dict[str, Any]) -> float | None:
+    """``max_wait_s``: the core's starvation guard, a number > 0 or null (off)."""
+    wait = cfg.get("max_wait_s")
+    if wait is not None and (isinstance(wait, bool) or not isinstance(wait, (int, float))
+                             or not wait > 0):
+        raise ConfigError("max_wait_s", f"must be a number > 0 or null (got {wait!r})")
+    return None if wait is None else float(wait)
+
+
+def seeds_setting(cfg: dict[str, Any]) -> list[int]:
+    n = int_setting(cfg, "n_seeds", 1)
+    off = int_setting(cfg, "seed_offset", 0)
+    return list(range(off, off + n))

@@ -1,0 +1,96 @@
+"""The cluster schema: CPU nodes, GPU devices and API endpoint quotas, validated.
+
+A cluster arrives as a plain dict (from Hydra/OmegaConf or YAML); ``parse_cluster`` turns
+it into a frozen :class:`ClusterConfig` or raises :class:`ConfigError` with a one-line
+message naming the field. The scheduling state (:mod:`metasched.core.state`) reads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from metasched.core.pools import EndpointSpec
+from metasched.core.validate import bounded, check_keys, get_key, mapping_or_empty
+from metasched.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """Resources: CPU nodes, GPU devices, API endpoint quotas."""
+
+    name: str
+    cpu_nodes: int
+    cores_per_node: int
+    mem_gb_per_node: float
+    gpu_devices: int
+    gpu_mem_gb: float
+    endpoints: dict[str, EndpointSpec]
+
+    def scaled(self, factor: float, pools: tuple[str, ...] = ("cpu", "gpu")) -> ClusterConfig:
+        """The cluster with the named pools scaled by ``factor`` (at least one unit each
+        where the original had any). CPU scales cores per node (sandbox memory is
+        kept: a sandbox's state is needed whoever schedules it); GPU scales the device
+        count; API scales RPM/TPM and concurrency."""
+        from dataclasses import replace
+
+        c = self
+        if "cpu" in pools:
+            if self.cores_per_node:
+                c = replace(c, cores_per_node=max(1, round(self.cores_per_node * factor)))
+        if "gpu" in pools and self.gpu_devices:
+            c = replace(c, gpu_devices=max(1, round(self.gpu_devices * factor)))
+        if "api" in pools:
+            c = replace(c, endpoints={
+                n: replace(e, rpm=e.rpm * factor, tpm=None if e.tpm is None else e.tpm * factor,
+                           max_concurrency=max(1, round(e.max_concurrency * factor)))
+                for n, e in self.endpoints.items()})
+        return c
+
+    def resources(self) -> dict[str, float]:
+        """Resource totals: cores, GPUs, API concurrency slots."""
+        return {"cpu": self.cpu_nodes * self.cores_per_node, "gpu": self.gpu_devices,
+                "api": sum(e.max_concurrency for e in self.endpoints.values())}
+
+
+def parse_endpoints(d: Any, path: str) -> dict[str, EndpointSpec]:
+    """Validate a mapping of API endpoint name -> ``{rpm, tpm, max_concurrency, burst_s}``."""
+    endpoints = {}
+    for ename, e in mapping_or_empty(d, path).items():
+        ep = f"{path}.{ename}"
+        if not isinstance(e, Mapping):
+            raise ConfigError(ep, f"must be a mapping (got {e!r})")
+        check_keys(e, {"rpm", "tpm", "max_concurrency", "burst_s"}, ep)
+        tpm = e.get("tpm")
+        endpoints[str(ename)] = EndpointSpec(
+            rpm=bounded(get_key(e, "rpm", ep), f"{ep}.rpm", lo=0.0, lo_open=True),
+            max_concurrency=bounded(get_key(e, "max_concurrency", ep), f"{ep}.max_concurrency",
+                                    lo=1, integer=True),
+            tpm=None if tpm is None else bounded(tpm, f"{ep}.tpm", lo=0.0, lo_open=True),
+            burst_s=bounded(e.get("burst_s", 1.0), f"{ep}.burst_s", lo=0.0, lo_open=True))
+    return endpoints
+
+
+def parse_cluster(d: Mapping, path: str = "cluster") -> ClusterConfig:
+    """Validate a cluster dict (see ``configs/cluster/*.yaml``)."""
+    if not isinstance(d, Mapping):
+        raise ConfigError(path, f"must be a mapping (got {type(d).__name__})")
+    check_keys(d, {"name", "cpu", "gpu", "api"}, path)
+    cpu = mapping_or_empty(d.get("cpu"), f"{path}.cpu")
+    gpu = mapping_or_empty(d.get("gpu"), f"{path}.gpu")
+    api = mapping_or_empty(d.get("api"), f"{path}.api")
+    for sub, keys in (("cpu", {"nodes", "cores_per_node", "mem_gb_per_node"}),
+                      ("gpu", {"devices", "mem_gb"}), ("api", {"endpoints"})):
+        check_keys(locals()[sub], keys, f"{path}.{sub}")
+    endpoints = parse_endpoints(api.get("endpoints"), f"{path}.api.endpoints")
+    return ClusterConfig(
+        name=str(d.get("name", "cluster")),
+        cpu_nodes=bounded(cpu.get("nodes", 0), f"{path}.cpu.nodes", lo=0, integer=True),
+        cores_per_node=bounded(cpu.get("cores_per_node", 0), f"{path}.cpu.cores_per_node", lo=0,
+                               integer=True),
+        mem_gb_per_node=bounded(cpu.get("mem_gb_per_node", 0.0), f"{path}.cpu.mem_gb_per_node",
+                                lo=0.0),
+        gpu_devices=bounded(gpu.get("devices", 0), f"{path}.gpu.devices", lo=0, integer=True),
+        gpu_mem_gb=bounded(gpu.get("mem_gb", 0.0), f"{path}.gpu.mem_gb", lo=0.0),
+        endpoints=endpoints)

@@ -1,0 +1,130 @@
+"""Checks of user-given values (config dicts, trace lines, dispatcher requests) that
+fail with a one-line :class:`~metasched.errors.ConfigError` naming the field, and for JSON
+the file and line too, e.g. ``jobs.jsonl:12: timeout_s: must be > 0 (got -1)``."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from metasched.errors import ConfigError
+
+# ---------------------------------------------------------------- config dicts
+
+
+def get_key(d: Mapping, key: str, path: str, default: Any = ...) -> Any:
+    """``d[key]``; ``default`` when it is absent or null, else an error if no default."""
+    if not isinstance(d, Mapping):
+        raise ConfigError(path, f"must be a mapping (got {type(d).__name__})")
+    if key not in d or d[key] is None and default is not ...:
+        if default is ...:
+            raise ConfigError(f"{path}.{key}", "is required")
+        return default
+    return d[key]
+
+
+def bounded(value: Any, path: object, *, lo: float = -math.inf, hi: float = math.inf,
+                   lo_open: bool = False, integer: bool = False) -> float:
+    """``value`` as a number within the bounds (an int if ``integer``), or an error naming
+    ``path``."""
+    # ``path`` is turned into text only for an error (ConfigError calls str on it): the
+    # request parser passes its field locators as they are, per field, per request.
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(path, f"must be a number (got {value!r})")
+    try:
+        v = float(value)
+    except OverflowError:
+        v = math.inf
+    if not math.isfinite(v):
+        raise ConfigError(path, f"must be a finite number (got {value!r})")
+    if integer and v != int(v):
+        raise ConfigError(path, f"must be a whole number (got {value!r})")
+    if (lo_open and v <= lo) or (not lo_open and v < lo) or v > hi:
+        bound = f"> {lo:g}" if lo_open else f">= {lo:g}"
+        if hi < math.inf:
+            bound += f" and <= {hi:g}"
+        raise ConfigError(path, f"must be {bound} (got {value!r})")
+    return int(v) if integer else v
+
+
+def mapping_or_empty(value: Any, path: str) -> Mapping:
+    """``value`` if it is a mapping, {} if it is absent (None); otherwise an error."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(path, f"must be a mapping (got {type(value).__name__})")
+    return value
+
+
+def check_keys(d: Mapping, allowed: set[str], path: str) -> None:
+    """An error naming the first key of ``d`` outside ``allowed``."""
+    unknown = sorted(set(d) - allowed, key=str)
+    if unknown:
+        raise ConfigError(f"{path}.{unknown[0]}", f"unknown field (expected one of: "
+                          f"{', '.join(sorted(allowed))})")
+
+
+# ---------------------------------------------------------------- JSON fields
+
+
+@dataclass(frozen=True, slots=True)
+class Field:
+    """Where a value sits: ``file:line`` and the field path within the line."""
+
+    loc: str
+    path: str = ""
+
+    def __getitem__(self, key: str) -> Field:
+        sep = "." if self.path and not key.startswith("[") else ""
+        return Field(self.loc, f"{self.path}{sep}{key}")
+
+    def __str__(self) -> str:
+        return f"{self.loc}: {self.path}" if self.path else self.loc
+
+
+def short(value: Any, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters (keeps error messages short)."""
+    r = repr(value)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+def number(value: Any, at: Field, **bounds: Any) -> Any:
+    """:func:`bounded` plus the checks it leaves out: finite values only, no giant ints."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(str(at), f"must be a number (got {short(value)})")
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        finite = False
+    if not finite:
+        raise ConfigError(str(at), f"must be a finite number (got {short(value)})")
+    return bounded(value, at, **bounds)
+
+
+def string(value: Any, at: Field) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(str(at), f"must be a non-empty string (got {short(value)})")
+    return value
+
+
+def json_object(value: Any, at: Field, allowed: set[str]) -> dict[str, Any]:
+    """``value`` as a JSON object with no keys outside ``allowed``."""
+    if not isinstance(value, dict):
+        raise ConfigError(str(at), f"must be a JSON object (got {short(value)})")
+    unknown = sorted(set(value) - allowed)
+    if unknown:
+        raise ConfigError(str(at[unknown[0]]),
+                          f"unknown field (expected one of: {', '.join(sorted(allowed))})")
+    return value
+
+
+def required(d: dict[str, Any], key: str, at: Field) -> Any:
+    if key not in d:
+        raise ConfigError(str(at[key]), "is required")
+    return d[key]
+
+
+__all__ = ["Field", "bounded", "check_keys", "get_key", "json_object", "mapping_or_empty",
+           "number", "required", "short", "string"]

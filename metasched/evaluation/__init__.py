@@ -1,0 +1,2 @@
+"""Evaluating schedulers in simulation: parallel runs over seeds, statistics, capacity
+planning, reports."""

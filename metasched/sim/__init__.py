@@ -1,0 +1,2 @@
+"""The simulator clock: workload schema and sampling, trace replay, the event-driven
+simulator."""

@@ -1,0 +1,256 @@
+"""The workload schema: tasks, their action types and duration distributions, GPU
+services, validated.
+
+A profile arrives as a plain dict (from Hydra/OmegaConf or YAML); ``parse_workload`` turns
+it into a frozen :class:`WorkloadConfig` or raises :class:`ConfigError` with a one-line
+message naming the field. The simulator samples instances from it
+(:mod:`metasched.sim.sampling`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from metasched.core.actions import KINDS, SandboxSpec
+from metasched.core.cluster_config import ClusterConfig
+from metasched.core.pools import ServiceSpec
+from metasched.core.validate import bounded, check_keys, get_key, mapping_or_empty
+from metasched.errors import ConfigError
+
+Z90, Z99 = 1.2815515655446004, 2.3263478740408408  # standard normal quantiles
+
+
+@dataclass(frozen=True, slots=True)
+class Dist:
+    """A log-normal distribution given by its median and one upper quantile, clipped
+    to [lo, hi]. With no quantile it is the constant ``median``."""
+
+    median: float
+    sigma: float = 0.0
+    lo: float = 0.0
+    hi: float = math.inf
+
+    def sample(self, rng, size: int | None = None):
+        """Draw from the distribution with ``rng`` (a numpy Generator)."""
+        import numpy as np
+
+        if self.sigma == 0.0:
+            x = np.full(size, self.median) if size is not None else self.median
+        else:
+            x = self.median * np.exp(self.sigma * rng.standard_normal(size))
+        return np.clip(x, self.lo, self.hi) if size is not None else min(max(x, self.lo), self.hi)
+
+
+@dataclass(frozen=True, slots=True)
+class ActionType:
+    """One kind of action a task issues, with the distribution of its durations."""
+
+    name: str
+    kind: str
+    prob: float
+    duration_s: Dist
+    timeout_s: float
+    min_cores: int = 1
+    max_cores: int = 1
+    parallel_fraction: float = 0.0
+    service: str | None = None
+    endpoint: str | None = None
+    tokens: Dist | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TaskConfig:
+    """An agentic task: how its trajectories are shaped.
+
+    A trajectory has ``turns`` tool actions (drawn from ``actions`` by ``prob``) and then
+    its ``reward`` action; LLM generation of ``generation_s`` precedes each of them.
+    """
+
+    name: str
+    share: float
+    turns: Dist
+    generation_s: Dist
+    sandbox: SandboxSpec | None
+    actions: tuple[ActionType, ...]
+    reward: ActionType
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadConfig:
+    """A workload profile: tasks, step shape, estimate error, GPU services, or a trace."""
+
+    name: str
+    steps: int
+    trajectories_per_step: int
+    estimate_error: float
+    tasks: tuple[TaskConfig, ...]
+    services: dict[str, ServiceSpec] = field(default_factory=dict)
+    trace: str | None = None
+
+
+def parse_dist(d: Any, path: str, *, positive: bool = True) -> Dist:
+    """``{median: m, p90|p99: q, min: lo, max: hi}`` or a plain number (a constant)."""
+    if isinstance(d, (int, float)) and not isinstance(d, bool):
+        v = bounded(d, path, lo=0.0, lo_open=positive)
+        return Dist(v, 0.0, v, v)
+    if not isinstance(d, Mapping):
+        raise ConfigError(path, f"must be a number or a mapping with median/p90/p99 (got {d!r})")
+    check_keys(d, {"median", "p90", "p99", "min", "max"}, path)
+    median = bounded(get_key(d, "median", path), f"{path}.median", lo=0.0, lo_open=positive)
+    if "p90" in d and "p99" in d:
+        raise ConfigError(path, "give one of p90 or p99, not both")
+    sigma = 0.0
+    for q, z in (("p90", Z90), ("p99", Z99)):
+        if q in d:
+            v = bounded(d[q], f"{path}.{q}", lo=median)
+            sigma = math.log(v / median) / z if median > 0 else 0.0
+    lo = bounded(d.get("min", 0.0), f"{path}.min", lo=0.0)
+    hi = bounded(d["max"], f"{path}.max", lo=max(lo, 0.0)) if "max" in d else math.inf
+    if not lo <= median <= hi:
+        raise ConfigError(path, f"median {median:g} must lie within [min, max] = [{lo:g}, {hi:g}]")
+    return Dist(median, sigma, lo, hi)
+
+
+def parse_action_type(name: str, d: Any, path: str, services: Mapping, *,
+                      reward: bool = False) -> ActionType:
+    if not isinstance(d, Mapping):
+        raise ConfigError(path, f"must be a mapping (got {d!r})")
+    check_keys(d, {"kind", "prob", "duration_s", "timeout_s", "cores", "parallel_fraction",
+                    "service", "endpoint", "tokens"}, path)
+    kind = get_key(d, "kind", path)
+    if kind not in KINDS:
+        raise ConfigError(f"{path}.kind", f"must be one of {', '.join(KINDS)} (got {kind!r})")
+    prob = 1.0 if reward else bounded(get_key(d, "prob", path), f"{path}.prob", lo=0.0, hi=1.0)
+    duration = parse_dist(get_key(d, "duration_s", path), f"{path}.duration_s")
+    timeout = bounded(get_key(d, "timeout_s", path), f"{path}.timeout_s", lo=0.0, lo_open=True)
+    min_c = max_c = 1
+    pf = 0.0
+    service = endpoint = None
+    tokens = None
+    if kind == "cpu":
+        cores = d.get("cores", [1, 1])
+        if isinstance(cores, int) and not isinstance(cores, bool):
+            cores = [cores, cores]
+        if not isinstance(cores, (list, tuple)) or len(cores) != 2:
+            raise ConfigError(f"{path}.cores", f"must be [min, max] (got {cores!r})")
+        min_c = bounded(cores[0], f"{path}.cores[0]", lo=1, integer=True)
+        max_c = bounded(cores[1], f"{path}.cores[1]", lo=min_c, integer=True)
+        pf = bounded(d.get("parallel_fraction", 0.0), f"{path}.parallel_fraction", lo=0.0, hi=1.0)
+    elif kind == "gpu":
+        service = get_key(d, "service", path)
+        if not isinstance(service, str) or service not in services:
+            raise ConfigError(f"{path}.service", f"unknown service {service!r} (defined: "
+                              f"{', '.join(sorted(services)) or 'none'})")
+    else:
+        endpoint = get_key(d, "endpoint", path)
+        if not isinstance(endpoint, str) or not endpoint:
+            raise ConfigError(f"{path}.endpoint", f"must be an endpoint name (got {endpoint!r})")
+        tokens = parse_dist(d.get("tokens", 0), f"{path}.tokens", positive=False)
+    return ActionType(name, kind, prob, duration, timeout, min_c, max_c, pf, service,
+                      endpoint, tokens)
+
+
+def _parse_service(d: Any, path: str) -> ServiceSpec:
+    if not isinstance(d, Mapping):
+        raise ConfigError(path, f"must be a mapping (got {d!r})")
+    check_keys(d, {"mem_gb", "restore_s", "max_batch", "batch_marginal"}, path)
+    return ServiceSpec(
+        mem_gb=bounded(get_key(d, "mem_gb", path), f"{path}.mem_gb", lo=0.0, lo_open=True),
+        restore_s=bounded(get_key(d, "restore_s", path), f"{path}.restore_s", lo=0.0),
+        max_batch=bounded(d.get("max_batch", 1), f"{path}.max_batch", lo=1, integer=True),
+        batch_marginal=bounded(d.get("batch_marginal", 0.0), f"{path}.batch_marginal", lo=0.0))
+
+
+def parse_workload(d: Mapping, path: str = "workload") -> WorkloadConfig:
+    """Validate a workload profile dict (see ``configs/workload/*.yaml``)."""
+    if not isinstance(d, Mapping):
+        raise ConfigError(path, f"must be a mapping (got {type(d).__name__})")
+    check_keys(d, {"name", "steps", "trajectories_per_step", "estimate_error", "services",
+                    "tasks", "trace"}, path)
+    name = str(get_key(d, "name", path))
+    services = {str(k): _parse_service(v, f"{path}.services.{k}")
+                for k, v in mapping_or_empty(d.get("services"), f"{path}.services").items()}
+    trace = d.get("trace")
+    steps = bounded(get_key(d, "steps", path, 1), f"{path}.steps", lo=1, integer=True)
+    n_traj = bounded(get_key(d, "trajectories_per_step", path, 1), f"{path}.trajectories_per_step",
+                     lo=1, integer=True)
+    est_err = bounded(get_key(d, "estimate_error", path, 0.0), f"{path}.estimate_error",
+                      lo=0.0, hi=5.0)
+    tasks_d = d.get("tasks") or {}
+    if not isinstance(tasks_d, Mapping):
+        raise ConfigError(f"{path}.tasks", "must be a mapping of task name to task")
+    if not tasks_d and trace is None:
+        raise ConfigError(f"{path}.tasks", "at least one task is required (or give a trace)")
+    tasks = []
+    for tname in sorted(tasks_d, key=str):
+        t, tp = tasks_d[tname], f"{path}.tasks.{tname}"
+        if not isinstance(t, Mapping):
+            raise ConfigError(tp, f"must be a mapping (got {t!r})")
+        check_keys(t, {"share", "turns", "generation_s", "sandbox", "actions", "reward"}, tp)
+        sb = t.get("sandbox")
+        sandbox = None
+        if sb is not None:
+            if not isinstance(sb, Mapping):
+                raise ConfigError(f"{tp}.sandbox", f"must be a mapping or null (got {sb!r})")
+            check_keys(sb, {"mem_gb", "startup_s"}, f"{tp}.sandbox")
+            sandbox = SandboxSpec(
+                bounded(get_key(sb, "mem_gb", f"{tp}.sandbox"), f"{tp}.sandbox.mem_gb", lo=0.0),
+                bounded(get_key(sb, "startup_s", f"{tp}.sandbox"), f"{tp}.sandbox.startup_s",
+                        lo=0.0))
+        acts_d = get_key(t, "actions", tp)
+        if not isinstance(acts_d, Mapping):
+            raise ConfigError(f"{tp}.actions", "must be a mapping of action name to action")
+        actions = tuple(parse_action_type(str(a), acts_d[a], f"{tp}.actions.{a}", services)
+                        for a in sorted(acts_d, key=str))
+        if actions and abs(sum(a.prob for a in actions) - 1.0) > 1e-6:
+            raise ConfigError(f"{tp}.actions", "probabilities (prob) must sum to 1 "
+                              f"(got {sum(a.prob for a in actions):g})")
+        turns = parse_dist(get_key(t, "turns", tp), f"{tp}.turns", positive=False)
+        if not actions and turns.hi > 0:
+            raise ConfigError(f"{tp}.actions", "a task with tool turns (turns > 0) needs actions")
+        tasks.append(TaskConfig(
+            name=str(tname),
+            share=bounded(get_key(t, "share", tp, 1.0), f"{tp}.share", lo=0.0, lo_open=True),
+            turns=turns,
+            generation_s=parse_dist(get_key(t, "generation_s", tp), f"{tp}.generation_s",
+                                    positive=False),
+            sandbox=sandbox, actions=actions,
+            reward=parse_action_type("reward", get_key(t, "reward", tp), f"{tp}.reward",
+                                     services, reward=True)))
+    return WorkloadConfig(name, steps, n_traj, est_err, tuple(tasks), services,
+                          None if trace is None else str(trace))
+
+
+def check_compatible(w: WorkloadConfig, c: ClusterConfig, path: str = "workload") -> None:
+    """Fail when the workload needs something the cluster cannot ever provide."""
+    for t in w.tasks:
+        for a in (*t.actions, t.reward):
+            ap = f"{path}.tasks.{t.name}.{'reward' if a is t.reward else 'actions.' + a.name}"
+            if a.prob == 0.0:
+                continue
+            if a.kind == "cpu":
+                if c.cpu_nodes == 0 or c.cores_per_node < a.min_cores:
+                    raise ConfigError(f"{ap}.cores", f"needs {a.min_cores} cores on one node; "
+                                      f"cluster.cpu has {c.cpu_nodes} x {c.cores_per_node}")
+            elif a.kind == "gpu":
+                if c.gpu_devices == 0:
+                    raise ConfigError(f"{ap}.service", "needs a GPU; cluster.gpu.devices is 0")
+                if w.services[a.service].mem_gb > c.gpu_mem_gb:
+                    raise ConfigError(f"{ap}.service", f"service {a.service!r} needs "
+                                      f"{w.services[a.service].mem_gb:g} GB; a device has "
+                                      f"{c.gpu_mem_gb:g} GB")
+            elif a.endpoint not in c.endpoints:
+                raise ConfigError(f"{ap}.endpoint", f"unknown endpoint {a.endpoint!r} (cluster "
+                                  f"defines: {', '.join(sorted(c.endpoints)) or 'none'})")
+            elif a.tokens is not None and a.tokens.hi > c.endpoints[a.endpoint].tok_capacity:
+                raise ConfigError(f"{ap}.tokens", f"max {a.tokens.hi:g} exceeds the token bucket "
+                                  f"of endpoint {a.endpoint!r}")
+        if t.sandbox is not None and c.cpu_nodes == 0:
+            raise ConfigError(f"{path}.tasks.{t.name}.sandbox",
+                              "needs a CPU node to live on; cluster.cpu.nodes is 0")
+        if t.sandbox is not None and t.sandbox.mem_gb > c.mem_gb_per_node:
+            raise ConfigError(f"{path}.tasks.{t.name}.sandbox.mem_gb",
+                              f"{t.sandbox.mem_gb:g} GB exceeds a node's {c.mem_gb_per_node:g} GB")
