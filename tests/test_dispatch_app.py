@@ -110,7 +110,7 @@ def test_ctrl_c_kills_running_commands_and_says_how_to_resume(tmp_path):
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # until a command is running
             if (out / "journal.db").exists():
-                with Journal(out / "journal.db") as j:
+                with Journal(out / "journal.db", lock=False) as j:
                     pids = [pid for _, pid in j.orphans()]
                 if pids:
                     break

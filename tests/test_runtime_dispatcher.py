@@ -21,6 +21,7 @@ from metasched.runtime.api_calls import RetryPolicy
 from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
 from metasched.runtime.gpu import linear_scorer
 from metasched.runtime.journal import Journal
+from metasched.runtime.requests import Result
 
 PY = sys.executable
 CORES = sorted(os.sched_getaffinity(0))
@@ -218,7 +219,7 @@ def test_accepted_requests_are_journaled_before_the_ack_and_results_after(tmp_pa
         async with Dispatcher(cfg(journal=db)) as d:
             fut = d.accept(cpu("/bin/true", id="k1"))
             d.flush()  # otherwise committed at the end of this loop turn
-            with Journal(db) as j:  # another connection sees it committed
+            with Journal(db, lock=False) as j:  # another connection sees it committed
                 assert j.status("k1") == "queued"
             return await fut
     r = run(go())
@@ -228,10 +229,13 @@ def test_accepted_requests_are_journaled_before_the_ack_and_results_after(tmp_pa
 
     async def again():  # a finished id is answered from the journal, not run again
         async with Dispatcher(cfg(journal=db)) as d:
-            out = await d.submit(cpu("/bin/false", id="k1"))
-            return out, d.state.n_submitted
-    r2, n = run(again())
-    assert r2.ok and n == 0
+            out = await d.submit(cpu("/bin/true", id="k1"))
+            other = await d.submit(cpu("/bin/false", id="k1"))  # another request, same id
+            return out, other, d.state.n_submitted
+    r2, other, n = run(again())
+    assert r2.ok and r2.finished_at == r.finished_at and n == 0
+    assert other.status == "rejected" and other.reason.startswith(
+        "id: 'k1' is in the journal with a different request")
 
 
 def test_journal_holds_running_process_groups_and_every_start(tmp_path):
@@ -245,7 +249,7 @@ def test_journal_holds_running_process_groups_and_every_start(tmp_path):
             slow = d.accept(cpu("/bin/sleep", "1", id="slow"))
             quick = await d.submit(cpu("/bin/true", id="quick"))
             await asyncio.sleep(0.2)  # well past journal_delay_s (5 ms)
-            with Journal(db) as j:
+            with Journal(db, lock=False) as j:
                 orphans = j.orphans()
             return orphans, await slow, quick
     orphans, slow, quick = run(go())
@@ -387,10 +391,10 @@ def test_restart_fails_what_cannot_run_here_and_runs_the_rest(tmp_path):
 
     async def second():
         async with Dispatcher(cfg(journal=db)) as d:
-            return {k: await d.accept({"id": k, "kind": "cpu", "argv": ["/bin/false"],
-                                       "timeout_s": 5}) for k in "gac"}
-    out = run(second())
-    assert out["c"].ok
+            return await d.accept(cpu("/bin/true", id="c"))  # resubmitted: deduplicated
+    assert run(second()).ok
+    with Journal(db) as j:
+        out = {k: Result.from_json(j.result(k)) for k in "ga"}
     assert out["g"].status == "failed" and "cannot run here" in out["g"].reason
     assert "no GPU" in out["g"].reason
     assert out["a"].status == "failed" and "not replayable" in out["a"].reason
@@ -536,7 +540,7 @@ def test_enqueue_returns_once_the_request_is_durable(tmp_path):
     async def go():
         async with Dispatcher(cfg(journal=db)) as d:
             fut = await d.enqueue(cpu("/bin/true", id="e1"))
-            with Journal(db) as j:  # committed before enqueue returned
+            with Journal(db, lock=False) as j:  # committed before enqueue returned
                 assert j.status("e1") in ("queued", "running")
             bad = await d.enqueue({"kind": "tpu"})
             assert bad.done() and bad.result().status == "rejected"
