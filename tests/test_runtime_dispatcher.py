@@ -235,7 +235,7 @@ def test_accepted_requests_are_journaled_before_the_ack_and_results_after(tmp_pa
     r2, other, n = run(again())
     assert r2.ok and r2.finished_at == r.finished_at and n == 0
     assert other.status == "rejected" and other.reason.startswith(
-        "id: 'k1' is in the journal with a different request")
+        "id: 'k1' was accepted before with a different request")
 
 
 def test_journal_holds_running_process_groups_and_every_start(tmp_path):

@@ -96,7 +96,8 @@ def test_the_same_id_with_another_request_is_rejected_while_it_runs():
     a, same, other, first = run(go())
     assert same is a  # deduplicated: the first's future
     assert other.status == "rejected" and other.reason == (
-        "id: 'x' was accepted before with a different request; give this one another id")
+        "id: 'x' was accepted before with a different request; give this one another id "
+        "(or, to start over, use a new journal)")
     assert first.ok and first.stdout == "a\n"
 
 
@@ -120,8 +121,8 @@ def test_a_resubmission_must_match_the_stored_request(tmp_path):
     assert same.ok and same.stdout == "first\n" and same.finished_at == r.finished_at
     for out in (other_env, other_argv):
         assert out.status == "rejected" and out.reason == (
-            "id: 'k' is in the journal with a different request; give this one another "
-            "id, or use a new journal")
+            "id: 'k' was accepted before with a different request; give this one another "
+            "id (or, to start over, use a new journal)")
 
 
 # ------------------------------------------------------------------ env values
@@ -193,7 +194,7 @@ def test_a_withheld_env_resubmitted_with_other_values_is_rejected(tmp_path):
             out = await d.accept(r)
             return out, d.awaiting_resubmission
     out, waiting = run(restart({**req, "env": {"TOKEN": "wrong"}}))
-    assert out.status == "rejected" and "in the journal with a different request" in out.reason
+    assert out.status == "rejected" and "accepted before with a different request" in out.reason
     assert waiting == ["e"]  # still waiting for the real one
     out, waiting = run(restart(req))
     assert out.ok and out.stdout == "x\n" and waiting == []

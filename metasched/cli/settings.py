@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from metasched.errors import ConfigError
@@ -14,12 +15,22 @@ def int_setting(cfg: dict[str, Any], key: str, lo: int, default: int | None = No
     return v
 
 
+def bool_setting(cfg: dict[str, Any], key: str, default: bool) -> bool:
+    """A switch: true or false (absent or null: ``default``); nothing else passes for one."""
+    v = cfg.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ConfigError(key, f"must be true or false (got {v!r})")
+    return v
+
+
 def max_wait_setting(cfg: dict[str, Any]) -> float | None:
-    """``max_wait_s``: the core's starvation guard, a number > 0 or null (off)."""
+    """``max_wait_s``: the core's starvation guard, a finite number > 0 or null (off)."""
     wait = cfg.get("max_wait_s")
     if wait is not None and (isinstance(wait, bool) or not isinstance(wait, (int, float))
-                             or not wait > 0):
-        raise ConfigError("max_wait_s", f"must be a number > 0 or null (got {wait!r})")
+                             or not 0 < wait < math.inf):
+        raise ConfigError("max_wait_s", f"must be a number > 0, finite, or null (got {wait!r})")
     return None if wait is None else float(wait)
 
 

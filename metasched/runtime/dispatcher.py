@@ -447,8 +447,7 @@ class Dispatcher:
             known = self._jobs.get(req.id)
             if known is not None:
                 if not _same_request(known.request, req):
-                    raise ConfigError("id", f"{req.id!r} was accepted before with a "
-                                      f"different request; give this one another id")
+                    raise ConfigError("id", _taken(req.id))
                 return known.future
             if self.journal is not None:
                 doc, digest = store(req, submitted, now_wall,
@@ -481,8 +480,7 @@ class Dispatcher:
         request the journal holds)."""
         stored, attempts = self._held[req.id]
         if stored.digest != digest:
-            raise ConfigError("id", f"{req.id!r} is in the journal with a different request; "
-                              f"give this one another id, or use a new journal")
+            raise ConfigError("id", _taken(req.id))
         del self._held[req.id]
         self._enqueue(_Job(req, future, stored.queued_at, attempts))
         return future
@@ -569,9 +567,8 @@ class Dispatcher:
         if same:
             return Result.from_json(row[2])
         self.n_rejected += 1
-        return Result(job.request.id, REJECTED, f"id: {job.request.id!r} is in the journal "
-                      f"with a different request; give this one another id, or use a new "
-                      f"journal", queued_at=job.queued_at, finished_at=job.queued_at)
+        return Result(job.request.id, REJECTED, str(ConfigError("id", _taken(job.request.id))),
+                      queued_at=job.queued_at, finished_at=job.queued_at)
 
     def _journal_start(self, key: str, pid: int | None, attempt: int) -> None:
         """Journal a start (with its process group, if any) in the next group commit."""
@@ -972,6 +969,7 @@ class Dispatcher:
                 "queued": s.n_pending, "running": s.n_running,
                 "decisions": self.n_decisions, "grants": s.n_grants,
                 "guard_fired": self.guard.fired, "decision_latency_us": pct,
+                "awaiting_resubmission": len(self._held),
                 "measured_utilisation": self.monitor.summary()}
 
     def run_result(self) -> RunResult:
@@ -989,6 +987,12 @@ class Dispatcher:
                         "api": float(s.api.total)},
             sum(e.spec.rpm / 60.0 for e in eps), sum(e.spec.req_capacity for e in eps), s.t,
             counters)
+
+
+def _taken(rid: str) -> str:
+    """Why a request is rejected whose id belongs to another request."""
+    return (f"{rid!r} was accepted before with a different request; give this one another "
+            f"id (or, to start over, use a new journal)")
 
 
 def _same_request(a: Request, b: Request) -> bool:
