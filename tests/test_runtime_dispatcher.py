@@ -189,6 +189,36 @@ def test_api_call_retries_on_429_and_charges_the_quota_per_attempt():
     assert ep.requests == 3 and ep.in_flight == 0
 
 
+class _Port(_JsonHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive
+
+    def do_POST(self):  # noqa: N802 - http.server's naming
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.reply(200, json.dumps({"port": self.client_address[1]}).encode())
+
+
+def test_api_calls_share_the_dispatchers_pooled_connection():
+    """One HTTP client per dispatcher: calls one after another reuse its connection (the
+    server sees one client port), and closing the dispatcher closes the client."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Port)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    req = {"kind": "api", "endpoint": "e", "timeout_s": 20,
+           "http": {"url": f"http://127.0.0.1:{server.server_address[1]}/"}}
+
+    async def go():
+        async with Dispatcher(cfg(endpoints=EP)) as d:
+            out = [await d.submit(req) for _ in range(4)]
+            client = d._http
+        return out, client
+    try:
+        results, client = run(go())
+    finally:
+        server.shutdown()
+    assert all(r.ok for r in results)
+    assert len({r.value["port"] for r in results}) == 1
+    assert client.is_closed
+
+
 def test_api_callable():
     async def go():
         async def call():

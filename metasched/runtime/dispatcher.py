@@ -38,7 +38,7 @@ from metasched.core.pools import EndpointSpec, ServiceSpec
 from metasched.core.scheduler import Scheduler
 from metasched.core.state import ClusterState, InvalidGrant
 from metasched.errors import ConfigError
-from metasched.runtime.api_calls import RetryPolicy, call_api
+from metasched.runtime.api_calls import RetryPolicy, call_api, make_client
 from metasched.runtime.cost_model import CostModel
 from metasched.runtime.gpu import (
     GpuSampler,
@@ -242,6 +242,7 @@ class Dispatcher:
                 self.cgroup = cg
             else:
                 log.warning("cgroup confinement off: %s (commands are pinned by affinity)", why)
+        self._http = None  # the pooled HTTP client of API calls, made for the first one
         self.latency_ns: deque[int] = deque(maxlen=200_000)
         self.n_decisions = 0
         self.n_rejected = 0
@@ -304,6 +305,9 @@ class Dispatcher:
                 job.future.cancel()
         if self.gpu_sampler is not None:
             self.gpu_sampler.close()
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
         if self.journal is not None:
             if self._flush_timer is not None:
                 self._flush_timer.cancel()
@@ -865,9 +869,14 @@ class Dispatcher:
 
     async def _run_api(self, job: _Job) -> None:
         req = job.request
+        if req.call is None and self._http is None:
+            # One pooled client for all of them: connections are reused across calls.
+            slots = sum(ep.spec.max_concurrency for ep in self.state.api.endpoints.values())
+            self._http = make_client(max_keepalive=max(1, slots))
         out = await call_api(req.http if req.call is None else req.call,
                              timeout_s=req.timeout_s, retry=self.config.retry,
-                             before_retry=lambda: self._quota_for_retry(req))
+                             before_retry=lambda: self._quota_for_retry(req),
+                             client=self._http)
         self._complete(job, out)
 
     async def _quota_for_retry(self, req: Request) -> None:
