@@ -38,7 +38,8 @@ def run(n: int, scheduler: str, tmp: Path) -> dict[str, float]:
     with open(log, "w") as err:
         p = subprocess.Popen([sys.executable, "-m", "metasched.cli.dispatch_app",
                               f"jobs={jobs}", f"scheduler={scheduler}", "progress=false",
-                              f"hydra.run.dir={out}"], stdout=subprocess.DEVNULL, stderr=err)
+                              f"hydra.run.dir={out}"], stdout=subprocess.DEVNULL, stderr=err,
+                             cwd=tmp)  # not this directory: -m would import from it first
         _, status, usage = os.wait4(p.pid, 0)  # this child's own peak (its commands' aside)
     wall = time.time() - t0
     p.returncode = os.waitstatus_to_exitcode(status)

@@ -194,6 +194,43 @@ def test_duplicate_ids_and_bad_bytes_fail_alone_and_the_run_goes_on(tmp_path):
     assert (tmp_path / "out" / "results.md").exists()
 
 
+def test_no_more_than_read_ahead_requests_are_accepted_and_unfinished(tmp_path):
+    """Backpressure, from the journal's own times: at any instant at most ``read_ahead``
+    requests had been accepted and not yet finished, however long the file."""
+    from metasched.runtime.journal import Journal
+
+    jobs = write_jobs(tmp_path / "jobs.jsonl",
+                      [job("sleep", "0.05") for _ in range(40)])
+    run_dispatch({"jobs": jobs, "scheduler": "fifo", "progress": False, "read_ahead": 4},
+                 tmp_path / "out")
+    with Journal(tmp_path / "out" / "journal.db") as j:
+        rows = j._db.execute("SELECT accepted_at, finished_at FROM requests").fetchall()
+    assert len(rows) == 40
+    events = sorted([(t0, 1) for t0, _ in rows] + [(t1, -1) for _, t1 in rows],
+                    key=lambda e: (e[0], e[1]))  # a finish before an accept at a tie
+    open_, peak = 0, 0
+    for _, step in events:
+        open_ += step
+        peak = max(peak, open_)
+    assert peak <= 4
+
+
+@pytest.mark.parametrize("lines, rejected", [
+    # a given id, then a line whose line-<n> it is: the later line is rejected
+    ([{"id": "line-3"}, {}, {}], {3: "is already the id of line 1"}),
+    # a line-<n>, then a line giving that id
+    ([{}, {"id": "line-1"}, {"id": "line-9"}], {2: "is already the id of line 1"}),
+    ([{"id": "x"}, {"id": "y"}, {"id": "x"}], {3: "is already the id of line 1"}),
+    ([{"id": "line-01"}, {}], {}),  # not line 1's id: "line-1" is
+])
+def test_ids_given_and_made_cannot_clash(tmp_path, lines, rejected):
+    path = write_jobs(tmp_path / "jobs.jsonl", [{**job("true"), **extra} for extra in lines])
+    out = {n: r for n, r in read_jobs(path)}
+    assert {n: r.reason.split(": ", 1)[1] for n, r in out.items()
+            if not hasattr(r, "argv")} == {n: f"id: {out[n].id!r} {why} (give each line its "
+                                               f"own id)" for n, why in rejected.items()}
+
+
 def test_job_lines_are_read_as_a_stream(tmp_path):
     """The reader holds one line at a time: a line is parsed only when it is asked for
     (a file that grows after the first line is read shows it)."""

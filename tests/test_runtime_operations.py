@@ -229,6 +229,29 @@ def test_compacted_rows_keep_their_ids_and_outcomes(tmp_path):
 # ------------------------------------------------------------------ bad settings and numbers
 
 
+def test_a_journal_damaged_inside_is_a_config_error_at_start(tmp_path):
+    """Header intact, table pages overwritten: the open-time checks pass, recovery's
+    read of the unfinished requests finds the damage, and says so in one line."""
+    db = tmp_path / "j.db"
+    with Journal(db) as j:
+        j.accept_many([(f"k{i}", json.dumps({"queued_at": 1.0, "request": {}, "x": "y" * 300}))
+                       for i in range(500)])
+        j._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    data = bytearray(db.read_bytes())
+    page = int.from_bytes(data[16:18], "big")
+    data[2 * page:] = b"\xff" * (len(data) - 2 * page)  # every page after the second
+    db.write_bytes(bytes(data))
+
+    async def go():
+        async with Dispatcher(cfg(journal=db)):
+            pass
+    with pytest.raises(ConfigError) as info:
+        run(go())
+    msg = str(info.value)
+    assert msg.startswith(f"journal: {db}: unreadable (") and "\n" not in msg, msg
+    Journal(db, lock=True).close()  # the failed start released the lock
+
+
 @pytest.mark.parametrize("workdir, why", [
     ("/nonexistent", "no such directory"),
     ("/proc/1", "No such file or directory"),  # exists, but nothing can be made there

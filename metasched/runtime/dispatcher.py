@@ -20,7 +20,6 @@ import os
 import shutil
 import sqlite3
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -32,7 +31,7 @@ import numpy as np
 from metasched.core.actions import Action, ActionSpec, Grant, Trajectory
 from metasched.core.cluster_config import ClusterConfig
 from metasched.core.guard import WaitGuard
-from metasched.core.metrics import Recorder, RunResult
+from metasched.core.metrics import Recorder, Ring, RunResult
 from metasched.core.observation import ObsConfig, ObservationEncoder
 from metasched.core.pools import EndpointSpec, ServiceSpec
 from metasched.core.scheduler import Scheduler
@@ -243,7 +242,7 @@ class Dispatcher:
             else:
                 log.warning("cgroup confinement off: %s (commands are pinned by affinity)", why)
         self._http = None  # the pooled HTTP client of API calls, made for the first one
-        self.latency_ns: deque[int] = deque(maxlen=200_000)
+        self.latency_ns = Ring(200_000, "q")  # the last decisions' latencies, unboxed
         self.n_decisions = 0
         self.n_rejected = 0
         self._ticker: asyncio.Task | None = None
@@ -969,7 +968,7 @@ class Dispatcher:
     def stats(self) -> dict[str, Any]:
         """Counters, decision latency percentiles (µs) and measured utilisation."""
         s = self.state
-        lat = np.array(self.latency_ns, dtype=float) / 1e3
+        lat = self.latency_ns.array(float) / 1e3
         pct = ({f"p{q}": float(np.percentile(lat, q)) for q in (50, 90, 99)} if lat.size
                else {})
         return {"scheduler": self.scheduler.name if self.scheduler else None,
