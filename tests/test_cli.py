@@ -140,6 +140,7 @@ def test_a_stop_signal_ends_an_evaluation_and_its_workers_at_once(tmp_path, sig,
                           "schedulers=[elastic_greedy]", "plots=false",
                           f"hydra.run.dir={tmp_path}"], cwd="/tmp", text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    workers: list[psutil.Process] = []
     try:
         me = psutil.Process(p.pid)
         deadline = time.monotonic() + 60
@@ -152,11 +153,16 @@ def test_a_stop_signal_ends_an_evaluation_and_its_workers_at_once(tmp_path, sig,
         p.send_signal(getattr(signal, sig))
         _, err = p.communicate(timeout=60)
         took = time.monotonic() - t0
+        _, alive = psutil.wait_procs(workers, timeout=10)  # terminated: ending, if not gone
     finally:
         p.kill()
+        for w in workers:  # whatever happened above, none outlives the test
+            try:
+                w.kill()
+            except psutil.NoSuchProcess:
+                pass
     assert p.returncode == status, err
     assert err.strip().endswith(f"interrupted ({sig})") and "Traceback" not in err, err
     assert took < 20  # not the 200 seeds' worth of runs
-    _, alive = psutil.wait_procs(workers, timeout=10)  # terminated: ending, if not gone
     assert not alive
     assert not (tmp_path / "results.json").exists()

@@ -104,7 +104,7 @@ class DispatcherConfig:
         tail_bytes: how much of a command's stdout / stderr results keep.
         sample_interval_s: how often psutil / NVML are sampled.
         metrics_window: per-action measurements kept for the results (ACT percentiles):
-            the most recent this many (about 250 bytes each); counts, utilisation and
+            the most recent this many (about 45 bytes each); counts, utilisation and
             failure reasons always cover every action. None: keep all (memory grows
             with every action).
         trajectory_idle_s: a trajectory with nothing queued or running for this long is
@@ -453,8 +453,11 @@ class Dispatcher:
                     raise ConfigError("id", _taken(req.id))
                 return known.future
             if self.journal is not None:
-                doc, digest = store(req, submitted, now_wall,
-                                    keep_env=self.config.journal_env)
+                try:
+                    doc, digest = store(req, submitted, now_wall,
+                                        keep_env=self.config.journal_env)
+                except ValueError as e:  # e.g. a Python object as a payload
+                    raise ConfigError("payload", f"cannot be journaled: {e}") from None
                 if req.id in self._held:
                     return self._resubmitted(req, digest, future)
         except ConfigError as e:

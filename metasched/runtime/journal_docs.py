@@ -35,12 +35,22 @@ from metasched.runtime.requests import Request
 _DROPPED_OUTPUT = ("stdout", "stderr", "value")
 
 
-def digest(request: dict[str, Any]) -> str:
-    """SHA-256 (hex) of a request's JSON form, keys sorted: equal for equal requests
-    however their fields were ordered."""
-    text = json.dumps(request, sort_keys=True, separators=(",", ":"), allow_nan=False,
-                      default=repr)
+def _canonical(request: dict[str, Any]) -> str:
+    """A request's JSON form with its keys sorted: the same text for the same request
+    however its fields were ordered. Raises ValueError for a value JSON cannot hold."""
+    try:
+        return json.dumps(request, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"not JSON ({e})") from None
+
+
+def _sha256(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def digest(request: dict[str, Any]) -> str:
+    """SHA-256 (hex) of a request's JSON form, keys sorted."""
+    return _sha256(_canonical(request))
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,17 +84,21 @@ def store(request: Request, submitted: Request, queued_at: float, *, keep_env: b
           ) -> tuple[str, str]:
     """The row text for ``request`` (as it will run) and the digest of ``submitted``
     (as it was given: a resubmission is compared with what the caller sent, not with
-    what this machine made of it, e.g. cores capped to the node)."""
+    what this machine made of it, e.g. cores capped to the node). One JSON encoding
+    serves both when nothing is withheld (this runs for every accepted request).
+
+    Raises:
+        ValueError: the request holds a value JSON cannot (a Python object as a payload).
+    """
     form = request.to_dict()
-    doc: dict[str, Any] = {"queued_at": queued_at, "request": form,
-                           "digest": digest(form if submitted is request
-                                            else submitted.to_dict())}
+    text = _canonical(form)
+    found = _sha256(text if submitted is request else _canonical(submitted.to_dict()))
+    extra = ""
     if not keep_env and "env" in form:
-        doc["env_withheld"] = sorted(form["env"])
-        form = dict(form)
-        del form["env"]
-        doc["request"] = form
-    return json.dumps(doc, separators=(",", ":")), doc["digest"]
+        extra = f',"env_withheld":{json.dumps(sorted(form["env"]))}'
+        text = _canonical({k: v for k, v in form.items() if k != "env"})
+    return (f'{{"queued_at":{json.dumps(queued_at)},"request":{text},"digest":"{found}"'
+            f'{extra}}}'), found
 
 
 def compacted(request: str, result: str) -> tuple[str, str]:
