@@ -253,7 +253,8 @@ def test_job_lines_are_read_as_a_stream(tmp_path):
     ("text", ["journal=JOURNAL"], "error: journal: JOURNAL: not an SQLite file"),
     ("", ["fsync=maybe"], "error: fsync: must be true or false (got 'maybe')"),
     ("", ["compact=-1"], "error: compact: must be a number of seconds >= 0 or null"),
-    ("", ["read_ahead=0"], "error: read_ahead: must be a whole number >= 1"),
+    ("", ["read_ahead=0"], "error: read_ahead: must be a whole number in [1, 1000000]"),
+    ("", ["gpu_standin=100000"], "error: gpu_standin: must be a whole number in [0, 64]"),
     ("", ["+scheduler_params.headroom=2", "scheduler=elastic_greedy"],
      "error: scheduler_params: elastic_greedy: "),
 ])

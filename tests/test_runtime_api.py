@@ -37,6 +37,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     protocol_version = "HTTP/1.1"
     hits: Counter[str] = Counter()
+    # Each answer in one write: two small writes on a kept-alive connection wait out the
+    # client's delayed ACK (40 ms) under Nagle.
+    wbufsize = -1
     lock = threading.Lock()
 
     def log_message(self, format: str, *args: object) -> None:  # keep test output clean

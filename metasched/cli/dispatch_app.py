@@ -89,7 +89,7 @@ def dispatcher_config(cfg: dict[str, Any], run_dir: Path):
         raise ConfigError("journal", f"must be a file path or null (got {journal!r})")
     return DispatcherConfig(
         scheduler=scheduler, scheduler_params=dict(params), cores=cores,
-        gpu_standin=int_setting(cfg, "gpu_standin", 0, default=0),
+        gpu_standin=int_setting(cfg, "gpu_standin", 0, default=0, hi=64),
         endpoints=parse_endpoints(cfg.get("endpoints"), "endpoints"),
         journal=journal, fsync=bool_setting(cfg, "fsync", False),
         journal_env=bool_setting(cfg, "journal_env", False),
@@ -302,7 +302,7 @@ def run_dispatch(cfg: dict[str, Any], out_dir, progress: bool = True) -> dict[st
     out = Path(out_dir)
     total = count_requests(cfg["jobs"])
     dcfg = dispatcher_config(cfg, out)
-    read_ahead = int_setting(cfg, "read_ahead", 1, default=4096)
+    read_ahead = int_setting(cfg, "read_ahead", 1, default=4096, hi=1_000_000)
     compact_s = compact_setting(cfg)
     services = load_services(cfg.get("services"))
     show = progress and bool_setting(cfg, "progress", True)

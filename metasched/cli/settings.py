@@ -8,10 +8,13 @@ from typing import Any
 from metasched.errors import ConfigError
 
 
-def int_setting(cfg: dict[str, Any], key: str, lo: int, default: int | None = None) -> int:
+def int_setting(cfg: dict[str, Any], key: str, lo: int, default: int | None = None,
+                hi: int | None = None) -> int:
+    """A whole number in ``[lo, hi]`` (``hi`` None: no upper bound)."""
     v = cfg.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise ConfigError(key, f"must be a whole number >= {lo} (got {v!r})")
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+        bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ConfigError(key, f"must be a whole number {bounds} (got {v!r})")
     return v
 
 

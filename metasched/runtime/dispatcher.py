@@ -37,7 +37,7 @@ from metasched.core.pools import EndpointSpec, ServiceSpec
 from metasched.core.scheduler import Scheduler
 from metasched.core.state import ClusterState, InvalidGrant
 from metasched.errors import ConfigError
-from metasched.runtime.api_calls import RetryPolicy, call_api, make_client
+from metasched.runtime.api_calls import RetryPolicy, call_api, make_client, warm_up
 from metasched.runtime.cost_model import CostModel
 from metasched.runtime.gpu import (
     GpuSampler,
@@ -241,7 +241,7 @@ class Dispatcher:
                 self.cgroup = cg
             else:
                 log.warning("cgroup confinement off: %s (commands are pinned by affinity)", why)
-        self._http = None  # the pooled HTTP client of API calls, made for the first one
+        self._http = None  # the pooled HTTP client of API calls (see start)
         self.latency_ns = Ring(200_000, "q")  # the last decisions' latencies, unboxed
         self.n_decisions = 0
         self.n_rejected = 0
@@ -260,6 +260,14 @@ class Dispatcher:
         """Load the scheduler, recover the journal, start sampling."""
         self._loop = asyncio.get_running_loop()
         self.scheduler = self._load_scheduler()
+        endpoints = self.state.api.endpoints.values()
+        if endpoints:
+            # One pooled client for every API call (connections are reused), made now
+            # with what its first call would load: the first call must not start later
+            # than the quota allows (the CA store, the transport's imports: ~0.1 s).
+            self._http = make_client(
+                max_keepalive=max(1, sum(ep.spec.max_concurrency for ep in endpoints)))
+            await warm_up()
         if self.journal is not None:
             try:
                 self._recover()
@@ -871,10 +879,6 @@ class Dispatcher:
 
     async def _run_api(self, job: _Job) -> None:
         req = job.request
-        if req.call is None and self._http is None:
-            # One pooled client for all of them: connections are reused across calls.
-            slots = sum(ep.spec.max_concurrency for ep in self.state.api.endpoints.values())
-            self._http = make_client(max_keepalive=max(1, slots))
         out = await call_api(req.http if req.call is None else req.call,
                              timeout_s=req.timeout_s, retry=self.config.retry,
                              before_retry=lambda: self._quota_for_retry(req),
