@@ -53,8 +53,7 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 
-from metasched.runtime import process
-from metasched.runtime.process import run_process
+from metasched.runtime.process import limits, run_process, spawn
 
 ARGV = ["/bin/true"]
 
@@ -84,19 +83,19 @@ async def _run_process(core: int) -> None:
 
 
 async def _run_process_popen(core: int) -> None:
-    process._fork_exec_usable = False
+    spawn._fork_exec_usable = False
     try:
         await _run_process(core)
     finally:
-        process._fork_exec_usable = True
+        spawn._fork_exec_usable = True
 
 
 async def _run_process_stay(core: int) -> None:
-    process._step_off_granted_cores = False
+    spawn._step_off_granted_cores = False
     try:
         await _run_process(core)
     finally:
-        process._step_off_granted_cores = True
+        spawn._step_off_granted_cores = True
 
 
 async def _run_process_shm(core: int) -> None:
@@ -110,12 +109,12 @@ async def _run_process_rlimit(core: int) -> None:
 
 
 async def _run_process_rlimit_preexec(core: int) -> None:
-    saved = process._prlimit_checked, process._prlimit_path
-    process._prlimit_checked, process._prlimit_path = True, None  # as if prlimit(1) lacked
+    saved = limits._prlimit_checked, limits._prlimit_path
+    limits._prlimit_checked, limits._prlimit_path = True, None  # as if prlimit(1) lacked
     try:
         await _run_process_rlimit(core)
     finally:
-        process._prlimit_checked, process._prlimit_path = saved
+        limits._prlimit_checked, limits._prlimit_path = saved
 
 
 async def _asyncio_exec(core: int, preexec: bool) -> None:
