@@ -12,11 +12,8 @@ methods alike):
 - ``xargs``: ``seq N | xargs -P<concurrency> -I{} /bin/true``, the reference
   (no pinning, no capture, no temporary directory).
 - ``run_process``: :func:`metasched.runtime.process.run_process` as shipped: the
-  event-loop thread pins itself to the granted core around a direct
-  ``_posixsubprocess.fork_exec`` (vfork, no ``preexec_fn``), then steps off that core;
-  exit awaited on a pidfd.
-- ``run_process(Popen)``: the same through ``subprocess.Popen`` instead of calling
-  ``_posixsubprocess.fork_exec`` directly.
+  event-loop thread pins itself to the granted core around ``subprocess.Popen`` (vfork,
+  no ``preexec_fn``), then steps off that core; exit awaited on a pidfd.
 - ``run_process(stay)``: the same without stepping the event-loop thread off the
   granted core after the spawn (it then shares that core with the child for a while).
 - ``run_process(shm)``: the same with ``cwd_root="/dev/shm"`` (tmpfs: creating and
@@ -80,14 +77,6 @@ async def _drive(n: int, concurrency: int, one: Callable[[int], Awaitable[None]]
 async def _run_process(core: int) -> None:
     out = await run_process(ARGV, cores=[core], timeout_s=10)
     assert out.ok, out
-
-
-async def _run_process_popen(core: int) -> None:
-    spawn._fork_exec_usable = False
-    try:
-        await _run_process(core)
-    finally:
-        spawn._fork_exec_usable = True
 
 
 async def _run_process_stay(core: int) -> None:
@@ -177,7 +166,6 @@ async def _spawner_thread(core: int) -> None:
 
 METHODS: dict[str, Callable[[int], Awaitable[None]]] = {
     "run_process": _run_process,
-    "run_process(Popen)": _run_process_popen,
     "run_process(stay)": _run_process_stay,
     "run_process(shm)": _run_process_shm,
     "run_process+rlimit": _run_process_rlimit,

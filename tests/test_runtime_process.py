@@ -24,7 +24,6 @@ from metasched.runtime.process import (
     kill_group,
     limits,
     run_process,
-    spawn,
     start_process,
     workdir,
 )
@@ -87,15 +86,6 @@ def my_zombies() -> list[int]:
     return out
 
 
-@pytest.fixture(params=[True, False], ids=["fork_exec", "popen"])
-def spawn_path(request, monkeypatch):
-    """Run a test through both ways of starting a child (direct fork_exec and Popen)."""
-    if request.param and not spawn._fork_exec_usable:
-        pytest.skip("no direct fork_exec on this Python")
-    monkeypatch.setattr(spawn, "_fork_exec_usable", request.param)
-    return request.param
-
-
 @pytest.fixture(params=["prlimit", "preexec"])
 def limits_path(request, monkeypatch):
     """Run a test through both ways of setting rlimits: the prlimit(1) launcher and, where
@@ -109,7 +99,7 @@ def limits_path(request, monkeypatch):
     return request.param
 
 
-def test_success_keeps_the_stdout_tail(spawn_path, tmp_path):
+def test_success_keeps_the_stdout_tail(tmp_path):
     out = run(py("print('x' * 10000); print('end')"), tail_bytes=100, cwd_root=str(tmp_path))
     assert out.ok and out.reason == "" and out.exit_code == 0
     assert out.stdout == "x" * 95 + "\nend\n"
@@ -283,7 +273,7 @@ def test_cpu_time_limit(limits_path, ignore_sigxcpu):
 
 
 @pytest.mark.parametrize("cores", [[0], [1], [0, 1]], ids=str)
-def test_child_runs_on_exactly_the_granted_cores(spawn_path, cores):
+def test_child_runs_on_exactly_the_granted_cores(cores):
     if not set(cores) <= set(CPUS):
         pytest.skip(f"needs cpus {cores}")
     before = os.sched_getaffinity(0)
@@ -403,7 +393,7 @@ def not_executable(tmp_path: Path) -> list[str]:
     (not_executable, "Permission denied"),
     (lambda tmp: [], "empty argv"),
 ])
-def test_cannot_start(spawn_path, tmp_path, make_argv, why):
+def test_cannot_start(tmp_path, make_argv, why):
     work = tmp_path / "work"
     work.mkdir()
     fds = open_fds()

@@ -118,12 +118,11 @@ class Stream:
 class Child:
     """A started child: exit notification, reaping, killing, and its two output pipes."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, pid: int,
-                 proc: subprocess.Popen | None, out_fd: int, err_fd: int,
-                 tail_bytes: int) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, proc: subprocess.Popen,
+                 out_fd: int, err_fd: int, tail_bytes: int) -> None:
         self.loop = loop
-        self.pid = pid
-        self.proc = proc
+        self.pid = proc.pid
+        self.proc = proc  # reaped here, not by Popen (see reap())
         self.exited: asyncio.Future[None] = loop.create_future()
         self.killed_by: str | None = None
         self.reaped = False
@@ -184,10 +183,9 @@ class Child:
             self.maxrss_bytes = usage.ru_maxrss * 1024  # KiB on Linux
             self.cpu_s = usage.ru_utime + usage.ru_stime
         self.reaped = True
-        if self.proc is not None:
-            # Popen would otherwise warn that the child "is still running" and keep it
-            # in its list of processes to poll.
-            self.proc.returncode = self.returncode if self.returncode is not None else -1
+        # wait4 (not Popen.wait) gives the peak RSS and CPU time; Popen would otherwise
+        # warn that the child "is still running" and keep it in its list to poll.
+        self.proc.returncode = self.returncode if self.returncode is not None else -1
         self._close_pidfd()
 
     async def reap_after_kill(self) -> None:

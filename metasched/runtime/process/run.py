@@ -196,18 +196,19 @@ class Process:
             return cls.failed(cannot_start(exc, detail))
         try:
             try:
-                pid, proc = spawn(args, cores, env, cwd, out_w, err_w, preexec)
+                proc = spawn(args, cores, env, cwd, out_w, err_w, preexec)
             finally:
                 close_fds(out_w, err_w)  # the child has its copies; EOF needs ours closed
         except Exception as exc:  # OSError from exec, SubprocessError from preexec, ValueError
             close_fds(out_r, err_r)
             return cls.failed(cannot_start(exc, detail))
 
+        pid = proc.pid
         try:
-            child = Child(loop, pid, proc, out_r, err_r, tail_bytes)
+            child = Child(loop, proc, out_r, err_r, tail_bytes)
         except BaseException:  # e.g. the loop is closing: do not leave the child behind
             kill_group(pid)
-            os.waitpid(pid, 0)
+            proc.wait()
             close_fds(out_r, err_r)
             raise
         self = cls()
