@@ -43,10 +43,9 @@ def child_env(env: Mapping[str, str] | None, extra_env: Mapping[str, str] | None
         ValueError: a given variable name contains "=".
     """
     if env is None:
-        # os.environ keeps its bytes form in ``_data`` on POSIX; copying that dict is
-        # ~100x faster than iterating the mapping, which decodes every item.
-        data = getattr(os.environ, "_data", None)
-        out = dict(data) if isinstance(data, dict) else dict(os.environb)
+        # Read now, not cached: the caller's os.environ may have changed since the last
+        # call. os.environb is the bytes view of it: nothing is decoded or encoded.
+        out = dict(os.environb)
     else:
         out = _encode_env(env)
         # Without PATH, execvpe falls back to a confstr default that may not match this
