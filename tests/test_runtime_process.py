@@ -284,6 +284,29 @@ def test_child_runs_on_exactly_the_granted_cores(cores):
     assert os.sched_getaffinity(0) == before
 
 
+def test_child_has_null_stdin_its_own_session_and_no_other_descriptors():
+    # An inheritable descriptor of this process (another action's pipe, say) must not
+    # reach the child: it would hold that pipe open for as long as it runs.
+    r, w = os.pipe()
+    high = os.dup2(w, 100, inheritable=True)
+    try:
+        out = run(py("""
+            import json, os, sys
+            print(json.dumps({"stdin": os.readlink("/proc/self/fd/0"), "read": sys.stdin.read(),
+                              "fds": sorted(int(fd) for fd in os.listdir("/proc/self/fd")),
+                              "ids": [os.getpid(), os.getpgid(0), os.getsid(0)]}))
+        """))
+    finally:
+        for fd in (r, w, high):
+            os.close(fd)
+    assert out.ok, out
+    info = json.loads(out.stdout)
+    assert info["stdin"] == "/dev/null" and info["read"] == ""
+    # 0-2, and the descriptor listdir opened to list them.
+    assert info["fds"] == [0, 1, 2, 3]
+    assert info["ids"] == [out.detail["pid"]] * 3  # leads its own session and group
+
+
 @pytest.mark.parametrize("cores", [[0], [0, 1]], ids=str)
 def test_thread_variables_equal_the_core_count(cores):
     if not set(cores) <= set(CPUS):
