@@ -38,6 +38,7 @@ from metasched.core.scheduler import Scheduler
 from metasched.core.state import ClusterState, InvalidGrant
 from metasched.errors import ConfigError
 from metasched.runtime.api_calls import RetryPolicy, call_api, make_client, warm_up
+from metasched.runtime.backend import Backend, Command, CommandSpec
 from metasched.runtime.cost_model import CostModel
 from metasched.runtime.gpu import (
     GpuSampler,
@@ -159,31 +160,52 @@ class Dispatcher:
         services: live GPU services by name (see ``metasched.runtime.gpu``).
         scheduler: a ``Scheduler`` object instead of ``config.scheduler``.
         clock: monotonic seconds (tests inject a fake clock).
+        backend: where actions run (default: this machine; see
+            :mod:`metasched.runtime.backend`). A backend brings its own nodes, devices
+            and services: ``cores``, ``mem_gb`` and ``gpu_standin`` of ``config`` and
+            ``services`` are then the backend's business.
     """
 
     def __init__(self, config: DispatcherConfig | None = None, *,
                  services: Mapping[str, LiveService] | None = None,
                  scheduler: Scheduler | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 backend: Backend | None = None) -> None:
         self.config = cfg = config or DispatcherConfig()
-        usable = usable_cores()
-        self.cores = sorted(set(cfg.cores)) if cfg.cores is not None else usable
-        if not self.cores:
-            raise ConfigError("cores", "no CPU cores to run actions on")
-        if not set(self.cores) <= set(usable):
-            raise ConfigError("cores", f"{sorted(set(self.cores) - set(usable))} are not "
-                              f"usable here (usable: {usable})")
-        self.devices, self.no_gpu_reason = discover_devices(
-            standin=cfg.gpu_standin, standin_mem_gb=cfg.gpu_standin_mem_gb)
-        self.host = ServiceHost(self.devices)
-        for name, svc in (services or {}).items():
-            self.host.register(name, svc)
+        self.backend = backend
+        if backend is None:
+            usable = usable_cores()
+            self.cores = sorted(set(cfg.cores)) if cfg.cores is not None else usable
+            if not self.cores:
+                raise ConfigError("cores", "no CPU cores to run actions on")
+            if not set(self.cores) <= set(usable):
+                raise ConfigError("cores", f"{sorted(set(self.cores) - set(usable))} are not "
+                                  f"usable here (usable: {usable})")
+            self.devices, self.no_gpu_reason = discover_devices(
+                standin=cfg.gpu_standin, standin_mem_gb=cfg.gpu_standin_mem_gb)
+            self.host = ServiceHost(self.devices)
+            for name, svc in (services or {}).items():
+                self.host.register(name, svc)
+            n_nodes, node_cores = 1, len(self.cores)
+            node_mem = cfg.mem_gb if cfg.mem_gb is not None else memory_gb()
+        else:
+            if services:
+                raise ValueError("with a backend, GPU services are given to the backend")
+            if not backend.nodes:
+                raise ConfigError("cores", f"no CPU cores to run actions on ({backend.name})")
+            self.cores = []  # the backend's nodes' cores: not this process's to pin
+            self.devices, self.no_gpu_reason = list(backend.devices), backend.no_gpu_reason
+            self.host = backend.host
+            # The core's CPU pool has nodes of one size: the smallest node's.
+            n_nodes = len(backend.nodes)
+            node_cores = min(len(n.cores) for n in backend.nodes)
+            node_mem = min(n.mem_gb for n in backend.nodes)
         specs: dict[str, ServiceSpec] = dict(self.host.specs)
         if self.devices:
             specs[COMMAND_SERVICE] = ServiceSpec(mem_gb=0.0, restore_s=0.0, max_batch=1)
         self.cluster = ClusterConfig(
-            name="local", cpu_nodes=1, cores_per_node=len(self.cores),
-            mem_gb_per_node=cfg.mem_gb if cfg.mem_gb is not None else memory_gb(),
+            name="local" if backend is None else backend.name, cpu_nodes=n_nodes,
+            cores_per_node=node_cores, mem_gb_per_node=node_mem,
             gpu_devices=len(self.devices),
             gpu_mem_gb=min((d.mem_gb for d in self.devices), default=0.0),
             endpoints=dict(cfg.endpoints))
@@ -215,7 +237,7 @@ class Dispatcher:
         self._tasks: set[asyncio.Task] = set()
         # Started commands whose task has not finished waiting for them: on close, any
         # whose task never ran is abandoned (killed and cleaned up) rather than leaked.
-        self._commands: set[Process] = set()
+        self._commands: set[Process | Command] = set()
         self._next_action = 0
         self._next_traj = 0
         self._kick_pending = False
@@ -231,7 +253,9 @@ class Dispatcher:
         self._wake: asyncio.TimerHandle | None = None  # the next quota refill or deadline
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
-        self.gpu_sampler = GpuSampler(self.devices, self.host) if self.devices else None
+        # NVML readings and per-core load are this machine's: a backend's are not here.
+        self.gpu_sampler = (GpuSampler(self.devices, self.host)
+                            if self.devices and backend is None else None)
         self.monitor = MachineMonitor(self.cores, self.gpu_sampler)
         self.cgroup = None
         if cfg.cgroup_parent is not None:
@@ -269,6 +293,8 @@ class Dispatcher:
                 max_keepalive=max(1, sum(ep.spec.max_concurrency for ep in endpoints)))
             await warm_up()
         if self.journal is not None:
+            if self.backend is not None:
+                await self.backend.kill_orphans([key for key, _, _ in self.journal.unfinished()])
             try:
                 self._recover()
             except sqlite3.DatabaseError as e:  # damage the open-time checks cannot see
@@ -615,7 +641,7 @@ class Dispatcher:
     def _check(self, req: Request) -> Request:
         """What the request asks of this dispatcher's resources (ConfigError if it can
         never run here); cpu ``max_cores`` above the node is capped to the node."""
-        node = len(self.cores)
+        node = self.cluster.cores_per_node
         if req.kind == "cpu":
             if req.min_cores > node:
                 raise ConfigError("min_cores", f"{req.min_cores} cores asked, this dispatcher "
@@ -769,10 +795,14 @@ class Dispatcher:
         for job in jobs:
             job.started_at = now_wall
             job.attempts += 1
-            # A command's start is journaled with its pid, once it runs (_on_pid).
-            if self.journal is not None and job.request.argv == ():
+            # A local command's start is journaled with its pid, once it runs (_on_pid);
+            # a backend's commands are found by their id after a crash (kill_orphans).
+            if self.journal is not None and (job.request.argv == () or self.backend):
                 self._journal_start(job.request.id, None, job.attempts)
-        if kind == "cpu":
+        if kind == "cpu" and self.backend is not None:
+            cmd = self._start_remote(jobs[0], g.action.node, g.cores)
+            work = partial(self._run_remote, jobs[0], cmd)
+        elif kind == "cpu":
             cores = self.monitor.least_loaded(self._free_cores, g.cores)
             for c in cores:
                 self._free_cores.remove(c)
@@ -829,6 +859,31 @@ class Dispatcher:
         self._commands.add(proc)
         return proc
 
+    def _command_spec(self, req: Request, extra_env: Mapping[str, str] | None = None
+                      ) -> CommandSpec:
+        return CommandSpec(req.argv, req.timeout_s, req.env, req.mem_limit_mb, req.cpu_time_s,
+                           self.config.tail_bytes, {ACTION_ENV: req.id, **(extra_env or {})})
+
+    def _start_remote(self, job: _Job, node: int, n_cores: int) -> Command | Exception:
+        """Start a cpu action's command on the backend's ``node`` now (see
+        :meth:`_start_command`)."""
+        try:
+            cmd = self.backend.start_command(node, n_cores, self._command_spec(job.request))
+        except Exception as e:  # noqa: BLE001
+            return e
+        job.alloc = {"node": self.backend.nodes[node].name, "cores": cmd.cores}
+        self._commands.add(cmd)
+        return cmd
+
+    async def _run_remote(self, job: _Job, cmd: Command | Exception) -> None:
+        try:
+            if isinstance(cmd, Exception):
+                raise cmd
+            out = await cmd.wait()
+        finally:
+            self._commands.discard(cmd)
+        self._complete(job, out)
+
     async def _run_cpu(self, job: _Job, cores: list[int], proc: Process | Exception) -> None:
         try:
             if isinstance(proc, Exception):
@@ -843,6 +898,10 @@ class Dispatcher:
         dev = self.devices[device]
         first = jobs[0].request
         try:
+            if first.service is None and self.backend is not None:
+                out = await self.backend.run_device_command(device, self._command_spec(first))
+                self._complete(jobs[0], out)
+                return
             if first.service is None:  # a command that needs a device
                 env = {**command_env(dev), ACTION_ENV: first.id}
                 out = await run_process(
@@ -985,7 +1044,7 @@ class Dispatcher:
                 "decisions": self.n_decisions, "grants": s.n_grants,
                 "guard_fired": self.guard.fired, "decision_latency_us": pct,
                 "awaiting_resubmission": len(self._held),
-                "measured_utilisation": self.monitor.summary()}
+                "measured_utilisation": self.monitor.summary() if self.backend is None else {}}
 
     def run_result(self) -> RunResult:
         """What this dispatcher measured, in the simulator's form (for the same
