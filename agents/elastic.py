@@ -99,6 +99,9 @@ class ElasticGreedyScheduler(Scheduler):
         if self._state is not state:  # a new run: start over
             self._state = state
             self._cpu_q: dict[int, _Queue] = {}  # by the node an action must run on
+            # Nodes whose queue holds entries: a decision visits these, not every node of
+            # the cluster (10^3-10^4 nodes, few of them with anything queued at a time).
+            self._cpu_busy: set[int] = set()
             self._api_q: dict[str, _Queue] = {}  # by endpoint
             self._last = {"cpu": -1, "api": -1}
         eps = state.api.endpoints
@@ -115,6 +118,7 @@ class ElasticGreedyScheduler(Scheduler):
             for a in new:
                 if kind == "cpu":
                     self._cpu_q.setdefault(a.node, _Queue()).push(_sjf_key(a), a)
+                    self._cpu_busy.add(a.node)
                 else:
                     key = (_quota_s(eps[a.spec.endpoint].spec, a), _sjf_key(a))
                     self._api_q.setdefault(a.spec.endpoint, _Queue()).push(key, a)
@@ -151,9 +155,10 @@ class ElasticGreedyScheduler(Scheduler):
         pending = state.pending["cpu"]
         # Sandbox nodes first (each uses only its own cores), then actions free to go
         # to the node with the most free cores.
-        for node in sorted(self._cpu_q, key=lambda n: (n < 0, n)):
+        for node in sorted(self._cpu_busy, key=lambda n: (n < 0, n)):
             q = self._cpu_q[node]
             if not q.heap:
+                self._cpu_busy.discard(node)  # its last entries were dropped when met
                 continue
             chosen: list[tuple[Action, int]] = []
             waiting = False
