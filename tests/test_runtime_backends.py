@@ -61,6 +61,7 @@ def ray_cluster():
         assert node["NodeManagerAddress"] == "127.0.0.1", node["NodeManagerAddress"]
         yield ray
     finally:
+        RaySide.shared = None
         ray.shutdown()
 
 
@@ -88,17 +89,48 @@ class LocalSide:
 
 
 class RaySide:
-    """The dispatcher as a named actor, reached through a handle."""
+    """The dispatcher as a named actor, reached through a handle.
+
+    A test that asks for the default settings (``cfg()``, no journal, no services)
+    shares one actor with the others that do (started when first needed, as a cluster's
+    dispatcher serves many workers; each test connects its own handle): a dispatcher
+    actor takes seconds to start. Tests of their own settings, journals and restarts get
+    their own (the shared one is stopped first: each takes the cluster's GPU).
+    """
 
     name = "ray"
+    shared: str | None = None  # the shared actor's name, once started
 
     def __init__(self) -> None:
-        from metasched.runtime.ray_backend import start_dispatcher, stop_dispatcher
+        from metasched.runtime.ray_backend import connect, start_dispatcher, stop_dispatcher
 
-        self.start, self.stop = start_dispatcher, stop_dispatcher
+        self.start, self.stop, self.connect = start_dispatcher, stop_dispatcher, connect
+
+    def release_shared(self) -> None:
+        """Stop the shared actor: a dispatcher takes every GPU of the cluster, so another
+        cannot start beside it."""
+        if RaySide.shared is not None:
+            self.stop(RaySide.shared, drain=False)
+            RaySide.shared = None
+
+    def shared_name(self) -> str:
+        """The shared actor's name (started by the first test that needs it)."""
+        if RaySide.shared is None:
+            name = f"test-shared-{uuid.uuid4().hex[:8]}"
+            self.start(cfg(), name=name)
+            RaySide.shared = name
+        return RaySide.shared
 
     @asynccontextmanager
     async def dispatcher(self, config, services=None):
+        if config == cfg() and not services:
+            handle = self.connect(await asyncio.to_thread(self.shared_name))
+            try:
+                yield handle
+            finally:
+                await handle.aclose()
+            return
+        await asyncio.to_thread(self.release_shared)
         name = f"test-{uuid.uuid4().hex[:8]}"
         handle = await asyncio.to_thread(self.start, config, name=name, services=services)
         try:
@@ -162,13 +194,14 @@ def test_cpu_action_runs_pinned_to_its_grant(side):
 def test_faults_are_reported_and_the_next_action_runs(side, req, reason):
     async def go():
         async with side.dispatcher(cfg()) as d:
+            before = await stats_of(d)
             bad = await d.submit(req)
             good = await d.submit(cpu(PY, "-c", "print(1)"))
-            return bad, good, await stats_of(d)
-    bad, good, stats = run(go())
+            return bad, good, before, await stats_of(d)
+    bad, good, before, stats = run(go())
     assert bad.status == "failed" and reason in bad.reason, bad.reason
     assert good.ok and good.stdout.strip() == "1"
-    assert stats["failed"] == 1 and stats["running"] == 0
+    assert stats["failed"] - before["failed"] == 1 and stats["running"] == 0
 
 
 @pytest.mark.parametrize("req, reason", [
@@ -181,7 +214,7 @@ def test_faults_are_reported_and_the_next_action_runs(side, req, reason):
 ])
 def test_bad_input_is_rejected_alone(side, req, reason):
     async def go():
-        async with side.dispatcher(cfg(), services={"scorer": linear_scorer(4)}) as d:
+        async with side.dispatcher(cfg()) as d:
             return await asyncio.gather(d.submit(req), d.submit(cpu("/bin/true")))
     bad, good = run(go())
     assert bad.status == "rejected" and "\n" not in bad.reason
@@ -380,10 +413,7 @@ def test_ray_cluster_view_is_what_ray_reports(ray_cluster):
 def test_ray_dispatcher_is_found_by_name_from_another_process(ray_cluster, tmp_path):
     """A worker in another process (a Ray driver of its own) connects by name, submits
     through the sync handle, and its command runs as a task of the cluster."""
-    from metasched.runtime.ray_backend import start_dispatcher, stop_dispatcher
-
-    name = f"test-{uuid.uuid4().hex[:8]}"
-    start_dispatcher(cfg(), name=name)
+    name = RaySide().shared_name()
     worker = f"""
 import json, os, ray
 from metasched.runtime.ray_backend import connect
@@ -393,14 +423,11 @@ with connect({name!r}).sync() as d:
                 for i in range(20)])
     print(json.dumps([[r.status, r.stdout.strip(), r.allocation["node"]] for r in rs]))
 """
-    try:
-        import subprocess
+    import subprocess
 
-        env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
-        out = subprocess.run([PY, "-c", worker], capture_output=True, text=True, timeout=120,
-                             env=env, check=True).stdout
-    finally:
-        stop_dispatcher(name)
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
+    out = subprocess.run([PY, "-c", worker], capture_output=True, text=True, timeout=120,
+                         env=env, check=True).stdout
     rows = json.loads(out.strip().splitlines()[-1])
     node = ray_cluster.nodes()[0]["NodeID"]
     assert rows == [["done", str(i), node] for i in range(20)]
@@ -436,6 +463,7 @@ def test_ray_command_of_a_stopped_dispatcher_is_killed_with_its_task(ray_cluster
     async def go():
         from metasched.runtime.ray_backend import start_dispatcher, stop_dispatcher
 
+        await asyncio.to_thread(RaySide().release_shared)
         name = f"test-{uuid.uuid4().hex[:8]}"
         handle = await asyncio.to_thread(start_dispatcher, cfg(), name=name)
         handle.accept(cpu("/bin/sh", "-c", f"echo $$ > {log}; exec sleep 60"))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import pickle
 import threading
 import time
 import uuid
@@ -30,7 +31,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from metasched.errors import ConfigError
 from metasched.runtime.dispatcher import DispatcherConfig
 from metasched.runtime.gpu import LiveService
-from metasched.runtime.ray_backend.actor import DispatcherActor
+from metasched.runtime.ray_backend.actor import DispatcherActor, dumps
 from metasched.runtime.ray_backend.cluster import lost
 from metasched.runtime.requests import REJECTED, Request, Result
 
@@ -239,8 +240,14 @@ class DispatcherHandle:
     async def _send_batch(self, batch: list[_Sent]) -> None:
         calls = {i: s.call for i, s in enumerate(batch) if s.call is not None}
         try:
-            acks = await self.actor.accept_batch.remote(
-                self.client, [s.request for s in batch], calls or None)
+            packed = dumps([s.request for s in batch])
+        except (pickle.PicklingError, TypeError, AttributeError) as e:
+            packed, acks = None, [Result(s.rid, REJECTED, f"request: cannot be sent to the "
+                                         f"dispatcher ({e})") for s in batch]
+        try:
+            if packed is not None:
+                acks = pickle.loads(await self.actor.accept_batch.remote(
+                    self.client, packed, calls or None))
         except ray.exceptions.RayActorError as e:
             self._recover(e)  # these stay in _sent: sent again once the actor is back
             return
@@ -269,7 +276,7 @@ class DispatcherHandle:
             stream = self.actor.results.options(num_returns="streaming").remote(self.client)
             try:
                 async for ref in stream:
-                    for result in await ref:
+                    for result in pickle.loads(await ref):
                         self._answer(result)
             except ray.exceptions.RayActorError as e:
                 self._recover(e)
