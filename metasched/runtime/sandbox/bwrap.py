@@ -52,13 +52,14 @@ def find_bwrap() -> tuple[str | None, str]:
 
 
 def sandbox_argv(bwrap: str, *, network: bool, hide: Sequence[str],
-                 root: str = "/") -> list[str]:
+                 extra: Sequence[str] = (), root: str = "/") -> list[str]:
     """The bwrap command for one sandbox (its stub last).
 
     Args:
         bwrap: the bwrap executable.
         network: keep the host's network namespace (else a new one: loopback only).
         hide: host paths to make invisible (existing directories get an empty tmpfs).
+        extra: more bwrap options, after the hiding ones (e.g. a template's bind).
         root: the host directory whose entries are bound (``/``; tests may differ).
     """
     args = [bwrap, "--die-with-parent", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
@@ -81,5 +82,5 @@ def sandbox_argv(bwrap: str, *, network: bool, hide: Sequence[str],
     for path in hide:
         if os.path.isdir(path):
             args += ["--tmpfs", os.path.realpath(path)]
-    args += ["--chdir", "/", "--", *STUB]
+    args += [*extra, "--chdir", "/", "--", *STUB]
     return args

@@ -221,8 +221,9 @@ class Sandboxes:
         try:
             self.server.open({"sid": sid, "uid": uid, "gid": uid, "workspace": workspace,
                               "env": {"PATH": "/usr/bin:/bin"},
-                              "bwrap": bwrap.sandbox_argv(self.bwrap_path, network=network,
-                                                          hide=self.hide)})
+                              "bwrap": bwrap.sandbox_argv(
+                                  self.bwrap_path, network=network, hide=self.hide,
+                                  extra=template.bwrap_args() if template else ())})
         except ServerGone as e:
             sb.ready.set_exception(OSError(0, str(e)))
         return sb

@@ -332,8 +332,7 @@ class Server:
         if seed:  # a copy, an extraction or an ownership change, inside the sandbox
             self._start_seed(sb, seed)
             return
-        sb.ready = True
-        self._reply({"ev": "opened", "sid": sid, "seeded": sb.method})
+        self._ready(sb)
 
     def _setup_mounts(self, sb: _Sandbox) -> dict[str, Any] | None:
         """Mount the sandbox's tmpfs (and the template's overlay); the seeding command
@@ -418,8 +417,25 @@ class Server:
             line = err.splitlines()[-1] if err else f"wait status {status}"
             self._fail_open(sb, f"cannot seed the workspace: {line}")
             return
+        self._ready(sb)
+
+    def _ready(self, sb: _Sandbox) -> None:
+        """The workspace is seeded: detach the template's bind (an overlay keeps its own
+        reference to it) and say so."""
+        template = sb.workspace.get("template")
+        if template:
+            try:
+                syscalls.setns(sb.ns["mnt"], CLONE_NEWNS)
+                try:
+                    syscalls.umount(template, MNT_DETACH)
+                finally:
+                    syscalls.setns(self.own["mnt"], CLONE_NEWNS)
+                    os.chdir(self.home_dir)
+            except OSError as e:
+                self._fail_open(sb, f"cannot detach the template: {e.strerror or e}")
+                return
         sb.ready = True
-        self._reply({"ev": "opened", "sid": sid, "seeded": sb.method})
+        self._reply({"ev": "opened", "sid": sb.sid, "seeded": sb.method})
 
     def _bwrap_error(self, sb: _Sandbox) -> str:
         try:

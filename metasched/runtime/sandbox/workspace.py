@@ -20,6 +20,7 @@ ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", "
                     ".tar.zst", ".tzst")
 _OVERLAY_UNSAFE = (",", ":", "\\", "\n")  # characters overlayfs options cannot carry
 WORKSPACE = "/workspace"
+MOUNT_POINT = "/.template"  # where the template is bound (read-only) inside the sandbox
 
 
 @dataclass(frozen=True)
@@ -30,17 +31,25 @@ class Template:
     kind: str
     path: str
 
+    def bwrap_args(self) -> list[str]:
+        """Bind the template into the sandbox (it may lie where commands cannot see,
+        e.g. the host's /tmp); the server detaches it once the workspace is seeded."""
+        return ["--ro-bind", self.path, MOUNT_POINT]
+
     def workspace_request(self, size: int, uid: int, gid: int) -> dict[str, Any]:
         """The server's ``workspace`` description: overlay first, copy as a fallback."""
         if self.kind == "tar":
-            return {"size": size, "seed": {"argv": ["tar", "-x", "-f", self.path, "-C",
-                                                    WORKSPACE, "--no-same-owner"],
-                                           "root": False}}
+            return {"size": size, "template": MOUNT_POINT,
+                    "seed": {"argv": ["tar", "-x", "-f", MOUNT_POINT, "-C", WORKSPACE,
+                                      "--no-same-owner"], "root": False}}
         copy = {"argv": ["cp", "-R", "--preserve=mode,timestamps,links", "--",
-                         f"{self.path}/.", WORKSPACE], "root": False}
+                         f"{MOUNT_POINT}/.", WORKSPACE], "root": False}
         if any(c in self.path for c in _OVERLAY_UNSAFE):
-            return {"size": size, "seed": copy}
-        return {"size": size, "overlay": self.path, "fallback": copy,
+            # The bound copy's path is fixed, but overlayfs refuses some host paths as
+            # its lower layer all the same: keep to what is known to work.
+            return {"size": size, "template": MOUNT_POINT, "seed": copy}
+        return {"size": size, "template": MOUNT_POINT, "overlay": MOUNT_POINT,
+                "fallback": copy,
                 "seed": {"argv": ["chown", "-R", "-h", f"{uid}:{gid}", WORKSPACE],
                          "root": True}}
 
