@@ -41,6 +41,7 @@ class Sandbox:
         size_bytes: its tmpfs (workspace, ``/tmp``, ``/dev/shm``).
         ready: done when it can run commands (its exception says why it cannot).
         seeded: how its workspace was filled: ``""``, ``"overlay"``, ``"copy"``, ``"tar"``.
+        init_pid: the pid of its namespaces' init (``nsenter -t`` takes it), once ready.
     """
 
     sid: int
@@ -51,6 +52,7 @@ class Sandbox:
     template: Template | None
     ready: asyncio.Future[None]
     seeded: str = ""
+    init_pid: int = -1
     free_slots: list[Slot] = field(default_factory=list)
     busy_slots: int = 0
     running: int = 0
@@ -237,6 +239,7 @@ class Sandboxes:
             self._forget(sb)
         else:
             sb.seeded = ev.get("seeded", "")
+            sb.init_pid = ev.get("init", -1)
             sb.ready.set_result(None)
 
     def close_sandbox(self, sb: Sandbox) -> None:

@@ -85,6 +85,7 @@ class _Sandbox:
     seed_err: bytearray = field(default_factory=bytearray)
     seed_err_fd: int = -1
     method: str = ""  # how the workspace was seeded: "", "overlay", "copy" or "tar"
+    init_pid: int = -1  # the namespaces' init (bwrap's pid 1), in this server's pid space
     ready: bool = False
 
 
@@ -316,7 +317,7 @@ class Server:
             self._fail_open(sb, f"bwrap failed: {why}")
             return
         try:
-            init = json.loads(_read_all(sb.info_fd))["child-pid"]
+            init = sb.init_pid = json.loads(_read_all(sb.info_fd))["child-pid"]
             for name, _ in _NS:
                 sb.ns[name] = os.open(f"/proc/{init}/ns/{name}", os.O_RDONLY | os.O_CLOEXEC)
         except (OSError, ValueError, KeyError) as e:
@@ -435,7 +436,7 @@ class Server:
                 self._fail_open(sb, f"cannot detach the template: {e.strerror or e}")
                 return
         sb.ready = True
-        self._reply({"ev": "opened", "sid": sb.sid, "seeded": sb.method})
+        self._reply({"ev": "opened", "sid": sb.sid, "seeded": sb.method, "init": sb.init_pid})
 
     def _bwrap_error(self, sb: _Sandbox) -> str:
         try:
