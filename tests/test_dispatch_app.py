@@ -8,10 +8,12 @@ import subprocess
 import sys
 
 import pytest
+from helpers import COMMAND_PY
 
 from metasched.cli.dispatch_app import read_jobs, run_dispatch
 
-PY = sys.executable
+PY = sys.executable  # runs the app
+CMD_PY = COMMAND_PY  # what commands run: a sandbox's user can (see helpers)
 
 
 def write_jobs(path, lines) -> str:
@@ -25,14 +27,14 @@ def job(*argv, **kw) -> dict:
 
 def test_job_file_runs_with_one_result_per_line_and_bad_lines_fail_alone(tmp_path, capsys):
     jobs = write_jobs(tmp_path / "jobs.jsonl", [
-        job(PY, "-c", "print('a')", trajectory="t", turn=0),
+        job(CMD_PY, "-c", "print('a')", trajectory="t", turn=0),
         "# comment",
         "",
-        job(PY, "-c", "import sys; sys.exit(2)"),
+        job(CMD_PY, "-c", "import sys; sys.exit(2)"),
         "{not json",
         job("true", timeout_s=-1),
         job("sleep", "5", timeout_s=0.3),
-        job(PY, "-c", "print('b')", trajectory="t", turn=1, reward=True, id="last"),
+        job(CMD_PY, "-c", "print('b')", trajectory="t", turn=1, reward=True, id="last"),
         job("true", min_cores=999, max_cores=999),
     ])
     doc = run_dispatch({"jobs": jobs, "scheduler": "elastic_greedy", "progress": False},
@@ -56,16 +58,20 @@ def test_job_file_runs_with_one_result_per_line_and_bad_lines_fail_alone(tmp_pat
 
 
 def test_rerun_on_the_same_journal_resumes_instead_of_repeating(tmp_path):
-    marker = tmp_path / "runs"
+    # Each run of a line prints a new random token: a second run would print another.
     jobs = write_jobs(tmp_path / "jobs.jsonl", [
-        job(PY, "-c", f"open({str(marker)!r}, 'a').write('x')") for _ in range(3)])
+        job(CMD_PY, "-c", "import uuid; print(uuid.uuid4())") for _ in range(3)])
     cfg = {"jobs": jobs, "scheduler": "fifo", "progress": False,
            "journal": str(tmp_path / "journal.db")}
     run_dispatch(cfg, tmp_path / "a")
     run_dispatch(cfg, tmp_path / "b")
-    assert marker.read_text() == "xxx"  # each line ran once over both runs
-    b = [json.loads(x) for x in (tmp_path / "b" / "results.jsonl").read_text().splitlines()]
+    a, b = ([json.loads(x) for x in (tmp_path / d / "results.jsonl").read_text().splitlines()]
+            for d in "ab")
     assert [r["status"] for r in b] == ["done"] * 3
+    assert len({r["stdout"] for r in a}) == 3  # three runs, three tokens
+    # each line ran once over both runs: the second answers from the journal
+    assert [(r["stdout"], r["started_at"], r["attempts"]) for r in b] == \
+        [(r["stdout"], r["started_at"], 1) for r in a]
 
 
 def test_read_jobs_rejects_an_empty_file(tmp_path):

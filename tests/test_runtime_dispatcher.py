@@ -7,11 +7,11 @@ import asyncio
 import json
 import os
 import sqlite3
-import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from helpers import COMMAND_PY
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -21,8 +21,9 @@ from metasched.runtime.api_calls import RetryPolicy
 from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
 from metasched.runtime.gpu import linear_scorer
 from metasched.runtime.journal import Journal
+from metasched.runtime.sandbox.config import SandboxConfig
 
-PY = sys.executable
+PY = COMMAND_PY  # what a sandbox's user can run (see helpers)
 CORES = sorted(os.sched_getaffinity(0))
 EP = {"e": EndpointSpec(rpm=6000, max_concurrency=4, tpm=None, burst_s=1.0)}
 
@@ -201,15 +202,13 @@ def test_api_callable():
 
 
 def test_same_id_runs_once():
-    async def go(tmp):
+    async def go():
         async with Dispatcher(cfg()) as d:
-            req = cpu(PY, "-c", f"open({str(tmp)!r}, 'a').write('x')", id="once")
-            return await asyncio.gather(d.submit(req), d.submit(req))
-    import tempfile
-    with tempfile.TemporaryDirectory() as t:
-        path = os.path.join(t, "count")
-        a, b = run(go(path))
-        assert a is b and a.ok and open(path).read() == "x"
+            req = cpu(PY, "-c", "import uuid; print(uuid.uuid4())", id="once")
+            return await asyncio.gather(d.submit(req), d.submit(req)), d
+    (a, b), d = run(go())
+    assert a is b and a.ok and len(a.stdout.strip()) == 36
+    assert d.state.n_submitted == 1 and d.state.n_done == 1  # it ran once
 
 
 def test_accepted_requests_are_journaled_before_the_ack_and_results_after(tmp_path):
@@ -349,9 +348,11 @@ def test_cost_model_learns_what_the_policy_sees():
 
 
 def test_cgroup_parent_that_is_not_a_cgroup_falls_back_to_affinity(tmp_path, caplog):
-    (r,), d = run(dispatch([cpu("/bin/true")], cfg(cgroup_parent=str(tmp_path))))
-    assert r.ok and d.cgroup is None
-    assert any("cgroup confinement off" in m for m in caplog.messages)
+    sandbox = SandboxConfig(cgroups="v2", cgroup_parent=str(tmp_path))
+    (r,), d = run(dispatch([cpu("/bin/true")], cfg(sandbox=sandbox)))
+    assert r.ok and d.boxes.tree is None
+    assert any("cgroup confinement incomplete" in m and "not a cgroup v2 directory" in m
+               and "CPU affinity" in m for m in caplog.messages)
 
 
 def test_standin_gpu_utilisation_is_sampled():
@@ -557,11 +558,11 @@ def test_close_without_drain_kills_commands_whose_task_never_ran(tmp_path):
         pid = proc.pid
         os.kill(pid, 0)
         await d.close(drain=False)  # cancels the task before its first step
-        for _ in range(200):
+        for _ in range(200):  # killed (and reaped by whoever started it)
             await asyncio.sleep(0.01)
             try:
-                os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
+                os.kill(pid, 0)
+            except ProcessLookupError:
                 break
         return pid, d
     pid, d = run(go())

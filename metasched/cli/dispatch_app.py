@@ -86,6 +86,7 @@ def load_services(spec: Any) -> dict[str, Any]:
 def dispatcher_config(cfg: dict[str, Any], run_dir: Path):
     """A validated ``DispatcherConfig`` from the composed config."""
     from metasched.runtime.dispatcher import DispatcherConfig
+    from metasched.runtime.sandbox.config import SandboxConfig
 
     cores = cfg.get("cores")
     if cores is not None and (not isinstance(cores, list) or not cores or not all(
@@ -106,7 +107,8 @@ def dispatcher_config(cfg: dict[str, Any], run_dir: Path):
         gpu_standin=int_setting(cfg, "gpu_standin", 0, default=0),
         endpoints=parse_endpoints(cfg.get("endpoints"), "endpoints"),
         journal=cfg.get("journal") or run_dir / "journal.db", fsync=bool(cfg.get("fsync")),
-        max_wait_s=max_wait_setting(cfg), workdir=cfg.get("workdir"))
+        max_wait_s=max_wait_setting(cfg), workdir=cfg.get("workdir"),
+        sandbox=SandboxConfig.from_dict(cfg.get("sandbox")))
 
 
 async def dispatch_all(jobs: list[tuple[int, Any]], dcfg, services: dict[str, Any],

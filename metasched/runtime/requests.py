@@ -29,7 +29,8 @@ Per kind:
   ``workspace_mb`` (its size: the sandbox memory the scheduler accounts for it).
 - gpu: ``service`` and ``payload`` (a registered service scores the payload), or
   ``argv`` (+ ``env`` and the command fields above): a command that needs a device (it
-  sees only its device through ``CUDA_VISIBLE_DEVICES``).
+  sees only its device through ``CUDA_VISIBLE_DEVICES``) and ``min_cores`` cores (1 by
+  default), counted in the CPU pool while it runs.
 - api: ``endpoint``, ``tokens``, and ``http`` (``{"url", "method", "headers", "json",
   "body"}``); from Python, ``call`` (an async callable) instead.
 """
@@ -54,7 +55,7 @@ _SANDBOX = {"pids_max", "network", "workspace_template", "workspace_mb"}
 _BY_KIND = {
     "cpu": {"argv", "env", "min_cores", "max_cores", "parallel_fraction", "mem_limit_mb",
             "cpu_time_s", *_SANDBOX},
-    "gpu": {"service", "payload", "argv", "env", *_SANDBOX},
+    "gpu": {"service", "payload", "argv", "env", "min_cores", *_SANDBOX},
     "api": {"endpoint", "tokens", "http"},
 }
 _ALL = _COMMON.union(*_BY_KIND.values())
@@ -197,10 +198,16 @@ def parse_request(value: Any, loc: str = "request", *,
             raise ConfigError(str(at["service"]), "give either a service (with its payload) "
                               "or an argv (a command that needs a device), not both")
         if "service" in d:
+            if "min_cores" in d:
+                raise ConfigError(str(at["min_cores"]), "only commands (requests with an "
+                                  "argv) have it")
             kw["service"] = string(d["service"], at["service"])
             kw["payload"] = d.get("payload")
             default_name = kw["service"]
         else:
+            if "min_cores" in d:  # cores the command runs on, beside its device
+                kw["min_cores"] = kw["max_cores"] = number(d["min_cores"], at["min_cores"],
+                                                           lo=1, integer=True)
             default_name = os.path.basename(kw["argv"][0])
     else:
         kw["endpoint"] = string(required(d, "endpoint", at), at["endpoint"])

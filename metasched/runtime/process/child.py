@@ -129,6 +129,7 @@ class Child:
         self.returncode: int | None = None
         self.maxrss_bytes = 0
         self.cpu_s = 0.0
+        self.pids_limited = False  # its cgroup refused it a fork (set by the caller)
         self.pidfd = -1
         self.watch = FdWatch.for_loop(loop)
         self.out = Stream(loop, out_fd, tail_bytes)
@@ -170,6 +171,11 @@ class Child:
             return
         if self.killed_by is None:
             self.killed_by = why
+        kill_group(self.pid)
+
+    def kill_rest(self) -> None:
+        """After the leader's exit, before reaping: kill what is left of its group (the
+        zombie leader's pid still names the group, so it cannot have been reused)."""
         kill_group(self.pid)
 
     def reap(self) -> None:

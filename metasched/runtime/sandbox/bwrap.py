@@ -5,9 +5,9 @@ The sandbox's root is bwrap's own tmpfs holding read-only binds of every top-lev
 of the host's ``/`` (symlinks such as ``/bin -> usr/bin`` recreated), except ``/proc``
 (a new one, for the sandbox's pid namespace), ``/dev`` (a minimal new one) and ``/tmp``;
 and the mount points the server fills in: ``/workspace``, ``/tmp``, and ``/.sandbox``
-(staging). Hidden paths (the journal's directory, configured ones) get an empty tmpfs
-over them. Binding the top level one entry at a time, instead of ``/`` whole, is what
-makes room for ``/workspace`` at the root.
+(staging). Hidden paths (the journal's files, configured ones) get an empty tmpfs over
+them (directories) or ``/dev/null`` (files). Binding the top level one entry at a time,
+instead of ``/`` whole, is what makes room for ``/workspace`` at the root.
 
 The namespaces' long-lived process is a stub: ``sh -c 'echo; exec cat'`` prints a
 newline once the sandbox is fully set up (bwrap's ``--info-fd`` is written earlier,
@@ -58,7 +58,8 @@ def sandbox_argv(bwrap: str, *, network: bool, hide: Sequence[str],
     Args:
         bwrap: the bwrap executable.
         network: keep the host's network namespace (else a new one: loopback only).
-        hide: host paths to make invisible (existing directories get an empty tmpfs).
+        hide: host paths to make invisible (an existing directory gets an empty tmpfs
+            over it, an existing file ``/dev/null``).
         extra: more bwrap options, after the hiding ones (e.g. a template's bind).
         root: the host directory whose entries are bound (``/``; tests may differ).
     """
@@ -82,5 +83,7 @@ def sandbox_argv(bwrap: str, *, network: bool, hide: Sequence[str],
     for path in hide:
         if os.path.isdir(path):
             args += ["--tmpfs", os.path.realpath(path)]
+        elif os.path.exists(path):
+            args += ["--ro-bind", "/dev/null", os.path.realpath(path)]
     args += [*extra, "--chdir", "/", "--", *STUB]
     return args

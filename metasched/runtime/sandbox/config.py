@@ -39,8 +39,7 @@ class SandboxConfig:
         nobody_uid: the user (and group) id when no range is given.
         network: whether commands may reach the network when their request does not say.
         env_allow: variables passed from the dispatcher's environment.
-        hide: more host directories commands must not see (the journal's directory is
-            always hidden).
+        hide: more host paths commands must not see (the journal's files always are).
         workspace_mb: size of a trajectory's workspace (a tmpfs holding ``/workspace``,
             ``/tmp`` and ``/dev/shm``): the sandbox memory the scheduler accounts for
             the trajectory; a request's ``workspace_mb`` overrides it.
@@ -106,11 +105,15 @@ class SandboxConfig:
             if key not in known:
                 raise ConfigError(f"sandbox.{key}", f"unknown setting (known: "
                                   f"{', '.join(sorted(known))})")
-        if d.get("uid_range") is not None:
-            d["uid_range"] = tuple(d["uid_range"])
-        for key in ("env_allow", "hide"):
-            if key in d:
-                d[key] = tuple(d[key] or ())
+        for key in ("uid_range", "env_allow", "hide"):
+            v = d.get(key)
+            if v is None:
+                if key != "uid_range":
+                    d.pop(key, None)
+                continue
+            if not isinstance(v, (list, tuple)) or isinstance(v, str):
+                raise ConfigError(f"sandbox.{key}", f"must be a list (got {v!r})")
+            d[key] = tuple(v)
         return cls(**d)
 
 

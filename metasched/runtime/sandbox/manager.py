@@ -110,8 +110,11 @@ class Sandboxes:
                 + " (fallback: " + ", ".join(_FALLBACK[c] for c in missing) + ")")
         first, count = config.uid_range if config.uid_range else (0, 0)
         self.uids = UidPool(first, count, config.nobody_uid)
+        # The server starts sandboxed commands, and host commands too where there are
+        # cgroups: it enters a command's cgroups before the spawn, which a multi-threaded
+        # dispatcher cannot do for one child alone.
         self.server: ServerConnection | None = None
-        if self.bwrap_path is not None:
+        if self.bwrap_path is not None or (self.tree is not None and os.geteuid() == 0):
             try:
                 self.server = ServerConnection(self._home_cgroups())
             except ServerGone as e:
@@ -164,7 +167,13 @@ class Sandboxes:
     @property
     def isolated(self) -> bool:
         """Whether commands run in sandboxes (else on the host)."""
-        return self.server is not None and self.server.alive
+        return self.bwrap_path is not None and self.server is not None and self.server.alive
+
+    @property
+    def spawns_on_host(self) -> bool:
+        """Whether host commands are started by the server, inside their cgroup slot
+        from their first instruction (else the caller spawns and moves them in)."""
+        return self.server is not None and self.server.alive and self.tree is not None
 
     @property
     def controllers(self) -> set[str]:
@@ -181,6 +190,9 @@ class Sandboxes:
             iso = f"no isolation (host, uid {os.geteuid()})"
         if self.tree is not None:
             cg = "cgroups " + self.hierarchies.describe()
+            if not self.isolated:
+                cg += (", entered before the first instruction" if self.spawns_on_host
+                       else ", entered just after the start")
         else:
             cg = "no cgroups (affinity and rlimits)"
         return f"confinement: {iso}; {cg}"
@@ -278,40 +290,46 @@ class Sandboxes:
 
     # --- commands -----------------------------------------------------------------------
 
-    def start(self, sb: Sandbox, *, argv: Sequence[str], env: dict[bytes, bytes],
+    def start(self, sb: Sandbox | None, *, argv: Sequence[str], env: dict[bytes, bytes],
               cores: Sequence[int], mem_limit_mb: float | None, pids_max: int | None,
-              out_w: int, err_w: int) -> Started:
-        """Start one command in ``sb`` (ready), inside a cgroup slot configured for it.
+              out_w: int, err_w: int, cwd: str | None = None) -> Started:
+        """Start one command in ``sb`` (ready), or on the host (``sb`` None: as this
+        process's user, in ``cwd``; only where :attr:`spawns_on_host`), inside a cgroup
+        slot configured for it.
 
         Raises:
             OSError: it could not start (the errno and message name why).
         """
-        slot = self._take_slot(sb.free_slots)
-        uid = sb.uid
+        pool = sb.free_slots if sb is not None else self._host_slots
+        slot = self._take_slot(pool)
+        uid = sb.uid if sb is not None else os.geteuid()
+        gid = uid if sb is not None else os.getegid()
         try:
             if slot is not None:
                 slot.configure(cores, _bytes(mem_limit_mb), pids_max)
-            if sb.shared and not self.uids.shared:
-                uid = self.uids.take()  # each trajectory-less command as a user of its own
+            if sb is not None and sb.shared and not self.uids.shared:
+                uid = gid = self.uids.take()  # each trajectory-less command as its own user
             cmd = self._next_cmd
             self._next_cmd += 1
             request: dict[str, Any] = {
-                "cmd": cmd, "argv": list(argv), "env": env, "uid": uid, "gid": uid,
-                "sid": sb.sid, "cwd": WORKSPACE,
+                "cmd": cmd, "argv": list(argv), "env": env, "uid": uid, "gid": gid,
+                "sid": sb.sid if sb is not None else None,
+                "cwd": WORKSPACE if sb is not None else cwd,
                 "cores": None if "cpuset" in self.controllers else list(cores),
-                "private": sb.size_bytes if sb.shared else None}
+                "private": sb.size_bytes if sb is not None and sb.shared else None}
             fds = [out_w, err_w, *(slot.procs_fds if slot is not None else ())]
             try:
                 pid = self.server.spawn(request, fds)
             except ServerGone as e:
                 raise OSError(0, str(e)) from None
         except BaseException:
-            if uid != sb.uid:
+            if sb is not None and uid != sb.uid:
                 self.uids.give(uid)
             if slot is not None:
                 self._give_slot(sb, slot)
             raise
-        sb.running += 1
+        if sb is not None:
+            sb.running += 1
         return Started(cmd, pid, slot, uid)
 
     def on_exit(self, started: Started, handler: Callable[[dict[str, Any]], None]) -> None:
@@ -327,9 +345,12 @@ class Sandboxes:
         elif self.server is not None:
             self.server.kill(started.cmd)
 
-    def finished(self, sb: Sandbox, started: Started) -> None:
+    def finished(self, sb: Sandbox | None, started: Started) -> None:
         """The command's leader exited: kill what is left of it (daemons included) and
         give its slot and id back once nothing of it is left."""
+        if sb is None:
+            self._release(started.slot, lambda s: s is not None and self._host_slots.append(s))
+            return
         sb.running -= 1
         self._release(started.slot, lambda slot: self._done(sb, started, slot))
 
@@ -392,8 +413,10 @@ class Sandboxes:
             return pool.pop()
         return self.tree.new_slot()
 
-    def _give_slot(self, sb: Sandbox, slot: Slot) -> None:
-        if sb.closed:
+    def _give_slot(self, sb: Sandbox | None, slot: Slot) -> None:
+        if sb is None:
+            self._host_slots.append(slot)
+        elif sb.closed:
             self._drop_slot(slot)
         else:
             sb.free_slots.append(slot)

@@ -1,0 +1,113 @@
+"""A command started by the sandbox server (in a sandbox, or on the host inside its
+cgroup slot), as the CPU executor sees it: the same interface as a
+locally spawned :class:`~metasched.runtime.process.child.Child` (exit future, kill,
+reap, output pipes), backed by the sandbox server instead of a pidfd.
+
+The server is the command's parent: it reaps it and reports its wait status and
+resource usage, so "reaping" here only reads that report. Killing goes through the
+command's cgroup slot (every process in it, including any that left its session) or,
+without cgroups, through the server (its process group). A memory or process limit hit
+inside the slot is read from the slot's counters when the command ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+from metasched.runtime.process.child import Stream
+from metasched.runtime.sandbox.manager import Sandbox, Sandboxes, Started
+
+__all__ = ["SandboxedChild"]
+
+_REAP_AFTER_CANCEL_S = 2.0
+
+
+class SandboxedChild:
+    """A command the sandbox server started (see the module docstring)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, boxes: Sandboxes,
+                 sandbox: Sandbox | None, started: Started, out_fd: int, err_fd: int,
+                 tail_bytes: int) -> None:
+        self.loop = loop
+        self.boxes, self.sandbox, self.started = boxes, sandbox, started
+        self.pid = started.pid
+        self.exited: asyncio.Future[None] = loop.create_future()
+        self.killed_by: str | None = None
+        self.reaped = False
+        self.returncode: int | None = None
+        self.maxrss_bytes = 0
+        self.cpu_s = 0.0
+        self.pids_limited = False  # the slot refused a fork
+        self.out = Stream(loop, out_fd, tail_bytes)
+        self.err = Stream(loop, err_fd, tail_bytes)
+        self._event: dict[str, Any] | None = None
+        self._released = False
+        boxes.on_exit(started, self._on_exit)
+
+    def _on_exit(self, event: dict[str, Any]) -> None:
+        self._event = event
+        slot = self.started.slot
+        if slot is not None:
+            memory, pids = slot.exceeded()
+            if memory and self.killed_by is None:
+                self.killed_by = "memory"  # the kernel killed in the slot: definitive
+            self.pids_limited = pids
+        if not self.exited.done():
+            self.exited.set_result(None)
+
+    def kill(self, why: str) -> None:
+        """Kill every process of the command (a no-op once it has been reaped)."""
+        if self.reaped:
+            return
+        if self.killed_by is None:
+            self.killed_by = why
+        self.boxes.kill(self.started)
+
+    def kill_rest(self) -> None:
+        """After the leader's exit: what is left of the command (its slot: daemons too)."""
+        self.boxes.kill(self.started)
+
+    def reap(self) -> None:
+        """Take the exit status and usage the server reported (after ``exited``)."""
+        ev = self._event or {"status": -1}
+        status = ev.get("status", -1)
+        self.returncode = None if status < 0 else os.waitstatus_to_exitcode(status)
+        self.maxrss_bytes = int(ev.get("maxrss_kb", 0)) * 1024
+        self.cpu_s = float(ev.get("cpu_s", 0.0))
+        self.reaped = True
+
+    async def reap_after_kill(self) -> None:
+        """After a kill: wait (bounded, even if cancelled again) for the exit report."""
+        if not self.exited.done():
+            try:
+                await asyncio.wait([self.exited], timeout=_REAP_AFTER_CANCEL_S)
+            except asyncio.CancelledError:
+                pass
+        if self.exited.done() and not self.reaped:
+            self.reap()
+
+    def reap_in_background(self) -> None:
+        """Nothing to do: the server reaps; the slot is released when it reports."""
+        self.exited.add_done_callback(lambda _: self.release())
+
+    async def drained(self, grace_s: float) -> None:
+        """Wait for EOF on both pipes, at most ``grace_s``."""
+        self.out.drain_now()
+        self.err.drain_now()
+        pending = [s.eof for s in (self.out, self.err) if not s.eof.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=grace_s)
+
+    def release(self) -> None:
+        """Give the command's slot and user id back (once it has exited)."""
+        if self._released or not self.exited.done():
+            return
+        self._released = True
+        self.boxes.finished(self.sandbox, self.started)
+
+    def close(self) -> None:
+        self.out.close()
+        self.err.close()
+        self.release()
