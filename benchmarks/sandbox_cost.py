@@ -20,8 +20,9 @@ Designs:
 - ``server-private``: the same for a trajectory-less command (its own mount namespace
   and a fresh tmpfs workspace each time);
 - ``executor``, ``executor-isolated``: the CPU executor the dispatcher calls
-  (``run_process``: pinning, pipes, output tails, timeout) without and with isolation
-  (in a trajectory's sandbox): the end-to-end figure.
+  (``run_process``: pinning, pipes, output tails, timeout) without confinement and in a
+  trajectory's sandbox with its cgroup slot: the end-to-end figure;
+  ``executor-private``: in the trajectory-less sandbox (a private workspace each time).
 
     python benchmarks/sandbox_cost.py [--n 200] [--block 10] [--designs bare,server,...]
 """
@@ -117,7 +118,15 @@ class Bench:
         from metasched.runtime.process import run_process
 
         out = await run_process([TRUE], cores=[0], timeout_s=60, env={"PATH": "/usr/bin:/bin"},
-                                sandbox=(self.boxes, self.traj))
+                                confinement=self.boxes, sandbox=self.traj, pids_max=1024)
+        if not out.ok:
+            raise SystemExit(out.reason)
+
+    async def executor_private(self) -> None:
+        from metasched.runtime.process import run_process
+
+        out = await run_process([TRUE], cores=[0], timeout_s=60, env={"PATH": "/usr/bin:/bin"},
+                                confinement=self.boxes, sandbox=self.shared, pids_max=1024)
         if not out.ok:
             raise SystemExit(out.reason)
 
@@ -128,7 +137,8 @@ class Bench:
 DESIGNS = {"bare": Bench.bare, "unshare": Bench.unshare_fresh, "bwrap": Bench.bwrap_fresh,
            "nsenter": Bench.nsenter_live, "server": Bench.server,
            "server-private": Bench.server_private, "executor": Bench.executor,
-           "executor-isolated": Bench.executor_isolated}
+           "executor-isolated": Bench.executor_isolated,
+           "executor-private": Bench.executor_private}
 
 
 async def measure(n: int, block: int, names: list[str]) -> dict[str, list[float]]:

@@ -150,6 +150,30 @@ def test_gpu_command_sees_only_its_device():
     assert r.ok and r.stdout.strip() == "''"  # a stand-in: no GPU visible
 
 
+def test_gpu_command_runs_on_cores_counted_in_the_cpu_pool():
+    """A gpu command gets ``min_cores`` cores, runs on them only, and the scheduler sees
+    them busy meanwhile (a cpu action needing every core waits for it)."""
+    n = len(CORES)
+    code = "import os, time; print(sorted(os.sched_getaffinity(0))); time.sleep(1)"
+
+    async def go():
+        async with Dispatcher(cfg(gpu_standin=1)) as d:
+            gpu = asyncio.ensure_future(d.submit({"kind": "gpu", "argv": [PY, "-c", code],
+                                                  "timeout_s": 30, "min_cores": 1}))
+            for _ in range(200):
+                await asyncio.sleep(0.01)
+                if d.state.cpu.busy:
+                    break
+            busy, free = d.state.cpu.busy, d.state.cpu.free[0]
+            wide = await d.submit(cpu("/bin/true", min_cores=n, max_cores=n))
+            return await gpu, busy, free, wide
+    g, busy, free, wide = run(go())
+    assert g.ok, g.stderr
+    assert len(g.allocation["cores"]) == 1 and json.loads(g.stdout) == g.allocation["cores"]
+    assert busy == 1 and free == n - 1
+    assert wide.ok and wide.started_at >= g.finished_at - 0.05  # it waited for the core
+
+
 class _JsonHandler(BaseHTTPRequestHandler):
     """A quiet test server's handler that answers with JSON."""
 

@@ -79,7 +79,7 @@ class Hierarchies:
             names = [c for c in CONTROLLERS if place.get(c) == version]
             if names:
                 parts.append(f"{version} ({', '.join(names)})")
-        kill = "cgroup.kill" if self.v2 else "pids freeze + kill"
+        kill = "v2 cgroup.kill" if self.v2 else "freezing forks (pids.max 0), then SIGKILL"
         text = " + ".join(parts) if parts else "no controllers"
         if self.missing:
             text += "; missing " + ", ".join(f"{c} ({why})" for c, why in self.missing.items())
