@@ -12,7 +12,7 @@ children's (the commands; for xargs, xargs itself too), from ``getrusage``, and 
 many cores were busy on average.
 
     python benchmarks/dispatch_throughput.py [--n 2000] [--rounds 3]
-        [--schedulers elastic_greedy,checkpoints/default] [--isolation bwrap,none]
+        [--schedulers elastic_greedy,checkpoints/default] [--isolation bwrap,none,off]
 
 Commands started by the sandbox server are its children: their CPU counts among this
 process's children once the server has exited (each dispatcher run ends with it).
@@ -68,8 +68,10 @@ async def _bare(n: int, cores: list[int]) -> float:
 
 async def _dispatch(n: int, scheduler: str, journal: str | None,
                     isolation: str) -> tuple[float, dict]:
-    cfg = DispatcherConfig(scheduler=scheduler, journal=journal,
-                           sandbox=SandboxConfig(isolation=isolation))
+    # "off": no isolation and no cgroups (affinity and rlimits only)
+    sandbox = (SandboxConfig(isolation="none", cgroups="none") if isolation == "off"
+               else SandboxConfig(isolation=isolation))
+    cfg = DispatcherConfig(scheduler=scheduler, journal=journal, sandbox=sandbox)
     async with Dispatcher(cfg) as d:
         t0 = time.perf_counter()
         futs = [d.accept({"kind": "cpu", "argv": ["/bin/true"], "timeout_s": 60})
@@ -79,7 +81,7 @@ async def _dispatch(n: int, scheduler: str, journal: str | None,
         bad = [r for r in results if not r.ok]
         if bad:
             raise SystemExit(f"{len(bad)} actions failed, e.g. {bad[0].reason}")
-        if isolation != "none" and not d.boxes.isolated:
+        if isolation not in ("none", "off") and not d.boxes.isolated:
             raise SystemExit(f"isolation {isolation} is not available here: "
                              f"{'; '.join(d.boxes.warnings)}")
         return rate, d.stats()
@@ -97,9 +99,9 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=2000, help="actions per run")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--schedulers", default="elastic_greedy,checkpoints/default")
-    ap.add_argument("--isolation", default="bwrap,none",
+    ap.add_argument("--isolation", default="bwrap,none,off",
                     help="isolation modes (the first for every scheduler, the others for "
-                         "the first scheduler)")
+                         "the first scheduler; off: no isolation and no cgroups)")
     args = ap.parse_args()
     cores = sorted(os.sched_getaffinity(0))
     procs = len(cores)

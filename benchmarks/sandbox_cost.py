@@ -24,7 +24,11 @@ Designs:
   trajectory's sandbox with its cgroup slot: the end-to-end figure;
   ``executor-private``: in the trajectory-less sandbox (a private workspace each time).
 
-    python benchmarks/sandbox_cost.py [--n 200] [--block 10] [--designs bare,server,...]
+It also times making a trajectory's sandbox (``--opens`` of them: from the request to
+the server's "ready"; bwrap's namespaces and mounts, the workspace tmpfs).
+
+    python benchmarks/sandbox_cost.py [--n 200] [--block 10] [--opens 20]
+        [--designs bare,server,...]
 """
 
 from __future__ import annotations
@@ -130,6 +134,17 @@ class Bench:
         if not out.ok:
             raise SystemExit(out.reason)
 
+    async def open_times(self, n: int) -> list[float]:
+        """Milliseconds to make ``n`` trajectory sandboxes, one after the other."""
+        out = []
+        for i in range(n):
+            t0 = time.perf_counter()
+            sb = self.boxes.open(f"open-{i}", size_mb=64, template=None, network=False)
+            await sb.ready
+            out.append((time.perf_counter() - t0) * 1e3)
+            self.boxes.close_sandbox(sb)
+        return out
+
     def close(self) -> None:
         self.boxes.close()
 
@@ -141,10 +156,12 @@ DESIGNS = {"bare": Bench.bare, "unshare": Bench.unshare_fresh, "bwrap": Bench.bw
            "executor-private": Bench.executor_private}
 
 
-async def measure(n: int, block: int, names: list[str]) -> dict[str, list[float]]:
+async def measure(n: int, block: int, names: list[str], opens: int
+                  ) -> tuple[dict[str, list[float]], list[float]]:
     bench = Bench()
     try:
         await bench.ready()
+        open_ms = await bench.open_times(opens) if opens else []
         runs: dict[str, Callable[[], Awaitable[None]]] = {
             name: DESIGNS[name].__get__(bench) for name in names}
         for run in runs.values():  # warm up (first spawns page things in)
@@ -157,7 +174,7 @@ async def measure(n: int, block: int, names: list[str]) -> dict[str, list[float]
                     t0 = time.perf_counter()
                     await run()
                     times[name].append((time.perf_counter() - t0) * 1e3)
-        return times
+        return times, open_ms
     finally:
         bench.close()
 
@@ -170,6 +187,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, default=200, help="commands per design")
     ap.add_argument("--block", type=int, default=10, help="commands per design in a row")
+    ap.add_argument("--opens", type=int, default=20, help="sandboxes made, timed")
     ap.add_argument("--designs", default=",".join(DESIGNS),
                     help=f"comma-separated, from {', '.join(DESIGNS)}")
     args = ap.parse_args()
@@ -185,7 +203,7 @@ def main() -> None:
         raise SystemExit(f"SKIPPED: {why}")
     if "bare" not in names:
         names.insert(0, "bare")
-    times = asyncio.run(measure(args.n, max(1, args.block), names))
+    times, open_ms = asyncio.run(measure(args.n, max(1, args.block), names, args.opens))
     base50, base99 = pct(times["bare"], 50), pct(times["bare"], 99)
     print(f"{args.n} × /bin/true per design, in interleaved blocks of {args.block}; latency "
           f"from start to observed exit, ms (load average {os.getloadavg()[0]:.2f})")
@@ -199,6 +217,9 @@ def main() -> None:
         add99 = pct(times["executor-isolated"], 99) - pct(times["executor"], 99)
         print(f"\nisolation added to the executor: {add:+.2f} ms p50, {add99:+.2f} ms p99 "
               f"(goal: <= 5 ms p50)")
+    if open_ms:
+        print(f"making a trajectory's sandbox ({len(open_ms)}): p50 {pct(open_ms, 50):.1f} ms, "
+              f"max {max(open_ms):.1f} ms")
 
 
 if __name__ == "__main__":
