@@ -895,14 +895,20 @@ class Dispatcher:
         return proc
 
     async def _run_cpu(self, job: _Job, cores: list[int], proc: Process | Exception) -> None:
+        out = await self._wait_command(proc, lambda: self._free_cores.extend(cores))
+        self._complete(job, out)
+
+    async def _wait_command(self, proc: Process | Exception,
+                            release: Callable[[], None]) -> Outcome:
+        """How a started command ended; ``release`` gives its cores back, whatever
+        happens (an exception from the start is raised here, for the task to report)."""
         try:
             if isinstance(proc, Exception):
                 raise proc
-            out = await proc.wait()
+            return await proc.wait()
         finally:
             self._commands.discard(proc)
-            self._free_cores.extend(cores)
-        self._complete(job, out)
+            release()
 
     async def _run_gpu(self, jobs: list[_Job], device: int, resident: set[str]) -> None:
         dev = self.devices[device]
@@ -912,13 +918,7 @@ class Dispatcher:
                 cores = await self._reserve_cores(first.min_cores)
                 jobs[0].alloc["cores"] = cores
                 proc = self._start_command(jobs[0], cores, extra_env=command_env(dev))
-                try:
-                    if isinstance(proc, Exception):
-                        raise proc
-                    out = await proc.wait()
-                finally:
-                    self._commands.discard(proc)
-                    self._unreserve_cores(cores)
+                out = await self._wait_command(proc, lambda: self._unreserve_cores(cores))
                 self._complete(jobs[0], out)
                 return
             batch = asyncio.ensure_future(self.host.run_batch(

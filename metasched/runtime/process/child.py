@@ -18,7 +18,7 @@ import threading
 
 from metasched.runtime.process.fd_watch import FdWatch
 
-__all__ = ["Child", "Tail", "close_fds", "kill_group"]
+__all__ = ["Child", "ChildBase", "Stream", "Tail", "close_fds", "kill_group"]
 
 _READ_CHUNK = 65536  # a Linux pipe holds 64 KiB by default: one read empties it
 _REAP_AFTER_CANCEL_S = 2.0  # how long a cancelled call waits for SIGKILL to take effect
@@ -115,7 +115,47 @@ class Stream:
         return self.tail.buf.decode("utf-8", errors="replace")
 
 
-class Child:
+class ChildBase:
+    """What the executor uses of a started command, whoever started it (this process:
+    :class:`Child`; the sandbox server: ``metasched.runtime.sandbox.command``): its
+    ``exited`` future, its two output :class:`Stream` s, ``kill``, ``kill_rest`` and
+    ``reap`` (the subclass's), and the waiting below."""
+
+    exited: asyncio.Future[None]
+    out: Stream
+    err: Stream
+    reaped: bool
+
+    def reap(self) -> None:
+        raise NotImplementedError
+
+    async def reap_after_kill(self) -> None:
+        """After SIGKILL: wait (bounded, even if cancelled again) for the exit, reap."""
+        if not self.exited.done():
+            try:
+                await asyncio.wait([self.exited], timeout=_REAP_AFTER_CANCEL_S)
+            except asyncio.CancelledError:
+                pass
+        if self.exited.done() and not self.reaped:
+            self.reap()
+
+    async def drained(self, grace_s: float) -> None:
+        """Wait for EOF on both pipes, at most ``grace_s`` (a process that left the
+        group with setsid may still hold them)."""
+        # Usually every writer is gone by now (the group was killed): read what is left
+        # at once rather than waiting for the loop to report it.
+        self.out.drain_now()
+        self.err.drain_now()
+        pending = [s.eof for s in (self.out, self.err) if not s.eof.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=grace_s)
+
+    def close(self) -> None:
+        self.out.close()
+        self.err.close()
+
+
+class Child(ChildBase):
     """A started child: exit notification, reaping, killing, and its two output pipes."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, proc: subprocess.Popen,
@@ -194,34 +234,9 @@ class Child:
         self.proc.returncode = self.returncode if self.returncode is not None else -1
         self._close_pidfd()
 
-    async def reap_after_kill(self) -> None:
-        """After SIGKILL: wait (bounded, even if cancelled again) for the exit, reap."""
-        if not self.exited.done():
-            try:
-                await asyncio.wait([self.exited], timeout=_REAP_AFTER_CANCEL_S)
-            except asyncio.CancelledError:
-                pass
-        if self.exited.done() and not self.reaped:
-            self.reap()
-
     def reap_in_background(self) -> None:
         """The leader outlived SIGKILL (uninterruptible sleep): reap it when it exits."""
         def reap_later(_: asyncio.Future[None]) -> None:
             if not self.reaped:
                 self.reap()
         self.exited.add_done_callback(reap_later)
-
-    async def drained(self, grace_s: float) -> None:
-        """Wait for EOF on both pipes, at most ``grace_s`` (a process that left the
-        group with setsid may still hold them)."""
-        # Usually every writer is gone by now (the group was killed): read what is left
-        # at once rather than waiting for the loop to report it.
-        self.out.drain_now()
-        self.err.drain_now()
-        pending = [s.eof for s in (self.out, self.err) if not s.eof.done()]
-        if pending:
-            await asyncio.wait(pending, timeout=grace_s)
-
-    def close(self) -> None:
-        self.out.close()
-        self.err.close()

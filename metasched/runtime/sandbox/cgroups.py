@@ -86,17 +86,21 @@ class Hierarchies:
         return f"{text}; slots killed by {kill}"
 
 
+def _lines(path: str) -> list[str]:
+    """The lines of a /proc file ([] if unreadable)."""
+    try:
+        with open(path) as f:
+            return f.read().splitlines()
+    except OSError:
+        return []
+
+
 def _mounts() -> tuple[str | None, dict[str, str]]:
     """(cgroup2 mount point, {v1 controller: mount point}) from /proc/self/mountinfo
     (mounts whose root is the hierarchy's root only)."""
     v2: str | None = None
     v1: dict[str, str] = {}
-    try:
-        with open("/proc/self/mountinfo") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None, {}
-    for line in lines:
+    for line in _lines("/proc/self/mountinfo"):
         left, _, right = line.partition(" - ")
         fields, rest = left.split(), right.split()
         if len(fields) < 5 or len(rest) < 3 or fields[3] != "/":
@@ -115,12 +119,7 @@ def _own_paths() -> tuple[str | None, dict[str, str]]:
     """(this process's v2 cgroup path, {v1 controller: path}) from /proc/self/cgroup."""
     v2: str | None = None
     v1: dict[str, str] = {}
-    try:
-        with open("/proc/self/cgroup") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None, {}
-    for line in lines:
+    for line in _lines("/proc/self/cgroup"):
         parts = line.split(":", 2)
         if len(parts) != 3:
             continue

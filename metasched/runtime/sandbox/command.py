@@ -16,15 +16,13 @@ import asyncio
 import os
 from typing import Any
 
-from metasched.runtime.process.child import Stream
+from metasched.runtime.process.child import ChildBase, Stream
 from metasched.runtime.sandbox.manager import Sandbox, Sandboxes, Started
 
 __all__ = ["SandboxedChild"]
 
-_REAP_AFTER_CANCEL_S = 2.0
 
-
-class SandboxedChild:
+class SandboxedChild(ChildBase):
     """A command the sandbox server started (see the module docstring)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, boxes: Sandboxes,
@@ -78,27 +76,9 @@ class SandboxedChild:
         self.cpu_s = float(ev.get("cpu_s", 0.0))
         self.reaped = True
 
-    async def reap_after_kill(self) -> None:
-        """After a kill: wait (bounded, even if cancelled again) for the exit report."""
-        if not self.exited.done():
-            try:
-                await asyncio.wait([self.exited], timeout=_REAP_AFTER_CANCEL_S)
-            except asyncio.CancelledError:
-                pass
-        if self.exited.done() and not self.reaped:
-            self.reap()
-
     def reap_in_background(self) -> None:
         """Nothing to do: the server reaps; the slot is released when it reports."""
         self.exited.add_done_callback(lambda _: self.release())
-
-    async def drained(self, grace_s: float) -> None:
-        """Wait for EOF on both pipes, at most ``grace_s``."""
-        self.out.drain_now()
-        self.err.drain_now()
-        pending = [s.eof for s in (self.out, self.err) if not s.eof.done()]
-        if pending:
-            await asyncio.wait(pending, timeout=grace_s)
 
     def release(self) -> None:
         """Give the command's slot and user id back (once it has exited)."""
@@ -108,6 +88,5 @@ class SandboxedChild:
         self.boxes.finished(self.sandbox, self.started)
 
     def close(self) -> None:
-        self.out.close()
-        self.err.close()
+        super().close()
         self.release()

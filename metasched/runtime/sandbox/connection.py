@@ -92,18 +92,28 @@ class ServerConnection:
         ``key``, ``"opened"`` of sandbox ``key``)."""
         self.handlers[(kind, key)] = handler
 
+    def _next(self) -> dict[str, Any] | None:
+        """The next message (None: the server is gone); raises BlockingIOError when a
+        non-blocking socket has none. No message carries descriptors this way."""
+        try:
+            msg, fds = protocol.receive(self.sock)
+        except BlockingIOError:
+            raise
+        except OSError:
+            msg, fds = None, []
+        for fd in fds:
+            os.close(fd)
+        if msg is None:
+            self._lost()
+        return msg
+
     def _on_readable(self) -> None:
         while True:
             try:
-                msg, fds = protocol.receive(self.sock)
+                msg = self._next()
             except BlockingIOError:
                 break
-            except OSError:
-                msg, fds = None, []
-            for fd in fds:
-                os.close(fd)
             if msg is None:
-                self._lost()
                 return
             self._events.append(msg)
         self._deliver()
@@ -151,14 +161,8 @@ class ServerConnection:
         self.sock.setblocking(True)
         try:
             while True:
-                try:
-                    msg, fds = protocol.receive(self.sock)
-                except OSError:
-                    msg, fds = None, []
-                for fd in fds:
-                    os.close(fd)
+                msg = self._next()
                 if msg is None:
-                    self._lost()
                     raise ServerGone("the sandbox server exited")
                 if msg.get("re") == kind and (key is None or msg.get("cmd") == key):
                     return msg

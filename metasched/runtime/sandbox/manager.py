@@ -54,7 +54,6 @@ class Sandbox:
     seeded: str = ""
     init_pid: int = -1
     free_slots: list[Slot] = field(default_factory=list)
-    busy_slots: int = 0
     running: int = 0
     closed: bool = False
 
@@ -394,10 +393,10 @@ class Sandboxes:
         if slot is None:
             then(None)
             return
-        slot.kill()
         if slot.empty():
             then(slot)
             return
+        slot.kill()
         if left_s > 0 and self._loop is not None and not self._loop.is_closed():
             self._loop.call_later(0.005, self._release, slot, then, left_s - 0.005)
             return
