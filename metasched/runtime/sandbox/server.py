@@ -499,15 +499,16 @@ def _mount_tmpfs(size: int, uid: int, gid: int, template: str | None) -> None:
     current mount namespace); the staging mount is detached after."""
     syscalls.mount("tmpfs", STAGE, "tmpfs", MS_NOSUID | MS_NODEV,
                    f"size={int(size)},mode=0755,uid=0,gid=0")
+    parts = [("ws", 0o700), ("tmp", 0o1777), ("shm", 0o1777)]
+    if template is not None:
+        parts += [("upper", 0o755), ("work", 0o700)]
+    umask = os.umask(0)  # the modes as given (mkdir's are masked by the umask)
     try:
-        for part, mode in (("ws", 0o700), ("tmp", 0o1777), ("shm", 0o1777), ("upper", 0o755),
-                           ("work", 0o700)):
-            path = f"{STAGE}/{part}"
-            os.mkdir(path, mode)
-            os.chmod(path, mode)  # mkdir's mode is masked by the umask
+        for part, mode in parts:
+            os.mkdir(f"{STAGE}/{part}", mode)
         os.chown(f"{STAGE}/ws", uid, gid)
-        os.chown(f"{STAGE}/upper", uid, gid)
         if template is not None:
+            os.chown(f"{STAGE}/upper", uid, gid)
             # Copy-on-write over the template: a file is copied up when first written
             # (metacopy: a chown copies up only the metadata).
             syscalls.mount("overlay", WORKSPACE, "overlay", MS_NOSUID | MS_NODEV,
@@ -518,6 +519,7 @@ def _mount_tmpfs(size: int, uid: int, gid: int, template: str | None) -> None:
         syscalls.mount(f"{STAGE}/tmp", "/tmp", None, MS_BIND)
         syscalls.mount(f"{STAGE}/shm", "/dev/shm", None, MS_BIND)
     finally:
+        os.umask(umask)
         syscalls.umount(STAGE, MNT_DETACH)
 
 
