@@ -189,3 +189,36 @@ def test_slots_are_reused_and_removed(tree):
     a.configure([0], None, None)  # back to unlimited
     assert a.remove() and all(not os.path.exists(d) for d in a.dirs.values())
     assert a not in tree.slots and b in tree.slots
+
+
+def test_v2_without_controllers_still_holds_and_kills_a_command():
+    """Where v2 is writable but its controllers are elsewhere (this machine: all bound to
+    v1), a v2-only tree still tracks a command's processes and kills them all; its
+    limits fall back (and ``discover`` says why)."""
+    if os.geteuid() != 0:
+        pytest.skip("cgroups need root here")
+    h = cgroups.discover("v2")
+    if h.v2 is None:
+        pytest.skip(f"no writable cgroup v2 here: {h.describe()}")
+    if not h.missing:
+        pytest.skip("v2 has every controller here: the fixture's modes cover it")
+    assert all("not enabled" in why or "cannot enable" in why for why in h.missing.values())
+    tree = cgroups.CgroupTree(h)
+    try:
+        assert set(tree.dirs) == {"v2"} and tree.controllers == h.v2_controllers
+        slot = tree.new_slot()
+        slot.configure([0], 64 << 20, 8)  # nothing to set where a controller is missing
+        p = spawn_in(slot, """
+            import subprocess
+            subprocess.Popen(["setsid", "sleep", "300"])
+            print("started", flush=True)
+        """)
+        p.stdout.readline()
+        p.wait(10)
+        time.sleep(0.2)
+        assert len(slot.members()) == 1 and not slot.empty()  # the daemon, held
+        slot.kill()
+        assert slot.wait_empty(5)
+        p.communicate()
+    finally:
+        assert tree.close()

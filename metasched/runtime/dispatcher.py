@@ -1109,7 +1109,8 @@ class Dispatcher:
                 "queued": s.n_pending, "running": s.n_running,
                 "decisions": self.n_decisions, "grants": s.n_grants,
                 "guard_fired": self.guard.fired, "decision_latency_us": pct,
-                "measured_utilisation": self.monitor.summary()}
+                "measured_utilisation": self.monitor.summary(),
+                "confinement": self.boxes.describe() if self.boxes is not None else None}
 
     def run_result(self) -> RunResult:
         """What this dispatcher measured, in the simulator's form (for the same
