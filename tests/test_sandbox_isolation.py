@@ -148,6 +148,21 @@ def test_the_journal_can_be_neither_read_nor_written():
     assert data[:6] == b"SQLite" and mark.encode() not in data
 
 
+def test_a_command_holds_no_descriptor_of_the_dispatcher_or_its_server():
+    """Only stdin, stdout and stderr: a descriptor of the sandbox server's socket would
+    let a command ask a root process to start anything."""
+    code = "import os; print(sorted(int(fd) for fd in os.listdir('/proc/self/fd')))"
+
+    async def go():
+        async with Dispatcher(cfg()) as d:
+            return await asyncio.gather(d.submit(cpu(code)),
+                                        d.submit(cpu(code, trajectory="t")))
+    for r in run(go()):
+        assert r.ok, r.stderr
+        assert json.loads(r.stdout)[:3] == [0, 1, 2] and len(json.loads(r.stdout)) == 4
+        # (the fourth: the directory listing itself)
+
+
 # ---------------------------------------------------------------- signals
 
 

@@ -554,6 +554,9 @@ def main(argv: list[str]) -> None:
     syscalls.no_new_privs()  # no command can regain privileges through setuid binaries
     os.setgroups([])  # commands must not inherit root's supplementary groups
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the dispatcher's to handle
+    # Inherited (that is how it came), it would be inherited by every command too, and a
+    # command holding it could ask this root process for anything.
+    os.set_inheritable(fd, False)
     sock = socket.socket(fileno=fd)
     Server(sock).serve()
 
