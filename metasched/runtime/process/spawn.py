@@ -14,17 +14,20 @@ Spawn overhead is what limits a flood of short actions (rates from
   here (``cwd``, ``start_new_session=True``) Popen never takes its ``posix_spawn``
   path, not even on 3.13, which allows it with ``close_fds=True``; it goes through
   ``_posixsubprocess``, which on Linux calls ``vfork`` whenever no ``preexec_fn`` and no
-  user or group change are asked for (CPython 3.10 to 3.13; ``setsid`` after ``vfork``
-  is allowed since 3.10). CPython 3.12.0 alone fell back to ``fork`` by mistake
-  (gh-112334, fixed in 3.12.1). The rlimit fallback's ``preexec_fn`` (where util-linux
-  ``prlimit(1)`` is missing, see :mod:`.limits`) makes it a ``fork``.
+  user or group change are asked for (CPython 3.10 to 3.13, seen with strace on
+  3.10.13, 3.11.7, 3.12.1 and 3.13.0; ``setsid`` after ``vfork`` is allowed since
+  3.10). CPython 3.12.0 alone fell back to ``fork`` by mistake (gh-112334, fixed in
+  3.12.1). The rlimit fallback's ``preexec_fn`` (where util-linux ``prlimit(1)`` is
+  missing, see :mod:`.limits`) makes it a ``fork``.
 - stdin is one shared read-only descriptor of ``/dev/null`` instead of
   ``subprocess.DEVNULL`` (an open and a close per spawn), and the environment comes
   built as bytes (:mod:`.environment`), which Popen passes on without re-encoding.
-- Measured against ``seq N | xargs -P2 -I{} /bin/true``: see ``benchmarks/RESULTS.md``
-  (with ``cwd_root`` on a tmpfs such as ``/dev/shm``, about 0.9x); a spawner thread
-  reaches ~0.45x, ``asyncio.create_subprocess_exec`` ~0.55x even without pinning, and
-  with a pinning ``preexec_fn`` ~0.15x (0.02x with a 1 GB parent).
+- Measured against ``seq N | xargs -P2 -I{} /bin/true`` on a quiet machine, with the
+  private ``_posixsubprocess.fork_exec`` this package called before: 0.74-0.8x with
+  the working directory on ext4, 0.9-1.0x with ``cwd_root`` on a tmpfs; Popen's own
+  Python work costs about 7% of the spawn rate (``benchmarks/RESULTS.md``). A spawner
+  thread reaches ~0.45x, ``asyncio.create_subprocess_exec`` ~0.55x even without
+  pinning, and with a pinning ``preexec_fn`` ~0.15x (0.02x with a 1 GB parent).
 """
 
 from __future__ import annotations
