@@ -651,26 +651,27 @@ class Dispatcher:
         network = req.network if req.network is not None else self.config.sandbox.network
         if traj is None:
             sb = job.sandbox = self.boxes.shared(network)
-        elif traj.id in self._held:  # its sandbox is not ready: keep the order
+            if sb.ready.done():
+                return True
+            held = self._shared_wait.setdefault(network, [])
+            if not held:
+                sb.ready.add_done_callback(lambda _: self._release_shared(network))
+            held.append(job)
+            return False
+        if traj.id in self._held:  # its sandbox is not ready: keep the order
             self._held[traj.id].append(job)
             return False
-        else:
-            sb = job.sandbox = self.boxes.get(req.trajectory)
-            if sb is None:  # the trajectory's first command (or the first since a failure)
-                mb = req.workspace_mb or self.config.sandbox.workspace_mb
-                self._held[traj.id] = [job]
-                if traj.sandbox is None and not self.state.open_sandbox(
-                        traj, SandboxSpec(mem_gb=mb / 1024, startup_s=0.0)):
-                    self._sandbox_wait.append(traj)  # no sandbox memory free: wait
-                    return False
-                self._open_sandbox(traj, req)
-                return False
-        if sb.ready.done():
+        sb = job.sandbox = self.boxes.get(req.trajectory)
+        if sb is not None:  # ready: until it is, its trajectory's jobs are held
             return True
-        held = self._shared_wait.setdefault(network, [])
-        if not held:
-            sb.ready.add_done_callback(lambda _: self._release_shared(network))
-        held.append(job)
+        # The trajectory's first command (or its first since its sandbox failed).
+        mb = req.workspace_mb or self.config.sandbox.workspace_mb
+        self._held[traj.id] = [job]
+        if traj.sandbox is None and not self.state.open_sandbox(
+                traj, SandboxSpec(mem_gb=mb / 1024, startup_s=0.0)):
+            self._sandbox_wait.append(traj)  # no sandbox memory free: wait
+            return False
+        self._open_sandbox(traj, req)
         return False
 
     def _open_sandbox(self, traj: Trajectory, req: Request) -> None:
