@@ -121,10 +121,19 @@ class ChildBase:
     ``exited`` future, its two output :class:`Stream` s, ``kill``, ``kill_rest`` and
     ``reap`` (the subclass's), and the waiting below."""
 
-    exited: asyncio.Future[None]
-    out: Stream
-    err: Stream
-    reaped: bool
+    def __init__(self, loop: asyncio.AbstractEventLoop, pid: int, out_fd: int, err_fd: int,
+                 tail_bytes: int) -> None:
+        self.loop = loop
+        self.pid = pid
+        self.exited: asyncio.Future[None] = loop.create_future()
+        self.killed_by: str | None = None
+        self.reaped = False
+        self.returncode: int | None = None
+        self.maxrss_bytes = 0
+        self.cpu_s = 0.0
+        self.pids_limited = False  # its cgroup refused it a fork
+        self.out = Stream(loop, out_fd, tail_bytes)
+        self.err = Stream(loop, err_fd, tail_bytes)
 
     def reap(self) -> None:
         raise NotImplementedError
@@ -160,20 +169,10 @@ class Child(ChildBase):
 
     def __init__(self, loop: asyncio.AbstractEventLoop, proc: subprocess.Popen,
                  out_fd: int, err_fd: int, tail_bytes: int) -> None:
-        self.loop = loop
-        self.pid = proc.pid
         self.proc = proc  # reaped here, not by Popen (see reap())
-        self.exited: asyncio.Future[None] = loop.create_future()
-        self.killed_by: str | None = None
-        self.reaped = False
-        self.returncode: int | None = None
-        self.maxrss_bytes = 0
-        self.cpu_s = 0.0
-        self.pids_limited = False  # its cgroup refused it a fork (set by the caller)
         self.pidfd = -1
         self.watch = FdWatch.for_loop(loop)
-        self.out = Stream(loop, out_fd, tail_bytes)
-        self.err = Stream(loop, err_fd, tail_bytes)
+        super().__init__(loop, proc.pid, out_fd, err_fd, tail_bytes)
         try:
             self.pidfd = os.pidfd_open(self.pid)
         except (AttributeError, OSError):

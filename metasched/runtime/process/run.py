@@ -250,19 +250,11 @@ class Process:
                pids_max: int | None, watch_memory: bool, tail_bytes: int,
                confinement: Sandboxes | None, slot: Slot | None, detail: dict[str, Any], *,
                launched: bool, on_start: Callable[[int], None] | None = None) -> Process:
-        pipes = _pipes(detail)
-        if isinstance(pipes, Process):
-            return pipes
-        out_r, out_w, err_r, err_w = pipes
-        try:
-            try:
-                proc = spawn(args, cores, env, cwd, out_w, err_w, preexec)
-            finally:
-                close_fds(out_w, err_w)  # the child has its copies; EOF needs ours closed
-        except Exception as exc:  # OSError from exec, SubprocessError from preexec, ValueError
-            close_fds(out_r, err_r)
-            return cls.failed(cannot_start(exc, detail))
-
+        started = _with_pipes(detail, lambda out_w, err_w: spawn(args, cores, env, cwd, out_w,
+                                                                 err_w, preexec))
+        if isinstance(started, Process):
+            return started
+        proc, out_r, err_r = started
         pid = proc.pid
         try:
             child = Child(loop, proc, out_r, err_r, tail_bytes)
@@ -293,21 +285,12 @@ class Process:
         in ``cwd`` (``sandbox`` None); either way inside its cgroup slot."""
         from metasched.runtime.sandbox.command import SandboxedChild
 
-        pipes = _pipes(detail)
-        if isinstance(pipes, Process):
-            return pipes
-        out_r, out_w, err_r, err_w = pipes
-        try:
-            try:
-                started = confinement.start(sandbox, argv=args, env=env, cores=cores,
-                                            mem_limit_mb=in_cgroup["mem"],
-                                            pids_max=in_cgroup["pids"], out_w=out_w,
-                                            err_w=err_w, cwd=cwd)
-            finally:
-                close_fds(out_w, err_w)
-        except OSError as exc:
-            close_fds(out_r, err_r)
-            return cls.failed(cannot_start(exc, detail))
+        result = _with_pipes(detail, lambda out_w, err_w: confinement.start(
+            sandbox, argv=args, env=env, cores=cores, mem_limit_mb=in_cgroup["mem"],
+            pids_max=in_cgroup["pids"], out_w=out_w, err_w=err_w, cwd=cwd))
+        if isinstance(result, Process):
+            return result
+        started, out_r, err_r = result
         child = SandboxedChild(loop, confinement, sandbox, started, out_r, err_r, tail_bytes)
         return cls._watch(loop, started.pid, child, cwd, timeout_s, mem_limit_mb, cpu_time_s,
                           pids_max, watch_memory, None, None, cores, launched, on_start)
@@ -413,8 +396,11 @@ class Process:
             self._confinement.release_host_slot(slot)
 
 
-def _pipes(detail: dict[str, Any]) -> tuple[int, int, int, int] | Process:
-    """(out_r, out_w, err_r, err_w), or a failed Process."""
+def _with_pipes(detail: dict[str, Any], start: Callable[[int, int], Any]
+                ) -> tuple[Any, int, int] | Process:
+    """``start(out_w, err_w)`` with two new pipes for the child's stdout and stderr:
+    ``(what it returned, out_r, err_r)``, or a failed Process if the pipes or the start
+    failed (``OSError`` from exec, ``SubprocessError`` from a preexec, ``ValueError``)."""
     try:
         out_r, out_w = os.pipe()
     except OSError as exc:
@@ -424,4 +410,12 @@ def _pipes(detail: dict[str, Any]) -> tuple[int, int, int, int] | Process:
     except OSError as exc:
         close_fds(out_r, out_w)
         return Process.failed(cannot_start(exc, detail))
-    return out_r, out_w, err_r, err_w
+    try:
+        try:
+            started = start(out_w, err_w)
+        finally:
+            close_fds(out_w, err_w)  # the child has its copies; EOF needs ours closed
+    except Exception as exc:  # noqa: BLE001 - every way a start fails is its Outcome
+        close_fds(out_r, err_r)
+        return Process.failed(cannot_start(exc, detail))
+    return started, out_r, err_r

@@ -293,13 +293,7 @@ class CgroupTree:
         for slot in list(self.slots):
             slot.wait_empty(max(0.0, deadline - time.monotonic()))
             slot.remove()
-        gone = True
-        for key in list(self.dirs):
-            if remove_dir(self.dirs[key]):
-                del self.dirs[key]
-            else:
-                gone = False
-        return gone
+        return _remove_dirs(self.dirs)
 
 
 class Slot:
@@ -498,12 +492,7 @@ class Slot:
         for fd in self.procs_fds:
             os.close(fd)
         self.procs_fds = []
-        gone = True
-        for key in list(self.dirs):
-            if remove_dir(self.dirs[key]):
-                del self.dirs[key]
-            else:
-                gone = False
+        gone = _remove_dirs(self.dirs)
         if gone and self in self.tree.slots:
             self.tree.slots.remove(self)
         return gone
@@ -523,6 +512,14 @@ def _counter(path: str, key: str) -> int:
             except ValueError:
                 return 0
     return 0
+
+
+def _remove_dirs(dirs: dict[str, str]) -> bool:
+    """Remove each directory of ``dirs`` (forgetting those removed); whether all are."""
+    for key in list(dirs):
+        if remove_dir(dirs[key]):
+            del dirs[key]
+    return not dirs
 
 
 def remove_dir(path: str) -> bool:

@@ -16,7 +16,7 @@ import asyncio
 import os
 from typing import Any
 
-from metasched.runtime.process.child import ChildBase, Stream
+from metasched.runtime.process.child import ChildBase
 from metasched.runtime.sandbox.manager import Sandbox, Sandboxes, Started
 
 __all__ = ["SandboxedChild"]
@@ -28,18 +28,8 @@ class SandboxedChild(ChildBase):
     def __init__(self, loop: asyncio.AbstractEventLoop, boxes: Sandboxes,
                  sandbox: Sandbox | None, started: Started, out_fd: int, err_fd: int,
                  tail_bytes: int) -> None:
-        self.loop = loop
+        super().__init__(loop, started.pid, out_fd, err_fd, tail_bytes)
         self.boxes, self.sandbox, self.started = boxes, sandbox, started
-        self.pid = started.pid
-        self.exited: asyncio.Future[None] = loop.create_future()
-        self.killed_by: str | None = None
-        self.reaped = False
-        self.returncode: int | None = None
-        self.maxrss_bytes = 0
-        self.cpu_s = 0.0
-        self.pids_limited = False  # the slot refused a fork
-        self.out = Stream(loop, out_fd, tail_bytes)
-        self.err = Stream(loop, err_fd, tail_bytes)
         self._event: dict[str, Any] | None = None
         self._released = False
         boxes.on_exit(started, self._on_exit)
