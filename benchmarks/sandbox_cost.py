@@ -25,10 +25,13 @@ Designs:
   ``executor-private``: in the trajectory-less sandbox (a private workspace each time).
 
 It also times making a trajectory's sandbox (``--opens`` of them: from the request to
-the server's "ready"; bwrap's namespaces and mounts, the workspace tmpfs).
+the server's "ready"; bwrap's namespaces and mounts, the workspace tmpfs), and the
+executor with and without isolation after an idle spell (``--idle-ms`` before each of
+``--idle-n`` commands): entering a cgroup after some idle time can wait for an RCU grace
+period where cgroups are mounted without ``favordynmods``.
 
     python benchmarks/sandbox_cost.py [--n 200] [--block 10] [--opens 20]
-        [--designs bare,server,...]
+        [--idle-ms 200] [--idle-n 20] [--designs bare,server,...]
 """
 
 from __future__ import annotations
@@ -156,12 +159,20 @@ DESIGNS = {"bare": Bench.bare, "unshare": Bench.unshare_fresh, "bwrap": Bench.bw
            "executor-private": Bench.executor_private}
 
 
-async def measure(n: int, block: int, names: list[str], opens: int
-                  ) -> tuple[dict[str, list[float]], list[float]]:
+async def measure(n: int, block: int, names: list[str], opens: int, idle_ms: float,
+                  idle_n: int) -> tuple[dict[str, list[float]], list[float],
+                                        dict[str, list[float]]]:
     bench = Bench()
     try:
         await bench.ready()
         open_ms = await bench.open_times(opens) if opens else []
+        idle: dict[str, list[float]] = {"executor": [], "executor-isolated": []}
+        for _ in range(idle_n if idle_ms > 0 else 0):
+            for name in idle:
+                await asyncio.sleep(idle_ms / 1e3)
+                t0 = time.perf_counter()
+                await DESIGNS[name](bench)
+                idle[name].append((time.perf_counter() - t0) * 1e3)
         runs: dict[str, Callable[[], Awaitable[None]]] = {
             name: DESIGNS[name].__get__(bench) for name in names}
         for run in runs.values():  # warm up (first spawns page things in)
@@ -174,7 +185,7 @@ async def measure(n: int, block: int, names: list[str], opens: int
                     t0 = time.perf_counter()
                     await run()
                     times[name].append((time.perf_counter() - t0) * 1e3)
-        return times, open_ms
+        return times, open_ms, idle
     finally:
         bench.close()
 
@@ -188,6 +199,9 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=200, help="commands per design")
     ap.add_argument("--block", type=int, default=10, help="commands per design in a row")
     ap.add_argument("--opens", type=int, default=20, help="sandboxes made, timed")
+    ap.add_argument("--idle-ms", type=float, default=200.0, help="idle spell before each "
+                    "command of the after-idle measurement (0: skip it)")
+    ap.add_argument("--idle-n", type=int, default=20, help="commands after an idle spell")
     ap.add_argument("--designs", default=",".join(DESIGNS),
                     help=f"comma-separated, from {', '.join(DESIGNS)}")
     args = ap.parse_args()
@@ -203,7 +217,8 @@ def main() -> None:
         raise SystemExit(f"SKIPPED: {why}")
     if "bare" not in names:
         names.insert(0, "bare")
-    times, open_ms = asyncio.run(measure(args.n, max(1, args.block), names, args.opens))
+    times, open_ms, idle = asyncio.run(measure(args.n, max(1, args.block), names, args.opens,
+                                               args.idle_ms, args.idle_n))
     base50, base99 = pct(times["bare"], 50), pct(times["bare"], 99)
     print(f"{args.n} × /bin/true per design, in interleaved blocks of {args.block}; latency "
           f"from start to observed exit, ms (load average {os.getloadavg()[0]:.2f})")
@@ -220,6 +235,11 @@ def main() -> None:
     if open_ms:
         print(f"making a trajectory's sandbox ({len(open_ms)}): p50 {pct(open_ms, 50):.1f} ms, "
               f"max {max(open_ms):.1f} ms")
+    if idle["executor"]:
+        print(f"after {args.idle_ms:g} ms idle ({args.idle_n} each): executor p50 "
+              f"{pct(idle['executor'], 50):.2f} ms, executor-isolated p50 "
+              f"{pct(idle['executor-isolated'], 50):.2f} ms (max "
+              f"{max(idle['executor']):.2f} / {max(idle['executor-isolated']):.2f})")
 
 
 if __name__ == "__main__":

@@ -107,6 +107,12 @@ class Sandboxes:
                 "cgroup confinement incomplete: "
                 + "; ".join(f"{c}: {why}" for c, why in missing.items())
                 + " (fallback: " + ", ".join(_FALLBACK[c] for c in missing) + ")")
+        if self.tree is not None and not self.hierarchies.favordynmods:
+            self.warnings.append(
+                "cgroups are mounted without favordynmods: a command started after an "
+                "idle spell may wait for an RCU grace period (milliseconds) to enter its "
+                "cgroup (mount -o remount,favordynmods /sys/fs/cgroup or its cgroup2 "
+                "mount, Linux >= 6.0, to avoid it)")
         first, count = config.uid_range if config.uid_range else (0, 0)
         self.uids = UidPool(first, count, config.nobody_uid)
         # The server starts sandboxed commands, and host commands too where there are
