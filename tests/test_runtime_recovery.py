@@ -9,11 +9,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 
 import psutil
@@ -57,17 +55,14 @@ def requests(gate: str, user_dir: str, isolation: str) -> list[dict]:
 
 
 @pytest.mark.parametrize("isolation", ["bwrap", "none"])
-def test_kill_9_loses_nothing_and_removes_only_its_own(tmp_path, isolation):
+def test_kill_9_loses_nothing_and_removes_only_its_own(tmp_path, visible_dir, isolation):
     if isolation == "bwrap":
         from sandbox_helpers import needs_isolation
         needs_isolation()
     db = tmp_path / "journal.db"
     workdir = tmp_path / "shm"  # the dispatcher's run directories go here
     workdir.mkdir()
-    # The gate must be visible inside sandboxes, whose /tmp is their own.
-    shared = tempfile.mkdtemp(prefix="recovery-", dir="/var/tmp")
-    os.chmod(shared, 0o755)  # and readable by the sandboxes' users
-    gate = os.path.join(shared, "gate")
+    gate = str(visible_dir / "gate")  # where sandboxed commands see it
     # Directories that look like the dispatcher's but are a user's.
     user_dir = workdir / "metasched-999-0"
     user_dir.mkdir()
@@ -76,49 +71,48 @@ def test_kill_9_loses_nothing_and_removes_only_its_own(tmp_path, isolation):
     lookalike.mkdir()
     reqs = requests(gate, str(user_dir), isolation)
     (tmp_path / "requests.json").write_text(json.dumps(reqs))
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(db), str(workdir), isolation,
+         str(tmp_path / "requests.json")], stdout=subprocess.PIPE, text=True)
     try:
-        child = subprocess.Popen(
-            [sys.executable, "-c", CHILD, str(db), str(workdir), isolation,
-             str(tmp_path / "requests.json")], stdout=subprocess.PIPE, text=True)
-        try:
-            word, dead_run = child.stdout.readline().split()
-            assert word == "accepted"
-            with Journal(db) as j:  # wait until the running actions have recorded their pids
-                for _ in range(400):
-                    if len(j.orphans()) >= 1:
-                        break
-                    asyncio.run(asyncio.sleep(0.05))
-                orphans = j.orphans()
-                counts = j.counts()
-                state = {f"r{i}": j.status(f"r{i}") for i in range(N)}
-            assert counts["finished"] == 0 and counts["queued"] + counts["running"] == N
-            child.send_signal(signal.SIGKILL)
-            child.wait(10)
-        finally:
-            child.kill()
-        assert orphans, "the killed dispatcher left running commands in its journal"
-        in_flight = {k for k, s in state.items() if s == RUNNING}
-        assert 1 <= len(in_flight) <= len(os.sched_getaffinity(0))
-        if isolation == "bwrap":
-            # Its sandbox server saw the dispatcher's end close and took every command
-            # down with the sandboxes, before any restart.
-            _wait_gone([pid for _, pid in orphans])
-        else:
-            assert any(psutil.pid_exists(pid) for _, pid in orphans)  # still sleeping
-        assert os.path.isdir(dead_run)
-
-        open(gate, "w").close()
-
-        async def restart():
-            cfg = DispatcherConfig(scheduler="elastic_greedy", journal=db, workdir=str(workdir),
-                                   sample_interval_s=0.1,
-                                   sandbox=SandboxConfig(isolation=isolation))
-            async with Dispatcher(cfg) as d:
-                futs = [d.accept(r) for r in reqs]  # resubmitted: deduplicated by id
-                return await asyncio.gather(*futs), d.state.n_submitted
-        results, submitted = asyncio.run(restart())
+        word, dead_run = child.stdout.readline().split()
+        assert word == "accepted"
+        # Until the running actions have recorded their pids (read beside the live
+        # writer, which holds the journal's lock).
+        with Journal(db, lock=False) as j:
+            for _ in range(400):
+                if len(j.orphans()) >= 1:
+                    break
+                asyncio.run(asyncio.sleep(0.05))
+            orphans = j.orphans()
+            counts = j.counts()
+            state = {f"r{i}": j.status(f"r{i}") for i in range(N)}
+        assert counts["finished"] == 0 and counts["queued"] + counts["running"] == N
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
     finally:
-        shutil.rmtree(shared, ignore_errors=True)
+        child.kill()
+    assert orphans, "the killed dispatcher left running commands in its journal"
+    in_flight = {k for k, s in state.items() if s == RUNNING}
+    assert 1 <= len(in_flight) <= len(os.sched_getaffinity(0))
+    if isolation == "bwrap":
+        # Its sandbox server saw the dispatcher's end close and took every command
+        # down with the sandboxes, before any restart.
+        _wait_gone([pid for _, pid in orphans])
+    else:
+        assert any(psutil.pid_exists(pid) for _, pid in orphans)  # still sleeping
+    assert os.path.isdir(dead_run)
+
+    open(gate, "w").close()
+
+    async def restart():
+        cfg = DispatcherConfig(scheduler="elastic_greedy", journal=db, workdir=str(workdir),
+                               sample_interval_s=0.1,
+                               sandbox=SandboxConfig(isolation=isolation))
+        async with Dispatcher(cfg) as d:
+            futs = [d.accept(r) for r in reqs]  # resubmitted: deduplicated by id
+            return await asyncio.gather(*futs), d.state.n_submitted
+    results, submitted = asyncio.run(restart())
     assert submitted == N  # re-queued from the journal; the resubmissions were deduplicated
     assert [r.status for r in results] == ["done"] * N, {r.reason for r in results}
     assert {r.id for r in results} == {f"r{i}" for i in range(N)}

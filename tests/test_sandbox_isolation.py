@@ -13,11 +13,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import textwrap
 import threading
 import time
@@ -108,11 +106,10 @@ def test_another_trajectorys_workspace_is_out_of_reach(tmp_path):
     assert check.stdout.split() == [secret, "secret"]  # nothing planted
 
 
-def test_the_journal_can_be_neither_read_nor_written():
-    # Outside /tmp, which sandboxes have their own of: its path would be visible.
-    where = tempfile.mkdtemp(prefix="journal-", dir="/var/tmp")
-    os.chmod(where, 0o755)  # its directory open to all: only hiding keeps the files away
-    db = os.path.join(where, "journal.db")
+def test_the_journal_can_be_neither_read_nor_written(visible_dir):
+    # Outside /tmp, which sandboxes have their own of, in a directory open to all: only
+    # hiding keeps its files away.
+    db = str(visible_dir / "journal.db")
     mark = uuid.uuid4().hex  # written only by the attack (its text never is: see below)
 
     async def go():
@@ -136,12 +133,9 @@ def test_the_journal_can_be_neither_read_nor_written():
                 print(out)
             """, trajectory="t"))
             return r
-    try:
-        r = run(go())
-        data = open(db, "rb").read() + open(db + "-wal", "rb").read() \
-            if os.path.exists(db + "-wal") else open(db, "rb").read()
-    finally:
-        shutil.rmtree(where, ignore_errors=True)
+    r = run(go())
+    data = open(db, "rb").read() + open(db + "-wal", "rb").read() \
+        if os.path.exists(db + "-wal") else open(db, "rb").read()
     assert r.ok, r.stderr
     assert "True" not in r.stdout  # nothing of the journal was readable
     assert "wrote" not in r.stdout

@@ -26,5 +26,13 @@ def ci95(values: Sequence[float]) -> list[float]:
     m = float(x.mean())
     if x.size < 2:
         return [m, m]
-    half = float(t975(x.size - 1) * x.std(ddof=1) / math.sqrt(x.size))
-    return [m - half, m + half]
+    return ci95_of(x.size, m, float(x.std(ddof=1)))
+
+
+def ci95_of(n: int, mean: float, sd: float) -> list[float]:
+    """The same interval from a sample's size, mean and standard deviation (ddof=1):
+    for samples summarised as they come."""
+    if n < 2:
+        return [mean, mean]
+    half = t975(n - 1) * sd / math.sqrt(n)
+    return [mean - half, mean + half]
