@@ -258,7 +258,7 @@ def test_setsid_workers_count_against_the_memory_limit(mode):
         async with Dispatcher(cfg(mode)) as d:
             return await d.submit(cpu("""
                 import subprocess, sys
-                code = "import time; b = b'x' * (150 << 20); time.sleep(5)"
+                code = "import time; b = b'x' * (150 << 20); time.sleep(2)"
                 ps = [subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
                       for _ in range(4)]
                 print([p.wait() for p in ps])
