@@ -56,8 +56,8 @@ class Hierarchies:
         missing: controller -> why it is unavailable (every controller not placed).
         favordynmods: whether a cgroup hierarchy is mounted with ``favordynmods``
             (Linux >= 6.0). Without it, moving a process into a cgroup after some idle
-            time waits for an RCU grace period (about 10 ms measured here: the lock that
-            guards migrations is put back into its fast-reader mode when unused); with
+            time waits for an RCU grace period (milliseconds: the lock that guards
+            migrations is put back into its fast-reader mode when unused); with
             it migrations stay cheap, at a small cost to every fork and exit.
     """
 
