@@ -3,9 +3,10 @@
 Rollout workers ``await dispatcher.submit(request)``; the dispatcher journals the
 request (SQLite, before acknowledging it), queues it in the same ``ClusterState`` the
 simulator drives, asks the same ``Scheduler`` (the shipped learned policy by default)
-whenever a decision is possible, and runs what it grants on real cores (pinned
-subprocesses), GPUs (resident services or commands) and APIs (quota-aware calls with
-retries). Observations come from the same encoder and masks as in training.
+whenever a decision is possible, and runs what it grants on real cores (commands, each
+in its trajectory's sandbox and a cgroup of its own: :mod:`metasched.runtime.sandbox`),
+GPUs (resident services or commands) and APIs (quota-aware calls with retries).
+Observations come from the same encoder and masks as in training.
 
 One event loop thread owns the state: executors run as tasks on the loop (blocking
 work, such as a service's forward pass, runs in a worker thread) and report back on it.
