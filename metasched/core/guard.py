@@ -64,12 +64,23 @@ class WaitGuard:
         led: Ledger | None = None
         grants: list[Grant] = []
         for kind in KINDS:
-            for a in state.pending[kind].values():  # submission order: oldest first
+            pending = state.pending[kind]
+            if not pending or next(iter(pending.values())).submit_t > deadline:
+                continue
+            led = led or Ledger(state)
+            most = max(led.free, default=0)  # the freest node's free cores
+            for a in pending.values():  # submission order: oldest first
                 if a.submit_t > deadline:
                     break
-                led = led or Ledger(state)
+                if kind == "cpu":
+                    if a.node < 0 and most < a.spec.min_cores and not (
+                            a.traj is not None and a.traj.held_cores):
+                        continue  # cannot fit anywhere (long overdue queues: skip fast)
+                elif kind == "gpu" and not led.idle:
+                    break
                 g = led.default_grant(a)
                 if g is not None:
                     grants.append(g)
+                    most = max(led.free, default=0)
         self.fired += len(grants)
         return grants
