@@ -70,11 +70,21 @@ class ElasticGreedyScheduler(Scheduler):
             self._cpu_q: dict[int, PendingQueue] = {}  # by the node an action must run on
             self._api_q: dict[str, PendingQueue] = {}  # by endpoint
         for a in self._arrivals.new(state, "cpu"):
-            self._cpu_q.setdefault(a.node, PendingQueue()).push(_sjf_key(a), a)
+            self._cpu_q.setdefault(a.node, PendingQueue()).push(self._cpu_key(a), a)
         eps = state.api.endpoints
         for a in self._arrivals.new(state, "api"):
-            key = (_quota_s(eps[a.spec.endpoint].spec, a), _sjf_key(a))
+            key = self._api_key(eps[a.spec.endpoint].spec, a)
             self._api_q.setdefault(a.spec.endpoint, PendingQueue()).push(key, a)
+
+    def _cpu_key(self, a: Action) -> tuple:
+        """Priority of a CPU action among those bound for its node (smallest first): the
+        shortest estimated run at its maximum cores."""
+        return _sjf_key(a)
+
+    def _api_key(self, ep: EndpointSpec, a: Action) -> tuple:
+        """Priority of an API call on its endpoint (smallest first): least quota, then
+        the shortest estimated call."""
+        return (_quota_s(ep, a), _sjf_key(a))
 
     def decide(self, state: ClusterState) -> list[Grant]:
         self._sync(state)
