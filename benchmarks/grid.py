@@ -8,15 +8,19 @@ run: ``metasched-eval workload=<profile> <overrides>`` reproduces it.
 
     python benchmarks/grid.py [--seeds 8] [--points coding-c12,rm_math-gpu1]
         [--schedulers static,...,checkpoints/default] [--reference elastic_greedy]
-        [--workers 2] [--out outputs/grid]
+        [--versus elastic_greedy] [--workers 2] [--out outputs/grid]
 
 Prints the table (markdown) and writes ``grid.md`` and ``grid.json`` under ``--out``.
+``--versus NAME`` adds a second table from the same runs: every scheduler paired against
+``NAME`` at every point.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import resource
 import sys
 import time
 from pathlib import Path
@@ -28,7 +32,7 @@ from metasched.cli.output import json_safe
 from metasched.compose import compose, load_profile
 from metasched.errors import ConfigError
 from metasched.evaluation.report import fmt_ci
-from metasched.evaluation.runs import eval_jobs, results_document, run_jobs
+from metasched.evaluation.runs import compare_paired, eval_jobs, results_document, run_jobs
 
 # point id -> (profile, metasched-eval overrides). The default cluster of every profile,
 # then the contended regimes.
@@ -62,6 +66,12 @@ def point_settings(point: str, schedulers: list[str], n_seeds: int,
     return workload, cluster, eval_settings(cfg)
 
 
+def _cpu_s() -> float:
+    """CPU seconds of this process and its finished children (the worker processes)."""
+    me, kids = (resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def run_grid(points: list[str], schedulers: list[str], n_seeds: int, seed_offset: int,
              workers: int, reference: str | None, progress: bool = True) -> dict[str, Any]:
     """Run every point's evaluation (all runs in one pool) and return the grid document."""
@@ -73,10 +83,13 @@ def run_grid(points: list[str], schedulers: list[str], n_seeds: int, seed_offset
                           timeline_dt=s["timeline_dt"], max_wait_s=s["max_wait_s"],
                           paths=s["paths"], group=p)
     t0 = time.perf_counter()
+    cpu0 = _cpu_s()
     runs = run_jobs(jobs, workers=workers, progress=progress)
     wall = time.perf_counter() - t0
+    cpu = _cpu_s() - cpu0
     out: dict[str, Any] = {"seeds": settings[points[0]][1]["seeds"], "schedulers": schedulers,
-                           "reference": reference, "wall_s": wall, "workers": workers,
+                           "reference": reference, "wall_s": wall, "cpu_s": cpu,
+                           "workers": workers,
                            "points": {}}
     for p in points:
         workload, s = settings[p]
@@ -88,13 +101,23 @@ def run_grid(points: list[str], schedulers: list[str], n_seeds: int, seed_offset
     return out
 
 
+def versus(grid: dict[str, Any], name: str) -> dict[str, Any]:
+    """The grid with every point's comparison redone against scheduler ``name``."""
+    out = copy.deepcopy(grid)
+    out["reference"] = name
+    for entry in out["points"].values():
+        doc = entry["results"]
+        compare_paired(doc, [doc["best_heuristic"]] if doc["best_heuristic"] else [], name)
+    return out
+
+
 def grid_table(grid: dict[str, Any]) -> str:
     """The grid as one markdown table: a block of rows per point."""
     seeds = grid["seeds"]
     ref = grid["reference"] or "the point's best heuristic (by mean ACT; marked *)"
     lines = [f"{len(seeds)} evaluation seeds ({seeds[0]}..{seeds[-1]}); ratios are paired "
              f"by seed against {ref}, with 95% CIs; {grid['wall_s']:.0f} s of wall time on "
-             f"{grid['workers']} worker processes.", "",
+             f"{grid['workers']} worker processes ({grid['cpu_s']:.0f} CPU s).", "",
              "| point | scheduler | mean ACT s | mean step s | ACT ÷ ref (95% CI) "
              "| step ÷ ref (95% CI) |", "|---|---|---|---|---|---|"]
     for p, entry in grid["points"].items():
@@ -121,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reference", default=None,
                     help="scheduler every ratio is against (default: each point's best "
                          "heuristic by mean ACT)")
+    ap.add_argument("--versus", default=None,
+                    help="also tabulate every scheduler paired against this one")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--out", default="outputs/grid")
     args = ap.parse_args(argv)
@@ -132,14 +157,18 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("points", f"unknown point(s) {unknown} (known: {', '.join(POINTS)})")
         if args.seeds < 1:
             raise ConfigError("seeds", f"must be >= 1 (got {args.seeds})")
-        if args.reference is not None and args.reference not in schedulers:
-            raise ConfigError("reference", f"must be one of --schedulers (got {args.reference!r})")
+        for opt in ("reference", "versus"):
+            v = getattr(args, opt)
+            if v is not None and v not in schedulers:
+                raise ConfigError(opt, f"must be one of --schedulers (got {v!r})")
         grid = run_grid(points, schedulers, args.seeds, args.seed_offset, max(1, args.workers),
                         args.reference)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     table = grid_table(grid)
+    if args.versus is not None:
+        table += "\n" + grid_table(versus(grid, args.versus))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "grid.md").write_text(table)

@@ -10,6 +10,9 @@ from metasched.core.cluster_config import ClusterConfig, parse_cluster
 from metasched.errors import ConfigError
 from metasched.sim.workload_config import WorkloadConfig, check_compatible, parse_workload
 
+# The shipped profiles: ``configs/workload/<name>.yaml`` with ``configs/cluster/<name>.yaml``.
+PROFILES: tuple[str, ...] = ("coding", "search", "rm_math", "mixed", "retool")
+
 
 def config_dir() -> Path:
     """The ``configs/`` directory (``METASCHED_CONFIG_DIR`` overrides it)."""

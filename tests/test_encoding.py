@@ -12,6 +12,7 @@ from helpers import shrunk
 
 import metasched.sim.simulator as simulator_module
 from metasched.agents import make_scheduler
+from metasched.compose import PROFILES
 from metasched.core.actions import Action, ActionSpec, Grant, Trajectory
 from metasched.core.observation import (
     KIND_NAMES,
@@ -29,7 +30,6 @@ from metasched.core.state import ClusterState
 from metasched.envs.scheduling import ActionSchedulingEnv
 from metasched.sim.simulator import Simulator
 
-PROFILES = ("coding", "search", "rm_math", "mixed")
 SMALL = ObsConfig(k_slots=4, levels=4, max_nodes=2, max_devices=2, max_services=2,
                   max_endpoints=2)
 SERVICES = {"rm": ServiceSpec(mem_gb=30, restore_s=4.0, max_batch=8, batch_marginal=0.05)}

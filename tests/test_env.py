@@ -14,6 +14,7 @@ from helpers import shrunk
 from stable_baselines3.common.env_checker import check_env as sb3_check_env
 
 import metasched.envs  # noqa: F401  (registers the env id)
+from metasched.compose import PROFILES
 from metasched.core.observation import ObservationEncoder
 from metasched.envs import ENV_ID
 from metasched.envs.scheduling import (
@@ -23,9 +24,6 @@ from metasched.envs.scheduling import (
     scale_workload,
 )
 from metasched.sim.simulator import Simulator
-
-PROFILES = ("coding", "search", "rm_math", "mixed")
-
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 import multiprocessing as mp
+import pickle
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -19,6 +21,7 @@ import numpy as np
 from metasched.core.cluster_config import ClusterConfig
 from metasched.core.metrics import API_REQ, CPU_BUSY, CPU_HELD, GPU_BUSY, GPU_HELD, RunResult
 from metasched.evaluation.statistics import ci95, paired_comparison
+from metasched.sim.sampling import WorkloadInstance, sample_workload, workload_rng
 from metasched.sim.workload_config import WorkloadConfig
 
 EVAL_SEED_OFFSET = 1_000_000
@@ -40,13 +43,35 @@ class Job:
     group: str | None = None  # which of several evaluations run together it belongs to
 
 
+# The workload instances sampled last in this process, by (pickled workload, seed): the
+# jobs of one seed run back to back (see ``eval_jobs``), so every scheduler after the first
+# reuses the instance instead of sampling it again (instances are never mutated).
+_INSTANCES: OrderedDict[tuple[bytes, int], WorkloadInstance] = OrderedDict()
+_INSTANCES_KEPT = 4
+
+
+def _instance(workload: WorkloadConfig, seed: int) -> WorkloadInstance | None:
+    """The instance ``Simulator(workload, ..., seed)`` samples, from the cache when it is
+    there (None for a trace: the simulator reads it)."""
+    if workload.trace is not None:
+        return None
+    key = (pickle.dumps(workload), seed)
+    inst = _INSTANCES.get(key)
+    if inst is None:
+        inst = sample_workload(workload, workload_rng(seed))
+        _INSTANCES[key] = inst
+        while len(_INSTANCES) > _INSTANCES_KEPT:
+            _INSTANCES.popitem(last=False)
+    return inst
+
+
 def run_job(job: Job) -> dict[str, Any]:
     """Run one job and return its compact measurements (picklable)."""
     from metasched.agents import make_scheduler
     from metasched.sim.simulator import Simulator
 
     sim = Simulator(job.workload, job.cluster, job.seed, timeline_dt=job.timeline_dt,
-                    max_wait_s=job.max_wait_s)
+                    max_wait_s=job.max_wait_s, instance=_instance(job.workload, job.seed))
     r = sim.run(make_scheduler(job.scheduler, **job.params))
     out = summarise_run(r, job.label or job.scheduler, job.seed)
     out["group"] = job.group
@@ -188,9 +213,10 @@ def eval_jobs(workload: WorkloadConfig, cluster: ClusterConfig, schedulers: Sequ
     """The jobs of one evaluation: every scheduler on every seed. ``paths`` maps a
     scheduler name to what loads it (a checkpoint directory)."""
     params, paths = params or {}, paths or {}
+    # Seed by seed: a worker then samples each instance once for all schedulers.
     return [Job(workload, cluster, paths.get(s, s), dict(params.get(s, {})), seed, timeline_dt,
                 max_wait_s, label=s, group=group)
-            for s in schedulers for seed in seeds]
+            for seed in seeds for s in schedulers]
 
 
 def results_document(workload: str, schedulers: Sequence[str], seeds: Sequence[int],

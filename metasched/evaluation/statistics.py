@@ -55,6 +55,8 @@ def paired_ratio(x: Sequence[float], ref: Sequence[float]) -> tuple[float, list[
     r = mx / my if my else math.nan
     if n < 2 or not math.isfinite(r):
         return r, [r, r]
+    if np.all(xa == r * ya):
+        return r, [r, r]  # exactly proportional (e.g. identical): no spread to bound
     cov = np.cov(xa, ya, ddof=1)
     k = _t975(n) ** 2 / n
     a = my * my - k * cov[1, 1]
