@@ -111,6 +111,29 @@ def versus(grid: dict[str, Any], name: str) -> dict[str, Any]:
     return out
 
 
+def summary_table(grid: dict[str, Any]) -> str:
+    """Per point: the best heuristic, and every other (learned) scheduler against it."""
+    lines = ["| point | best heuristic | its mean ACT s | its ACT ÷ lower bound | its mean step s "
+             "| scheduler | ACT ÷ best (95% CI) | step ÷ best (95% CI) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for p, entry in grid["points"].items():
+        doc = entry["results"]
+        best = doc["best_heuristic"]
+        if best is None:
+            continue
+        b = doc["schedulers"][best]
+        others = [n for n in doc["schedulers"] if n not in BASELINES] or ["—"]
+        for n in others:
+            pa = doc["schedulers"][n]["paired"] if n in doc["schedulers"] else None
+            act = fmt_ci(pa["mean_act_s"]["ratio"], pa["mean_act_s"]["ratio_ci95"]) if pa else "—"
+            step = (fmt_ci(pa["mean_step_s"]["ratio"], pa["mean_step_s"]["ratio_ci95"])
+                    if pa else "—")
+            lines.append(f"| {p} | {best} | {b['mean_act_s']:.3g} "
+                         f"| {b['act_over_lower_bound']:.2f} | {b['mean_step_s']:.4g} "
+                         f"| {n} | {act} | {step} |")
+    return "\n".join(lines) + "\n"
+
+
 def grid_table(grid: dict[str, Any]) -> str:
     """The grid as one markdown table: a block of rows per point."""
     seeds = grid["seeds"]
@@ -167,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     table = grid_table(grid)
+    if grid["reference"] is None:
+        table += "\n" + summary_table(grid)
     if args.versus is not None:
         table += "\n" + grid_table(versus(grid, args.versus))
     out = Path(args.out)
