@@ -25,11 +25,8 @@ from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecNorm
 from metasched.core.cluster_config import ClusterConfig
 from metasched.core.observation import ObsConfig
 from metasched.envs.scheduling import ActionSchedulingEnv, Randomization, RewardConfig
-from metasched.evaluation.runs import TRAIN_SEED_MAX
+from metasched.sim.seeds import TRAIN_SIM_SEEDS, VALIDATION_SEEDS
 from metasched.sim.workload_config import WorkloadConfig
-
-VALIDATION_SEEDS = tuple(range(TRAIN_SEED_MAX - 1000, TRAIN_SEED_MAX))
-TRAIN_SIM_SEEDS = (0, TRAIN_SEED_MAX - 1000)  # episodes draw simulation seeds from here
 
 
 def env_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:

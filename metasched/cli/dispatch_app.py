@@ -142,7 +142,7 @@ async def dispatch_all(jobs: list[tuple[int, Any]], dcfg, services: dict[str, An
 def live_table(name: str, jobs_file: str, summary: dict[str, Any], stats: dict[str, Any],
                results: list[Result]) -> str:
     """The results table of a live run (markdown)."""
-    from metasched.evaluation.report import _fmt
+    from metasched.evaluation.report import fmt
 
     s = summary
     n_rej = sum(r.status == REJECTED for r in results)
@@ -159,10 +159,10 @@ def live_table(name: str, jobs_file: str, summary: dict[str, Any], stats: dict[s
         "| guard |",
         "|" + "---|" * 13,
         f"| {name} | {sum(r.status == 'done' for r in results)} | {s['failed']} | {n_rej} "
-        f"| {_fmt(s['mean_act_s'])} ({_fmt(ca[0])}–{_fmt(ca[1])}) | {_fmt(s['p50_act_s'])} "
-        f"| {_fmt(s['p95_act_s'])} | {_fmt(s['p99_act_s'])} "
+        f"| {fmt(s['mean_act_s'])} ({fmt(ca[0])}–{fmt(ca[1])}) | {fmt(s['p50_act_s'])} "
+        f"| {fmt(s['p95_act_s'])} | {fmt(s['p99_act_s'])} "
         f"| {u['cpu']:.1%} / {u['gpu']:.1%} / {u['api']:.1%} | {measured.get('cpu', 0.0):.1%} "
-        f"| {stats['decisions']} | {_fmt(lat.get('p50', float('nan')))} | {s['guard_fired']} |",
+        f"| {stats['decisions']} | {fmt(lat.get('p50', float('nan')))} | {s['guard_fired']} |",
     ]
     reasons = s.get("failure_reasons") or {}
     if reasons:

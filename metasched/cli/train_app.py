@@ -13,6 +13,7 @@ A run directory holds ``checkpoint/`` (final), ``best/`` (best validation mean A
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,18 @@ from metasched.errors import ConfigError
 _POSITIVE = ("total_timesteps", "n_envs", "n_steps", "batch_size", "n_epochs", "hidden",
              "learning_rate")
 _FRACTIONS = ("gamma", "gae_lambda", "clip_range")
+
+
+# What training imports beyond the base install: the `train` extra.
+TRAIN_MODULES = ("torch", "stable_baselines3", "sb3_contrib", "tensorboard")
+
+
+def require_train_extra() -> None:
+    """A one-line error naming what to install when the ``train`` extra is missing."""
+    missing = [m for m in TRAIN_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ConfigError("metasched-train", f"needs the train extra (missing: "
+                          f"{', '.join(missing)}): pip install 'metasched[train]'")
 
 
 def check_train_settings(cfg: dict[str, Any]) -> None:
@@ -52,7 +65,6 @@ def check_train_settings(cfg: dict[str, Any]) -> None:
 
 def run_train(cfg: dict[str, Any], out_dir: str | Path, progress: bool = True) -> dict[str, Any]:
     """Train as configured into ``out_dir``; returns the training summary."""
-    from metasched.agents.training import train
     from metasched.core.observation import ObsConfig, ObservationEncoder
     from metasched.core.state import ClusterState
 
@@ -62,6 +74,9 @@ def run_train(cfg: dict[str, Any], out_dir: str | Path, progress: bool = True) -
         ObservationEncoder(ClusterState(cluster, workload.services), ObsConfig(**cfg["obs"]))
     except ValueError as e:
         raise ConfigError("obs", str(e)) from None
+    require_train_extra()  # after the settings: their errors need no torch
+    from metasched.agents.training import train
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     summary = train(cfg, workload, cluster, out, progress=progress)
