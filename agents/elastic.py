@@ -211,13 +211,8 @@ class ElasticGreedyScheduler(Scheduler):
             dev = gpu.devices[d]
             if need > dev.mem_gb:
                 continue
-            used = dev.mem_used(gpu.services)
-            damage = 0.0
-            for victim in sorted(dev.resident, key=dev.resident.__getitem__):
-                if used + need <= dev.mem_gb:
-                    break
-                used -= gpu.services[victim].mem_gb
-                damage += sum(b.spec.est_s for b in queues.get(victim, ())) + 1e-3
+            damage = sum(sum(b.spec.est_s for b in queues.get(victim, ())) + 1e-3
+                         for victim in gpu.victims(service, d))
             key = (damage, d)
             if best_key is None or key < best_key:
                 best, best_key = d, key

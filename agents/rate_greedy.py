@@ -171,13 +171,8 @@ class RateGreedyScheduler(ElasticGreedyScheduler):
         """Restore seconds that demand will bring back if ``service`` is made resident on
         ``dev`` (the pool evicts least recently used services first)."""
         gpu = state.gpu
-        need = gpu.services[service].mem_gb
-        used = dev.mem_used(gpu.services)
         cost = 0.0
-        for victim in sorted(dev.resident, key=dev.resident.__getitem__):
-            if used + need <= dev.mem_gb:
-                break
-            used -= gpu.services[victim].mem_gb
+        for victim in gpu.victims(service, dev.index):
             if any(victim in o.resident for o in gpu.devices if o is not dev):
                 continue  # still served elsewhere
             if queues.get(victim) or state.t - dev.resident[victim] <= self.recent_s:
