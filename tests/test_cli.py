@@ -193,3 +193,45 @@ def test_default_schedulers_including_the_shipped_checkpoint_load_and_run():
         r = Simulator(w, c, 1_000_000, max_wait_s=300).run(
             make_scheduler(settings["paths"][name], **settings["params"][name]))
         assert r.counters["completed"] + r.counters["failed"] == r.counters["submitted"] > 0
+
+
+@pytest.mark.parametrize("sig, status", [("SIGTERM", 143), ("SIGHUP", 129)])
+def test_a_stop_signal_ends_an_evaluation_and_its_workers_at_once(tmp_path, sig, status):
+    """SIGTERM or SIGHUP sent to the app alone (as a service manager sends it): its
+    worker processes end with it, the queued runs are dropped, one line, no traceback."""
+    import signal
+    import time
+
+    import psutil
+
+    exe = Path(sys.executable).parent / "metasched-eval"
+    p = subprocess.Popen([str(exe), "workload=mixed", "n_seeds=200", "workers=2",
+                          "schedulers=[elastic_greedy]", "plots=false",
+                          f"hydra.run.dir={tmp_path}"], cwd="/tmp", text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    workers: list[psutil.Process] = []
+    try:
+        me = psutil.Process(p.pid)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(me.children()) < 2:  # the pool is up
+            time.sleep(0.1)
+        workers = me.children(recursive=True)
+        assert len(workers) >= 2
+        time.sleep(1.0)  # runs in progress
+        t0 = time.monotonic()
+        p.send_signal(getattr(signal, sig))
+        _, err = p.communicate(timeout=60)
+        took = time.monotonic() - t0
+        _, alive = psutil.wait_procs(workers, timeout=10)  # terminated: ending, if not gone
+    finally:
+        p.kill()
+        for w in workers:  # whatever happened above, none outlives the test
+            try:
+                w.kill()
+            except psutil.NoSuchProcess:
+                pass
+    assert p.returncode == status, err
+    assert err.strip().endswith(f"interrupted ({sig})") and "Traceback" not in err, err
+    assert took < 20  # not the 200 seeds' worth of runs
+    assert not alive
+    assert not (tmp_path / "results.json").exists()

@@ -9,7 +9,7 @@ methods, so what a scheduler sees (``ClusterState`` is the ``ClusterView`` hande
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import defaultdict, deque
 
 from metasched.core.actions import DONE, FAILED, KINDS, RUNNING, Action, Grant, Trajectory
 from metasched.core.cluster_config import ClusterConfig
@@ -77,6 +77,8 @@ class ClusterState:
         self.step_start_t = 0.0
         self.step_total = 0
         self.step_done = 0
+        # Deques that every submitted action is appended to (see ``follow_arrivals``).
+        self._arrival_feeds: list[deque[Action]] = []
 
     # ------------------------------------------------------------------ queries
 
@@ -196,6 +198,16 @@ class ClusterState:
         self.pending[spec.kind][a.id] = a
         self.pending_est_s[spec.kind] += spec.est_s
         self.n_submitted += 1
+        for feed in self._arrival_feeds:
+            feed.append(a)
+
+    def follow_arrivals(self) -> deque[Action]:
+        """A deque to which every action submitted from now on is appended, in
+        submission order: for an index kept outside the state (the guard's deadlines).
+        Its reader pops what it has read."""
+        feed: deque[Action] = deque()
+        self._arrival_feeds.append(feed)
+        return feed
 
     def check(self, g: Grant) -> str | None:
         """Why ``g`` is illegal now, or None when it is legal."""

@@ -118,11 +118,25 @@ def run_jobs(jobs: list[Job], workers: int = 1, progress: bool = True,
             ctx = mp.get_context("spawn")
             with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
                 futures = [pool.submit(run_job, j) for j in jobs]
-                for f in as_completed(futures):
-                    results.append(f.result())
-                    bar.advance(task)
+                try:
+                    for f in as_completed(futures):
+                        results.append(f.result())
+                        bar.advance(task)
+                except BaseException:  # Ctrl-C, SIGTERM: stop now, not after every run
+                    _stop(pool)
+                    raise
     results.sort(key=lambda r: (r["scheduler"], r["seed"]))
     return results
+
+
+def _stop(pool: ProcessPoolExecutor) -> None:
+    """Drop the runs not started and end the workers' current ones. (A signal sent to
+    this process alone, such as a service manager's SIGTERM, does not reach the
+    workers, and leaving the pool waits for every submitted run.)"""
+    workers = list((getattr(pool, "_processes", None) or {}).values())  # before shutdown
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in workers:
+        proc.terminate()
 
 
 def aggregate(workload: str, seeds: list[int], runs: list[dict[str, Any]]) -> dict[str, Any]:

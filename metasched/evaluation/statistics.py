@@ -28,8 +28,16 @@ def ci95(values: Sequence[float]) -> list[float]:
     m = float(x.mean())
     if x.size < 2:
         return [m, m]
-    half = _t975(x.size) * float(x.std(ddof=1)) / math.sqrt(x.size)
-    return [m - half, m + half]
+    return ci95_of(x.size, m, float(x.std(ddof=1)))
+
+
+def ci95_of(n: int, mean: float, sd: float) -> list[float]:
+    """The same interval from a sample's size, mean and standard deviation (ddof=1):
+    for samples summarised as they come."""
+    if n < 2:
+        return [mean, mean]
+    half = _t975(n) * sd / math.sqrt(n)
+    return [mean - half, mean + half]
 
 
 def paired_difference(x: Sequence[float], ref: Sequence[float]) -> tuple[float, list[float]]:
@@ -77,4 +85,4 @@ def paired_comparison(x: Sequence[float], ref: Sequence[float]) -> dict[str, Any
     return {"ratio": ratio, "ratio_ci95": ratio_ci, "diff": diff, "diff_ci95": diff_ci}
 
 
-__all__ = ["ci95", "paired_comparison", "paired_difference", "paired_ratio"]
+__all__ = ["ci95", "ci95_of", "paired_comparison", "paired_difference", "paired_ratio"]
