@@ -22,25 +22,30 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import psutil
 import pytest
+from helpers import COMMAND_PY
 
 from metasched.core.pools import EndpointSpec
 from metasched.errors import ConfigError
 from metasched.runtime.dispatcher import ACTION_ENV, Dispatcher, DispatcherConfig
 from metasched.runtime.gpu import linear_scorer
 from metasched.runtime.journal import Journal
+from metasched.runtime.sandbox.config import SandboxConfig
 
 # Ray resolves 127.0.0.1 to the machine's outward address (and binds its servers to every
 # interface) unless clusters are off; with them off, every server it starts listens on
 # 127.0.0.1 only. Read when ray is imported, so it is set before.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
-PY = sys.executable
+PY = COMMAND_PY  # commands run as other users in sandboxes (locally): one they can run
 RAY_CPUS = 2
 BACKENDS = ["local", "ray"]
 
 
 def cfg(**kw) -> DispatcherConfig:
     kw.setdefault("scheduler", "elastic_greedy")
+    # Commands unconfined on both sides: a Ray node runs them as the Ray worker's user
+    # (sandboxes on Ray are not built yet); confinement is tested in test_sandbox_*.
+    kw.setdefault("sandbox", SandboxConfig(isolation="none"))
     kw.setdefault("sample_interval_s", 0.05)
     kw.setdefault("gpu_standin", 1)  # local; on Ray the cluster's logical GPU is a stand-in
     return DispatcherConfig(**kw)
@@ -293,10 +298,10 @@ def test_api_call_is_retried_within_the_dispatchers_quota(side):
     assert r.ok and r.value == {"n": 3} and r.attempts == 3, r
 
 
-def test_an_id_runs_once_and_another_request_under_it_is_rejected(side, tmp_path):
+def test_an_id_runs_once_and_another_request_under_it_is_rejected(side, visible_dir):
     """While an id is known (accepted and unfinished; with a journal, ever), the same
     request under it gets its result and another request is rejected."""
-    log = tmp_path / "runs"
+    log = visible_dir / "runs"
     req = cpu("/bin/sh", "-c", f"echo x >> {log}; sleep 0.3", id="same")
 
     async def go():
@@ -324,8 +329,9 @@ def test_enqueue_returns_once_durable_and_results_follow(side, tmp_path):
     assert status in ("queued", "running") and bad.status == "rejected" and r.ok
 
 
-def test_finished_ids_are_answered_from_the_journal_after_a_restart(side, tmp_path):
-    db, log = tmp_path / "j.db", tmp_path / "runs"
+def test_finished_ids_are_answered_from_the_journal_after_a_restart(side, tmp_path,
+                                                                   visible_dir):
+    db, log = tmp_path / "j.db", visible_dir / "runs"
     req = cpu("/bin/sh", "-c", f"echo x >> {log}", id="done-once")
 
     async def first():
@@ -341,11 +347,11 @@ def test_finished_ids_are_answered_from_the_journal_after_a_restart(side, tmp_pa
     assert other.status == "rejected"
 
 
-def test_a_killed_dispatcher_loses_nothing_and_kills_what_it_left(side, tmp_path):
+def test_a_killed_dispatcher_loses_nothing_and_kills_what_it_left(side, tmp_path, visible_dir):
     """A command running when its dispatcher dies is killed by the next one on the same
     journal and run again (its id once more); what was queued runs; a finished id is
     answered from the journal, not run again."""
-    db, gate, log = tmp_path / "j.db", tmp_path / "gate", tmp_path / "runs"
+    db, gate, log = tmp_path / "j.db", visible_dir / "gate", visible_dir / "runs"
     wait = cpu("/bin/sh", "-c", f'echo $$ >> {log}; while [ ! -e {gate} ]; do sleep 0.05; done',
                id="long", timeout_s=120)
     quick = cpu("/bin/true", id="quick")
@@ -426,8 +432,8 @@ with connect({name!r}).sync() as d:
     import subprocess
 
     env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
-    out = subprocess.run([PY, "-c", worker], capture_output=True, text=True, timeout=120,
-                         env=env, check=True).stdout
+    out = subprocess.run([sys.executable, "-c", worker], capture_output=True, text=True,
+                         timeout=120, env=env, check=True).stdout
     rows = json.loads(out.strip().splitlines()[-1])
     node = ray_cluster.nodes()[0]["NodeID"]
     assert rows == [["done", str(i), node] for i in range(20)]
@@ -456,9 +462,9 @@ def test_ray_commands_hold_their_cores_in_rays_accounting(ray_cluster):
     assert r.ok and len(r.allocation["cores"]) == 2 and during == 0.0
 
 
-def test_ray_command_of_a_stopped_dispatcher_is_killed_with_its_task(ray_cluster, tmp_path):
+def test_ray_command_of_a_stopped_dispatcher_is_killed_with_its_task(ray_cluster, visible_dir):
     """Closing without draining cancels the running task; its command's group dies."""
-    log = tmp_path / "pid"
+    log = visible_dir / "pid"
 
     async def go():
         from metasched.runtime.ray_backend import start_dispatcher, stop_dispatcher
@@ -488,7 +494,7 @@ def test_base_install_does_not_import_ray():
             "metasched.runtime.ray_backend; print('ray' in sys.modules)")
     import subprocess
 
-    out = subprocess.run([PY, "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
 
