@@ -191,7 +191,8 @@ class DispatcherActor:
         """The dispatcher's counters (as :meth:`Dispatcher.stats`), and its process's."""
         d = await self._ready()
         return {**d.stats(), "backend": "ray", "actor_pid": os.getpid(),
-                "nodes": d.cluster.cpu_nodes, "clients": len(self._boxes)}
+                "nodes": d.cluster.cpu_nodes, "cores_per_node": d.cluster.cores_per_node,
+                "clients": len(self._boxes)}
 
     async def run_result(self) -> RunResult:
         """What the dispatcher measured, in the simulator's form."""
