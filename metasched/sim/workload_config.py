@@ -172,7 +172,8 @@ def parse_action_type(name: str, d: Any, path: str, services: Mapping, *,
                       endpoint, tokens)
 
 
-def _parse_service(d: Any, path: str) -> ServiceSpec:
+def parse_service(d: Any, path: str) -> ServiceSpec:
+    """A GPU service: ``{mem_gb, restore_s, max_batch, batch_marginal}``."""
     if not isinstance(d, Mapping):
         raise ConfigError(path, f"must be a mapping (got {d!r})")
     check_keys(d, {"mem_gb", "restore_s", "max_batch", "batch_marginal"}, path)
@@ -190,7 +191,7 @@ def parse_workload(d: Mapping, path: str = "workload") -> WorkloadConfig:
     check_keys(d, {"name", "steps", "trajectories_per_step", "estimate_error", "services",
                     "tasks", "trace"}, path)
     name = str(get_key(d, "name", path))
-    services = {str(k): _parse_service(v, f"{path}.services.{k}")
+    services = {str(k): parse_service(v, f"{path}.services.{k}")
                 for k, v in mapping_or_empty(d.get("services"), f"{path}.services").items()}
     trace = d.get("trace")
     steps = bounded(get_key(d, "steps", path, 1), f"{path}.steps", lo=1, integer=True)
