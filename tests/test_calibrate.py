@@ -18,7 +18,6 @@ from metasched.agents import make_scheduler
 from metasched.calibration.fits import (
     censored_quantile,
     count_quantile,
-    dist_ppf,
     fit_amdahl,
     fit_duration,
 )
@@ -162,7 +161,7 @@ def test_recovery_duration_quantiles(recovered: dict, label: str, q: float) -> N
     fit_d = _types(recovered["fitted"])[label].duration_s
     n = recovered["doc"]["types"][label]["n"]
     assert TOL >= SE_MARGIN * _se(true_d, q, n), "the trace is too small for the tolerance"
-    want, got = (float(dist_ppf(d, np.array([q]))[0]) for d in (true_d, fit_d))
+    want, got = (float(d.quantile(np.array([q]))[0]) for d in (true_d, fit_d))
     assert got == pytest.approx(want, rel=TOL)
 
 
@@ -174,8 +173,8 @@ def test_recovery_turns_and_generation_gaps(recovered: dict, task: str, q: float
     n_traj = recovered["doc"]["tasks"][task]["trajectories"]
     assert TOL >= SE_MARGIN * _se(truth.turns, q, n_traj)
     for want, got in ((truth.turns, fitted.turns), (truth.generation_s, fitted.generation_s)):
-        assert float(dist_ppf(got, np.array([q]))[0]) == pytest.approx(
-            float(dist_ppf(want, np.array([q]))[0]), rel=TOL)
+        assert float(got.quantile(np.array([q]))[0]) == pytest.approx(
+            float(want.quantile(np.array([q]))[0]), rel=TOL)
     assert fitted.share == pytest.approx(truth.share, abs=0.01)
 
 
@@ -200,8 +199,8 @@ def test_recovery_timeouts_estimates_steps_and_services(recovered: dict) -> None
     assert abs(run["timeout_rate"] - rate) <= SE_MARGIN * se
     assert abs(run["fitted_timeout_rate"] - rate) <= SE_MARGIN * se
     # The p99 beyond the timeout comes from the fraction killed.
-    assert float(dist_ppf(_types(fitted)["code/run"].duration_s, np.array([0.99]))[0]) == (
-        pytest.approx(float(dist_ppf(d, np.array([0.99]))[0]), rel=0.1))
+    assert float(_types(fitted)["code/run"].duration_s.quantile(np.array([0.99]))[0]) == (
+        pytest.approx(float(d.quantile(np.array([0.99]))[0]), rel=0.1))
     assert fitted.estimate_error == pytest.approx(truth.estimate_error, abs=0.02)
     assert (fitted.steps, fitted.trajectories_per_step) == (truth.steps,
                                                             truth.trajectories_per_step)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import optimize, stats
 
-from metasched.sim.workload_config import Z90, Z99, Dist
+from metasched.sim.workload_config import Z90, Z99, Dist, parse_dist
 
 QUANTILES = (0.5, 0.9, 0.99)
 # Fewest samples for each quantile of the fitted form: below them it is left out (a p99
@@ -62,26 +62,13 @@ def censored_quantile(x: np.ndarray, censored: np.ndarray, q: float) -> float | 
 
 def dist_from_quantiles(q: dict[float, float], lo: float = 0.0,
                         hi: float = math.inf) -> Dist:
-    """The profile form through the given median (p90, p99) quantiles, as
-    ``parse_dist`` builds it."""
-    m = q[0.5]
-    sigma, tail = 0.0, None
-    if m > 0 and 0.9 in q:
-        sigma = math.log(q[0.9] / m) / Z90
-        if 0.99 in q:
-            tail = math.log(q[0.99] / q[0.9]) / (Z99 - Z90)
-    elif m > 0 and 0.99 in q:
-        sigma = math.log(q[0.99] / m) / Z99
-    return Dist(m, sigma, lo, hi, tail)
-
-
-def dist_ppf(d: Dist, p: np.ndarray) -> np.ndarray:
-    """Quantiles of a profile distribution (the inverse of :func:`dist_cdf`)."""
-    z = stats.norm.ppf(np.asarray(p, float))
-    logx = d.sigma * z
-    if d.tail_sigma is not None:
-        logx = logx + (d.tail_sigma - d.sigma) * np.maximum(z - Z90, 0.0)
-    return np.clip(d.median * np.exp(logx), d.lo, d.hi)
+    """The profile form through the given median (p90, p99) quantiles, as a profile
+    would give it."""
+    spec: dict[str, float] = {"median": q[0.5], "min": lo}
+    spec.update({f"p{round(k * 100)}": v for k, v in q.items() if k != 0.5})
+    if hi < math.inf:
+        spec["max"] = hi
+    return parse_dist(spec, "fit", positive=False)
 
 
 def dist_cdf(d: Dist, x: np.ndarray) -> np.ndarray:
@@ -233,5 +220,5 @@ def estimate_sigma(est_s: np.ndarray, x: np.ndarray) -> float:
 
 
 __all__ = ["AmdahlFit", "CountFit", "DistFit", "censored_quantile", "count_quantile",
-           "dist_cdf", "dist_from_quantiles", "dist_ppf", "estimate_sigma", "fit_amdahl",
+           "dist_cdf", "dist_from_quantiles", "estimate_sigma", "fit_amdahl",
            "fit_counts", "fit_duration"]

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from metasched.calibration.fits import censored_quantile, dist_ppf
+from metasched.calibration.fits import censored_quantile
 from metasched.calibration.profile import Calibration
 
 REPORT_QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99)
@@ -39,13 +39,13 @@ def quantile_rows(cal: Calibration) -> list[dict[str, Any]]:
     rows = []
     for label, x, cens, dist in _series(cal):
         emp = [censored_quantile(x, cens, q) for q in REPORT_QUANTILES]
-        fit = [float(v) for v in dist_ppf(dist, np.array(REPORT_QUANTILES))]
+        fit = [float(v) for v in dist.quantile(np.array(REPORT_QUANTILES))]
         rows.append({"label": label, "n": len(x), "empirical": emp, "fitted": fit})
     for t in cal.tasks:
         counts = np.array([tr.tools for s in cal.samples.steps() for tr in s
                            if tr.task == t.name], float)
         emp = [float(np.quantile(counts, q)) for q in REPORT_QUANTILES]
-        fit = [float(v) for v in np.round(dist_ppf(t.turns.dist, np.array(REPORT_QUANTILES)))]
+        fit = [float(v) for v in np.round(t.turns.dist.quantile(np.array(REPORT_QUANTILES)))]
         rows.append({"label": f"{t.name}: turns", "n": len(counts), "empirical": emp,
                      "fitted": fit})
     return rows
@@ -95,7 +95,7 @@ def qq_plot(cal: Calibration, path: Path) -> None:
     probs = np.linspace(0.005, 0.995, 199)
     for ax, (label, x, cens, dist) in zip(axes.flat, series, strict=False):
         emp = np.array([censored_quantile(x, cens, q) or np.nan for q in probs], float)
-        fit = dist_ppf(dist, probs)
+        fit = dist.quantile(probs)
         ok = np.isfinite(emp) & (emp > 0) & (fit > 0)
         ax.loglog(fit[ok], emp[ok], ".", ms=3)
         if ok.any():

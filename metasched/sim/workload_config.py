@@ -48,12 +48,24 @@ class Dist:
         if self.sigma == 0.0 and self.tail_sigma is None:
             x = np.full(size, self.median) if size is not None else self.median
         else:
-            z = rng.standard_normal(size)
-            logx = self.sigma * z
-            if self.tail_sigma is not None:
-                logx = logx + (self.tail_sigma - self.sigma) * np.maximum(z - Z90, 0.0)
-            x = self.median * np.exp(logx)
+            x = self._unclipped(rng.standard_normal(size))
         return np.clip(x, self.lo, self.hi) if size is not None else min(max(x, self.lo), self.hi)
+
+    def _unclipped(self, z):
+        """The value at standard normal score ``z``, before clipping."""
+        import numpy as np
+
+        logx = self.sigma * z
+        if self.tail_sigma is not None:
+            logx = logx + (self.tail_sigma - self.sigma) * np.maximum(z - Z90, 0.0)
+        return self.median * np.exp(logx)
+
+    def quantile(self, p):
+        """The ``p`` quantile(s) (``p`` a number or an array in (0, 1))."""
+        import numpy as np
+        from scipy.stats import norm
+
+        return np.clip(self._unclipped(norm.ppf(np.asarray(p, float))), self.lo, self.hi)
 
 
 @dataclass(frozen=True, slots=True)
