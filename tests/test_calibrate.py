@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import yaml
 
-from metasched.agents import make_scheduler
 from metasched.calibration.fits import (
     censored_quantile,
     count_quantile,
@@ -23,9 +22,8 @@ from metasched.calibration.fits import (
 )
 from metasched.cli.calibrate_app import main as calibrate_main
 from metasched.compose import profile
-from metasched.core.action_log import ActionLog
 from metasched.core.cluster_config import parse_cluster
-from metasched.sim.simulator import Simulator
+from metasched.sim.recording import record_trace
 from metasched.sim.trace import trace_from_workload, write_trace
 from metasched.sim.workload_config import Z90, Dist, parse_dist, parse_workload
 
@@ -109,10 +107,8 @@ def simulated_trace(path: Path, seed: int) -> tuple:
     random core counts make every Amdahl fraction identifiable, and it leaves real queue
     waits, batches and timeouts."""
     w = parse_workload(yaml.safe_load(PROFILE.read_text()))
-    c = parse_cluster(CLUSTER)
-    with ActionLog(path, c, w.services) as log:
-        Simulator(w, c, seed=seed, action_log=log, max_wait_s=300).run(make_scheduler("random"))
-    return w, log.n_written
+    _, n = record_trace(w, parse_cluster(CLUSTER), path, scheduler="random", seed=seed)
+    return w, n
 
 
 @pytest.fixture(scope="module")
@@ -261,8 +257,7 @@ def test_base_profile_supplies_the_cluster_and_sandboxes(tmp_path: Path, capsys)
     w = type(w)(**{**{f: getattr(w, f) for f in w.__dataclass_fields__},
                    "steps": 1, "trajectories_per_step": 4})
     trace = tmp_path / "coding.jsonl"
-    with ActionLog(trace, c) as log:
-        Simulator(w, c, seed=1, action_log=log).run(make_scheduler("elastic_greedy"))
+    record_trace(w, c, trace, seed=1)
     headless = tmp_path / "headless.jsonl"
     headless.write_text("".join(trace.read_text().splitlines(keepends=True)[1:]))
     code, _, err = _run([str(headless), "--out", str(tmp_path / "o"), "--quiet"], capsys)
@@ -297,8 +292,7 @@ def test_mistakes_are_one_line(make, args, message, tmp_path: Path, capsys) -> N
     if make == "plain":
         write_trace(trace_from_workload(w, 0), trace)
     elif make in ("good", "bad"):
-        with ActionLog(trace, c) as log:
-            Simulator(w, c, seed=1, action_log=log).run(make_scheduler("fifo"))
+        record_trace(w, c, trace, scheduler="fifo", seed=1)
         if make == "bad":
             rows = trace.read_text().splitlines()
             rows[1] = rows[1].replace('"status":"done"', '"status":"fine"')

@@ -1,0 +1,99 @@
+"""Recovery: a known profile traced by the simulator and calibrated back, over seeds.
+
+Samples the known profile of the recovery test (``tests/data/recovery_profile.yaml``:
+every action kind, core counts that vary, a type killed at its timeout), records one
+trace per seed with the simulator (``record_trace``: queue waits, allocations, batches,
+timeouts), calibrates each with ``metasched-calibrate`` and prints, per fitted parameter,
+the profile's value, the range fitted over the seeds and the largest error beside the
+tolerance the test states (5% for medians, p90s and turns; 0.05 for Amdahl fractions).
+
+    python benchmarks/calibration_recovery.py [--seeds 5] [--seed-offset 0] [--scheduler random]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from metasched.cli.calibrate_app import main as calibrate_main
+from metasched.core.cluster_config import parse_cluster
+from metasched.sim.recording import record_trace
+from metasched.sim.workload_config import parse_workload
+
+ROOT = Path(__file__).resolve().parent.parent
+PROFILE = ROOT / "tests" / "data" / "recovery_profile.yaml"
+CLUSTER = {"name": "recovery", "cpu": {"nodes": 2, "cores_per_node": 32, "mem_gb_per_node": 64},
+           "gpu": {"devices": 1, "mem_gb": 24},
+           "api": {"endpoints": {"web": {"rpm": 1200, "max_concurrency": 32}}}}
+
+
+def parameters(w) -> dict[str, tuple[float, str]]:
+    """Every checked parameter of a parsed profile: value and how it is compared."""
+    out: dict[str, tuple[float, str]] = {}
+    for t in w.tasks:
+        for label, a in [(f"{t.name}/{a.name}", a) for a in t.actions] + [
+                (f"{t.name}/reward", t.reward)]:
+            q = a.duration_s.quantile(np.array([0.5, 0.9]))
+            out[f"{label} median s"] = (float(q[0]), "rel")
+            out[f"{label} p90 s"] = (float(q[1]), "rel")
+            if a.kind == "cpu" and a.max_cores > a.min_cores:
+                out[f"{label} Amdahl p"] = (a.parallel_fraction, "abs")
+        for name, d in (("turns", t.turns), ("generation gap s", t.generation_s)):
+            q = d.quantile(np.array([0.5, 0.9]))
+            out[f"{t.name} {name} median"] = (float(q[0]), "rel")
+            out[f"{t.name} {name} p90"] = (float(q[1]), "rel")
+        out[f"{t.name} share"] = (t.share, "abs")
+    out["estimate error sigma"] = (w.estimate_error, "abs")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--seed-offset", type=int, default=0)
+    ap.add_argument("--scheduler", default="random")
+    args = ap.parse_args()
+    truth = parse_workload(yaml.safe_load(PROFILE.read_text()))
+    cluster = parse_cluster(CLUSTER)
+    want = parameters(truth)
+    fitted: dict[str, list[float]] = {k: [] for k in want}
+    times = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in range(args.seed_offset, args.seed_offset + args.seeds):
+            trace = Path(tmp) / f"trace-{seed}.jsonl"
+            t0 = time.perf_counter()
+            _, n = record_trace(truth, cluster, trace, scheduler=args.scheduler, seed=seed)
+            t1 = time.perf_counter()
+            out = Path(tmp) / f"out-{seed}"
+            calibrate_main([str(trace), "--name", "rec", "--out", str(out), "--quiet",
+                            "--no-plot"])
+            t2 = time.perf_counter()
+            times.append((n, t1 - t0, t2 - t1))
+            got = parameters(parse_workload(yaml.safe_load(
+                (out / "workload" / "rec.yaml").read_text())))
+            for k in want:
+                fitted[k].append(got[k][0] if k in got else float("nan"))
+    print(f"{args.seeds} seeds ({args.seed_offset}..), scheduler {args.scheduler}; actions per "
+          f"trace {min(t[0] for t in times):,}-{max(t[0] for t in times):,}; simulate and "
+          f"record {np.median([t[1] for t in times]):.1f} s, calibrate "
+          f"{np.median([t[2] for t in times]):.1f} s (medians)\n")
+    print("| parameter | profile | fitted (min–max over seeds) | largest error | tolerance |")
+    print("|---|---|---|---|---|")
+    for k, (v, how) in want.items():
+        f = np.array(fitted[k])
+        if how == "rel":
+            err = float(np.max(np.abs(f / v - 1)))
+            e_txt, tol = f"{err:.1%}", ("5%" if ("median" in k or "p90" in k) else "—")
+        else:
+            err = float(np.max(np.abs(f - v)))
+            e_txt, tol = f"{err:.3f}", ("0.05" if "Amdahl" in k else "—")
+        print(f"| {k} | {v:.4g} | {f.min():.4g}–{f.max():.4g} | {e_txt} | {tol} |")
+
+
+if __name__ == "__main__":
+    main()
