@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import shrunk
+from helpers import COMMAND_PY, shrunk
 
 from metasched.agents import make_scheduler
 from metasched.core.action_log import ActionLog
@@ -18,7 +18,7 @@ from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
 from metasched.sim.simulator import Simulator
 from metasched.sim.trace import read_trace, scan_trace
 
-PY = sys.executable
+PY = COMMAND_PY  # what a sandbox's user can run (see helpers)
 
 
 def lines(path: Path) -> list[dict]:
@@ -144,3 +144,27 @@ def test_scan_trace_streams_records_with_what_was_measured(tmp_path: Path) -> No
     (rec,) = list(scan_trace(path))
     assert rec.lineno == 2 and rec.measured.status == "done" and rec.measured.cores == 1
     assert rec.action.spec.true_s == 1.0 and rec.trajectory is None
+
+
+@pytest.mark.parametrize("value", [5, "", ["a"]])
+def test_dispatch_trace_setting_is_checked(value, tmp_path: Path) -> None:
+    from metasched.cli.dispatch_app import dispatcher_config
+
+    with pytest.raises(ConfigError, match=r"^trace: must be a file path or null"):
+        dispatcher_config({"trace": value}, tmp_path)
+
+
+def test_dispatch_app_records_a_trace(tmp_path: Path) -> None:
+    import subprocess
+
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text("".join(json.dumps({"kind": "cpu", "argv": [PY, "-c", "pass"], "timeout_s": 30,
+                                        "trajectory": "t", "turn": i, "reward": i == 1}) + "\n"
+                            for i in range(2)))
+    trace = tmp_path / "live.jsonl"
+    p = subprocess.run([sys.executable, "-m", "metasched.cli.dispatch_app", f"jobs={jobs}",
+                        f"trace={trace}", "scheduler=fifo", "progress=false",
+                        f"hydra.run.dir={tmp_path / 'out'}"], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert read_trace(trace).n_actions == 2
