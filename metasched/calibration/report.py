@@ -87,6 +87,7 @@ def qq_plot(cal: Calibration, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
 
     series = _series(cal)
     cols = min(4, len(series))
@@ -105,6 +106,10 @@ def qq_plot(cal: Calibration, path: Path) -> None:
         ax.set_xlabel("fitted quantile", fontsize=7)
         ax.set_ylabel("empirical quantile", fontsize=7)
         ax.tick_params(labelsize=6)
+        for axis in (ax.xaxis, ax.yaxis):  # plain numbers at 1, 2, 5 x 10^k; no minor labels
+            axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+            axis.set_major_formatter(FormatStrFormatter("%g"))
+            axis.set_minor_formatter(NullFormatter())
     for ax in list(axes.flat)[len(series):]:
         ax.axis("off")
     fig.tight_layout()
