@@ -97,6 +97,8 @@ def test_fit_amdahl_corrects_for_cores_given_by_the_estimate() -> None:
     naive = fit_amdahl(run, cores, est, bins=1)  # no estimate bins: confounded
     assert abs(naive.p - p) > 0.1
     assert fit_amdahl(run, np.full(n, 4), est) is None  # one core count: p is unknowable
+    few = np.where(np.arange(n) < 29, 1, 16)  # 29 runs off the usual count: too loose
+    assert fit_amdahl(run, few, est) is None
 
 
 # ---------------------------------------------------------------- recovery
