@@ -1003,6 +1003,52 @@ class Dispatcher:
             sum(e.spec.rpm / 60.0 for e in eps), sum(e.spec.req_capacity for e in eps), s.t,
             counters)
 
+    def status(self) -> dict[str, Any]:
+        """:meth:`stats` plus the pools as they are now: cores (busy, free), GPU devices
+        (busy, resident services), API endpoints (quota, calls in flight, what the
+        buckets hold), the queue by kind, and the utilisation granted so far."""
+        s = self.state
+        s.advance(self._now())
+        cpu = s.cpu
+        devices = [{"index": d.index, "mem_gb": d.mem_gb, "busy": d.busy,
+                    "resident": sorted(d.resident)} for d in s.gpu.devices]
+        endpoints = {name: {"rpm": ep.spec.rpm, "tpm": ep.spec.tpm,
+                            "max_concurrency": ep.spec.max_concurrency,
+                            "in_flight": ep.in_flight, "requests_available": ep.req,
+                            "tokens_available": None if ep.spec.tpm is None else ep.tok,
+                            "requests": ep.requests}
+                     for name, ep in s.api.endpoints.items()}
+        granted = self.run_result().utilisation()
+        return {**self.stats(),
+                "queue": {kind: len(q) for kind, q in s.pending.items()},
+                "pools": {"cpu": {"cores": list(self.cores), "busy": cpu.busy,
+                                  "free": sum(cpu.free), "held": cpu.held,
+                                  "mem_gb": cpu.mem_gb[0], "mem_gb_free": cpu.mem_free[0]},
+                          "gpu": {"devices": devices, "reason": self.no_gpu_reason},
+                          "api": endpoints},
+                "granted_utilisation": {k: float(v) for k, v in granted.items()},
+                "uptime_s": s.t}
+
+    def find(self, rid: str) -> tuple[str, Result | None] | None:
+        """Where request ``rid`` stands: ``("queued", None)`` or ``("running", None)``
+        while it is this dispatcher's, ``("finished", result)`` once the journal holds
+        its result (a finished request is not kept in memory: without a journal it is
+        unknown here), None if it is unknown."""
+        job = self._jobs.get(rid)
+        if job is not None:
+            return ("queued" if job.started_at is None else "running"), None
+        if rid in self._held:
+            return "queued", None
+        if self.journal is None:
+            return None
+        self.flush()  # a result waiting for its group commit is read back too
+        row = self.journal.row(rid)
+        if row is None:
+            return None
+        if row[2] is None:
+            return "queued", None
+        return "finished", Result.from_json(row[2])
+
 
 def _taken(rid: str) -> str:
     """Why a request is rejected whose id belongs to another request."""
