@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 from helpers import shrunk
 
+from metasched.compose import PROFILES
 from metasched.core.actions import ActionSpec
 from metasched.core.guard import WaitGuard
 from metasched.core.scheduler import Scheduler
 from metasched.sim.sampling import IndependentAction, WorkloadInstance
 from metasched.sim.simulator import SimulationError, Simulator
 
-PROFILES = ("coding", "search", "rm_math", "mixed")
 MAX_WAIT = 5.0
 
 

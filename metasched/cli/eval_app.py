@@ -5,6 +5,7 @@ Examples::
     metasched-eval                                    # coding, all baselines
     metasched-eval workload=rm_math n_seeds=16 'schedulers=[static,elastic_greedy]'
     metasched-eval workload=search hydra.run.dir=outputs/search
+    metasched-eval workload=rm_math cluster.gpu.devices=1 reference=elastic_greedy
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ def eval_settings(cfg: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError("scheduler_params", "must be a mapping of scheduler name to kwargs")
     for s in scheds:
         make_scheduler(paths[s], **(params.get(s) or {}))  # fails early on bad names/params
+    reference = cfg.get("reference")
+    if reference is not None and reference not in scheds:
+        raise ConfigError("reference", f"must be one of the schedulers {scheds} or null "
+                          f"(got {reference!r})")
     dt = cfg.get("timeline_dt", 10.0)
     if isinstance(dt, bool) or not isinstance(dt, (int, float)) or not dt > 0:
         raise ConfigError("timeline_dt", f"must be a number > 0 (got {dt!r})")
@@ -44,7 +49,7 @@ def eval_settings(cfg: dict[str, Any]) -> dict[str, Any]:
             "params": {s: dict(params.get(s) or {}) for s in scheds},
             "seeds": seeds_setting(cfg), "workers": int_setting(cfg, "workers", 1),
             "timeline_dt": float(dt), "plots": bool(cfg.get("plots", True)),
-            "max_wait_s": max_wait_setting(cfg)}
+            "max_wait_s": max_wait_setting(cfg), "reference": reference}
 
 
 def run_eval(cfg: dict[str, Any], out_dir, progress: bool = True) -> dict[str, Any]:
@@ -56,7 +61,8 @@ def run_eval(cfg: dict[str, Any], out_dir, progress: bool = True) -> dict[str, A
     s = eval_settings(cfg)
     doc, runs = evaluate(workload, cluster, s["schedulers"], s["seeds"], params=s["params"],
                          workers=s["workers"], timeline_dt=s["timeline_dt"],
-                         max_wait_s=s["max_wait_s"], paths=s["paths"], progress=progress)
+                         max_wait_s=s["max_wait_s"], paths=s["paths"],
+                         reference=s["reference"], progress=progress)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if s["plots"]:

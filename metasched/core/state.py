@@ -113,9 +113,13 @@ class ClusterState:
         p = self.pending
         if p["cpu"]:
             cpu = self.cpu
-            if max(cpu.free, default=0) > 0 or cpu.held > cpu.held_busy:
-                for a in p["cpu"].values():
-                    if self.cpu_feasible(a):
+            free = cpu.free
+            most = max(free, default=0)
+            if most > 0 or cpu.held > cpu.held_busy:
+                for a in p["cpu"].values():  # cpu_feasible, inlined: queues run long
+                    traj = a.traj
+                    need = a.spec.min_cores - (traj.held_cores if traj is not None else 0)
+                    if need <= (free[a.node] if a.node >= 0 else most):
                         return True
         if p["gpu"] and any(not d.busy for d in self.gpu.devices):
             return True

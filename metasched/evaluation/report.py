@@ -33,7 +33,36 @@ def results_table(doc: dict[str, Any]) -> str:
             f"| {u['cpu']:.1%} / {u['gpu']:.1%} / {u['api']:.1%} "
             f"| {fmt(s['idle_held_resource_s']['cpu'])} | {s['failed']} "
             f"| {s['guard_fired']} |")
+    lines += paired_table(doc)
     return "\n".join(lines) + "\n"
+
+
+def fmt_ci(v: float, ci: list[float], digits: int = 3) -> str:
+    """``v (lo–hi)`` with ``digits`` decimals."""
+    return f"{v:.{digits}f} ({ci[0]:.{digits}f}–{ci[1]:.{digits}f})"
+
+
+def paired_table(doc: dict[str, Any]) -> list[str]:
+    """Lines of the paired comparison against the run's reference (none without one)."""
+    ref = doc.get("reference")
+    if ref is None:
+        return []
+    best = doc.get("best_heuristic")
+    why = "the best heuristic by mean ACT" if ref == best else f"best heuristic: `{best}`"
+    lines = ["", f"Paired against `{ref}` ({why}), same seeds: ratio and difference of "
+             "means with 95% CIs.", "",
+             "| scheduler | mean ACT ÷ ref | mean ACT − ref s | mean step ÷ ref "
+             "| mean step − ref s |", "|---|---|---|---|---|"]
+    for name, s in doc["schedulers"].items():
+        p = s.get("paired")
+        if p is None:
+            continue
+        a, st = p["mean_act_s"], p["mean_step_s"]
+        lines.append(f"| {name} | {fmt_ci(a['ratio'], a['ratio_ci95'])} "
+                     f"| {fmt_ci(a['diff'], a['diff_ci95'], 3)} "
+                     f"| {fmt_ci(st['ratio'], st['ratio_ci95'], 4)} "
+                     f"| {fmt_ci(st['diff'], st['diff_ci95'], 1)} |")
+    return lines
 
 
 def plot_all(doc: dict[str, Any], runs: list[dict[str, Any]], out: Path) -> list[Path]:

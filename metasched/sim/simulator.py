@@ -20,7 +20,12 @@ from metasched.core.guard import WaitGuard
 from metasched.core.metrics import RunResult
 from metasched.core.scheduler import Scheduler
 from metasched.core.state import ClusterState
-from metasched.sim.sampling import WorkloadInstance, sample_workload
+from metasched.sim.sampling import (
+    WorkloadInstance,
+    run_seed_sequences,
+    sample_workload,
+    workload_rng,
+)
 from metasched.sim.workload_config import WorkloadConfig
 
 # Event types, in the order events at the same instant are handled.
@@ -64,14 +69,13 @@ class Simulator:
         self.workload = workload
         self.cluster = cluster
         self.seed = seed
-        root = np.random.SeedSequence(seed)
-        wl_seq, self._sched_seq = root.spawn(2)
+        self._sched_seq = run_seed_sequences(seed)[1]
         if instance is None and workload.trace is not None:
             from metasched.sim.trace import read_trace
 
             instance = read_trace(workload.trace)
         self.instance = instance if instance is not None else sample_workload(
-            workload, np.random.default_rng(wl_seq))
+            workload, workload_rng(seed))
         self.state = ClusterState(cluster, workload.services, timeline_dt=timeline_dt)
         self.check_invariants = check_invariants
         self.guard = WaitGuard(max_wait_s)
