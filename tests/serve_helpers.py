@@ -25,6 +25,7 @@ def serving(dispatcher_config: DispatcherConfig | None = None,
     """Serve a dispatcher (elastic_greedy, no journal unless given) until the block
     ends (the dispatcher is made on the server's thread, which its journal needs)."""
     dcfg = dispatcher_config or DispatcherConfig(scheduler="elastic_greedy")
-    app = create_app(lambda: Dispatcher(dcfg, **kwargs), config or ServeConfig())
+    # No /run_code languages unless asked for: probing them takes seconds.
+    app = create_app(lambda: Dispatcher(dcfg, **kwargs), config or ServeConfig(languages=[]))
     with BackgroundServer(app) as srv:
         yield Served(srv.url, app.state.service.dispatcher)

@@ -112,14 +112,16 @@ def test_metrics_count_requests_and_read_the_dispatcher(http):
 
 def test_journal_answers_results_the_service_no_longer_keeps(tmp_path):
     dcfg = DispatcherConfig(scheduler="elastic_greedy", journal=tmp_path / "j.db")
-    with serving(dcfg, ServeConfig(keep_results=0)) as s, httpx.Client(base_url=s.url) as c:
+    scfg = ServeConfig(keep_results=0, languages=[])
+    with serving(dcfg, scfg) as s, httpx.Client(base_url=s.url) as c:
         assert c.post("/v1/actions", json={**ECHO, "id": "kept"},
                       params={"wait": 10}).json()["status"] == "done"
         assert c.get("/v1/actions/kept").json()["stdout"] == "hi\n"
 
 
 def test_token_is_required_except_for_liveness():
-    with serving(config=ServeConfig(token=TOKEN)) as s, httpx.Client(base_url=s.url) as c:
+    scfg = ServeConfig(token=TOKEN, languages=[])
+    with serving(config=scfg) as s, httpx.Client(base_url=s.url) as c:
         assert c.get("/v1/ping").json() == "pong" and c.get("/v1/health").status_code == 200
         for headers in ({}, {"Authorization": "Bearer wrong-token-of-sixteen"},
                         {"Authorization": TOKEN}):
@@ -149,7 +151,8 @@ def test_loopback_addresses_need_no_token():
 
 
 def test_bodies_over_the_limit_are_413_declared_or_streamed():
-    with serving(config=ServeConfig(max_body_mb=0.01)) as s, httpx.Client(base_url=s.url) as c:
+    scfg = ServeConfig(max_body_mb=0.01, languages=[])
+    with serving(config=scfg) as s, httpx.Client(base_url=s.url) as c:
         big = {**ECHO, "argv": ["echo", "x" * 20_000]}
         assert c.post("/v1/actions", json=big).status_code == 413
 

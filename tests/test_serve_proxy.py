@@ -27,7 +27,7 @@ def _proxied(url: str, *, rpm: float = 6000, concurrency: int = 8, retry=None, *
         {"search": {"rpm": rpm, "max_concurrency": concurrency, "url": url, **up}})
     dcfg = DispatcherConfig(scheduler="elastic_greedy", endpoints=endpoints,
                             retry=retry or RetryPolicy(max_attempts=4, backoff_s=0.05))
-    return dcfg, ServeConfig(upstreams=upstreams)
+    return dcfg, ServeConfig(upstreams=upstreams, languages=[])
 
 
 class _Echo(BaseHTTPRequestHandler):

@@ -10,7 +10,9 @@ dispatcher in the handler that received it, without a hop through a queue or a t
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -24,12 +26,16 @@ from metasched.errors import ConfigError
 from metasched.runtime.requests import Result
 from metasched.serve.config import ServeConfig
 from metasched.serve.frontend import DispatcherLike, Submissions
+from metasched.serve.languages import Language
 from metasched.serve.metrics import ServiceMetrics
 from metasched.serve.native import error, native_router
 from metasched.serve.quota_proxy import proxy_router
+from metasched.serve.sandbox_fusion import probe_languages, run_code_router
 from metasched.serve.security import Gate
 
 __all__ = ["Service", "create_app"]
+
+log = logging.getLogger("metasched.serve")
 
 
 class Service:
@@ -53,6 +59,8 @@ class Service:
         self.submissions = Submissions(lambda: self.dispatcher, config.keep_results)
         self.metrics = ServiceMetrics(lambda: self.dispatcher.status())
         self.http: httpx.AsyncClient | None = None
+        self.languages: dict[str, Language] = {}  # /run_code's, once probed
+        self.unavailable: dict[str, str] = {}  # the others: why not
         self.ready = False
 
     async def start(self) -> None:
@@ -60,6 +68,8 @@ class Service:
         dispatcher, and the proxy's client."""
         from metasched.runtime.api_calls import make_client, warm_up
 
+        if self.ready:
+            return
         if self._make is not None:
             self.dispatcher = self._make()
         if self.owns:
@@ -70,7 +80,16 @@ class Service:
                 concurrency[n]["max_concurrency"] for n in self.config.upstreams
                 if n in concurrency)))
             await warm_up()
+        self.languages, self.unavailable = await probe_languages(self, self.config.languages)
         self.ready = True
+        stats = self.dispatcher.stats()
+        log.info("metasched-serve: scheduler %s%s; /run_code languages: %s; proxied "
+                 "endpoints: %s", stats["scheduler"],
+                 f" (fell back: {stats['fallback']})" if stats["fallback"] else "",
+                 ", ".join(sorted(self.languages)) or "none",
+                 ", ".join(sorted(self.config.upstreams)) or "none")
+        for name, why in sorted(self.unavailable.items()):
+            log.debug("/run_code %s: %s", name, why)
 
     async def close(self) -> None:
         """Stop: the proxy's client closes; an owned dispatcher closes without draining
@@ -81,6 +100,15 @@ class Service:
             self.http = None
         if self.owns:
             await self.dispatcher.close(drain=False)
+
+    async def submit(self, request: dict[str, Any]) -> Result:
+        """Submit one request (the dispatcher's JSON), tracked as the native API's are,
+        and wait for its result."""
+        rid = request.setdefault("id", uuid.uuid4().hex)
+        future = self.dispatcher.accept(request)
+        self.track(rid, future, request.get("kind"))
+        # shield: a client that leaves does not cancel its action (it runs to the end).
+        return await asyncio.shield(future)
 
     def track(self, rid: str, future: asyncio.Future[Result], kind: Any) -> None:
         """Keep ``future`` for ``GET /v1/actions/{rid}`` and measure its ACT."""
@@ -99,6 +127,8 @@ class Service:
         """The dispatcher's status, with the service's own part (``service``)."""
         return {**self.dispatcher.status(),
                 "service": {"ready": self.ready, "proxied": sorted(self.config.upstreams),
+                            "languages": sorted(self.languages),
+                            "unavailable": dict(sorted(self.unavailable.items())),
                             "in_flight": len(self.submissions.pending)}}
 
 
@@ -171,6 +201,7 @@ def create_app(dispatcher: DispatcherLike | Callable[[], DispatcherLike],
 
     app.include_router(native_router(service))
     app.include_router(proxy_router(service))
+    app.include_router(run_code_router(service))
     # The last added is the outermost: requests refused by the gate are counted too.
     app.add_middleware(Gate, token=config.token, max_body=config.max_body_bytes)
     app.add_middleware(_CountRequests, metrics=service.metrics)

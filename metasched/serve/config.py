@@ -129,8 +129,6 @@ class ServeConfig:
         task: the task of ``/run_code`` actions that do not name one.
         keep_results: finished results kept in memory for ``GET /v1/actions/{id}``
             (older ones are answered from the dispatcher's journal, where it has one).
-        cores: cores a ``/run_code`` command may use (``max_cores``; it gets at least
-            one).
     """
 
     host: str = "127.0.0.1"
@@ -141,7 +139,6 @@ class ServeConfig:
     languages: list[str] | None = None
     task: str = "run_code"
     keep_results: int = 100_000
-    cores: int = 1
 
     def __post_init__(self) -> None:
         self.check()
@@ -171,7 +168,6 @@ class ServeConfig:
         if not isinstance(self.task, str) or not self.task:
             raise ConfigError("task", f"must be a non-empty string (got {self.task!r})")
         bounded(self.keep_results, "keep_results", lo=0, integer=True)
-        bounded(self.cores, "cores", lo=1, integer=True)
 
     @property
     def max_body_bytes(self) -> int:

@@ -42,6 +42,8 @@ class DispatcherLike(Protocol):
 
     def find(self, rid: str) -> tuple[str, Result | None] | None: ...
 
+    def close_trajectory(self, name: str) -> None: ...
+
 
 class Submissions:
     """The requests accepted through the service: the futures of those in flight, and the

@@ -1,6 +1,6 @@
 """The native API: ``POST /v1/actions`` (the dispatcher's request JSON), ``GET
-/v1/actions/{id}``, ``GET /v1/status``, ``GET /v1/health``, ``GET /v1/ping`` and the
-Prometheus ``GET /metrics``.
+/v1/actions/{id}``, ``POST /v1/trajectories/{name}/close``, ``GET /v1/status``, ``GET
+/v1/health``, ``GET /v1/ping`` and the Prometheus ``GET /metrics``.
 
 ``POST /v1/actions`` answers once the request is durable (journaled): ``202`` with
 ``{"id", "status": "queued"}``, or, with ``?wait=<seconds>``, ``200`` with the result if
@@ -120,6 +120,13 @@ def native_router(service: Service) -> APIRouter:
         if result is None:
             return JSONResponse({"id": rid, "status": "queued"}, status_code=202)
         return result_response(result, 422 if result.status == REJECTED else 200)
+
+    @router.post("/v1/trajectories/{name}/close")
+    async def close_trajectory(name: str) -> JSONResponse:
+        """End trajectory ``name`` as its reward action would: its sandbox and workspace
+        go once nothing of it is queued or running."""
+        service.dispatcher.close_trajectory(name)
+        return JSONResponse({"trajectory": name, "status": "closing"})
 
     @router.get("/v1/actions/{rid}")
     async def lookup(rid: str, wait: float = wait_query) -> Response:
