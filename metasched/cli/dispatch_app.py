@@ -60,6 +60,7 @@ def dispatcher_config(cfg: dict[str, Any], run_dir: Path, endpoints: dict | None
     """A validated ``DispatcherConfig`` from the composed config (``endpoints``: the
     parsed endpoint quotas, where the app reads more than quotas from its settings)."""
     from metasched.runtime.dispatcher import DispatcherConfig
+    from metasched.runtime.sandbox.config import SandboxConfig
 
     cores = cfg.get("cores")
     if cores is not None and (not isinstance(cores, list) or not cores or not all(
@@ -96,7 +97,8 @@ def dispatcher_config(cfg: dict[str, Any], run_dir: Path, endpoints: dict | None
         tail_bytes=int_setting(cfg, "tail_bytes", 0, default=4096, hi=64 * 2**20),
         journal=journal, fsync=bool_setting(cfg, "fsync", False),
         journal_env=bool_setting(cfg, "journal_env", False),
-        max_wait_s=max_wait_setting(cfg), workdir=workdir)
+        max_wait_s=max_wait_setting(cfg), workdir=workdir,
+        sandbox=SandboxConfig.from_dict(cfg.get("sandbox")))
 
 
 def compact_setting(cfg: dict[str, Any]) -> float | None:
