@@ -27,6 +27,7 @@ class Layout:
     source: str  # the code's file
     binary: str  # what a compiler writes
     directory: str  # a directory of its own, where the language needs one ("" else)
+    stdin: str  # the request's stdin, written as a file the run reads
 
 
 @dataclass(frozen=True)
@@ -57,8 +58,9 @@ class Language:
         """The files of the request ``key`` (a short unique name)."""
         if self.file_name is not None:
             directory = f".run-{key}"
-            return Layout(f"{directory}/{self.file_name}", f"{directory}/prog", directory)
-        return Layout(f".run-{key}{self.suffix}", f".run-{key}.bin", "")
+            return Layout(f"{directory}/{self.file_name}", f"{directory}/prog", directory,
+                          f"{directory}/stdin")
+        return Layout(f".run-{key}{self.suffix}", f".run-{key}.bin", "", f".run-{key}.stdin")
 
     def _argv(self, template: tuple[str, ...], layout: Layout) -> list[str]:
         # "./" + binary: a program path without a slash would be looked up on PATH.

@@ -19,9 +19,11 @@ not offered here), ``Failed`` a compile error, a non-zero exit or a time limit, 
 
 Each step is one ``cpu`` action of one core in the request's trajectory (a fresh one,
 closed at the end, unless the request names one: then its workspace and files persist
-across that trajectory's requests), named ``<language>:compile`` and
-``<language>:run`` for the cost model. A time limit is the action's timeout, counted
-from its start: the wait in the queue does not count against it.
+across that trajectory's requests): the files written (``<language>:write``, see
+:mod:`metasched.serve.files`), the compile (``<language>:compile``), the run
+(``<language>:run``) and, if asked, the fetch (``<language>:fetch``), named so for the
+cost model. A time limit is the action's timeout, counted from its start: the wait in
+the queue does not count against it.
 """
 
 from __future__ import annotations
@@ -32,11 +34,12 @@ import uuid
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from metasched.errors import ConfigError
 from metasched.runtime.requests import DONE, MAX_SECONDS, REJECTED, Result
 from metasched.serve.context import context_from
+from metasched.serve.files import decoded_size, fetch_argv, parse_fetched, stdin_argv, write_argvs
 from metasched.serve.languages import LANGUAGES, Language
 from metasched.serve.native import error
 
@@ -68,6 +71,19 @@ class RunCodeRequest(BaseModel):
     task: str | None = None
     reward: bool | None = None
 
+    @field_validator("files")
+    @classmethod
+    def _base64(cls, files: dict[str, str | None]) -> dict[str, str | None]:
+        for path, content in files.items():
+            if not path:
+                raise ValueError("a file needs a path")
+            if content is not None:
+                try:
+                    decoded_size(content)
+                except ValueError:
+                    raise ValueError(f"{path}: must be base64") from None
+        return files
+
 
 class CommandRunResult(BaseModel):
     """How one command (the compile, or the run) ended."""
@@ -89,6 +105,7 @@ class RunCodeResponse(BaseModel):
     files: dict[str, str] = Field(default_factory=dict)
 
 
+FILES_TIMEOUT_S = 60.0  # writing a request's files, fetching them back
 # Failures that are the program's running out of time, not the sandbox's fault.
 _TIME_LIMITS = ("timeout after", "cpu time limit exceeded")
 
@@ -127,7 +144,9 @@ def run_status(*steps: CommandRunResult | None) -> tuple[RunStatus, str]:
 
 async def run_code(service: Service, req: RunCodeRequest, context: dict[str, Any], *,
                    language: Language | None = None) -> RunCodeResponse:
-    """Run one ``/run_code`` request through the service's dispatcher.
+    """Run one ``/run_code`` request through the service's dispatcher: its files
+    written, its code compiled (if the language compiles) and run, its ``fetch_files``
+    read back, each step an action of the request's trajectory (see :mod:`.files`).
 
     Args:
         service: the service (its dispatcher and settings).
@@ -146,10 +165,11 @@ async def run_code(service: Service, req: RunCodeRequest, context: dict[str, Any
                                              ("turn", req.turn), ("task", req.task),
                                              ("reward", req.reward)) if v is not None}}
     trajectory = given.get("trajectory") or f"run-{uuid.uuid4().hex}"
-    key = uuid.uuid4().hex[:12]
-    layout = lang.layout(key)
-    files = {path: content for path, content in req.files.items() if content is not None}
-    files[layout.source] = base64.b64encode(req.code.encode()).decode()
+    layout = lang.layout(uuid.uuid4().hex[:12])
+    inputs = {path: content for path, content in req.files.items() if content is not None}
+    inputs[layout.source] = base64.b64encode(req.code.encode()).decode()
+    if req.stdin:
+        inputs[layout.stdin] = base64.b64encode(req.stdin.encode()).decode()
     common: dict[str, Any] = {
         "kind": "cpu", "trajectory": trajectory, "turn": given.get("turn", 0),
         "task": given.get("task") or service.config.task}
@@ -158,29 +178,44 @@ async def run_code(service: Service, req: RunCodeRequest, context: dict[str, Any
     compiled: CommandRunResult | None = None
     ran: CommandRunResult | None = None
     fetched: dict[str, str] = {}
-    d = service.dispatcher
+
+    async def step(argv: list[str], name: str, timeout_s: float, **extra: Any) -> Result:
+        return await service.submit({**common, "argv": argv, "name": f"{lang.name}:{name}",
+                                     "timeout_s": timeout_s, **extra})
+
     try:
+        for argv in write_argvs(inputs):
+            r = await step(argv, "write", FILES_TIMEOUT_S)
+            if not r.ok:
+                return RunCodeResponse(status="SandboxError", message=(
+                    f"files: could not be written: {r.reason}: {r.stderr.strip()[-300:]}"
+                    if r.stderr.strip() else f"files: could not be written: {r.reason}"))
         argv = lang.compile_argv(layout)
         if argv is not None:
-            r = await service.submit({**common, "argv": argv, "name": f"{lang.name}:compile",
-                                      "timeout_s": req.compile_timeout, "files": files})
+            r = await step(argv, "compile", req.compile_timeout)
             if r.status == REJECTED:
                 return RunCodeResponse(status="SandboxError", message=r.reason)
             compiled = command_result(r)
-            files = {}  # written, in the workspace the run shares
         if compiled is None or (compiled.status == "Finished" and compiled.return_code == 0):
-            r = await service.submit({
-                **common, "argv": lang.run_argv(layout), "name": f"{lang.name}:run",
-                "timeout_s": req.run_timeout, "files": files, "stdin": req.stdin,
-                "fetch_files": list(req.fetch_files), "reward": bool(given.get("reward"))})
+            argv = lang.run_argv(layout)
+            r = await step(stdin_argv(layout.stdin, argv) if req.stdin else argv, "run",
+                           req.run_timeout, reward=bool(given.get("reward")))
             if r.status == REJECTED:
                 return RunCodeResponse(status="SandboxError", message=r.reason,
                                        compile_result=compiled)
             ran = command_result(r)
-            fetched = dict(r.files or {})
+        if req.fetch_files:
+            r = await step(fetch_argv(list(req.fetch_files)), "fetch", FILES_TIMEOUT_S)
+            try:
+                if not r.ok:
+                    raise ValueError(f"{r.reason}: {r.stderr.strip()[-300:]}")
+                fetched = parse_fetched(r.stdout)
+            except ValueError as e:
+                return RunCodeResponse(status="SandboxError", message=f"fetch_files: {e}",
+                                       compile_result=compiled, run_result=ran)
     finally:
         if "trajectory" not in given:
-            d.close_trajectory(trajectory)  # its workspace goes with it
+            service.dispatcher.close_trajectory(trajectory)  # its workspace goes with it
     status, message = run_status(compiled, ran)
     return RunCodeResponse(status=status, message=message, compile_result=compiled,
                            run_result=ran, files=fetched)
