@@ -219,6 +219,10 @@ class Dispatcher:
         self._traj_ended: set[int] = set()
         self._traj_seen: dict[int, float] = {}
         self._free_cores = list(self.cores)
+        # Cores a trajectory holds (a scheduler's ``hold``, e.g. static's sandboxes), by
+        # trajectory id: out of the free pool until it closes; its actions run on them
+        # (sharing them, as processes of one sandbox do) before taking free ones.
+        self._held_cores: dict[int, list[int]] = {}
         self._tasks: set[asyncio.Task] = set()
         # Started commands whose task has not finished waiting for them: on close, any
         # whose task never ran is abandoned (killed and cleaned up) rather than leaked.
@@ -942,11 +946,9 @@ class Dispatcher:
             if self.journal is not None and job.request.argv == ():
                 self._journal_start(job.request.id, None, job.attempts)
         if kind == "cpu":
-            cores = self.monitor.least_loaded(self._free_cores, g.cores)
-            for c in cores:
-                self._free_cores.remove(c)
+            cores, own = self._grant_cores(g)
             jobs[0].alloc = {"cores": cores}
-            work = partial(self._run_cpu, jobs[0], cores, self._start_command(jobs[0], cores))
+            work = partial(self._run_cpu, jobs[0], own, self._start_command(jobs[0], cores))
         elif kind == "gpu":
             for job in jobs:
                 job.alloc = {"device": g.device, "batch": len(jobs)}
@@ -975,6 +977,19 @@ class Dispatcher:
                 if job.request.id in self._jobs and job.action.status == "running":
                     self._complete(job, Outcome(False, f"internal error: {type(e).__name__}: "
                                                 f"{e}"))
+
+    def _grant_cores(self, g: Grant) -> tuple[list[int], list[int]]:
+        """The core ids of a started cpu grant, and those of them it took from the free
+        pool (returned when it ends): first the ones its trajectory holds (the state has
+        already counted a new hold), then free ones, least loaded first."""
+        traj = g.action.traj
+        held: list[int] = []
+        if traj is not None and traj.held_cores:
+            held = self._held_cores.setdefault(traj.id, [])
+            held.extend(self._take_cores(traj.held_cores - len(held)))
+        from_held = held[:g.cores]
+        own = self._take_cores(g.cores - len(from_held))
+        return from_held + own, own
 
     def _on_pid(self, job: _Job) -> Callable[[int], None]:
         def record(pid: int) -> None:
@@ -1171,6 +1186,7 @@ class Dispatcher:
         """The trajectory is over: its held cores, sandbox memory and sandbox (its
         workspace, and whatever still runs in it) are released."""
         self.state.close_trajectory(traj)
+        self._free_cores.extend(self._held_cores.pop(traj.id, ()))
         self._traj_live.pop(traj.id, None)
         self._traj_ended.discard(traj.id)
         self._traj_seen.pop(traj.id, None)
