@@ -1,7 +1,7 @@
 """Live demonstration: agent trajectories run with today's practice and with metasched,
 side by side, on this machine.
 
-    .venv/bin/python examples/agent_rollout.py              # 12 trajectories, ~2 min
+    .venv/bin/python examples/agent_rollout.py              # 12 trajectories, ~3 min
     .venv/bin/python examples/agent_rollout.py --trajectories 4 --mode metasched
 
 N agent trajectories run concurrently, in W rollout workers. Each trajectory is drawn
@@ -17,8 +17,9 @@ and the trajectory ends with its reward: a small torch model, run as a GPU-servi
 action on the CPU stand-in device.
 
 Today's practice: every trajectory reserves its cores for its whole life (``static``:
-the cores split evenly over the trajectories, at least one each; a trajectory waits
-for a free sandbox), each worker wraps its code calls in a fixed semaphore and calls the
+the cores split evenly over the trajectories, at least one each; a trajectory's first
+code call waits for a free sandbox, which it keeps to its end), each worker wraps its
+code calls in a fixed semaphore and calls the
 search API directly under its own rate limit (the API's published RPM, as each worker is
 configured with it), retrying its 429s. metasched: the same service with the shipped
 policy (cores per action), searches through its quota proxy (the quota held for all
@@ -28,8 +29,10 @@ the API path differ.
 
 Measured and printed: mean ACT of tool calls (issue to answer, as the agent sees it:
 queueing, semaphores, rate-limit waits and retries included) by kind and overall, the
-step time (start to the last trajectory's end), core utilisation (busy cores, as the
-dispatcher granted them, over the rollout), and the 429s the search API sent.
+step time (start to the last trajectory's end), core utilisation (core-seconds the
+dispatcher granted to running actions over cores x step time; in today's practice the
+parallel runs of one sandbox each count its core, so this overstates it), and the 429s
+the search API sent.
 Needs torch (``pip install 'metasched[train]'``; ``make install`` has it).
 """
 
@@ -179,33 +182,48 @@ class Worker:
         return r.status_code == 200 and r.json()["status"] == "done"
 
 
-async def trajectory(i: int, plan: Plan, worker: Worker) -> None:
+async def trajectory(i: int, plan: Plan, worker: Worker,
+                     sandboxes: asyncio.Semaphore | None) -> None:
+    """One trajectory's turns. In today's practice its first code call waits for a
+    sandbox of its own (that wait is part of the call's ACT), kept to its end."""
     name = f"traj-{i}"
     tally = worker.tally
-    for turn, t in enumerate(plan.turns):
-        await asyncio.sleep(t.gen_s)  # the LLM generates
-        t0 = time.monotonic()
-        if t.tool == "python":
-            ok = await worker.run_code(name, turn, PROGRAM.format(work=t.work_s[0],
-                                                                  answer=turn))
-        elif t.tool == "tests":
-            oks = await asyncio.gather(*(worker.run_code(name, turn, TEST.format(
-                work=w, answer=7 * k + 3, answer_mod=3)) for k, w in enumerate(t.work_s)))
-            ok = all(oks)
-        elif t.tool == "search":
-            ok = await worker.search(name, f"q{i}-{turn}")
-        else:
-            ok = await worker.reward(name, turn, plan.payload)
-        tally.act[t.tool].append(time.monotonic() - t0)
-        tally.failed[t.tool] += not ok
+    holding = False
+    try:
+        for turn, t in enumerate(plan.turns):
+            await asyncio.sleep(t.gen_s)  # the LLM generates
+            t0 = time.monotonic()
+            if sandboxes is not None and not holding and t.tool in ("python", "tests"):
+                await sandboxes.acquire()
+                holding = True
+            if t.tool == "python":
+                ok = await worker.run_code(name, turn, PROGRAM.format(work=t.work_s[0],
+                                                                      answer=turn))
+            elif t.tool == "tests":
+                oks = await asyncio.gather(*(worker.run_code(name, turn, TEST.format(
+                    work=w, answer=7 * k + 3, answer_mod=3))
+                    for k, w in enumerate(t.work_s)))
+                ok = all(oks)
+            elif t.tool == "search":
+                ok = await worker.search(name, f"q{i}-{turn}")
+            else:
+                ok = await worker.reward(name, turn, plan.payload)
+            tally.act[t.tool].append(time.monotonic() - t0)
+            tally.failed[t.tool] += not ok
+    finally:
+        if holding:
+            sandboxes.release()
 
 
 async def rollout(mode: str, plans: list[Plan], service: str, upstream: str,
-                  args: argparse.Namespace) -> Tally:
+                  args: argparse.Namespace, n_sandboxes: int) -> Tally:
     tally = Tally()
     workers = [Worker(mode, service, upstream, args, tally) for _ in range(args.workers)]
+    # Today's practice: a pool of sandboxes, one per trajectory from its first tool call
+    # to its end.
+    sandboxes = asyncio.Semaphore(n_sandboxes) if mode == "today" else None
     try:
-        await asyncio.gather(*(trajectory(i, p, workers[i % len(workers)])
+        await asyncio.gather(*(trajectory(i, p, workers[i % len(workers)], sandboxes)
                                for i, p in enumerate(plans)))
     finally:
         for w in workers:
@@ -227,9 +245,10 @@ def run_mode(mode: str, plans: list[Plan], args: argparse.Namespace) -> dict:
     cores = len(usable_cores())
     quota = EndpointSpec(rpm=args.rpm, max_concurrency=args.workers * 4)
     if mode == "today":
-        scheduler, params = "static", {"cores_per_sandbox": max(1, cores // len(plans))}
+        per_sandbox = max(1, cores // len(plans))
+        scheduler, params = "static", {"cores_per_sandbox": per_sandbox}
     else:
-        scheduler, params = args.scheduler, {}
+        scheduler, params, per_sandbox = args.scheduler, {}, 1
     with RateLimitedServer(args.rpm, latency_s=args.search_latency_s) as api:
         upstream = Upstream(url=api.url)
         dcfg = DispatcherConfig(scheduler=scheduler, scheduler_params=params, gpu_standin=1,
@@ -240,7 +259,8 @@ def run_mode(mode: str, plans: list[Plan], args: argparse.Namespace) -> dict:
         with BackgroundServer(app) as srv:
             before = httpx.get(f"{srv.url}/v1/status").json()
             t0 = time.monotonic()
-            tally = asyncio.run(rollout(mode, plans, srv.url, api.url, args))
+            tally = asyncio.run(rollout(mode, plans, srv.url, api.url, args,
+                                        max(1, cores // per_sandbox)))
             step_s = time.monotonic() - t0
             after = httpx.get(f"{srv.url}/v1/status").json()
         rejected = api.rejected
@@ -258,7 +278,7 @@ def table(results: dict[str, dict]) -> str:
     a, b = results.get("today"), results.get("metasched")
     rows = [("mean ACT, all tool calls (s)", "mean_act_s", None)]
     rows += [(f"mean ACT, {k} (s)", "mean_act_s_by_kind", k) for k in KINDS]
-    rows += [("step time (s)", "step_s", None), ("cores busy", "cores_busy", None),
+    rows += [("step time (s)", "step_s", None), ("cores granted to actions", "cores_busy", None),
              ("429s from the search API", "api_429", None)]
 
     def get(r: dict | None, key: str, sub: str | None) -> float:
@@ -281,7 +301,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     p.add_argument("--trajectories", type=int, default=12)
     p.add_argument("--workers", type=int, default=4, help="rollout workers")
     p.add_argument("--tests", type=int, default=3, help="test programs per test run")
-    p.add_argument("--rpm", type=float, default=30.0, help="the search API's quota")
+    p.add_argument("--rpm", type=float, default=6.0, help="the search API's quota")
     p.add_argument("--search-latency-s", type=float, default=0.2)
     p.add_argument("--semaphore", type=int, default=2,
                    help="today's practice: code calls in flight per worker")
