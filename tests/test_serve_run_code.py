@@ -220,3 +220,16 @@ def test_write_commands_fit_a_command_line():
         mine = [(mode, data) for p, mode, data in pieces if p == path]
         assert mine[0][0] == "w" and all(m == "a" for m, _ in mine[1:])
         assert "".join(d for _, d in mine) == text
+
+
+def test_without_sandboxes_no_language_is_offered_and_the_answer_says_why():
+    from metasched.runtime.sandbox.config import SandboxConfig
+
+    dcfg = DispatcherConfig(scheduler="elastic_greedy",
+                            sandbox=SandboxConfig(isolation="none"))
+    with serving(dcfg, ServeConfig(languages=None)) as s:
+        doc = post(s.url, {"code": "print(1)"}).json()
+        status = httpx.get(f"{s.url}/v1/status", timeout=30).json()["service"]
+    assert doc["status"] == "SandboxError"
+    assert "commands have no trajectory workspace here" in doc["message"]
+    assert status["languages"] == [] and "python" in status["unavailable"]

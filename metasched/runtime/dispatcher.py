@@ -1247,7 +1247,10 @@ class Dispatcher:
                 "guard_fired": self.guard.fired, "decision_latency_us": pct,
                 "awaiting_resubmission": len(self._held),
                 "measured_utilisation": self.monitor.summary(),
-                "confinement": self.boxes.describe() if self.boxes is not None else None}
+                "confinement": self.boxes.describe() if self.boxes is not None else None,
+                # Whether a trajectory's commands share one working directory (its
+                # sandbox's workspace); without isolation each has a scratch one.
+                "trajectory_workspaces": self.boxes is not None and self.boxes.isolated}
 
     def run_result(self) -> RunResult:
         """What this dispatcher measured, in the simulator's form (for the same

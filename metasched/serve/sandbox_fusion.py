@@ -237,8 +237,15 @@ async def probe_languages(service: Service, names: list[str] | None
                               f"{', '.join(LANGUAGES)})")
     works: dict[str, Language] = {}
     why: dict[str, str] = {}
+    if service.dispatcher.stats().get("trajectory_workspaces") is False:
+        # A request's steps (files written, compile, run, fetch) are separate commands.
+        why = dict.fromkeys(wanted, "commands have no trajectory workspace here (no "
+                            "sandboxes: sandbox.isolation=none), so a request's steps "
+                            "would not share its files")
     candidates = []
     for name in wanted:
+        if name in why:
+            continue
         missing = LANGUAGES[name].missing_tools()
         if missing:
             why[name] = f"not installed: {', '.join(missing)} not found on PATH"
