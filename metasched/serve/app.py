@@ -100,6 +100,11 @@ class Service:
             self.http = None
         if self.owns:
             await self.dispatcher.close(drain=False)
+        if self._make is not None:
+            # Made here, so let it go: FastAPI caches the route functions, which hold this
+            # service, for the life of the process; a closed dispatcher (and its event
+            # loop) need not stay with them.
+            self.dispatcher = None  # type: ignore[assignment]
 
     async def submit(self, request: dict[str, Any]) -> Result:
         """Submit one request (the dispatcher's JSON), tracked as the native API's are,
