@@ -504,6 +504,30 @@ def test_idle_trajectories_are_closed_and_their_held_cores_return():
     assert held > 0 and later == 0 and trajs == {}
 
 
+@pytest.mark.parametrize("parallel", [1, 3])
+def test_held_cores_are_the_trajectorys_own_and_its_parallel_actions_share_them(parallel):
+    """static holds one core per trajectory: a trajectory's actions, parallel ones too,
+    run on that core, the other cores stay free for other trajectories, and the core
+    returns to the pool when the trajectory closes."""
+    async def go():
+        async with Dispatcher(cfg(scheduler="static",
+                                  scheduler_params={"cores_per_sandbox": 1})) as d:
+            first = await asyncio.gather(*(d.submit(cpu(
+                PY, "-c", "import time; time.sleep(0.2)", trajectory="t", turn=0))
+                for _ in range(parallel)))
+            free_while_held = sorted(d._free_cores)
+            other = await d.submit(cpu("/bin/true", trajectory="u", turn=0))
+            last = await d.submit(cpu("/bin/true", trajectory="t", turn=1, reward=True))
+            await d.submit(cpu("/bin/true", trajectory="u", turn=1, reward=True))
+            return first, other, last, free_while_held, sorted(d._free_cores)
+    first, other, last, free_while_held, free_after = run(go())
+    assert all(r.status == "done" for r in [*first, other, last])
+    held = {tuple(r.allocation["cores"]) for r in first}
+    assert len(held) == 1 and held == {tuple(last.allocation["cores"])}
+    assert free_while_held == sorted(set(CORES) - set(held.pop()))
+    assert free_after == CORES
+
+
 def test_unusable_cores_are_a_config_error():
     from metasched.errors import ConfigError
 

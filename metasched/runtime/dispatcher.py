@@ -231,6 +231,10 @@ class Dispatcher:
         self._traj_ended: set[int] = set()
         self._traj_seen: dict[int, float] = {}
         self._free_cores = list(self.cores)
+        # Cores a trajectory holds (a scheduler's ``hold``, e.g. static's sandboxes), by
+        # trajectory id: out of the free pool until it closes; its actions run on them
+        # (sharing them, as processes of one sandbox do) before taking free ones.
+        self._held_cores: dict[int, list[int]] = {}
         self._tasks: set[asyncio.Task] = set()
         # Started commands whose task has not finished waiting for them: on close, any
         # whose task never ran is abandoned (killed and cleaned up) rather than leaked.
@@ -956,11 +960,9 @@ class Dispatcher:
             if self.journal is not None and job.request.argv == ():
                 self._journal_start(job.request.id, None, job.attempts)
         if kind == "cpu":
-            cores = self.monitor.least_loaded(self._free_cores, g.cores)
-            for c in cores:
-                self._free_cores.remove(c)
+            cores, own = self._grant_cores(g)
             jobs[0].alloc = {"cores": cores}
-            work = partial(self._run_cpu, jobs[0], cores, self._start_command(jobs[0], cores))
+            work = partial(self._run_cpu, jobs[0], own, self._start_command(jobs[0], cores))
         elif kind == "gpu":
             for job in jobs:
                 job.alloc = {"device": g.device, "batch": len(jobs)}
@@ -989,6 +991,19 @@ class Dispatcher:
                 if job.request.id in self._jobs and job.action.status == "running":
                     self._complete(job, Outcome(False, f"internal error: {type(e).__name__}: "
                                                 f"{e}"))
+
+    def _grant_cores(self, g: Grant) -> tuple[list[int], list[int]]:
+        """The core ids of a started cpu grant, and those of them it took from the free
+        pool (returned when it ends): first the ones its trajectory holds (the state has
+        already counted a new hold), then free ones, least loaded first."""
+        traj = g.action.traj
+        held: list[int] = []
+        if traj is not None and traj.held_cores:
+            held = self._held_cores.setdefault(traj.id, [])
+            held.extend(self._take_cores(traj.held_cores - len(held)))
+        from_held = held[:g.cores]
+        own = self._take_cores(g.cores - len(from_held))
+        return from_held + own, own
 
     def _on_pid(self, job: _Job) -> Callable[[int], None]:
         def record(pid: int) -> None:
@@ -1190,6 +1205,7 @@ class Dispatcher:
         """The trajectory is over: its held cores, sandbox memory and sandbox (its
         workspace, and whatever still runs in it) are released."""
         self.state.close_trajectory(traj)
+        self._free_cores.extend(self._held_cores.pop(traj.id, ()))
         if self.action_log is not None:
             self.action_log.forget(traj.id)
         self._traj_live.pop(traj.id, None)
@@ -1252,7 +1268,10 @@ class Dispatcher:
                 "guard_fired": self.guard.fired, "decision_latency_us": pct,
                 "awaiting_resubmission": len(self._held),
                 "measured_utilisation": self.monitor.summary(),
-                "confinement": self.boxes.describe() if self.boxes is not None else None}
+                "confinement": self.boxes.describe() if self.boxes is not None else None,
+                # Whether a trajectory's commands share one working directory (its
+                # sandbox's workspace); without isolation each has a scratch one.
+                "trajectory_workspaces": self.boxes is not None and self.boxes.isolated}
 
     def run_result(self) -> RunResult:
         """What this dispatcher measured, in the simulator's form (for the same
@@ -1269,6 +1288,52 @@ class Dispatcher:
                         "api": float(s.api.total)},
             sum(e.spec.rpm / 60.0 for e in eps), sum(e.spec.req_capacity for e in eps), s.t,
             counters)
+
+    def status(self) -> dict[str, Any]:
+        """:meth:`stats` plus the pools as they are now: cores (busy, free), GPU devices
+        (busy, resident services), API endpoints (quota, calls in flight, what the
+        buckets hold), the queue by kind, and the utilisation granted so far."""
+        s = self.state
+        s.advance(self._now())
+        cpu = s.cpu
+        devices = [{"index": d.index, "mem_gb": d.mem_gb, "busy": d.busy,
+                    "resident": sorted(d.resident)} for d in s.gpu.devices]
+        endpoints = {name: {"rpm": ep.spec.rpm, "tpm": ep.spec.tpm,
+                            "max_concurrency": ep.spec.max_concurrency,
+                            "in_flight": ep.in_flight, "requests_available": ep.req,
+                            "tokens_available": None if ep.spec.tpm is None else ep.tok,
+                            "requests": ep.requests}
+                     for name, ep in s.api.endpoints.items()}
+        granted = self.run_result().utilisation()
+        return {**self.stats(),
+                "queue": {kind: len(q) for kind, q in s.pending.items()},
+                "pools": {"cpu": {"cores": list(self.cores), "busy": cpu.busy,
+                                  "free": sum(cpu.free), "held": cpu.held,
+                                  "mem_gb": cpu.mem_gb[0], "mem_gb_free": cpu.mem_free[0]},
+                          "gpu": {"devices": devices, "reason": self.no_gpu_reason},
+                          "api": endpoints},
+                "granted_utilisation": {k: float(v) for k, v in granted.items()},
+                "uptime_s": s.t}
+
+    def find(self, rid: str) -> tuple[str, Result | None] | None:
+        """Where request ``rid`` stands: ``("queued", None)`` or ``("running", None)``
+        while it is this dispatcher's, ``("finished", result)`` once the journal holds
+        its result (a finished request is not kept in memory: without a journal it is
+        unknown here), None if it is unknown."""
+        job = self._jobs.get(rid)
+        if job is not None:
+            return ("queued" if job.started_at is None else "running"), None
+        if rid in self._held:
+            return "queued", None
+        if self.journal is None:
+            return None
+        self.flush()  # a result waiting for its group commit is read back too
+        row = self.journal.row(rid)
+        if row is None:
+            return None
+        if row[2] is None:
+            return "queued", None
+        return "finished", Result.from_json(row[2])
 
 
 def _taken(rid: str) -> str:
