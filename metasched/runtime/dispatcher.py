@@ -22,7 +22,7 @@ import shutil
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -514,14 +514,13 @@ class Dispatcher:
 
     def _check(self, req: Request) -> Request:
         """What the request asks of this dispatcher's resources (ConfigError if it can
-        never run here); cpu ``max_cores`` above the node is capped to the node."""
+        never run here); cpu ``max_cores`` above the node is capped to the node when it
+        is queued (``ClusterState.submit``, as in simulation)."""
         node = len(self.cores)
         if req.kind == "cpu":
             if req.min_cores > node:
                 raise ConfigError("min_cores", f"{req.min_cores} cores asked, this dispatcher "
                                   f"has {node}")
-            if req.max_cores > node:
-                req = replace(req, max_cores=node)
         elif req.kind == "gpu":
             if not self.devices:
                 raise ConfigError("kind", f"gpu request, but {self.no_gpu_reason or 'no GPU'}")
