@@ -347,6 +347,19 @@ def test_cost_model_learns_what_the_policy_sees():
     assert seen == [est]
 
 
+@pytest.mark.parametrize("demand, guard_fired", [({"cpu": {"swe": 10.0}}, 0), ({}, 1)],
+                         ids=["told", "unknown"])
+def test_task_demand_sizes_the_partitioning_baselines(demand, guard_fired):
+    """task_isolated partitions cores by the demand it is told (as the simulator tells it
+    from the workload); told nothing, it has no partition, and only the guard's
+    idle-cluster rule starts the action."""
+    (r,), d = run(dispatch([cpu("/bin/true", task="swe")],
+                           cfg(scheduler="task_isolated", task_demand=demand)))
+    assert r.ok
+    assert d.state.task_demand["cpu"] == demand.get("cpu", {})
+    assert d.guard.fired == guard_fired
+
+
 def test_cgroup_parent_that_is_not_a_cgroup_falls_back_to_affinity(tmp_path, caplog):
     (r,), d = run(dispatch([cpu("/bin/true")], cfg(cgroup_parent=str(tmp_path))))
     assert r.ok and d.cgroup is None

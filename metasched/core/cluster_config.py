@@ -18,7 +18,12 @@ from metasched.errors import ConfigError
 
 @dataclass(frozen=True, slots=True)
 class ClusterConfig:
-    """Resources: CPU nodes, GPU devices, API endpoint quotas."""
+    """Resources: CPU nodes, GPU devices, API endpoint quotas.
+
+    ``cpu_launch_s`` is the start-up of a cpu action's command (process creation and
+    exec, seconds): the simulator adds it to every cpu action's run, on its granted
+    cores. 0 where the profile's durations already include it.
+    """
 
     name: str
     cpu_nodes: int
@@ -27,6 +32,7 @@ class ClusterConfig:
     gpu_devices: int
     gpu_mem_gb: float
     endpoints: dict[str, EndpointSpec]
+    cpu_launch_s: float = 0.0
 
     def scaled(self, factor: float, pools: tuple[str, ...] = ("cpu", "gpu")) -> ClusterConfig:
         """The cluster with the named pools scaled by ``factor`` (at least one unit each
@@ -80,7 +86,7 @@ def parse_cluster(d: Mapping, path: str = "cluster") -> ClusterConfig:
     cpu = mapping_or_empty(d.get("cpu"), f"{path}.cpu")
     gpu = mapping_or_empty(d.get("gpu"), f"{path}.gpu")
     api = mapping_or_empty(d.get("api"), f"{path}.api")
-    for sub, keys in (("cpu", {"nodes", "cores_per_node", "mem_gb_per_node"}),
+    for sub, keys in (("cpu", {"nodes", "cores_per_node", "mem_gb_per_node", "launch_s"}),
                       ("gpu", {"devices", "mem_gb"}), ("api", {"endpoints"})):
         check_keys(locals()[sub], keys, f"{path}.{sub}")
     endpoints = parse_endpoints(api.get("endpoints"), f"{path}.api.endpoints")
@@ -93,4 +99,5 @@ def parse_cluster(d: Mapping, path: str = "cluster") -> ClusterConfig:
                                 lo=0.0),
         gpu_devices=bounded(gpu.get("devices", 0), f"{path}.gpu.devices", lo=0, integer=True),
         gpu_mem_gb=bounded(gpu.get("mem_gb", 0.0), f"{path}.gpu.mem_gb", lo=0.0),
-        endpoints=endpoints)
+        endpoints=endpoints,
+        cpu_launch_s=bounded(cpu.get("launch_s", 0.0), f"{path}.cpu.launch_s", lo=0.0))

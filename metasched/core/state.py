@@ -192,7 +192,7 @@ class ClusterState:
             if spec.max_cores > self.max_node_cores:
                 spec = a.spec = replace(
                     spec, max_cores=max(spec.min_cores, self.max_node_cores))
-            best = spec.true_s / spec.speedup(spec.max_cores)
+            best = self.cluster.cpu_launch_s + spec.true_s / spec.speedup(spec.max_cores)
         else:
             best = spec.true_s
         a.lower_bound_s = min(best, spec.timeout_s)

@@ -31,6 +31,7 @@ import numpy as np
 
 from metasched.core.actions import Action, ActionSpec, Grant, Trajectory
 from metasched.core.cluster_config import ClusterConfig
+from metasched.core.cost_model import CostModel
 from metasched.core.guard import WaitGuard
 from metasched.core.metrics import Recorder, RunResult
 from metasched.core.observation import ObsConfig, ObservationEncoder
@@ -39,7 +40,6 @@ from metasched.core.scheduler import Scheduler
 from metasched.core.state import ClusterState, InvalidGrant
 from metasched.errors import ConfigError
 from metasched.runtime.api_calls import RetryPolicy, call_api
-from metasched.runtime.cost_model import CostModel
 from metasched.runtime.gpu import (
     GpuSampler,
     LiveService,
@@ -102,6 +102,10 @@ class DispatcherConfig:
             failure reasons always cover every action. None: keep all.
         trajectory_idle_s: a trajectory with nothing queued or running for this long is
             closed (its held cores return), in case its reward action never comes.
+        task_demand: expected work per pool and task, in estimate-seconds, in the form
+            of ``WorkloadInstance.demand_by_task()``: what the partitioning baselines
+            (``static``, ``task_isolated``) size their partitions by; the simulator
+            takes it from the workload. Empty (default): unknown.
     """
 
     scheduler: str = "checkpoints/default"
@@ -124,6 +128,7 @@ class DispatcherConfig:
     sample_interval_s: float = 1.0
     metrics_window: int | None = 1_000_000
     trajectory_idle_s: float = 3600.0
+    task_demand: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 class _Job:
@@ -180,6 +185,7 @@ class Dispatcher:
             gpu_mem_gb=min((d.mem_gb for d in self.devices), default=0.0),
             endpoints=dict(cfg.endpoints))
         self.state = ClusterState(self.cluster, specs)
+        self.state.task_demand.update({k: dict(v) for k, v in cfg.task_demand.items()})
         self.state.metrics = Recorder(max_actions=cfg.metrics_window)
         self.guard = WaitGuard(cfg.max_wait_s)
         self.cost = CostModel(cfg.cost_alpha, cfg.default_est_s)
@@ -800,9 +806,7 @@ class Dispatcher:
         a = job.action
         state.finish(a, out.ok, out.reason)
         if out.ok and a.start_t == a.start_t:
-            run_s = state.t - a.start_t - float(out.detail.get("restore_s", 0.0))
-            self.cost.observe(job.request.signature, run_s, cores=max(1, a.cores),
-                              parallel_fraction=a.spec.parallel_fraction)
+            self.cost.learn(a, state.t - a.start_t - float(out.detail.get("restore_s", 0.0)))
         finished_at = self._wall0 + state.t
         traj = a.traj
         if traj is not None:

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from dataclasses import replace
 
 import numpy as np
 
 from metasched.core.actions import Action, Grant, Trajectory
 from metasched.core.cluster_config import ClusterConfig
+from metasched.core.cost_model import CostModel, signature
 from metasched.core.guard import WaitGuard
 from metasched.core.metrics import RunResult
 from metasched.core.scheduler import Scheduler
@@ -54,13 +56,21 @@ class Simulator:
             until the next event, and with nothing left to happen raises
             ``SimulationError``. Always on while ``max_wait_s`` is set. The env turns it
             on: a policy's wait must never end a run.
+        cost_model: where schedulers' estimates come from. None (default): each action's
+            estimate is the profile's (or the trace's) ``est_s``. A ``CostModel``: the
+            live dispatcher's estimates, learned from the durations this run measures
+            (the action's own ``est_s`` is the hint until its signature has run), so a
+            scheduler is judged on the estimates it will see live.
         check_invariants: verify the accounting invariant at every event (slow; tests).
+
+    A cpu action runs ``cluster.cpu_launch_s`` (its command's start-up) plus its true
+    duration at the granted cores, holding the cores throughout.
     """
 
     def __init__(self, workload: WorkloadConfig, cluster: ClusterConfig, seed: int, *,
                  instance: WorkloadInstance | None = None, timeline_dt: float = 10.0,
                  max_wait_s: float | None = None, serve_stalled: bool = False,
-                 check_invariants: bool = False) -> None:
+                 cost_model: CostModel | None = None, check_invariants: bool = False) -> None:
         self.workload = workload
         self.cluster = cluster
         self.seed = seed
@@ -74,6 +84,9 @@ class Simulator:
             workload, np.random.default_rng(wl_seq))
         self.state = ClusterState(cluster, workload.services, timeline_dt=timeline_dt)
         self.check_invariants = check_invariants
+        self.cost_model = cost_model
+        self._restore_s: dict[int, float] = {}  # gpu action id -> its batch's restore
+        self._launch_s = cluster.cpu_launch_s
         self.guard = WaitGuard(max_wait_s)
         self.serve_stalled = serve_stalled or max_wait_s is not None
         self._deadline_at = -1.0  # the pending guard wake-up, if in the future
@@ -158,7 +171,7 @@ class Simulator:
         t = state.t
         spec = grant.action.spec
         if spec.kind == "cpu":
-            run = spec.true_s / spec.speedup(grant.cores)
+            run = self._launch_s + spec.true_s / spec.speedup(grant.cores)
             self._push_end(grant.action, t, run)
         elif spec.kind == "gpu":
             svc = state.gpu.services[spec.service]
@@ -166,6 +179,8 @@ class Simulator:
             end = t + delay + batch_s
             for b in started:
                 self._push_end(b, t, delay + batch_s)
+                if self.cost_model is not None and delay:
+                    self._restore_s[b.id] = delay
             self._push(end, DEVICE_FREE, grant.device)
         else:
             self._push_end(grant.action, t, spec.true_s)
@@ -238,6 +253,9 @@ class Simulator:
                 self.state.check_invariant()
 
     def _submit(self, spec, task: str, traj: Trajectory | None, turn: int) -> None:
+        if self.cost_model is not None:
+            spec = replace(spec, est_s=self.cost_model.estimate(
+                signature(spec.kind, task, spec.name), spec.est_s))
         a = Action(self._next_action_id, spec, task, traj, turn, self.state.t)
         self._next_action_id += 1
         self.state.submit(a)
@@ -250,6 +268,8 @@ class Simulator:
     def _on_end(self, a: Action) -> None:
         failed = a.reason == "timeout"
         self.state.finish(a, not failed, a.reason)
+        if self.cost_model is not None and not failed:  # live learns from successes only
+            self.cost_model.learn(a, self.state.t - a.start_t - self._restore_s.pop(a.id, 0.0))
         traj = a.traj
         if traj is None:
             return
