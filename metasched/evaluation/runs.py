@@ -42,12 +42,20 @@ class Job:
 def run_job(job: Job) -> dict[str, Any]:
     """Run one job and return its compact measurements (picklable)."""
     from metasched.agents import make_scheduler
-    from metasched.sim.simulator import Simulator
+    from metasched.errors import ConfigError
+    from metasched.sim.simulator import SimulationError, Simulator
 
     sim = Simulator(job.workload, job.cluster, job.seed, timeline_dt=job.timeline_dt,
                     max_wait_s=job.max_wait_s)
-    r = sim.run(make_scheduler(job.scheduler, **job.params))
-    return summarise_run(r, job.label or job.scheduler, job.seed)
+    name = job.label or job.scheduler
+    try:
+        r = sim.run(make_scheduler(job.scheduler, **job.params))
+    except SimulationError as e:  # a run that cannot finish is reported, not a traceback
+        why = (f"{e} (set max_wait_s: the starvation guard serves what a waiting scheduler "
+               "leaves)") if job.max_wait_s is None else str(e)
+        raise ConfigError("max_wait_s" if job.max_wait_s is None else "cluster",
+                          f"{name} on seed {job.seed}: {why}") from None
+    return summarise_run(r, name, job.seed)
 
 
 def summarise_run(r: RunResult, label: str, seed: int) -> dict[str, Any]:
