@@ -81,17 +81,24 @@ class ActionSchedulingEnv(gym.Env):
         load: load multiplier (trajectories per step), for a curriculum.
         seed_range: simulation seeds are drawn from ``[lo, hi)`` (training seeds by
             default; evaluation seeds are disjoint).
+        render_mode: ``None`` or ``"ansi"``: ``render()`` returns a text view of the
+            queue (the K slots, their legal levels, the advisor's choice) and the pools.
     """
 
-    metadata = {"render_modes": []}
+    metadata = {"render_modes": ["ansi"], "render_fps": 4}
 
     def __init__(self, workload: str | WorkloadConfig = "coding",
                  cluster: ClusterConfig | None = None, *, obs_config: ObsConfig | None = None,
                  reward: RewardConfig | None = None, episode_steps: int = 1,
                  horizon_mean_s: float | None = None, max_wait_s: float | None = 300.0,
                  randomization: Randomization | None = None, load: float = 1.0,
-                 seed_range: tuple[int, int] = (0, TRAIN_SEED_MAX)) -> None:
+                 seed_range: tuple[int, int] = (0, TRAIN_SEED_MAX),
+                 render_mode: str | None = None) -> None:
         super().__init__()
+        if render_mode is not None and render_mode not in self.metadata["render_modes"]:
+            raise ValueError(f"render_mode must be None or one of "
+                             f"{self.metadata['render_modes']} (got {render_mode!r})")
+        self.render_mode = render_mode
         if isinstance(workload, str):
             from metasched.compose import profile
 
@@ -177,6 +184,15 @@ class ActionSchedulingEnv(gym.Env):
         self._obs = self.encoder.observe(state)
         truncated = not self._done and state.t >= self._horizon
         return self._obs, float(reward), self._done, bool(truncated), self._info(invalid)
+
+    def render(self) -> str | None:
+        """The text view (``render_mode="ansi"``) of the state the last observation
+        encodes; None without a render mode."""
+        if self.render_mode is None:
+            return None
+        from metasched.core.text_view import text_view
+
+        return text_view(self.sim.state, self.encoder)
 
     def action_masks(self) -> np.ndarray:
         """Legal actions now (for sb3-contrib's MaskablePPO); wait is always legal."""
