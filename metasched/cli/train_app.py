@@ -5,10 +5,14 @@ Examples::
     metasched-train                                   # the default config (configs/train.yaml)
     metasched-train workload=rm_math agent.total_timesteps=100000
     metasched-train --multirun seed=0,1,2             # a sweep, one run directory each
+    metasched-train resume=outputs/train/mixed/<run>/checkpoint agent.total_timesteps=600000
 
-A run directory holds ``checkpoint/`` (final), ``best/`` (best validation mean ACT),
-``tensorboard/`` (``tensorboard --logdir <run dir>/tensorboard``), SB3 checkpoints and
-``train_summary.json``.
+A run directory holds ``checkpoint/`` (final), ``best/`` (lowest validation mean ACT),
+``tensorboard/`` (``tensorboard --logdir <run dir>/tensorboard``), periodic SB3
+checkpoints (``sb3_checkpoints/``, with their VecNormalize statistics) and
+``train_summary.json``. ``resume=<checkpoint>`` continues a run into a new run directory
+(weights, optimizer state, timesteps and VecNormalize statistics; the other settings
+from the command line, as for a fresh run) up to ``agent.total_timesteps``.
 """
 
 from __future__ import annotations
@@ -52,12 +56,13 @@ def check_train_settings(cfg: dict[str, Any]) -> None:
 
 def run_train(cfg: dict[str, Any], out_dir: str | Path, progress: bool = True) -> dict[str, Any]:
     """Train as configured into ``out_dir``; returns the training summary."""
-    from metasched.agents.training import train
+    from metasched.agents.training import resume_source, train
     from metasched.core.observation import ObsConfig, ObservationEncoder
     from metasched.core.state import ClusterState
 
     workload, cluster = load_profile(cfg)
     check_train_settings(cfg)
+    resume_source(cfg)  # a bad resume fails before anything is written
     try:
         ObservationEncoder(ClusterState(cluster, workload.services), ObsConfig(**cfg["obs"]))
     except ValueError as e:
