@@ -62,7 +62,7 @@ def env_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"obs_config": ObsConfig(**cfg["obs"]), "reward": RewardConfig(**e["reward"]),
             "episode_steps": int(e["episode_steps"]), "horizon_mean_s": e.get("horizon_mean_s"),
             "max_wait_s": e.get("max_wait_s"), "randomization": rand,
-            "seed_range": TRAIN_SIM_SEEDS}
+            "seed_range": TRAIN_SIM_SEEDS, "estimates": e.get("estimates", "profile")}
 
 
 def _make_env(workload: WorkloadConfig, cluster: ClusterConfig, kwargs: dict[str, Any],
@@ -95,13 +95,14 @@ class CurriculumCallback(BaseCallback):
 
 
 def simulate(workload: WorkloadConfig, cluster: ClusterConfig, scheduler, seeds, *,
-             max_wait_s: float | None) -> dict[str, float]:
+             max_wait_s: float | None, estimates: str = "profile") -> dict[str, float]:
     """Mean ACT, step time, utilisation and guard firings of ``scheduler`` over seeds."""
-    from metasched.sim.simulator import Simulator
+    from metasched.sim.simulator import Simulator, cost_model_for
 
     acts, steps, cpu, gpu, api, guard = [], [], [], [], [], 0
     for s in seeds:
-        sim = Simulator(workload, cluster, s, max_wait_s=max_wait_s)
+        sim = Simulator(workload, cluster, s, max_wait_s=max_wait_s,
+                        cost_model=cost_model_for(estimates))
         r = sim.run(scheduler)
         acts.append(float(r.act.mean()))
         steps.append(float(r.step_s.mean()))
@@ -122,15 +123,15 @@ class SchedulerMetricsCallback(BaseCallback):
 
     def __init__(self, workload: WorkloadConfig, cluster: ClusterConfig, obs_config: ObsConfig,
                  seeds, freq: int, best_dir: Path, max_wait_s: float | None,
-                 meta: dict[str, Any]) -> None:
+                 meta: dict[str, Any], estimates: str = "profile") -> None:
         super().__init__()
         from metasched.agents import make_scheduler
 
         self.workload, self.cluster, self.obs_config = workload, cluster, obs_config
         self.seeds, self.freq, self.best_dir = list(seeds), freq, best_dir
-        self.max_wait_s, self.meta = max_wait_s, meta
+        self.max_wait_s, self.meta, self.estimates = max_wait_s, meta, estimates
         self.reference = simulate(workload, cluster, make_scheduler("elastic_greedy"),
-                                  self.seeds, max_wait_s=max_wait_s)
+                                  self.seeds, max_wait_s=max_wait_s, estimates=estimates)
         self.best: dict[str, float] | None = None
         self.history: list[dict[str, float]] = []
         self._last = 0
@@ -141,7 +142,8 @@ class SchedulerMetricsCallback(BaseCallback):
 
         policy = NumpyPolicy.from_sb3(self.model.policy, self.model.get_vec_normalize_env())
         sched = PolicyScheduler(policy, self.obs_config)
-        m = simulate(self.workload, self.cluster, sched, self.seeds, max_wait_s=self.max_wait_s)
+        m = simulate(self.workload, self.cluster, sched, self.seeds, max_wait_s=self.max_wait_s,
+                     estimates=self.estimates)
         m["act_vs_elastic_greedy"] = m["mean_act_s"] / self.reference["mean_act_s"]
         m["step_vs_elastic_greedy"] = m["mean_step_s"] / self.reference["mean_step_s"]
         m["timesteps"] = self.num_timesteps
@@ -337,7 +339,7 @@ def train(cfg: dict[str, Any], workload: WorkloadConfig, cluster: ClusterConfig,
     val_workload = replace(workload, steps=int(cfg["env"]["episode_steps"]))
     metrics_cb = SchedulerMetricsCallback(val_workload, cluster, kwargs["obs_config"], val_seeds,
                                           int(ev["freq"]), out_dir / "best",
-                                          kwargs["max_wait_s"], meta)
+                                          kwargs["max_wait_s"], meta, kwargs["estimates"])
     callbacks = [metrics_cb,
                  CheckpointCallback(max(1, int(cfg["checkpoint_freq"]) // n_envs),
                                     str(out_dir / "sb3_checkpoints"), name_prefix="model",

@@ -25,7 +25,7 @@ from metasched.core.cluster_config import ClusterConfig
 from metasched.core.metrics import API_HELD, CPU_HELD, GPU_HELD
 from metasched.core.observation import OBS_HIGH, F, ObsConfig, ObservationEncoder
 from metasched.evaluation.runs import TRAIN_SEED_MAX
-from metasched.sim.simulator import Simulator
+from metasched.sim.simulator import Simulator, cost_model_for
 from metasched.sim.workload_config import Dist, WorkloadConfig
 
 
@@ -83,6 +83,9 @@ class ActionSchedulingEnv(gym.Env):
             default; evaluation seeds are disjoint).
         render_mode: ``None`` or ``"ansi"``: ``render()`` returns a text view of the
             queue (the K slots, their legal levels, the advisor's choice) and the pools.
+        estimates: ``"profile"`` (each action's own estimate) or ``"online"`` (the live
+            dispatcher's cost model, learned within the episode from measured durations:
+            what the policy will see live).
     """
 
     metadata = {"render_modes": ["ansi"], "render_fps": 4}
@@ -93,8 +96,10 @@ class ActionSchedulingEnv(gym.Env):
                  horizon_mean_s: float | None = None, max_wait_s: float | None = 300.0,
                  randomization: Randomization | None = None, load: float = 1.0,
                  seed_range: tuple[int, int] = (0, TRAIN_SEED_MAX),
-                 render_mode: str | None = None) -> None:
+                 render_mode: str | None = None, estimates: str = "profile") -> None:
         super().__init__()
+        cost_model_for(estimates)  # a bad value fails here, not at the first reset
+        self.estimates = estimates
         if render_mode is not None and render_mode not in self.metadata["render_modes"]:
             raise ValueError(f"render_mode must be None or one of "
                              f"{self.metadata['render_modes']} (got {render_mode!r})")
@@ -153,7 +158,7 @@ class ActionSchedulingEnv(gym.Env):
         self.sim_seed = int(options.get("sim_seed", rng.integers(*self.seed_range)))
         workload = scale_workload(self.base_workload, load, est, gen, self.episode_steps)
         self.sim = Simulator(workload, self.cluster, self.sim_seed, max_wait_s=self.max_wait_s,
-                             serve_stalled=True)
+                             serve_stalled=True, cost_model=cost_model_for(self.estimates))
         self.encoder = ObservationEncoder(self.sim.state, self.obs_config)
         self._horizon = (rng.exponential(self.horizon_mean_s) if self.horizon_mean_s
                          else np.inf)

@@ -52,6 +52,18 @@ def test_eval_is_deterministic_across_runs_and_worker_counts(tmp_path):
     assert a == b == c
 
 
+def test_eval_with_the_live_estimates(tmp_path):
+    """estimates=online: schedulers see the dispatcher's cost model (learned from the
+    run's measured durations); one that reads no estimates decides as before."""
+    cfg = ["plots=false", "schedulers=[fifo,sjf]", "cluster.cpu.nodes=1",
+           "cluster.cpu.cores_per_node=2"]  # actions queue
+    prof = run_eval(eval_cfg(*cfg), tmp_path / "p", progress=False)["schedulers"]
+    online = run_eval(eval_cfg(*cfg, "estimates=online"), tmp_path / "o",
+                      progress=False)["schedulers"]
+    assert online["fifo"]["mean_act_s"] == prof["fifo"]["mean_act_s"]
+    assert online["sjf"]["mean_act_s"] != prof["sjf"]["mean_act_s"]
+
+
 def test_eval_seeds_differ_from_training_seeds(tmp_path):
     from metasched.agents.training import TRAIN_SIM_SEEDS, VALIDATION_SEEDS
 
@@ -167,6 +179,7 @@ def cli(app: str, *args: str, env: dict | None = None) -> subprocess.CompletedPr
     ("metasched-eval", ["workload.tasks.swe.share=-1"], "workload.tasks.swe.share"),
     ("metasched-eval", ["workload.trace=/nonexistent.jsonl"], "/nonexistent.jsonl"),
     ("metasched-eval", ["n_seeds=[1"], "overrides"),
+    ("metasched-eval", ["estimates=exact"], "estimates"),
     ("metasched-plan", ["scale_pools=[disk]"], "scale_pools"),
     ("metasched-plan", ["scheduler=nope"], "scheduler"),
     ("metasched-plan", ["schedulers=[fifo,nope]"], "schedulers"),

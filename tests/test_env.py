@@ -107,6 +107,26 @@ def test_render_ansi_shows_the_queue_and_the_pools():
     assert env.render().splitlines()[0].startswith(f"t {env.unwrapped.sim.state.t:.3f} s")
 
 
+def test_online_estimates_are_the_cost_models():
+    from metasched.core.cost_model import signature
+
+    env = make_env("coding", estimates="online")
+    obs, _ = env.reset(seed=0)
+    for _ in range(300):
+        obs, _, term, trunc, _ = env.step(int(np.flatnonzero(obs["action_mask"])[0]))
+        assert not (term or trunc)
+    model = env.sim.cost_model
+    assert model is not None and sum(model.count.values()) > 0
+    learned = [a for a in env.sim.state.pending["cpu"].values()
+               if signature("cpu", a.task, a.spec.name) in model.mean]
+    assert learned  # what the policy sees now comes from measured runs
+    for a in learned:  # the estimate it was queued with; the model has learned since
+        assert a.spec.est_s != next(
+            t.action.est_s for t in a.traj.turns if t.action.true_s == a.spec.true_s)
+    with pytest.raises(ValueError, match="estimates"):
+        make_env("coding", estimates="exact")
+
+
 def test_no_render_mode_renders_nothing_and_bad_modes_are_refused():
     w, c = shrunk("coding")
     env = ActionSchedulingEnv(w, c)

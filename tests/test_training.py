@@ -237,6 +237,7 @@ def test_tensorboard_logs(run):
     ("obs.max_services=2", "obs"),       # and three reward models
     ("seed=-1", "seed"),
     ("resume=/nonexistent/checkpoint", "resume"),
+    ("env.estimates=exact", "env.estimates"),
 ])
 def test_bad_settings_raise_config_error(tmp_path, override, field):
     from metasched.cli.train_app import run_train

@@ -22,6 +22,7 @@ from metasched.cli.settings import (
 )
 from metasched.compose import load_profile
 from metasched.errors import ConfigError
+from metasched.sim.simulator import ESTIMATES
 
 
 def eval_settings(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -30,7 +31,10 @@ def eval_settings(cfg: dict[str, Any]) -> dict[str, Any]:
     dt = cfg.get("timeline_dt", 10.0)
     if isinstance(dt, bool) or not isinstance(dt, (int, float)) or not dt > 0:
         raise ConfigError("timeline_dt", f"must be a number > 0 (got {dt!r})")
-    return {"schedulers": scheds, "paths": paths, "params": params,
+    est = cfg.get("estimates", "profile")
+    if est not in ESTIMATES:
+        raise ConfigError("estimates", f"must be one of {', '.join(ESTIMATES)} (got {est!r})")
+    return {"schedulers": scheds, "paths": paths, "params": params, "estimates": est,
             "seeds": seeds_setting(cfg), "workers": int_setting(cfg, "workers", 1),
             "timeline_dt": float(dt), "plots": bool(cfg.get("plots", True)),
             "max_wait_s": max_wait_setting(cfg)}
@@ -45,7 +49,8 @@ def run_eval(cfg: dict[str, Any], out_dir, progress: bool = True) -> dict[str, A
     s = eval_settings(cfg)
     doc, runs = evaluate(workload, cluster, s["schedulers"], s["seeds"], params=s["params"],
                          workers=s["workers"], timeline_dt=s["timeline_dt"],
-                         max_wait_s=s["max_wait_s"], paths=s["paths"], progress=progress)
+                         max_wait_s=s["max_wait_s"], paths=s["paths"],
+                         estimates=s["estimates"], progress=progress)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if s["plots"]:

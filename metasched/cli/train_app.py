@@ -25,6 +25,7 @@ from metasched.cli.app import make_main
 from metasched.cli.output import json_safe
 from metasched.compose import load_profile
 from metasched.errors import ConfigError
+from metasched.sim.simulator import ESTIMATES
 
 _POSITIVE = ("total_timesteps", "n_envs", "n_steps", "batch_size", "n_epochs", "hidden",
              "learning_rate")
@@ -49,6 +50,10 @@ def check_train_settings(cfg: dict[str, Any]) -> None:
             raise ConfigError(f"obs.{key}", f"must be a whole number >= 1 (got {v!r})")
     if cfg["obs"]["levels"] < 2:
         raise ConfigError("obs.levels", "must be >= 2 (one level cannot express elasticity)")
+    est = (cfg.get("env") or {}).get("estimates", "profile")
+    if est not in ESTIMATES:
+        raise ConfigError("env.estimates", f"must be one of {', '.join(ESTIMATES)} "
+                          f"(got {est!r})")
     seed = cfg.get("seed")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ConfigError("seed", f"must be a whole number >= 0 (got {seed!r})")

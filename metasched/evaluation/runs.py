@@ -37,16 +37,17 @@ class Job:
     timeline_dt: float = 10.0
     max_wait_s: float | None = None
     label: str | None = None  # the name in results (default: ``scheduler``)
+    estimates: str = "profile"  # see metasched.sim.simulator.ESTIMATES
 
 
 def run_job(job: Job) -> dict[str, Any]:
     """Run one job and return its compact measurements (picklable)."""
     from metasched.agents import make_scheduler
     from metasched.errors import ConfigError
-    from metasched.sim.simulator import SimulationError, Simulator
+    from metasched.sim.simulator import SimulationError, Simulator, cost_model_for
 
     sim = Simulator(job.workload, job.cluster, job.seed, timeline_dt=job.timeline_dt,
-                    max_wait_s=job.max_wait_s)
+                    max_wait_s=job.max_wait_s, cost_model=cost_model_for(job.estimates))
     name = job.label or job.scheduler
     try:
         r = sim.run(make_scheduler(job.scheduler, **job.params))
@@ -157,13 +158,15 @@ def _sum_dicts(ds) -> dict[str, int]:
 def evaluate(workload: WorkloadConfig, cluster: ClusterConfig, schedulers: Sequence[str],
              seeds: Sequence[int], *, params: dict[str, dict[str, Any]] | None = None,
              workers: int = 1, timeline_dt: float = 10.0, max_wait_s: float | None = None,
-             paths: dict[str, str] | None = None,
+             paths: dict[str, str] | None = None, estimates: str = "profile",
              progress: bool = True) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Run every scheduler on every seed; returns (results document, per-run data).
-    ``paths`` maps a scheduler name to what loads it (a checkpoint directory)."""
+    ``paths`` maps a scheduler name to what loads it (a checkpoint directory);
+    ``estimates`` is ``"profile"`` (each action's own estimate) or ``"online"`` (the
+    live dispatcher's cost model, learned from the run's measured durations)."""
     params, paths = params or {}, paths or {}
     jobs = [Job(workload, cluster, paths.get(s, s), dict(params.get(s, {})), seed, timeline_dt,
-                max_wait_s, label=s)
+                max_wait_s, label=s, estimates=estimates)
             for s in schedulers for seed in seeds]
     runs = run_jobs(jobs, workers=workers, progress=progress)
     order = {s: i for i, s in enumerate(schedulers)}

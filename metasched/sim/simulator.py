@@ -29,6 +29,20 @@ from metasched.sim.workload_config import WorkloadConfig
 END, DEVICE_FREE, ARRIVE, INDEPENDENT, WAKE, DEADLINE = range(6)
 
 
+# Where schedulers' estimates come from (``estimates`` settings): each action's own
+# (``"profile"``: the profile's noisy ones, or a trace's), or the live dispatcher's
+# online cost model learned from the run's measured durations (``"online"``).
+ESTIMATES = ("profile", "online")
+
+
+def cost_model_for(estimates: str) -> CostModel | None:
+    """The ``cost_model`` argument of an ``estimates`` setting (``ESTIMATES``): None, or
+    a fresh ``CostModel`` with the dispatcher's defaults."""
+    if estimates not in ESTIMATES:
+        raise ValueError(f"estimates must be one of {ESTIMATES} (got {estimates!r})")
+    return CostModel() if estimates == "online" else None
+
+
 class SimulationError(RuntimeError):
     """The run cannot make progress (e.g. a scheduler left work with no future event)."""
 
