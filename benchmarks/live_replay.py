@@ -151,7 +151,8 @@ def main() -> None:
     ap.add_argument("--scale", type=float, default=0.1, help="time scale (live seconds per "
                     "simulated second)")
     ap.add_argument("--schedulers", default=",".join([*BASELINES, "checkpoints/default"]))
-    ap.add_argument("--repeats", type=int, default=3, help="live runs per scheduler")
+    ap.add_argument("--repeats", type=int, default=3, help="live runs per scheduler (0: "
+                    "simulate only)")
     ap.add_argument("--seed", type=int, default=1_000_000)
     ap.add_argument("--estimates", choices=("online", "profile"), default="online",
                     help="the simulator's estimates: the online cost model's (as live) or "
@@ -160,9 +161,9 @@ def main() -> None:
                     "simulator, seconds, or 'auto' (measured here first)")
     ap.add_argument("--launch-samples", type=int, default=200)
     args = ap.parse_args()
-    for name in ("trajectories", "repeats", "launch_samples"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')}: must be >= 1")
+    for name, lo in (("trajectories", 1), ("repeats", 0), ("launch_samples", 1)):
+        if getattr(args, name) < lo:
+            ap.error(f"--{name.replace('_', '-')}: must be >= {lo}")
     if not args.scale > 0:
         ap.error("--scale: must be > 0")
     cores = sorted(os.sched_getaffinity(0))
@@ -197,6 +198,10 @@ def main() -> None:
         for _ in range(args.repeats):
             lives.append(asyncio.run(live(inst, cores, sched)))
             bar.update()
+        if not lives:
+            rows.append(f"| {sched} | {s_act:.4f} | – | – | {s_step:.2f} | – | – "
+                        f"| {s_failed} / – | – |")
+            continue
         acts, steps = [x[0] for x in lives], [x[1] for x in lives]
         rows.append(
             f"| {sched} | {s_act:.4f} | {spread(acts)} | {spread([a / s_act for a in acts])} "
