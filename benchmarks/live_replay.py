@@ -13,15 +13,19 @@ Prints mean ACT and step time, simulated and live (mean and range over the repea
 per scheduler.
 
     python benchmarks/live_replay.py [--profile coding] [--trajectories 16] [--scale 0.1]
-        [--schedulers static,...,checkpoints/default] [--repeats 3] [--seed 1000000]
-        [--estimates online|profile] [--launch-s auto|<seconds>]
+        [--schedulers static,...,checkpoints/default] [--repeats 3] [--sim-runs 10]
+        [--seed 1000000] [--estimates online|profile] [--launch-s auto|<s>]
+        [--launch-p90-s <s>]
 
 The simulator is given what the dispatcher has: the online cost model's estimates
 (``--estimates online``, the default: learned from measured durations, as live; the
-profile's noisy per-action estimates only as the first hint), the start-up cost of a
-command on this machine (``cluster.cpu_launch_s``; ``auto`` measures it first: the
-median run of ``--launch-samples`` do-nothing commands of the same form), and the
-workload's expected demand per task (for ``static`` and ``task_isolated``).
+profile's noisy per-action estimates only as the first hint), the start-up of a command
+on this machine (``auto``: before each scheduler's live runs, the median and 90th
+percentile run of ``--launch-samples`` do-nothing commands of the same form, drawn
+log-normal per action in simulation), and the workload's expected demand per task (for
+``static`` and ``task_isolated``). One instance of a step is chaotic: a few ms more or
+less on one action reorders the queue behind it, so the simulator's figure is the mean
+of ``--sim-runs`` runs that differ in their start-up draws, as live runs differ.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from metasched.agents import BASELINES, make_scheduler
 from metasched.agents.checkpoint import resolve_scheduler
 from metasched.compose import profile
 from metasched.core.actions import Turn, amdahl_run_s
-from metasched.core.cluster_config import ClusterConfig
+from metasched.core.cluster_config import ClusterConfig, launch_sigma
 from metasched.core.cost_model import CostModel
 from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
 from metasched.sim.sampling import TrajectorySpec, WorkloadInstance, sample_workload
@@ -87,14 +91,17 @@ def dispatcher_cost_model() -> CostModel:
 
 def simulate(w, inst, cluster: ClusterConfig, sched: str, seed: int, online: bool
              ) -> tuple[float, float, int]:
+    """Mean ACT, step time and failures of one simulated run (``seed``: the scheduler's
+    and the start-up draws' generators; the instance is fixed)."""
     sim = Simulator(w, cluster, seed, instance=inst, max_wait_s=MAX_WAIT_S,
                     cost_model=dispatcher_cost_model() if online else None)
     r = sim.run(make_scheduler(resolve_scheduler(sched)))
     return float(r.act.mean()), float(r.step_s[0]), int(r.counters["failed"])
 
 
-async def measure_launch_s(cores: list[int], n: int) -> float:
-    """Median run time of ``n`` do-nothing commands of the replay's form, one at a time."""
+async def measure_launch_s(cores: list[int], n: int) -> tuple[float, float]:
+    """Median and 90th percentile run time of ``n`` do-nothing commands of the replay's
+    form, one at a time, on this machine now."""
     runs = []
     async with Dispatcher(DispatcherConfig(scheduler="fifo", cores=cores)) as d:
         for i in range(n):
@@ -103,7 +110,7 @@ async def measure_launch_s(cores: list[int], n: int) -> float:
             if r.status != "done":
                 raise SystemExit(f"error: a do-nothing command failed: {r.reason}")
             runs.append(r.finished_at - r.started_at)
-    return float(np.median(runs))
+    return float(np.median(runs)), float(np.percentile(runs, 90))
 
 
 async def live(inst, cores: list[int], sched: str) -> tuple[float, float, int, float]:
@@ -139,9 +146,11 @@ async def live(inst, cores: list[int], sched: str) -> tuple[float, float, int, f
     return float(r.act.mean()), step, int(r.counters["failed"]), float(np.median(startup))
 
 
-def spread(xs: list[float]) -> str:
-    """Mean (min-max) of the repeats."""
-    return f"{np.mean(xs):.3f} ({min(xs):.3f}–{max(xs):.3f})" if len(xs) > 1 else f"{xs[0]:.3f}"
+def spread(xs: list[float], digits: int = 3) -> str:
+    """Mean (min-max) of several runs."""
+    if len(xs) == 1:
+        return f"{xs[0]:.{digits}f}"
+    return f"{np.mean(xs):.{digits}f} ({min(xs):.{digits}f}–{max(xs):.{digits}f})"
 
 
 def main() -> None:
@@ -153,65 +162,77 @@ def main() -> None:
     ap.add_argument("--schedulers", default=",".join([*BASELINES, "checkpoints/default"]))
     ap.add_argument("--repeats", type=int, default=3, help="live runs per scheduler (0: "
                     "simulate only)")
+    ap.add_argument("--sim-runs", type=int, default=10, help="simulated runs per scheduler "
+                    "(start-up draws and the scheduler's generator differ; the instance not)")
     ap.add_argument("--seed", type=int, default=1_000_000)
     ap.add_argument("--estimates", choices=("online", "profile"), default="online",
                     help="the simulator's estimates: the online cost model's (as live) or "
                     "the profile's per-action ones")
     ap.add_argument("--launch-s", default="auto", help="a command's start-up in the "
-                    "simulator, seconds, or 'auto' (measured here first)")
+                    "simulator (median), seconds, or 'auto': measured here before each "
+                    "scheduler's live runs")
+    ap.add_argument("--launch-p90-s", type=float, default=None, help="its 90th percentile "
+                    "with a given --launch-s (default: constant)")
     ap.add_argument("--launch-samples", type=int, default=200)
     args = ap.parse_args()
-    for name, lo in (("trajectories", 1), ("repeats", 0), ("launch_samples", 1)):
+    for name, lo in (("trajectories", 1), ("repeats", 0), ("sim_runs", 1),
+                     ("launch_samples", 1)):
         if getattr(args, name) < lo:
             ap.error(f"--{name.replace('_', '-')}: must be >= {lo}")
     if not args.scale > 0:
         ap.error("--scale: must be > 0")
-    cores = sorted(os.sched_getaffinity(0))
-    w, inst = scaled_step(args.profile, args.trajectories, args.scale, args.seed)
-    if args.launch_s == "auto":
-        launch_s = asyncio.run(measure_launch_s(cores, args.launch_samples))
-    else:
+    fixed = None
+    if args.launch_s != "auto":
         try:
-            launch_s = float(args.launch_s)
+            fixed = float(args.launch_s)
         except ValueError:
             ap.error(f"--launch-s: must be 'auto' or seconds (got {args.launch_s!r})")
-        if not launch_s >= 0:
-            ap.error(f"--launch-s: must be >= 0 (got {launch_s})")
-    cluster = ClusterConfig(name="local", cpu_nodes=1, cores_per_node=len(cores),
-                            mem_gb_per_node=64.0, gpu_devices=0, gpu_mem_gb=0.0, endpoints={},
-                            cpu_launch_s=launch_s)
+        p90 = fixed if args.launch_p90_s is None else args.launch_p90_s
+        if not 0 <= fixed <= p90:
+            ap.error("--launch-s, --launch-p90-s: need 0 <= launch-s <= launch-p90-s")
+        fixed = (fixed, p90)
+    cores = sorted(os.sched_getaffinity(0))
+    w, inst = scaled_step(args.profile, args.trajectories, args.scale, args.seed)
+    base = ClusterConfig(name="local", cpu_nodes=1, cores_per_node=len(cores),
+                         mem_gb_per_node=64.0, gpu_devices=0, gpu_mem_gb=0.0, endpoints={})
     scheds = args.schedulers.split(",")
     for s in scheds:
         make_scheduler(resolve_scheduler(s))  # a bad name fails before anything runs
     n_actions = sum(len(t.turns) for t in inst.steps[0])
     print(f"{args.profile}: {args.trajectories} trajectories, {n_actions} actions, time x "
           f"{args.scale:g}, {len(cores)} cores, seed {args.seed}; simulator: {args.estimates} "
-          f"estimates, command start-up {launch_s * 1e3:.2f} ms"
-          f"{' (measured)' if args.launch_s == 'auto' else ''}; live: {args.repeats} "
-          "runs, mean (min–max)")
+          f"estimates, {args.sim_runs} runs; live: {args.repeats} runs; mean (min–max)")
     rows = []
-    bar = tqdm(total=len(scheds) * args.repeats, desc="live runs", unit="run")
+    bar = tqdm(total=len(scheds) * (args.sim_runs + args.repeats), desc="runs", unit="run")
     for sched in scheds:
-        s_act, s_step, s_failed = simulate(w, inst, cluster, sched, args.seed,
-                                           args.estimates == "online")
+        median, p90 = fixed or asyncio.run(measure_launch_s(cores, args.launch_samples))
+        cluster = replace(base, cpu_launch_s=median, cpu_launch_sigma=launch_sigma(median, p90))
+        sims = []
+        for i in range(args.sim_runs):
+            sims.append(simulate(w, inst, cluster, sched, args.seed + i,
+                                 args.estimates == "online"))
+            bar.update()
         lives = []
         for _ in range(args.repeats):
             lives.append(asyncio.run(live(inst, cores, sched)))
             bar.update()
-        if not lives:
-            rows.append(f"| {sched} | {s_act:.4f} | – | – | {s_step:.2f} | – | – "
-                        f"| {s_failed} / – | – |")
-            continue
-        acts, steps = [x[0] for x in lives], [x[1] for x in lives]
-        rows.append(
-            f"| {sched} | {s_act:.4f} | {spread(acts)} | {spread([a / s_act for a in acts])} "
-            f"| {s_step:.2f} | {spread(steps)} | {spread([s / s_step for s in steps])} "
-            f"| {s_failed} / {'-'.join(str(x[2]) for x in lives)} "
-            f"| {spread([x[3] * 1e3 for x in lives])} |")
+        s_act, s_step = float(np.mean([x[0] for x in sims])), float(np.mean([x[1] for x in sims]))
+        cells = [spread([x[0] for x in sims], 4), "–", "–", spread([x[1] for x in sims], 2),
+                 "–", "–", f"{'-'.join(str(x[2]) for x in sims)} / –",
+                 f"{median * 1e3:.2f} / {p90 * 1e3:.2f}", "–"]
+        if lives:
+            acts, steps = [x[0] for x in lives], [x[1] for x in lives]
+            cells[1:3] = [spread(acts, 4), spread([a / s_act for a in acts])]
+            cells[4:6] = [spread(steps, 2), spread([s / s_step for s in steps])]
+            cells[6] = (f"{'-'.join(str(x[2]) for x in sims)} / "
+                        f"{'-'.join(str(x[2]) for x in lives)}")
+            cells[8] = spread([x[3] * 1e3 for x in lives], 2)
+        rows.append(f"| {sched} | " + " | ".join(cells) + " |")
     bar.close()
     print("| scheduler | mean ACT s sim | live | live ÷ sim | step s sim | live | live ÷ sim "
-          "| failed (timeouts) sim / live | start-up ms live |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| failed (timeouts) sim / live | start-up ms sim (median / p90) | start-up ms live "
+          "(median) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
 
 

@@ -10,6 +10,7 @@ own generator spawned from the same seed.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from dataclasses import replace
 
@@ -77,8 +78,9 @@ class Simulator:
             scheduler is judged on the estimates it will see live.
         check_invariants: verify the accounting invariant at every event (slow; tests).
 
-    A cpu action runs ``cluster.cpu_launch_s`` (its command's start-up) plus its true
-    duration at the granted cores, holding the cores throughout.
+    A cpu action runs its command's start-up (``cluster.cpu_launch_s``, or a log-normal
+    draw around it when ``cluster.cpu_launch_sigma`` > 0, from the run's own generator)
+    plus its true duration at the granted cores, holding the cores throughout.
     """
 
     def __init__(self, workload: WorkloadConfig, cluster: ClusterConfig, seed: int, *,
@@ -100,7 +102,9 @@ class Simulator:
         self.check_invariants = check_invariants
         self.cost_model = cost_model
         self._restore_s: dict[int, float] = {}  # gpu action id -> its batch's restore
-        self._launch_s = cluster.cpu_launch_s
+        self._launch_s, self._launch_sigma = cluster.cpu_launch_s, cluster.cpu_launch_sigma
+        # A third stream of the seed: the workload's and the scheduler's stay as they were.
+        self._launch_rng = np.random.default_rng(root.spawn(1)[0])
         self.guard = WaitGuard(max_wait_s)
         self.serve_stalled = serve_stalled or max_wait_s is not None
         self._deadline_at = -1.0  # the pending guard wake-up, if in the future
@@ -185,7 +189,10 @@ class Simulator:
         t = state.t
         spec = grant.action.spec
         if spec.kind == "cpu":
-            run = self._launch_s + spec.true_s / spec.speedup(grant.cores)
+            launch = self._launch_s
+            if self._launch_sigma:
+                launch *= math.exp(self._launch_sigma * self._launch_rng.standard_normal())
+            run = launch + spec.true_s / spec.speedup(grant.cores)
             self._push_end(grant.action, t, run)
         elif spec.kind == "gpu":
             svc = state.gpu.services[spec.service]
