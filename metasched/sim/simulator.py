@@ -289,8 +289,10 @@ class Simulator:
     def _on_end(self, a: Action) -> None:
         failed = a.reason == "timeout"
         self.state.finish(a, not failed, a.reason)
-        if self.cost_model is not None and not failed:  # live learns from successes only
-            self.cost_model.learn(a, self.state.t - a.start_t - self._restore_s.pop(a.id, 0.0))
+        if self.cost_model is not None:
+            restore = self._restore_s.pop(a.id, 0.0)
+            if not failed:  # live learns from successes only
+                self.cost_model.learn(a, self.state.t - a.start_t - restore)
         traj = a.traj
         if traj is None:
             return
