@@ -19,7 +19,8 @@ per scheduler.
 
 The simulator is given what the dispatcher has: the online cost model's estimates
 (``--estimates online``, the default: learned from measured durations, as live; the
-profile's noisy per-action estimates only as the first hint), the start-up of a command
+profile's noisy per-action estimates only as the first hint; ``--estimates profile``
+gives both sides each action's profile estimate instead), the start-up of a command
 on this machine (``auto``: before each scheduler's live runs, the median and 90th
 percentile run of ``--launch-samples`` do-nothing commands of the same form, drawn
 log-normal per action in simulation), and the workload's expected demand per task (for
@@ -113,11 +114,13 @@ async def measure_launch_s(cores: list[int], n: int) -> tuple[float, float]:
     return float(np.median(runs)), float(np.percentile(runs, 90))
 
 
-async def live(inst, cores: list[int], sched: str) -> tuple[float, float, int, float]:
+async def live(inst, cores: list[int], sched: str, online: bool
+               ) -> tuple[float, float, int, float]:
     """Mean ACT, step time, failures and the median start-up of a command (its measured
     run less the sleep it was asked for) of one live run."""
     cfg = DispatcherConfig(scheduler=sched, cores=cores, sample_interval_s=0.5,
-                           max_wait_s=MAX_WAIT_S, task_demand=inst.demand_by_task())
+                           max_wait_s=MAX_WAIT_S, task_demand=inst.demand_by_task(),
+                           estimates="online" if online else "request")
     async with Dispatcher(cfg) as d:
         if d.fallback_reason:
             raise SystemExit(f"error: --schedulers: {sched}: {d.fallback_reason}")
@@ -166,8 +169,9 @@ def main() -> None:
                     "(start-up draws and the scheduler's generator differ; the instance not)")
     ap.add_argument("--seed", type=int, default=1_000_000)
     ap.add_argument("--estimates", choices=("online", "profile"), default="online",
-                    help="the simulator's estimates: the online cost model's (as live) or "
-                    "the profile's per-action ones")
+                    help="estimates on both sides: the online cost model's (the "
+                    "dispatcher's default) or the profile's per-action ones (live: each "
+                    "request's est_s, estimates='request')")
     ap.add_argument("--launch-s", default="auto", help="a command's start-up in the "
                     "simulator (median), seconds, or 'auto': measured here before each "
                     "scheduler's live runs")
@@ -214,7 +218,7 @@ def main() -> None:
             bar.update()
         lives = []
         for _ in range(args.repeats):
-            lives.append(asyncio.run(live(inst, cores, sched)))
+            lives.append(asyncio.run(live(inst, cores, sched, args.estimates == "online")))
             bar.update()
         s_act, s_step = float(np.mean([x[0] for x in sims])), float(np.mean([x[1] for x in sims]))
         cells = [spread([x[0] for x in sims], 4), "–", "–", spread([x[1] for x in sims], 2),

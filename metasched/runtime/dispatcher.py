@@ -85,6 +85,10 @@ class DispatcherConfig:
             the loop turn that accepted them, before they are queued.
         max_wait_s: the core's starvation guard (None: off).
         cost_alpha, default_est_s: the online cost model (see ``CostModel``).
+        estimates: what the scheduler sees as an action's estimate: ``"online"`` (the
+            cost model's, learned from measured durations; the request's ``est_s`` only
+            until its signature has run) or ``"request"`` (the request's ``est_s`` when it
+            has one, as a profile's or a trace's per-action estimates in simulation).
         retry: API retry policy (429 / 5xx / connection errors).
         cgroup_parent: a cgroup v2 directory delegated to this process (cpuset
             controller enabled, writable): each command then also runs in a child cgroup
@@ -121,6 +125,7 @@ class DispatcherConfig:
     max_wait_s: float | None = 300.0
     cost_alpha: float = 0.3
     default_est_s: float = 1.0
+    estimates: str = "online"
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     cgroup_parent: str | None = None
     workdir: str | None = None
@@ -189,6 +194,9 @@ class Dispatcher:
         self.state.metrics = Recorder(max_actions=cfg.metrics_window)
         self.guard = WaitGuard(cfg.max_wait_s)
         self.cost = CostModel(cfg.cost_alpha, cfg.default_est_s)
+        if cfg.estimates not in ("online", "request"):
+            raise ConfigError("estimates", f"must be online or request (got {cfg.estimates!r})")
+        self._request_estimates = cfg.estimates == "request"
         self.journal = Journal(cfg.journal, fsync=cfg.fsync) if cfg.journal else None
         self.workdir = cfg.workdir if cfg.workdir is not None else default_workdir()
         self._clock = clock
@@ -569,9 +577,12 @@ class Dispatcher:
             self._traj_seen[traj.id] = t
             if req.reward:
                 self._traj_ended.add(traj.id)
+        if self._request_estimates and req.est_s is not None:
+            est = req.est_s
+        else:
+            est = self.cost.estimate(req.signature, req.est_s)
         spec = ActionSpec(
-            kind=req.kind, name=req.name, true_s=math.nan,
-            est_s=self.cost.estimate(req.signature, req.est_s), timeout_s=req.timeout_s,
+            kind=req.kind, name=req.name, true_s=math.nan, est_s=est, timeout_s=req.timeout_s,
             min_cores=req.min_cores, max_cores=req.max_cores,
             parallel_fraction=req.parallel_fraction,
             service=(req.service or COMMAND_SERVICE) if req.kind == "gpu" else None,
