@@ -63,7 +63,7 @@ def mean_step(workload: WorkloadConfig, cluster: ClusterConfig, scheduler: str,
               params: dict[str, Any], seeds: Sequence[int], workers: int,
               progress: bool, max_wait_s: float | None = None) -> float:
     jobs = [Job(workload, cluster, scheduler, params, s, max_wait_s=max_wait_s) for s in seeds]
-    runs = run_jobs(jobs, workers=workers, progress=progress)
+    runs = run_jobs(jobs, workers=workers, progress=progress, transient=True)
     return float(np.mean([np.mean(r["step_s"]) for r in runs]))
 
 

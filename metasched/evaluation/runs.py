@@ -85,14 +85,16 @@ def summarise_run(r: RunResult, label: str, seed: int) -> dict[str, Any]:
 
 
 def run_jobs(jobs: list[Job], workers: int = 1, progress: bool = True,
-             on_done: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
-    """Run jobs in ``workers`` processes (in-process when 1) with a progress bar."""
+             on_done: Callable[[dict[str, Any]], None] | None = None, *,
+             transient: bool = False) -> list[dict[str, Any]]:
+    """Run jobs in ``workers`` processes (in-process when 1) with a progress bar
+    (``transient``: cleared when done, for callers that run many small batches)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     results: list[dict[str, Any]] = []
     columns = ("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
-    with Progress(*columns, disable=not progress, transient=False) as bar:
+    with Progress(*columns, disable=not progress, transient=transient) as bar:
         task = bar.add_task("simulating", total=len(jobs))
         if workers <= 1:
             for job in jobs:
