@@ -94,7 +94,12 @@ def run_jobs(jobs: list[Job], workers: int = 1, progress: bool = True,
     results: list[dict[str, Any]] = []
     columns = ("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
-    with Progress(*columns, disable=not progress, transient=transient) as bar:
+    from rich.console import Console
+
+    console = Console()
+    # A transient bar off a terminal would leave only an empty line behind.
+    shown = progress and (console.is_terminal or not transient)
+    with Progress(*columns, console=console, disable=not shown, transient=transient) as bar:
         task = bar.add_task("simulating", total=len(jobs))
         if workers <= 1:
             for job in jobs:
