@@ -3,7 +3,8 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
-# torch is pinned here (not in pyproject) so installs take the local CPU wheel.
+# Everything (dev tools and every extra) goes into .venv; torch is pinned here (not in
+# pyproject, which keeps a range) so installs take the local CPU wheel.
 CONSTRAINTS := constraints.txt
 STAMP  := $(VENV)/.installed
 
@@ -12,8 +13,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -c $(CONSTRAINTS) torch
-	$(PIP) install --quiet -c $(CONSTRAINTS) -e '.[dev]'
+	$(PIP) install --quiet -c $(CONSTRAINTS) -e '.[dev,train]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -35,16 +35,23 @@ def is_checkpoint(path: str | Path) -> bool:
 
 
 def resolve_scheduler(name: str) -> str:
-    """A scheduler name as given, or a checkpoint path made absolute (looked up from the
-    working directory, then from the repository root, where ``checkpoints/`` lives)."""
+    """A scheduler name as given, or a checkpoint path made absolute. A path is looked up
+    from the working directory first, then among the shipped checkpoints (the package data
+    ``metasched.checkpoints``), as ``checkpoints/<name>`` or ``<name>``: so
+    ``checkpoints/default`` names the shipped policy from any directory."""
     from metasched.agents import BASELINES
-    from metasched.compose import config_dir
+    from metasched.compose import package_dir
 
     if name in BASELINES:
         return name
-    for base in (Path.cwd(), config_dir().parent):
-        if is_checkpoint(base / name):
-            return str((base / name).resolve())
+    if is_checkpoint(name):
+        return str(Path(name).resolve())
+    shipped = package_dir("metasched.checkpoints")
+    rel = Path(name)
+    if rel.parts[:1] == ("checkpoints",):
+        rel = Path(*rel.parts[1:])
+    if not rel.is_absolute() and rel.parts and is_checkpoint(shipped / rel):
+        return str((shipped / rel).resolve())
     return name
 
 

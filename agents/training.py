@@ -33,21 +33,16 @@ from metasched.core.cluster_config import ClusterConfig
 from metasched.core.observation import ObsConfig
 from metasched.envs.scheduling import ActionSchedulingEnv, Randomization, RewardConfig
 from metasched.errors import ConfigError
-from metasched.evaluation.runs import TRAIN_SEED_MAX
+from metasched.sim.seeds import TRAIN_SIM_SEEDS, VALIDATION_SEEDS
 from metasched.sim.workload_config import WorkloadConfig
 
 log = logging.getLogger("metasched.train")
 
-VALIDATION_SEEDS = tuple(range(TRAIN_SEED_MAX - 1000, TRAIN_SEED_MAX))
-TRAIN_SIM_SEEDS = (0, TRAIN_SEED_MAX - 1000)  # episodes draw simulation seeds from here
 # Observation keys VecNormalize normalises when asked: the context features only. Slot
 # rows are not: per-position statistics would break the scorer's permutation
 # equivariance (slot i and slot j are the same kind of row), and the presence flag the
 # pooling reads must stay 0/1.
 NORM_OBS_KEYS = ("backlog", "pools")
-# MaskablePPO settings a resumed run takes from the config (the rest come from the model).
-RESUMABLE = ("learning_rate", "n_steps", "batch_size", "n_epochs", "gamma", "gae_lambda",
-             "clip_range", "ent_coef", "vf_coef", "max_grad_norm", "target_kl")
 
 
 def env_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from gymnasium import spaces
 from metasched.core.cluster_config import ClusterConfig
 from metasched.core.metrics import API_HELD, CPU_HELD, GPU_HELD
 from metasched.core.observation import OBS_HIGH, F, ObsConfig, ObservationEncoder
-from metasched.evaluation.runs import TRAIN_SEED_MAX
+from metasched.sim.seeds import TRAIN_SEED_MAX
 from metasched.sim.simulator import Simulator, cost_model_for
 from metasched.sim.workload_config import Dist, WorkloadConfig
 

@@ -1,4 +1,5 @@
-"""Locating and composing the Hydra configs in ``configs/``."""
+"""Locating and composing the Hydra configs (``configs/``, installed as the package data
+``metasched.configs``) into a validated workload and cluster."""
 
 from __future__ import annotations
 
@@ -12,11 +13,20 @@ from metasched.sim.workload_config import WorkloadConfig, check_compatible, pars
 
 
 def config_dir() -> Path:
-    """The ``configs/`` directory (``METASCHED_CONFIG_DIR`` overrides it)."""
+    """The shipped configs' directory, found through the installed package
+    (``METASCHED_CONFIG_DIR`` overrides it)."""
     env = os.environ.get("METASCHED_CONFIG_DIR")
     if env:
         return Path(env).resolve()
-    return (Path(__file__).resolve().parent.parent / "configs").resolve()
+    return package_dir("metasched.configs")
+
+
+def package_dir(package: str) -> Path:
+    """The directory of an installed package of metasched's (configs and checkpoints are
+    package data), as a real path: Hydra and the checkpoint loader read files from it."""
+    from importlib.resources import files
+
+    return Path(str(files(package))).resolve()
 
 
 def compose(config_name: str = "eval", overrides: list[str] | None = None) -> dict[str, Any]:

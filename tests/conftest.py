@@ -7,6 +7,7 @@ import copy
 import os
 
 import pytest
+from helpers import HAS_TRAIN_EXTRA
 from hypothesis import settings
 
 from metasched.core.cluster_config import parse_cluster
@@ -14,6 +15,17 @@ from metasched.sim.workload_config import parse_workload
 
 settings.register_profile("metasched", deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "metasched"))
+
+# Modules that are about training or the SB3 policy through and through; the base install
+# (no `train` extra) runs everything else, and the header of the run says what it left out.
+TRAIN_ONLY = ["test_policy.py", "test_training.py"]
+collect_ignore = [] if HAS_TRAIN_EXTRA else TRAIN_ONLY
+
+
+def pytest_report_header(config) -> str | None:
+    if not HAS_TRAIN_EXTRA:
+        return f"train extra not installed: {', '.join(TRAIN_ONLY)} not collected"
+    return None
 
 # One GPU service, one API endpoint: enough for every action kind.
 SERVICES = {"rm": {"mem_gb": 30, "restore_s": 4.0, "max_batch": 8, "batch_marginal": 0.05}}
@@ -113,8 +125,13 @@ def valid_config() -> tuple[dict, dict]:
 
 @pytest.fixture
 def one_torch_thread():
-    """Policy inference on one thread (the machine is shared; more threads only thrash)."""
-    import torch
+    """Policy inference on one thread (the machine is shared; more threads only thrash).
+    Without torch (the base install) there is nothing to set."""
+    try:
+        import torch
+    except ImportError:
+        yield
+        return
 
     n = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import importlib.util
 from functools import cache
 
+import pytest
+
+from metasched.cli.train_app import TRAIN_MODULES
 from metasched.compose import profile
 from metasched.core.cluster_config import ClusterConfig
 from metasched.envs.scheduling import scale_workload
 from metasched.sim.workload_config import WorkloadConfig
+
+# Tests of training and of SB3 interop need the `train` extra; the base install runs the rest.
+HAS_TRAIN_EXTRA = all(importlib.util.find_spec(m) is not None for m in TRAIN_MODULES)
+needs_train = pytest.mark.skipif(not HAS_TRAIN_EXTRA, reason="needs the train extra "
+                                 "(torch, stable-baselines3, sb3-contrib, tensorboard)")
 
 
 @cache

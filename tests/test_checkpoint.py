@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
+from helpers import needs_train
 from helpers import shrunk as shared_shrunk
-from sb3_contrib import MaskablePPO
 
 from metasched.agents import make_scheduler
 from metasched.agents.checkpoint import (
@@ -23,8 +23,7 @@ from metasched.agents.checkpoint import (
 )
 from metasched.agents.learned import LearnedScheduler, PolicyScheduler
 from metasched.agents.numpy_policy import NumpyPolicy
-from metasched.agents.policy import SlotPolicy
-from metasched.compose import compose
+from metasched.compose import compose, package_dir
 from metasched.core.observation import OBS_SCHEMA_VERSION, SLOT_FEATURES, ObsConfig
 from metasched.envs.scheduling import ActionSchedulingEnv
 from metasched.errors import ConfigError
@@ -39,15 +38,27 @@ def shrunk(name: str):
 
 @pytest.fixture(scope="module")
 def model():
+    from sb3_contrib import MaskablePPO
+
+    from metasched.agents.policy import SlotPolicy
+
     w, c = shrunk("rm_math")
     env = ActionSchedulingEnv(w, c)
     return MaskablePPO(SlotPolicy, env, n_steps=64, batch_size=64, seed=0, verbose=0)
 
 
 @pytest.fixture
-def ckpt(tmp_path, model):
+def saved(tmp_path, model):
+    """A checkpoint saved from an SB3 model (needs the train extra)."""
     return save_checkpoint(tmp_path / "ckpt", model, ObsConfig(),
                            {"config": {"seed": 3}, "validation": {"mean_act_s": 1.5}})
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    """A copy of the shipped checkpoint (the checks below need no torch)."""
+    return Path(shutil.copytree(package_dir("metasched.checkpoints") / "default",
+                                tmp_path / "ckpt"))
 
 
 def assert_one_line_naming(err: ConfigError, path) -> None:
@@ -60,7 +71,12 @@ def assert_one_line_naming(err: ConfigError, path) -> None:
 # ------------------------------------------------------------------ round trip
 
 
-def test_round_trip(ckpt, model):
+@needs_train
+def test_round_trip(saved, model):
+    import torch
+    from sb3_contrib import MaskablePPO
+
+    ckpt = saved
     assert sorted(p.name for p in ckpt.iterdir()) == sorted([METADATA, MODEL, WEIGHTS])
     assert is_checkpoint(ckpt) and not is_checkpoint(ckpt / METADATA)
     meta = load_metadata(ckpt)
@@ -176,6 +192,7 @@ def test_truncated_weights_rejected(ckpt):
     assert_one_line_naming(e.value, ckpt)
 
 
+@needs_train
 def test_caps_too_small_for_the_cluster(tmp_path, model):
     # Saved for at most one node; coding has four: a one-line error on use.
     path = save_checkpoint(tmp_path / "small", model, ObsConfig(max_nodes=1), {})

@@ -65,7 +65,7 @@ def test_eval_with_the_live_estimates(tmp_path):
 
 
 def test_eval_seeds_differ_from_training_seeds(tmp_path):
-    from metasched.agents.training import TRAIN_SIM_SEEDS, VALIDATION_SEEDS
+    from metasched.sim.seeds import TRAIN_SIM_SEEDS, VALIDATION_SEEDS
 
     doc = run_eval(eval_cfg("plots=false", "n_seeds=1"), tmp_path, progress=False)
     assert min(doc["seeds"]) >= max(TRAIN_SIM_SEEDS[1], VALIDATION_SEEDS[-1] + 1)

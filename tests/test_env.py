@@ -10,8 +10,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env as gym_check_env
-from helpers import shrunk
-from stable_baselines3.common.env_checker import check_env as sb3_check_env
+from helpers import needs_train, shrunk
 
 import metasched.envs  # noqa: F401  (registers the env id)
 from metasched.core.observation import ObservationEncoder
@@ -61,8 +60,11 @@ def test_gymnasium_check_env_no_warnings(name, render_mode):
     assert [str(x.message) for x in caught] == []
 
 
+@needs_train
 @pytest.mark.parametrize("name", PROFILES)
 def test_sb3_check_env_no_warnings(name):
+    from stable_baselines3.common.env_checker import check_env as sb3_check_env
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         sb3_check_env(make_env(name))
@@ -173,6 +175,7 @@ def _rollout_obs(name: str, n: int, seed: int = 0):
     return env, out
 
 
+@needs_train
 def test_masked_actions_never_chosen():
     from sb3_contrib import MaskablePPO
 

@@ -130,6 +130,7 @@ def test_gpu_request_without_nvml_fails_fast_with_a_clear_error(monkeypatch):
 
 
 def test_gpu_service_batches_on_a_standin_device_and_scores_correctly():
+    pytest.importorskip("torch", reason="the example scorer is a torch module")
     svc = linear_scorer(4, seed=1)
     model = svc.load()
     payloads = [[1.0, 2.0], [0.5, 0.0, 1.0], [3.0], [0.0, 0.0, 0.0, 1.0]]

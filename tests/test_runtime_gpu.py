@@ -399,7 +399,7 @@ def test_batches_run_off_the_loop_one_per_device():
 
 
 def test_linear_scorer_on_standin(monkeypatch):
-    import torch
+    torch = pytest.importorskip("torch", reason="the example scorer is a torch module")
 
     _no_nvml(monkeypatch)
     devices, _ = discover_devices(standin=1)
@@ -429,7 +429,7 @@ def test_linear_scorer_on_standin(monkeypatch):
 
 
 def test_infer_runs_under_inference_mode():
-    import torch
+    torch = pytest.importorskip("torch")
 
     modes = []
 

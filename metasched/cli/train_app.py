@@ -17,6 +17,7 @@ from the command line, as for a fresh run) up to ``agent.total_timesteps``.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,18 @@ from metasched.sim.simulator import ESTIMATES
 _POSITIVE = ("total_timesteps", "n_envs", "n_steps", "batch_size", "n_epochs", "hidden",
              "learning_rate")
 _FRACTIONS = ("gamma", "gae_lambda", "clip_range")
+
+
+# What training imports beyond the base install: the `train` extra.
+TRAIN_MODULES = ("torch", "stable_baselines3", "sb3_contrib", "tensorboard")
+
+
+def require_train_extra() -> None:
+    """A one-line error naming what to install when the ``train`` extra is missing."""
+    missing = [m for m in TRAIN_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ConfigError("metasched-train", f"needs the train extra (missing: "
+                          f"{', '.join(missing)}): pip install 'metasched[train]'")
 
 
 def check_train_settings(cfg: dict[str, Any]) -> None:
@@ -61,17 +74,20 @@ def check_train_settings(cfg: dict[str, Any]) -> None:
 
 def run_train(cfg: dict[str, Any], out_dir: str | Path, progress: bool = True) -> dict[str, Any]:
     """Train as configured into ``out_dir``; returns the training summary."""
-    from metasched.agents.training import resume_source, train
     from metasched.core.observation import ObsConfig, ObservationEncoder
     from metasched.core.state import ClusterState
 
     workload, cluster = load_profile(cfg)
     check_train_settings(cfg)
-    resume_source(cfg)  # a bad resume fails before anything is written
     try:
         ObservationEncoder(ClusterState(cluster, workload.services), ObsConfig(**cfg["obs"]))
     except ValueError as e:
         raise ConfigError("obs", str(e)) from None
+    require_train_extra()  # after the settings: their errors need no torch
+    from metasched.agents.training import resume_source, train
+
+    resume_source(cfg)  # a bad resume fails before anything is written
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     summary = train(cfg, workload, cluster, out, progress=progress)

@@ -2,7 +2,7 @@
 
 Seeds: evaluation uses ``seed_offset .. seed_offset + n_seeds - 1`` with
 ``EVAL_SEED_OFFSET`` = 1,000,000 by default; training uses seeds below it, so the
-two ranges are disjoint.
+two ranges are disjoint (:mod:`metasched.sim.seeds`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,6 @@ from metasched.core.cluster_config import ClusterConfig
 from metasched.core.metrics import API_REQ, CPU_BUSY, CPU_HELD, GPU_BUSY, GPU_HELD, RunResult
 from metasched.evaluation.statistics import ci95
 from metasched.sim.workload_config import WorkloadConfig
-
-EVAL_SEED_OFFSET = 1_000_000
-TRAIN_SEED_MAX = EVAL_SEED_OFFSET  # training seeds are 0 .. TRAIN_SEED_MAX - 1
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""The trained policies shipped with metasched (package data: ``metasched.checkpoints``)."""

@@ -1,0 +1,1 @@
+"""The Hydra configs shipped with metasched (package data: ``metasched.configs``)."""
