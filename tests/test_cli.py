@@ -187,6 +187,7 @@ def cli(app: str, *args: str, env: dict | None = None) -> subprocess.CompletedPr
     ("metasched-plan", ["tolerance=-0.1"], "tolerance"),
     ("metasched-plan", ["resolution=0"], "resolution"),
     ("metasched-plan", ["max_wait_s=0"], "max_wait_s"),
+    ("metasched-plan", ["scale_pools=[gpu]"], "scale_pools"),  # coding has no GPU
     ("metasched-train", ["obs.levels=1"], "obs.levels"),
 ])
 def test_bad_input_is_one_line_without_traceback(app, args, field):

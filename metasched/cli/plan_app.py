@@ -69,12 +69,14 @@ def run_plan(cfg: dict[str, Any], out_dir, progress: bool = True) -> dict[str, A
     common = dict(seeds=s["seeds"], tolerance=s["tolerance"], resolution=s["resolution"],
                   min_scale=s["min_scale"], max_wait_s=s["max_wait_s"],
                   workers=s["workers"], progress=progress)
+    present = [p for p in s["pools"] if cluster.resources()[p]]
+    if not present:
+        raise ConfigError("scale_pools", f"the cluster has none of {list(s['pools'])}")
     target, source = s["target_step_s"], "given"
     if target is None:  # one target for every scheduler
         target = mean_step(workload, cluster, s["baseline_path"], s["baseline_params"],
                            s["seeds"], s["workers"], progress, s["max_wait_s"])
         source = f"{s['baseline']} on the full cluster"
-    present = [p for p in s["pools"] if cluster.resources()[p]]
     doc: dict[str, Any] = {"workload": workload.name, "target_step_s": target,
                            "target_source": source, "tolerance": s["tolerance"],
                            "scale_pools": list(s["pools"]), "schedulers": {}}
