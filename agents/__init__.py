@@ -12,12 +12,14 @@ from metasched.agents.checkpoint import is_checkpoint
 from metasched.agents.elastic import ElasticGreedyScheduler
 from metasched.agents.partitioned import StaticScheduler, TaskIsolatedScheduler
 from metasched.agents.queue import FifoScheduler, RandomScheduler, SjfScheduler
+from metasched.agents.rate_greedy import RateGreedyScheduler
 from metasched.core.scheduler import Scheduler
 from metasched.errors import ConfigError
 
 _REGISTRY: dict[str, type[Scheduler]] = {
     cls.name: cls for cls in (StaticScheduler, TaskIsolatedScheduler, FifoScheduler,
-                              SjfScheduler, ElasticGreedyScheduler, RandomScheduler)
+                              SjfScheduler, ElasticGreedyScheduler, RateGreedyScheduler,
+                              RandomScheduler)
 }
 BASELINES: tuple[str, ...] = tuple(_REGISTRY)
 
@@ -39,4 +41,5 @@ def make_scheduler(name: str, **params: Any) -> Scheduler:
 
 
 __all__ = ["BASELINES", "ElasticGreedyScheduler", "FifoScheduler", "RandomScheduler",
-           "SjfScheduler", "StaticScheduler", "TaskIsolatedScheduler", "make_scheduler"]
+           "RateGreedyScheduler", "SjfScheduler", "StaticScheduler", "TaskIsolatedScheduler",
+           "make_scheduler"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import heapq
 import math
 
+from metasched.agents.pending_queue import Arrivals, PendingQueue
 from metasched.core.actions import Action, Grant
 from metasched.core.ledger import Ledger
 from metasched.core.pools import EndpointSpec
@@ -30,37 +31,6 @@ from metasched.core.state import ClusterState
 
 def _sjf_key(a: Action) -> tuple[float, int]:
     return (a.spec.est_s / a.spec.speedup(a.spec.max_cores), a.id)
-
-
-class _Queue:
-    """Pending actions in a fixed priority order, kept incrementally so that a decision
-    costs O(examined x log n), not a sort of the whole queue (live queues can hold
-    thousands). Arrivals are found from the end of the state's pending dict (ids grow
-    in submission order); actions no longer pending are dropped when met."""
-
-    __slots__ = ("heap",)
-
-    def __init__(self) -> None:
-        self.heap: list[tuple[tuple, Action]] = []
-
-    def push(self, key: tuple, a: Action) -> None:
-        heapq.heappush(self.heap, (key, a))
-
-    def scan_keyed(self, pending: dict[int, Action]):
-        """Yield (key, action) of the pending actions, best first; the caller breaks when
-        done. Everything yielded stays queued (a decision is advice until applied)."""
-        heap = self.heap
-        taken: list[tuple[tuple, Action]] = []
-        try:
-            while heap:
-                item = heapq.heappop(heap)
-                if pending.get(item[1].id) is not item[1]:
-                    continue  # started (or failed) since it was queued
-                taken.append(item)
-                yield item
-        finally:
-            for item in taken:
-                heapq.heappush(heap, item)
 
 
 def _quota_s(ep: EndpointSpec, a: Action) -> float:
@@ -89,35 +59,32 @@ class ElasticGreedyScheduler(Scheduler):
             raise ValueError(f"headroom must be in [0, 1] (got {headroom})")
         self.headroom = headroom
         self.min_gain_s = min_gain_s
-        self._state: ClusterState | None = None
+        self._arrivals = Arrivals()
 
     def reset(self, state: ClusterState, rng) -> None:
-        self._state = None
+        self._arrivals = Arrivals()
 
     def _sync(self, state: ClusterState) -> None:
         """Queue the actions submitted since the last decision."""
-        if self._state is not state:  # a new run: start over
-            self._state = state
-            self._cpu_q: dict[int, _Queue] = {}  # by the node an action must run on
-            self._api_q: dict[str, _Queue] = {}  # by endpoint
-            self._last = {"cpu": -1, "api": -1}
+        if self._arrivals.new_run(state):  # a new run: start over
+            self._cpu_q: dict[int, PendingQueue] = {}  # by the node an action must run on
+            self._api_q: dict[str, PendingQueue] = {}  # by endpoint
+        for a in self._arrivals.new(state, "cpu"):
+            self._cpu_q.setdefault(a.node, PendingQueue()).push(self._cpu_key(a), a)
         eps = state.api.endpoints
-        for kind in ("cpu", "api"):
-            last = self._last[kind]
-            new = []
-            for a in reversed(state.pending[kind].values()):
-                if a.id <= last:
-                    break
-                new.append(a)
-            if not new:
-                continue
-            self._last[kind] = new[0].id
-            for a in new:
-                if kind == "cpu":
-                    self._cpu_q.setdefault(a.node, _Queue()).push(_sjf_key(a), a)
-                else:
-                    key = (_quota_s(eps[a.spec.endpoint].spec, a), _sjf_key(a))
-                    self._api_q.setdefault(a.spec.endpoint, _Queue()).push(key, a)
+        for a in self._arrivals.new(state, "api"):
+            key = self._api_key(eps[a.spec.endpoint].spec, a)
+            self._api_q.setdefault(a.spec.endpoint, PendingQueue()).push(key, a)
+
+    def _cpu_key(self, a: Action) -> tuple:
+        """Priority of a CPU action among those bound for its node (smallest first): the
+        shortest estimated run at its maximum cores."""
+        return _sjf_key(a)
+
+    def _api_key(self, ep: EndpointSpec, a: Action) -> tuple:
+        """Priority of an API call on its endpoint (smallest first): least quota, then
+        the shortest estimated call."""
+        return (_quota_s(ep, a), _sjf_key(a))
 
     def decide(self, state: ClusterState) -> list[Grant]:
         self._sync(state)
@@ -244,13 +211,8 @@ class ElasticGreedyScheduler(Scheduler):
             dev = gpu.devices[d]
             if need > dev.mem_gb:
                 continue
-            used = dev.mem_used(gpu.services)
-            damage = 0.0
-            for victim in sorted(dev.resident, key=dev.resident.__getitem__):
-                if used + need <= dev.mem_gb:
-                    break
-                used -= gpu.services[victim].mem_gb
-                damage += sum(b.spec.est_s for b in queues.get(victim, ())) + 1e-3
+            damage = sum(sum(b.spec.est_s for b in queues.get(victim, ())) + 1e-3
+                         for victim in gpu.victims(service, d))
             key = (damage, d)
             if best_key is None or key < best_key:
                 best, best_key = d, key

@@ -129,18 +129,24 @@ class StaticScheduler(PartitionedScheduler):
         led = Ledger(state)
         grants: list[Grant] = []
         c = self.c
+        any_free = max(led.free, default=0) > 0
         for a in state.pending["cpu"].values():
+            traj = a.traj
+            if not any_free and (traj is None or traj.held_cores < c):
+                continue  # only a trajectory holding its c cores can start anything now
             node, room = led.cpu_room(a)
             spec = a.spec
-            if a.traj is None:  # no trajectory to bind to: a plain action-level grant
+            if traj is None:  # no trajectory to bind to: a plain action-level grant
                 if room >= spec.min_cores:
                     grants.append(led.take_cpu(a, node, spec.min_cores))
+                    any_free = max(led.free) > 0
                 continue
-            held = a.traj.held_cores
+            held = traj.held_cores
             target = max(held, c)
             cores = min(max(target, spec.min_cores), spec.max_cores)
             if room >= max(target, cores):
                 grants.append(led.take_cpu(a, node, cores, hold=target))
+                any_free = max(led.free) > 0
         if state.pending["gpu"] and led.idle:
             self.gpu_grants(state, led, grants)
         if state.pending["api"]:

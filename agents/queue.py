@@ -12,6 +12,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from metasched.agents.pending_queue import Arrivals, PendingQueue
 from metasched.core.actions import Action, Grant
 from metasched.core.ledger import Ledger
 from metasched.core.scheduler import Scheduler
@@ -24,9 +25,9 @@ class FifoScheduler(Scheduler):
 
     name = "fifo"
 
-    def order(self, actions: Iterable[Action]) -> Iterable[Action]:
-        """The order in which pending actions are considered."""
-        return actions
+    def order(self, state: ClusterState, kind: str) -> Iterable[Action]:
+        """The order in which pending actions of ``kind`` are considered."""
+        return state.pending[kind].values()
 
     def cores(self, a: Action, room: int) -> int:
         return a.spec.min_cores
@@ -35,13 +36,17 @@ class FifoScheduler(Scheduler):
         led = Ledger(state)
         grants: list[Grant] = []
         pending = state.pending
-        if pending["cpu"] and (max(led.free, default=0) > 0 or state.cpu.held):
-            for a in self.order(pending["cpu"].values()):
+        free = led.free
+        holds = state.cpu.held > 0  # a held core can start its trajectory's action anywhere
+        if pending["cpu"] and (max(free, default=0) > 0 or holds):
+            for a in self.order(state, "cpu"):
                 node, room = led.cpu_room(a)
                 if room >= a.spec.min_cores:
                     grants.append(led.take_cpu(a, node, self.cores(a, room)))
+                    if not holds and max(free) == 0:
+                        break  # nothing else can start
         if pending["gpu"] and led.idle:
-            for a in self.order(pending["gpu"].values()):
+            for a in self.order(state, "gpu"):
                 if a.id in led.batched:
                     continue
                 device = self.device(led, a)
@@ -51,13 +56,27 @@ class FifoScheduler(Scheduler):
                 if not led.idle:
                     break
         if pending["api"]:
-            for a in self.order(pending["api"].values()):
+            eps = state.api.endpoints
+            closed: set[str] = set()  # endpoints where no call at all can start
+            for a in self.order(state, "api"):
+                name = a.spec.endpoint
+                if name in closed:
+                    continue
                 if led.api_ok(a):
                     grants.append(led.take_api(a))
+                elif not led.api_room(eps[name]):
+                    closed.add(name)
+                    if len(closed) == len(eps):
+                        break
         return grants
 
     def device(self, led: Ledger, a: Action) -> int:
         return led.idle_device_for(a.spec.service)
+
+
+def sjf_key(a: Action) -> tuple[float, int]:
+    """Shortest estimated run time at the minimum allocation first, then oldest."""
+    return (a.spec.est_run_s(a.spec.min_cores), a.id)
 
 
 class SjfScheduler(FifoScheduler):
@@ -65,8 +84,19 @@ class SjfScheduler(FifoScheduler):
 
     name = "sjf"
 
-    def order(self, actions: Iterable[Action]) -> Iterable[Action]:
-        return sorted(actions, key=lambda a: (a.spec.est_run_s(a.spec.min_cores), a.id))
+    def __init__(self) -> None:
+        self._arrivals = Arrivals()
+
+    def reset(self, state: ClusterState, rng: np.random.Generator) -> None:
+        self._arrivals = Arrivals()
+
+    def order(self, state: ClusterState, kind: str) -> Iterable[Action]:
+        if self._arrivals.new_run(state):
+            self._queues = {k: PendingQueue() for k in state.pending}
+        q = self._queues[kind]
+        for a in self._arrivals.new(state, kind):
+            q.push(sjf_key(a), a)
+        return q.scan(state.pending[kind])
 
 
 class RandomScheduler(FifoScheduler):
@@ -77,8 +107,8 @@ class RandomScheduler(FifoScheduler):
     def reset(self, state: ClusterState, rng: np.random.Generator) -> None:
         self.rng = rng
 
-    def order(self, actions: Iterable[Action]) -> Iterable[Action]:
-        acts = list(actions)
+    def order(self, state: ClusterState, kind: str) -> Iterable[Action]:
+        acts = list(state.pending[kind].values())
         return [acts[i] for i in self.rng.permutation(len(acts))]
 
     def cores(self, a: Action, room: int) -> int:

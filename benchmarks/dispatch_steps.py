@@ -4,8 +4,8 @@
 
 Prints µs per call (best of 3 ``timeit`` repeats) for: watching a pipe with asyncio's
 ``add_reader``/``remove_reader`` against registering it in a plain ``select.epoll``
-(what ``_FdWatch`` does; three descriptors per action), making and removing a scratch
-directory with ``tempfile.mkdtemp`` against one exclusive ``mkdir`` (``_make_workdir``),
+(what ``FdWatch`` does; three descriptors per action), making and removing a scratch
+directory with ``tempfile.mkdtemp`` against one exclusive ``mkdir`` (``make_workdir``),
 parsing a one-line cpu request, its journal form, and a result's JSON.
 """
 
@@ -20,7 +20,7 @@ import tempfile
 import timeit
 
 from metasched.runtime.machine import default_workdir
-from metasched.runtime.process import _make_workdir
+from metasched.runtime.process.workdir import make_workdir
 from metasched.runtime.requests import Result, parse_request
 
 REQUEST = {"kind": "cpu", "argv": ["/bin/true"], "timeout_s": 60}
@@ -64,7 +64,7 @@ def main() -> None:
     root = default_workdir() or tempfile.gettempdir()
     rows[f"tempfile.mkdtemp + rmdir ({root})"] = best_us(
         lambda: os.rmdir(tempfile.mkdtemp(prefix="metasched-", dir=root)), n)
-    rows[f"_make_workdir + rmdir ({root})"] = best_us(lambda: os.rmdir(_make_workdir(root)), n)
+    rows[f"make_workdir + rmdir ({root})"] = best_us(lambda: os.rmdir(make_workdir(root)), n)
     req = parse_request(REQUEST)
     rows["parse_request (cpu, 3 fields)"] = best_us(lambda: parse_request(REQUEST), n)
     rows["journal form of the request"] = best_us(lambda: json.dumps(

@@ -14,9 +14,7 @@ from pathlib import Path
 
 from metasched.cli.eval_app import run_eval
 from metasched.cli.plan_app import run_plan
-from metasched.compose import compose
-
-PROFILES = ("coding", "search", "rm_math", "mixed")
+from metasched.compose import PROFILES, compose
 
 
 def fmt(plan: dict) -> str:

@@ -13,10 +13,8 @@ import os
 import time
 
 from metasched.agents import make_scheduler
-from metasched.compose import profile
+from metasched.compose import PROFILES, profile
 from metasched.sim.simulator import Simulator
-
-PROFILES = ("coding", "search", "rm_math", "mixed")
 
 
 def measure(workload, cluster, scheduler: str, seed: int, repeat: int) -> dict[str, float]:

@@ -12,11 +12,8 @@ methods alike):
 - ``xargs``: ``seq N | xargs -P<concurrency> -I{} /bin/true``, the reference
   (no pinning, no capture, no temporary directory).
 - ``run_process``: :func:`metasched.runtime.process.run_process` as shipped: the
-  event-loop thread pins itself to the granted core around a direct
-  ``_posixsubprocess.fork_exec`` (vfork, no ``preexec_fn``), then steps off that core;
-  exit awaited on a pidfd.
-- ``run_process(Popen)``: the same through ``subprocess.Popen`` instead of calling
-  ``_posixsubprocess.fork_exec`` directly.
+  event-loop thread pins itself to the granted core around ``subprocess.Popen`` (vfork,
+  no ``preexec_fn``), then steps off that core; exit awaited on a pidfd.
 - ``run_process(stay)``: the same without stepping the event-loop thread off the
   granted core after the spawn (it then shares that core with the child for a while).
 - ``run_process(shm)``: the same with ``cwd_root="/dev/shm"`` (tmpfs: creating and
@@ -53,8 +50,7 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 
-from metasched.runtime import process
-from metasched.runtime.process import run_process
+from metasched.runtime.process import limits, run_process, spawn
 
 ARGV = ["/bin/true"]
 
@@ -83,20 +79,12 @@ async def _run_process(core: int) -> None:
     assert out.ok, out
 
 
-async def _run_process_popen(core: int) -> None:
-    process._fork_exec_usable = False
-    try:
-        await _run_process(core)
-    finally:
-        process._fork_exec_usable = True
-
-
 async def _run_process_stay(core: int) -> None:
-    process._step_off_granted_cores = False
+    spawn._step_off_granted_cores = False
     try:
         await _run_process(core)
     finally:
-        process._step_off_granted_cores = True
+        spawn._step_off_granted_cores = True
 
 
 async def _run_process_shm(core: int) -> None:
@@ -110,12 +98,12 @@ async def _run_process_rlimit(core: int) -> None:
 
 
 async def _run_process_rlimit_preexec(core: int) -> None:
-    saved = process._prlimit_checked, process._prlimit_path
-    process._prlimit_checked, process._prlimit_path = True, None  # as if prlimit(1) lacked
+    saved = limits._prlimit_checked, limits._prlimit_path
+    limits._prlimit_checked, limits._prlimit_path = True, None  # as if prlimit(1) lacked
     try:
         await _run_process_rlimit(core)
     finally:
-        process._prlimit_checked, process._prlimit_path = saved
+        limits._prlimit_checked, limits._prlimit_path = saved
 
 
 async def _asyncio_exec(core: int, preexec: bool) -> None:
@@ -178,7 +166,6 @@ async def _spawner_thread(core: int) -> None:
 
 METHODS: dict[str, Callable[[int], Awaitable[None]]] = {
     "run_process": _run_process,
-    "run_process(Popen)": _run_process_popen,
     "run_process(stay)": _run_process_stay,
     "run_process(shm)": _run_process_shm,
     "run_process+rlimit": _run_process_rlimit,

@@ -26,7 +26,7 @@ from metasched.core.metrics import API_HELD, CPU_HELD, GPU_HELD
 from metasched.core.observation import OBS_HIGH, F, ObsConfig, ObservationEncoder
 from metasched.sim.seeds import TRAIN_SEED_MAX
 from metasched.sim.simulator import Simulator, cost_model_for
-from metasched.sim.workload_config import Dist, WorkloadConfig
+from metasched.sim.workload_config import WorkloadConfig
 
 
 @dataclass(frozen=True)
@@ -55,9 +55,9 @@ def scale_workload(w: WorkloadConfig, load: float = 1.0, estimate_error: float |
     generation times, or another number of steps."""
     tasks = w.tasks
     if generation_scale != 1.0:
-        tasks = tuple(replace(t, generation_s=Dist(
-            t.generation_s.median * generation_scale, t.generation_s.sigma,
-            t.generation_s.lo * generation_scale, t.generation_s.hi * generation_scale))
+        tasks = tuple(replace(t, generation_s=replace(
+            t.generation_s, median=t.generation_s.median * generation_scale,
+            lo=t.generation_s.lo * generation_scale, hi=t.generation_s.hi * generation_scale))
             for t in tasks)
     return replace(w, tasks=tasks,
                    trajectories_per_step=max(1, round(w.trajectories_per_step * load)),

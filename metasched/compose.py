@@ -11,6 +11,9 @@ from metasched.core.cluster_config import ClusterConfig, parse_cluster
 from metasched.errors import ConfigError
 from metasched.sim.workload_config import WorkloadConfig, check_compatible, parse_workload
 
+# The shipped profiles: ``configs/workload/<name>.yaml`` with ``configs/cluster/<name>.yaml``.
+PROFILES: tuple[str, ...] = ("coding", "search", "rm_math", "mixed", "retool")
+
 
 def config_dir() -> Path:
     """The shipped configs' directory, found through the installed package

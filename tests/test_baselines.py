@@ -10,15 +10,14 @@ import numpy as np
 import pytest
 
 from metasched.agents import BASELINES, make_scheduler
-from metasched.compose import profile
+from metasched.compose import PROFILES, profile
 from metasched.core.metrics import CPU_BUSY, CPU_HELD, GPU_BUSY, GPU_HELD
 from metasched.core.scheduler import Scheduler
 from metasched.errors import ConfigError
 from metasched.sim.simulator import Simulator
 
-PROFILES = ("coding", "search", "rm_math", "mixed")
 # Trajectories per step for the shrunk profiles: small, but enough to queue work.
-SIZES = {"coding": 12, "search": 32, "rm_math": 32, "mixed": 40}
+SIZES = {"coding": 12, "search": 32, "rm_math": 32, "mixed": 40, "retool": 48}
 SEEDS = (0, 1, 2)
 
 
@@ -55,7 +54,7 @@ class Spy(Scheduler):
 
 def test_baselines_are_registered():
     assert set(BASELINES) == {"static", "task_isolated", "fifo", "sjf", "elastic_greedy",
-                              "random"}
+                              "rate_greedy", "random"}
     for name in BASELINES:
         assert make_scheduler(name).name == name
     with pytest.raises(ConfigError, match="unknown scheduler 'nope'"):

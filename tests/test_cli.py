@@ -44,6 +44,73 @@ def test_eval_outputs(tmp_path):
     assert doc["schedulers"]["elastic_greedy"]["idle_held_resource_s"]["cpu"] == 0
 
 
+def test_eval_reports_paired_comparison_against_the_best_heuristic(tmp_path):
+    doc = run_eval(eval_cfg("workload=rm_math", "plots=false",
+                            "schedulers=[static,fifo,elastic_greedy,checkpoints/default]"),
+                   tmp_path, progress=False)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    heuristics = ("static", "fifo", "elastic_greedy")
+    best = min(heuristics, key=lambda n: saved["schedulers"][n]["mean_act_s"])
+    assert saved["best_heuristic"] == saved["reference"] == best == doc["best_heuristic"]
+    ref = saved["schedulers"][best]["per_seed"]
+    for s in saved["schedulers"].values():
+        mine = s["per_seed"]
+        assert mine["seeds"] == ref["seeds"] == saved["seeds"]
+        for m in ("mean_act_s", "mean_step_s"):
+            p = s["paired"][m]
+            assert p["ratio"] == pytest.approx(sum(mine[m]) / sum(ref[m]))
+            assert p["diff"] == pytest.approx((sum(mine[m]) - sum(ref[m])) / len(ref[m]))
+            for v, (lo, hi) in ((p["ratio"], p["ratio_ci95"]), (p["diff"], p["diff_ci95"])):
+                assert (lo is None or lo <= v) and (hi is None or v <= hi)  # None: unbounded
+    table = (tmp_path / "results.md").read_text()
+    assert f"Paired against `{best}` (the best heuristic by mean ACT)" in table
+    assert "| checkpoints/default |" in table.split("Paired against")[1]
+
+
+def test_eval_reference_override(tmp_path):
+    doc = run_eval(eval_cfg("workload=rm_math", "plots=false", "schedulers=[fifo,rate_greedy]",
+                            "reference=fifo"), tmp_path, progress=False)
+    s = doc["schedulers"]
+    assert doc["reference"] == "fifo" and doc["best_heuristic"] == "rate_greedy"
+    assert s["fifo"]["paired"]["mean_act_s"]["ratio"] == 1.0
+    assert s["rate_greedy"]["paired"]["mean_act_s"]["ratio"] == pytest.approx(
+        s["rate_greedy"]["mean_act_s"] / s["fifo"]["mean_act_s"])
+    assert "best heuristic: `rate_greedy`" in (tmp_path / "results.md").read_text()
+
+
+def test_grid_benchmark_writes_one_table_with_paired_ratios(tmp_path):
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "grid.py"), "--seeds", "2",
+                        "--points", "rm_math-gpu1,search-q0.25", "--workers", "1",
+                        "--schedulers", "fifo,rate_greedy", "--versus", "fifo",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    grid = json.loads((tmp_path / "grid.json").read_text())
+    assert list(grid["points"]) == ["rm_math-gpu1", "search-q0.25"]
+    assert grid["points"]["rm_math-gpu1"]["overrides"] == ["cluster.gpu.devices=1"]
+    for entry in grid["points"].values():
+        doc = entry["results"]
+        assert doc["best_heuristic"] in ("fifo", "rate_greedy") and doc["seeds"] == grid["seeds"]
+        assert set(doc["schedulers"]["fifo"]["paired"]) == {"mean_act_s", "mean_step_s"}
+    table = (tmp_path / "grid.md").read_text()
+    assert table in r.stdout
+    assert table.count("| rm_math-gpu1 (`cluster.gpu.devices=1`) |") == 2  # both tables
+    assert "paired by seed against fifo" in table
+
+
+@pytest.mark.parametrize("args, field", [(["--points", "nope"], "points"),
+                                         (["--seeds", "0"], "seeds"),
+                                         (["--reference", "sjf", "--schedulers", "fifo"],
+                                          "reference")])
+def test_grid_benchmark_bad_arguments_are_one_line(args, field):
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "grid.py"), *args],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"error: {field}: "), r.stderr
+
+
 def test_eval_is_deterministic_across_runs_and_worker_counts(tmp_path):
     run_eval(eval_cfg("plots=false"), tmp_path / "a", progress=False)
     run_eval(eval_cfg("plots=false"), tmp_path / "b", progress=False)
@@ -180,6 +247,8 @@ def cli(app: str, *args: str, env: dict | None = None) -> subprocess.CompletedPr
     ("metasched-eval", ["workload.trace=/nonexistent.jsonl"], "/nonexistent.jsonl"),
     ("metasched-eval", ["n_seeds=[1"], "overrides"),
     ("metasched-eval", ["estimates=exact"], "estimates"),
+    ("metasched-eval", ["reference=nope"], "reference"),
+    ("metasched-eval", ["cluster.scale=0"], "cluster.scale"),
     ("metasched-plan", ["scale_pools=[disk]"], "scale_pools"),
     ("metasched-plan", ["scheduler=nope"], "scheduler"),
     ("metasched-plan", ["schedulers=[fifo,nope]"], "schedulers"),
@@ -226,3 +295,45 @@ def test_default_schedulers_including_the_shipped_checkpoint_load_and_run():
         r = Simulator(w, c, 1_000_000, max_wait_s=300).run(
             make_scheduler(settings["paths"][name], **settings["params"][name]))
         assert r.counters["completed"] + r.counters["failed"] == r.counters["submitted"] > 0
+
+
+@pytest.mark.parametrize("sig, status", [("SIGTERM", 143), ("SIGHUP", 129)])
+def test_a_stop_signal_ends_an_evaluation_and_its_workers_at_once(tmp_path, sig, status):
+    """SIGTERM or SIGHUP sent to the app alone (as a service manager sends it): its
+    worker processes end with it, the queued runs are dropped, one line, no traceback."""
+    import signal
+    import time
+
+    import psutil
+
+    exe = Path(sys.executable).parent / "metasched-eval"
+    p = subprocess.Popen([str(exe), "workload=mixed", "n_seeds=200", "workers=2",
+                          "schedulers=[elastic_greedy]", "plots=false",
+                          f"hydra.run.dir={tmp_path}"], cwd="/tmp", text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    workers: list[psutil.Process] = []
+    try:
+        me = psutil.Process(p.pid)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(me.children()) < 2:  # the pool is up
+            time.sleep(0.1)
+        workers = me.children(recursive=True)
+        assert len(workers) >= 2
+        time.sleep(1.0)  # runs in progress
+        t0 = time.monotonic()
+        p.send_signal(getattr(signal, sig))
+        _, err = p.communicate(timeout=60)
+        took = time.monotonic() - t0
+        _, alive = psutil.wait_procs(workers, timeout=10)  # terminated: ending, if not gone
+    finally:
+        p.kill()
+        for w in workers:  # whatever happened above, none outlives the test
+            try:
+                w.kill()
+            except psutil.NoSuchProcess:
+                pass
+    assert p.returncode == status, err
+    assert err.strip().endswith(f"interrupted ({sig})") and "Traceback" not in err, err
+    assert took < 20  # not the 200 seeds' worth of runs
+    assert not alive
+    assert not (tmp_path / "results.json").exists()

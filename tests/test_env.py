@@ -13,6 +13,7 @@ from gymnasium.utils.env_checker import check_env as gym_check_env
 from helpers import needs_train, shrunk
 
 import metasched.envs  # noqa: F401  (registers the env id)
+from metasched.compose import PROFILES
 from metasched.core.observation import ObservationEncoder
 from metasched.envs import ENV_ID
 from metasched.envs.scheduling import (
@@ -22,9 +23,6 @@ from metasched.envs.scheduling import (
     scale_workload,
 )
 from metasched.sim.simulator import Simulator
-
-PROFILES = ("coding", "search", "rm_math", "mixed")
-
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

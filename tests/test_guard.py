@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 from helpers import shrunk
 
+from metasched.compose import PROFILES
 from metasched.core.actions import ActionSpec
 from metasched.core.guard import WaitGuard
 from metasched.core.scheduler import Scheduler
 from metasched.sim.sampling import IndependentAction, WorkloadInstance
 from metasched.sim.simulator import SimulationError, Simulator
 
-PROFILES = ("coding", "search", "rm_math", "mixed")
 MAX_WAIT = 5.0
 
 
@@ -178,3 +178,65 @@ def test_idle_means_nothing_runs_and_no_device_is_busy(busy_device, make_cluster
     st = ClusterState(make_cluster(), {})
     st.gpu.busy = int(busy_device)
     assert WaitGuard.idle(st) is not busy_device
+
+
+# ------------------------------------------------------------------ the guard's cost
+
+
+class _CountingQueue(dict):
+    """A pending queue that counts the entries read through ``values()`` (how the guard
+    walks it)."""
+
+    read = 0
+
+    def values(self):
+        for a in super().values():
+            _CountingQueue.read += 1
+            yield a
+
+
+@pytest.mark.parametrize("kind", ["cpu", "gpu", "api"])
+def test_a_pass_over_an_old_queue_reads_what_it_grants_not_the_queue(kind, make_cluster):
+    """10,000 actions past the limit, room for a few: each pass of ``overdue`` and
+    ``next_deadline`` reads about as many queue entries as it grants (a walk of the whole
+    overdue queue at every pass is what made a 100,000-deep live queue crawl)."""
+    from metasched.core.actions import Action
+    from metasched.core.pools import ServiceSpec
+    from metasched.core.state import ClusterState
+
+    n = 10_000
+    cluster = make_cluster(nodes=1, cores=4, gpus=2, endpoints={
+        "e": {"rpm": 60_000, "max_concurrency": 3, "burst_s": 1.0}})
+    state = ClusterState(cluster, {"rm": ServiceSpec(mem_gb=1, restore_s=0, max_batch=1)})
+    state.pending[kind] = _CountingQueue()
+    spec = {"cpu": ActionSpec("cpu", "x", 1.0, 1.0, 100.0),
+            "gpu": ActionSpec("gpu", "x", 1.0, 1.0, 100.0, service="rm"),
+            "api": ActionSpec("api", "x", 1.0, 1.0, 100.0, endpoint="e")}[kind]
+    guard = WaitGuard(MAX_WAIT)
+    assert guard.next_deadline(state) is None  # the guard follows the state from here on
+    for i in range(n):
+        state.submit(Action(i, spec, "t", None, 0, 0.0))
+    room = {"cpu": 4, "gpu": 2, "api": 3}[kind]
+    state.advance(MAX_WAIT + 1.0)
+    reads, granted, running = [], 0, []
+    for step in range(50):
+        _CountingQueue.read = 0
+        assert guard.next_deadline(state) is None  # every pending action is overdue
+        grants = guard.overdue(state)
+        reads.append(_CountingQueue.read)
+        assert len(grants) == (room if step == 0 else 1)  # what the pool has room for
+        for g in grants:
+            running.extend(state.start(g)[0])
+        granted += len(grants)
+        state.advance(state.t + 0.5)
+        done = running.pop(0)  # one finishes: room for one more
+        state.finish(done, True)
+        if kind == "gpu":
+            state.release_device(done.device)
+    assert granted == room + 49 and guard.fired == granted
+    assert max(reads) <= room + 2, reads  # not n: the queue was not walked
+    # An action arriving now is the next deadline, found without a walk.
+    state.submit(Action(n, spec, "t", None, 0, state.t))
+    _CountingQueue.read = 0
+    assert guard.next_deadline(state) == pytest.approx(state.t + MAX_WAIT)
+    assert _CountingQueue.read <= 2

@@ -21,8 +21,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from metasched.runtime import api_calls
-from metasched.runtime.api_calls import HttpSpec, RetryableError, RetryPolicy, call_api
+from metasched.runtime.api_calls import (
+    HttpSpec,
+    RetryableError,
+    RetryPolicy,
+    call_api,
+    make_client,
+)
 
 FAST = RetryPolicy(max_attempts=4, backoff_s=0.001, max_backoff_s=0.01)
 
@@ -32,6 +37,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     protocol_version = "HTTP/1.1"
     hits: Counter[str] = Counter()
+    # Each answer in one write: two small writes on a kept-alive connection wait out the
+    # client's delayed ACK (40 ms) under Nagle.
+    wbufsize = -1
     lock = threading.Lock()
 
     def log_message(self, format: str, *args: object) -> None:  # keep test output clean
@@ -60,7 +68,7 @@ class _Handler(BaseHTTPRequestHandler):
         if route == "json":
             echo = {"method": self.command, "path": self.path, "body": body,
                     "ctype": self.headers.get("Content-Type"),
-                    "x": self.headers.get("X-Test")}
+                    "x": self.headers.get("X-Test"), "port": self.client_address[1]}
             self._send(200, json.dumps(echo).encode())
         elif route == "text":
             self._send(200, "héllo".encode(), "text/plain; charset=utf-8")
@@ -136,7 +144,7 @@ def test_post_json_round_trip(server: str) -> None:
     spec = HttpSpec(f"{server}/json?q=1", headers={"X-Test": "yes"}, json={"k": [1, "é"]})
     out = _run(call_api(spec, timeout_s=5))
     assert out.ok and out.attempts == 1 and out.reason == ""
-    assert out.detail == {"status": 200}
+    assert out.detail == {"status": 200, "http_version": "HTTP/1.1"}
     assert out.value["method"] == "POST" and out.value["path"] == "/json?q=1"
     assert json.loads(out.value["body"]) == {"k": [1, "é"]}
     assert out.value["ctype"] == "application/json" and out.value["x"] == "yes"
@@ -329,14 +337,23 @@ def test_cancellation_propagates(server: str) -> None:
     assert time.monotonic() - t0 < 1.2  # did not wait for the 1.5 s response
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
-def test_https(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A self-signed server: refused by the default (verifying) context without retry;
-    accepted once the client trusts its certificate."""
+def _self_signed(tmp_path) -> tuple[str, str]:
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
                     "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
                     "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    return str(cert), str(key)
+
+
+needs_openssl = pytest.mark.skipif(shutil.which("openssl") is None,
+                                   reason="needs the openssl CLI")
+
+
+@needs_openssl
+def test_https(tmp_path) -> None:
+    """A self-signed server: refused by the default (verifying) context without retry;
+    accepted by a client that trusts its certificate."""
+    cert, key = _self_signed(tmp_path)
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
     server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     server_ctx.load_cert_chain(cert, key)
@@ -346,12 +363,128 @@ def test_https(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
         spec = HttpSpec(f"https://127.0.0.1:{httpd.server_address[1]}/json", json=[1])
         out = _run(call_api(spec, timeout_s=5, retry=FAST))
         assert not out.ok and out.reason.startswith("TLS error") and out.attempts == 1
-        monkeypatch.setattr(api_calls, "_ssl_context", ssl.create_default_context(cafile=cert))
-        out = _run(call_api(spec, timeout_s=5, retry=FAST))
+        assert "certificate verify failed" in out.reason
+
+        async def trusting():
+            async with make_client(verify=ssl.create_default_context(cafile=cert)) as c:
+                return await call_api(spec, timeout_s=5, retry=FAST, client=c)
+        out = _run(trusting())
         assert out.ok and out.value["body"] == "[1]"
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+def test_one_client_reuses_its_connection(server: str) -> None:
+    """Calls through one pooled client share a kept-alive connection (the server sees
+    them come from one client port); calls without one each open their own."""
+    async def pooled():
+        async with make_client() as c:
+            return [await call_api(HttpSpec(f"{server}/json"), timeout_s=5, client=c)
+                    for _ in range(3)]
+
+    async def unpooled():
+        return [await call_api(HttpSpec(f"{server}/json"), timeout_s=5) for _ in range(3)]
+    assert len({r.value["port"] for r in _run(pooled())}) == 1
+    assert len({r.value["port"] for r in _run(unpooled())}) == 3
+
+
+class _Proxy(BaseHTTPRequestHandler):
+    """A forward proxy that answers every request itself, with what it was asked."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        body = json.dumps({"proxied": self.path}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def test_proxies_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    proxy = ThreadingHTTPServer(("127.0.0.1", 0), _Proxy)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        for var in ("NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy"):
+            monkeypatch.delenv(var, raising=False)
+        monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{proxy.server_address[1]}")
+        # A host that does not resolve: only the proxy can answer for it.
+        spec = HttpSpec("http://upstream.invalid/v1/search?q=x", method="GET")
+        out = _run(call_api(spec, timeout_s=5, retry=FAST))
+        assert out.ok and out.value == {"proxied": "http://upstream.invalid/v1/search?q=x"}
+        monkeypatch.setenv("NO_PROXY", "upstream.invalid")  # ... unless it is excluded
+        out = _run(call_api(spec, timeout_s=5, retry=RetryPolicy(max_attempts=1)))
+        assert not out.ok and out.reason.startswith("connection error")
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
+
+
+async def _h2_app(scope, receive, send) -> None:
+    """An ASGI app answering with the HTTP version and client port it saw."""
+    if scope["type"] != "http":
+        return
+    while (await receive()).get("more_body"):  # the request's body, read to its end
+        pass
+    body = json.dumps({"http_version": scope["http_version"],
+                       "port": scope["client"][1]}).encode()
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+@needs_openssl
+def test_http2_through_a_real_h2_server(tmp_path) -> None:
+    """Against hypercorn over TLS (ALPN h2): the calls speak HTTP/2, and calls made at
+    once through one client share one connection (multiplexed streams)."""
+    hypercorn = pytest.importorskip("hypercorn")
+    from hypercorn.asyncio import serve
+    from hypercorn.config import Config
+
+    cert, key = _self_signed(tmp_path)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    port = sock.getsockname()[1]
+    config = Config()
+    config.bind = [f"fd://{sock.detach()}"]  # the server's from here on
+    config.certfile, config.keyfile = cert, key
+    config.alpn_protocols = ["h2", "http/1.1"]
+    config.accesslog = config.errorlog = None
+    stop = threading.Event()
+    loop = asyncio.new_event_loop()
+
+    async def until_stopped() -> None:
+        while not stop.is_set():
+            await asyncio.sleep(0.05)
+
+    thread = threading.Thread(target=lambda: loop.run_until_complete(
+        serve(_h2_app, config, shutdown_trigger=until_stopped)), daemon=True)
+    thread.start()
+    url = f"https://127.0.0.1:{port}/score"
+    try:
+        async def calls():
+            async with make_client(verify=ssl.create_default_context(cafile=cert)) as c:
+                first = await call_api(HttpSpec(url, method="GET"), timeout_s=10, client=c)
+                rest = await asyncio.gather(*(call_api(HttpSpec(url, json={"i": i}),
+                                                       timeout_s=10, client=c)
+                                              for i in range(8)))
+                return [first, *rest]
+        out = _run(calls())
+        assert all(r.ok for r in out), [r.reason for r in out]
+        assert {r.detail["http_version"] for r in out} == {"HTTP/2"}
+        assert {r.value["http_version"] for r in out} == {"2"}
+        assert len({r.value["port"] for r in out}) == 1  # one connection for all nine
+        assert hypercorn.__name__ == "hypercorn"
+    finally:
+        stop.set()
+        thread.join(10)
+        loop.close()
 
 
 def test_bad_timeout_is_a_usage_error() -> None:

@@ -319,3 +319,117 @@ def test_matches_a_dict_model(ops: list[tuple[str, int]]) -> None:
             assert j.counts() == counts
         finally:
             j.close()
+
+
+# --- one writer, owner-only files, bad files ----------------------------------------
+
+_HOLD = textwrap.dedent("""
+    import sys, time
+    from metasched.runtime.journal import Journal
+    j = Journal(sys.argv[1])
+    j.accept("held", "{}")
+    print("holding", flush=True)
+    time.sleep(3600)
+""")
+
+
+def test_a_second_writer_fails_at_once_naming_the_holder(tmp_path: Path) -> None:
+    from metasched.runtime.journal import JournalLocked
+
+    path = tmp_path / "j.db"
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(path)], env=_child_env(),
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        with pytest.raises(JournalLocked) as info:
+            Journal(path)
+        msg = str(info.value)
+        assert info.value.holder == holder.pid and f"(pid {holder.pid})" in msg
+        assert msg.startswith(f"journal: {path} is in use by another dispatcher")
+        assert "\n" not in msg
+        with Journal(path, lock=False) as reader:  # readers are welcome meanwhile
+            assert reader.status("held") == "queued"
+        holder.send_signal(signal.SIGKILL)  # a dead holder leaves no stale lock
+        holder.wait(30)
+        with Journal(path) as j:
+            assert j.status("held") == "queued"
+            assert (tmp_path / "j.db.lock").read_text() == f"{os.getpid()}\n"
+    finally:
+        holder.kill()
+        holder.stdout.close()
+    Journal(path).close()  # closing released the lock
+
+
+def test_files_are_owner_only_whatever_the_umask(tmp_path: Path) -> None:
+    old = os.umask(0o022)
+    try:
+        with Journal(tmp_path / "new.db") as j:
+            j.accept("a", "{}")
+            made = sorted(tmp_path.iterdir())
+            assert [p.name for p in made] == ["new.db", "new.db-shm", "new.db-wal",
+                                              "new.db.lock"]
+            assert {p.name: oct(p.stat().st_mode & 0o777) for p in made} == dict.fromkeys(
+                (p.name for p in made), "0o600")
+        wide = tmp_path / "wide.db"
+        Journal(wide).close()
+        wide.chmod(0o644)  # e.g. made by an older metasched
+        Journal(wide).close()
+        assert oct(wide.stat().st_mode & 0o777) == "0o600"
+    finally:
+        os.umask(old)
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("empty", "empty (0 bytes): not a journal"),
+    ("truncated", "truncated ("),
+    ("text", "not an SQLite file"),
+    ("directory", "is a directory"),
+])
+def test_unusable_files_are_one_line_errors(tmp_path: Path, damage: str, message: str
+                                            ) -> None:
+    from metasched.errors import ConfigError
+
+    path = tmp_path / "j.db"
+    if damage == "empty":
+        path.touch()
+    elif damage == "truncated":
+        with Journal(path) as j:
+            j.accept_many([(f"k{i}", json.dumps({"x": "y" * 200})) for i in range(2000)])
+            j._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # all of it in the file
+        size = path.stat().st_size
+        with open(path, "r+b") as f:
+            f.truncate(size // 2)
+    elif damage == "text":
+        path.write_text("{\"kind\": \"cpu\"}\n")
+    else:
+        path.mkdir()
+    with pytest.raises(ConfigError) as info:
+        Journal(path)
+    msg = str(info.value)
+    assert msg.startswith(f"journal: {path}: {message}") and "\n" not in msg, msg
+    if damage != "directory":
+        assert path.stat().st_size == (0 if damage == "empty" else path.stat().st_size)
+
+
+def test_compact_rewrites_old_finished_rows_and_keeps_their_ids(tmp_path: Path) -> None:
+    def shrink(request: str, result: str) -> tuple[str, str]:  # idempotent, as it must be
+        doc = json.loads(result)
+        return "{}", json.dumps({"kept": doc.get("status", doc.get("kept"))})
+
+    with Journal(tmp_path / "j.db") as j:
+        j.accept_many([(f"k{i}", json.dumps({"big": "x" * 1000})) for i in range(30)])
+        for i in range(20):
+            j.finished(f"k{i}", json.dumps({"status": "done", "stdout": "y" * 1000}))
+        assert j.compact(3600, shrink) == 0  # none finished an hour ago
+        assert j.compact(0, shrink, batch=7) == 20
+        assert j.compact(0, shrink) == 0  # already compact: nothing rewritten
+        assert j.row("k3") == ("{}", "finished", '{"kept": "done"}')
+        assert j.row("k25") == (json.dumps({"big": "x" * 1000}), "queued", None)
+        assert j.row("nope") is None
+        assert j.accept("k3", "{}") == (False, 4)  # the id is still known
+        assert j.counts() == {"queued": 10, "running": 0, "finished": 20}
+        size = j.path.stat().st_size
+        j.compact(0, shrink, vacuum=True)
+        assert j.path.stat().st_size <= size
+        with pytest.raises(ValueError, match="older_than_s"):
+            j.compact(-1, shrink)

@@ -17,9 +17,18 @@ from pathlib import Path
 
 import pytest
 
-from metasched.runtime import process
 from metasched.runtime.outcome import Outcome
-from metasched.runtime.process import THREAD_ENV_VARS, CpusetCgroup, kill_group, run_process
+from metasched.runtime.process import (
+    THREAD_ENV_VARS,
+    CpusetCgroup,
+    kill_group,
+    limits,
+    run_process,
+    start_process,
+    workdir,
+)
+from metasched.runtime.process.child import Tail
+from metasched.runtime.process.fd_watch import FdWatch
 
 PY = sys.executable
 CPUS = sorted(os.sched_getaffinity(0))
@@ -77,29 +86,20 @@ def my_zombies() -> list[int]:
     return out
 
 
-@pytest.fixture(params=[True, False], ids=["fork_exec", "popen"])
-def spawn_path(request, monkeypatch):
-    """Run a test through both ways of starting a child (direct fork_exec and Popen)."""
-    if request.param and not process._fork_exec_usable:
-        pytest.skip("no direct fork_exec on this Python")
-    monkeypatch.setattr(process, "_fork_exec_usable", request.param)
-    return request.param
-
-
 @pytest.fixture(params=["prlimit", "preexec"])
 def limits_path(request, monkeypatch):
     """Run a test through both ways of setting rlimits: the prlimit(1) launcher and, where
     it is missing, a preexec_fn (fork)."""
     if request.param == "prlimit":
-        if process._prlimit_launcher() is None:
+        if limits.prlimit_launcher() is None:
             pytest.skip("no util-linux prlimit")
     else:
-        monkeypatch.setattr(process, "_prlimit_checked", True)
-        monkeypatch.setattr(process, "_prlimit_path", None)
+        monkeypatch.setattr(limits, "_prlimit_checked", True)
+        monkeypatch.setattr(limits, "_prlimit_path", None)
     return request.param
 
 
-def test_success_keeps_the_stdout_tail(spawn_path, tmp_path):
+def test_success_keeps_the_stdout_tail(tmp_path):
     out = run(py("print('x' * 10000); print('end')"), tail_bytes=100, cwd_root=str(tmp_path))
     assert out.ok and out.reason == "" and out.exit_code == 0
     assert out.stdout == "x" * 95 + "\nend\n"
@@ -273,7 +273,7 @@ def test_cpu_time_limit(limits_path, ignore_sigxcpu):
 
 
 @pytest.mark.parametrize("cores", [[0], [1], [0, 1]], ids=str)
-def test_child_runs_on_exactly_the_granted_cores(spawn_path, cores):
+def test_child_runs_on_exactly_the_granted_cores(cores):
     if not set(cores) <= set(CPUS):
         pytest.skip(f"needs cpus {cores}")
     before = os.sched_getaffinity(0)
@@ -282,6 +282,29 @@ def test_child_runs_on_exactly_the_granted_cores(spawn_path, cores):
     assert out.detail["cores"] == cores
     # The event-loop thread pinned itself only around the spawn.
     assert os.sched_getaffinity(0) == before
+
+
+def test_child_has_null_stdin_its_own_session_and_no_other_descriptors():
+    # An inheritable descriptor of this process (another action's pipe, say) must not
+    # reach the child: it would hold that pipe open for as long as it runs.
+    r, w = os.pipe()
+    high = os.dup2(w, 100, inheritable=True)
+    try:
+        out = run(py("""
+            import json, os, sys
+            print(json.dumps({"stdin": os.readlink("/proc/self/fd/0"), "read": sys.stdin.read(),
+                              "fds": sorted(int(fd) for fd in os.listdir("/proc/self/fd")),
+                              "ids": [os.getpid(), os.getpgid(0), os.getsid(0)]}))
+        """))
+    finally:
+        for fd in (r, w, high):
+            os.close(fd)
+    assert out.ok, out
+    info = json.loads(out.stdout)
+    assert info["stdin"] == "/dev/null" and info["read"] == ""
+    # 0-2, and the descriptor listdir opened to list them.
+    assert info["fds"] == [0, 1, 2, 3]
+    assert info["ids"] == [out.detail["pid"]] * 3  # leads its own session and group
 
 
 @pytest.mark.parametrize("cores", [[0], [0, 1]], ids=str)
@@ -367,7 +390,7 @@ def test_a_command_printing_10_mb_keeps_only_the_tail():
 
 @pytest.mark.parametrize("tail_bytes", [0, 1, 5, 6, 100])
 def test_tail_buffer_is_bounded(tail_bytes):
-    tail = process._Tail(tail_bytes)
+    tail = Tail(tail_bytes)
     data = b""
     for chunk in (b"ab", b"cdefg", b"", b"h" * 50, b"ij"):
         tail.feed(chunk)
@@ -393,7 +416,7 @@ def not_executable(tmp_path: Path) -> list[str]:
     (not_executable, "Permission denied"),
     (lambda tmp: [], "empty argv"),
 ])
-def test_cannot_start(spawn_path, tmp_path, make_argv, why):
+def test_cannot_start(tmp_path, make_argv, why):
     work = tmp_path / "work"
     work.mkdir()
     fds = open_fds()
@@ -555,8 +578,8 @@ def test_fd_watch_survives_a_failing_callback_and_releases_its_loop():
     async def go() -> None:
         loop = asyncio.get_running_loop()
         loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
-        watch = process._FdWatch.for_loop(loop)
-        assert process._FdWatch.for_loop(loop) is watch  # one per loop
+        watch = FdWatch.for_loop(loop)
+        assert FdWatch.for_loop(loop) is watch  # one per loop
         pipes = [os.pipe(), os.pipe()]
 
         def boom() -> None:
@@ -584,18 +607,18 @@ def test_fd_watch_survives_a_failing_callback_and_releases_its_loop():
     assert seen == ["x"]
     assert str(errors[0]["exception"]) == "boom"
     errors.clear()  # its traceback's frames refer to the loop
-    assert open_fds() == fds and len(process._FdWatch._by_loop) == 0
+    assert open_fds() == fds and len(FdWatch._by_loop) == 0
 
 
 def test_workdir_is_private_and_never_an_existing_one(tmp_path, monkeypatch):
     import itertools
     import stat
 
-    monkeypatch.setattr(process, "_workdir_numbers", itertools.count(5))
+    monkeypatch.setattr(workdir, "_workdir_numbers", itertools.count(5))
     taken = tmp_path / f"metasched-{os.getpid()}-5"  # left by an earlier process
     taken.mkdir()
     (taken / "keep").write_text("x")
-    path = Path(process._make_workdir(str(tmp_path)))
+    path = Path(workdir.make_workdir(str(tmp_path)))
     assert path.name == f"metasched-{os.getpid()}-6" and list(path.iterdir()) == []
     assert stat.S_IMODE(path.stat().st_mode) == 0o700
     assert (taken / "keep").read_text() == "x"
@@ -603,7 +626,7 @@ def test_workdir_is_private_and_never_an_existing_one(tmp_path, monkeypatch):
 
 def test_start_process_spawns_before_returning_and_waits_once(tmp_path):
     async def go() -> tuple[Outcome, str]:
-        proc = process.start_process(["sleep", "0.2"], cores=CPUS[:1], timeout_s=10,
+        proc = start_process(["sleep", "0.2"], cores=CPUS[:1], timeout_s=10,
                                      cwd_root=str(tmp_path))
         os.kill(proc.pid, 0)  # running already: no event-loop turn was needed
         assert os.sched_getaffinity(proc.pid) == set(CPUS[:1])
@@ -624,7 +647,7 @@ def test_abandoned_process_is_killed_reaped_and_cleaned_up(tmp_path):
     fds = open_fds()
 
     async def go() -> tuple[int, Outcome]:
-        proc = process.start_process(py("import time; time.sleep(30)"), cores=CPUS[:1],
+        proc = start_process(py("import time; time.sleep(30)"), cores=CPUS[:1],
                                      timeout_s=60, cwd_root=str(tmp_path))
         proc.abandon()
         proc.abandon()  # idempotent

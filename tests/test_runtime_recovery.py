@@ -44,7 +44,8 @@ def test_kill_9_loses_nothing(tmp_path):
                              stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "accepted"
-        with Journal(db) as j:  # wait until the running actions have recorded their pids
+        # Until the running actions have recorded their pids (read beside the live writer).
+        with Journal(db, lock=False) as j:
             for _ in range(200):
                 if len(j.orphans()) >= 1:
                     break
@@ -67,8 +68,9 @@ def test_kill_9_loses_nothing(tmp_path):
     async def restart():
         async with Dispatcher(DispatcherConfig(scheduler="elastic_greedy", journal=db,
                                                sample_interval_s=0.1)) as d:
-            futs = [d.accept({"id": f"r{i}", "kind": "cpu", "timeout_s": 120,
-                              "argv": ["/bin/false"]}) for i in range(N)]
+            futs = [d.accept({"id": f"r{i}", "kind": "cpu", "timeout_s": 120,  # resubmitted
+                              "argv": ["/bin/sh", "-c", 'test -e "$0" || sleep 60',
+                                       str(gate)]}) for i in range(N)]
             return await asyncio.gather(*futs), d.state.n_submitted
     results, submitted = asyncio.run(restart())
     assert submitted == N  # re-queued from the journal; the resubmissions were deduplicated

@@ -1,9 +1,11 @@
 """The Hydra app skeleton shared by every command-line app: where the configs are, checking
-overrides before Hydra runs (one-line errors), and the console entry point."""
+overrides before Hydra runs (one-line errors), stopping on a signal, and the console
+entry point."""
 
 from __future__ import annotations
 
 import functools
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +15,36 @@ from metasched.compose import config_dir
 from metasched.errors import ConfigError
 
 CONFIG_PATH = str(config_dir())
+
+# What service managers send to stop a process (systemd, docker and Kubernetes send
+# SIGTERM; a closed terminal sends SIGHUP): handled as Ctrl-C is.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+class Interrupted(KeyboardInterrupt):
+    """A stop signal, raised where Ctrl-C would raise KeyboardInterrupt, so that every
+    clean-up Ctrl-C gets it gets too. The app then exits with 128 + the signal number
+    (143 for SIGTERM, 129 for SIGHUP; 130 for Ctrl-C), as a shell reports it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_interrupted(signum: int, frame: object) -> None:
+    raise Interrupted(signum)
+
+
+def install_stop_handlers() -> None:
+    """Make SIGTERM and SIGHUP raise :class:`Interrupted` (main thread only)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _raise_interrupted)
+
+
+def stop_signal(exc: BaseException) -> int:
+    """The signal behind an interruption: its own for :class:`Interrupted`, SIGINT for
+    Ctrl-C."""
+    return getattr(exc, "signum", signal.SIGINT)
 
 
 def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -76,12 +108,14 @@ def make_main(config_name: str, run: Callable[[dict[str, Any], Path], Any]) -> C
         run(OmegaConf.to_container(cfg, resolve=True), run_dir())
 
     def main() -> None:
+        install_stop_handlers()
         try:
             preflight(config_name)
             hydra_main()
-        except KeyboardInterrupt:  # Ctrl-C is not an error: no traceback
-            print("\ninterrupted", file=sys.stderr)
-            sys.exit(130)
+        except KeyboardInterrupt as e:  # Ctrl-C (or a stop signal) is not an error
+            sig = stop_signal(e)
+            print(f"\ninterrupted ({signal.Signals(sig).name})", file=sys.stderr)
+            sys.exit(128 + sig)
 
     return main
 

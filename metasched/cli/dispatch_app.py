@@ -8,59 +8,32 @@ Examples::
 
 Each line of the job file is one request (see ``metasched.runtime.requests``); a line
 without an ``id`` gets ``line-<n>``, so running the same file against the same journal
-again resumes it instead of repeating finished work. A malformed line fails alone.
-Writes ``results.jsonl`` (one result per request), ``results.json`` and ``results.md``.
+again resumes it instead of repeating finished work. A malformed line fails alone. The
+file is read as a stream, at most ``read_ahead`` requests ahead of the results, and
+each result is written to ``results.jsonl`` as it comes; then ``results.json`` and
+``results.md``. SIGTERM and SIGHUP stop it as Ctrl-C does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib
-import json
+import math
+import signal
+import sys
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
-from metasched.cli.app import make_main
+from metasched.cli.app import STOP_SIGNALS, install_stop_handlers, make_main, stop_signal
+from metasched.cli.job_file import count_requests, read_jobs
 from metasched.cli.output import write_report
-from metasched.cli.settings import int_setting, max_wait_setting
+from metasched.cli.settings import bool_setting, int_setting, max_wait_setting
 from metasched.core.cluster_config import parse_endpoints
 from metasched.errors import ConfigError
-from metasched.runtime.requests import REJECTED, Result, parse_request
-
-
-def read_jobs(path: str | Path) -> list[tuple[int, Any]]:
-    """The job file's requests in order, as ``(line number, request)``: a parsed dict
-    (with its ``id``), or a ``rejected`` :class:`Result` for a line that cannot be a
-    request."""
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise ConfigError("jobs", f"cannot read {path} ({e.strerror or e})") from None
-    out: list[Any] = []
-    for n, line in enumerate(text.splitlines(), start=1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        loc = f"{p.name}:{n}"
-        try:
-            d = json.loads(line)
-        except (ValueError, RecursionError) as e:
-            msg = getattr(e, "msg", type(e).__name__)
-            out.append((n, Result(f"line-{n}", REJECTED, f"{loc}: invalid JSON ({msg})")))
-            continue
-        if isinstance(d, dict) and "id" not in d:
-            d["id"] = f"line-{n}"
-        try:
-            parse_request(d, loc)
-        except ConfigError as e:
-            rid = d.get("id") if isinstance(d, dict) else None
-            out.append((n, Result(str(rid or f"line-{n}"), REJECTED, str(e))))
-            continue
-        out.append((n, d))
-    if not out:
-        raise ConfigError("jobs", f"{path} holds no requests")
-    return out
+from metasched.evaluation.statistics import ci95_of
+from metasched.runtime.requests import REJECTED, Result
 
 
 def load_services(spec: Any) -> dict[str, Any]:
@@ -92,7 +65,7 @@ def dispatcher_config(cfg: dict[str, Any], run_dir: Path):
             isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in cores)):
         raise ConfigError("cores", f"must be a list of CPU ids or null (got {cores!r})")
     scheduler = str(cfg.get("scheduler") or "checkpoints/default")
-    from metasched.agents import BASELINES
+    from metasched.agents import BASELINES, make_scheduler
     from metasched.agents.checkpoint import resolve_scheduler
 
     # A name that is neither a heuristic nor an existing path is a typo: say so. (A
@@ -100,126 +73,257 @@ def dispatcher_config(cfg: dict[str, Any], run_dir: Path):
     if scheduler not in BASELINES and not Path(resolve_scheduler(scheduler)).exists():
         raise ConfigError("scheduler", f"unknown scheduler {scheduler!r} (known: "
                           f"{', '.join(BASELINES)}, or a checkpoint directory)")
+    params = cfg.get("scheduler_params") or {}
+    if not isinstance(params, dict):
+        raise ConfigError("scheduler_params", f"must be a mapping (got {params!r})")
+    if scheduler in BASELINES:  # a heuristic's parameters can be checked now
+        try:
+            make_scheduler(scheduler, **params)
+        except (TypeError, ValueError) as e:
+            raise ConfigError("scheduler_params", f"{scheduler}: {e}") from None
+    workdir = cfg.get("workdir")
+    if workdir is not None and (not isinstance(workdir, str) or not workdir):
+        raise ConfigError("workdir", f"must be a directory path or null (got {workdir!r})")
+    journal = cfg.get("journal") or run_dir / "journal.db"
+    if not isinstance(journal, (str, Path)):
+        raise ConfigError("journal", f"must be a file path or null (got {journal!r})")
     return DispatcherConfig(
-        scheduler=scheduler,
-        scheduler_params=dict(cfg.get("scheduler_params") or {}), cores=cores,
-        gpu_standin=int_setting(cfg, "gpu_standin", 0, default=0),
+        scheduler=scheduler, scheduler_params=dict(params), cores=cores,
+        gpu_standin=int_setting(cfg, "gpu_standin", 0, default=0, hi=64),
         endpoints=parse_endpoints(cfg.get("endpoints"), "endpoints"),
-        journal=cfg.get("journal") or run_dir / "journal.db", fsync=bool(cfg.get("fsync")),
-        max_wait_s=max_wait_setting(cfg), workdir=cfg.get("workdir"))
+        journal=journal, fsync=bool_setting(cfg, "fsync", False),
+        journal_env=bool_setting(cfg, "journal_env", False),
+        max_wait_s=max_wait_setting(cfg), workdir=workdir)
 
 
-async def dispatch_all(jobs: list[tuple[int, Any]], dcfg, services: dict[str, Any],
-                       progress: bool = True, name: str = "jobs"
-                       ) -> tuple[list[Result], Any, dict[str, Any]]:
-    """Run ``jobs`` (from :func:`read_jobs`) through one dispatcher; returns the results
-    in job order, the RunResult and the dispatcher's stats. A request the dispatcher
-    rejects gets ``<name>:<line>:`` before its reason."""
+def compact_setting(cfg: dict[str, Any]) -> float | None:
+    """``compact``: compact journal rows finished this many seconds ago or more (null:
+    leave the journal as it is)."""
+    v = cfg.get("compact")
+    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                          or not 0 <= v < math.inf):
+        raise ConfigError("compact", f"must be a number of seconds >= 0 or null (got {v!r})")
+    return None if v is None else float(v)
+
+
+@dataclass
+class Tally:
+    """What the results written so far add up to, kept as counts and running sums (a
+    result is not kept once written): statuses, the first rejection, and the mean and
+    variance of the ACT of every request that was accepted (Welford's update)."""
+
+    status: dict[str, int] = field(default_factory=dict)
+    first_rejected: str = ""
+    n_act: int = 0
+    mean_act: float = 0.0
+    _m2: float = 0.0
+
+    def add(self, r: Result) -> None:
+        self.status[r.status] = self.status.get(r.status, 0) + 1
+        if r.status == REJECTED:
+            self.first_rejected = self.first_rejected or r.reason
+            return
+        x = r.act_s
+        if x == x:  # not NaN
+            self.n_act += 1
+            delta = x - self.mean_act
+            self.mean_act += delta / self.n_act
+            self._m2 += delta * (x - self.mean_act)
+
+    def act_ci95(self) -> list[float]:
+        """Student-t 95% interval of the mean ACT (over actions)."""
+        if not self.n_act:
+            return [math.nan, math.nan]
+        sd = math.sqrt(self._m2 / (self.n_act - 1)) if self.n_act > 1 else 0.0
+        return ci95_of(self.n_act, self.mean_act, sd)
+
+    def count(self, status: str) -> int:
+        return self.status.get(status, 0)
+
+
+class Stopped(Exception):
+    """The run was stopped by a signal (after the dispatcher closed cleanly)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+async def dispatch_all(path: str | Path, dcfg, services: dict[str, Any], out: TextIO, *,
+                       total: int | None = None, progress: bool = True,
+                       read_ahead: int = 4096, compact_s: float | None = None,
+                       ) -> tuple[Tally, Any, dict[str, Any]]:
+    """Stream the job file at ``path`` through one dispatcher, at most ``read_ahead``
+    requests accepted and unfinished at a time, writing each result to ``out`` (one JSON
+    line) as it comes. Returns the tally, the RunResult and the dispatcher's stats. A
+    request the dispatcher rejects gets ``<file>:<line>:`` before its reason.
+
+    Raises:
+        ConfigError: a setting the dispatcher cannot work with (before any job runs).
+        Stopped: SIGTERM or SIGHUP arrived; running commands were killed and what did
+            not finish stays in the journal.
+    """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     from metasched.runtime.dispatcher import Dispatcher
 
-    results: list[Result | None] = [j if isinstance(j, Result) else None for _, j in jobs]
-    async with Dispatcher(dcfg, services=services) as d:
-        futures = {}
-        for i, (_, j) in enumerate(jobs):
-            if results[i] is None:
-                futures[d.accept(j)] = i
-        columns = ("[progress.description]{task.description}", BarColumn(),
-                   MofNCompleteColumn(), TimeElapsedColumn())
+    name = Path(path).name
+    tally = Tally()
+    loop = asyncio.get_running_loop()
+    main = asyncio.current_task()
+    stopped: list[int] = []
+
+    def stop(sig: int) -> None:  # once: a second signal must not cancel the clean-up
+        if not stopped:
+            stopped.append(sig)
+            main.cancel()
+
+    d = Dispatcher(dcfg, services=services)  # a bad setting fails here: nothing ran yet
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, stop, sig)
+    columns = ("[progress.description]{task.description}", BarColumn(),
+               MofNCompleteColumn(), TimeElapsedColumn())
+    in_flight = 0
+    room = asyncio.Event()  # set when in_flight drops to the low-water mark
+    low = read_ahead * 3 // 4  # refill in batches: one journal commit for many
+
+    try:
         with Progress(*columns, disable=not progress) as bar:
-            task = bar.add_task("dispatching", total=len(futures))
-            for fut in asyncio.as_completed(list(futures)):
-                await fut
+            task = bar.add_task("dispatching", total=total)
+
+            def record(r: Result) -> None:
+                out.write(r.to_json() + "\n")
+                tally.add(r)
                 bar.advance(task)
-        for fut, i in futures.items():
-            r = results[i] = fut.result()
-            if r.status == REJECTED:
-                r.reason = f"{name}:{jobs[i][0]}: {r.reason}"
-    return results, d.run_result(), d.stats()  # after close: its final machine sample
+
+            def finished(line: int, fut: asyncio.Future[Result]) -> None:
+                nonlocal in_flight
+                in_flight -= 1
+                if in_flight <= low:
+                    room.set()
+                if fut.cancelled():  # stopping: it stays in the journal
+                    return
+                r = fut.result()
+                if r.status == REJECTED:
+                    r.reason = f"{name}:{line}: {r.reason}"
+                record(r)
+
+            async with d:
+                if compact_s is not None:
+                    d.compact_journal(compact_s)
+                read = 0
+                for line, job in read_jobs(path):
+                    read += 1
+                    if isinstance(job, Result):
+                        record(job)
+                    else:
+                        fut = d.accept(job)
+                        in_flight += 1
+                        fut.add_done_callback(partial(finished, line))
+                    if in_flight >= read_ahead:
+                        room.clear()
+                        await room.wait()
+                    elif read % 1024 == 0:
+                        await asyncio.sleep(0)  # let what was accepted run meanwhile
+                while in_flight:
+                    room.clear()
+                    low = 0
+                    await room.wait()
+    except asyncio.CancelledError:
+        if stopped:
+            raise Stopped(stopped[0]) from None
+        raise
+    finally:
+        for sig in STOP_SIGNALS:
+            loop.remove_signal_handler(sig)
+        install_stop_handlers()  # removing them reset the signals to their defaults
+    return tally, d.run_result(), d.stats()  # after close: its final machine sample
 
 
 def live_table(name: str, jobs_file: str, summary: dict[str, Any], stats: dict[str, Any],
-               results: list[Result]) -> str:
+               tally: Tally) -> str:
     """The results table of a live run (markdown)."""
-    from metasched.evaluation.report import _fmt
+    from metasched.evaluation.report import fmt
 
     s = summary
-    n_rej = sum(r.status == REJECTED for r in results)
+    n_rej = tally.count(REJECTED)
     lat = stats["decision_latency_us"]
     ca = s["ci95"]["mean_act_s"]
     u = s["utilisation"]
     measured = stats["measured_utilisation"]
+    n = sum(tally.status.values())
     lines = [
-        f"Jobs `{jobs_file}`: {len(results)} requests, live on this machine; scheduler "
+        f"Jobs `{jobs_file}`: {n} requests, live on this machine; scheduler "
         f"`{name}`{' (fell back: ' + stats['fallback'] + ')' if stats['fallback'] else ''}.",
         "",
         "| scheduler | done | failed | rejected | mean ACT s (95% CI, actions) | p50 | p95 | p99 "
         "| util cpu/gpu/api (granted) | cpu util (measured) | decisions | decision p50 µs "
         "| guard |",
         "|" + "---|" * 13,
-        f"| {name} | {sum(r.status == 'done' for r in results)} | {s['failed']} | {n_rej} "
-        f"| {_fmt(s['mean_act_s'])} ({_fmt(ca[0])}–{_fmt(ca[1])}) | {_fmt(s['p50_act_s'])} "
-        f"| {_fmt(s['p95_act_s'])} | {_fmt(s['p99_act_s'])} "
+        f"| {name} | {tally.count('done')} | {tally.count('failed')} | {n_rej} "
+        f"| {fmt(s['mean_act_s'])} ({fmt(ca[0])}–{fmt(ca[1])}) | {fmt(s['p50_act_s'])} "
+        f"| {fmt(s['p95_act_s'])} | {fmt(s['p99_act_s'])} "
         f"| {u['cpu']:.1%} / {u['gpu']:.1%} / {u['api']:.1%} | {measured.get('cpu', 0.0):.1%} "
-        f"| {stats['decisions']} | {_fmt(lat.get('p50', float('nan')))} | {s['guard_fired']} |",
+        f"| {stats['decisions']} | {fmt(lat.get('p50', float('nan')))} | {s['guard_fired']} |",
     ]
     reasons = s.get("failure_reasons") or {}
     if reasons:
         top = sorted(reasons.items(), key=lambda kv: -kv[1])[:5]
         lines += ["", "Failures: " + "; ".join(f"{k} ×{v}" for k, v in top)]
     if n_rej:
-        first = next(r for r in results if r.status == REJECTED)
-        lines += ["", f"Rejected: {n_rej} (first: {first.reason})"]
+        lines += ["", f"Rejected: {n_rej} (first: {tally.first_rejected})"]
+    waiting = stats.get("awaiting_resubmission", 0)
+    if waiting:
+        lines += ["", f"Waiting: {waiting} requests recovered from the journal were not "
+                  f"resubmitted (their env was not stored); they stay unfinished in it"]
     return "\n".join(lines) + "\n"
 
 
-def interrupted(jobs: str, journal) -> None:
-    """Ctrl-C: the running commands have been killed; say what is left and how to
-    resume, then exit with status 130."""
-    import sys
-
+def interrupted(jobs: str, journal, sig: int = signal.SIGINT) -> None:
+    """Ctrl-C, SIGTERM or SIGHUP: the running commands have been killed; say what is
+    left and how to resume, then exit with status 128 + the signal (130, 143, 129)."""
     from metasched.runtime.journal import Journal
 
     with Journal(journal) as j:
         counts = j.counts()
     left = counts["queued"] + counts["running"]
-    print(f"\ninterrupted: {counts['finished']} requests finished, {left} unfinished; they "
-          f"are kept in {journal}. Resume with:\n  metasched-dispatch jobs={jobs} "
-          f"journal={journal}", file=sys.stderr)
-    sys.exit(130)
+    print(f"\ninterrupted ({signal.Signals(sig).name}): {counts['finished']} requests "
+          f"finished, {left} unfinished; they are kept in {journal}. Resume with:\n  "
+          f"metasched-dispatch jobs={jobs} journal={journal}", file=sys.stderr)
+    sys.exit(128 + sig)
 
 
 def run_dispatch(cfg: dict[str, Any], out_dir, progress: bool = True) -> dict[str, Any]:
     """Run the job file as configured; write results.jsonl, results.json, results.md."""
     from metasched.evaluation.runs import aggregate, summarise_run
-    from metasched.evaluation.statistics import ci95
 
     if not cfg.get("jobs"):
         raise ConfigError("jobs", "give the JSONL job file: metasched-dispatch jobs=<file>")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    jobs = read_jobs(cfg["jobs"])
+    total = count_requests(cfg["jobs"])
     dcfg = dispatcher_config(cfg, out)
+    read_ahead = int_setting(cfg, "read_ahead", 1, default=4096, hi=1_000_000)
+    compact_s = compact_setting(cfg)
     services = load_services(cfg.get("services"))
+    show = progress and bool_setting(cfg, "progress", True)
+    out.mkdir(parents=True, exist_ok=True)
     try:
-        results, run, stats = asyncio.run(dispatch_all(
-            jobs, dcfg, services, progress=progress and bool(cfg.get("progress", True)),
-            name=Path(cfg["jobs"]).name))
-    except KeyboardInterrupt:
-        interrupted(cfg["jobs"], dcfg.journal)
+        with open(out / "results.jsonl", "w") as f:
+            tally, run, stats = asyncio.run(dispatch_all(
+                cfg["jobs"], dcfg, services, f, total=total, progress=show,
+                read_ahead=read_ahead, compact_s=compact_s))
+    except Stopped as e:
+        interrupted(cfg["jobs"], dcfg.journal, e.signum)
+    except KeyboardInterrupt as e:
+        interrupted(cfg["jobs"], dcfg.journal, stop_signal(e))
     name = dcfg.scheduler
     doc = aggregate(Path(cfg["jobs"]).name, [0], [summarise_run(run, name, 0)])
     summary = doc["schedulers"][name]
-    summary["rejected"] = sum(r.status == REJECTED for r in results)
+    summary["rejected"] = tally.count(REJECTED)
     # One live run: the interval is over actions (evaluation's is over seeds).
-    act = [r.act_s for r in results if r.status != REJECTED]
-    summary["ci95"]["mean_act_s"] = ci95(act) if act else [float("nan")] * 2
+    summary["ci95"]["mean_act_s"] = tally.act_ci95()
     doc["live"] = stats
-    with open(out / "results.jsonl", "w") as f:
-        for r in results:
-            f.write(r.to_json() + "\n")
-    write_report(out, doc, live_table(name, str(cfg["jobs"]), summary, stats, results))
+    write_report(out, doc, live_table(name, str(cfg["jobs"]), summary, stats, tally))
     return doc
 
 

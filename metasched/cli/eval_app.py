@@ -5,6 +5,7 @@ Examples::
     metasched-eval                                    # coding, all baselines
     metasched-eval workload=rm_math n_seeds=16 'schedulers=[static,elastic_greedy]'
     metasched-eval workload=search hydra.run.dir=outputs/search
+    metasched-eval workload=rm_math cluster.gpu.devices=1 reference=elastic_greedy
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ from metasched.sim.simulator import ESTIMATES
 def eval_settings(cfg: dict[str, Any]) -> dict[str, Any]:
     """Validated evaluation settings from a composed config."""
     scheds, paths, params = schedulers_setting(cfg)
+    reference = cfg.get("reference")
+    if reference is not None and reference not in scheds:
+        raise ConfigError("reference", f"must be one of the schedulers {scheds} or null "
+                          f"(got {reference!r})")
     dt = cfg.get("timeline_dt", 10.0)
     if isinstance(dt, bool) or not isinstance(dt, (int, float)) or not dt > 0:
         raise ConfigError("timeline_dt", f"must be a number > 0 (got {dt!r})")
@@ -37,7 +42,7 @@ def eval_settings(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"schedulers": scheds, "paths": paths, "params": params, "estimates": est,
             "seeds": seeds_setting(cfg), "workers": int_setting(cfg, "workers", 1),
             "timeline_dt": float(dt), "plots": bool(cfg.get("plots", True)),
-            "max_wait_s": max_wait_setting(cfg)}
+            "max_wait_s": max_wait_setting(cfg), "reference": reference}
 
 
 def run_eval(cfg: dict[str, Any], out_dir, progress: bool = True) -> dict[str, Any]:
@@ -50,7 +55,8 @@ def run_eval(cfg: dict[str, Any], out_dir, progress: bool = True) -> dict[str, A
     doc, runs = evaluate(workload, cluster, s["schedulers"], s["seeds"], params=s["params"],
                          workers=s["workers"], timeline_dt=s["timeline_dt"],
                          max_wait_s=s["max_wait_s"], paths=s["paths"],
-                         estimates=s["estimates"], progress=progress)
+                         estimates=s["estimates"], reference=s["reference"],
+                         progress=progress)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if s["plots"]:

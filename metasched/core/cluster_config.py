@@ -84,10 +84,15 @@ def parse_endpoints(d: Any, path: str) -> dict[str, EndpointSpec]:
 
 
 def parse_cluster(d: Mapping, path: str = "cluster") -> ClusterConfig:
-    """Validate a cluster dict (see ``configs/cluster/*.yaml``)."""
+    """Validate a cluster dict (see ``configs/cluster/*.yaml``).
+
+    ``scale`` (default 1) multiplies every pool (:meth:`ClusterConfig.scaled` over cpu,
+    gpu and api: cores per node, GPU devices, API RPM/TPM and concurrency) after the rest
+    is read, so ``cluster.scale=0.25`` is the profile's cluster at a quarter of its size.
+    """
     if not isinstance(d, Mapping):
         raise ConfigError(path, f"must be a mapping (got {type(d).__name__})")
-    check_keys(d, {"name", "cpu", "gpu", "api"}, path)
+    check_keys(d, {"name", "scale", "cpu", "gpu", "api"}, path)
     cpu = mapping_or_empty(d.get("cpu"), f"{path}.cpu")
     gpu = mapping_or_empty(d.get("gpu"), f"{path}.gpu")
     api = mapping_or_empty(d.get("api"), f"{path}.api")
@@ -102,7 +107,8 @@ def parse_cluster(d: Mapping, path: str = "cluster") -> ClusterConfig:
     if p90 is not None:
         p90 = bounded(p90, f"{path}.cpu.launch_p90_s", lo=launch)
         sigma = launch_sigma(launch, p90)
-    return ClusterConfig(
+    scale = bounded(d.get("scale", 1.0), f"{path}.scale", lo=0.0, lo_open=True)
+    c = ClusterConfig(
         name=str(d.get("name", "cluster")),
         cpu_nodes=bounded(cpu.get("nodes", 0), f"{path}.cpu.nodes", lo=0, integer=True),
         cores_per_node=bounded(cpu.get("cores_per_node", 0), f"{path}.cpu.cores_per_node", lo=0,
@@ -112,6 +118,8 @@ def parse_cluster(d: Mapping, path: str = "cluster") -> ClusterConfig:
         gpu_devices=bounded(gpu.get("devices", 0), f"{path}.gpu.devices", lo=0, integer=True),
         gpu_mem_gb=bounded(gpu.get("mem_gb", 0.0), f"{path}.gpu.mem_gb", lo=0.0),
         endpoints=endpoints, cpu_launch_s=launch, cpu_launch_sigma=sigma)
+    # One knob for a contended regime: every pool scaled as metasched-plan scales them.
+    return c if scale == 1.0 else c.scaled(scale, ("cpu", "gpu", "api"))
 
 
 def launch_sigma(median_s: float, p90_s: float) -> float:

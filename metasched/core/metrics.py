@@ -3,8 +3,10 @@ resource-seconds (totals and a bucketed timeline), failures."""
 
 from __future__ import annotations
 
-from collections import deque
+from array import array
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -16,14 +18,60 @@ CPU_BUSY, CPU_HELD, GPU_BUSY, GPU_HELD, API_BUSY, API_HELD, API_REQ = range(7)
 N_COLS = 7
 
 
+class Ring:
+    """The last ``size`` values appended, oldest first when read. With a ``typecode``
+    (``array`` module: ``"d"`` for floats, ``"b"`` for small ints, ``"q"`` for ints) the
+    values are stored unboxed, 8 bytes or fewer each instead of a Python object and its
+    pointer (about 32 bytes): a long-lived dispatcher keeps 100,000 of each."""
+
+    __slots__ = ("_items", "_size", "_next")
+
+    def __init__(self, size: int, typecode: str | None = None) -> None:
+        if size < 1:
+            raise ValueError(f"size must be >= 1 (got {size})")
+        self._items: array | list = array(typecode) if typecode else []
+        self._size = size
+        self._next = 0  # where the next value goes once full
+
+    def append(self, value: Any) -> None:
+        items = self._items
+        if len(items) < self._size:
+            items.append(value)
+        else:
+            items[self._next] = value
+            self._next = (self._next + 1) % self._size
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[Any]:
+        items, i = self._items, self._next
+        yield from items[i:]
+        yield from items[:i]
+
+    def array(self, dtype: Any = None) -> np.ndarray:
+        """The values, oldest first, as a NumPy array."""
+        items, i = self._items, self._next
+        if isinstance(items, array):
+            out = np.array(items, dtype=np.dtype(items.typecode))  # a copy: reads the buffer
+            out = np.concatenate([out[i:], out[:i]])
+            return out if dtype is None else out.astype(dtype)
+        return np.array(list(self), dtype=dtype)
+
+
+def _as_array(values: Iterable[Any], dtype: Any = None) -> np.ndarray:
+    return values.array(dtype) if isinstance(values, Ring) else np.array(values, dtype=dtype)
+
+
 class Recorder:
     """Accumulates a run's measurements; cheap enough to run on every event.
 
     Args:
         timeline_dt: bucket width of the utilisation timeline, seconds.
         max_actions: keep the per-action records of only the most recent this many
-            actions (a long-lived dispatcher would otherwise grow without bound); totals,
-            the timeline and failure counts always cover everything. None: keep all.
+            actions (a long-lived dispatcher would otherwise grow without bound), in
+            rings of unboxed values (about 45 bytes an action); totals, the timeline and
+            failure counts always cover everything. None: keep all (lists).
     """
 
     def __init__(self, timeline_dt: float = 10.0, max_actions: int | None = None) -> None:
@@ -31,16 +79,16 @@ class Recorder:
         self.timeline: list[list[float]] = []
         self.totals = [0.0] * N_COLS
 
-        def per_action() -> list | deque:
-            return [] if max_actions is None else deque(maxlen=max_actions)
+        def per_action(typecode: str | None) -> list | Ring:
+            return [] if max_actions is None else Ring(max_actions, typecode)
 
-        self.kind = per_action()
-        self.task = per_action()
-        self.submit = per_action()
-        self.start = per_action()
-        self.end = per_action()
-        self.ok = per_action()
-        self.lower_bound = per_action()
+        self.kind = per_action("b")
+        self.task = per_action(None)  # references to a few shared names
+        self.submit = per_action("d")
+        self.start = per_action("d")
+        self.end = per_action("d")
+        self.ok = per_action("b")
+        self.lower_bound = per_action("d")
         self.steps: list[tuple[float, float]] = []
         self.reasons: dict[str, int] = {}
 
@@ -114,9 +162,9 @@ class RunResult:
                       counters: dict[str, int]) -> RunResult:
         steps = np.array(r.steps, dtype=float).reshape(-1, 2)
         return cls(
-            kind=np.array(r.kind, dtype=np.int8), task=np.array(r.task, dtype=object),
-            submit=np.array(r.submit), start=np.array(r.start), end=np.array(r.end),
-            ok=np.array(r.ok, dtype=bool), lower_bound=np.array(r.lower_bound),
+            kind=_as_array(r.kind, np.int8), task=_as_array(r.task, object),
+            submit=_as_array(r.submit), start=_as_array(r.start), end=_as_array(r.end),
+            ok=_as_array(r.ok, bool), lower_bound=_as_array(r.lower_bound),
             step_start=steps[:, 0], step_end=steps[:, 1],
             timeline=np.array(r.timeline, dtype=float).reshape(-1, N_COLS),
             timeline_dt=r.dt, totals=np.array(r.totals), capacity=capacity, api_rps=api_rps,

@@ -146,17 +146,28 @@ class GpuPool:
         if service in d.resident:
             d.resident[service] = t
             return 0.0
-        need = self.services[service].mem_gb
-        used = d.mem_used(self.services)
-        for victim in sorted(d.resident, key=d.resident.__getitem__):
-            if used + need <= d.mem_gb:
-                break
-            used -= self.services[victim].mem_gb
+        for victim in self.victims(service, device):
             del d.resident[victim]
             self.evictions += 1
         d.resident[service] = t
         self.restores += 1
         return self.services[service].restore_s
+
+    def victims(self, service: str, device: int) -> list[str]:
+        """The services making ``service`` resident on ``device`` would evict: least
+        recently used first, until it fits (none when it is resident already)."""
+        d = self.devices[device]
+        if service in d.resident:
+            return []
+        need = self.services[service].mem_gb
+        used = d.mem_used(self.services)
+        out = []
+        for victim in sorted(d.resident, key=d.resident.__getitem__):
+            if used + need <= d.mem_gb:
+                break
+            used -= self.services[victim].mem_gb
+            out.append(victim)
+        return out
 
     def resident_on(self, service: str) -> list[int]:
         return [d.index for d in self.devices if service in d.resident]

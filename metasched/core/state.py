@@ -9,7 +9,7 @@ methods, so what a scheduler sees (``ClusterState`` is the ``ClusterView`` hande
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import replace
 
 from metasched.core.actions import DONE, FAILED, KINDS, RUNNING, Action, Grant, Trajectory
@@ -78,6 +78,8 @@ class ClusterState:
         self.step_start_t = 0.0
         self.step_total = 0
         self.step_done = 0
+        # Deques that every submitted action is appended to (see ``follow_arrivals``).
+        self._arrival_feeds: list[deque[Action]] = []
 
     # ------------------------------------------------------------------ queries
 
@@ -112,9 +114,13 @@ class ClusterState:
         p = self.pending
         if p["cpu"]:
             cpu = self.cpu
-            if max(cpu.free, default=0) > 0 or cpu.held > cpu.held_busy:
-                for a in p["cpu"].values():
-                    if self.cpu_feasible(a):
+            free = cpu.free
+            most = max(free, default=0)
+            if most > 0 or cpu.held > cpu.held_busy:
+                for a in p["cpu"].values():  # cpu_feasible, inlined: queues run long
+                    traj = a.traj
+                    need = a.spec.min_cores - (traj.held_cores if traj is not None else 0)
+                    if need <= (free[a.node] if a.node >= 0 else most):
                         return True
         if p["gpu"] and any(not d.busy for d in self.gpu.devices):
             return True
@@ -199,6 +205,16 @@ class ClusterState:
         self.pending[spec.kind][a.id] = a
         self.pending_est_s[spec.kind] += spec.est_s
         self.n_submitted += 1
+        for feed in self._arrival_feeds:
+            feed.append(a)
+
+    def follow_arrivals(self) -> deque[Action]:
+        """A deque to which every action submitted from now on is appended, in
+        submission order: for an index kept outside the state (the guard's deadlines).
+        Its reader pops what it has read."""
+        feed: deque[Action] = deque()
+        self._arrival_feeds.append(feed)
+        return feed
 
     def check(self, g: Grant) -> str | None:
         """Why ``g`` is illegal now, or None when it is legal."""

@@ -8,7 +8,9 @@ from typing import Any
 import numpy as np
 
 
-def _fmt(x: float) -> str:
+def fmt(x: float) -> str:
+    """A number for a results table: three significant digits, thousands separated above
+    100, a dash for NaN."""
     return "—" if x != x else (f"{x:.3g}" if abs(x) < 100 else f"{x:,.0f}")
 
 
@@ -18,20 +20,49 @@ def results_table(doc: dict[str, Any]) -> str:
     head = ("| scheduler | mean ACT s (95% CI) | p50 | p95 | p99 | ACT/LB | mean step s (95% CI) "
             "| max step s | util cpu/gpu/api | idle-held cpu core-s | failed | guard |")
     lines = [f"Workload `{doc['workload']}`, {len(doc['seeds'])} evaluation seeds "
-             f"({doc['seeds'][0]}..{doc['seeds'][-1]}); lower bound mean ACT {_fmt(lb)} s.", "",
+             f"({doc['seeds'][0]}..{doc['seeds'][-1]}); lower bound mean ACT {fmt(lb)} s.", "",
              head, "|" + "---|" * 12]
     for name, s in doc["schedulers"].items():
         ca, cs = s["ci95"]["mean_act_s"], s["ci95"]["mean_step_s"]
         u = s["utilisation"]
         lines.append(
-            f"| {name} | {_fmt(s['mean_act_s'])} ({_fmt(ca[0])}–{_fmt(ca[1])}) "
-            f"| {_fmt(s['p50_act_s'])} | {_fmt(s['p95_act_s'])} | {_fmt(s['p99_act_s'])} "
-            f"| {s['act_over_lower_bound']:.2f} | {_fmt(s['mean_step_s'])} "
-            f"({_fmt(cs[0])}–{_fmt(cs[1])}) | {_fmt(s['max_step_s'])} "
+            f"| {name} | {fmt(s['mean_act_s'])} ({fmt(ca[0])}–{fmt(ca[1])}) "
+            f"| {fmt(s['p50_act_s'])} | {fmt(s['p95_act_s'])} | {fmt(s['p99_act_s'])} "
+            f"| {s['act_over_lower_bound']:.2f} | {fmt(s['mean_step_s'])} "
+            f"({fmt(cs[0])}–{fmt(cs[1])}) | {fmt(s['max_step_s'])} "
             f"| {u['cpu']:.1%} / {u['gpu']:.1%} / {u['api']:.1%} "
-            f"| {_fmt(s['idle_held_resource_s']['cpu'])} | {s['failed']} "
+            f"| {fmt(s['idle_held_resource_s']['cpu'])} | {s['failed']} "
             f"| {s['guard_fired']} |")
+    lines += paired_table(doc)
     return "\n".join(lines) + "\n"
+
+
+def fmt_ci(v: float, ci: list[float], digits: int = 3) -> str:
+    """``v (lo–hi)`` with ``digits`` decimals."""
+    return f"{v:.{digits}f} ({ci[0]:.{digits}f}–{ci[1]:.{digits}f})"
+
+
+def paired_table(doc: dict[str, Any]) -> list[str]:
+    """Lines of the paired comparison against the run's reference (none without one)."""
+    ref = doc.get("reference")
+    if ref is None:
+        return []
+    best = doc.get("best_heuristic")
+    why = "the best heuristic by mean ACT" if ref == best else f"best heuristic: `{best}`"
+    lines = ["", f"Paired against `{ref}` ({why}), same seeds: ratio and difference of "
+             "means with 95% CIs.", "",
+             "| scheduler | mean ACT ÷ ref | mean ACT − ref s | mean step ÷ ref "
+             "| mean step − ref s |", "|---|---|---|---|---|"]
+    for name, s in doc["schedulers"].items():
+        p = s.get("paired")
+        if p is None:
+            continue
+        a, st = p["mean_act_s"], p["mean_step_s"]
+        lines.append(f"| {name} | {fmt_ci(a['ratio'], a['ratio_ci95'])} "
+                     f"| {fmt_ci(a['diff'], a['diff_ci95'], 3)} "
+                     f"| {fmt_ci(st['ratio'], st['ratio_ci95'], 4)} "
+                     f"| {fmt_ci(st['diff'], st['diff_ci95'], 1)} |")
+    return lines
 
 
 def plot_all(doc: dict[str, Any], runs: list[dict[str, Any]], out: Path) -> list[Path]:

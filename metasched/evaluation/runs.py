@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 import multiprocessing as mp
+import pickle
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -18,7 +20,8 @@ import numpy as np
 
 from metasched.core.cluster_config import ClusterConfig
 from metasched.core.metrics import API_REQ, CPU_BUSY, CPU_HELD, GPU_BUSY, GPU_HELD, RunResult
-from metasched.evaluation.statistics import ci95
+from metasched.evaluation.statistics import ci95, paired_comparison
+from metasched.sim.sampling import WorkloadInstance, sample_workload, workload_rng
 from metasched.sim.workload_config import WorkloadConfig
 
 
@@ -35,6 +38,29 @@ class Job:
     max_wait_s: float | None = None
     label: str | None = None  # the name in results (default: ``scheduler``)
     estimates: str = "profile"  # see metasched.sim.simulator.ESTIMATES
+    group: str | None = None  # which of several evaluations run together it belongs to
+
+
+# The workload instances sampled last in this process, by (pickled workload, seed): the
+# jobs of one seed run back to back (see ``eval_jobs``), so every scheduler after the first
+# reuses the instance instead of sampling it again (instances are never mutated).
+_INSTANCES: OrderedDict[tuple[bytes, int], WorkloadInstance] = OrderedDict()
+_INSTANCES_KEPT = 4
+
+
+def _instance(workload: WorkloadConfig, seed: int) -> WorkloadInstance | None:
+    """The instance ``Simulator(workload, ..., seed)`` samples, from the cache when it is
+    there (None for a trace: the simulator reads it)."""
+    if workload.trace is not None:
+        return None
+    key = (pickle.dumps(workload), seed)
+    inst = _INSTANCES.get(key)
+    if inst is None:
+        inst = sample_workload(workload, workload_rng(seed))
+        _INSTANCES[key] = inst
+        while len(_INSTANCES) > _INSTANCES_KEPT:
+            _INSTANCES.popitem(last=False)
+    return inst
 
 
 def run_job(job: Job) -> dict[str, Any]:
@@ -44,7 +70,8 @@ def run_job(job: Job) -> dict[str, Any]:
     from metasched.sim.simulator import SimulationError, Simulator, cost_model_for
 
     sim = Simulator(job.workload, job.cluster, job.seed, timeline_dt=job.timeline_dt,
-                    max_wait_s=job.max_wait_s, cost_model=cost_model_for(job.estimates))
+                    max_wait_s=job.max_wait_s, instance=_instance(job.workload, job.seed),
+                    cost_model=cost_model_for(job.estimates))
     name = job.label or job.scheduler
     try:
         r = sim.run(make_scheduler(job.scheduler, **job.params))
@@ -53,7 +80,9 @@ def run_job(job: Job) -> dict[str, Any]:
                "leaves)") if job.max_wait_s is None else str(e)
         raise ConfigError("max_wait_s" if job.max_wait_s is None else "cluster",
                           f"{name} on seed {job.seed}: {why}") from None
-    return summarise_run(r, name, job.seed)
+    out = summarise_run(r, name, job.seed)
+    out["group"] = job.group
+    return out
 
 
 def summarise_run(r: RunResult, label: str, seed: int) -> dict[str, Any]:
@@ -106,11 +135,25 @@ def run_jobs(jobs: list[Job], workers: int = 1, progress: bool = True,
             ctx = mp.get_context("spawn")
             with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
                 futures = [pool.submit(run_job, j) for j in jobs]
-                for f in as_completed(futures):
-                    results.append(f.result())
-                    bar.advance(task)
+                try:
+                    for f in as_completed(futures):
+                        results.append(f.result())
+                        bar.advance(task)
+                except BaseException:  # Ctrl-C, SIGTERM: stop now, not after every run
+                    _stop(pool)
+                    raise
     results.sort(key=lambda r: (r["scheduler"], r["seed"]))
     return results
+
+
+def _stop(pool: ProcessPoolExecutor) -> None:
+    """Drop the runs not started and end the workers' current ones. (A signal sent to
+    this process alone, such as a service manager's SIGTERM, does not reach the
+    workers, and leaving the pool waits for every submitted run.)"""
+    workers = list((getattr(pool, "_processes", None) or {}).values())  # before shutdown
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in workers:
+        proc.terminate()
 
 
 def aggregate(workload: str, seeds: list[int], runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -147,8 +190,40 @@ def aggregate(workload: str, seeds: list[int], runs: list[dict[str, Any]]) -> di
             "decisions": int(sum(r["counters"]["decisions"] for r in rs)),
             "guard_fired": int(sum(r["counters"]["guard_fired"] for r in rs)),
             "mean_makespan_s": float(np.mean([r["makespan_s"] for r in rs])),
+            "per_seed": {"seeds": [r["seed"] for r in rs], "mean_act_s": per_seed_act,
+                         "mean_step_s": per_seed_step},
         }
     return out
+
+
+PAIRED_METRICS = ("mean_act_s", "mean_step_s")
+
+
+def best_by_mean_act(doc: dict[str, Any], names: Sequence[str]) -> str | None:
+    """The scheduler among ``names`` with the lowest mean ACT (None if there is none)."""
+    cands = [n for n in names if n in doc["schedulers"]
+             and math.isfinite(doc["schedulers"][n]["mean_act_s"])]
+    return min(cands, key=lambda n: doc["schedulers"][n]["mean_act_s"], default=None)
+
+
+def compare_paired(doc: dict[str, Any], heuristics: Sequence[str],
+                   reference: str | None = None) -> dict[str, Any]:
+    """Add the paired comparison to a results document: ``best_heuristic`` (lowest mean
+    ACT among ``heuristics``), ``reference`` (``reference``, or the best heuristic) and,
+    per scheduler, ``paired``: for mean ACT and mean step, the ratio and difference of
+    means against the reference over the same seeds, with 95% intervals."""
+    doc["best_heuristic"] = best_by_mean_act(doc, heuristics)
+    ref = reference if reference is not None else doc["best_heuristic"]
+    doc["reference"] = ref
+    if ref is None:
+        return doc
+    base = doc["schedulers"][ref]["per_seed"]
+    for s in doc["schedulers"].values():
+        mine = s["per_seed"]
+        if mine["seeds"] != base["seeds"]:
+            raise ValueError(f"cannot pair seeds {mine['seeds']} with {base['seeds']}")
+        s["paired"] = {m: paired_comparison(mine[m], base[m]) for m in PAIRED_METRICS}
+    return doc
 
 
 def _sum_dicts(ds) -> dict[str, int]:
@@ -159,21 +234,53 @@ def _sum_dicts(ds) -> dict[str, int]:
     return out
 
 
+def eval_jobs(workload: WorkloadConfig, cluster: ClusterConfig, schedulers: Sequence[str],
+              seeds: Sequence[int], *, params: dict[str, dict[str, Any]] | None = None,
+              timeline_dt: float = 10.0, max_wait_s: float | None = None,
+              paths: dict[str, str] | None = None, group: str | None = None,
+              estimates: str = "profile") -> list[Job]:
+    """The jobs of one evaluation: every scheduler on every seed. ``paths`` maps a
+    scheduler name to what loads it (a checkpoint directory); ``estimates``: see
+    :func:`evaluate`."""
+    params, paths = params or {}, paths or {}
+    # Seed by seed: a worker then samples each instance once for all schedulers.
+    return [Job(workload, cluster, paths.get(s, s), dict(params.get(s, {})), seed, timeline_dt,
+                max_wait_s, label=s, group=group, estimates=estimates)
+            for seed in seeds for s in schedulers]
+
+
+def results_document(workload: str, schedulers: Sequence[str], seeds: Sequence[int],
+                     runs: list[dict[str, Any]], *, paths: dict[str, str] | None = None,
+                     reference: str | None = None) -> dict[str, Any]:
+    """The results document of one evaluation's runs: schedulers in the given order,
+    each compared, paired by seed, with ``reference`` (default: the best heuristic of the
+    run by mean ACT; see :func:`compare_paired`)."""
+    from metasched.agents import BASELINES
+
+    paths = paths or {}
+    order = {s: i for i, s in enumerate(schedulers)}
+    doc = aggregate(workload, list(seeds), runs)
+    doc["schedulers"] = dict(sorted(doc["schedulers"].items(), key=lambda kv: order[kv[0]]))
+    return compare_paired(doc, [s for s in schedulers if paths.get(s, s) in BASELINES],
+                          reference)
+
+
 def evaluate(workload: WorkloadConfig, cluster: ClusterConfig, schedulers: Sequence[str],
              seeds: Sequence[int], *, params: dict[str, dict[str, Any]] | None = None,
              workers: int = 1, timeline_dt: float = 10.0, max_wait_s: float | None = None,
              paths: dict[str, str] | None = None, estimates: str = "profile",
+             reference: str | None = None,
              progress: bool = True) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Run every scheduler on every seed; returns (results document, per-run data).
     ``paths`` maps a scheduler name to what loads it (a checkpoint directory);
     ``estimates`` is ``"profile"`` (each action's own estimate) or ``"online"`` (the
-    live dispatcher's cost model, learned from the run's measured durations)."""
-    params, paths = params or {}, paths or {}
-    jobs = [Job(workload, cluster, paths.get(s, s), dict(params.get(s, {})), seed, timeline_dt,
-                max_wait_s, label=s, estimates=estimates)
-            for s in schedulers for seed in seeds]
+    live dispatcher's cost model, learned from the run's measured durations). The
+    document compares every scheduler, paired by seed, with ``reference`` (default: the
+    best heuristic of the run by mean ACT; see :func:`compare_paired`)."""
+    jobs = eval_jobs(workload, cluster, schedulers, seeds, params=params,
+                     timeline_dt=timeline_dt, max_wait_s=max_wait_s, paths=paths,
+                     estimates=estimates)
     runs = run_jobs(jobs, workers=workers, progress=progress)
-    order = {s: i for i, s in enumerate(schedulers)}
-    doc = aggregate(workload.name, list(seeds), runs)
-    doc["schedulers"] = dict(sorted(doc["schedulers"].items(), key=lambda kv: order[kv[0]]))
+    doc = results_document(workload.name, schedulers, seeds, runs, paths=paths,
+                           reference=reference)
     return doc, runs

@@ -9,20 +9,19 @@ full jitter (or the server's ``Retry-After``); the whole call, retries and waits
 included, is bounded by ``timeout_s``; failures come back as an :class:`Outcome`, never
 as an exception (except cancellation and misuse of the API itself).
 
-HTTP is spoken over asyncio streams rather than ``urllib`` in a thread:
+HTTP goes through one pooled ``httpx.AsyncClient`` per dispatcher (:func:`make_client`):
 
-- cancellation is immediate and leaves nothing behind: a timed-out or cancelled call
-  closes its socket at once, whereas a thread blocked in ``urllib`` cannot be stopped
-  and a socket timeout bounds each read, not the whole response (a server dripping a
-  byte per second keeps such a thread alive indefinitely);
-- concurrency is not capped by a thread pool (``asyncio.to_thread`` shares the loop's
-  default executor, ``min(32, cores + 4)`` threads: 6 on a 2-core node, fewer than the
-  concurrency of one search endpoint).
-
-The client is deliberately small: HTTP/1.1, one connection per attempt
-(``Connection: close``), identity/``Content-Length``/chunked bodies, TLS with the default
-verified context. It does not follow redirects (a 3xx fails like a 4xx), read proxy
-settings from the environment, or decompress bodies (it asks for ``identity``).
+- connections are kept and reused (keep-alive for HTTP/1.1, one multiplexed connection
+  for HTTP/2, negotiated by TLS ALPN), instead of a new connection (and TLS handshake)
+  per call;
+- proxies come from the environment (``HTTP_PROXY``, ``HTTPS_PROXY``, ``ALL_PROXY``,
+  ``NO_PROXY``), certificates from the system store (``SSL_CERT_FILE`` / ``SSL_CERT_DIR``
+  honoured);
+- compressed bodies are decoded; redirects are not followed (a 3xx fails like a 4xx);
+- the client has no timeouts of its own: ``timeout_s`` bounds the whole call, and
+  cancelling it (on timeout too) closes the attempt's stream at once; a server dripping
+  a byte per second cannot keep a call alive past it. A response body over 64 MiB is
+  refused.
 """
 
 from __future__ import annotations
@@ -41,18 +40,20 @@ from types import MappingProxyType
 from typing import Any
 from urllib.parse import urlsplit
 
+import httpx
+
 from metasched.runtime.outcome import Outcome
 
 METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")
 SPEC_KEYS = ("url", "method", "headers", "json", "body")
 
-# Headers the client writes itself: a user's value would contradict the bytes sent.
+# Headers the client writes itself: a user's value would contradict the bytes sent (and
+# HTTP/2 forbids the last two).
 _MANAGED_HEADERS = frozenset({"content-length", "transfer-encoding", "connection"})
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110 header-name characters
 _URL_CHARS = re.compile(r"[\x21-\x7e]+")  # printable ASCII, no spaces: safe in a request line
 _BODY_CHARS = 500  # of an error response kept in Outcome.detail["body"]
 _MAX_BODY = 64 * 1024 * 1024  # a larger response is refused (memory, not a real API reply)
-_MAX_HEAD = 1024 * 1024  # status line + headers
 _USER_AGENT = "metasched"
 
 
@@ -263,13 +264,6 @@ class _BadResponse(Exception):
     """The server's reply is not HTTP we can read (not retried: it would be again)."""
 
 
-@dataclass(slots=True)
-class _Response:
-    status: int
-    headers: dict[str, str]  # lower-case names; repeated headers joined with ", "
-    body: bytes
-
-
 _ssl_context: ssl.SSLContext | None = None
 
 
@@ -281,109 +275,59 @@ def _tls() -> ssl.SSLContext:
     return _ssl_context
 
 
-async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
-    try:
-        head = await reader.readuntil(b"\r\n\r\n")
-    except asyncio.LimitOverrunError:
-        raise _BadResponse(f"response headers over {_MAX_HEAD} bytes") from None
-    lines = head.decode("latin-1").split("\r\n")
-    status_line = lines[0].split(" ", 2)
-    if len(status_line) < 2 or not status_line[0].startswith("HTTP/") \
-            or not status_line[1].isdigit() or len(status_line[1]) != 3:
-        raise _BadResponse(f"bad status line {_show(lines[0])}")
-    headers: dict[str, str] = {}
-    for line in lines[1:]:
-        if not line:
-            continue
-        name, sep, value = line.partition(":")
-        if not sep:
-            raise _BadResponse(f"bad header line {_show(line)}")
-        name, value = name.strip().lower(), value.strip()
-        headers[name] = f"{headers[name]}, {value}" if name in headers else value
-    return int(status_line[1]), headers
+def make_client(*, max_keepalive: int = 20, verify: ssl.SSLContext | None = None
+                ) -> httpx.AsyncClient:
+    """The pooled HTTP client for API calls (see the module docstring); close it with
+    ``await client.aclose()``.
+
+    Args:
+        max_keepalive: idle connections kept for reuse (the dispatcher passes its
+            endpoints' total concurrency). The number of connections open at once is
+            not capped here: the endpoints' concurrency limits bound it, and a cap
+            below them would make calls queue inside the client, out of the scheduler's
+            sight.
+        verify: the TLS context that checks servers (default: the system's CA store).
+    """
+    return httpx.AsyncClient(
+        http2=True, trust_env=True, follow_redirects=False, timeout=None,
+        verify=verify if verify is not None else _tls(),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=max_keepalive),
+        headers={"User-Agent": _USER_AGENT})
 
 
-async def _read_body(reader: asyncio.StreamReader, status: int, headers: dict[str, str]
-                     ) -> bytes:
-    if 100 <= status < 200 or status in (204, 304):
-        return b""
-    if "chunked" in headers.get("transfer-encoding", "").lower():
-        parts: list[bytes] = []
-        size = 0
-        while True:
-            line = await reader.readuntil(b"\r\n")
-            try:
-                n = int(line.split(b";", 1)[0].strip(), 16)
-            except ValueError:
-                raise _BadResponse(f"bad chunk size line {_show(line)}") from None
-            if n == 0:
-                while (await reader.readuntil(b"\r\n")) != b"\r\n":  # trailers
-                    pass
-                return b"".join(parts)
-            size += n
-            if size > _MAX_BODY:
-                raise _BadResponse(f"response body over {_MAX_BODY >> 20} MiB")
-            parts.append(await reader.readexactly(n))
-            await reader.readexactly(2)  # CRLF after each chunk
-    length = headers.get("content-length")
-    if length is not None:
-        if not length.isdigit():
-            raise _BadResponse(f"bad Content-Length {_show(length)}")
-        if int(length) > _MAX_BODY:
+async def warm_up() -> None:
+    """Load what a client's first call would otherwise load on its way (httpx's
+    transport imports its async backend, anyio's asyncio support, at first use: about
+    70 ms here), so that the first call starts as promptly as the later ones."""
+    import anyio  # httpx's own dependency: its transport runs on it
+
+    await anyio.sleep(0)
+
+
+async def _read_body(resp: httpx.Response) -> bytes:
+    length = resp.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > _MAX_BODY:
+        raise _BadResponse(f"response body over {_MAX_BODY >> 20} MiB")
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in resp.aiter_bytes():  # decoded (gzip, deflate ...)
+        size += len(chunk)
+        if size > _MAX_BODY:
             raise _BadResponse(f"response body over {_MAX_BODY >> 20} MiB")
-        return await reader.readexactly(int(length))
-    body = await reader.read(_MAX_BODY + 1)  # no length: the body ends with the connection
-    while len(body) <= _MAX_BODY:
-        more = await reader.read(_MAX_BODY + 1 - len(body))
-        if not more:
-            return body
-        body += more
-    raise _BadResponse(f"response body over {_MAX_BODY >> 20} MiB")
+        parts.append(chunk)
+    return b"".join(parts)
 
 
-async def _http_request(spec: HttpSpec) -> _Response:
-    """One request on a fresh connection. Raises OSError / IncompleteReadError for
-    connection trouble and :class:`_BadResponse` for an unreadable reply."""
-    parts = urlsplit(spec.url)
-    https = parts.scheme.lower() == "https"
-    host = parts.hostname or ""
-    port = parts.port or (443 if https else 80)
-    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+async def _http_request(client: httpx.AsyncClient, spec: HttpSpec
+                        ) -> tuple[httpx.Response, bytes]:
+    """One request on the pooled client. Raises httpx's errors for connection trouble
+    and :class:`_BadResponse` for an unreadable reply."""
     body, content_type = spec.payload()
-
-    names = {k.lower() for k in spec.headers}
-    host_header = host if ":" not in host else f"[{host}]"  # IPv6 literal
-    if parts.port is not None:
-        host_header += f":{parts.port}"
-    lines = [f"{spec.method} {target} HTTP/1.1"]
-    if "host" not in names:
-        lines.append(f"Host: {host_header}")
-    if "user-agent" not in names:
-        lines.append(f"User-Agent: {_USER_AGENT}")
-    if "accept-encoding" not in names:
-        lines.append("Accept-Encoding: identity")
-    if content_type is not None and "content-type" not in names:
-        lines.append(f"Content-Type: {content_type}")
-    lines.extend(f"{k}: {v}" for k, v in spec.headers.items())
-    if body is not None or spec.method in ("POST", "PUT", "PATCH"):
-        lines.append(f"Content-Length: {len(body or b'')}")  # some servers want 0 on POST
-    lines.append("Connection: close")
-    request = ("\r\n".join(lines) + "\r\n\r\n").encode("ascii") + (body or b"")
-
-    reader, writer = await asyncio.open_connection(
-        host, port, ssl=_tls() if https else None,
-        server_hostname=host if https else None, limit=_MAX_HEAD)
-    try:
-        writer.write(request)
-        await writer.drain()
-        status, headers = await _read_head(reader)
-        while 100 <= status < 200:  # interim responses (we send no Expect, but be tolerant)
-            status, headers = await _read_head(reader)
-        return _Response(status, headers, await _read_body(reader, status, headers))
-    finally:
-        # Not awaiting wait_closed(): under cancellation it could wait on the peer; the
-        # transport is closed (socket released) by close() itself.
-        writer.close()
+    headers = dict(spec.headers)
+    if content_type is not None and "content-type" not in {k.lower() for k in headers}:
+        headers["Content-Type"] = content_type
+    async with client.stream(spec.method, spec.url, headers=headers, content=body) as resp:
+        return resp, await _read_body(resp)
 
 
 def _charset(content_type: str) -> str:
@@ -394,11 +338,11 @@ def _charset(content_type: str) -> str:
     return "utf-8"
 
 
-def _text(resp: _Response) -> str:
+def _text(resp: httpx.Response, body: bytes) -> str:
     try:
-        return resp.body.decode(_charset(resp.headers.get("content-type", "")), "replace")
+        return body.decode(_charset(resp.headers.get("content-type", "")), "replace")
     except LookupError:  # an unknown charset name
-        return resp.body.decode("utf-8", "replace")
+        return body.decode("utf-8", "replace")
 
 
 def _retry_after(value: str | None) -> float | None:
@@ -418,47 +362,72 @@ def _retry_after(value: str | None) -> float | None:
     return max(0.0, seconds) if math.isfinite(seconds) else None
 
 
+def _causes(e: BaseException) -> list[BaseException]:
+    """``e`` and what it was raised from (httpx wraps the OS's error twice)."""
+    out: list[BaseException] = []
+    while e is not None and e not in out:
+        out.append(e)
+        e = e.__cause__ or e.__context__
+    return out
+
+
 def _connection_reason(e: BaseException) -> str:
-    if isinstance(e, ConnectionRefusedError):
-        return "connection refused"
-    if isinstance(e, ConnectionResetError):
-        return "connection reset"
-    if isinstance(e, asyncio.IncompleteReadError):
-        return "connection closed before the response ended"
-    if isinstance(e, ssl.SSLError):
-        return f"TLS error: {_one_line(str(e), 200)}"
-    if isinstance(e, OSError) and e.strerror:
-        return f"connection error: {_one_line(e.strerror, 200)}"
+    for c in _causes(e):
+        if isinstance(c, ConnectionRefusedError):
+            return "connection refused"
+        if isinstance(c, ConnectionResetError):
+            return "connection reset"
+        if isinstance(c, ssl.SSLError):
+            return f"TLS error: {_one_line(str(c), 200)}"
+    for c in _causes(e):
+        if isinstance(c, OSError) and c.strerror:
+            return f"connection error: {_one_line(c.strerror, 200)}"
     return f"connection error: {_one_line(str(e) or type(e).__name__, 200)}"
 
 
-async def _http_attempt(spec: HttpSpec) -> Outcome | _Retry:
+def _closed_early(e: httpx.RemoteProtocolError) -> bool:
+    """A server that hung up (worth a retry), as opposed to one that sent bytes that are
+    not HTTP (not worth one)."""
+    msg = str(e).lower()
+    return any(w in msg for w in ("disconnected", "peer closed", "incomplete", "closed"))
+
+
+async def _http_attempt(client: httpx.AsyncClient, spec: HttpSpec) -> Outcome | _Retry:
     try:
-        resp = await _http_request(spec)
-    except ssl.SSLCertVerificationError as e:
-        # Deterministic: the same certificate fails the same way on every retry.
-        return Outcome(ok=False, reason=f"TLS error: {_one_line(str(e), 200)}")
-    except (OSError, asyncio.IncompleteReadError) as e:
+        resp, body = await _http_request(client, spec)
+    except httpx.ConnectError as e:
+        if any(isinstance(c, ssl.SSLCertVerificationError) for c in _causes(e)):
+            # Deterministic: the same certificate fails the same way on every retry.
+            return Outcome(ok=False, reason=_connection_reason(e))
+        return _Retry(_connection_reason(e))
+    except httpx.RemoteProtocolError as e:
+        if _closed_early(e):
+            return _Retry("connection closed before the response ended")
+        return Outcome(ok=False, reason=f"bad response: {_one_line(str(e), 200)}")
+    except httpx.ProxyError as e:
+        return _Retry(f"proxy error: {_one_line(str(e), 200)}")
+    except (httpx.NetworkError, OSError) as e:  # reset, or closed, mid-exchange
         return _Retry(_connection_reason(e))
     except _BadResponse as e:
         return Outcome(ok=False, reason=f"bad response: {e}")
-    except asyncio.LimitOverrunError:
-        return Outcome(ok=False, reason=f"bad response: a line over {_MAX_HEAD} bytes")
+    except httpx.DecodingError as e:
+        return Outcome(ok=False, reason=f"bad response: {_one_line(str(e), 200)}")
     except Exception as e:  # anything unforeseen is a failed call, not a dispatcher crash
         msg = _one_line(str(e), 200)
         return Outcome(ok=False, reason=f"request failed: {type(e).__name__}"
                        + (f": {msg}" if msg else ""))
-    status = resp.status
+    status = resp.status_code
     if 200 <= status < 300:
-        text = _text(resp)
+        text = _text(resp, body)
         value: Any = text
         if "json" in resp.headers.get("content-type", "").lower():
             try:
                 value = jsonlib.loads(text)
             except ValueError:
                 value = text  # labelled JSON but is not: hand over the text as is
-        return Outcome(ok=True, value=value, detail={"status": status})
-    detail = {"status": status, "body": _text(resp)[:_BODY_CHARS]}
+        return Outcome(ok=True, value=value,
+                       detail={"status": status, "http_version": resp.http_version})
+    detail = {"status": status, "body": _text(resp, body)[:_BODY_CHARS]}
     if status == 429 or status >= 500:
         return _Retry(f"HTTP {status}", _retry_after(resp.headers.get("retry-after")), detail)
     return Outcome(ok=False, reason=f"HTTP {status}", detail=detail)
@@ -489,7 +458,7 @@ class _Progress:
 
 async def _attempts(target: HttpSpec | Callable[[], Awaitable[Any]], retry: RetryPolicy,
                     rng: random.Random, before_retry: Callable[[], Awaitable[None]] | None,
-                    progress: _Progress) -> Outcome:
+                    progress: _Progress, client: httpx.AsyncClient | None) -> Outcome:
     wait = 0.0
     for attempt in range(1, retry.max_attempts + 1):
         if attempt > 1:
@@ -500,7 +469,7 @@ async def _attempts(target: HttpSpec | Callable[[], Awaitable[Any]], retry: Retr
                 await before_retry()
         progress.attempts = attempt
         if isinstance(target, HttpSpec):
-            result = await _http_attempt(target)
+            result = await _http_attempt(client, target)
         else:
             result = await _callable_attempt(target)
         if isinstance(result, Outcome):
@@ -519,6 +488,7 @@ async def call_api(
     target: HttpSpec | Callable[[], Awaitable[Any]], *, timeout_s: float,
     retry: RetryPolicy = RetryPolicy(), rng: random.Random | None = None,  # noqa: B008 -- frozen
     before_retry: Callable[[], Awaitable[None]] | None = None,
+    client: httpx.AsyncClient | None = None,
 ) -> Outcome:
     """Perform one API call, retrying what is worth retrying, within ``timeout_s``.
 
@@ -534,15 +504,18 @@ async def call_api(
             ``attempts - 1`` times); the dispatcher waits there until the endpoint's
             buckets allow another request and takes it. Its exceptions propagate; the
             timeout may cancel it.
+        client: the pooled client for an :class:`HttpSpec` (see :func:`make_client`;
+            default: one made for this call and closed after it).
 
     Returns:
         ``Outcome(ok=True, value=..., attempts=n)``; for HTTP ``value`` is the parsed
         JSON body when the response says JSON, else the text, and ``detail`` is
-        ``{"status": code}``. Failures: ``"HTTP 404"`` (other 4xx and 3xx, at once, with
-        ``detail`` status and the first 500 characters of the body), ``"HTTP 503 after 4
-        attempts"``, ``"connection refused after 4 attempts"``, ``"<Exception>:
-        <message>"`` for a callable's non-retryable exception, ``"timeout after 2 s"``
-        (``detail["last_error"]`` if an attempt had failed before).
+        ``{"status": code, "http_version": "HTTP/1.1" or "HTTP/2"}``. Failures: ``"HTTP
+        404"`` (other 4xx and 3xx, at once, with ``detail`` status and the first 500
+        characters of the body), ``"HTTP 503 after 4 attempts"``, ``"connection refused
+        after 4 attempts"``, ``"<Exception>: <message>"`` for a callable's non-retryable
+        exception, ``"timeout after 2 s"`` (``detail["last_error"]`` if an attempt had
+        failed before).
 
     Raises:
         asyncio.CancelledError: when the caller is cancelled (the connection is closed).
@@ -551,8 +524,9 @@ async def call_api(
     if not timeout_s > 0:  # also rejects NaN
         raise ValueError(f"timeout_s: must be > 0 (got {timeout_s!r})")
     progress = _Progress()
+    own = make_client() if isinstance(target, HttpSpec) and client is None else None
     run = _attempts(target, retry, rng if rng is not None else random.Random(),
-                    before_retry, progress)
+                    before_retry, progress, client or own)
     try:
         # wait_for (not asyncio.timeout) keeps Python 3.10 working. The attempts run as
         # their own task; only this wait_for's expiry raises TimeoutError here, because
@@ -563,6 +537,9 @@ async def call_api(
         detail = {"last_error": progress.last_error} if progress.last_error else {}
         return Outcome(ok=False, reason=f"timeout after {timeout_s:g} s",
                        attempts=progress.attempts, detail=detail)
+    finally:
+        if own is not None:
+            await own.aclose()
 
 
-__all__ = ["HttpSpec", "RetryPolicy", "RetryableError", "call_api"]
+__all__ = ["HttpSpec", "RetryPolicy", "RetryableError", "call_api", "make_client", "warm_up"]

@@ -14,13 +14,12 @@ work, such as a service's forward pass, runs in a worker thread) and report back
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import os
 import shutil
+import sqlite3
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -33,13 +32,13 @@ from metasched.core.actions import Action, ActionSpec, Grant, Trajectory
 from metasched.core.cluster_config import ClusterConfig
 from metasched.core.cost_model import CostModel
 from metasched.core.guard import WaitGuard
-from metasched.core.metrics import Recorder, RunResult
+from metasched.core.metrics import Recorder, Ring, RunResult
 from metasched.core.observation import ObsConfig, ObservationEncoder
 from metasched.core.pools import EndpointSpec, ServiceSpec
 from metasched.core.scheduler import Scheduler
 from metasched.core.state import ClusterState, InvalidGrant
 from metasched.errors import ConfigError
-from metasched.runtime.api_calls import RetryPolicy, call_api
+from metasched.runtime.api_calls import RetryPolicy, call_api, make_client, warm_up
 from metasched.runtime.gpu import (
     GpuSampler,
     LiveService,
@@ -48,8 +47,10 @@ from metasched.runtime.gpu import (
     discover_devices,
 )
 from metasched.runtime.journal import Journal
+from metasched.runtime.journal_docs import StoredRequest, compacted, store
 from metasched.runtime.machine import (
     MachineMonitor,
+    check_workdir,
     default_workdir,
     memory_gb,
     usable_cores,
@@ -83,6 +84,10 @@ class DispatcherConfig:
         journal_delay_s: how long starts and results may wait to be journaled with
             others (one commit for many); accepted requests are journaled at the end of
             the loop turn that accepted them, before they are queued.
+        journal_env: also store requests' ``env`` values in the journal (default: only
+            their names, and a digest of the request). A request recovered after a
+            restart whose env was not stored waits for its resubmission (same id, same
+            request), which brings the values back, instead of running without them.
         max_wait_s: the core's starvation guard (None: off).
         cost_alpha, default_est_s: the online cost model (see ``CostModel``).
         estimates: what the scheduler sees as an action's estimate: ``"online"`` (the
@@ -98,12 +103,14 @@ class DispatcherConfig:
         workdir: where commands' temporary working directories are made (None: the
             tmpfs ``/dev/shm`` when writable, else the system temporary directory; a
             directory costs ~10 µs to make and remove on tmpfs, ~100-800 µs on a disk,
-            which bounds the rate of short actions; files written there use memory).
+            which bounds the rate of short actions; files written there use memory). A
+            directory that is missing or not writable is a ConfigError at construction.
         tail_bytes: how much of a command's stdout / stderr results keep.
         sample_interval_s: how often psutil / NVML are sampled.
         metrics_window: per-action measurements kept for the results (ACT percentiles):
-            the most recent this many (about 250 bytes each); counts, utilisation and
-            failure reasons always cover every action. None: keep all.
+            the most recent this many (about 45 bytes each); counts, utilisation and
+            failure reasons always cover every action. None: keep all (memory grows
+            with every action).
         trajectory_idle_s: a trajectory with nothing queued or running for this long is
             closed (its held cores return), in case its reward action never comes.
         task_demand: expected work per pool and task, in estimate-seconds, in the form
@@ -122,6 +129,7 @@ class DispatcherConfig:
     journal: str | Path | None = None
     fsync: bool = False
     journal_delay_s: float = 0.005
+    journal_env: bool = False
     max_wait_s: float | None = 300.0
     cost_alpha: float = 0.3
     default_est_s: float = 1.0
@@ -131,7 +139,7 @@ class DispatcherConfig:
     workdir: str | None = None
     tail_bytes: int = 4096
     sample_interval_s: float = 1.0
-    metrics_window: int | None = 1_000_000
+    metrics_window: int | None = 100_000
     trajectory_idle_s: float = 3600.0
     task_demand: dict[str, dict[str, float]] = field(default_factory=dict)
 
@@ -197,8 +205,11 @@ class Dispatcher:
         if cfg.estimates not in ("online", "request"):
             raise ConfigError("estimates", f"must be online or request (got {cfg.estimates!r})")
         self._request_estimates = cfg.estimates == "request"
+        self.workdir = (check_workdir(cfg.workdir) if cfg.workdir is not None
+                        else default_workdir())
+        # Last: it takes the journal's lock (a second dispatcher fails here, before it
+        # could touch the first one's commands).
         self.journal = Journal(cfg.journal, fsync=cfg.fsync) if cfg.journal else None
-        self.workdir = cfg.workdir if cfg.workdir is not None else default_workdir()
         self._clock = clock
         self._t0 = clock()
         self._wall0 = time.time()
@@ -207,6 +218,8 @@ class Dispatcher:
         self.fallback_reason = ""
         self.encoder: ObservationEncoder | None = None
         self._jobs: dict[str, _Job] = {}  # by request id, until finished
+        # Recovered requests whose env was not journaled, by id, until resubmitted.
+        self._held: dict[str, tuple[StoredRequest, int]] = {}
         self._by_action: dict[int, _Job] = {}
         self._trajs: dict[str, Trajectory] = {}
         self._traj_live: dict[int, int] = {}  # trajectory id -> actions queued or running
@@ -242,7 +255,8 @@ class Dispatcher:
                 self.cgroup = cg
             else:
                 log.warning("cgroup confinement off: %s (commands are pinned by affinity)", why)
-        self.latency_ns: deque[int] = deque(maxlen=200_000)
+        self._http = None  # the pooled HTTP client of API calls (see start)
+        self.latency_ns = Ring(200_000, "q")  # the last decisions' latencies, unboxed
         self.n_decisions = 0
         self.n_rejected = 0
         self._ticker: asyncio.Task | None = None
@@ -260,8 +274,22 @@ class Dispatcher:
         """Load the scheduler, recover the journal, start sampling."""
         self._loop = asyncio.get_running_loop()
         self.scheduler = self._load_scheduler()
+        endpoints = self.state.api.endpoints.values()
+        if endpoints:
+            # One pooled client for every API call (connections are reused), made now
+            # with what its first call would load: the first call must not start later
+            # than the quota allows (the CA store, the transport's imports: ~0.1 s).
+            self._http = make_client(
+                max_keepalive=max(1, sum(ep.spec.max_concurrency for ep in endpoints)))
+            await warm_up()
         if self.journal is not None:
-            self._recover()
+            try:
+                self._recover()
+            except sqlite3.DatabaseError as e:  # damage the open-time checks cannot see
+                self.journal.close()
+                raise ConfigError("journal", f"{self.journal.path}: unreadable ({e}); "
+                                  f"restore it from a copy, or move it aside to start a "
+                                  f"new journal") from None
         self._ticker = asyncio.create_task(self._tick())
         self._kick()
 
@@ -298,11 +326,18 @@ class Dispatcher:
                 job.future.cancel()
         if self.gpu_sampler is not None:
             self.gpu_sampler.close()
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
         if self.journal is not None:
             if self._flush_timer is not None:
                 self._flush_timer.cancel()
             self.flush()
             self.journal.close()
+        if self._held:
+            log.warning("%d requests recovered from the journal were not resubmitted: "
+                        "their env was not stored (journal_env=false), so they wait, "
+                        "unfinished, for their resubmission", len(self._held))
 
     def _load_scheduler(self) -> Scheduler:
         from metasched.agents import make_scheduler
@@ -366,15 +401,24 @@ class Dispatcher:
             except (psutil.Error, OSError):
                 pass
         for key, text, attempts in self.journal.unfinished():
-            doc = json.loads(text)
-            queued_at = float(doc["queued_at"])
-            future = self._loop.create_future()
             try:
-                req = self._check(parse_request(doc["request"], f"journal:{key}"))
+                stored = StoredRequest.parse(text)
+            except ValueError:
+                stored = StoredRequest(time.time(), "", None)
+            if stored.env_withheld:  # runs once resubmitted with its env (see accept)
+                self._held[key] = (stored, attempts)
+                continue
+            queued_at = stored.queued_at
+            future = self._loop.create_future()
+            doc = stored.request or {}
+            try:
+                if stored.request is None:
+                    raise ConfigError(f"journal:{key}", "unreadable in the journal")
+                req = self._check(parse_request(doc, f"journal:{key}"))
             except ConfigError as e:
                 why = ("not replayable after a restart (an api call given as a Python "
-                       "callable): resubmit it" if doc["request"].get("kind") == "api"
-                       and "http" not in doc["request"] else f"cannot run here: {e}")
+                       "callable): resubmit it" if doc.get("kind") == "api"
+                       and "http" not in doc else f"cannot run here: {e}")
                 job = _Job(Request(kind="cpu", timeout_s=1.0, id=key), future, queued_at,
                            attempts)
                 self._jobs[key] = job
@@ -413,24 +457,37 @@ class Dispatcher:
         at the end of the turn and queued once it is done (``await enqueue()`` waits for
         that); the scheduler then sees them all at once, as the simulator does actions
         that arrive at the same instant. A request whose id was accepted before gets
-        that request's future (or its stored result): ids are idempotency keys."""
+        that request's future (or its stored result): ids are idempotency keys. The
+        same id with a different request is rejected (it would be answered with the
+        other's result)."""
         loop = self._loop or asyncio.get_running_loop()
         future: asyncio.Future[Result] = loop.create_future()
         now_wall = self._wall0 + self._now()  # the dispatcher's clock, as wall time
         try:
             if self._closed or self._loop is None:
                 raise ConfigError("dispatcher", "not running (use `async with Dispatcher()`)")
-            req = request if isinstance(request, Request) else parse_request(request, call=call)
-            req = self._check(req)
+            submitted = (request if isinstance(request, Request)
+                         else parse_request(request, call=call))
+            req = self._check(submitted)
+            known = self._jobs.get(req.id)
+            if known is not None:
+                if not _same_request(known.request, req):
+                    raise ConfigError("id", _taken(req.id))
+                return known.future
+            if self.journal is not None:
+                try:
+                    doc, digest = store(req, submitted, now_wall,
+                                        keep_env=self.config.journal_env)
+                except ValueError as e:  # e.g. a Python object as a payload
+                    raise ConfigError("payload", f"cannot be journaled: {e}") from None
+                if req.id in self._held:
+                    return self._resubmitted(req, digest, future)
         except ConfigError as e:
             rid = request.get("id") if isinstance(request, Mapping) else getattr(request, "id", "")
             self.n_rejected += 1
             future.set_result(Result(str(rid or ""), REJECTED, str(e), queued_at=now_wall,
                                      finished_at=now_wall))
             return future
-        known = self._jobs.get(req.id)
-        if known is not None:
-            return known.future
         job = _Job(req, future, now_wall)
         if self.journal is None:
             self._enqueue(job)
@@ -438,13 +495,39 @@ class Dispatcher:
         # Group commit: journaled with everything else of this loop turn, and queued
         # only once that is durable (``flush`` forces it now).
         self._jobs[req.id] = job
-        doc = json.dumps({"queued_at": now_wall, "request": req.to_dict()},
-                         separators=(",", ":"))
-        self._to_queue.append((job, doc))
+        self._to_queue.append((job, doc, digest))
         if not self._flush_pending:
             self._flush_pending = True
             loop.call_soon(self.flush)
         return future
+
+    def _resubmitted(self, req: Request, digest: str, future: asyncio.Future[Result]
+                     ) -> asyncio.Future[Result]:
+        """A recovered request whose env was not journaled, given again: it runs now,
+        with its env, as the attempt its journal row counts (ConfigError if it is not the
+        request the journal holds)."""
+        stored, attempts = self._held[req.id]
+        if stored.digest != digest:
+            raise ConfigError("id", _taken(req.id))
+        del self._held[req.id]
+        self._enqueue(_Job(req, future, stored.queued_at, attempts))
+        return future
+
+    @property
+    def awaiting_resubmission(self) -> list[str]:
+        """Ids recovered from the journal that wait for their resubmission: their env
+        was not stored (``journal_env`` off), so they cannot run as they were given."""
+        return list(self._held)
+
+    def compact_journal(self, older_than_s: float, *, vacuum: bool = False) -> int:
+        """Drop the output (stdout, stderr, value) and the stored request of journal
+        rows finished more than ``older_than_s`` seconds ago, keeping their ids, digests
+        and outcomes: a resubmitted id is still checked and answered (without its
+        output). Returns how many rows were compacted (see :meth:`Journal.compact`)."""
+        if self.journal is None:
+            raise RuntimeError("this dispatcher has no journal")
+        self.flush()
+        return self.journal.compact(older_than_s, compacted, vacuum=vacuum)
 
     def flush(self) -> None:
         """Make every request accepted so far durable now (the journal's writes are
@@ -469,7 +552,7 @@ class Dispatcher:
         fresh: list[bool] = []
         try:
             with self.journal.batch():
-                for job, doc in accepted:
+                for job, doc, _ in accepted:
                     fresh.append(self.journal.accept(job.request.id, doc)[0])
                 skipped = self.journal.record(
                     [(key, *row) for key, row in starts.items()], finishes, both)
@@ -477,7 +560,7 @@ class Dispatcher:
                 log.warning("journal: %d start/finish writes named no unfinished request",
                             skipped)
         except Exception as e:  # noqa: BLE001 - e.g. a full disk: not accepted
-            for job, _ in accepted:
+            for job, _, _ in accepted:
                 self._jobs.pop(job.request.id, None)
                 self.n_rejected += 1
                 if not job.future.done():
@@ -487,16 +570,33 @@ class Dispatcher:
             log.error("journal write failed: %s", e)
             return
         queued = False
-        for (job, _), new in zip(accepted, fresh, strict=True):
-            stored = None if new else self.journal.result(job.request.id)
-            if stored is None:
+        for (job, _, digest), new in zip(accepted, fresh, strict=True):
+            answer = None if new else self._stored_answer(job, digest)
+            if answer is None:
                 self._enqueue(job)
                 queued = True
             else:  # finished under an earlier dispatcher: its result stands
                 self._jobs.pop(job.request.id, None)
-                job.future.set_result(Result.from_json(stored))
+                job.future.set_result(answer)
         if queued:
             self._schedule()  # in this callback rather than one more loop callback later
+
+    def _stored_answer(self, job: _Job, digest: str) -> Result | None:
+        """The answer to a request whose id the journal already held: its stored result
+        if it finished and is the same request, a rejection if it is another request,
+        None if it is unfinished (it runs)."""
+        row = self.journal.row(job.request.id)
+        if row is None or row[2] is None:
+            return None
+        try:
+            same = StoredRequest.parse(row[0]).digest == digest
+        except ValueError:
+            same = False
+        if same:
+            return Result.from_json(row[2])
+        self.n_rejected += 1
+        return Result(job.request.id, REJECTED, str(ConfigError("id", _taken(job.request.id))),
+                      queued_at=job.queued_at, finished_at=job.queued_at)
 
     def _journal_start(self, key: str, pid: int | None, attempt: int) -> None:
         """Journal a start (with its process group, if any) in the next group commit."""
@@ -535,6 +635,10 @@ class Dispatcher:
             if req.min_cores > node:
                 raise ConfigError("min_cores", f"{req.min_cores} cores asked, this dispatcher "
                                   f"has {node}")
+            ram_mb = self.cluster.mem_gb_per_node * 1e9 / 2**20
+            if req.mem_limit_mb is not None and req.mem_limit_mb > ram_mb:
+                raise ConfigError("mem_limit_mb", f"must be <= {ram_mb:.0f} (MiB: this "
+                                  f"machine's memory; got {req.mem_limit_mb:g})")
         elif req.kind == "gpu":
             if not self.devices:
                 raise ConfigError("kind", f"gpu request, but {self.no_gpu_reason or 'no GPU'}")
@@ -793,7 +897,8 @@ class Dispatcher:
         req = job.request
         out = await call_api(req.http if req.call is None else req.call,
                              timeout_s=req.timeout_s, retry=self.config.retry,
-                             before_retry=lambda: self._quota_for_retry(req))
+                             before_retry=lambda: self._quota_for_retry(req),
+                             client=self._http)
         self._complete(job, out)
 
     async def _quota_for_retry(self, req: Request) -> None:
@@ -884,7 +989,7 @@ class Dispatcher:
     def stats(self) -> dict[str, Any]:
         """Counters, decision latency percentiles (µs) and measured utilisation."""
         s = self.state
-        lat = np.array(self.latency_ns, dtype=float) / 1e3
+        lat = self.latency_ns.array(float) / 1e3
         pct = ({f"p{q}": float(np.percentile(lat, q)) for q in (50, 90, 99)} if lat.size
                else {})
         return {"scheduler": self.scheduler.name if self.scheduler else None,
@@ -893,6 +998,7 @@ class Dispatcher:
                 "queued": s.n_pending, "running": s.n_running,
                 "decisions": self.n_decisions, "grants": s.n_grants,
                 "guard_fired": self.guard.fired, "decision_latency_us": pct,
+                "awaiting_resubmission": len(self._held),
                 "measured_utilisation": self.monitor.summary()}
 
     def run_result(self) -> RunResult:
@@ -910,6 +1016,21 @@ class Dispatcher:
                         "api": float(s.api.total)},
             sum(e.spec.rpm / 60.0 for e in eps), sum(e.spec.req_capacity for e in eps), s.t,
             counters)
+
+
+def _taken(rid: str) -> str:
+    """Why a request is rejected whose id belongs to another request."""
+    return (f"{rid!r} was accepted before with a different request; give this one another "
+            f"id (or, to start over, use a new journal)")
+
+
+def _same_request(a: Request, b: Request) -> bool:
+    """Whether two requests under one id are the same (payloads that cannot be
+    compared, e.g. arrays, are taken as equal)."""
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError):
+        return True
 
 
 __all__ = ["COMMAND_SERVICE", "Dispatcher", "DispatcherConfig"]

@@ -19,19 +19,40 @@ calls it there; each call is tens of microseconds, too short to be worth a threa
 Another thread or process that wants to read may open its own Journal on the same file
 (WAL lets readers run alongside the one writer).
 
-Rows are never deleted (``seq`` is the rowid, so it would otherwise be reusable); the
-file grows by roughly the size of each request and result.
+One writer: a Journal opened for writing (``lock=True``, the default) holds an exclusive
+``flock`` on ``<path>.lock`` beside the file until it is closed (or its process dies:
+the kernel drops the lock, so a kill -9 leaves no stale lock). A second writer fails at
+once with the holder's pid. Readers (``lock=False``) may open it alongside.
+
+Permissions: the file, its ``-wal`` / ``-shm`` files (SQLite gives them the file's mode)
+and the lock file are readable and writable by their owner only (0600): requests carry
+commands and their results carry output.
+
+Bad files are refused with one line naming the file (:class:`ConfigError`, field
+``journal``): one that is not SQLite, an SQLite file that is not a journal, another
+schema version, a file shorter than its own header says (truncated), and a 0-byte file
+(an empty file is not taken for a new journal: a journal is never empty, so it was
+truncated or is not one). Damage found later, while reading, is reported the same way.
+
+Rows are never deleted (``seq`` is the rowid, so it would otherwise be reusable): a
+finished id must stay known so that a resubmission is answered, not run again. The file
+grows by roughly the size of each request and result; :meth:`Journal.compact` shrinks
+the stored texts of old finished rows, keeping their ids.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import sqlite3
+import stat
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
+
+from metasched.errors import ConfigError
 
 SCHEMA_VERSION = 1
 STATES = ("queued", "running", "finished")
@@ -71,6 +92,105 @@ _UNFINISHED = ("SELECT key, request, attempts FROM requests WHERE state != 'fini
 _ORPHANS = ("SELECT key, pid FROM requests WHERE state = 'running' AND pid IS NOT NULL "
             "ORDER BY seq")
 _COUNTS = "SELECT state, count(*) FROM requests GROUP BY state"
+_ROW = "SELECT request, state, result FROM requests WHERE key = ?"
+_OLD_FINISHED = ("SELECT seq, request, result FROM requests WHERE state = 'finished' "
+                 "AND finished_at < ? AND seq > ? ORDER BY seq LIMIT ?")
+_SHRINK = "UPDATE requests SET request = ?, result = ? WHERE seq = ?"
+
+_MODE = 0o600  # the journal's files: owner only
+_HEADER = b"SQLite format 3\x00"
+
+
+def _bad(path: Path, problem: str) -> ConfigError:
+    return ConfigError("journal", f"{path}: {problem}")
+
+
+def _header_problem(path: Path) -> str | None:
+    """Why the file at ``path`` cannot be a journal, judged from its size and header
+    alone (None: it may be one)."""
+    size = path.stat().st_size
+    if size == 0:
+        wal = Path(f"{path}-wal")
+        if wal.exists() and wal.stat().st_size > 0:
+            return None  # everything is still in the WAL: SQLite reads it from there
+        return ("empty (0 bytes): not a journal (a journal is never empty: was it "
+                "truncated?); delete it or move it aside to start a new journal")
+    with open(path, "rb") as f:
+        head = f.read(100)
+    if not head.startswith(_HEADER):
+        return ("not an SQLite file, so not a journal; move it aside or choose another "
+                "journal path")
+    if len(head) == 100:
+        page = int.from_bytes(head[16:18], "big")
+        page = 65536 if page == 1 else page
+        pages = int.from_bytes(head[28:32], "big")
+        # The page count is trusted only while its "valid for" counter matches the
+        # change counter (SQLite's own rule).
+        if head[24:28] == head[92:96] and pages and size < pages * page:
+            return (f"truncated ({size} bytes; its header says {pages * page}); restore it "
+                    f"from a copy, or move it aside to start a new journal")
+    return None
+
+
+def _owner_only(path: Path) -> None:
+    """Make ``path`` (if it exists and is ours) readable by its owner only."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return
+    if st.st_mode & 0o077 and st.st_uid == os.geteuid():
+        os.chmod(path, stat.S_IMODE(st.st_mode) & ~0o077)
+
+
+def _create(path: Path) -> None:
+    """A new, empty journal at ``path``, made under another name and renamed into place,
+    so that no one ever sees a half-made (0-byte) journal there. Made 0600: SQLite gives
+    the ``-wal`` and ``-shm`` files the same mode."""
+    tmp = path.with_name(f".{path.name}.new-{os.getpid()}")
+    try:
+        os.close(os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, _MODE))
+        db = sqlite3.connect(tmp, isolation_level=None)
+        try:
+            db.execute(_SCHEMA)
+            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            db.execute("PRAGMA journal_mode = WAL")  # kept in the file's header
+        finally:
+            db.close()  # the last connection: SQLite removes the -wal and -shm files
+        os.rename(tmp, path)
+    except BaseException:
+        for p in (tmp, Path(f"{tmp}-wal"), Path(f"{tmp}-shm")):
+            p.unlink(missing_ok=True)
+        raise
+
+
+class JournalLocked(ConfigError):
+    """Another process holds the journal (its pid in :attr:`holder`, 0 if unknown)."""
+
+    def __init__(self, path: Path, holder: int) -> None:
+        who = f"pid {holder}" if holder else "another process"
+        super().__init__("journal", f"{path} is in use by another dispatcher ({who}); stop "
+                         f"it first, or choose another journal")
+        self.holder = holder
+
+
+def _lock(path: Path) -> int:
+    """Take the exclusive lock on ``<path>.lock`` (made 0600) and write this process's
+    pid into it; returns the lock's descriptor (not inherited by children)."""
+    lock = Path(f"{path}.lock")
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, _MODE)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            raise JournalLocked(path, int(text) if text.isdigit() else 0) from None
+        _owner_only(lock)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 class Journal:
@@ -78,28 +198,70 @@ class Journal:
 
     Args:
         path: the SQLite file. SQLite also keeps ``<path>-wal`` and ``<path>-shm`` next
-            to it while open; move or delete the three together.
+            to it while open, and the writer ``<path>.lock``; move or delete them
+            together.
         fsync: durable against power loss too (``synchronous=FULL``), not only against
             a crash of the process (``synchronous=NORMAL``).
+        lock: hold the journal exclusively while open (the default: a dispatcher's
+            journal has one writer). ``False`` for a reader beside a live dispatcher (a
+            reader does not create a missing journal).
 
     Raises:
-        ValueError: the file is not a journal this version can read (another schema
-            version, or not a metasched journal at all), with what to do.
+        ConfigError: (a ValueError, field ``journal``) the file is not a journal this
+            version can read (see the module docstring), or another process holds it
+            (:class:`JournalLocked`), with what to do.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, fsync: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, fsync: bool = False,
+                 lock: bool = True) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise _bad(self.path, f"cannot make its directory ({e.strerror or e})") from None
+        self._lock_fd = -1
+        if lock:  # first: no other writer can be creating or changing the file now
+            try:
+                self._lock_fd = _lock(self.path)
+            except OSError as e:
+                raise _bad(self.path, f"cannot lock it ({e.strerror or e})") from None
+        try:
+            self._open(fsync)
+        except BaseException:
+            self._unlock()
+            raise
+        self._x = self._db.execute  # bound once: saves an attribute lookup per call
+
+    def _open(self, fsync: bool) -> None:
+        path = self.path
+        try:
+            if path.exists():
+                if path.is_dir():
+                    raise _bad(path, "is a directory; give a file path")
+                problem = _header_problem(path)
+                if problem is not None:
+                    raise _bad(path, problem)
+                for p in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
+                    _owner_only(p)
+            elif self._lock_fd < 0:
+                raise _bad(path, "no such journal (a reader does not create one)")
+            else:
+                _create(path)
+        except OSError as e:
+            raise _bad(path, f"cannot open it ({e.strerror or e})") from None
         # isolation_level=None: autocommit. A single INSERT/UPDATE is then its own
         # transaction, committed when execute() returns, without the implicit BEGIN and
         # the separate COMMIT call the default mode costs.
-        self._db = sqlite3.connect(self.path, isolation_level=None)
+        self._db = sqlite3.connect(path, isolation_level=None)
         try:
             self._setup(fsync)
+        except sqlite3.DatabaseError as e:
+            self._db.close()
+            raise _bad(path, f"unreadable ({e}); restore it from a copy, or move it aside "
+                       f"to start a new journal") from None
         except BaseException:
             self._db.close()
             raise
-        self._x = self._db.execute  # bound once: saves an attribute lookup per call
 
     def _setup(self, fsync: bool) -> None:
         db = self._db
@@ -114,22 +276,20 @@ class Journal:
             tables = [r[0] for r in db.execute(
                 "SELECT name FROM sqlite_master WHERE type = 'table'")]
         except sqlite3.DatabaseError as e:
-            raise ValueError(f"{self.path}: not a journal ({e}); move it aside or choose "
-                             f"another journal path") from None
+            raise _bad(self.path, f"not a journal ({e}); move it aside or choose another "
+                       f"journal path") from None
         try:
             if version == 0 and not tables:  # a new (empty) file
                 db.execute(_SCHEMA)
                 db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             elif version == 0:
-                raise ValueError(
-                    f"{self.path}: an SQLite file that is not a metasched journal (tables "
-                    f"{', '.join(tables[:5])}); choose another journal path")
+                raise _bad(self.path, f"an SQLite file that is not a metasched journal "
+                           f"(tables {', '.join(tables[:5])}); choose another journal path")
             elif version != SCHEMA_VERSION:
-                raise ValueError(
-                    f"{self.path}: journal schema version {version}, but this metasched "
-                    f"reads version {SCHEMA_VERSION}; finish its requests with the metasched "
-                    f"that wrote it, or move the file (with its -wal and -shm files) aside "
-                    f"to start a new journal")
+                raise _bad(self.path, f"journal schema version {version}, but this "
+                           f"metasched reads version {SCHEMA_VERSION}; finish its requests "
+                           f"with the metasched that wrote it, or move the file (with its "
+                           f"-wal and -shm files) aside to start a new journal")
             db.execute("COMMIT")
         except BaseException:
             db.execute("ROLLBACK")
@@ -138,8 +298,8 @@ class Journal:
         # a journal created by hand right too. It cannot change inside a transaction.
         mode = db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
         if mode.lower() != "wal":  # e.g. a file system without shared-memory support
-            raise ValueError(f"{self.path}: cannot use WAL mode (got {mode!r}); put the "
-                             f"journal on a local file system")
+            raise _bad(self.path, f"cannot use WAL mode (got {mode!r}); put the journal "
+                       f"on a local file system")
         db.execute(f"PRAGMA synchronous = {'FULL' if fsync else 'NORMAL'}")
 
     # --- writes (each committed before it returns) ----------------------------------
@@ -279,18 +439,63 @@ class Journal:
         crash, those groups may still be alive and should be killed before re-running."""
         return self._x(_ORPHANS).fetchall()
 
+    def row(self, key: str) -> tuple[str, str, str | None] | None:
+        """``(request, state, result)`` texts of ``key``'s row (result None until it
+        finished), or None for an unknown key."""
+        return self._x(_ROW, (key,)).fetchone()
+
     def counts(self) -> dict[str, int]:
         """Requests per state (every state present, zeros included). Scans the table."""
         out = dict.fromkeys(STATES, 0)
         out.update(self._x(_COUNTS).fetchall())
         return out
 
+    # --- upkeep -------------------------------------------------------------------------
+
+    def compact(self, older_than_s: float, shrink: Callable[[str, str], tuple[str, str]],
+                *, vacuum: bool = False, batch: int = 1000) -> int:
+        """Replace the texts of rows finished more than ``older_than_s`` seconds ago by
+        what ``shrink(request, result)`` returns (e.g. without the command's output),
+        keeping every row and so every id (a resubmitted id is still known). Space freed
+        inside the file is reused by later rows; ``vacuum`` also returns it to the file
+        system (rewrites the whole file: slow on a large journal).
+
+        Returns:
+            How many rows were rewritten (a row whose texts ``shrink`` leaves unchanged,
+            e.g. one compacted before, is not counted).
+        """
+        if not older_than_s >= 0:  # also rejects NaN
+            raise ValueError(f"older_than_s: must be >= 0 (got {older_than_s!r})")
+        before = time.time() - older_than_s
+        x, seq, n = self._x, 0, 0
+        while True:
+            rows = x(_OLD_FINISHED, (before, seq, batch)).fetchall()
+            if not rows:
+                break
+            changed = []
+            for seq, request, result in rows:
+                new = shrink(request, result)
+                if new != (request, result):
+                    changed.append((*new, seq))
+            with self.batch():  # one commit per batch: a long compaction stays interruptible
+                self._db.executemany(_SHRINK, changed)
+            n += len(changed)
+        if vacuum:
+            x("VACUUM")
+        return n
+
     # --- lifetime -----------------------------------------------------------------------
 
     def close(self) -> None:
-        """Close the file (idempotent). Nothing is lost by not calling it: every write
-        was committed when it returned."""
+        """Close the file and release the lock (idempotent). Nothing is lost by not
+        calling it: every write was committed when it returned."""
         self._db.close()
+        self._unlock()
+
+    def _unlock(self) -> None:
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = -1
 
     def __enter__(self) -> Journal:
         return self
@@ -300,4 +505,4 @@ class Journal:
         self.close()
 
 
-__all__ = ["Journal", "SCHEMA_VERSION", "STATES"]
+__all__ = ["Journal", "JournalLocked", "SCHEMA_VERSION", "STATES"]

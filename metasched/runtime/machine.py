@@ -11,9 +11,12 @@ utilisation reported beside the granted one.
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Sequence
 
 import psutil
+
+from metasched.errors import ConfigError
 
 
 def usable_cores() -> list[int]:
@@ -29,6 +32,22 @@ def default_workdir() -> str | None:
     are cheap to make and remove), else None (the system temporary directory)."""
     shm = "/dev/shm"
     return shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None
+
+
+def check_workdir(path: str | os.PathLike[str]) -> str:
+    """``path`` if commands' scratch directories can be made there (one is made and
+    removed to be sure: a read-only mount passes a permission check), else a one-line
+    :class:`ConfigError` naming ``workdir``."""
+    path = os.fspath(path)
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix="metasched-check-", dir=path))
+    except OSError as e:
+        why = e.strerror or str(e)
+        if isinstance(e, FileNotFoundError) and not os.path.exists(path):
+            why = "no such directory"
+        raise ConfigError("workdir", f"{path}: cannot make scratch directories there "
+                          f"({why})") from None
+    return path
 
 
 def memory_gb() -> float:
@@ -81,4 +100,4 @@ class MachineMonitor:
         return out
 
 
-__all__ = ["MachineMonitor", "default_workdir", "memory_gb", "usable_cores"]
+__all__ = ["MachineMonitor", "check_workdir", "default_workdir", "memory_gb", "usable_cores"]

@@ -3,25 +3,27 @@
 
 A request is one action. Fields every kind has:
 
-- ``kind``: ``"cpu"``, ``"gpu"`` or ``"api"``; ``timeout_s`` (> 0): the action is killed
-  (cpu), reported failed (gpu) or abandoned (api) this long after it starts.
-- ``id``: idempotency key (default: a fresh one). Submitting a key again returns the
-  first submission's result instead of running it twice.
+- ``kind``: ``"cpu"``, ``"gpu"`` or ``"api"``; ``timeout_s`` (> 0, at most 30 days): the
+  action is killed (cpu), reported failed (gpu) or abandoned (api) this long after it
+  starts.
+- ``id``: idempotency key (default: a fresh one). Submitting a key again with the same
+  request returns the first submission's result instead of running it twice; with a
+  different request it is rejected.
 - ``task``, ``name``: the task and the action type within it (``name`` defaults to the
   command's basename, the service or the endpoint); ``kind:task:name`` is the action's
   signature in the online cost model.
-- ``trajectory``, ``turn``, ``reward``: the trajectory the action belongs to, its turn,
-  and whether it is the trajectory's last (reward) action; the scheduler sees
-  trajectories as in simulation.
-- ``est_s``: the caller's estimate of the run time (one core, or one request alone),
-  used until the cost model has measured the signature.
+- ``trajectory``, ``turn`` (at most 1,000,000), ``reward``: the trajectory the action
+  belongs to, its turn, and whether it is the trajectory's last (reward) action; the
+  scheduler sees trajectories as in simulation.
+- ``est_s``: the caller's estimate of the run time (one core, or one request alone; at
+  most 30 days), used until the cost model has measured the signature.
 
 Per kind:
 
 - cpu: ``argv`` (list of strings, run without a shell), ``env`` (mapping; default: the
   dispatcher's environment), ``min_cores`` / ``max_cores``, ``parallel_fraction``
-  (Amdahl p, what the scheduler assumes about extra cores), ``mem_limit_mb``,
-  ``cpu_time_s``.
+  (Amdahl p, what the scheduler assumes about extra cores), ``mem_limit_mb`` (MiB; the
+  dispatcher rejects more than the machine's memory), ``cpu_time_s`` (at most 30 days).
 - gpu: ``service`` and ``payload`` (a registered service scores the payload), or
   ``argv`` (+ ``env``): a command that needs a device (it sees only its device through
   ``CUDA_VISIBLE_DEVICES``).
@@ -52,6 +54,11 @@ _BY_KIND = {
     "api": {"endpoint", "tokens", "http"},
 }
 _ALL = _COMMON.union(*_BY_KIND.values())
+
+# Upper bounds: a value past them is a mistake, not a plan (``mem_limit_mb`` is bounded
+# by the machine's memory, where the dispatcher knows it).
+MAX_SECONDS = 30 * 24 * 3600.0  # timeout_s, est_s, cpu_time_s: 30 days
+MAX_TURN = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -140,7 +147,7 @@ def parse_request(value: Any, loc: str = "request", *,
             raise ConfigError(str(at[key]), f"only {owner} requests have it (this is {kind})")
     rid = d.get("id")
     rid = uuid.uuid4().hex if rid is None else string(rid, at["id"])
-    timeout_s = number(required(d, "timeout_s", at), at["timeout_s"], lo=0.0, lo_open=True)
+    timeout_s = _seconds(required(d, "timeout_s", at), at["timeout_s"])
     # Absent optional fields take their defaults unchecked (one dict lookup each: this
     # runs for every request a dispatcher accepts).
     task = string(d["task"], at["task"]) if "task" in d else "default"
@@ -149,13 +156,17 @@ def parse_request(value: Any, loc: str = "request", *,
         if isinstance(trajectory, int) and not isinstance(trajectory, bool):
             trajectory = str(trajectory)
         trajectory = string(trajectory, at["trajectory"])
-    turn = number(d["turn"], at["turn"], lo=0, integer=True) if "turn" in d else 0
+    turn = 0
+    if "turn" in d:
+        turn = number(d["turn"], at["turn"], lo=0, integer=True)
+        if turn > MAX_TURN:
+            raise ConfigError(str(at["turn"]), f"must be <= {MAX_TURN} (got {short(d['turn'])})")
     reward = d.get("reward", False)
     if not isinstance(reward, bool):
         raise ConfigError(str(at["reward"]), f"must be true or false (got {short(reward)})")
     est_s = d.get("est_s")
     if est_s is not None:
-        est_s = number(est_s, at["est_s"], lo=0.0, lo_open=True)
+        est_s = _seconds(est_s, at["est_s"])
     kw: dict[str, Any] = {}
     if "argv" in d or kind == "cpu":
         kw["argv"] = _argv(required(d, "argv", at), at["argv"])
@@ -172,9 +183,11 @@ def parse_request(value: Any, loc: str = "request", *,
         if "parallel_fraction" in d:
             kw["parallel_fraction"] = number(d["parallel_fraction"], at["parallel_fraction"],
                                              lo=0.0, hi=1.0)
-        for key in ("mem_limit_mb", "cpu_time_s"):
-            if d.get(key) is not None:
-                kw[key] = number(d[key], at[key], lo=0.0, lo_open=True)
+        if d.get("mem_limit_mb") is not None:
+            kw["mem_limit_mb"] = number(d["mem_limit_mb"], at["mem_limit_mb"], lo=0.0,
+                                        lo_open=True)
+        if d.get("cpu_time_s") is not None:
+            kw["cpu_time_s"] = _seconds(d["cpu_time_s"], at["cpu_time_s"])
         default_name = os.path.basename(kw["argv"][0])
     elif kind == "gpu":
         if ("service" in d) == ("argv" in d):
@@ -208,6 +221,14 @@ def parse_request(value: Any, loc: str = "request", *,
     name = string(d["name"], at["name"]) if "name" in d else default_name
     return Request(kind=kind, timeout_s=timeout_s, id=rid, task=task, name=name,
                    trajectory=trajectory, turn=turn, reward=reward, est_s=est_s, **kw)
+
+
+def _seconds(value: Any, at: Field) -> float:
+    """A duration: > 0 and at most :data:`MAX_SECONDS`."""
+    v = number(value, at, lo=0.0, lo_open=True)
+    if v > MAX_SECONDS:
+        raise ConfigError(str(at), f"must be <= {MAX_SECONDS:.0f} (30 days; got {short(value)})")
+    return v
 
 
 def _argv(value: Any, at: Field) -> tuple[str, ...]:
@@ -292,4 +313,5 @@ class Result:
 
 _RESULT_FIELDS = tuple(f.name for f in fields(Result))
 
-__all__ = ["DONE", "FAILED", "REJECTED", "Request", "Result", "parse_request"]
+__all__ = ["DONE", "FAILED", "MAX_SECONDS", "MAX_TURN", "REJECTED", "Request", "Result",
+           "parse_request"]

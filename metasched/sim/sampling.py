@@ -61,6 +61,17 @@ class WorkloadInstance:
         return (sum(len(t.turns) for s in self.steps for t in s) + len(self.independent))
 
 
+def run_seed_sequences(seed: int) -> list[np.random.SeedSequence]:
+    """A run's two independent streams, derived from its seed: the workload instance's and
+    the scheduler's."""
+    return np.random.SeedSequence(seed).spawn(2)
+
+
+def workload_rng(seed: int) -> np.random.Generator:
+    """The generator a run of ``seed`` samples its workload instance from."""
+    return np.random.default_rng(run_seed_sequences(seed)[0])
+
+
 def split_counts(shares: list[float], n: int) -> list[int]:
     """Split ``n`` items by ``shares`` (largest remainder, ties to the first)."""
     total = sum(shares)

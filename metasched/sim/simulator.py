@@ -23,7 +23,12 @@ from metasched.core.guard import WaitGuard
 from metasched.core.metrics import RunResult
 from metasched.core.scheduler import Scheduler
 from metasched.core.state import ClusterState
-from metasched.sim.sampling import WorkloadInstance, sample_workload
+from metasched.sim.sampling import (
+    WorkloadInstance,
+    run_seed_sequences,
+    sample_workload,
+    workload_rng,
+)
 from metasched.sim.workload_config import WorkloadConfig
 
 # Event types, in the order events at the same instant are handled.
@@ -90,21 +95,20 @@ class Simulator:
         self.workload = workload
         self.cluster = cluster
         self.seed = seed
-        root = np.random.SeedSequence(seed)
-        wl_seq, self._sched_seq = root.spawn(2)
+        self._sched_seq = run_seed_sequences(seed)[1]
         if instance is None and workload.trace is not None:
             from metasched.sim.trace import read_trace
 
             instance = read_trace(workload.trace)
         self.instance = instance if instance is not None else sample_workload(
-            workload, np.random.default_rng(wl_seq))
+            workload, workload_rng(seed))
         self.state = ClusterState(cluster, workload.services, timeline_dt=timeline_dt)
         self.check_invariants = check_invariants
         self.cost_model = cost_model
         self._restore_s: dict[int, float] = {}  # gpu action id -> its batch's restore
         self._launch_s, self._launch_sigma = cluster.cpu_launch_s, cluster.cpu_launch_sigma
         # A third stream of the seed: the workload's and the scheduler's stay as they were.
-        self._launch_rng = np.random.default_rng(root.spawn(1)[0])
+        self._launch_rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(3)[2])
         self.guard = WaitGuard(max_wait_s)
         self.serve_stalled = serve_stalled or max_wait_s is not None
         self._deadline_at = -1.0  # the pending guard wake-up, if in the future

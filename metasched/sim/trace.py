@@ -19,8 +19,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from metasched.core.actions import KINDS, ActionSpec, SandboxSpec, Turn
 from metasched.core.cluster_config import ClusterConfig
 from metasched.core.pools import ServiceSpec
@@ -31,6 +29,7 @@ from metasched.sim.sampling import (
     TrajectorySpec,
     WorkloadInstance,
     sample_workload,
+    workload_rng,
 )
 from metasched.sim.workload_config import WorkloadConfig
 
@@ -296,9 +295,8 @@ def validate_against(instance: WorkloadInstance, workload_services: dict[str, Se
 def trace_from_workload(workload: WorkloadConfig, seed: int) -> WorkloadInstance:
     """The instance :class:`~metasched.sim.simulator.Simulator` samples for ``seed``.
 
-    Uses the simulator's derivation (the first of two children of
-    ``SeedSequence(seed)``), so ``write_trace(trace_from_workload(w, seed), p)`` records
-    exactly what ``Simulator(w, cluster, seed)`` would run.
+    Uses the simulator's derivation (``workload_rng(seed)``), so
+    ``write_trace(trace_from_workload(w, seed), p)`` records exactly what
+    ``Simulator(w, cluster, seed)`` would run.
     """
-    wl_seq, _ = np.random.SeedSequence(seed).spawn(2)
-    return sample_workload(workload, np.random.default_rng(wl_seq))
+    return sample_workload(workload, workload_rng(seed))

@@ -26,21 +26,33 @@ Z90, Z99 = 1.2815515655446004, 2.3263478740408408  # standard normal quantiles
 @dataclass(frozen=True, slots=True)
 class Dist:
     """A log-normal distribution given by its median and one upper quantile, clipped
-    to [lo, hi]. With no quantile it is the constant ``median``."""
+    to [lo, hi]. With no quantile it is the constant ``median``.
+
+    Given both a p90 and a p99, the tail above the p90 gets its own log-scale slope
+    (``tail_sigma``): the quantile function is log-linear in the standard normal score
+    with a kink at the p90, so the median, p90 and p99 all hold exactly. Measured action
+    times have tails far heavier than one log-normal through the median and p90 allows
+    (test runs: p90 2.6x the median, p99 155x).
+    """
 
     median: float
     sigma: float = 0.0
     lo: float = 0.0
     hi: float = math.inf
+    tail_sigma: float | None = None  # log-scale slope above the p90 (None: ``sigma``)
 
     def sample(self, rng, size: int | None = None):
         """Draw from the distribution with ``rng`` (a numpy Generator)."""
         import numpy as np
 
-        if self.sigma == 0.0:
+        if self.sigma == 0.0 and self.tail_sigma is None:
             x = np.full(size, self.median) if size is not None else self.median
         else:
-            x = self.median * np.exp(self.sigma * rng.standard_normal(size))
+            z = rng.standard_normal(size)
+            logx = self.sigma * z
+            if self.tail_sigma is not None:
+                logx = logx + (self.tail_sigma - self.sigma) * np.maximum(z - Z90, 0.0)
+            x = self.median * np.exp(logx)
         return np.clip(x, self.lo, self.hi) if size is not None else min(max(x, self.lo), self.hi)
 
 
@@ -92,7 +104,8 @@ class WorkloadConfig:
 
 
 def parse_dist(d: Any, path: str, *, positive: bool = True) -> Dist:
-    """``{median: m, p90|p99: q, min: lo, max: hi}`` or a plain number (a constant)."""
+    """``{median: m, p90: q, p99: q, min: lo, max: hi}`` (p90, p99 or both) or a plain
+    number (a constant)."""
     if isinstance(d, (int, float)) and not isinstance(d, bool):
         v = bounded(d, path, lo=0.0, lo_open=positive)
         return Dist(v, 0.0, v, v)
@@ -100,18 +113,24 @@ def parse_dist(d: Any, path: str, *, positive: bool = True) -> Dist:
         raise ConfigError(path, f"must be a number or a mapping with median/p90/p99 (got {d!r})")
     check_keys(d, {"median", "p90", "p99", "min", "max"}, path)
     median = bounded(get_key(d, "median", path), f"{path}.median", lo=0.0, lo_open=positive)
-    if "p90" in d and "p99" in d:
-        raise ConfigError(path, "give one of p90 or p99, not both")
     sigma = 0.0
-    for q, z in (("p90", Z90), ("p99", Z99)):
-        if q in d:
-            v = bounded(d[q], f"{path}.{q}", lo=median)
-            sigma = math.log(v / median) / z if median > 0 else 0.0
+    tail_sigma = None
+    if "p90" in d and "p99" in d:  # a body through the p90, its own tail to the p99
+        p90 = bounded(d["p90"], f"{path}.p90", lo=median)
+        p99 = bounded(d["p99"], f"{path}.p99", lo=p90)
+        if median > 0:
+            sigma = math.log(p90 / median) / Z90
+            tail_sigma = math.log(p99 / p90) / (Z99 - Z90)
+    else:
+        for q, z in (("p90", Z90), ("p99", Z99)):
+            if q in d:
+                v = bounded(d[q], f"{path}.{q}", lo=median)
+                sigma = math.log(v / median) / z if median > 0 else 0.0
     lo = bounded(d.get("min", 0.0), f"{path}.min", lo=0.0)
     hi = bounded(d["max"], f"{path}.max", lo=max(lo, 0.0)) if "max" in d else math.inf
     if not lo <= median <= hi:
         raise ConfigError(path, f"median {median:g} must lie within [min, max] = [{lo:g}, {hi:g}]")
-    return Dist(median, sigma, lo, hi)
+    return Dist(median, sigma, lo, hi, tail_sigma)
 
 
 def parse_action_type(name: str, d: Any, path: str, services: Mapping, *,

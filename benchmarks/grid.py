@@ -1,0 +1,207 @@
+"""The scheduler-quality grid: every profile on its default cluster and in the contended
+regimes where scheduling matters, every scheduler on the same evaluation seeds.
+
+For each point and scheduler: mean ACT, mean step time, and the ratio of each to the
+point's reference (default: its best heuristic by mean ACT), paired by seed, with 95%
+intervals (the statistics of ``metasched-eval``). Every point is a ``metasched-eval``
+run: ``metasched-eval workload=<profile> <overrides>`` reproduces it.
+
+    python benchmarks/grid.py [--seeds 8] [--points coding-c12,rm_math-gpu1]
+        [--schedulers static,...,checkpoints/default] [--reference elastic_greedy]
+        [--versus elastic_greedy] [--workers 2] [--out outputs/grid]
+
+Prints the table (markdown) and writes ``grid.md`` and ``grid.json`` under ``--out``.
+``--versus NAME`` adds a second table from the same runs: every scheduler paired against
+``NAME`` at every point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from metasched.agents import BASELINES
+from metasched.cli.eval_app import eval_settings
+from metasched.cli.output import json_safe
+from metasched.compose import compose, load_profile
+from metasched.errors import ConfigError
+from metasched.evaluation.report import fmt_ci
+from metasched.evaluation.runs import compare_paired, eval_jobs, results_document, run_jobs
+
+# point id -> (profile, metasched-eval overrides). The default cluster of every profile,
+# then the contended regimes.
+POINTS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "coding": ("coding", ()),
+    "coding-c12": ("coding", ("cluster.cpu.cores_per_node=12",)),
+    "coding-c6": ("coding", ("cluster.cpu.cores_per_node=6",)),
+    "search": ("search", ()),
+    "search-q0.5": ("search", ("cluster.scale=0.5",)),
+    "search-q0.25": ("search", ("cluster.scale=0.25",)),
+    "rm_math": ("rm_math", ()),
+    "rm_math-gpu1": ("rm_math", ("cluster.gpu.devices=1",)),
+    "rm_math-t512": ("rm_math", ("workload.trajectories_per_step=512",)),
+    "mixed": ("mixed", ()),
+    "mixed-x0.25": ("mixed", ("cluster.scale=0.25",)),
+    "mixed-x0.125": ("mixed", ("cluster.scale=0.125",)),
+    "retool": ("retool", ()),
+    "retool-c10": ("retool", ("cluster.cpu.cores_per_node=10",)),
+}
+DEFAULT_SCHEDULERS = (*BASELINES, "checkpoints/default")
+
+
+def point_settings(point: str, schedulers: list[str], n_seeds: int,
+                   seed_offset: int) -> tuple[Any, Any, dict[str, Any]]:
+    """(workload, cluster, evaluation settings) of one grid point, as metasched-eval
+    composes them."""
+    prof, overrides = POINTS[point]
+    cfg = compose("eval", [f"workload={prof}", *overrides, f"n_seeds={n_seeds}",
+                           f"seed_offset={seed_offset}", f"schedulers=[{','.join(schedulers)}]"])
+    workload, cluster = load_profile(cfg)
+    return workload, cluster, eval_settings(cfg)
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process and its finished children (the worker processes)."""
+    me, kids = (resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def run_grid(points: list[str], schedulers: list[str], n_seeds: int, seed_offset: int,
+             workers: int, reference: str | None, progress: bool = True) -> dict[str, Any]:
+    """Run every point's evaluation (all runs in one pool) and return the grid document."""
+    jobs, settings = [], {}
+    for p in points:
+        workload, cluster, s = point_settings(p, schedulers, n_seeds, seed_offset)
+        settings[p] = (workload, s)
+        jobs += eval_jobs(workload, cluster, s["schedulers"], s["seeds"], params=s["params"],
+                          timeline_dt=s["timeline_dt"], max_wait_s=s["max_wait_s"],
+                          paths=s["paths"], group=p)
+    t0 = time.perf_counter()
+    cpu0 = _cpu_s()
+    runs = run_jobs(jobs, workers=workers, progress=progress)
+    wall = time.perf_counter() - t0
+    cpu = _cpu_s() - cpu0
+    out: dict[str, Any] = {"seeds": settings[points[0]][1]["seeds"], "schedulers": schedulers,
+                           "reference": reference, "wall_s": wall, "cpu_s": cpu,
+                           "workers": workers,
+                           "points": {}}
+    for p in points:
+        workload, s = settings[p]
+        doc = results_document(workload.name, s["schedulers"], s["seeds"],
+                               [r for r in runs if r["group"] == p], paths=s["paths"],
+                               reference=reference)
+        prof, overrides = POINTS[p]
+        out["points"][p] = {"profile": prof, "overrides": list(overrides), "results": doc}
+    return out
+
+
+def versus(grid: dict[str, Any], name: str) -> dict[str, Any]:
+    """The grid with every point's comparison redone against scheduler ``name``."""
+    out = copy.deepcopy(grid)
+    out["reference"] = name
+    for entry in out["points"].values():
+        doc = entry["results"]
+        compare_paired(doc, [doc["best_heuristic"]] if doc["best_heuristic"] else [], name)
+    return out
+
+
+def summary_table(grid: dict[str, Any]) -> str:
+    """Per point: the best heuristic, and every other (learned) scheduler against it."""
+    lines = ["| point | best heuristic | its mean ACT s | its ACT ÷ lower bound | its mean step s "
+             "| scheduler | ACT ÷ best (95% CI) | step ÷ best (95% CI) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for p, entry in grid["points"].items():
+        doc = entry["results"]
+        best = doc["best_heuristic"]
+        if best is None:
+            continue
+        b = doc["schedulers"][best]
+        others = [n for n in doc["schedulers"] if n not in BASELINES] or ["—"]
+        for n in others:
+            pa = doc["schedulers"][n]["paired"] if n in doc["schedulers"] else None
+            act = fmt_ci(pa["mean_act_s"]["ratio"], pa["mean_act_s"]["ratio_ci95"]) if pa else "—"
+            step = (fmt_ci(pa["mean_step_s"]["ratio"], pa["mean_step_s"]["ratio_ci95"])
+                    if pa else "—")
+            lines.append(f"| {p} | {best} | {b['mean_act_s']:.3g} "
+                         f"| {b['act_over_lower_bound']:.2f} | {b['mean_step_s']:.4g} "
+                         f"| {n} | {act} | {step} |")
+    return "\n".join(lines) + "\n"
+
+
+def grid_table(grid: dict[str, Any]) -> str:
+    """The grid as one markdown table: a block of rows per point."""
+    seeds = grid["seeds"]
+    ref = grid["reference"] or "the point's best heuristic (by mean ACT; marked *)"
+    lines = [f"{len(seeds)} evaluation seeds ({seeds[0]}..{seeds[-1]}); ratios are paired "
+             f"by seed against {ref}, with 95% CIs; {grid['wall_s']:.0f} s of wall time on "
+             f"{grid['workers']} worker processes ({grid['cpu_s']:.0f} CPU s).", "",
+             "| point | scheduler | mean ACT s | mean step s | ACT ÷ ref (95% CI) "
+             "| step ÷ ref (95% CI) |", "|---|---|---|---|---|---|"]
+    for p, entry in grid["points"].items():
+        doc = entry["results"]
+        label = f"{p} (`{' '.join(entry['overrides'])}`)" if entry["overrides"] else p
+        for i, (name, s) in enumerate(doc["schedulers"].items()):
+            mark = "*" if name == doc["best_heuristic"] else ""
+            pa = s.get("paired")
+            act = fmt_ci(pa["mean_act_s"]["ratio"], pa["mean_act_s"]["ratio_ci95"]) if pa else "—"
+            step = (fmt_ci(pa["mean_step_s"]["ratio"], pa["mean_step_s"]["ratio_ci95"])
+                    if pa else "—")
+            lines.append(f"| {label if i == 0 else ''} | {name}{mark} | {s['mean_act_s']:.3g} "
+                         f"| {s['mean_step_s']:.4g} | {act} | {step} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, default=8, help="evaluation seeds per point")
+    ap.add_argument("--seed-offset", type=int, default=1_000_000)
+    ap.add_argument("--points", default=",".join(POINTS),
+                    help=f"comma-separated point ids (all: {','.join(POINTS)})")
+    ap.add_argument("--schedulers", default=",".join(DEFAULT_SCHEDULERS))
+    ap.add_argument("--reference", default=None,
+                    help="scheduler every ratio is against (default: each point's best "
+                         "heuristic by mean ACT)")
+    ap.add_argument("--versus", default=None,
+                    help="also tabulate every scheduler paired against this one")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--out", default="outputs/grid")
+    args = ap.parse_args(argv)
+    points = [p for p in args.points.split(",") if p]
+    schedulers = [s for s in args.schedulers.split(",") if s]
+    try:
+        unknown = [p for p in points if p not in POINTS]
+        if unknown or not points:
+            raise ConfigError("points", f"unknown point(s) {unknown} (known: {', '.join(POINTS)})")
+        if args.seeds < 1:
+            raise ConfigError("seeds", f"must be >= 1 (got {args.seeds})")
+        for opt in ("reference", "versus"):
+            v = getattr(args, opt)
+            if v is not None and v not in schedulers:
+                raise ConfigError(opt, f"must be one of --schedulers (got {v!r})")
+        grid = run_grid(points, schedulers, args.seeds, args.seed_offset, max(1, args.workers),
+                        args.reference)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    table = grid_table(grid)
+    if grid["reference"] is None:
+        table += "\n" + summary_table(grid)
+    if args.versus is not None:
+        table += "\n" + grid_table(versus(grid, args.versus))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "grid.md").write_text(table)
+    (out / "grid.json").write_text(json.dumps(json_safe(grid), indent=1) + "\n")
+    print(table)
+    print(f"written to {out}/grid.md and grid.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
