@@ -7,24 +7,27 @@ on a cluster of this machine's cores and (b) live, ``--repeats`` times: one coro
 per trajectory sleeps through each LLM generation gap, then submits the turn's action
 and waits for its result; the action is a command that sleeps for its true duration at
 the granted core count (Amdahl, from ``OMP_NUM_THREADS``), so a grant of more cores
-really shortens it. Sandboxes are left out on both sides (the dispatcher does not
-manage containers; their start-up delay is folded into the first generation gap).
+really shortens it. The profile's sandbox start-up is left out of the simulated side
+(its delay is folded into the first generation gap); live, each command runs in its
+trajectory's sandbox by default (``--isolation``: ``bwrap``, or ``off`` for commands on
+the host without cgroups; several modes are run one after the other per scheduler).
 Prints mean ACT and step time, simulated and live (mean and range over the repeats),
-per scheduler.
+per scheduler and isolation.
 
     python benchmarks/live_replay.py [--profile coding] [--trajectories 16] [--scale 0.1]
         [--schedulers static,...,checkpoints/default] [--repeats 3] [--sim-runs 10]
         [--seed 1000000] [--estimates online|profile] [--launch-s auto|<s>]
-        [--launch-p90-s <s>]
+        [--launch-mean-s <s>] [--isolation bwrap,off]
 
 The simulator is given what the dispatcher has: the online cost model's estimates
 (``--estimates online``, the default: learned from measured durations, as live; the
 profile's noisy per-action estimates only as the first hint; ``--estimates profile``
 gives both sides each action's profile estimate instead), the start-up of a command
-on this machine (``auto``: before each scheduler's live runs, the median and 90th
-percentile run of ``--launch-samples`` do-nothing commands of the same form, drawn
-log-normal per action in simulation), and the workload's expected demand per task (for
-``static`` and ``task_isolated``). One instance of a step is chaotic: a few ms more or
+on this machine (``auto``: before each scheduler's live runs of each isolation mode,
+the median and mean run of about ``--launch-samples`` do-nothing commands of the same
+form, submitted as the replay submits its actions, in trajectories' sandboxes; drawn
+per action in simulation from the log-normal with that median and mean), and the
+workload's expected demand per task (for ``static`` and ``task_isolated``). One instance of a step is chaotic: a few ms more or
 less on one action reorders the queue behind it, so the simulator's figure is the mean
 of ``--sim-runs`` runs that differ in their start-up draws, as live runs differ.
 """
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import time
 from dataclasses import fields, replace
@@ -44,9 +48,10 @@ from metasched.agents import BASELINES, make_scheduler
 from metasched.agents.checkpoint import resolve_scheduler
 from metasched.compose import profile
 from metasched.core.actions import Turn, amdahl_run_s
-from metasched.core.cluster_config import ClusterConfig, launch_sigma
+from metasched.core.cluster_config import ClusterConfig
 from metasched.core.cost_model import CostModel
 from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
+from metasched.runtime.sandbox.config import SandboxConfig
 from metasched.sim.sampling import TrajectorySpec, WorkloadInstance, sample_workload
 from metasched.sim.simulator import Simulator
 
@@ -100,27 +105,54 @@ def simulate(w, inst, cluster: ClusterConfig, sched: str, seed: int, online: boo
     return float(r.act.mean()), float(r.step_s[0]), int(r.counters["failed"])
 
 
-async def measure_launch_s(cores: list[int], n: int) -> tuple[float, float]:
-    """Median and 90th percentile run time of ``n`` do-nothing commands of the replay's
-    form, one at a time, on this machine now."""
-    runs = []
-    async with Dispatcher(DispatcherConfig(scheduler="fifo", cores=cores)) as d:
-        for i in range(n):
-            r = await d.submit({"kind": "cpu", "argv": amdahl_sleep(0.0, 0.0),
-                                "timeout_s": 10.0, "name": "launch", "id": f"launch-{i}"})
-            if r.status != "done":
-                raise SystemExit(f"error: a do-nothing command failed: {r.reason}")
-            runs.append(r.finished_at - r.started_at)
-    return float(np.median(runs)), float(np.percentile(runs, 90))
+def sandbox_config(isolation: str) -> SandboxConfig:
+    """The dispatcher's sandbox settings for an ``--isolation`` mode."""
+    return (SandboxConfig(isolation="none", cgroups="none") if isolation == "off"
+            else SandboxConfig(isolation=isolation))
 
 
-async def live(inst, cores: list[int], sched: str, online: bool
-               ) -> tuple[float, float, int, float]:
-    """Mean ACT, step time, failures and the median start-up of a command (its measured
-    run less the sleep it was asked for) of one live run."""
+async def measure_launch_s(inst: WorkloadInstance, cores: list[int], n: int,
+                           isolation: str) -> tuple[float, float]:
+    """Median and mean run time of about ``n`` do-nothing commands of the replay's form,
+    on this machine now, submitted as the replay submits: one coroutine per trajectory
+    sleeps through its first generation gaps and submits a do-nothing command after
+    each, each in its trajectory's sandbox. (Commands started one after another, with
+    nothing else going on, start faster and with a far lighter tail than commands that
+    start after idle spells, several at once, on a loaded machine.)"""
+    trajs = inst.steps[0]
+    per = -(-n // len(trajs))
+    cfg = DispatcherConfig(scheduler="fifo", cores=cores, sandbox=sandbox_config(isolation))
+    runs: list[float] = []
+    async with Dispatcher(cfg) as d:
+
+        async def trajectory(i: int, spec: TrajectorySpec) -> None:
+            for k, turn in enumerate(spec.turns[:per]):
+                await asyncio.sleep(turn.gen_s)
+                r = await d.submit({"kind": "cpu", "argv": amdahl_sleep(0.0, 0.0),
+                                    "timeout_s": 10.0, "name": "launch",
+                                    "trajectory": f"launch-{i}", "turn": k})
+                if r.status != "done":
+                    raise SystemExit(f"error: a do-nothing command failed: {r.reason}")
+                runs.append(r.finished_at - r.started_at)
+
+        await asyncio.gather(*(trajectory(i, s) for i, s in enumerate(trajs)))
+    return float(np.median(runs)), float(np.mean(runs))
+
+
+def sigma_from_mean(median_s: float, mean_s: float) -> float:
+    """The sigma of the log-normal with this median and mean (its mean is
+    median x exp(sigma² / 2)): the mean start-up, tail included, is what mean ACT feels."""
+    return math.sqrt(2.0 * math.log(mean_s / median_s)) if mean_s > median_s > 0 else 0.0
+
+
+async def live(inst, cores: list[int], sched: str, online: bool, isolation: str
+               ) -> tuple[float, float, int, float, float]:
+    """Mean ACT, step time, failures, and the median and mean start-up of a command (its
+    measured run less the sleep it was asked for) of one live run."""
     cfg = DispatcherConfig(scheduler=sched, cores=cores, sample_interval_s=0.5,
                            max_wait_s=MAX_WAIT_S, task_demand=inst.demand_by_task(),
-                           estimates="online" if online else "request")
+                           estimates="online" if online else "request",
+                           sandbox=sandbox_config(isolation))
     async with Dispatcher(cfg) as d:
         if d.fallback_reason:
             raise SystemExit(f"error: --schedulers: {sched}: {d.fallback_reason}")
@@ -146,7 +178,8 @@ async def live(inst, cores: list[int], sched: str, online: bool
         await asyncio.gather(*(trajectory(i, s) for i, s in enumerate(inst.steps[0])))
         step = time.perf_counter() - t0
     r = d.run_result()
-    return float(r.act.mean()), step, int(r.counters["failed"]), float(np.median(startup))
+    return (float(r.act.mean()), step, int(r.counters["failed"]), float(np.median(startup)),
+            float(np.mean(startup)))
 
 
 def spread(xs: list[float], digits: int = 3) -> str:
@@ -175,9 +208,11 @@ def main() -> None:
     ap.add_argument("--launch-s", default="auto", help="a command's start-up in the "
                     "simulator (median), seconds, or 'auto': measured here before each "
                     "scheduler's live runs")
-    ap.add_argument("--launch-p90-s", type=float, default=None, help="its 90th percentile "
-                    "with a given --launch-s (default: constant)")
+    ap.add_argument("--launch-mean-s", type=float, default=None, help="its mean with a "
+                    "given --launch-s (log-normal; default: constant)")
     ap.add_argument("--launch-samples", type=int, default=200)
+    ap.add_argument("--isolation", default="bwrap",
+                    help="comma-separated: bwrap, none, off (no isolation, no cgroups)")
     args = ap.parse_args()
     for name, lo in (("trajectories", 1), ("repeats", 0), ("sim_runs", 1),
                      ("launch_samples", 1)):
@@ -191,10 +226,10 @@ def main() -> None:
             fixed = float(args.launch_s)
         except ValueError:
             ap.error(f"--launch-s: must be 'auto' or seconds (got {args.launch_s!r})")
-        p90 = fixed if args.launch_p90_s is None else args.launch_p90_s
-        if not 0 <= fixed <= p90:
-            ap.error("--launch-s, --launch-p90-s: need 0 <= launch-s <= launch-p90-s")
-        fixed = (fixed, p90)
+        mean = fixed if args.launch_mean_s is None else args.launch_mean_s
+        if not 0 <= fixed <= mean:
+            ap.error("--launch-s, --launch-mean-s: need 0 <= launch-s <= launch-mean-s")
+        fixed = (fixed, mean)
     cores = sorted(os.sched_getaffinity(0))
     w, inst = scaled_step(args.profile, args.trajectories, args.scale, args.seed)
     base = ClusterConfig(name="local", cpu_nodes=1, cores_per_node=len(cores),
@@ -206,38 +241,51 @@ def main() -> None:
     print(f"{args.profile}: {args.trajectories} trajectories, {n_actions} actions, time x "
           f"{args.scale:g}, {len(cores)} cores, seed {args.seed}; simulator: {args.estimates} "
           f"estimates, {args.sim_runs} runs; live: {args.repeats} runs; mean (min–max)")
-    rows = []
-    bar = tqdm(total=len(scheds) * (args.sim_runs + args.repeats), desc="runs", unit="run")
+    modes = args.isolation.split(",")
+    for m in modes:
+        if m not in ("bwrap", "none", "off"):
+            ap.error(f"--isolation: {m!r} is not one of bwrap, none, off")
+    print("| scheduler | isolation | mean ACT s sim | live | live ÷ sim | step s sim | live "
+          "| live ÷ sim | failed (timeouts) sim / live | start-up ms sim (median / mean) "
+          "| start-up ms live (median / mean) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    bar = tqdm(total=len(scheds) * len(modes) * (args.sim_runs + args.repeats), desc="runs",
+               unit="run")
     for sched in scheds:
-        median, p90 = fixed or asyncio.run(measure_launch_s(cores, args.launch_samples))
-        cluster = replace(base, cpu_launch_s=median, cpu_launch_sigma=launch_sigma(median, p90))
-        sims = []
-        for i in range(args.sim_runs):
-            sims.append(simulate(w, inst, cluster, sched, args.seed + i,
-                                 args.estimates == "online"))
-            bar.update()
-        lives = []
-        for _ in range(args.repeats):
-            lives.append(asyncio.run(live(inst, cores, sched, args.estimates == "online")))
-            bar.update()
-        s_act, s_step = float(np.mean([x[0] for x in sims])), float(np.mean([x[1] for x in sims]))
-        cells = [spread([x[0] for x in sims], 4), "–", "–", spread([x[1] for x in sims], 2),
-                 "–", "–", f"{'-'.join(str(x[2]) for x in sims)} / –",
-                 f"{median * 1e3:.2f} / {p90 * 1e3:.2f}", "–"]
-        if lives:
-            acts, steps = [x[0] for x in lives], [x[1] for x in lives]
-            cells[1:3] = [spread(acts, 4), spread([a / s_act for a in acts])]
-            cells[4:6] = [spread(steps, 2), spread([s / s_step for s in steps])]
-            cells[6] = (f"{'-'.join(str(x[2]) for x in sims)} / "
-                        f"{'-'.join(str(x[2]) for x in lives)}")
-            cells[8] = spread([x[3] * 1e3 for x in lives], 2)
-        rows.append(f"| {sched} | " + " | ".join(cells) + " |")
+        for mode in modes:
+            median, mean = fixed or asyncio.run(measure_launch_s(inst, cores,
+                                                                 args.launch_samples, mode))
+            cluster = replace(base, cpu_launch_s=median,
+                              cpu_launch_sigma=sigma_from_mean(median, mean))
+            sims = []
+            for i in range(args.sim_runs):
+                sims.append(simulate(w, inst, cluster, sched, args.seed + i,
+                                     args.estimates == "online"))
+                bar.update()
+            lives = []
+            for _ in range(args.repeats):
+                lives.append(asyncio.run(live(inst, cores, sched, args.estimates == "online",
+                                              mode)))
+                bar.update()
+            bar.write(row(sched, mode, sims, lives, median, mean))
     bar.close()
-    print("| scheduler | mean ACT s sim | live | live ÷ sim | step s sim | live | live ÷ sim "
-          "| failed (timeouts) sim / live | start-up ms sim (median / p90) | start-up ms live "
-          "(median) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    print("\n".join(rows))
+
+
+def row(sched: str, mode: str, sims: list, lives: list, median: float, mean: float) -> str:
+    """One line of the table: simulated runs, live runs and the start-up used."""
+    s_act, s_step = float(np.mean([x[0] for x in sims])), float(np.mean([x[1] for x in sims]))
+    cells = [spread([x[0] for x in sims], 4), "–", "–", spread([x[1] for x in sims], 2),
+             "–", "–", f"{'-'.join(str(x[2]) for x in sims)} / –",
+             f"{median * 1e3:.2f} / {mean * 1e3:.2f}", "–"]
+    if lives:
+        acts, steps = [x[0] for x in lives], [x[1] for x in lives]
+        cells[1:3] = [spread(acts, 4), spread([a / s_act for a in acts])]
+        cells[4:6] = [spread(steps, 2), spread([s / s_step for s in steps])]
+        cells[6] = (f"{'-'.join(str(x[2]) for x in sims)} / "
+                    f"{'-'.join(str(x[2]) for x in lives)}")
+        cells[8] = (f"{spread([x[3] * 1e3 for x in lives], 2)} / "
+                    f"{spread([x[4] * 1e3 for x in lives], 2)}")
+    return f"| {sched} | {mode} | " + " | ".join(cells) + " |"
 
 
 if __name__ == "__main__":
