@@ -27,9 +27,10 @@ on this machine (``auto``: before each scheduler's live runs of each isolation m
 the median and mean run of about ``--launch-samples`` do-nothing commands of the same
 form, submitted as the replay submits its actions, in trajectories' sandboxes; drawn
 per action in simulation from the log-normal with that median and mean), and the
-workload's expected demand per task (for ``static`` and ``task_isolated``). One instance of a step is chaotic: a few ms more or
-less on one action reorders the queue behind it, so the simulator's figure is the mean
-of ``--sim-runs`` runs that differ in their start-up draws, as live runs differ.
+workload's expected demand per task (for ``static`` and ``task_isolated``). One
+instance of a step is chaotic: a few ms more or less on one action reorders the queue
+behind it, so the simulator's figure is the mean of ``--sim-runs`` runs that differ in
+their start-up draws, as live runs differ.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import argparse
 import asyncio
 import math
 import os
+import sys
 import time
 from dataclasses import fields, replace
 
@@ -50,6 +52,7 @@ from metasched.compose import profile
 from metasched.core.actions import Turn, amdahl_run_s
 from metasched.core.cluster_config import ClusterConfig
 from metasched.core.cost_model import CostModel
+from metasched.errors import ConfigError
 from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
 from metasched.runtime.sandbox.config import SandboxConfig
 from metasched.sim.sampling import TrajectorySpec, WorkloadInstance, sample_workload
@@ -69,8 +72,8 @@ def scaled_step(profile_name: str, n: int, scale: float, seed: int):
         for i, turn in enumerate(t.turns):
             a = turn.action
             if a.kind != "cpu":
-                raise SystemExit(f"error: --profile: live replay runs cpu actions only "
-                                 f"({profile_name} has a {a.kind} action)")
+                raise ConfigError("profile", f"live replay runs cpu actions only "
+                                  f"({profile_name} has a {a.kind} action)")
             gen = turn.gen_s
             if i == 0 and t.sandbox is not None:
                 gen = max(gen, t.sandbox.startup_s)  # start-up overlaps the first gap
@@ -132,7 +135,8 @@ async def measure_launch_s(inst: WorkloadInstance, cores: list[int], n: int,
                                     "timeout_s": 10.0, "name": "launch",
                                     "trajectory": f"launch-{i}", "turn": k})
                 if r.status != "done":
-                    raise SystemExit(f"error: a do-nothing command failed: {r.reason}")
+                    raise ConfigError("isolation", f"{isolation}: a do-nothing command "
+                                      f"failed: {r.reason}")
                 runs.append(r.finished_at - r.started_at)
 
         await asyncio.gather(*(trajectory(i, s) for i, s in enumerate(trajs)))
@@ -155,7 +159,7 @@ async def live(inst, cores: list[int], sched: str, online: bool, isolation: str
                            sandbox=sandbox_config(isolation))
     async with Dispatcher(cfg) as d:
         if d.fallback_reason:
-            raise SystemExit(f"error: --schedulers: {sched}: {d.fallback_reason}")
+            raise ConfigError("schedulers", f"{sched}: {d.fallback_reason}")
 
         startup: list[float] = []
 
@@ -189,7 +193,7 @@ def spread(xs: list[float], digits: int = 3) -> str:
     return f"{np.mean(xs):.{digits}f} ({min(xs):.{digits}f}–{max(xs):.{digits}f})"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", default="coding")
     ap.add_argument("--trajectories", type=int, default=16)
@@ -201,7 +205,7 @@ def main() -> None:
     ap.add_argument("--sim-runs", type=int, default=10, help="simulated runs per scheduler "
                     "(start-up draws and the scheduler's generator differ; the instance not)")
     ap.add_argument("--seed", type=int, default=1_000_000)
-    ap.add_argument("--estimates", choices=("online", "profile"), default="online",
+    ap.add_argument("--estimates", default="online",
                     help="estimates on both sides: the online cost model's (the "
                     "dispatcher's default) or the profile's per-action ones (live: each "
                     "request's est_s, estimates='request')")
@@ -213,22 +217,38 @@ def main() -> None:
     ap.add_argument("--launch-samples", type=int, default=200)
     ap.add_argument("--isolation", default="bwrap",
                     help="comma-separated: bwrap, none, off (no isolation, no cgroups)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    try:
+        return replay(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def replay(args: argparse.Namespace) -> int:
+    """Check the arguments, run the table, print it; 0 when done."""
     for name, lo in (("trajectories", 1), ("repeats", 0), ("sim_runs", 1),
                      ("launch_samples", 1)):
         if getattr(args, name) < lo:
-            ap.error(f"--{name.replace('_', '-')}: must be >= {lo}")
+            raise ConfigError(name.replace("_", "-"), f"must be >= {lo}")
     if not args.scale > 0:
-        ap.error("--scale: must be > 0")
+        raise ConfigError("scale", f"must be > 0 (got {args.scale:g})")
+    modes = args.isolation.split(",")
+    for m in modes:
+        if m not in ("bwrap", "none", "off"):
+            raise ConfigError("isolation", f"{m!r} is not one of bwrap, none, off")
+    if args.estimates not in ("online", "profile"):
+        raise ConfigError("estimates", f"must be online or profile (got {args.estimates!r})")
     fixed = None
     if args.launch_s != "auto":
         try:
             fixed = float(args.launch_s)
         except ValueError:
-            ap.error(f"--launch-s: must be 'auto' or seconds (got {args.launch_s!r})")
+            raise ConfigError("launch-s", f"must be 'auto' or seconds (got {args.launch_s!r})"
+                              ) from None
         mean = fixed if args.launch_mean_s is None else args.launch_mean_s
         if not 0 <= fixed <= mean:
-            ap.error("--launch-s, --launch-mean-s: need 0 <= launch-s <= launch-mean-s")
+            raise ConfigError("launch-mean-s", "need 0 <= launch-s <= launch-mean-s")
         fixed = (fixed, mean)
     cores = sorted(os.sched_getaffinity(0))
     w, inst = scaled_step(args.profile, args.trajectories, args.scale, args.seed)
@@ -241,10 +261,6 @@ def main() -> None:
     print(f"{args.profile}: {args.trajectories} trajectories, {n_actions} actions, time x "
           f"{args.scale:g}, {len(cores)} cores, seed {args.seed}; simulator: {args.estimates} "
           f"estimates, {args.sim_runs} runs; live: {args.repeats} runs; mean (min–max)")
-    modes = args.isolation.split(",")
-    for m in modes:
-        if m not in ("bwrap", "none", "off"):
-            ap.error(f"--isolation: {m!r} is not one of bwrap, none, off")
     print("| scheduler | isolation | mean ACT s sim | live | live ÷ sim | step s sim | live "
           "| live ÷ sim | failed (timeouts) sim / live | start-up ms sim (median / mean) "
           "| start-up ms live (median / mean) |")
@@ -269,6 +285,7 @@ def main() -> None:
                 bar.update()
             bar.write(row(sched, mode, sims, lives, median, mean))
     bar.close()
+    return 0
 
 
 def row(sched: str, mode: str, sims: list, lives: list, median: float, mean: float) -> str:
@@ -289,4 +306,4 @@ def row(sched: str, mode: str, sims: list, lives: list, median: float, mean: flo
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

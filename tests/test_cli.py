@@ -337,3 +337,38 @@ def test_a_stop_signal_ends_an_evaluation_and_its_workers_at_once(tmp_path, sig,
     assert took < 20  # not the 200 seeds' worth of runs
     assert not alive
     assert not (tmp_path / "results.json").exists()
+
+
+def test_live_replay_benchmark_prints_sim_and_live_side_by_side():
+    """One tiny step (one trajectory, durations x 0.005) simulated and replayed live."""
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "live_replay.py"),
+                        "--trajectories", "1", "--scale", "0.005", "--repeats", "1",
+                        "--sim-runs", "2", "--launch-samples", "8", "--isolation", "off",
+                        "--schedulers", "fifo"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| fifo | off |")]
+    assert len(rows) == 1, r.stdout
+    # "mean (min–max)" over the runs where there are several: the mean comes first
+    cells = [c.strip() for c in rows[0].strip("|").split("|")]
+    sim_act, live_act, ratio = (float(cells[i].split()[0]) for i in (2, 3, 4))
+    assert sim_act > 0 and live_act > 0 and ratio == pytest.approx(live_act / sim_act, rel=0.01)
+    sim_step, live_step = (float(cells[i].split()[0]) for i in (5, 6))
+    assert sim_step > 0 and live_step > 0
+    median, mean = (float(x) for x in cells[9].split("/"))
+    assert 0 < median <= mean  # the start-up measured here, in ms
+
+
+@pytest.mark.parametrize("args, field", [(["--isolation", "docker"], "isolation"),
+                                         (["--scale", "0"], "scale"),
+                                         (["--estimates", "exact"], "estimates"),
+                                         (["--launch-s", "soon"], "launch-s"),
+                                         (["--schedulers", "fifo,nope"], "schedulers"),
+                                         (["--profile", "rm_math"], "profile")])
+def test_live_replay_bad_arguments_are_one_line(args, field):
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "live_replay.py"), *args,
+                        "--repeats", "0"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"error: {field}: "), r.stderr
