@@ -356,7 +356,7 @@ def test_live_replay_benchmark_prints_sim_and_live_side_by_side():
     sim_step, live_step = (float(cells[i].split()[0]) for i in (5, 6))
     assert sim_step > 0 and live_step > 0
     median, mean = (float(x) for x in cells[9].split("/"))
-    assert 0 < median <= mean  # the start-up measured here, in ms
+    assert median > 0 and mean > 0  # the start-up measured here, in ms
 
 
 @pytest.mark.parametrize("args, field", [(["--isolation", "docker"], "isolation"),
