@@ -16,6 +16,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from metasched.core.action_log import ActionLog
 from metasched.core.actions import Action, Grant, Trajectory
 from metasched.core.cluster_config import ClusterConfig
 from metasched.core.cost_model import CostModel, signature
@@ -82,6 +83,9 @@ class Simulator:
             (the action's own ``est_s`` is the hint until its signature has run), so a
             scheduler is judged on the estimates it will see live.
         check_invariants: verify the accounting invariant at every event (slow; tests).
+        action_log: where to record every finished action as a trace line, with what
+            was measured (queue wait, run time, allocation, generation gap), as the live
+            dispatcher records them (``metasched.core.action_log``).
 
     A cpu action runs its command's start-up (``cluster.cpu_launch_s``, or a log-normal
     draw around it when ``cluster.cpu_launch_sigma`` > 0, from the run's own generator)
@@ -91,7 +95,8 @@ class Simulator:
     def __init__(self, workload: WorkloadConfig, cluster: ClusterConfig, seed: int, *,
                  instance: WorkloadInstance | None = None, timeline_dt: float = 10.0,
                  max_wait_s: float | None = None, serve_stalled: bool = False,
-                 cost_model: CostModel | None = None, check_invariants: bool = False) -> None:
+                 cost_model: CostModel | None = None, check_invariants: bool = False,
+                 action_log: ActionLog | None = None) -> None:
         self.workload = workload
         self.cluster = cluster
         self.seed = seed
@@ -124,6 +129,8 @@ class Simulator:
         self.n_events = 0
         self.n_decisions = 0
         self.n_waits = 0
+        self.action_log = action_log
+        self._gpu_runs: dict[int, tuple[int, float]] = {}  # logged: action -> batch, setup
         for ia in self.instance.independent:
             self._push(ia.arrival_s, INDEPENDENT, ia)
         self._start_next_step()
@@ -206,6 +213,8 @@ class Simulator:
                 self._push_end(b, t, delay + batch_s)
                 if self.cost_model is not None and delay:
                     self._restore_s[b.id] = delay
+                if self.action_log is not None:
+                    self._gpu_runs[b.id] = (len(started), delay)
             self._push(end, DEVICE_FREE, grant.device)
         else:
             self._push_end(grant.action, t, spec.true_s)
@@ -298,6 +307,10 @@ class Simulator:
             if not failed:  # live learns from successes only
                 self.cost_model.learn(a, self.state.t - a.start_t - restore)
         traj = a.traj
+        if self.action_log is not None:
+            batch, setup = self._gpu_runs.pop(a.id, (1, 0.0))
+            self.action_log.record(a, step=None if traj is None else traj.step, batch=batch,
+                                   setup_s=setup, duration_s=a.spec.true_s)
         if traj is None:
             return
         if traj.turn < traj.n_turns:
