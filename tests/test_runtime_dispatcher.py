@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from metasched.core.pools import EndpointSpec
 from metasched.core.scheduler import Scheduler
+from metasched.errors import ConfigError
 from metasched.runtime.api_calls import RetryPolicy
 from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
 from metasched.runtime.gpu import linear_scorer
@@ -406,6 +407,36 @@ def test_cost_model_learns_what_the_policy_sees():
     seen, est = run(go())
     assert 0.3 <= est < 5.0
     assert seen == [est]
+
+
+@pytest.mark.parametrize("demand, guard_fired", [({"cpu": {"swe": 10.0}}, 0), ({}, 1)],
+                         ids=["told", "unknown"])
+def test_task_demand_sizes_the_partitioning_baselines(demand, guard_fired):
+    """task_isolated partitions cores by the demand it is told (as the simulator tells it
+    from the workload); told nothing, it has no partition, and only the guard's
+    idle-cluster rule starts the action."""
+    (r,), d = run(dispatch([cpu("/bin/true", task="swe")],
+                           cfg(scheduler="task_isolated", task_demand=demand)))
+    assert r.ok
+    assert d.state.task_demand["cpu"] == demand.get("cpu", {})
+    assert d.guard.fired == guard_fired
+
+
+def test_request_estimates_are_what_the_scheduler_sees():
+    """estimates="request": the caller's est_s stands after the signature has run (as
+    each action's own estimate does in simulation); without one, the cost model's."""
+    async def go():
+        async with Dispatcher(cfg(estimates="request")) as d:
+            req = cpu("/bin/true", name="nap", est_s=50.0)
+            await d.submit(req)
+            d.accept(dict(req, id="next", est_s=7.0))
+            d.accept({k: v for k, v in req.items() if k != "est_s"} | {"id": "bare"})
+            return ({a.spec.est_s for a in d.state.pending["cpu"].values()},
+                    d.cost.estimate("cpu:default:nap"))
+    seen, learned = run(go())
+    assert seen == {7.0, learned} and learned < 5.0
+    with pytest.raises(ConfigError, match="estimates"):
+        Dispatcher(cfg(estimates="exact"))
 
 
 def test_cgroup_parent_that_is_not_a_cgroup_falls_back_to_affinity(tmp_path, caplog):
