@@ -8,13 +8,29 @@ PIP    := $(VENV)/bin/pip
 CONSTRAINTS := constraints.txt
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run test test-all lint bench clean
+.PHONY: install run test test-all lint bench clean sandbox-tools
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet -c $(CONSTRAINTS) -e '.[dev,train]'
+	@$(MAKE) --no-print-directory sandbox-tools
 	touch $(STAMP)
+
+# bubblewrap makes the live dispatcher's sandboxes (namespaces). Installed where this can
+# (root and apt-get); elsewhere the dispatcher says what is missing and runs commands
+# without isolation.
+sandbox-tools:
+	@if command -v bwrap >/dev/null 2>&1; then \
+		:; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing bubblewrap (sandboxes for the live dispatcher's commands)"; \
+		{ apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null; } \
+			|| echo "warning: bubblewrap could not be installed: commands will run without isolation"; \
+	else \
+		echo "note: bubblewrap (bwrap) is missing and cannot be installed here (needs root and" \
+			"apt-get): the live dispatcher will run commands without isolation"; \
+	fi
 
 install: $(STAMP)
 

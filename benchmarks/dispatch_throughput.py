@@ -2,16 +2,20 @@
 
 Runs N ``/bin/true`` actions (one core each) through ``seq N | xargs -P<cores> -I{}
 /bin/true``, through the bare CPU executor (``run_process``, <cores> at a time, no
-dispatcher: the floor), and through the dispatcher with each scheduler (journal on, as
-in production; once more without the journal for the first scheduler), alternating, R
-rounds; prints each rate, the ratio to xargs per round, the live scheduler's decision
-latency (the ``decide`` call in the dispatcher's loop) and where the CPU went: this
-process's own CPU per action (the runner; xargs runs in a child, so its row has none)
-and its children's (the commands; for xargs, xargs itself too), from ``getrusage``, and
-how many cores were busy on average.
+dispatcher: the floor), and through the dispatcher with each scheduler (journal on and
+commands isolated in sandboxes, as in production; for the first scheduler once more
+without the journal, and once per other ``--isolation`` mode), alternating, R rounds;
+prints each rate, the ratio to xargs per round, the live scheduler's decision latency
+(the ``decide`` call in the dispatcher's loop) and where the CPU went: this process's
+own CPU per action (the runner; xargs runs in a child, so its row has none) and its
+children's (the commands; for xargs, xargs itself too), from ``getrusage``, and how
+many cores were busy on average.
 
     python benchmarks/dispatch_throughput.py [--n 2000] [--rounds 3]
-        [--schedulers elastic_greedy,checkpoints/default]
+        [--schedulers elastic_greedy,checkpoints/default] [--isolation bwrap,none,off]
+
+Commands started by the sandbox server are its children: their CPU counts among this
+process's children once the server has exited (each dispatcher run ends with it).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import tempfile
 import time
 
 from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
+from metasched.runtime.sandbox.config import SandboxConfig
 
 
 def _cpu_s() -> tuple[float, float]:
@@ -61,8 +66,12 @@ async def _bare(n: int, cores: list[int]) -> float:
     return n / (time.perf_counter() - t0)
 
 
-async def _dispatch(n: int, scheduler: str, journal: str | None) -> tuple[float, dict]:
-    cfg = DispatcherConfig(scheduler=scheduler, journal=journal)
+async def _dispatch(n: int, scheduler: str, journal: str | None,
+                    isolation: str) -> tuple[float, dict]:
+    # "off": no isolation and no cgroups (affinity and rlimits only)
+    sandbox = (SandboxConfig(isolation="none", cgroups="none") if isolation == "off"
+               else SandboxConfig(isolation=isolation))
+    cfg = DispatcherConfig(scheduler=scheduler, journal=journal, sandbox=sandbox)
     async with Dispatcher(cfg) as d:
         t0 = time.perf_counter()
         futs = [d.accept({"kind": "cpu", "argv": ["/bin/true"], "timeout_s": 60})
@@ -72,13 +81,17 @@ async def _dispatch(n: int, scheduler: str, journal: str | None) -> tuple[float,
         bad = [r for r in results if not r.ok]
         if bad:
             raise SystemExit(f"{len(bad)} actions failed, e.g. {bad[0].reason}")
+        if isolation not in ("none", "off") and not d.boxes.isolated:
+            raise SystemExit(f"isolation {isolation} is not available here: "
+                             f"{'; '.join(d.boxes.warnings)}")
         return rate, d.stats()
 
 
-def dispatcher_rate(n: int, scheduler: str, journal: bool = True) -> tuple[float, dict]:
+def dispatcher_rate(n: int, scheduler: str, journal: bool = True,
+                    isolation: str = "bwrap") -> tuple[float, dict]:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "journal.db") if journal else None
-        return asyncio.run(_dispatch(n, scheduler, path))
+        return asyncio.run(_dispatch(n, scheduler, path, isolation))
 
 
 def main() -> None:
@@ -86,12 +99,21 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=2000, help="actions per run")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--schedulers", default="elastic_greedy,checkpoints/default")
+    ap.add_argument("--isolation", default="bwrap,none,off",
+                    help="isolation modes (the first for every scheduler, the others for "
+                         "the first scheduler; off: no isolation and no cgroups)")
     args = ap.parse_args()
     cores = sorted(os.sched_getaffinity(0))
     procs = len(cores)
     scheds = args.schedulers.split(",")
-    runners = ["run_process alone", *(f"dispatcher, {s}" for s in scheds),
-               f"dispatcher, {scheds[0]}, no journal"]
+    modes = args.isolation.split(",")
+    # name -> (scheduler, journal, isolation)
+    configs = {f"dispatcher, {s}, isolation {modes[0]}": (s, True, modes[0]) for s in scheds}
+    configs[f"dispatcher, {scheds[0]}, isolation {modes[0]}, no journal"] = (
+        scheds[0], False, modes[0])
+    for m in modes[1:]:
+        configs[f"dispatcher, {scheds[0]}, isolation {m}"] = (scheds[0], True, m)
+    runners = ["run_process alone", *configs]
     rates: dict[str, list[float]] = {r: [] for r in ["xargs", *runners]}
     lat: dict[str, list[dict]] = {r: [] for r in runners}
     # per runner and round: (own CPU µs per action, children's CPU µs per action, cores busy)
@@ -113,12 +135,13 @@ def main() -> None:
             if name == "run_process alone":
                 measure(name, lambda: asyncio.run(_bare(args.n, cores)))
             else:
-                sched = name.split(", ")[1]
+                sched, journal, isolation = configs[name]
                 out: dict = {}
 
-                def run(sched=sched, name=name, out=out) -> float:
-                    rate, out["stats"] = dispatcher_rate(args.n, sched,
-                                                         journal="no journal" not in name)
+                def run(sched=sched, journal=journal, isolation=isolation,
+                        out=out) -> float:
+                    rate, out["stats"] = dispatcher_rate(args.n, sched, journal=journal,
+                                                         isolation=isolation)
                     return rate
 
                 measure(name, run)

@@ -7,15 +7,20 @@ on a cluster of this machine's cores and (b) live: one coroutine per trajectory 
 through each LLM generation gap, then submits the turn's action and waits for its
 result; the action is a command that sleeps for its true duration at the granted core
 count (Amdahl, from ``OMP_NUM_THREADS``), so a grant of more cores really shortens it.
-Sandboxes are left out on both sides (the dispatcher does not manage containers; their
-start-up delay is folded into the first generation gap). Prints mean ACT and step time,
-simulated and live, per scheduler.
+The profile's sandbox start-up is left out of the simulated side (its delay is folded
+into the first generation gap); live, each command runs in its trajectory's sandbox by
+default (``--isolation``: ``bwrap``, or ``off`` for commands on the host without
+cgroups; several modes are run one after the other per scheduler). Prints mean ACT and
+step time, simulated and live, per scheduler and isolation.
 
     python benchmarks/live_replay.py [--profile coding] [--trajectories 4] [--scale 0.02]
         [--schedulers fifo,elastic_greedy,checkpoints/default] [--seed 1000000]
+        [--isolation bwrap,off]
 
 Live differs from simulated by construction in two ways, both part of what is measured:
-commands cost their start-up (a shell and ``sleep``, a few ms), and the policy sees
+commands cost their start-up (a shell and ``sleep``, a few ms; with isolation, a
+trajectory's sandbox is made before its first command and each start goes through the
+sandbox server), and the policy sees
 estimates from the online cost model (measured durations) instead of the profile's.
 """
 
@@ -35,6 +40,7 @@ from metasched.compose import profile
 from metasched.core.actions import Turn
 from metasched.core.cluster_config import ClusterConfig
 from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
+from metasched.runtime.sandbox.config import SandboxConfig
 from metasched.sim.sampling import TrajectorySpec, WorkloadInstance, sample_workload
 from metasched.sim.simulator import Simulator
 
@@ -78,8 +84,12 @@ def simulate(w, inst, cluster: ClusterConfig, sched: str, seed: int
     return float(r.act.mean()), float(r.step_s[0]), int(r.counters["failed"])
 
 
-async def live(inst, cores: list[int], sched: str) -> tuple[float, float, int]:
-    cfg = DispatcherConfig(scheduler=sched, cores=cores, sample_interval_s=0.5)
+async def live(inst, cores: list[int], sched: str, isolation: str
+               ) -> tuple[float, float, int]:
+    sandbox = (SandboxConfig(isolation="none", cgroups="none") if isolation == "off"
+               else SandboxConfig(isolation=isolation))
+    cfg = DispatcherConfig(scheduler=sched, cores=cores, sample_interval_s=0.5,
+                           sandbox=sandbox)
     async with Dispatcher(cfg) as d:
         if d.fallback_reason:
             raise SystemExit(f"{sched}: {d.fallback_reason}")
@@ -110,6 +120,8 @@ def main() -> None:
                     "simulated second)")
     ap.add_argument("--schedulers", default="fifo,elastic_greedy,checkpoints/default")
     ap.add_argument("--seed", type=int, default=1_000_000)
+    ap.add_argument("--isolation", default="bwrap",
+                    help="comma-separated: bwrap, none, off (no isolation, no cgroups)")
     args = ap.parse_args()
     cores = sorted(os.sched_getaffinity(0))
     w, inst = scaled_step(args.profile, args.trajectories, args.scale, args.seed)
@@ -118,15 +130,16 @@ def main() -> None:
     n_actions = sum(len(t.turns) for t in inst.steps[0])
     print(f"{args.profile}: {args.trajectories} trajectories, {n_actions} actions, time x "
           f"{args.scale:g}, {len(cores)} cores, seed {args.seed}")
-    print("| scheduler | mean ACT s sim | live | live ÷ sim | step s sim | live | live ÷ sim "
-          "| failed (timeouts) sim / live |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| scheduler | isolation | mean ACT s sim | live | live ÷ sim | step s sim | live "
+          "| live ÷ sim | failed (timeouts) sim / live |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for sched in args.schedulers.split(","):
         s_act, s_step, s_failed = simulate(w, inst, cluster, sched, args.seed)
-        l_act, l_step, l_failed = asyncio.run(live(inst, cores, sched))
-        print(f"| {sched} | {s_act:.4f} | {l_act:.4f} | {l_act / s_act:.2f} | {s_step:.2f} "
-              f"| {l_step:.2f} | {l_step / s_step:.2f} | {s_failed} / {l_failed} |",
-              flush=True)
+        for isolation in args.isolation.split(","):
+            l_act, l_step, l_failed = asyncio.run(live(inst, cores, sched, isolation))
+            print(f"| {sched} | {isolation} | {s_act:.4f} | {l_act:.4f} | {l_act / s_act:.2f} "
+                  f"| {s_step:.2f} | {l_step:.2f} | {l_step / s_step:.2f} "
+                  f"| {s_failed} / {l_failed} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -137,3 +137,17 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def visible_dir():
+    """A directory that sandboxed commands can read (they run as other users, with a
+    /tmp of their own, so the test's tmp_path is out of their sight): for gate files."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    path = Path(tempfile.mkdtemp(prefix="metasched-test-", dir="/var/tmp"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

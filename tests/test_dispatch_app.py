@@ -8,11 +8,13 @@ import subprocess
 import sys
 
 import pytest
+from helpers import COMMAND_PY
 
 from metasched.cli.dispatch_app import run_dispatch
 from metasched.cli.job_file import count_requests, read_jobs
 
-PY = sys.executable
+PY = sys.executable  # runs the app
+CMD_PY = COMMAND_PY  # what commands run: a sandbox's user can (see helpers)
 
 
 def write_jobs(path, lines) -> str:
@@ -26,14 +28,14 @@ def job(*argv, **kw) -> dict:
 
 def test_job_file_runs_with_one_result_per_line_and_bad_lines_fail_alone(tmp_path, capsys):
     jobs = write_jobs(tmp_path / "jobs.jsonl", [
-        job(PY, "-c", "print('a')", trajectory="t", turn=0),
+        job(CMD_PY, "-c", "print('a')", trajectory="t", turn=0),
         "# comment",
         "",
-        job(PY, "-c", "import sys; sys.exit(2)"),
+        job(CMD_PY, "-c", "import sys; sys.exit(2)"),
         "{not json",
         job("true", timeout_s=-1),
         job("sleep", "5", timeout_s=0.3),
-        job(PY, "-c", "print('b')", trajectory="t", turn=1, reward=True, id="last"),
+        job(CMD_PY, "-c", "print('b')", trajectory="t", turn=1, reward=True, id="last"),
         job("true", min_cores=999, max_cores=999),
     ])
     doc = run_dispatch({"jobs": jobs, "scheduler": "elastic_greedy", "progress": False},
@@ -64,15 +66,19 @@ def results(run_dir) -> dict[str, dict]:
 
 
 def test_rerun_on_the_same_journal_resumes_instead_of_repeating(tmp_path):
-    marker = tmp_path / "runs"
+    # Each run of a line prints a new random token: a second run would print another.
     jobs = write_jobs(tmp_path / "jobs.jsonl", [
-        job(PY, "-c", f"open({str(marker)!r}, 'a').write('x')") for _ in range(3)])
+        job(CMD_PY, "-c", "import uuid; print(uuid.uuid4())") for _ in range(3)])
     cfg = {"jobs": jobs, "scheduler": "fifo", "progress": False,
            "journal": str(tmp_path / "journal.db")}
     run_dispatch(cfg, tmp_path / "a")
     run_dispatch(cfg, tmp_path / "b")
-    assert marker.read_text() == "xxx"  # each line ran once over both runs
-    assert [r["status"] for r in results(tmp_path / "b").values()] == ["done"] * 3
+    a, b = results(tmp_path / "a"), results(tmp_path / "b")
+    assert [r["status"] for r in b.values()] == ["done"] * 3
+    assert len({r["stdout"] for r in a.values()}) == 3  # three runs, three tokens
+    # each line ran once over both runs: the second answers from the journal
+    assert {k: (r["stdout"], r["started_at"], r["attempts"]) for k, r in b.items()} == \
+        {k: (r["stdout"], r["started_at"], 1) for k, r in a.items()}
 
 
 def test_an_empty_job_file_is_an_error(tmp_path):
@@ -128,7 +134,8 @@ def start_dispatch(tmp_path, jobs, *args, finished: int = 0):
 
 
 @pytest.mark.parametrize("sig, status", [("SIGINT", 130), ("SIGTERM", 143), ("SIGHUP", 129)])
-def test_a_stop_signal_kills_running_commands_and_says_how_to_resume(tmp_path, sig, status):
+def test_a_stop_signal_kills_running_commands_and_says_how_to_resume(tmp_path, visible_dir,
+                                                                     sig, status):
     """Ctrl-C, and what service managers and terminals send: the running commands are
     killed, what is left stays in the journal, one message says how to resume, exit
     status 128 + the signal; resuming finishes the rest without repeating the finished."""
@@ -136,8 +143,10 @@ def test_a_stop_signal_kills_running_commands_and_says_how_to_resume(tmp_path, s
 
     from metasched.runtime.journal import Journal
 
-    marker, gate = tmp_path / "ran", tmp_path / "gate"
-    quick = job(PY, "-c", f"open({str(marker)!r}, 'a').write('q')", id="quick")
+    # Commands run in sandboxes: the gate lies where they can see it, and the quick one
+    # shows each run by a new token (they cannot write here).
+    gate = visible_dir / "gate"
+    quick = job(CMD_PY, "-c", "import uuid; print(uuid.uuid4())", id="quick")
     slow = [job("/bin/sh", "-c", 'test -e "$0" || sleep 30', str(gate), id=f"s{i}")
             for i in range(4)]
     jobs = write_jobs(tmp_path / "jobs.jsonl", [quick] + slow)
@@ -153,7 +162,8 @@ def test_a_stop_signal_kills_running_commands_and_says_how_to_resume(tmp_path, s
     assert f"journal={db}" in err and "Traceback" not in err
     for pid in pids:  # the running commands were killed with the dispatcher
         assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read()
-    assert [r["status"] for r in results(tmp_path / "out").values()] == ["done"]  # kept
+    first = results(tmp_path / "out")
+    assert [r["status"] for r in first.values()] == ["done"]  # kept
     gate.write_text("")  # the re-run commands end at once
     # Resumed with the file edited: lines 2 and 3 now ask for something else under the
     # same ids, and are rejected rather than answered with the stored requests' results.
@@ -162,7 +172,8 @@ def test_a_stop_signal_kills_running_commands_and_says_how_to_resume(tmp_path, s
     run_dispatch({"jobs": edited, "scheduler": "fifo", "progress": False,
                   "journal": str(db)}, tmp_path / "resumed")
     again = results(tmp_path / "resumed")
-    assert again["quick"]["status"] == "done" and marker.read_text() == "q"  # not re-run
+    assert again["quick"]["status"] == "done"
+    assert again["quick"]["stdout"] == first["quick"]["stdout"]  # not re-run
     assert [again[f"s{i}"]["status"] for i in range(4)] == ["rejected"] * 2 + ["done"] * 2
     assert again["s0"]["reason"] == ("jobs.jsonl:2: id: 's0' was accepted before with a "
                                      "different request; give this one another id (or, to "
@@ -273,7 +284,9 @@ def test_unusable_settings_stop_before_any_job_runs(tmp_path, setup, args, messa
     message = message.replace("JOURNAL", str(journal))
     assert p.returncode == 2, p.stderr
     assert p.stderr.startswith(message) and p.stderr.count("\n") == 1, p.stderr
-    assert not marker.exists()  # nothing ran
+    assert not marker.exists()  # nothing ran (were it sandboxed, it could not write it:
+    out = tmp_path / "out" / "results.jsonl"  # nor is there a result)
+    assert not out.exists() or out.read_text() == ""
     if setup:
         assert journal.read_bytes() == (b"" if setup == "empty" else b"hello\n")  # untouched
 

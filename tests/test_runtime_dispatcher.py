@@ -7,11 +7,11 @@ import asyncio
 import json
 import os
 import sqlite3
-import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from helpers import COMMAND_PY
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -22,8 +22,9 @@ from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
 from metasched.runtime.gpu import linear_scorer
 from metasched.runtime.journal import Journal
 from metasched.runtime.requests import Result
+from metasched.runtime.sandbox.config import SandboxConfig
 
-PY = sys.executable
+PY = COMMAND_PY  # what a sandbox's user can run (see helpers)
 CORES = sorted(os.sched_getaffinity(0))
 EP = {"e": EndpointSpec(rpm=6000, max_concurrency=4, tpm=None, burst_s=1.0)}
 
@@ -150,6 +151,30 @@ def test_gpu_command_sees_only_its_device():
     assert r.ok and r.stdout.strip() == "''"  # a stand-in: no GPU visible
 
 
+def test_gpu_command_runs_on_cores_counted_in_the_cpu_pool():
+    """A gpu command gets ``min_cores`` cores, runs on them only, and the scheduler sees
+    them busy meanwhile (a cpu action needing every core waits for it)."""
+    n = len(CORES)
+    code = "import os, time; print(sorted(os.sched_getaffinity(0))); time.sleep(1)"
+
+    async def go():
+        async with Dispatcher(cfg(gpu_standin=1)) as d:
+            gpu = asyncio.ensure_future(d.submit({"kind": "gpu", "argv": [PY, "-c", code],
+                                                  "timeout_s": 30, "min_cores": 1}))
+            for _ in range(200):
+                await asyncio.sleep(0.01)
+                if d.state.cpu.busy:
+                    break
+            busy, free = d.state.cpu.busy, d.state.cpu.free[0]
+            wide = await d.submit(cpu("/bin/true", min_cores=n, max_cores=n))
+            return await gpu, busy, free, wide
+    g, busy, free, wide = run(go())
+    assert g.ok, g.stderr
+    assert len(g.allocation["cores"]) == 1 and json.loads(g.stdout) == g.allocation["cores"]
+    assert busy == 1 and free == n - 1
+    assert wide.ok and wide.started_at >= g.finished_at - 0.05  # it waited for the core
+
+
 class _JsonHandler(BaseHTTPRequestHandler):
     """A quiet test server's handler that answers with JSON."""
 
@@ -235,15 +260,13 @@ def test_api_callable():
 
 
 def test_same_id_runs_once():
-    async def go(tmp):
+    async def go():
         async with Dispatcher(cfg()) as d:
-            req = cpu(PY, "-c", f"open({str(tmp)!r}, 'a').write('x')", id="once")
-            return await asyncio.gather(d.submit(req), d.submit(req))
-    import tempfile
-    with tempfile.TemporaryDirectory() as t:
-        path = os.path.join(t, "count")
-        a, b = run(go(path))
-        assert a is b and a.ok and open(path).read() == "x"
+            req = cpu(PY, "-c", "import uuid; print(uuid.uuid4())", id="once")
+            return await asyncio.gather(d.submit(req), d.submit(req)), d
+    (a, b), d = run(go())
+    assert a is b and a.ok and len(a.stdout.strip()) == 36
+    assert d.state.n_submitted == 1 and d.state.n_done == 1  # it ran once
 
 
 def test_accepted_requests_are_journaled_before_the_ack_and_results_after(tmp_path):
@@ -386,9 +409,11 @@ def test_cost_model_learns_what_the_policy_sees():
 
 
 def test_cgroup_parent_that_is_not_a_cgroup_falls_back_to_affinity(tmp_path, caplog):
-    (r,), d = run(dispatch([cpu("/bin/true")], cfg(cgroup_parent=str(tmp_path))))
-    assert r.ok and d.cgroup is None
-    assert any("cgroup confinement off" in m for m in caplog.messages)
+    sandbox = SandboxConfig(cgroups="v2", cgroup_parent=str(tmp_path))
+    (r,), d = run(dispatch([cpu("/bin/true")], cfg(sandbox=sandbox)))
+    assert r.ok and d.boxes.tree is None
+    assert any("cgroup confinement incomplete" in m and "not a cgroup v2 directory" in m
+               and "CPU affinity" in m for m in caplog.messages)
 
 
 def test_standin_gpu_utilisation_is_sampled():
@@ -606,11 +631,11 @@ def test_close_without_drain_kills_commands_whose_task_never_ran(tmp_path):
         pid = proc.pid
         os.kill(pid, 0)
         await d.close(drain=False)  # cancels the task before its first step
-        for _ in range(200):
+        for _ in range(200):  # killed (and reaped by whoever started it)
             await asyncio.sleep(0.01)
             try:
-                os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
+                os.kill(pid, 0)
+            except ProcessLookupError:
                 break
         return pid, d
     pid, d = run(go())

@@ -15,6 +15,7 @@ import time
 
 import psutil
 import pytest
+from helpers import COMMAND_PY
 
 from metasched.errors import ConfigError
 from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
@@ -22,7 +23,8 @@ from metasched.runtime.journal import Journal, JournalLocked
 from metasched.runtime.journal_docs import StoredRequest
 from metasched.runtime.requests import MAX_SECONDS
 
-PY = sys.executable
+PY = sys.executable  # runs dispatcher processes
+CMD_PY = COMMAND_PY  # what commands run: a sandbox's user can (see helpers)
 
 
 def cfg(**kw) -> DispatcherConfig:
@@ -89,9 +91,9 @@ def test_a_second_dispatcher_on_a_live_journal_fails_and_leaves_the_first_alone(
 def test_the_same_id_with_another_request_is_rejected_while_it_runs():
     async def go():
         async with Dispatcher(cfg()) as d:
-            a = d.accept(cpu(PY, "-c", "import time; time.sleep(0.3); print('a')", id="x"))
-            same = d.accept(cpu(PY, "-c", "import time; time.sleep(0.3); print('a')", id="x"))
-            other = d.accept(cpu(PY, "-c", "print('b')", id="x"))
+            a = d.accept(cpu(CMD_PY, "-c", "import time; time.sleep(0.3); print('a')", id="x"))
+            same = d.accept(cpu(CMD_PY, "-c", "import time; time.sleep(0.3); print('a')", id="x"))
+            other = d.accept(cpu(CMD_PY, "-c", "print('b')", id="x"))
             return a, same, await other, await a
     a, same, other, first = run(go())
     assert same is a  # deduplicated: the first's future
@@ -103,7 +105,7 @@ def test_the_same_id_with_another_request_is_rejected_while_it_runs():
 
 def test_a_resubmission_must_match_the_stored_request(tmp_path):
     db = tmp_path / "j.db"
-    req = cpu(PY, "-c", "print('first')", id="k", env={"A": "1"})
+    req = cpu(CMD_PY, "-c", "print('first')", id="k", env={"A": "1"})
 
     async def first():
         async with Dispatcher(cfg(journal=db)) as d:
@@ -117,7 +119,7 @@ def test_a_resubmission_must_match_the_stored_request(tmp_path):
     assert r.ok and r.stdout == "first\n"
     reordered = {k: req[k] for k in reversed(list(req))}  # field order does not matter
     same, other_env, other_argv = run(again(
-        reordered, {**req, "env": {"A": "2"}}, {**req, "argv": [PY, "-c", "print('x')"]}))
+        reordered, {**req, "env": {"A": "2"}}, {**req, "argv": [CMD_PY, "-c", "print('x')"]}))
     assert same.ok and same.stdout == "first\n" and same.finished_at == r.finished_at
     for out in (other_env, other_argv):
         assert out.status == "rejected" and out.reason == (
@@ -146,10 +148,10 @@ KILLED = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("keep_env", [False, True])
-def test_env_values_stay_out_of_the_journal_unless_asked(tmp_path, keep_env):
+def test_env_values_stay_out_of_the_journal_unless_asked(tmp_path, visible_dir, keep_env):
     db = tmp_path / "j.db"
     secret = "s3cr3t-value"
-    gate = tmp_path / "gate"
+    gate = visible_dir / "gate"
     with_env = cpu("/bin/sh", "-c", 'test -e "$0" && echo "$SECRET"', str(gate), id="env",
                    env={"SECRET": secret, "PATH": os.environ["PATH"]})
     plain = cpu("/bin/sh", "-c", 'test -e "$0" && echo plain', str(gate), id="plain")
@@ -205,7 +207,7 @@ def test_a_withheld_env_resubmitted_with_other_values_is_rejected(tmp_path):
 
 def test_compacted_rows_keep_their_ids_and_outcomes(tmp_path):
     db = tmp_path / "j.db"
-    reqs = [cpu(PY, "-c", f"print('{'y' * 500}')", id=f"r{i}") for i in range(20)]
+    reqs = [cpu(CMD_PY, "-c", f"print('{'y' * 500}')", id=f"r{i}") for i in range(20)]
 
     async def go(requests, compact):
         async with Dispatcher(cfg(journal=db)) as d:

@@ -20,7 +20,6 @@ import pytest
 from metasched.runtime.outcome import Outcome
 from metasched.runtime.process import (
     THREAD_ENV_VARS,
-    CpusetCgroup,
     kill_group,
     limits,
     run_process,
@@ -535,38 +534,81 @@ def test_kill_group():
         kill_group(0)  # would be this process's own group
 
 
-def test_cpuset_cgroup_is_a_no_op_where_unavailable(tmp_path):
-    cg = CpusetCgroup(tmp_path / "not-a-cgroup")
-    ok, why = cg.available()
-    assert not ok and "not a cgroup v2 directory" in why
-    assert cg.confine(os.getpid(), [0]) is None
-    out = run(py("import os; print(sorted(os.sched_getaffinity(0)))"), cgroup=cg)
-    assert out.ok and json.loads(out.stdout) == CPUS[:1]
-    # On this machine's real hierarchy: usable or not, it says why and never fails.
-    real = CpusetCgroup("/sys/fs/cgroup")
-    ok, why = real.available()
-    assert isinstance(ok, bool) and why
-    if not ok:
-        assert run(["/bin/true"], cgroup=real).ok
+def run_confined(argv: list[str], cgroups: str, **kwargs) -> Outcome:
+    """``run`` on the host (no isolation) with the dispatcher's cgroup slots."""
+    from metasched.runtime.sandbox.config import SandboxConfig
+    from metasched.runtime.sandbox.manager import Sandboxes
+
+    async def go() -> Outcome:
+        boxes = Sandboxes(SandboxConfig(isolation="none", cgroups=cgroups))
+        boxes.attach(asyncio.get_running_loop())
+        try:
+            kwargs.setdefault("cores", CPUS[:1])
+            kwargs.setdefault("timeout_s", 10.0)
+            return await run_process(argv, confinement=boxes, **kwargs)
+        finally:
+            await asyncio.sleep(0.05)  # the slot's release
+            boxes.close()
+    return asyncio.run(go())
 
 
-def test_cpuset_cgroup_writes_the_child_cgroup(tmp_path):
-    # A stand-in for a delegated cgroup v2 directory (plain files behave alike here).
-    (tmp_path / "cgroup.controllers").write_text("cpuset cpu memory\n")
-    (tmp_path / "cgroup.subtree_control").write_text("")
-    cg = CpusetCgroup(tmp_path)
-    assert cg.available() == (True, "ok")
-    assert (tmp_path / "cgroup.subtree_control").read_text() == "+cpuset"
-    path = cg.confine(1234, [0, 3])
-    assert path == tmp_path / "action-1234"
-    assert (path / "cpuset.cpus").read_text() == "0,3"
-    assert (path / "cgroup.procs").read_text() == "1234"
+@pytest.fixture
+def cgroups_here():
+    from metasched.runtime.sandbox import cgroups
 
-    no_cpuset = tmp_path / "other"
-    no_cpuset.mkdir()
-    (no_cpuset / "cgroup.controllers").write_text("memory\n")
-    ok, why = CpusetCgroup(no_cpuset).available()
-    assert not ok and "cpuset" in why
+    if os.geteuid() != 0:
+        pytest.skip("cgroups need root here")
+    missing = cgroups.discover("auto").missing
+    if missing:
+        pytest.skip(f"cgroup controllers unavailable: {missing}")
+
+
+@pytest.mark.skipif(len(CPUS) < 2, reason="needs two cores")
+def test_host_command_in_a_cgroup_cannot_widen_its_cores(cgroups_here):
+    out = run_confined(py("""
+        import os
+        os.sched_setaffinity(0, set(range(os.cpu_count())))
+        print(sorted(os.sched_getaffinity(0)))
+    """), "auto", cores=CPUS[1:2])
+    assert out.ok and json.loads(out.stdout) == CPUS[1:2]
+    # without cgroups, affinity alone: the command can widen it (the documented fallback)
+    out = run_confined(py("""
+        import os
+        os.sched_setaffinity(0, set(range(os.cpu_count())))
+        print(sorted(os.sched_getaffinity(0)))
+    """), "none", cores=CPUS[1:2])
+    assert out.ok and len(json.loads(out.stdout)) > 1
+
+
+def test_host_command_in_a_cgroup_is_limited_as_a_whole(cgroups_here):
+    workers = py("""
+        import subprocess, sys
+        code = "import time; b = b'x' * (100 << 20); time.sleep(5)"
+        ps = [subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+              for _ in range(3)]
+        print([p.wait() for p in ps])
+    """)
+    out = run_confined(workers, "auto", mem_limit_mb=200)
+    assert not out.ok and out.reason == "memory limit exceeded (200 MB)", out
+    forks = py("""
+        import os, sys, time
+        for _ in range(100):
+            if os.fork() == 0:
+                os.close(1), os.close(2)
+                time.sleep(5)
+                os._exit(0)
+    """)
+    out = run_confined(forks, "auto", pids_max=20)
+    assert not out.ok and out.reason == "process limit exceeded (20)", out
+
+
+def test_host_command_in_a_cgroup_leaves_no_daemon(cgroups_here, tmp_path):
+    marker = f"left-{os.getpid()}-{id(tmp_path)}"
+    out = run_confined(["/bin/sh", "-c", f"(setsid sh -c 'sleep 60; echo {marker}' "
+                        "</dev/null >/dev/null 2>&1 &); sleep 0.2"], "auto")
+    assert out.ok
+    left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True)
+    assert left.stdout.strip() == ""
 
 
 def test_fd_watch_survives_a_failing_callback_and_releases_its_loop():

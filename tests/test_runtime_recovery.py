@@ -1,9 +1,13 @@
-"""Durability: kill -9 of a dispatcher with over 1,000 accepted, unfinished requests;
-a new dispatcher on the same journal completes every one of them."""
+"""Durability: kill -9 of a dispatcher with over 1,000 accepted, unfinished requests; a
+new dispatcher on the same journal completes every one of them, runs again only those
+that were running, kills what the dead one left and removes what it made, and nothing
+else (a user's directory named like the dispatcher's, even one an orphan had made its
+working directory, stays). With isolation and without."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -11,79 +15,131 @@ import sys
 import textwrap
 
 import psutil
+import pytest
 
 from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
 from metasched.runtime.journal import Journal
+from metasched.runtime.sandbox.config import SandboxConfig
 
 N = 1200
+RUNNING = "running"
 
 # The child dispatcher accepts N requests, then serves them until it is killed. Each
-# request waits for the gate file (so few finish before the kill) and exits at once
-# when it exists (so the restarted dispatcher completes them quickly).
+# request waits for the gate file (so few finish before the kill) and exits at once when
+# it exists (so the restarted dispatcher completes them quickly). Without isolation each
+# command first enters the user's directory (the case where recovery once removed it).
 CHILD = textwrap.dedent("""
-    import asyncio, sys
+    import asyncio, json, sys
     from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
+    from metasched.runtime.sandbox.config import SandboxConfig
 
-    async def main(db, gate, n):
-        cfg = DispatcherConfig(scheduler="elastic_greedy", journal=db, sample_interval_s=0.1)
+    async def main(db, workdir, isolation, requests):
+        cfg = DispatcherConfig(scheduler="elastic_greedy", journal=db, sample_interval_s=0.1,
+                               workdir=workdir, sandbox=SandboxConfig(isolation=isolation))
         async with Dispatcher(cfg) as d:
-            for i in range(n):
-                d.accept({"id": f"r{i}", "kind": "cpu", "timeout_s": 120,
-                          "argv": ["/bin/sh", "-c", 'test -e "$0" || sleep 60', gate]})
+            for r in json.loads(open(requests).read()):
+                d.accept(r)
             d.flush()  # durable now (otherwise at the end of this loop turn)
-            print("accepted", flush=True)
+            print("accepted", d.run_dir.path, flush=True)
             await asyncio.sleep(3600)
 
-    asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
+    asyncio.run(main(*sys.argv[1:]))
 """)
 
 
-def test_kill_9_loses_nothing(tmp_path):
-    db, gate = tmp_path / "journal.db", tmp_path / "gate"
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(db), str(gate), str(N)],
-                             stdout=subprocess.PIPE, text=True)
+def requests(gate: str, user_dir: str, isolation: str) -> list[dict]:
+    enter = "" if isolation == "bwrap" else f'cd "{user_dir}" && '
+    script = enter + f'test -e "{gate}" || sleep 60'
+    return [{"id": f"r{i}", "kind": "cpu", "timeout_s": 120, "argv": ["/bin/sh", "-c", script]}
+            for i in range(N)]
+
+
+@pytest.mark.parametrize("isolation", ["bwrap", "none"])
+def test_kill_9_loses_nothing_and_removes_only_its_own(tmp_path, visible_dir, isolation):
+    if isolation == "bwrap":
+        from sandbox_helpers import needs_isolation
+        needs_isolation()
+    db = tmp_path / "journal.db"
+    workdir = tmp_path / "shm"  # the dispatcher's run directories go here
+    workdir.mkdir()
+    gate = str(visible_dir / "gate")  # where sandboxed commands see it
+    # Directories that look like the dispatcher's but are a user's.
+    user_dir = workdir / "metasched-999-0"
+    user_dir.mkdir()
+    (user_dir / "precious").write_text("keep")
+    lookalike = workdir / "metasched-run-1-abcd"  # a run directory's name, no marker
+    lookalike.mkdir()
+    reqs = requests(gate, str(user_dir), isolation)
+    (tmp_path / "requests.json").write_text(json.dumps(reqs))
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(db), str(workdir), isolation,
+         str(tmp_path / "requests.json")], stdout=subprocess.PIPE, text=True)
     try:
-        assert child.stdout.readline().strip() == "accepted"
-        # Until the running actions have recorded their pids (read beside the live writer).
+        word, dead_run = child.stdout.readline().split()
+        assert word == "accepted"
+        # Until the running actions have recorded their pids (read beside the live
+        # writer, which holds the journal's lock).
         with Journal(db, lock=False) as j:
-            for _ in range(200):
+            for _ in range(400):
                 if len(j.orphans()) >= 1:
                     break
                 asyncio.run(asyncio.sleep(0.05))
             orphans = j.orphans()
             counts = j.counts()
+            state = {f"r{i}": j.status(f"r{i}") for i in range(N)}
         assert counts["finished"] == 0 and counts["queued"] + counts["running"] == N
         child.send_signal(signal.SIGKILL)
         child.wait(10)
     finally:
         child.kill()
-    assert orphans, "the killed dispatcher left its running commands"
-    leftover = [pid for _, pid in orphans if psutil.pid_exists(pid)]
-    assert leftover  # still sleeping: their dispatcher is gone
-    scratch = [psutil.Process(pid).cwd() for pid in leftover]
-    assert all(os.path.isdir(d) for d in scratch)
+    assert orphans, "the killed dispatcher left running commands in its journal"
+    in_flight = {k for k, s in state.items() if s == RUNNING}
+    assert 1 <= len(in_flight) <= len(os.sched_getaffinity(0))
+    if isolation == "bwrap":
+        # Its sandbox server saw the dispatcher's end close and took every command
+        # down with the sandboxes, before any restart.
+        _wait_gone([pid for _, pid in orphans])
+    else:
+        assert any(psutil.pid_exists(pid) for _, pid in orphans)  # still sleeping
+    assert os.path.isdir(dead_run)
 
-    gate.write_text("")
+    open(gate, "w").close()
 
     async def restart():
-        async with Dispatcher(DispatcherConfig(scheduler="elastic_greedy", journal=db,
-                                               sample_interval_s=0.1)) as d:
-            futs = [d.accept({"id": f"r{i}", "kind": "cpu", "timeout_s": 120,  # resubmitted
-                              "argv": ["/bin/sh", "-c", 'test -e "$0" || sleep 60',
-                                       str(gate)]}) for i in range(N)]
+        cfg = DispatcherConfig(scheduler="elastic_greedy", journal=db, workdir=str(workdir),
+                               sample_interval_s=0.1,
+                               sandbox=SandboxConfig(isolation=isolation))
+        async with Dispatcher(cfg) as d:
+            futs = [d.accept(r) for r in reqs]  # resubmitted: deduplicated by id
             return await asyncio.gather(*futs), d.state.n_submitted
     results, submitted = asyncio.run(restart())
     assert submitted == N  # re-queued from the journal; the resubmissions were deduplicated
     assert [r.status for r in results] == ["done"] * N, {r.reason for r in results}
     assert {r.id for r in results} == {f"r{i}" for i in range(N)}
-    assert all(r.attempts >= 1 for r in results)
+    # ran again only if it was running when the dispatcher died
+    assert {r.id for r in results if r.attempts == 2} == in_flight
+    assert all(r.attempts == 1 for r in results if r.id not in in_flight)
     with Journal(db) as j:
         assert j.counts() == {"queued": 0, "running": 0, "finished": N}
-    # the orphaned commands were killed by the new dispatcher, not left sleeping
-    for pid in leftover:
-        try:
-            assert psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            pass
-    assert not any(os.path.exists(d) for d in scratch)  # their scratch dirs removed
+    _wait_gone([pid for _, pid in orphans])  # the orphans were killed, not left sleeping
+    assert not os.path.exists(dead_run)  # the dead dispatcher's run directory is removed
+    assert (user_dir / "precious").read_text() == "keep"  # the user's directories stay
+    assert lookalike.is_dir()
+    # nothing else is left: the restarted dispatcher removed its own run directory too
+    assert sorted(os.listdir(workdir)) == ["metasched-999-0", "metasched-run-1-abcd"]
     assert os.path.exists(db)
+
+
+def _wait_gone(pids: list[int]) -> None:
+    for _ in range(200):
+        alive = []
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive:
+            return
+        asyncio.run(asyncio.sleep(0.05))
+    raise AssertionError(f"processes {alive} are still running")

@@ -59,6 +59,7 @@ def load_services(spec: Any) -> dict[str, Any]:
 def dispatcher_config(cfg: dict[str, Any], run_dir: Path):
     """A validated ``DispatcherConfig`` from the composed config."""
     from metasched.runtime.dispatcher import DispatcherConfig
+    from metasched.runtime.sandbox.config import SandboxConfig
 
     cores = cfg.get("cores")
     if cores is not None and (not isinstance(cores, list) or not cores or not all(
@@ -93,7 +94,8 @@ def dispatcher_config(cfg: dict[str, Any], run_dir: Path):
         endpoints=parse_endpoints(cfg.get("endpoints"), "endpoints"),
         journal=journal, fsync=bool_setting(cfg, "fsync", False),
         journal_env=bool_setting(cfg, "journal_env", False),
-        max_wait_s=max_wait_setting(cfg), workdir=workdir)
+        max_wait_s=max_wait_setting(cfg), workdir=workdir,
+        sandbox=SandboxConfig.from_dict(cfg.get("sandbox")))
 
 
 def compact_setting(cfg: dict[str, Any]) -> float | None:

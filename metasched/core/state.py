@@ -11,7 +11,16 @@ from __future__ import annotations
 import math
 from collections import defaultdict, deque
 
-from metasched.core.actions import DONE, FAILED, KINDS, RUNNING, Action, Grant, Trajectory
+from metasched.core.actions import (
+    DONE,
+    FAILED,
+    KINDS,
+    RUNNING,
+    Action,
+    Grant,
+    SandboxSpec,
+    Trajectory,
+)
 from metasched.core.cluster_config import ClusterConfig
 from metasched.core.metrics import Recorder
 from metasched.core.pools import ApiPool, CpuPool, GpuPool, ServiceSpec
@@ -357,6 +366,35 @@ class ClusterState:
                 return False
             traj.node = node
         self.trajectories[traj.id] = traj
+        return True
+
+    def reserve_cores(self, node: int, cores: int) -> bool:
+        """Take ``cores`` free cores of ``node`` outside any cpu grant, for what else runs
+        on them (the live dispatcher's gpu commands); False, taking none, when fewer are
+        free. :meth:`unreserve_cores` gives them back."""
+        cpu = self.cpu
+        if cores > cpu.free[node]:
+            return False
+        self.version += 1
+        cpu.free[node] -= cores
+        cpu.busy += cores
+        return True
+
+    def unreserve_cores(self, node: int, cores: int) -> None:
+        self.version += 1
+        self.cpu.free[node] += cores
+        self.cpu.busy -= cores
+
+    def open_sandbox(self, traj: Trajectory, sandbox: SandboxSpec) -> bool:
+        """Give an open trajectory without one a sandbox (the live dispatcher makes it at
+        the trajectory's first command); False when no node has the memory."""
+        if traj.sandbox is not None:
+            raise ValueError(f"trajectory {traj.id} already has a sandbox")
+        node = self.cpu.place_sandbox(sandbox.mem_gb)
+        if node < 0:
+            return False
+        self.version += 1
+        traj.sandbox, traj.node = sandbox, node
         return True
 
     def close_trajectory(self, traj: Trajectory) -> None:

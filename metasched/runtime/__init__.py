@@ -2,12 +2,30 @@
 core (state, encoder, masks, ``Scheduler``) as the simulator.
 
 ``from metasched.runtime import Dispatcher, DispatcherConfig`` is the entry point; see
-the README's "Live dispatcher" section.
+the README's "Live dispatcher" section. The names are imported on first use, so that a
+process needing one light submodule (the sandbox server) does not load the dispatcher
+and NumPy.
 """
 
-from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
-from metasched.runtime.gpu import LiveService
-from metasched.runtime.requests import Request, Result, parse_request
+from __future__ import annotations
 
-__all__ = ["Dispatcher", "DispatcherConfig", "LiveService", "Request", "Result",
-           "parse_request"]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Dispatcher": "metasched.runtime.dispatcher",
+    "DispatcherConfig": "metasched.runtime.dispatcher",
+    "LiveService": "metasched.runtime.gpu",
+    "Request": "metasched.runtime.requests",
+    "Result": "metasched.runtime.requests",
+    "parse_request": "metasched.runtime.requests",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

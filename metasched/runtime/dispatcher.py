@@ -3,9 +3,10 @@
 Rollout workers ``await dispatcher.submit(request)``; the dispatcher journals the
 request (SQLite, before acknowledging it), queues it in the same ``ClusterState`` the
 simulator drives, asks the same ``Scheduler`` (the shipped learned policy by default)
-whenever a decision is possible, and runs what it grants on real cores (pinned
-subprocesses), GPUs (resident services or commands) and APIs (quota-aware calls with
-retries). Observations come from the same encoder and masks as in training.
+whenever a decision is possible, and runs what it grants on real cores (commands, each
+in its trajectory's sandbox and a cgroup of its own: :mod:`metasched.runtime.sandbox`),
+GPUs (resident services or commands) and APIs (quota-aware calls with retries).
+Observations come from the same encoder and masks as in training.
 
 One event loop thread owns the state: executors run as tasks on the loop (blocking
 work, such as a service's forward pass, runs in a worker thread) and report back on it.
@@ -17,9 +18,10 @@ import asyncio
 import logging
 import math
 import os
-import shutil
 import sqlite3
+import tempfile
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -28,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from metasched.core.actions import Action, ActionSpec, Grant, Trajectory
+from metasched.core.actions import Action, ActionSpec, Grant, SandboxSpec, Trajectory
 from metasched.core.cluster_config import ClusterConfig
 from metasched.core.guard import WaitGuard
 from metasched.core.metrics import Recorder, Ring, RunResult
@@ -56,8 +58,12 @@ from metasched.runtime.machine import (
     usable_cores,
 )
 from metasched.runtime.outcome import Outcome
-from metasched.runtime.process import CpusetCgroup, Process, kill_group, run_process, start_process
+from metasched.runtime.process import Process, kill_group, start_process
 from metasched.runtime.requests import DONE, FAILED, REJECTED, Request, Result, parse_request
+from metasched.runtime.sandbox.config import SandboxConfig, allowed_env
+from metasched.runtime.sandbox.manager import Sandbox, Sandboxes
+from metasched.runtime.sandbox.rundir import RunDirectory, remove_dead_runs
+from metasched.runtime.sandbox.workspace import WORKSPACE, template_from
 
 log = logging.getLogger("metasched.dispatch")
 
@@ -91,16 +97,15 @@ class DispatcherConfig:
         max_wait_s: the core's starvation guard (None: off).
         cost_alpha, default_est_s: the online cost model (see ``CostModel``).
         retry: API retry policy (429 / 5xx / connection errors).
-        cgroup_parent: a cgroup v2 directory delegated to this process (cpuset
-            controller enabled, writable): each command then also runs in a child cgroup
-            whose ``cpuset.cpus`` is its grant, which confines processes that reset their
-            own affinity. None (default), or where it is unavailable: affinity only
-            (the reason is logged once).
-        workdir: where commands' temporary working directories are made (None: the
-            tmpfs ``/dev/shm`` when writable, else the system temporary directory; a
-            directory costs ~10 µs to make and remove on tmpfs, ~100-800 µs on a disk,
-            which bounds the rate of short actions; files written there use memory). A
-            directory that is missing or not writable is a ConfigError at construction.
+        sandbox: how commands are confined: isolation (namespaces, unprivileged users,
+            workspaces), cgroups, environment (see :class:`SandboxConfig`).
+        workdir: where the dispatcher's run directory goes (None: the tmpfs
+            ``/dev/shm`` when writable, else the system temporary directory): it records
+            what this dispatcher made, for the next one to remove after a crash, and
+            holds the scratch directories of commands run without isolation (a directory
+            costs ~10 µs to make and remove on tmpfs, ~100-800 µs on a disk; files
+            written there use memory). A directory that is missing or not writable is a
+            ConfigError at construction.
         tail_bytes: how much of a command's stdout / stderr results keep.
         sample_interval_s: how often psutil / NVML are sampled.
         metrics_window: per-action measurements kept for the results (ACT percentiles):
@@ -126,7 +131,7 @@ class DispatcherConfig:
     cost_alpha: float = 0.3
     default_est_s: float = 1.0
     retry: RetryPolicy = field(default_factory=RetryPolicy)
-    cgroup_parent: str | None = None
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     workdir: str | None = None
     tail_bytes: int = 4096
     sample_interval_s: float = 1.0
@@ -137,7 +142,8 @@ class DispatcherConfig:
 class _Job:
     """A request the dispatcher has accepted, with its future and timings."""
 
-    __slots__ = ("request", "future", "queued_at", "started_at", "action", "alloc", "attempts")
+    __slots__ = ("request", "future", "queued_at", "started_at", "action", "alloc", "attempts",
+                 "sandbox")
 
     def __init__(self, request: Request, future: asyncio.Future, queued_at: float,
                  attempts: int = 0) -> None:
@@ -148,6 +154,7 @@ class _Job:
         self.action: Action | None = None
         self.alloc: dict[str, Any] = {}
         self.attempts = attempts
+        self.sandbox: Sandbox | None = None  # where its command runs (isolation on)
 
 
 class Dispatcher:
@@ -233,14 +240,16 @@ class Dispatcher:
         self._closed = False
         self.gpu_sampler = GpuSampler(self.devices, self.host) if self.devices else None
         self.monitor = MachineMonitor(self.cores, self.gpu_sampler)
-        self.cgroup = None
-        if cfg.cgroup_parent is not None:
-            cg = CpusetCgroup(cfg.cgroup_parent)
-            ok, why = cg.available()
-            if ok:
-                self.cgroup = cg
-            else:
-                log.warning("cgroup confinement off: %s (commands are pinned by affinity)", why)
+        self.boxes: Sandboxes | None = None  # made at start
+        self.run_dir: RunDirectory | None = None
+        self._sandbox_wait: deque[Trajectory] = deque()  # waiting for sandbox memory
+        # trajectory id -> its jobs, until its sandbox is ready
+        self._awaiting_sandbox: dict[int, list[_Job]] = {}
+        self._shared_wait: dict[bool, list[_Job]] = {}  # jobs until a shared sandbox opens
+        self._core_waiters: deque[tuple[int, asyncio.Future]] = deque()  # gpu commands
+        # What commands get from this process's environment (no secret is in the list);
+        # the rest comes from their request's env.
+        self._base_env = allowed_env(cfg.sandbox.env_allow)
         self._http = None  # the pooled HTTP client of API calls (see start)
         self.latency_ns = Ring(200_000, "q")  # the last decisions' latencies, unboxed
         self.n_decisions = 0
@@ -257,7 +266,12 @@ class Dispatcher:
         await self.close(drain=exc_type is None)
 
     async def start(self) -> None:
-        """Load the scheduler, recover the journal, start sampling."""
+        """Load the scheduler, set up confinement, recover the journal, start sampling.
+
+        Raises:
+            ConfigError: the configured isolation cannot work here (the message says
+                what is missing).
+        """
         self._loop = asyncio.get_running_loop()
         self.scheduler = self._load_scheduler()
         endpoints = self.state.api.endpoints.values()
@@ -269,13 +283,10 @@ class Dispatcher:
                 max_keepalive=max(1, sum(ep.spec.max_concurrency for ep in endpoints)))
             await warm_up()
         if self.journal is not None:
-            try:
-                self._recover()
-            except sqlite3.DatabaseError as e:  # damage the open-time checks cannot see
-                self.journal.close()
-                raise ConfigError("journal", f"{self.journal.path}: unreadable ({e}); "
-                                  f"restore it from a copy, or move it aside to start a "
-                                  f"new journal") from None
+            self._read_journal(self._kill_orphans)
+        await self._start_sandboxes()
+        if self.journal is not None:
+            self._read_journal(self._recover)
         self._ticker = asyncio.create_task(self._tick())
         self._kick()
 
@@ -302,6 +313,10 @@ class Dispatcher:
         for proc in self._commands:  # started, but cancelled before its task first ran
             proc.abandon()
         self._commands.clear()
+        if self.boxes is not None:
+            self.boxes.close()  # every sandbox ends, with whatever still runs in it
+        if self.run_dir is not None:
+            self.run_dir.remove()
         if self._ticker is not None:
             self._ticker.cancel()
             await asyncio.gather(self._ticker, return_exceptions=True)
@@ -365,27 +380,72 @@ class Dispatcher:
                 self.encoder = None
         return sched
 
-    def _recover(self) -> None:
-        """Re-queue what a previous dispatcher accepted but did not finish, after killing
-        the commands it left running."""
+    def _read_journal(self, read: Callable[[], None]) -> None:
+        """``read()`` the journal at start; damage the open-time checks cannot see is a
+        one-line ConfigError."""
+        try:
+            read()
+        except sqlite3.DatabaseError as e:
+            self.journal.close()
+            if self.boxes is not None:
+                self.boxes.close()
+                self.run_dir.remove()
+            raise ConfigError("journal", f"{self.journal.path}: unreadable ({e}); "
+                              f"restore it from a copy, or move it aside to start a "
+                              f"new journal") from None
+
+    def _kill_orphans(self) -> None:
+        """Kill the commands a previous dispatcher left running (its scratch directories
+        and cgroups go with its run directory: see :meth:`_start_sandboxes`)."""
         assert self.journal is not None
         import psutil
 
         for key, pid in self.journal.orphans():
             try:  # only a process that still carries this action's id is ours
-                proc = psutil.Process(pid)
-                if proc.environ().get(ACTION_ENV) == key:
-                    scratch = proc.cwd()
+                if psutil.Process(pid).environ().get(ACTION_ENV) == key:
                     kill_group(pid)
-                    # Its scratch directory, which its dead dispatcher would have removed.
-                    if os.path.basename(scratch).startswith("metasched-"):
-                        shutil.rmtree(scratch, ignore_errors=True)
             except psutil.ZombieProcess:
                 # An unreaped leader keeps its pid (and so its group id) from reuse: what
                 # is left of the group is the action's.
                 kill_group(pid)
             except (psutil.Error, OSError):
                 pass
+
+    async def _start_sandboxes(self) -> None:
+        """Remove what dispatchers that are gone left (their run directories, with the
+        scratch directories and cgroups they record: nothing else), make this one's, and
+        start the sandboxes. The log says in one line how commands are confined."""
+        root = self.workdir if self.workdir is not None else tempfile.gettempdir()
+        removed = remove_dead_runs(root)
+        if removed:
+            log.info("removed what %d dispatchers that are gone left in %s", len(removed), root)
+        try:
+            self.run_dir = RunDirectory(root)
+        except OSError as e:
+            raise ConfigError("workdir", f"cannot make a directory in {root} "
+                              f"({e.strerror or e})") from None
+        # The journal's files are invisible to commands (a command that found it could
+        # forge the results served on resume).
+        hide = ([str(self.journal.path.resolve()) + suffix
+                 for suffix in ("", "-wal", "-shm", ".lock")]
+                if self.journal is not None else [])
+        self.boxes = Sandboxes(self.config.sandbox, hide=hide)
+        self.run_dir.record(self.boxes.directories())
+        for why in self.boxes.warnings:
+            log.warning(why)
+        log.info(self.boxes.describe())
+        self.boxes.attach(self._loop)
+        if self.boxes.isolated:  # trajectory-less commands' sandbox, ready before they come
+            try:
+                await self.boxes.shared(self.config.sandbox.network).ready
+            except OSError as e:
+                self.boxes.close()
+                self.run_dir.remove()
+                raise ConfigError("sandbox", f"cannot make a sandbox: {e.strerror or e}") from None
+
+    def _recover(self) -> None:
+        """Re-queue what a previous dispatcher accepted but did not finish."""
+        assert self.journal is not None
         for key, text, attempts in self.journal.unfinished():
             try:
                 stored = StoredRequest.parse(text)
@@ -646,7 +706,35 @@ class Dispatcher:
             if req.tokens > ep.spec.tok_capacity:
                 raise ConfigError("tokens", f"{req.tokens} tokens exceed what endpoint "
                                   f"{req.endpoint} allows at once ({ep.spec.tok_capacity:g})")
+        if req.argv:
+            self._check_sandbox(req)
         return req
+
+    def _check_sandbox(self, req: Request) -> None:
+        """What a command asks of its sandbox, against this machine and against the
+        sandbox its trajectory already has (the first command decides)."""
+        if req.workspace_template is not None:
+            template_from(req.workspace_template)
+        mb = req.workspace_mb
+        if mb is not None and mb / 1024 > self.cluster.mem_gb_per_node:
+            raise ConfigError("workspace_mb", f"{mb:g} MB exceeds this node's memory "
+                              f"({self.cluster.mem_gb_per_node * 1024:g} MB)")
+        sb = (self.boxes.get(req.trajectory) if self.boxes is not None
+              and req.trajectory is not None else None)
+        if sb is None:
+            return
+        network = req.network if req.network is not None else self.config.sandbox.network
+        if network != sb.network:
+            raise ConfigError("network", f"trajectory {req.trajectory}'s sandbox was made "
+                              f"with network={str(sb.network).lower()}")
+        template = sb.template.path if sb.template is not None else None
+        if (req.workspace_template is not None
+                and os.path.abspath(req.workspace_template) != template):
+            raise ConfigError("workspace_template", f"trajectory {req.trajectory}'s workspace "
+                              f"was made from {template or 'nothing'}")
+        if mb is not None and int(mb * (1 << 20)) != sb.size_bytes:
+            raise ConfigError("workspace_mb", f"trajectory {req.trajectory}'s workspace was "
+                              f"made with {sb.size_bytes / (1 << 20):g} MB")
 
     def _enqueue(self, job: _Job) -> None:
         req = job.request
@@ -668,6 +756,87 @@ class Dispatcher:
             self._traj_seen[traj.id] = t
             if req.reward:
                 self._traj_ended.add(traj.id)
+        if req.argv and self.boxes is not None and self.boxes.isolated:
+            if not self._sandbox_ready_for(job, traj):
+                return  # held until its sandbox is ready (it waits for memory or starts)
+        self._submit(job, traj)
+
+    def _sandbox_ready_for(self, job: _Job, traj: Trajectory | None) -> bool:
+        """Whether ``job``'s sandbox is ready; if not, the job is held (and submitted
+        by :meth:`_release_awaiting` once it is, or once it failed: then the job fails at
+        its start, with the reason)."""
+        req = job.request
+        network = req.network if req.network is not None else self.config.sandbox.network
+        if traj is None:
+            sb = job.sandbox = self.boxes.shared(network)
+            if sb.ready.done():
+                return True
+            held = self._shared_wait.setdefault(network, [])
+            if not held:
+                sb.ready.add_done_callback(lambda _: self._release_shared(network))
+            held.append(job)
+            return False
+        if traj.id in self._awaiting_sandbox:  # its sandbox is not ready: keep the order
+            self._awaiting_sandbox[traj.id].append(job)
+            return False
+        sb = job.sandbox = self.boxes.get(req.trajectory)
+        if sb is not None:  # ready: until it is, its trajectory's jobs are held
+            return True
+        # The trajectory's first command (or its first since its sandbox failed).
+        mb = req.workspace_mb or self.config.sandbox.workspace_mb
+        self._awaiting_sandbox[traj.id] = [job]
+        if traj.sandbox is None and not self.state.open_sandbox(
+                traj, SandboxSpec(mem_gb=mb / 1024, startup_s=0.0)):
+            self._sandbox_wait.append(traj)  # no sandbox memory free: wait
+            return False
+        self._open_sandbox(traj, req)
+        return False
+
+    def _open_sandbox(self, traj: Trajectory, req: Request) -> None:
+        """Make the trajectory's sandbox; its held jobs are submitted when it is ready."""
+        network = req.network if req.network is not None else self.config.sandbox.network
+        template = (template_from(req.workspace_template)
+                    if req.workspace_template is not None else None)
+        sb = self.boxes.open(req.trajectory, size_mb=traj.sandbox.mem_gb * 1024,
+                             template=template, network=network)
+        sb.ready.add_done_callback(lambda _: self._release_awaiting(traj, sb))
+
+    def _release_awaiting(self, traj: Trajectory, sb: Sandbox) -> None:
+        jobs = self._awaiting_sandbox.pop(traj.id, [])
+        if self._closed:
+            return
+        for job in jobs:
+            job.sandbox = sb
+            self._submit(job, traj)
+
+    def _release_shared(self, network: bool) -> None:
+        for job in self._shared_wait.pop(network, []):
+            if not self._closed:
+                self._submit(job, None)
+
+    def _open_waiting_sandboxes(self) -> None:
+        """Sandbox memory was freed: open the sandboxes of trajectories waiting for it,
+        in order, while it lasts."""
+        q = self._sandbox_wait
+        while q:
+            traj = q[0]
+            jobs = self._awaiting_sandbox.get(traj.id)
+            if not jobs:  # closed meanwhile
+                q.popleft()
+                continue
+            req = jobs[0].request
+            mb = req.workspace_mb or self.config.sandbox.workspace_mb
+            if not self.state.open_sandbox(traj, SandboxSpec(mem_gb=mb / 1024, startup_s=0.0)):
+                return
+            q.popleft()
+            self._open_sandbox(traj, req)
+
+    def _submit(self, job: _Job, traj: Trajectory | None) -> None:
+        """Queue an accepted job in the state: the scheduler sees it from now on."""
+        req = job.request
+        state = self.state
+        t = self._now()
+        state.advance(t)
         spec = ActionSpec(
             kind=req.kind, name=req.name, true_s=math.nan,
             est_s=self.cost.estimate(req.signature, req.est_s), timeout_s=req.timeout_s,
@@ -813,42 +982,62 @@ class Dispatcher:
                 self._journal_start(job.request.id, pid, job.attempts)
         return record
 
-    def _start_command(self, job: _Job, cores: list[int]) -> Process | Exception:
-        """Start a cpu action's command now, not a loop turn later in its task: the
-        time from a freed core to the next start is what leaves the core idle. An
-        exception (a bug, not the action's failure) is handed to the task to report."""
+    def _start_command(self, job: _Job, cores: list[int],
+                       extra_env: Mapping[str, str] | None = None) -> Process | Exception:
+        """Start a command now, not a loop turn later in its task: the time from a freed
+        core to the next start is what leaves the core idle. It runs in the job's
+        sandbox (isolation on) or on the host, in a cgroup slot when there are cgroups.
+        An exception (a bug, not the action's failure) is handed to the task to report."""
         req = job.request
+        sb = job.sandbox
+        if sb is not None and sb.ready.done() and sb.ready.exception() is not None:
+            why = getattr(sb.ready.exception(), "strerror", None) or str(sb.ready.exception())
+            return Process.failed(Outcome(False, f"cannot start: {why}",
+                                          detail={"cores": cores}))
+        env = dict(self._base_env)
+        if sb is not None:
+            env.update(HOME=WORKSPACE, TMPDIR="/tmp", USER="sandbox", LOGNAME="sandbox")
+        if req.env:
+            env.update(req.env)
         try:
             proc = start_process(
-                req.argv, cores=cores, timeout_s=req.timeout_s, env=req.env,
+                req.argv, cores=cores, timeout_s=req.timeout_s, env=env,
                 mem_limit_mb=req.mem_limit_mb, cpu_time_s=req.cpu_time_s,
-                tail_bytes=self.config.tail_bytes, extra_env={ACTION_ENV: req.id},
-                cwd_root=self.workdir, cgroup=self.cgroup, on_start=self._on_pid(job))
+                pids_max=req.pids_max or self.config.sandbox.pids_max,
+                tail_bytes=self.config.tail_bytes,
+                extra_env={ACTION_ENV: req.id, **(extra_env or {})},
+                cwd_root=self.run_dir.path, confinement=self.boxes, sandbox=sb,
+                on_start=self._on_pid(job))
         except Exception as e:  # noqa: BLE001
             return e
         self._commands.add(proc)
         return proc
 
     async def _run_cpu(self, job: _Job, cores: list[int], proc: Process | Exception) -> None:
+        out = await self._wait_command(proc, lambda: self._free_cores.extend(cores))
+        self._complete(job, out)
+
+    async def _wait_command(self, proc: Process | Exception,
+                            release: Callable[[], None]) -> Outcome:
+        """How a started command ended; ``release`` gives its cores back, whatever
+        happens (an exception from the start is raised here, for the task to report)."""
         try:
             if isinstance(proc, Exception):
                 raise proc
-            out = await proc.wait()
+            return await proc.wait()
         finally:
             self._commands.discard(proc)
-            self._free_cores.extend(cores)
-        self._complete(job, out)
+            release()
 
     async def _run_gpu(self, jobs: list[_Job], device: int, resident: set[str]) -> None:
         dev = self.devices[device]
         first = jobs[0].request
         try:
-            if first.service is None:  # a command that needs a device
-                env = {**command_env(dev), ACTION_ENV: first.id}
-                out = await run_process(
-                    first.argv, cores=self.cores, timeout_s=first.timeout_s, env=first.env,
-                    tail_bytes=self.config.tail_bytes, extra_env=env,
-                    cwd_root=self.workdir, on_start=self._on_pid(jobs[0]))
+            if first.service is None:  # a command that needs a device, and cores
+                cores = await self._reserve_cores(first.min_cores)
+                jobs[0].alloc["cores"] = cores
+                proc = self._start_command(jobs[0], cores, extra_env=command_env(dev))
+                out = await self._wait_command(proc, lambda: self._unreserve_cores(cores))
                 self._complete(jobs[0], out)
                 return
             batch = asyncio.ensure_future(self.host.run_batch(
@@ -876,6 +1065,42 @@ class Dispatcher:
                 self.state.advance(self._now())
                 self.state.release_device(device)
                 self._kick()
+
+    async def _reserve_cores(self, k: int) -> list[int]:
+        """``k`` free cores for a gpu command, counted busy in the CPU pool (the
+        scheduler does not grant them meanwhile); waits until that many are free."""
+        if not self.state.reserve_cores(0, k):
+            waiter = self._loop.create_future()
+            self._core_waiters.append((k, waiter))
+            return await waiter  # reserved for it by _serve_core_waiters
+        return self._take_cores(k)
+
+    def _take_cores(self, k: int) -> list[int]:
+        cores = self.monitor.least_loaded(self._free_cores, k)
+        for c in cores:
+            self._free_cores.remove(c)
+        return cores
+
+    def _unreserve_cores(self, cores: list[int]) -> None:
+        self._free_cores.extend(cores)
+        if not self._closed:
+            self.state.advance(self._now())
+            self.state.unreserve_cores(0, len(cores))
+            self._serve_core_waiters()
+            self._kick()
+
+    def _serve_core_waiters(self) -> None:
+        """Cores were freed: gpu commands waiting for cores take them first, in order."""
+        q = self._core_waiters
+        while q:
+            k, waiter = q[0]
+            if waiter.done():
+                q.popleft()
+                continue
+            if not self.state.reserve_cores(0, k):
+                return
+            q.popleft()
+            waiter.set_result(self._take_cores(k))
 
     async def _run_api(self, job: _Job) -> None:
         req = job.request
@@ -918,6 +1143,8 @@ class Dispatcher:
                 self._close_trajectory(traj)
         try:
             if a.spec.kind != "gpu":
+                if a.spec.kind == "cpu" and self._core_waiters:
+                    self._serve_core_waiters()
                 # Now, not a loop turn later, and before the result is built and
                 # journaled: the time from an exit to the next start is what leaves a
                 # freed core idle.
@@ -941,6 +1168,8 @@ class Dispatcher:
             job.future.set_result(result)
 
     def _close_trajectory(self, traj: Trajectory) -> None:
+        """The trajectory is over: its held cores, sandbox memory and sandbox (its
+        workspace, and whatever still runs in it) are released."""
         self.state.close_trajectory(traj)
         self._traj_live.pop(traj.id, None)
         self._traj_ended.discard(traj.id)
@@ -948,6 +1177,22 @@ class Dispatcher:
         for name, tr in list(self._trajs.items()):
             if tr is traj:
                 del self._trajs[name]
+                if self.boxes is not None:
+                    self.boxes.close_trajectory(name)
+        if traj.sandbox is not None and self._sandbox_wait:
+            self._open_waiting_sandboxes()
+
+    def close_trajectory(self, name: str) -> None:
+        """Close trajectory ``name`` as its reward action would: once nothing of it is
+        queued or running (now, if nothing is), its workspace is removed and its
+        sandbox memory returns to the pool. A later request naming it starts anew."""
+        traj = self._trajs.get(name)
+        if traj is None:
+            return
+        self._traj_ended.add(traj.id)
+        if self._traj_live.get(traj.id, 0) == 0:
+            self._close_trajectory(traj)
+            self._kick()
 
     async def _tick(self) -> None:
         """Sample the machine; close trajectories idle too long."""
@@ -985,7 +1230,8 @@ class Dispatcher:
                 "decisions": self.n_decisions, "grants": s.n_grants,
                 "guard_fired": self.guard.fired, "decision_latency_us": pct,
                 "awaiting_resubmission": len(self._held),
-                "measured_utilisation": self.monitor.summary()}
+                "measured_utilisation": self.monitor.summary(),
+                "confinement": self.boxes.describe() if self.boxes is not None else None}
 
     def run_result(self) -> RunResult:
         """What this dispatcher measured, in the simulator's form (for the same

@@ -20,13 +20,20 @@ A request is one action. Fields every kind has:
 
 Per kind:
 
-- cpu: ``argv`` (list of strings, run without a shell), ``env`` (mapping; default: the
-  dispatcher's environment), ``min_cores`` / ``max_cores``, ``parallel_fraction``
-  (Amdahl p, what the scheduler assumes about extra cores), ``mem_limit_mb`` (MiB; the
-  dispatcher rejects more than the machine's memory), ``cpu_time_s`` (at most 30 days).
+- cpu: ``argv`` (list of strings, run without a shell), ``env`` (mapping: the
+  command's environment, on top of the few variables the dispatcher passes from its own,
+  ``sandbox.env_allow``), ``min_cores`` / ``max_cores``, ``parallel_fraction``
+  (Amdahl p, what the scheduler assumes about extra cores), ``mem_limit_mb`` (MiB of
+  memory the command may add to its sandbox: its processes and the files it writes;
+  the dispatcher rejects more than the machine's memory), ``cpu_time_s`` (at most 30
+  days), ``pids_max`` (processes and threads at once), ``network`` (may it reach the
+  network), and for a trajectory's workspace (its first request decides):
+  ``workspace_template`` (a directory or tar archive it starts from) and
+  ``workspace_mb`` (its size: the sandbox memory the scheduler accounts for it).
 - gpu: ``service`` and ``payload`` (a registered service scores the payload), or
-  ``argv`` (+ ``env``): a command that needs a device (it sees only its device through
-  ``CUDA_VISIBLE_DEVICES``).
+  ``argv`` (+ ``env`` and the command fields above): a command that needs a device (it
+  sees only its device through ``CUDA_VISIBLE_DEVICES``) and ``min_cores`` cores (1 by
+  default), counted in the CPU pool while it runs.
 - api: ``endpoint``, ``tokens``, and ``http`` (``{"url", "method", "headers", "json",
   "body"}``); from Python, ``call`` (an async callable) instead.
 """
@@ -46,10 +53,12 @@ from metasched.core.validate import Field, json_object, number, required, short,
 from metasched.errors import ConfigError
 
 _COMMON = {"id", "kind", "task", "name", "trajectory", "turn", "reward", "timeout_s", "est_s"}
+# What a command (a cpu request, or a gpu request with an argv) may ask of its sandbox.
+_SANDBOX = {"pids_max", "network", "workspace_template", "workspace_mb"}
 _BY_KIND = {
     "cpu": {"argv", "env", "min_cores", "max_cores", "parallel_fraction", "mem_limit_mb",
-            "cpu_time_s"},
-    "gpu": {"service", "payload", "argv", "env"},
+            "cpu_time_s", *_SANDBOX},
+    "gpu": {"service", "payload", "argv", "env", "min_cores", *_SANDBOX},
     "api": {"endpoint", "tokens", "http"},
 }
 _ALL = _COMMON.union(*_BY_KIND.values())
@@ -80,6 +89,10 @@ class Request:
     parallel_fraction: float = 0.0
     mem_limit_mb: float | None = None
     cpu_time_s: float | None = None
+    pids_max: int | None = None
+    network: bool | None = None
+    workspace_template: str | None = None
+    workspace_mb: float | None = None
     service: str | None = None
     payload: Any = None
     endpoint: str | None = None
@@ -171,6 +184,12 @@ def parse_request(value: Any, loc: str = "request", *,
         kw["argv"] = _argv(required(d, "argv", at), at["argv"])
         if d.get("env") is not None:
             kw["env"] = _env(d["env"], at["env"])
+        _sandbox_fields(d, at, kw, trajectory)
+    else:
+        for key in _SANDBOX:
+            if key in d:
+                raise ConfigError(str(at[key]), "only commands (requests with an argv) "
+                                  "have it")
     if kind == "cpu":
         if "min_cores" in d:
             kw["min_cores"] = number(d["min_cores"], at["min_cores"], lo=1, integer=True)
@@ -193,10 +212,16 @@ def parse_request(value: Any, loc: str = "request", *,
             raise ConfigError(str(at["service"]), "give either a service (with its payload) "
                               "or an argv (a command that needs a device), not both")
         if "service" in d:
+            if "min_cores" in d:
+                raise ConfigError(str(at["min_cores"]), "only commands (requests with an "
+                                  "argv) have it")
             kw["service"] = string(d["service"], at["service"])
             kw["payload"] = d.get("payload")
             default_name = kw["service"]
         else:
+            if "min_cores" in d:  # cores the command runs on, beside its device
+                kw["min_cores"] = kw["max_cores"] = number(d["min_cores"], at["min_cores"],
+                                                           lo=1, integer=True)
             default_name = os.path.basename(kw["argv"][0])
     else:
         kw["endpoint"] = string(required(d, "endpoint", at), at["endpoint"])
@@ -220,6 +245,31 @@ def parse_request(value: Any, loc: str = "request", *,
     name = string(d["name"], at["name"]) if "name" in d else default_name
     return Request(kind=kind, timeout_s=timeout_s, id=rid, task=task, name=name,
                    trajectory=trajectory, turn=turn, reward=reward, est_s=est_s, **kw)
+
+
+def _sandbox_fields(d: Mapping[str, Any], at: Field, kw: dict[str, Any],
+                    trajectory: str | None) -> None:
+    """The fields a command asks of its sandbox (into ``kw``)."""
+    if d.get("pids_max") is not None:
+        kw["pids_max"] = number(d["pids_max"], at["pids_max"], lo=1, hi=4_194_304,
+                                integer=True)
+    if d.get("network") is not None:
+        if not isinstance(d["network"], bool):
+            raise ConfigError(str(at["network"]), f"must be true or false (got "
+                              f"{short(d['network'])})")
+        kw["network"] = d["network"]
+    for key in ("workspace_template", "workspace_mb"):
+        if d.get(key) is None:
+            continue
+        if trajectory is None:
+            raise ConfigError(str(at[key]), "only a trajectory has a workspace to set up "
+                              "(a request without one gets a fresh, empty one)")
+        if key == "workspace_mb":
+            kw[key] = number(d[key], at[key], lo=1.0, hi=2.0**40)
+        else:
+            kw[key] = string(d[key], at[key])
+            if "\0" in kw[key]:
+                raise ConfigError(str(at[key]), "must not contain NUL characters")
 
 
 def _seconds(value: Any, at: Field) -> float:

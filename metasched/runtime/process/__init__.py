@@ -24,16 +24,16 @@ Where each part lives (each module's docstring says why it is done that way):
   pidfds as one reader;
 - :mod:`.memory_watch`: the watchdog on a group's resident memory;
 - :mod:`.failures`: naming how a command ended;
-- :mod:`.workdir`: the scratch directories;
-- :mod:`.cgroup`: optional cpuset cgroup confinement (:class:`CpusetCgroup`).
+- :mod:`.workdir`: the scratch directories.
+
+Confinement (sandboxes, cgroup slots) is :mod:`metasched.runtime.sandbox`'s; ``run.py``
+starts a command there when it is given one.
 
 Only the names below are the package's API; the modules are its internals.
 """
 
-from metasched.runtime.process.cgroup import CpusetCgroup
 from metasched.runtime.process.child import kill_group
 from metasched.runtime.process.environment import THREAD_ENV_VARS
 from metasched.runtime.process.run import Process, run_process, start_process
 
-__all__ = ["THREAD_ENV_VARS", "CpusetCgroup", "Process", "kill_group", "run_process",
-           "start_process"]
+__all__ = ["THREAD_ENV_VARS", "Process", "kill_group", "run_process", "start_process"]

@@ -18,7 +18,7 @@ import threading
 
 from metasched.runtime.process.fd_watch import FdWatch
 
-__all__ = ["Child", "Tail", "close_fds", "kill_group"]
+__all__ = ["Child", "ChildBase", "Stream", "Tail", "close_fds", "kill_group"]
 
 _READ_CHUNK = 65536  # a Linux pipe holds 64 KiB by default: one read empties it
 _REAP_AFTER_CANCEL_S = 2.0  # how long a cancelled call waits for SIGKILL to take effect
@@ -115,24 +115,64 @@ class Stream:
         return self.tail.buf.decode("utf-8", errors="replace")
 
 
-class Child:
-    """A started child: exit notification, reaping, killing, and its two output pipes."""
+class ChildBase:
+    """What the executor uses of a started command, whoever started it (this process:
+    :class:`Child`; the sandbox server: ``metasched.runtime.sandbox.command``): its
+    ``exited`` future, its two output :class:`Stream` s, ``kill``, ``kill_rest`` and
+    ``reap`` (the subclass's), and the waiting below."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, proc: subprocess.Popen,
-                 out_fd: int, err_fd: int, tail_bytes: int) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, pid: int, out_fd: int, err_fd: int,
+                 tail_bytes: int) -> None:
         self.loop = loop
-        self.pid = proc.pid
-        self.proc = proc  # reaped here, not by Popen (see reap())
+        self.pid = pid
         self.exited: asyncio.Future[None] = loop.create_future()
         self.killed_by: str | None = None
         self.reaped = False
         self.returncode: int | None = None
         self.maxrss_bytes = 0
         self.cpu_s = 0.0
-        self.pidfd = -1
-        self.watch = FdWatch.for_loop(loop)
+        self.pids_limited = False  # its cgroup refused it a fork
         self.out = Stream(loop, out_fd, tail_bytes)
         self.err = Stream(loop, err_fd, tail_bytes)
+
+    def reap(self) -> None:
+        raise NotImplementedError
+
+    async def reap_after_kill(self) -> None:
+        """After SIGKILL: wait (bounded, even if cancelled again) for the exit, reap."""
+        if not self.exited.done():
+            try:
+                await asyncio.wait([self.exited], timeout=_REAP_AFTER_CANCEL_S)
+            except asyncio.CancelledError:
+                pass
+        if self.exited.done() and not self.reaped:
+            self.reap()
+
+    async def drained(self, grace_s: float) -> None:
+        """Wait for EOF on both pipes, at most ``grace_s`` (a process that left the
+        group with setsid may still hold them)."""
+        # Usually every writer is gone by now (the group was killed): read what is left
+        # at once rather than waiting for the loop to report it.
+        self.out.drain_now()
+        self.err.drain_now()
+        pending = [s.eof for s in (self.out, self.err) if not s.eof.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=grace_s)
+
+    def close(self) -> None:
+        self.out.close()
+        self.err.close()
+
+
+class Child(ChildBase):
+    """A started child: exit notification, reaping, killing, and its two output pipes."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, proc: subprocess.Popen,
+                 out_fd: int, err_fd: int, tail_bytes: int) -> None:
+        self.proc = proc  # reaped here, not by Popen (see reap())
+        self.pidfd = -1
+        self.watch = FdWatch.for_loop(loop)
+        super().__init__(loop, proc.pid, out_fd, err_fd, tail_bytes)
         try:
             self.pidfd = os.pidfd_open(self.pid)
         except (AttributeError, OSError):
@@ -172,6 +212,11 @@ class Child:
             self.killed_by = why
         kill_group(self.pid)
 
+    def kill_rest(self) -> None:
+        """After the leader's exit, before reaping: kill what is left of its group (the
+        zombie leader's pid still names the group, so it cannot have been reused)."""
+        kill_group(self.pid)
+
     def reap(self) -> None:
         """Collect the exited leader's status and resource usage (does not block)."""
         try:
@@ -188,34 +233,9 @@ class Child:
         self.proc.returncode = self.returncode if self.returncode is not None else -1
         self._close_pidfd()
 
-    async def reap_after_kill(self) -> None:
-        """After SIGKILL: wait (bounded, even if cancelled again) for the exit, reap."""
-        if not self.exited.done():
-            try:
-                await asyncio.wait([self.exited], timeout=_REAP_AFTER_CANCEL_S)
-            except asyncio.CancelledError:
-                pass
-        if self.exited.done() and not self.reaped:
-            self.reap()
-
     def reap_in_background(self) -> None:
         """The leader outlived SIGKILL (uninterruptible sleep): reap it when it exits."""
         def reap_later(_: asyncio.Future[None]) -> None:
             if not self.reaped:
                 self.reap()
         self.exited.add_done_callback(reap_later)
-
-    async def drained(self, grace_s: float) -> None:
-        """Wait for EOF on both pipes, at most ``grace_s`` (a process that left the
-        group with setsid may still hold them)."""
-        # Usually every writer is gone by now (the group was killed): read what is left
-        # at once rather than waiting for the loop to report it.
-        self.out.drain_now()
-        self.err.drain_now()
-        pending = [s.eof for s in (self.out, self.err) if not s.eof.done()]
-        if pending:
-            await asyncio.wait(pending, timeout=grace_s)
-
-    def close(self) -> None:
-        self.out.close()
-        self.err.close()

@@ -1,8 +1,12 @@
 """Naming how a command ended: the :class:`~metasched.runtime.outcome.Outcome`.
 
 The reason is one of "exit code N", "killed by SIGNAME", "timeout after T s", "cpu time
-limit exceeded", "memory limit exceeded (N MB)", "cannot start: <error>" or, for a
-child reaped by someone else, "exit status lost (reaped elsewhere)".
+limit exceeded", "memory limit exceeded (N MB)", "process limit exceeded (N)",
+"cannot start: <error>" or, for a child reaped by someone else, "exit status lost
+(reaped elsewhere)".
+
+A command that failed after its cgroup refused it a fork (``pids.max``) is named
+"process limit exceeded (N)" unless a timeout or a memory limit explains it first.
 
 A failure is named "memory limit exceeded (N MB)" when a limit was set and (a) the
 group watchdog killed it, (b) it died of SIGKILL that this package did not send (the
@@ -52,8 +56,10 @@ def cannot_start(exc: BaseException, detail: dict[str, Any]) -> Outcome:
 
 
 def outcome_of(child: Child, timeout_s: float, mem_limit_mb: float | None,
-               cpu_time_s: float | None, launched: bool, detail: dict[str, Any]) -> Outcome:
-    """How the reaped ``child`` ended; ``launched``: it ran under the prlimit(1) launcher."""
+               cpu_time_s: float | None, launched: bool, detail: dict[str, Any], *,
+               pids_max: int | None = None) -> Outcome:
+    """How the reaped ``child`` ended; ``launched``: it ran under the prlimit(1) launcher;
+    ``pids_max``: its process limit (named when ``child.pids_limited``)."""
     stdout, stderr = child.out.text(), child.err.text()
     rc = child.returncode
     if launched and rc in (126, 127) and stderr.startswith("prlimit: failed to execute"):
@@ -77,6 +83,8 @@ def outcome_of(child: Child, timeout_s: float, mem_limit_mb: float | None,
     elif mem_limit_mb is not None and _looks_like_memory(sig, child.maxrss_bytes,
                                                          mem_limit_mb, stderr):
         reason = _memory_reason(mem_limit_mb)
+    elif getattr(child, "pids_limited", False) and pids_max is not None:
+        reason = f"process limit exceeded ({pids_max})"
     elif sig:
         reason = f"killed by {_signal_name(sig)}"
     else:

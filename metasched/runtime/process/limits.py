@@ -8,6 +8,8 @@
 - ``cpu_time_s`` sets ``RLIMIT_CPU`` rounded up to whole seconds, with the hard limit
   one second higher so that SIGXCPU (the soft limit) arrives before SIGKILL (the hard
   one); ``RLIMIT_CORE`` is set to 0 with it.
+- ``nproc`` sets ``RLIMIT_NPROC``: processes of the command's *user*, which bounds the
+  command only where the user is its own (a sandbox's, without a pids cgroup).
 
 The limits must be in place before user code runs. ``prlimit(pid, ...)`` after the
 spawn would let its first instructions (and any child forked then) run unlimited, and a
@@ -39,7 +41,8 @@ _CPU_HARD_MARGIN_S = 1  # RLIMIT_CPU hard limit above the soft one: SIGXCPU come
 Limit = tuple[int, str, int, int]
 
 
-def rlimits(mem_limit_mb: float | None, cpu_time_s: float | None) -> list[Limit]:
+def rlimits(mem_limit_mb: float | None, cpu_time_s: float | None,
+            nproc: int | None = None) -> list[Limit]:
     """The rlimits to set: (resource, prlimit(1) option name, soft, hard).
 
     Each limit is clamped to this process's hard limit (an unprivileged process cannot
@@ -56,6 +59,9 @@ def rlimits(mem_limit_mb: float | None, cpu_time_s: float | None) -> list[Limit]
         # SIGXCPU's default action dumps core: a core file of a large process is slow
         # to write and lands in a directory that is about to be removed.
         limits.append((resource.RLIMIT_CORE, "core", 0, 0))
+    if nproc is not None:
+        limits.append((resource.RLIMIT_NPROC, "nproc", *_clamp(resource.RLIMIT_NPROC, nproc,
+                                                                nproc)))
     return limits
 
 

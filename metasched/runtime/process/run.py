@@ -2,13 +2,22 @@
 
 They tie the parts together: check the arguments, build the environment and limits
 (:mod:`.environment`, :mod:`.limits`), make the scratch directory (:mod:`.workdir`),
-spawn (:mod:`.spawn`), watch the child (:mod:`.child`, :mod:`.memory_watch`, the
-timeout), and name how it ended (:mod:`.failures`).
+spawn (:mod:`.spawn`, or the sandbox server for a command that runs in a sandbox:
+:mod:`metasched.runtime.sandbox`), watch the child (:mod:`.child`, :mod:`.memory_watch`,
+the timeout), and name how it ended (:mod:`.failures`).
 
-When the command's main process exits, whatever is left of its process group is killed:
-those processes would go on using cores the scheduler has handed back, and hold the
-output pipes. A process that left the group (``setsid``) escapes this; only the cgroup
-option (:mod:`.cgroup`) catches it, and its hold on the pipes is cut after 0.5 s.
+When the command's main process exits, whatever is left of it is killed: those
+processes would go on using cores the scheduler has handed back, and hold the output
+pipes. With cgroups (``confinement``) that is everything in its cgroup slot, processes
+that left its session (``setsid``) included; without, its process group, and the hold
+of a process that left it on the pipes is cut after 0.5 s.
+
+Confinement (``confinement``, the dispatcher's
+:class:`~metasched.runtime.sandbox.manager.Sandboxes`): a command given a ``sandbox``
+is started there by the sandbox server, inside a cgroup slot from its first instruction;
+a command without one is spawned here and moved into a slot just after its start (it is
+pinned by affinity before). Limits the slot's controllers enforce (memory, processes)
+are not set as rlimits too; those it lacks fall back to rlimits.
 """
 
 from __future__ import annotations
@@ -16,10 +25,9 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from metasched.runtime.outcome import Outcome
-from metasched.runtime.process.cgroup import CpusetCgroup, release_cgroup
 from metasched.runtime.process.child import Child, close_fds, kill_group
 from metasched.runtime.process.environment import child_env
 from metasched.runtime.process.failures import cannot_start, outcome_of
@@ -32,6 +40,10 @@ from metasched.runtime.process.limits import (
 from metasched.runtime.process.memory_watch import MemoryWatch
 from metasched.runtime.process.spawn import spawn
 from metasched.runtime.process.workdir import make_workdir, remove_tree
+
+if TYPE_CHECKING:
+    from metasched.runtime.sandbox.cgroups import Slot
+    from metasched.runtime.sandbox.manager import Sandbox, Sandboxes
 
 __all__ = ["Process", "run_process", "start_process"]
 
@@ -49,7 +61,9 @@ async def run_process(
     tail_bytes: int = 4096,
     extra_env: Mapping[str, str] | None = None,
     cwd_root: str | None = None,
-    cgroup: CpusetCgroup | None = None,
+    pids_max: int | None = None,
+    confinement: Sandboxes | None = None,
+    sandbox: Sandbox | None = None,
     on_start: Callable[[int], None] | None = None,
 ) -> Outcome:
     """Run one command pinned to ``cores`` and report how it ended.
@@ -61,15 +75,23 @@ async def run_process(
         timeout_s: wall-clock limit; on expiry the whole process group is killed.
         env: the child's environment; None inherits this process's. A given mapping is
             used as is, plus ``PATH`` from this process when it has none.
-        mem_limit_mb: ``RLIMIT_AS`` of every process of the action, in MiB; the group's
-            resident memory is also watched against it.
+        mem_limit_mb: the memory limit of all the action's processes together (and the
+            files they write to a tmpfs), in MiB: a cgroup's, where ``confinement`` has
+            the memory controller; else ``RLIMIT_AS`` of every process, with the group's
+            resident memory watched against it.
         cpu_time_s: ``RLIMIT_CPU`` of every process, rounded up to whole seconds.
         tail_bytes: how many trailing bytes of stdout and of stderr to keep.
         extra_env: added to the environment (after ``env``, before the thread variables).
         cwd_root: where the temporary working directory is created (default: the system
             temporary directory). It is removed when the call returns. A tmpfs makes
-            short actions cheaper (see :mod:`.workdir`).
-        cgroup: optional cpuset cgroup confinement (a no-op where unavailable).
+            short actions cheaper (see :mod:`.workdir`). Not used in a sandbox (the
+            command runs in the sandbox's workspace).
+        pids_max: processes and threads the action may have at once (a cgroup's
+            ``pids.max``; in a sandbox without the pids controller, ``RLIMIT_NPROC`` of
+            its user); None: no limit.
+        confinement: the dispatcher's sandboxes and cgroups (None: affinity and rlimits
+            only).
+        sandbox: run the command in this sandbox of ``confinement`` (ready).
         on_start: called with the child's pid (= its process group id) once it runs, so
             a caller can record it (the dispatcher journals it: after a crash, the next
             dispatcher kills the groups left behind).
@@ -77,7 +99,8 @@ async def run_process(
     Returns:
         An Outcome: ``ok`` iff the exit status was 0; else ``reason`` is one of "exit code
         N", "killed by SIGNAME", "timeout after T s", "cpu time limit exceeded", "memory
-        limit exceeded (N MB)" or "cannot start: <error>". ``exit_code`` is the return
+        limit exceeded (N MB)", "process limit exceeded (N)" or "cannot start:
+        <error>". ``exit_code`` is the return
         code (negative: the signal), ``detail`` is ``{"pid": pid, "cores": [...]}``
         (no pid when it could not start).
 
@@ -89,7 +112,8 @@ async def run_process(
     return await start_process(
         argv, cores=cores, timeout_s=timeout_s, env=env, mem_limit_mb=mem_limit_mb,
         cpu_time_s=cpu_time_s, tail_bytes=tail_bytes, extra_env=extra_env,
-        cwd_root=cwd_root, cgroup=cgroup, on_start=on_start).wait()
+        cwd_root=cwd_root, pids_max=pids_max, confinement=confinement, sandbox=sandbox,
+        on_start=on_start).wait()
 
 
 def start_process(
@@ -103,7 +127,9 @@ def start_process(
     tail_bytes: int = 4096,
     extra_env: Mapping[str, str] | None = None,
     cwd_root: str | None = None,
-    cgroup: CpusetCgroup | None = None,
+    pids_max: int | None = None,
+    confinement: Sandboxes | None = None,
+    sandbox: Sandbox | None = None,
     on_start: Callable[[int], None] | None = None,
 ) -> Process:
     """:func:`run_process` in two halves: start the command now, before returning (no
@@ -133,9 +159,28 @@ def start_process(
         environ = child_env(env, extra_env, len(core_list))
     except ValueError as exc:  # a '=' in a variable name
         return Process.failed(cannot_start(exc, detail))
-    limits = rlimits(mem_limit_mb, cpu_time_s)
+    controllers = confinement.controllers if confinement is not None else set()
+    in_cgroup = {"mem": mem_limit_mb if "memory" in controllers else None,
+                 "pids": pids_max if "pids" in controllers else None}
+    limits = rlimits(None if "memory" in controllers else mem_limit_mb, cpu_time_s,
+                     # per user: only meaningful for a sandbox's own user
+                     nproc=pids_max if sandbox is not None and "pids" not in controllers
+                     else None)
+    watch_memory = mem_limit_mb is not None and "memory" not in controllers
     preexec = None
     launcher = prlimit_launcher() if limits else None
+    loop = asyncio.get_running_loop()
+    if sandbox is not None:
+        if limits and launcher is None:
+            return Process.failed(Outcome(ok=False, reason="cannot start: rlimits in a "
+                                          "sandbox need util-linux prlimit(1)", detail=detail))
+        if launcher is not None:  # the program is looked up inside the sandbox
+            args = [launcher, *(f"--{name}={soft}:{hard}" for _, name, soft, hard in limits),
+                    "--", *args]
+        return Process._start_sandboxed(
+            loop, confinement, sandbox, args, core_list, environ, timeout_s, mem_limit_mb,
+            cpu_time_s, pids_max, in_cgroup, watch_memory, tail_bytes, detail,
+            launched=launcher is not None, on_start=on_start)
     if launcher is not None:
         try:
             # The launcher would report a missing program as its own exit status.
@@ -146,20 +191,39 @@ def start_process(
                 "--", *args]
     elif limits:
         preexec = rlimit_preexec(limits)
-    loop = asyncio.get_running_loop()
     try:
         cwd = make_workdir(cwd_root)
     except OSError as exc:
         return Process.failed(cannot_start(exc, detail))
+    if confinement is not None and confinement.spawns_on_host and preexec is None:
+        # Started by the sandbox server, inside its cgroup slot from the start.
+        proc = Process._start_sandboxed(
+            loop, confinement, None, args, core_list, environ, timeout_s, mem_limit_mb,
+            cpu_time_s, pids_max, in_cgroup, watch_memory, tail_bytes, detail,
+            launched=launcher is not None, on_start=on_start, cwd=cwd)
+        if proc.pid is None:
+            remove_tree(cwd)
+        return proc
+    try:
+        slot = (confinement.host_slot(core_list, in_cgroup["mem"], in_cgroup["pids"])
+                if confinement is not None else None)
+    except OSError as exc:
+        remove_tree(cwd)
+        return Process.failed(cannot_start(exc, detail))
     try:
         proc = Process._start(loop, args, core_list, environ, preexec, cwd, timeout_s,
-                              mem_limit_mb, cpu_time_s, tail_bytes, cgroup, detail,
-                              launched=launcher is not None, on_start=on_start)
+                              mem_limit_mb, cpu_time_s, pids_max, watch_memory, tail_bytes,
+                              confinement, slot, detail, launched=launcher is not None,
+                              on_start=on_start)
     except BaseException:
         remove_tree(cwd)
+        if slot is not None:
+            confinement.release_host_slot(slot)
         raise
     if proc.pid is None:  # it did not start: nothing will use or remove the directory
         remove_tree(cwd)
+        if slot is not None:
+            confinement.release_host_slot(slot)
     return proc
 
 
@@ -183,26 +247,14 @@ class Process:
     def _start(cls, loop: asyncio.AbstractEventLoop, args: list[str], cores: list[int],
                env: dict[bytes, bytes], preexec: Callable[[], None] | None, cwd: str,
                timeout_s: float, mem_limit_mb: float | None, cpu_time_s: float | None,
-               tail_bytes: int, cgroup: CpusetCgroup | None, detail: dict[str, Any], *,
+               pids_max: int | None, watch_memory: bool, tail_bytes: int,
+               confinement: Sandboxes | None, slot: Slot | None, detail: dict[str, Any], *,
                launched: bool, on_start: Callable[[int], None] | None = None) -> Process:
-        try:
-            out_r, out_w = os.pipe()
-        except OSError as exc:
-            return cls.failed(cannot_start(exc, detail))
-        try:
-            err_r, err_w = os.pipe()
-        except OSError as exc:
-            close_fds(out_r, out_w)
-            return cls.failed(cannot_start(exc, detail))
-        try:
-            try:
-                proc = spawn(args, cores, env, cwd, out_w, err_w, preexec)
-            finally:
-                close_fds(out_w, err_w)  # the child has its copies; EOF needs ours closed
-        except Exception as exc:  # OSError from exec, SubprocessError from preexec, ValueError
-            close_fds(out_r, err_r)
-            return cls.failed(cannot_start(exc, detail))
-
+        started = _with_pipes(detail, lambda out_w, err_w: spawn(args, cores, env, cwd, out_w,
+                                                                 err_w, preexec))
+        if isinstance(started, Process):
+            return started
+        proc, out_r, err_r = started
         pid = proc.pid
         try:
             child = Child(loop, proc, out_r, err_r, tail_bytes)
@@ -211,20 +263,64 @@ class Process:
             proc.wait()
             close_fds(out_r, err_r)
             raise
+        if slot is not None:
+            try:  # pinned by affinity until now: the cgroup makes it binding
+                for fd in slot.procs_fds:
+                    os.write(fd, str(pid).encode())
+            except OSError:
+                pass  # it already exited
+        return cls._watch(loop, pid, child, cwd, timeout_s, mem_limit_mb, cpu_time_s,
+                          pids_max, watch_memory, confinement, slot, cores, launched, on_start)
+
+    @classmethod
+    def _start_sandboxed(cls, loop: asyncio.AbstractEventLoop, confinement: Sandboxes,
+                         sandbox: Sandbox | None, args: list[str], cores: list[int],
+                         env: dict[bytes, bytes], timeout_s: float,
+                         mem_limit_mb: float | None, cpu_time_s: float | None,
+                         pids_max: int | None, in_cgroup: dict[str, Any], watch_memory: bool,
+                         tail_bytes: int, detail: dict[str, Any], *, launched: bool,
+                         on_start: Callable[[int], None] | None = None,
+                         cwd: str | None = None) -> Process:
+        """Start the command through the sandbox server: in ``sandbox``, or on the host
+        in ``cwd`` (``sandbox`` None); either way inside its cgroup slot."""
+        from metasched.runtime.sandbox.command import SandboxedChild
+
+        result = _with_pipes(detail, lambda out_w, err_w: confinement.start(
+            sandbox, argv=args, env=env, cores=cores, mem_limit_mb=in_cgroup["mem"],
+            pids_max=in_cgroup["pids"], out_w=out_w, err_w=err_w, cwd=cwd))
+        if isinstance(result, Process):
+            return result
+        started, out_r, err_r = result
+        child = SandboxedChild(loop, confinement, sandbox, started, out_r, err_r, tail_bytes)
+        return cls._watch(loop, started.pid, child, cwd, timeout_s, mem_limit_mb, cpu_time_s,
+                          pids_max, watch_memory, None, None, cores, launched, on_start)
+
+    @classmethod
+    def _watch(cls, loop: asyncio.AbstractEventLoop, pid: int, child: Any, cwd: str | None,
+               timeout_s: float, mem_limit_mb: float | None, cpu_time_s: float | None,
+               pids_max: int | None, watch_memory: bool, confinement: Sandboxes | None,
+               slot: Slot | None, cores: list[int], launched: bool,
+               on_start: Callable[[int], None] | None) -> Process:
+        """The started command's Process: its timeout and memory watch armed."""
         self = cls()
         self.pid, self._child, self._loop, self._cwd = pid, child, loop, cwd
         self._limits = (timeout_s, mem_limit_mb, cpu_time_s, launched)
+        self._pids_max = pids_max
         self._detail = {"pid": pid, "cores": cores}
-        self._cgroup = cgroup
-        self._cg_path = cgroup.confine(pid, cores) if cgroup is not None else None
+        self._confinement, self._slot = confinement, slot
         if on_start is not None:
             on_start(pid)
         self._watch = None
-        if mem_limit_mb is not None:
+        if watch_memory:
             self._watch = MemoryWatch.for_loop(loop)
             self._watch.add(pid, int(mem_limit_mb * 1024 * 1024), lambda: child.kill("memory"))
-        self._timer = loop.call_later(timeout_s, child.kill, "timeout")
+        self._timer = loop.call_later(timeout_s, self._kill, "timeout")
         return self
+
+    def _kill(self, why: str) -> None:
+        self._child.kill(why)
+        if self._slot is not None and not self._child.reaped:
+            self._slot.kill()  # processes that left the group too
 
     async def wait(self) -> Outcome:
         """How the command ended (see :func:`run_process`). Cancelling the wait kills
@@ -234,30 +330,43 @@ class Process:
         if self._claimed:
             raise RuntimeError("this Process already has a waiter")
         self._claimed = True
-        child, pid = self._child, self.pid
+        child = self._child
         try:
             try:
                 try:
                     await child.exited
                 finally:
                     self._stop_watching()
-                # The leader is a zombie, so its pid still names this group: end what
-                # is left of it (those processes hold the granted cores and the pipes),
-                # then reap.
-                kill_group(pid)
+                # The leader is a zombie (or, in a sandbox, reaped by the server, which
+                # ended its group first): end what is left of it (those processes hold
+                # the granted cores and the pipes), then reap.
+                child.kill_rest()
+                self._read_slot()
+                if self._slot is not None:
+                    self._slot.kill()
                 child.reap()
                 await child.drained(_DRAIN_GRACE_S)
             except asyncio.CancelledError:
                 if not child.reaped:
-                    child.kill("cancelled")
+                    self._kill("cancelled")
                     await child.reap_after_kill()
                 raise
             finally:
                 self._release(child)
         finally:
-            remove_tree(self._cwd)
-        self._outcome = outcome_of(child, *self._limits, self._detail)
+            if self._cwd is not None:
+                remove_tree(self._cwd)
+        self._outcome = outcome_of(child, *self._limits, self._detail, pids_max=self._pids_max)
         return self._outcome
+
+    def _read_slot(self) -> None:
+        """A host command's slot says whether it hit its memory or process limit."""
+        if self._slot is None:
+            return
+        memory, pids = self._slot.exceeded()
+        if memory and self._child.killed_by is None:
+            self._child.killed_by = "memory"  # the kernel killed in the slot: definitive
+        self._child.pids_limited = pids
 
     def abandon(self) -> None:
         """For a caller that will not await :meth:`wait`: kill the group, reap it when
@@ -268,7 +377,8 @@ class Process:
         self._claimed = True
         self._stop_watching()
         self._release(self._child)
-        remove_tree(self._cwd)
+        if self._cwd is not None:
+            remove_tree(self._cwd)
         self._outcome = Outcome(ok=False, reason="cancelled", detail=self._detail)
 
     def _stop_watching(self) -> None:
@@ -276,11 +386,36 @@ class Process:
         if self._watch is not None:
             self._watch.remove(self.pid)
 
-    def _release(self, child: Child) -> None:
+    def _release(self, child: Any) -> None:
         if not child.reaped:  # cancelled twice, abandoned, or it outlived SIGKILL so far
-            child.kill("cancelled")
+            self._kill("cancelled")
             child.reap_in_background()
         child.close()
-        if self._cg_path is not None:
-            release_cgroup(self._loop, self._cgroup, self._cg_path)
+        if self._slot is not None:
+            slot, self._slot = self._slot, None
+            self._confinement.release_host_slot(slot)
 
+
+def _with_pipes(detail: dict[str, Any], start: Callable[[int, int], Any]
+                ) -> tuple[Any, int, int] | Process:
+    """``start(out_w, err_w)`` with two new pipes for the child's stdout and stderr:
+    ``(what it returned, out_r, err_r)``, or a failed Process if the pipes or the start
+    failed (``OSError`` from exec, ``SubprocessError`` from a preexec, ``ValueError``)."""
+    try:
+        out_r, out_w = os.pipe()
+    except OSError as exc:
+        return Process.failed(cannot_start(exc, detail))
+    try:
+        err_r, err_w = os.pipe()
+    except OSError as exc:
+        close_fds(out_r, out_w)
+        return Process.failed(cannot_start(exc, detail))
+    try:
+        try:
+            started = start(out_w, err_w)
+        finally:
+            close_fds(out_w, err_w)  # the child has its copies; EOF needs ours closed
+    except Exception as exc:  # noqa: BLE001 - every way a start fails is its Outcome
+        close_fds(out_r, err_r)
+        return Process.failed(cannot_start(exc, detail))
+    return started, out_r, err_r

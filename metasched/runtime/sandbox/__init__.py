@@ -1,0 +1,12 @@
+"""Sandboxes for the commands the live dispatcher runs: per-trajectory workspaces,
+kernel-enforced isolation (namespaces made by bubblewrap, entered by a small root
+server) and per-command cgroups (cpuset, memory, pids; v2, v1 or both).
+
+Modules: :mod:`.config` (the settings), :mod:`.manager` (the dispatcher's sandboxes),
+:mod:`.server` and :mod:`.connection` (the process that starts commands inside them,
+and the dispatcher's end of it), :mod:`.protocol` (their messages), :mod:`.bwrap`
+(the namespaces' command line), :mod:`.cgroups` (slots), :mod:`.workspace`
+(templates), :mod:`.uids`, :mod:`.rundir` (what a dispatcher made, for recovery) and
+:mod:`.syscalls`. Importing this package loads none of them (the server imports only
+what it needs).
+"""

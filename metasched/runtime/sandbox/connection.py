@@ -1,0 +1,222 @@
+"""The dispatcher's end of the sandbox server (:mod:`.server`): starting it, requests
+and their replies, and the server's events (a command's exit, a sandbox ready)
+delivered on the event loop.
+
+Spawning is synchronous: :meth:`ServerConnection.spawn` returns once the server has
+started the command (or failed to), so the caller holds a running command, as with a
+local spawn. Replies come in order; an event read while waiting for a reply is kept and
+delivered on the loop right after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from collections import deque
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from metasched.runtime.sandbox import protocol
+
+__all__ = ["ServerConnection", "ServerGone"]
+
+_START_TIMEOUT_S = 30.0
+
+
+class ServerGone(RuntimeError):
+    """The sandbox server exited (every sandbox and command with it)."""
+
+
+class ServerConnection:
+    """Starts the sandbox server and talks to it.
+
+    Args:
+        home_cgroups: descriptors of this process's own ``cgroup.procs`` files in the
+            hierarchies slots use (the server returns there after each spawn); sent to
+            the server and closed here.
+
+    Raises:
+        ServerGone: the server did not start.
+    """
+
+    def __init__(self, home_cgroups: Sequence[int] = ()) -> None:
+        mine, theirs = protocol.socket_pair()
+        self.sock = mine
+        package_root = str(Path(__file__).resolve().parents[3])
+        env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": package_root, "PYTHONDONTWRITEBYTECODE": "1"}
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "metasched.runtime.sandbox.server",
+                 str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),), env=env, cwd="/", stdin=subprocess.DEVNULL,
+                start_new_session=True)
+        finally:
+            theirs.close()
+        self.pid = self.proc.pid
+        self.handlers: dict[tuple[str, int], Callable[[dict[str, Any]], None]] = {}
+        self._events: deque[dict[str, Any]] = deque()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._gone = False
+        self.sock.settimeout(_START_TIMEOUT_S)
+        try:
+            self._send({"op": "hello"}, home_cgroups)
+            self._wait_reply("hello", None)
+        except (OSError, ServerGone) as e:
+            self.close()
+            raise ServerGone(f"the sandbox server did not start: {e}") from None
+        finally:
+            for fd in home_cgroups:
+                os.close(fd)
+        self.sock.settimeout(None)
+
+    # --- delivery on the event loop -----------------------------------------------------
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Deliver events on ``loop`` from now on."""
+        self._loop = loop
+        self.sock.setblocking(False)
+        loop.add_reader(self.sock.fileno(), self._on_readable)
+        if self._events:
+            loop.call_soon(self._deliver)
+
+    def detach(self) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self.sock.fileno())
+        self._loop = None
+
+    def on(self, kind: str, key: int, handler: Callable[[dict[str, Any]], None]) -> None:
+        """Call ``handler(event)`` once for the event ``kind`` (``"exit"`` of command
+        ``key``, ``"opened"`` of sandbox ``key``)."""
+        self.handlers[(kind, key)] = handler
+
+    def _next(self) -> dict[str, Any] | None:
+        """The next message (None: the server is gone); raises BlockingIOError when a
+        non-blocking socket has none. No message carries descriptors this way."""
+        try:
+            msg, fds = protocol.receive(self.sock)
+        except BlockingIOError:
+            raise
+        except OSError:
+            msg, fds = None, []
+        for fd in fds:
+            os.close(fd)
+        if msg is None:
+            self._lost()
+        return msg
+
+    def _on_readable(self) -> None:
+        while True:
+            try:
+                msg = self._next()
+            except BlockingIOError:
+                break
+            if msg is None:
+                return
+            self._events.append(msg)
+        self._deliver()
+
+    def _deliver(self) -> None:
+        while self._events:
+            msg = self._events.popleft()
+            ev = msg.get("ev")
+            key = msg.get("cmd") if ev == "exit" else msg.get("sid")
+            handler = self.handlers.pop((ev, key), None)
+            if handler is not None:
+                handler(msg)
+
+    def _lost(self) -> None:
+        """The server is gone: every pending exit and open ends now, as failures."""
+        if self._gone:
+            return
+        self._gone = True
+        self.detach()
+        for (kind, key), handler in list(self.handlers.items()):
+            handler({"ev": kind, "cmd": key, "sid": key, "status": -1, "lost": True,
+                     "error": "the sandbox server exited"})
+        self.handlers.clear()
+
+    # --- requests -----------------------------------------------------------------------
+
+    def _send(self, msg: dict[str, Any], fds: Sequence[int] = ()) -> None:
+        if self._gone:
+            raise ServerGone("the sandbox server exited")
+        try:
+            protocol.send(self.sock, msg, fds)
+        except BlockingIOError:
+            self.sock.setblocking(True)
+            try:
+                protocol.send(self.sock, msg, fds)
+            finally:
+                self.sock.setblocking(self._loop is None)
+        except OSError:
+            self._lost()
+            raise ServerGone("the sandbox server exited") from None
+
+    def _wait_reply(self, kind: str, key: int | None) -> dict[str, Any]:
+        """Read until the reply ``kind`` (for ``key``) arrives; keep events for later."""
+        blocking = self.sock.getblocking()
+        self.sock.setblocking(True)
+        try:
+            while True:
+                msg = self._next()
+                if msg is None:
+                    raise ServerGone("the sandbox server exited")
+                if msg.get("re") == kind and (key is None or msg.get("cmd") == key):
+                    return msg
+                self._events.append(msg)
+        finally:
+            self.sock.setblocking(blocking)
+            if self._events and self._loop is not None:
+                self._loop.call_soon(self._deliver)
+
+    def spawn(self, request: dict[str, Any], fds: Sequence[int]) -> int:
+        """Start a command (see the server's ``spawn``); its pid.
+
+        Raises:
+            OSError: it could not start (errno and message of the failure).
+            ServerGone: the server exited.
+        """
+        self._send({"op": "spawn", **request}, fds)
+        reply = self._wait_reply("spawn", request["cmd"])
+        if "pid" not in reply:
+            raise OSError(reply.get("errno") or 0, reply.get("error", "cannot start"))
+        return reply["pid"]
+
+    def open(self, request: dict[str, Any]) -> None:
+        """Ask for a sandbox; the ``"opened"`` event for its ``sid`` says when it is ready
+        (or why it failed)."""
+        self._send({"op": "open", **request})
+
+    def kill(self, cmd: int) -> None:
+        """SIGKILL a command's process group (when no cgroup can)."""
+        if not self._gone:
+            self._send({"op": "kill", "cmd": cmd})
+
+    def close_sandbox(self, sid: int) -> None:
+        """End a sandbox and everything in it."""
+        if not self._gone:
+            try:
+                self._send({"op": "close", "sid": sid})
+            except ServerGone:
+                pass
+
+    @property
+    def alive(self) -> bool:
+        return not self._gone
+
+    def close(self) -> None:
+        """Stop the server: it kills every command and sandbox, then exits."""
+        self.detach()
+        self._gone = True
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()

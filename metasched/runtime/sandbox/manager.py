@@ -1,0 +1,456 @@
+"""The dispatcher's sandboxes: one per trajectory (its workspace persists across the
+trajectory's commands), one shared by trajectory-less commands (each gets a private,
+throwaway workspace in it), the sandbox server that starts commands inside them, the
+cgroup slots commands run in, and the user ids they run as.
+
+:class:`Sandboxes` is created by the dispatcher at start; :meth:`Sandboxes.describe`
+is the one line it logs about confinement.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from metasched.errors import ConfigError
+from metasched.runtime.sandbox import bwrap, cgroups
+from metasched.runtime.sandbox.config import SandboxConfig
+from metasched.runtime.sandbox.connection import ServerConnection, ServerGone
+from metasched.runtime.sandbox.uids import UidPool
+from metasched.runtime.sandbox.workspace import WORKSPACE, Template
+
+__all__ = ["Sandbox", "Sandboxes", "Slot", "Started"]
+
+log = logging.getLogger("metasched.dispatch")
+
+Slot = cgroups.Slot
+_MB = 1 << 20
+_SLOT_EMPTY_WAIT_S = 5.0  # how long a killed slot may take to empty before it is dropped
+
+
+@dataclass(eq=False)
+class Sandbox:
+    """One sandbox: its namespaces (held by the server), workspace, user and slots.
+
+    Attributes:
+        key: the trajectory's name, or ``""`` for the trajectory-less one.
+        size_bytes: its tmpfs (workspace, ``/tmp``, ``/dev/shm``).
+        ready: done when it can run commands (its exception says why it cannot).
+        seeded: how its workspace was filled: ``""``, ``"overlay"``, ``"copy"``, ``"tar"``.
+        init_pid: the pid of its namespaces' init (``nsenter -t`` takes it), once ready.
+    """
+
+    sid: int
+    key: str
+    uid: int
+    network: bool
+    size_bytes: int
+    template: Template | None
+    ready: asyncio.Future[None]
+    seeded: str = ""
+    init_pid: int = -1
+    free_slots: list[Slot] = field(default_factory=list)
+    running: int = 0
+    closed: bool = False
+
+    @property
+    def shared(self) -> bool:
+        """Whether this is the sandbox of trajectory-less commands."""
+        return self.key == ""
+
+
+@dataclass
+class Started:
+    """A command the server started: its id, host pid and slot (None: no cgroups)."""
+
+    cmd: int
+    pid: int
+    slot: Slot | None
+    uid: int
+
+
+class Sandboxes:
+    """Every sandbox of one dispatcher (see the module docstring).
+
+    Args:
+        config: the dispatcher's sandbox settings.
+        hide: host directories commands must not see (the journal's), besides
+            ``config.hide``.
+
+    Raises:
+        ConfigError: ``isolation: bwrap`` was asked for and cannot work here (the
+            message says what is missing).
+    """
+
+    def __init__(self, config: SandboxConfig, *, hide: Sequence[str] = ()) -> None:
+        self.config = config
+        self.hide = [*config.hide, *hide]
+        self.warnings: list[str] = []
+        self.bwrap_path, self.bwrap_version = self._isolation()
+        self.hierarchies = cgroups.discover(config.cgroups, config.cgroup_parent)
+        self.tree: cgroups.CgroupTree | None = None
+        if self.hierarchies.v2 is not None or self.hierarchies.v1:
+            try:
+                self.tree = cgroups.CgroupTree(self.hierarchies)
+            except OSError as e:
+                self.hierarchies.missing = dict.fromkeys(cgroups.CONTROLLERS,
+                                                         f"cannot make cgroups: {e}")
+                self.hierarchies.v2, self.hierarchies.v1 = None, {}
+                self.hierarchies.v2_controllers = set()
+        missing = self.hierarchies.missing
+        if missing and config.cgroups != "none":
+            self.warnings.append(
+                "cgroup confinement incomplete: "
+                + "; ".join(f"{c}: {why}" for c, why in missing.items())
+                + " (fallback: " + ", ".join(_FALLBACK[c] for c in missing) + ")")
+        if self.tree is not None and not self.hierarchies.favordynmods:
+            self.warnings.append(
+                "cgroups are mounted without favordynmods: a command started after an "
+                "idle spell may wait for an RCU grace period (milliseconds) to enter its "
+                "cgroup (mount -o remount,favordynmods /sys/fs/cgroup or its cgroup2 "
+                "mount, Linux >= 6.0, to avoid it)")
+        first, count = config.uid_range if config.uid_range else (0, 0)
+        self.uids = UidPool(first, count, config.nobody_uid)
+        # The server starts sandboxed commands, and host commands too where there are
+        # cgroups: it enters a command's cgroups before the spawn, which a multi-threaded
+        # dispatcher cannot do for one child alone.
+        self.server: ServerConnection | None = None
+        if self.bwrap_path is not None or (self.tree is not None and os.geteuid() == 0):
+            try:
+                self.server = ServerConnection(self._home_cgroups())
+            except ServerGone as e:
+                if config.isolation == "bwrap":
+                    self.close()
+                    raise ConfigError("sandbox.isolation", str(e)) from None
+                self.warnings.append(f"isolation off: {e}")
+                self.bwrap_path = None
+        self._sandboxes: dict[str, Sandbox] = {}
+        self._shared: dict[bool, Sandbox] = {}
+        self._next_sid = 1
+        self._next_cmd = 1
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._host_slots: list[Slot] = []  # free slots of commands run without isolation
+        self._stuck: list[Slot] = []  # slots that would not empty: removed at close
+
+    # --- setup --------------------------------------------------------------------------
+
+    def _isolation(self) -> tuple[str | None, str]:
+        mode = self.config.isolation
+        if mode == "none":
+            return None, "off"
+        if os.geteuid() != 0:
+            why = ("the sandbox needs root (to enter namespaces and switch users); the "
+                   "dispatcher runs as uid " + str(os.geteuid()))
+        else:
+            path, why = bwrap.find_bwrap()
+            if path is not None:
+                return path, why
+        if mode == "bwrap":
+            raise ConfigError("sandbox.isolation", f"bwrap: {why}")
+        self.warnings.append(f"isolation off: {why}; commands run on the host as uid "
+                             f"{os.geteuid()}")
+        return None, "off"
+
+    def _home_cgroups(self) -> list[int]:
+        """This process's own cgroup.procs in each hierarchy slots use (the server
+        returns to the cgroups it started in after each spawn)."""
+        if self.tree is None:
+            return []
+        return [os.open(os.path.join(os.path.dirname(d), "cgroup.procs"),
+                        os.O_WRONLY | os.O_CLOEXEC) for d in self.tree.dirs.values()]
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start delivering the server's events on ``loop``."""
+        self._loop = loop
+        if self.server is not None:
+            self.server.attach(loop)
+
+    @property
+    def isolated(self) -> bool:
+        """Whether commands run in sandboxes (else on the host)."""
+        return self.bwrap_path is not None and self.server is not None and self.server.alive
+
+    @property
+    def spawns_on_host(self) -> bool:
+        """Whether host commands are started by the server, inside their cgroup slot
+        from their first instruction (else the caller spawns and moves them in)."""
+        return self.server is not None and self.server.alive and self.tree is not None
+
+    @property
+    def controllers(self) -> set[str]:
+        return self.tree.controllers if self.tree is not None else set()
+
+    def describe(self) -> str:
+        """One line: how commands are confined."""
+        if self.isolated:
+            ns = "pid, mount, ipc, uts, net (unless allowed)"
+            uid = (f"uids {self.uids.first}-{self.uids.first + self.uids.count - 1} (one per "
+                   "sandbox)" if not self.uids.shared else f"uid {self.uids.nobody}")
+            iso = f"{self.bwrap_version} namespaces ({ns}), {uid}"
+        else:
+            iso = f"no isolation (host, uid {os.geteuid()})"
+        if self.tree is not None:
+            cg = "cgroups " + self.hierarchies.describe()
+            if not self.isolated:
+                cg += (", entered before the first instruction" if self.spawns_on_host
+                       else ", entered just after the start")
+        else:
+            cg = "no cgroups (affinity and rlimits)"
+        return f"confinement: {iso}; {cg}"
+
+    def directories(self) -> list[str]:
+        """The directories made for this dispatcher (for its crash-recovery record)."""
+        return self.tree.directories() if self.tree is not None else []
+
+    # --- sandboxes ----------------------------------------------------------------------
+
+    def get(self, key: str) -> Sandbox | None:
+        """The open (or opening) sandbox of trajectory ``key``."""
+        return self._sandboxes.get(key)
+
+    def open(self, key: str, *, size_mb: float, template: Template | None,
+             network: bool) -> Sandbox:
+        """Start making trajectory ``key``'s sandbox; await its ``ready`` before use."""
+        sb = self._new(key, size_mb, template, network)
+        self._sandboxes[key] = sb
+        return sb
+
+    def shared(self, network: bool) -> Sandbox:
+        """The sandbox of trajectory-less commands (made on first use)."""
+        sb = self._shared.get(network)
+        if sb is None or sb.closed:
+            sb = self._shared[network] = self._new("", self.config.scratch_mb, None, network)
+        return sb
+
+    def _new(self, key: str, size_mb: float, template: Template | None,
+             network: bool) -> Sandbox:
+        assert self._loop is not None and self.server is not None
+        sid = self._next_sid
+        self._next_sid += 1
+        uid = self.uids.nobody if key == "" else self.uids.take()
+        size = int(size_mb * _MB)
+        sb = Sandbox(sid, key, uid, network, size, template, self._loop.create_future())
+        workspace = (template.workspace_request(size, uid, uid) if template is not None
+                     else {"size": size})
+        self.server.on("opened", sid, lambda ev: self._opened(sb, ev))
+        try:
+            self.server.open({"sid": sid, "uid": uid, "gid": uid, "workspace": workspace,
+                              "env": {"PATH": "/usr/bin:/bin"},
+                              "bwrap": bwrap.sandbox_argv(
+                                  self.bwrap_path, network=network, hide=self.hide,
+                                  extra=template.bwrap_args() if template else ())})
+        except ServerGone as e:
+            sb.ready.set_exception(OSError(0, str(e)))
+        return sb
+
+    def _opened(self, sb: Sandbox, ev: dict[str, Any]) -> None:
+        if sb.ready.done():
+            return
+        if ev.get("error"):
+            sb.ready.set_exception(OSError(0, ev["error"]))
+            sb.ready.exception()  # retrieved: a sandbox nobody waits for is not an error
+            self._forget(sb)
+        else:
+            sb.seeded = ev.get("seeded", "")
+            sb.init_pid = ev.get("init", -1)
+            sb.ready.set_result(None)
+
+    def close_sandbox(self, sb: Sandbox) -> None:
+        """End ``sb`` and everything running in it; its workspace is gone after this."""
+        if sb.closed:
+            return
+        if self.server is not None:
+            self.server.close_sandbox(sb.sid)
+        if not sb.ready.done():
+            sb.ready.set_exception(OSError(0, "the sandbox was closed"))
+            sb.ready.exception()
+        self._forget(sb)
+
+    def close_trajectory(self, key: str) -> None:
+        sb = self._sandboxes.get(key)
+        if sb is not None:
+            self.close_sandbox(sb)
+
+    def _forget(self, sb: Sandbox) -> None:
+        sb.closed = True
+        if self._sandboxes.get(sb.key) is sb:
+            del self._sandboxes[sb.key]
+        if sb.shared and self._shared.get(sb.network) is sb:
+            del self._shared[sb.network]
+        if sb.running == 0:
+            self._retire(sb)
+
+    def _retire(self, sb: Sandbox) -> None:
+        """Its processes are gone (the namespace's init took them): free its id and
+        slots."""
+        if not sb.shared:
+            self.uids.give(sb.uid)
+        for slot in sb.free_slots:
+            self._drop_slot(slot)
+        sb.free_slots.clear()
+
+    # --- commands -----------------------------------------------------------------------
+
+    def start(self, sb: Sandbox | None, *, argv: Sequence[str], env: dict[bytes, bytes],
+              cores: Sequence[int], mem_limit_mb: float | None, pids_max: int | None,
+              out_w: int, err_w: int, cwd: str | None = None) -> Started:
+        """Start one command in ``sb`` (ready), or on the host (``sb`` None: as this
+        process's user, in ``cwd``; only where :attr:`spawns_on_host`), inside a cgroup
+        slot configured for it.
+
+        Raises:
+            OSError: it could not start (the errno and message name why).
+        """
+        pool = sb.free_slots if sb is not None else self._host_slots
+        slot = self._take_slot(pool)
+        uid = sb.uid if sb is not None else os.geteuid()
+        gid = uid if sb is not None else os.getegid()
+        try:
+            if slot is not None:
+                slot.configure(cores, _bytes(mem_limit_mb), pids_max)
+            if sb is not None and sb.shared and not self.uids.shared:
+                uid = gid = self.uids.take()  # each trajectory-less command as its own user
+            cmd = self._next_cmd
+            self._next_cmd += 1
+            request: dict[str, Any] = {
+                "cmd": cmd, "argv": list(argv), "env": env, "uid": uid, "gid": gid,
+                "sid": sb.sid if sb is not None else None,
+                "cwd": WORKSPACE if sb is not None else cwd,
+                "cores": None if "cpuset" in self.controllers else list(cores),
+                "private": sb.size_bytes if sb is not None and sb.shared else None}
+            fds = [out_w, err_w, *(slot.procs_fds if slot is not None else ())]
+            try:
+                pid = self.server.spawn(request, fds)
+            except ServerGone as e:
+                raise OSError(0, str(e)) from None
+        except BaseException:
+            if sb is not None and uid != sb.uid:
+                self.uids.give(uid)
+            if slot is not None:
+                self._give_slot(sb, slot)
+            raise
+        if sb is not None:
+            sb.running += 1
+        return Started(cmd, pid, slot, uid)
+
+    def on_exit(self, started: Started, handler: Callable[[dict[str, Any]], None]) -> None:
+        """Call ``handler(event)`` when the command exits (``event``: ``status`` (a
+        wait status, -1 if lost), ``maxrss_kb``, ``cpu_s``)."""
+        self.server.on("exit", started.cmd, handler)
+
+    def kill(self, started: Started) -> None:
+        """SIGKILL every process of the command: its whole slot, or its process group
+        when there are no cgroups."""
+        if started.slot is not None:
+            started.slot.kill()
+        elif self.server is not None:
+            self.server.kill(started.cmd)
+
+    def finished(self, sb: Sandbox | None, started: Started) -> None:
+        """The command's leader exited: kill what is left of it (daemons included) and
+        give its slot and id back once nothing of it is left."""
+        if sb is None:
+            self._release(started.slot, lambda s: s is not None and self._host_slots.append(s))
+            return
+        sb.running -= 1
+        self._release(started.slot, lambda slot: self._done(sb, started, slot))
+
+    def _done(self, sb: Sandbox, started: Started, slot: Slot | None) -> None:
+        if started.uid != sb.uid:
+            self.uids.give(started.uid)
+        if slot is not None:
+            self._give_slot(sb, slot)
+        if sb.closed and sb.running == 0:
+            self._retire(sb)
+
+    # --- slots of commands run on the host (isolation off) ------------------------------
+
+    def host_slot(self, cores: Sequence[int], mem_limit_mb: float | None,
+                  pids_max: int | None) -> Slot | None:
+        """A slot for a command started on the host (it is moved in after its start:
+        the caller pins it by affinity first); None without cgroups.
+
+        Raises:
+            OSError: the kernel refused a value.
+        """
+        slot = self._take_slot(self._host_slots)
+        if slot is not None:
+            try:
+                slot.configure(cores, _bytes(mem_limit_mb), pids_max)
+            except BaseException:
+                self._host_slots.append(slot)
+                raise
+        return slot
+
+    def release_host_slot(self, slot: Slot) -> None:
+        """Kill what is left in ``slot`` and reuse it once empty."""
+        self._release(slot, lambda s: s is not None and self._host_slots.append(s))
+
+    # --- slots --------------------------------------------------------------------------
+
+    def _release(self, slot: Slot | None, then: Callable[[Slot | None], None],
+                 left_s: float = _SLOT_EMPTY_WAIT_S) -> None:
+        """Kill the slot's processes; call ``then(slot)`` once it is empty, or
+        ``then(None)`` if it does not empty in time (it is dropped)."""
+        if slot is None:
+            then(None)
+            return
+        if slot.empty():
+            then(slot)
+            return
+        slot.kill()
+        if left_s > 0 and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_later(0.005, self._release, slot, then, left_s - 0.005)
+            return
+        log.warning("a command's cgroup still holds processes %g s after it was killed; "
+                    "not reused", _SLOT_EMPTY_WAIT_S)
+        self._stuck.append(slot)
+        then(None)
+
+    def _take_slot(self, pool: list[Slot]) -> Slot | None:
+        if self.tree is None:
+            return None
+        if pool:
+            return pool.pop()
+        return self.tree.new_slot()
+
+    def _give_slot(self, sb: Sandbox | None, slot: Slot) -> None:
+        if sb is None:
+            self._host_slots.append(slot)
+        elif sb.closed:
+            self._drop_slot(slot)
+        else:
+            sb.free_slots.append(slot)
+
+    def _drop_slot(self, slot: Slot) -> None:
+        if not slot.remove():
+            self._stuck.append(slot)
+
+    # --- end ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """End every sandbox and the server, remove the cgroups."""
+        for sb in [*self._sandboxes.values(), *self._shared.values()]:
+            sb.closed = True
+        self._sandboxes.clear()
+        self._shared.clear()
+        if self.server is not None:
+            self.server.close()  # it kills every command and ends every sandbox
+        if self.tree is not None:
+            # Every slot, wherever it is (free, stuck, or of a command still ending).
+            self.tree.close()
+            self._host_slots.clear()
+            self._stuck.clear()
+
+
+def _bytes(mb: float | None) -> int | None:
+    return None if mb is None else int(mb * _MB)
+
+
+_FALLBACK = {"cpuset": "CPU affinity, which a command can widen",
+             "memory": "RLIMIT_AS per process",
+             "pids": "RLIMIT_NPROC per user"}

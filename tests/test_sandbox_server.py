@@ -1,0 +1,178 @@
+"""The sandbox server and the dispatcher's sandboxes, below the dispatcher: sandboxes
+open, run commands as their own user inside their namespaces, keep a trajectory's
+workspace between commands and lose it when closed; templates are laid in by overlay,
+copy or extraction; failures are reported, not raised later."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import tarfile
+
+import pytest
+from sandbox_helpers import needs_isolation, run_in
+
+from metasched.errors import ConfigError
+from metasched.runtime.sandbox.config import SandboxConfig
+from metasched.runtime.sandbox.manager import Sandboxes
+from metasched.runtime.sandbox.workspace import template_from
+
+
+@pytest.fixture
+def boxes():
+    needs_isolation()
+    b = Sandboxes(SandboxConfig(isolation="bwrap"))
+    yield b
+    b.close()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_command_runs_unprivileged_in_its_workspace(boxes):
+    async def go():
+        boxes.attach(asyncio.get_running_loop())
+        sb = boxes.open("t1", size_mb=64, template=None, network=False)
+        r = await run_in(boxes, sb, ["sh", "-c", "id -u; id -G; pwd; grep -E "
+                                     "'^(CapEff|CapPrm|NoNewPrivs)' /proc/self/status"])
+        return sb, r
+    sb, r = run(go())
+    assert r.code == 0, r.stderr
+    uid, groups, cwd, cap_eff, cap_prm, nnp = r.stdout.split("\n")[:6]
+    assert int(uid) == sb.uid and sb.uid >= 1000
+    assert groups.split() == [str(sb.uid)]  # no supplementary group of the dispatcher
+    assert cwd == "/workspace"
+    assert cap_eff.split()[1] == cap_prm.split()[1] == "0000000000000000"
+    assert nnp.split()[1] == "1"
+
+
+def test_trajectory_workspace_persists_then_is_gone_after_close(boxes):
+    async def go():
+        boxes.attach(asyncio.get_running_loop())
+        sb = boxes.open("t1", size_mb=64, template=None, network=False)
+        w = await run_in(boxes, sb, ["sh", "-c", "echo kept > note; echo tmp > /tmp/t"])
+        r = await run_in(boxes, sb, ["cat", "note", "/tmp/t"])
+        boxes.close_trajectory("t1")
+        again = boxes.open("t1", size_mb=64, template=None, network=False)
+        gone = await run_in(boxes, again, ["sh", "-c", "ls -A /workspace /tmp"])
+        return w, r, gone
+    w, r, gone = run(go())
+    assert w.code == 0 and r.code == 0, (w.stderr, r.stderr)
+    assert r.stdout == "kept\ntmp\n"
+    assert gone.code == 0 and "note" not in gone.stdout and "t\n" not in gone.stdout
+
+
+def test_workspace_size_is_the_tmpfs_size(boxes):
+    async def go():
+        boxes.attach(asyncio.get_running_loop())
+        sb = boxes.open("t1", size_mb=16, template=None, network=False)
+        return await run_in(boxes, sb, ["sh", "-c", "df -k /workspace | tail -1; "
+                                        "dd if=/dev/zero of=big bs=1M count=32"])
+    r = run(go())
+    assert int(r.stdout.split()[1]) == 16 * 1024
+    assert r.code != 0 and "No space left on device" in r.stderr
+
+
+def test_trajectory_less_commands_each_get_a_private_workspace(boxes):
+    async def go():
+        boxes.attach(asyncio.get_running_loop())
+        sb = boxes.shared(network=False)
+        a = await run_in(boxes, sb, ["sh", "-c", "echo a > mine; echo a > /tmp/mine; id -u"])
+        b = await run_in(boxes, sb, ["sh", "-c", "ls -A /workspace /tmp; id -u"])
+        return a, b
+    a, b = run(go())
+    assert a.code == 0 and b.code == 0, (a.stderr, b.stderr)
+    assert "mine" not in b.stdout
+    assert a.stdout.split()[-1] != b.stdout.split()[-1]  # a user id each
+
+
+@pytest.mark.parametrize("how", ["overlay", "copy", "tar"])
+def test_template_seeds_the_workspace(boxes, tmp_path, how):
+    src = tmp_path / ("with,comma" if how == "copy" else "repo")  # overlay cannot take ','
+    (src / "pkg").mkdir(parents=True)
+    (src / "pkg" / "mod.py").write_text("X = 1\n")
+    (src / "README").write_text("hello\n")
+    path = src
+    if how == "tar":
+        path = tmp_path / "repo.tar.gz"
+        with tarfile.open(path, "w:gz") as t:
+            t.add(src, arcname=".")
+    template = template_from(str(path))
+
+    async def go():
+        boxes.attach(asyncio.get_running_loop())
+        sb = boxes.open("t1", size_mb=64, template=template, network=False)
+        r = await run_in(boxes, sb, ["sh", "-c", "cat README pkg/mod.py && "
+                                     "echo 'X = 2' > pkg/mod.py && echo new > added"])
+        r2 = await run_in(boxes, sb, ["cat", "pkg/mod.py", "added"])
+        return sb, r, r2
+    sb, r, r2 = run(go())
+    assert sb.seeded == how
+    assert r.code == 0, r.stderr
+    assert r.stdout == "hello\nX = 1\n"
+    assert r2.stdout == "X = 2\nnew\n"
+    assert (src / "pkg" / "mod.py").read_text() == "X = 1\n"  # the template is untouched
+    assert not (src / "added").exists()
+
+
+def test_bad_archive_fails_the_sandbox_with_the_reason(boxes, tmp_path):
+    bad = tmp_path / "broken.tar"
+    bad.write_bytes(b"this is not a tar archive" * 100)
+
+    async def go():
+        boxes.attach(asyncio.get_running_loop())
+        sb = boxes.open("t1", size_mb=64, template=template_from(str(bad)), network=False)
+        with pytest.raises(OSError) as e:
+            await sb.ready
+        return str(e.value)
+    why = run(go())
+    assert "cannot seed the workspace" in why and "tar" in why
+
+
+@pytest.mark.parametrize("value, message", [
+    ("/nonexistent/x", "no such file or directory"),
+    ("/etc/hostname", "not a directory or a tar archive"),
+])
+def test_template_path_errors_are_one_line(value, message):
+    with pytest.raises(ConfigError) as e:
+        template_from(value)
+    assert message in str(e.value) and "\n" not in str(e.value)
+    assert str(e.value).startswith("workspace_template: ")
+
+
+def test_missing_program_cannot_start(boxes):
+    async def go():
+        boxes.attach(asyncio.get_running_loop())
+        sb = boxes.open("t1", size_mb=64, template=None, network=False)
+        await sb.ready
+        r, w = os.pipe()
+        try:
+            with pytest.raises(OSError) as e:
+                boxes.start(sb, argv=["no-such-program-here"], env={b"PATH": b"/usr/bin"},
+                            cores=[0], mem_limit_mb=None, pids_max=None, out_w=w, err_w=w)
+        finally:
+            os.close(r)
+            os.close(w)
+        return e.value
+    err = run(go())
+    assert err.strerror == "No such file or directory"
+
+
+def test_commands_die_with_the_server(boxes):
+    async def go():
+        boxes.attach(asyncio.get_running_loop())
+        sb = boxes.open("t1", size_mb=64, template=None, network=False)
+        task = asyncio.ensure_future(run_in(boxes, sb, ["sleep", "60"]))
+        await asyncio.sleep(0.5)
+        boxes.server.proc.kill()  # the server dies: its sandboxes' namespaces end
+        return await asyncio.wait_for(task, 10)
+    r = run(go())
+    assert r.status == -1  # reported lost, not waited for forever
+    for _ in range(100):
+        if subprocess.run(["kill", "-0", str(r.pid)], capture_output=True).returncode != 0:
+            break
+        asyncio.run(asyncio.sleep(0.05))
+    else:
+        raise AssertionError("the command outlived its sandbox server")
