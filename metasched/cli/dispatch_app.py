@@ -88,8 +88,11 @@ def dispatcher_config(cfg: dict[str, Any], run_dir: Path):
     journal = cfg.get("journal") or run_dir / "journal.db"
     if not isinstance(journal, (str, Path)):
         raise ConfigError("journal", f"must be a file path or null (got {journal!r})")
+    trace = cfg.get("trace")
+    if trace is not None and (not isinstance(trace, str) or not trace):
+        raise ConfigError("trace", f"must be a file path or null (got {trace!r})")
     return DispatcherConfig(
-        scheduler=scheduler, scheduler_params=dict(params), cores=cores,
+        trace=trace, scheduler=scheduler, scheduler_params=dict(params), cores=cores,
         gpu_standin=int_setting(cfg, "gpu_standin", 0, default=0, hi=64),
         endpoints=parse_endpoints(cfg.get("endpoints"), "endpoints"),
         journal=journal, fsync=bool_setting(cfg, "fsync", False),

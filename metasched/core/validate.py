@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from metasched.errors import ConfigError
@@ -69,19 +68,45 @@ def check_keys(d: Mapping, allowed: set[str], path: str) -> None:
 # ---------------------------------------------------------------- JSON fields
 
 
-@dataclass(frozen=True, slots=True)
 class Field:
-    """Where a value sits: ``file:line`` and the field path within the line."""
+    """Where a value sits: ``file:line`` and the field path within the line.
 
-    loc: str
-    path: str = ""
+    The path is joined only when an error names it: parsers make a locator for every
+    field they read (a trace of a million lines reads tens of millions), and nearly
+    none of them is ever printed.
+    """
+
+    __slots__ = ("loc", "_parent", "_key")
+
+    def __init__(self, loc: str, path: str = "", *, _parent: Field | None = None) -> None:
+        self.loc = loc
+        self._parent = _parent
+        self._key = path
+
+    @property
+    def path(self) -> str:
+        parent = self._parent
+        if parent is None:
+            return self._key
+        head, key = parent.path, self._key
+        sep = "." if head and not key.startswith("[") else ""
+        return f"{head}{sep}{key}"
 
     def __getitem__(self, key: str) -> Field:
-        sep = "." if self.path and not key.startswith("[") else ""
-        return Field(self.loc, f"{self.path}{sep}{key}")
+        return Field(self.loc, key, _parent=self)
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, Field) and (self.loc, self.path) == (other.loc, other.path))
+
+    def __hash__(self) -> int:
+        return hash((self.loc, self.path))
+
+    def __repr__(self) -> str:
+        return f"Field(loc={self.loc!r}, path={self.path!r})"
 
     def __str__(self) -> str:
-        return f"{self.loc}: {self.path}" if self.path else self.loc
+        path = self.path
+        return f"{self.loc}: {path}" if path else self.loc
 
 
 def short(value: Any, limit: int = 60) -> str:

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from metasched.core.action_log import ActionLog
 from metasched.core.actions import Action, ActionSpec, Grant, SandboxSpec, Trajectory
 from metasched.core.cluster_config import ClusterConfig
 from metasched.core.guard import WaitGuard
@@ -114,6 +115,9 @@ class DispatcherConfig:
             with every action).
         trajectory_idle_s: a trajectory with nothing queued or running for this long is
             closed (its held cores return), in case its reward action never comes.
+        trace: a JSONL file to append every finished action to, with what was measured
+            (``metasched.core.action_log``; ``metasched-calibrate`` fits a workload
+            profile to it). None: no trace.
     """
 
     scheduler: str = "checkpoints/default"
@@ -137,6 +141,7 @@ class DispatcherConfig:
     sample_interval_s: float = 1.0
     metrics_window: int | None = 100_000
     trajectory_idle_s: float = 3600.0
+    trace: str | Path | None = None
 
 
 class _Job:
@@ -206,6 +211,13 @@ class Dispatcher:
         self._clock = clock
         self._t0 = clock()
         self._wall0 = time.time()
+        try:
+            self.action_log = ActionLog(cfg.trace, self.cluster, self.host.specs,
+                                        started_at=self._wall0) if cfg.trace else None
+        except ConfigError:
+            if self.journal is not None:
+                self.journal.close()
+            raise
         self._scheduler_given = scheduler
         self.scheduler: Scheduler | None = None
         self.fallback_reason = ""
@@ -335,6 +347,8 @@ class Dispatcher:
                 self._flush_timer.cancel()
             self.flush()
             self.journal.close()
+        if self.action_log is not None:
+            self.action_log.close()
         if self._held:
             log.warning("%d requests recovered from the journal were not resubmitted: "
                         "their env was not stored (journal_env=false), so they wait, "
@@ -1130,6 +1144,11 @@ class Dispatcher:
         state.advance(self._now())
         a = job.action
         state.finish(a, out.ok, out.reason)
+        if self.action_log is not None:
+            self.action_log.record(a, batch=job.alloc.get("batch", 1),
+                                   setup_s=float(out.detail.get("restore_s", 0.0)),
+                                   exit_code=out.exit_code, core_ids=job.alloc.get("cores"),
+                                   trajectory=job.request.trajectory)
         if out.ok and a.start_t == a.start_t:
             run_s = state.t - a.start_t - float(out.detail.get("restore_s", 0.0))
             self.cost.observe(job.request.signature, run_s, cores=max(1, a.cores),
@@ -1171,6 +1190,8 @@ class Dispatcher:
         """The trajectory is over: its held cores, sandbox memory and sandbox (its
         workspace, and whatever still runs in it) are released."""
         self.state.close_trajectory(traj)
+        if self.action_log is not None:
+            self.action_log.forget(traj.id)
         self._traj_live.pop(traj.id, None)
         self._traj_ended.discard(traj.id)
         self._traj_seen.pop(traj.id, None)

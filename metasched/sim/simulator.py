@@ -14,6 +14,7 @@ from collections import deque
 
 import numpy as np
 
+from metasched.core.action_log import ActionLog
 from metasched.core.actions import Action, Grant, Trajectory
 from metasched.core.cluster_config import ClusterConfig
 from metasched.core.guard import WaitGuard
@@ -60,12 +61,15 @@ class Simulator:
             ``SimulationError``. Always on while ``max_wait_s`` is set. The env turns it
             on: a policy's wait must never end a run.
         check_invariants: verify the accounting invariant at every event (slow; tests).
+        action_log: where to record every finished action as a trace line, with what
+            was measured (queue wait, run time, allocation, generation gap), as the live
+            dispatcher records them (``metasched.core.action_log``).
     """
 
     def __init__(self, workload: WorkloadConfig, cluster: ClusterConfig, seed: int, *,
                  instance: WorkloadInstance | None = None, timeline_dt: float = 10.0,
                  max_wait_s: float | None = None, serve_stalled: bool = False,
-                 check_invariants: bool = False) -> None:
+                 check_invariants: bool = False, action_log: ActionLog | None = None) -> None:
         self.workload = workload
         self.cluster = cluster
         self.seed = seed
@@ -93,6 +97,8 @@ class Simulator:
         self.n_events = 0
         self.n_decisions = 0
         self.n_waits = 0
+        self.action_log = action_log
+        self._gpu_runs: dict[int, tuple[int, float]] = {}  # logged: action -> batch, setup
         for ia in self.instance.independent:
             self._push(ia.arrival_s, INDEPENDENT, ia)
         self._start_next_step()
@@ -170,6 +176,8 @@ class Simulator:
             end = t + delay + batch_s
             for b in started:
                 self._push_end(b, t, delay + batch_s)
+                if self.action_log is not None:
+                    self._gpu_runs[b.id] = (len(started), delay)
             self._push(end, DEVICE_FREE, grant.device)
         else:
             self._push_end(grant.action, t, spec.true_s)
@@ -255,6 +263,10 @@ class Simulator:
         failed = a.reason == "timeout"
         self.state.finish(a, not failed, a.reason)
         traj = a.traj
+        if self.action_log is not None:
+            batch, setup = self._gpu_runs.pop(a.id, (1, 0.0))
+            self.action_log.record(a, step=None if traj is None else traj.step, batch=batch,
+                                   setup_s=setup, duration_s=a.spec.true_s)
         if traj is None:
             return
         if traj.turn < traj.n_turns:

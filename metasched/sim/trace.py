@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from metasched.core.actions import KINDS, ActionSpec, SandboxSpec, Turn
-from metasched.core.cluster_config import ClusterConfig
+from metasched.core.cluster_config import ClusterConfig, parse_cluster
 from metasched.core.pools import ServiceSpec
 from metasched.core.validate import Field, json_object, number, required, short, string
 from metasched.errors import ConfigError
@@ -31,7 +32,7 @@ from metasched.sim.sampling import (
     sample_workload,
     workload_rng,
 )
-from metasched.sim.workload_config import WorkloadConfig
+from metasched.sim.workload_config import WorkloadConfig, parse_service
 
 PathLike = str | os.PathLike
 
@@ -41,7 +42,57 @@ _KIND_FIELDS = {"cpu": ("min_cores", "max_cores", "parallel_fraction"),
 _OWNER = {f: kind for kind, fs in _KIND_FIELDS.items() for f in fs}
 _ACTION_KEYS = {"kind", "name", "duration_s", "est_s", "timeout_s", "reward", *_OWNER}
 _TRAJECTORY_KEYS = {"type", "task", "step", "sandbox", "turns"}
-_INDEPENDENT_KEYS = {"type", "arrival_s", "task", "action"}
+_INDEPENDENT_KEYS = {"type", "arrival_s", "task", "action", "measured"}
+_MEASURED_KEYS = {"queue_s", "run_s", "status", "reason", "exit_code", "cores", "core_ids",
+                  "device", "batch", "setup_s", "trajectory", "turn", "step", "gap_s"}
+_CLUSTER_KEYS = {"type", "name", "scale", "cpu", "gpu", "api", "services", "started_at"}
+STATUSES = ("done", "failed", "timeout")
+
+
+@dataclass(frozen=True, slots=True)
+class Measured:
+    """What a clock measured about a finished action (an ``action`` line's ``measured``,
+    written by :class:`metasched.core.action_log.ActionLog`). Replay ignores it;
+    ``metasched-calibrate`` fits profiles to it."""
+
+    queue_s: float
+    run_s: float
+    status: str
+    reason: str = ""
+    exit_code: int | None = None
+    cores: int | None = None
+    core_ids: tuple[int, ...] | None = None
+    device: int | None = None
+    batch: int = 1
+    setup_s: float = 0.0
+    trajectory: str | None = None
+    turn: int = 0
+    step: int | None = None
+    gap_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TraceHeader:
+    """A ``cluster`` line: the resources a recorded trace ran on."""
+
+    cluster: ClusterConfig
+    doc: dict[str, Any]  # the cluster in the configs/cluster form, as written
+    services: dict[str, ServiceSpec]
+    started_at: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRecord:
+    """One line of a trace as :func:`scan_trace` yields it: its line number and exactly
+    one of a trajectory (with its step), an independent action (with what was measured,
+    if anything) or a header."""
+
+    lineno: int
+    step: int = -1
+    trajectory: TrajectorySpec | None = None
+    action: IndependentAction | None = None
+    measured: Measured | None = None
+    header: TraceHeader | None = None
 
 
 def _parse_action(value: Any, at: Field) -> ActionSpec:
@@ -105,16 +156,74 @@ def _parse_trajectory(d: dict[str, Any], at: Field) -> tuple[int, TrajectorySpec
     return step, TrajectorySpec(task, tuple(turns), sandbox)
 
 
-def _parse_independent(d: dict[str, Any], at: Field) -> IndependentAction:
-    """An ``action`` line: an independent action with its arrival time."""
+def _parse_independent(d: dict[str, Any], at: Field
+                       ) -> tuple[IndependentAction, Measured | None]:
+    """An ``action`` line: an independent action with its arrival time (and what was
+    measured about it, in a recorded trace)."""
     json_object(d, at, _INDEPENDENT_KEYS)
     arrival = number(required(d, "arrival_s", at), at["arrival_s"], lo=0.0)
     task = string(required(d, "task", at), at["task"])
     spec = _parse_action(required(d, "action", at), at["action"])
-    return IndependentAction(arrival, task, spec)
+    measured = _parse_measured(d["measured"], at["measured"]) if "measured" in d else None
+    return IndependentAction(arrival, task, spec), measured
 
 
-def _parse_line(text: str, loc: str) -> tuple[int, TrajectorySpec] | IndependentAction:
+def _opt_int(d: dict[str, Any], key: str, at: Field, lo: int = 0) -> int | None:
+    return None if key not in d else number(d[key], at[key], lo=lo, integer=True)
+
+
+def _parse_measured(value: Any, at: Field) -> Measured:
+    d = json_object(value, at, _MEASURED_KEYS)
+    status = required(d, "status", at)
+    if status not in STATUSES:
+        raise ConfigError(str(at["status"]),
+                          f"must be one of {', '.join(STATUSES)} (got {short(status)})")
+    reason = d.get("reason", "")
+    if not isinstance(reason, str):
+        raise ConfigError(str(at["reason"]), f"must be a string (got {short(reason)})")
+    ids = d.get("core_ids")
+    if ids is not None:
+        if not isinstance(ids, list):
+            raise ConfigError(str(at["core_ids"]), f"must be a list of core ids (got "
+                              f"{short(ids)})")
+        ids = tuple(number(c, at["core_ids"][f"[{i}]"], lo=0, integer=True)
+                    for i, c in enumerate(ids))
+    traj = d.get("trajectory")
+    if traj is not None:
+        traj = string(traj, at["trajectory"])
+    exit_code = d.get("exit_code")
+    if exit_code is not None:
+        exit_code = number(exit_code, at["exit_code"], lo=-(2 ** 31), integer=True)
+    gap = d.get("gap_s")
+    return Measured(
+        queue_s=number(required(d, "queue_s", at), at["queue_s"], lo=0.0),
+        run_s=number(required(d, "run_s", at), at["run_s"], lo=0.0),
+        status=status, reason=reason, exit_code=exit_code,
+        cores=_opt_int(d, "cores", at, lo=0), core_ids=ids,
+        device=_opt_int(d, "device", at, lo=-1),
+        batch=number(d.get("batch", 1), at["batch"], lo=1, integer=True),
+        setup_s=number(d.get("setup_s", 0.0), at["setup_s"], lo=0.0),
+        trajectory=traj, turn=number(d.get("turn", 0), at["turn"], lo=0, integer=True),
+        step=_opt_int(d, "step", at), gap_s=None if gap is None else number(
+            gap, at["gap_s"], lo=0.0))
+
+
+def _parse_header(d: dict[str, Any], at: Field) -> TraceHeader:
+    """A ``cluster`` line: the cluster (``configs/cluster`` form) and GPU services."""
+    json_object(d, at, _CLUSTER_KEYS)
+    doc = {k: v for k, v in d.items() if k not in ("type", "services", "started_at")}
+    cluster = parse_cluster(doc, path=f"{at}: cluster")
+    services_v = d.get("services") or {}
+    if not isinstance(services_v, dict):
+        raise ConfigError(str(at["services"]), f"must be a JSON object (got {short(services_v)})")
+    services = {str(k): parse_service(v, f"{at}: services.{k}")
+                for k, v in services_v.items()}
+    started = d.get("started_at")
+    return TraceHeader(cluster, doc, services, None if started is None else number(
+        started, at["started_at"], lo=0.0))
+
+
+def _parse_record(text: str, loc: str, lineno: int = 0) -> TraceRecord:
     """One non-blank, non-comment line at ``loc`` (``file:line``)."""
     try:
         d = json.loads(text)
@@ -127,13 +236,42 @@ def _parse_line(text: str, loc: str) -> tuple[int, TrajectorySpec] | Independent
         raise ConfigError(loc, f"must be a JSON object (got {short(d)})")
     kind = required(d, "type", at)
     if kind == "trajectory":
-        return _parse_trajectory(d, at)
+        step, traj = _parse_trajectory(d, at)
+        return TraceRecord(lineno, step=step, trajectory=traj)
     if kind == "action":
-        return _parse_independent(d, at)
-    raise ConfigError(str(at["type"]), f'must be "trajectory" or "action" (got {short(kind)})')
+        action, measured = _parse_independent(d, at)
+        return TraceRecord(lineno, action=action, measured=measured)
+    if kind == "cluster":
+        return TraceRecord(lineno, header=_parse_header(d, at))
+    raise ConfigError(str(at["type"]),
+                      f'must be "trajectory", "action" or "cluster" (got {short(kind)})')
 
 
 # ---------------------------------------------------------------- reading and writing
+
+
+def scan_trace(path: PathLike) -> Iterator[TraceRecord]:
+    """The lines of a trace one at a time, checked as :func:`read_trace` checks them
+    (a recorded trace of millions of actions is read without holding it).
+
+    Raises:
+        ConfigError: as :func:`read_trace` (except that an empty file yields nothing).
+    """
+    name = str(path)
+    try:
+        f = open(path, "rb")  # noqa: SIM115 - closed below
+    except OSError as e:
+        raise ConfigError(name, f"cannot read trace ({e.strerror or type(e).__name__})") from None
+    with f:
+        for lineno, raw in enumerate(f, start=1):
+            loc = f"{name}:{lineno}"
+            try:
+                text = raw.decode("utf-8").strip()
+            except UnicodeDecodeError:
+                raise ConfigError(loc, "not valid UTF-8") from None
+            if not text or text.startswith("#"):
+                continue
+            yield _parse_record(text, loc, lineno)
 
 
 def read_trace(path: PathLike) -> WorkloadInstance:
@@ -144,28 +282,15 @@ def read_trace(path: PathLike) -> WorkloadInstance:
             one-line message names the file, the line number and the field.
     """
     name = str(path)
-    try:
-        data = Path(path).read_bytes()
-    except OSError as e:
-        raise ConfigError(name, f"cannot read trace ({e.strerror or type(e).__name__})") from None
     by_step: dict[int, list[TrajectorySpec]] = {}
     first_line: dict[int, int] = {}  # step -> line of its first trajectory
     independent: list[IndependentAction] = []
-    for lineno, raw in enumerate(data.split(b"\n"), start=1):
-        loc = f"{name}:{lineno}"
-        try:
-            text = raw.decode("utf-8").strip()
-        except UnicodeDecodeError:
-            raise ConfigError(loc, "not valid UTF-8") from None
-        if not text or text.startswith("#"):
-            continue
-        item = _parse_line(text, loc)
-        if isinstance(item, IndependentAction):
-            independent.append(item)
-        else:
-            step, traj = item
-            by_step.setdefault(step, []).append(traj)
-            first_line.setdefault(step, lineno)
+    for item in scan_trace(path):
+        if item.action is not None:
+            independent.append(item.action)
+        elif item.trajectory is not None:
+            by_step.setdefault(item.step, []).append(item.trajectory)
+            first_line.setdefault(item.step, item.lineno)
     if not by_step and not independent:
         raise ConfigError(name, "trace is empty: it has no trajectory or action lines")
     missing = next((s for s in range(len(by_step)) if s not in by_step), None)
@@ -236,7 +361,7 @@ def write_trace(instance: WorkloadInstance, path: PathLike) -> None:
     text = []
     for lineno, obj in enumerate(lines, start=1):
         line = json.dumps(obj, separators=(",", ":"))
-        _parse_line(line, f"{name}:{lineno}")
+        _parse_record(line, f"{name}:{lineno}", lineno)
         text.append(line + "\n")
     with open(path, "w", encoding="utf-8") as f:
         f.writelines(text)

@@ -48,12 +48,24 @@ class Dist:
         if self.sigma == 0.0 and self.tail_sigma is None:
             x = np.full(size, self.median) if size is not None else self.median
         else:
-            z = rng.standard_normal(size)
-            logx = self.sigma * z
-            if self.tail_sigma is not None:
-                logx = logx + (self.tail_sigma - self.sigma) * np.maximum(z - Z90, 0.0)
-            x = self.median * np.exp(logx)
+            x = self._unclipped(rng.standard_normal(size))
         return np.clip(x, self.lo, self.hi) if size is not None else min(max(x, self.lo), self.hi)
+
+    def _unclipped(self, z):
+        """The value at standard normal score ``z``, before clipping."""
+        import numpy as np
+
+        logx = self.sigma * z
+        if self.tail_sigma is not None:
+            logx = logx + (self.tail_sigma - self.sigma) * np.maximum(z - Z90, 0.0)
+        return self.median * np.exp(logx)
+
+    def quantile(self, p):
+        """The ``p`` quantile(s) (``p`` a number or an array in (0, 1))."""
+        import numpy as np
+        from scipy.stats import norm
+
+        return np.clip(self._unclipped(norm.ppf(np.asarray(p, float))), self.lo, self.hi)
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +184,8 @@ def parse_action_type(name: str, d: Any, path: str, services: Mapping, *,
                       endpoint, tokens)
 
 
-def _parse_service(d: Any, path: str) -> ServiceSpec:
+def parse_service(d: Any, path: str) -> ServiceSpec:
+    """A GPU service: ``{mem_gb, restore_s, max_batch, batch_marginal}``."""
     if not isinstance(d, Mapping):
         raise ConfigError(path, f"must be a mapping (got {d!r})")
     check_keys(d, {"mem_gb", "restore_s", "max_batch", "batch_marginal"}, path)
@@ -190,7 +203,7 @@ def parse_workload(d: Mapping, path: str = "workload") -> WorkloadConfig:
     check_keys(d, {"name", "steps", "trajectories_per_step", "estimate_error", "services",
                     "tasks", "trace"}, path)
     name = str(get_key(d, "name", path))
-    services = {str(k): _parse_service(v, f"{path}.services.{k}")
+    services = {str(k): parse_service(v, f"{path}.services.{k}")
                 for k, v in mapping_or_empty(d.get("services"), f"{path}.services").items()}
     trace = d.get("trace")
     steps = bounded(get_key(d, "steps", path, 1), f"{path}.steps", lo=1, integer=True)

@@ -1,0 +1,1 @@
+"""Calibration: fitting a workload profile to a recorded trace (``metasched-calibrate``)."""

@@ -1,0 +1,432 @@
+"""Fitting a workload profile to a recorded trace, and writing it as the YAML files
+``metasched-eval``, ``-plan`` and ``-train`` read (``workload/<name>.yaml`` and
+``cluster/<name>.yaml`` under one ``--config-dir``).
+
+Per action type (``task``, ``name``): the duration distribution in the profiles' form
+(one-core seconds for cpu, using the fitted Amdahl fraction; batch-of-one latency for
+gpu; call latency for api), the Amdahl fraction where core counts varied, the estimate
+error and the timeout rate. Per task: its share of trajectories, turns per trajectory
+and generation gaps. Steps and trajectories per step from the trace's RL steps. GPU
+service restores from measured setup times. What a trace cannot say (a sandbox, a
+service's memory, a cluster the trace has no line for) comes from a base profile, or is
+marked as an assumption.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from metasched.calibration.fits import (
+    AmdahlFit,
+    CountFit,
+    DistFit,
+    dist_cdf,
+    estimate_sigma,
+    fit_amdahl,
+    fit_counts,
+    fit_duration,
+)
+from metasched.calibration.samples import TraceSamples, TypeSamples
+from metasched.errors import ConfigError
+
+NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+COMMENT_COL = 34  # where a value's comment starts, as in the shipped profiles
+
+
+@dataclass
+class TypeFit:
+    """What was fitted for one action type."""
+
+    samples: TypeSamples
+    duration: DistFit
+    x: np.ndarray  # the durations fitted (one-core / batch-of-one / call seconds)
+    censored: np.ndarray
+    amdahl: AmdahlFit | None
+    parallel_fraction: float
+    timeout_s: float
+    timeout_rate: float
+    fitted_timeout_rate: float
+    est_sigma: float
+    tokens: DistFit | None = None
+    prob: float = 1.0
+    n_in_task: int = 0  # tool actions of its task (prob's denominator)
+
+    @property
+    def label(self) -> str:
+        s = self.samples
+        return f"{s.task}/{'reward' if s.reward else s.name}"
+
+
+@dataclass
+class TaskFit:
+    name: str
+    n_traj: int
+    share: float
+    turns: CountFit
+    gaps: DistFit | None
+    actions: list[TypeFit]
+    reward: TypeFit
+    unused_rewards: list[str] = field(default_factory=list)
+    sandbox: dict[str, Any] | None = None
+
+
+@dataclass
+class Calibration:
+    """A workload profile fitted to a trace (see :func:`calibrate`)."""
+
+    name: str
+    samples: TraceSamples
+    types: list[TypeFit]
+    tasks: list[TaskFit]
+    steps: int
+    trajectories_per_step: int
+    estimate_error: float
+    services: dict[str, dict[str, tuple[Any, str]]]  # name -> field -> (value, comment)
+    cluster: dict[str, Any]  # the configs/cluster document, or {"defaults": ...}
+    cluster_source: str
+    notes: list[str] = field(default_factory=list)
+
+    def workload_yaml(self) -> str:
+        return _workload_yaml(self)
+
+    def cluster_yaml(self) -> str:
+        return _cluster_yaml(self)
+
+
+def _mode(counts: dict) -> Any:
+    return max(counts.items(), key=lambda kv: (kv[1], str(kv[0])))[0]
+
+
+def _fit_type(ts: TypeSamples, services: dict[str, dict[str, tuple[Any, str]]]) -> TypeFit:
+    a = ts.arrays()
+    run, setup, cores, batch, censored = (a["run_s"], a["setup_s"], a["cores"], a["batch"],
+                                          a["timed_out"])
+    work = np.maximum(run - setup, 0.0)
+    amdahl = None
+    pf = 0.0
+    if ts.kind == "cpu":
+        pf = float(_mode(ts.declared_pf))
+        if ts.core_range[1] > ts.core_range[0]:
+            ok = ~censored
+            amdahl = fit_amdahl(work[ok], cores[ok], a["est_s"][ok])
+            if amdahl is not None:
+                pf = amdahl.p
+        g = (1.0 - pf) + pf / np.maximum(cores, 1)
+        x = work / g
+        keep = np.ones(len(x), bool)
+    elif ts.kind == "gpu":
+        g = np.ones(len(work))
+        single = batch == 1
+        # Batch-of-one runs are the latencies themselves; with too few of them, batches
+        # are scaled back by the service's marginal cost (their slowest member's time).
+        if single.sum() >= 10:
+            keep = single
+            x = work
+        else:
+            svc = services.get(_mode(ts.services), {})
+            m = float(svc.get("batch_marginal", (0.0, ""))[0])
+            keep = np.ones(len(work), bool)
+            x = work / (1.0 + m * (batch - 1))
+    else:
+        g = np.ones(len(work))
+        x = work
+        keep = np.ones(len(x), bool)
+    x = np.maximum(x, 1e-6)
+    fit = fit_duration(x[keep], censored[keep])
+    timeout_s = float(_mode(ts.timeouts_s))
+    timeout_rate = float(censored.mean())
+    # The fit's prediction for the same allocations: P(base x g > timeout).
+    timeouts = np.array([timeout_s] * len(g))
+    fitted_rate = float(np.mean(1.0 - dist_cdf(fit.dist, timeouts / g)))
+    done = keep & ~censored
+    est_sigma = estimate_sigma(a["est_s"][done], x[done])
+    tokens = None
+    if ts.kind == "api" and ts.tokens:
+        tokens = fit_duration(np.maximum(np.asarray(ts.tokens, float), 0.0))
+    return TypeFit(ts, fit, x[keep], censored[keep], amdahl, pf, timeout_s, timeout_rate,
+                   fitted_rate, est_sigma, tokens)
+
+
+def _fit_services(samples: TraceSamples, base: dict[str, Any] | None
+                  ) -> dict[str, dict[str, tuple[Any, str]]]:
+    """GPU services named in the trace: measured restores, the rest from the trace's
+    cluster line, the base profile, or assumptions."""
+    header = samples.header.services if samples.header is not None else {}
+    base_svc = ((base or {}).get("workload") or {}).get("services") or {}
+    names = sorted({s for ts in samples.types.values() for s in ts.services})
+    out: dict[str, dict[str, tuple[Any, str]]] = {}
+    for name in names:
+        setups = np.array([s for ts in samples.types.values() if name in ts.services
+                           for s, sv in zip(ts.setup_s, _service_of(ts), strict=True)
+                           if sv == name and s > 0])
+        batches = [b for ts in samples.types.values() if name in ts.services
+                   for b, sv in zip(ts.batch, _service_of(ts), strict=True) if sv == name]
+        spec: dict[str, tuple[Any, str]] = {}
+        if name in header:
+            h = header[name]
+            src = "the trace's cluster line"
+            known = {"mem_gb": h.mem_gb, "restore_s": h.restore_s, "max_batch": h.max_batch,
+                     "batch_marginal": h.batch_marginal}
+        elif name in base_svc:
+            src = "the base profile"
+            known = dict(base_svc[name])
+        else:
+            src = None
+            known = {}
+        spec["mem_gb"] = ((known["mem_gb"], f"from {src}") if "mem_gb" in known
+                          else (1.0, "assumption: the trace does not say"))
+        if len(setups):
+            spec["restore_s"] = (float(np.median(setups)),
+                                 f"median of {len(setups):,} measured restores")
+        elif "restore_s" in known:
+            spec["restore_s"] = (known["restore_s"], f"from {src} (no restore in the trace)")
+        else:
+            spec["restore_s"] = (0.0, "assumption: no restore in the trace")
+        biggest = max(batches, default=1)
+        if "max_batch" in known:
+            spec["max_batch"] = (int(known["max_batch"]),
+                                 f"from {src} (largest batch in the trace: {biggest})")
+        else:
+            spec["max_batch"] = (biggest, "largest batch in the trace")
+        spec["batch_marginal"] = ((known["batch_marginal"], f"from {src}")
+                                  if "batch_marginal" in known
+                                  else (0.0, "assumption: not fitted"))
+        out[name] = spec
+    return out
+
+
+def _service_of(ts: TypeSamples) -> list[str]:
+    # Runs of one type name one service in practice; the most common stands for all.
+    return [_mode(ts.services)] * ts.n
+
+
+def calibrate(samples: TraceSamples, name: str, base: dict[str, Any] | None = None
+              ) -> Calibration:
+    """Fit a workload profile to ``samples``.
+
+    Args:
+        samples: a trace's measurements (:func:`~metasched.calibration.samples.read_samples`).
+        name: the profile's name (its YAML files' names).
+        base: a composed config (``metasched.compose.compose``) whose workload supplies
+            sandboxes and service sizes the trace cannot give, and whose cluster is
+            used when the trace has no cluster line.
+
+    Raises:
+        ConfigError: the name is not a file name, or the trace has no finished
+            trajectory to fit tasks to.
+    """
+    if not NAME_RE.match(name):
+        raise ConfigError("name", f"must be letters, digits, '_', '-' or '.' (got {name!r})")
+    notes: list[str] = []
+    services = _fit_services(samples, base)
+    fits = {key: _fit_type(ts, services) for key, ts in sorted(samples.types.items())}
+    steps = samples.steps()
+    if not steps:
+        raise ConfigError(samples.path, "no finished trajectory (an action with "
+                          "measured.trajectory and a reward action closing it): calibration "
+                          "fits trajectories")
+    n_traj = sum(len(s) for s in steps)
+    base_tasks = ((base or {}).get("workload") or {}).get("tasks") or {}
+    tasks: list[TaskFit] = []
+    for task in sorted({t.task for s in steps for t in s}):
+        trajs = [t for s in steps for t in s if t.task == task]
+        tools = [f for (tk, _, reward), f in fits.items() if tk == task and not reward]
+        rewards = sorted((f for (tk, _, reward), f in fits.items() if tk == task and reward),
+                         key=lambda f: -f.samples.n)
+        if not rewards:
+            notes.append(f"task {task}: no reward action recorded; left out")
+            continue
+        n_tools = sum(f.samples.n for f in tools)
+        for f in tools:
+            # Six decimals, the largest share taking the rounding: they sum to 1.
+            f.prob, f.n_in_task = round(f.samples.n / n_tools, 6), n_tools
+        if tools:
+            top = max(tools, key=lambda f: f.samples.n)
+            top.prob = round(1.0 - sum(f.prob for f in tools if f is not top), 6)
+        gaps = samples.gaps.get(task)
+        sandbox = (base_tasks.get(task) or {}).get("sandbox")
+        tasks.append(TaskFit(
+            task, len(trajs), len(trajs) / n_traj, fit_counts(np.array([t.tools for t in trajs])),
+            fit_duration(np.asarray(gaps, float)) if gaps else None, tools, rewards[0],
+            [f.samples.name for f in rewards[1:]], sandbox))
+    if not tasks:
+        raise ConfigError(samples.path, "no task has a recorded reward action")
+    for t in tasks:
+        if t.unused_rewards:
+            notes.append(f"task {t.name}: reward types {t.unused_rewards} are not in the "
+                         f"profile (one reward type per task; {t.reward.samples.name} kept)")
+    weights = [(f.samples.n, f.est_sigma) for f in fits.values() if f.est_sigma == f.est_sigma]
+    est_err = (math.sqrt(sum(n * s * s for n, s in weights) / sum(n for n, _ in weights))
+               if weights else 0.5)
+    if samples.header is not None:
+        cluster = dict(samples.header.doc)
+        cluster["name"] = name
+        cluster_source = "the trace's cluster line (the resources it ran on)"
+    elif base is not None:
+        cluster = {"defaults": [base["cluster"].get("name")]}
+        cluster_source = f"the base profile's cluster ({base['cluster'].get('name')})"
+    else:
+        raise ConfigError("base", "the trace has no cluster line: give a base profile whose "
+                          "cluster to use (e.g. --base coding)")
+    return Calibration(name, samples, list(fits.values()), tasks, len(steps),
+                       max(1, round(n_traj / len(steps))), est_err, services, cluster,
+                       cluster_source, notes)
+
+
+# ---------------------------------------------------------------- YAML
+
+
+def _num(v: float) -> str:
+    """A number for YAML: 4 significant digits, always readable back as a number."""
+    if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
+        return str(int(v))
+    r = repr(float(f"{float(v):.4g}"))
+    mant, e, exp = r.partition("e")
+    if e and "." not in mant:
+        r = f"{mant}.0e{exp}"
+    return r
+
+
+def _flow(d: dict[str, Any] | float) -> str:
+    if not isinstance(d, dict):
+        return _num(d)
+    return "{" + ", ".join(f"{k}: {_num(v)}" for k, v in d.items()) + "}"
+
+
+def _line(indent: int, key: str, value: str, comment: str = "") -> str:
+    text = f"{' ' * indent}{key}: {value}"
+    if comment:
+        text = f"{text.ljust(COMMENT_COL - 1)} # {comment}"
+    return text
+
+
+def _duration_comment(f: TypeFit) -> str:
+    d = f.duration
+    what = {"cpu": "one-core s", "gpu": "batch-of-one s", "api": "call s"}[f.samples.kind]
+    parts = [f"{what}: quantiles of {d.n:,} runs"]
+    if d.censored:
+        parts.append(f"{d.censored:,} killed at the timeout")
+    if d.tail_from_censoring:
+        parts.append("p99 from the fraction killed")
+    if f.samples.kind == "cpu" and f.amdahl is not None:
+        parts.append("scaled to one core by the fitted Amdahl fraction")
+    if d.ks == d.ks:
+        parts.append(f"KS {d.ks:.3f}")
+    return "; ".join(parts)
+
+
+def _action_lines(f: TypeFit, indent: int, reward: bool) -> list[str]:
+    s = f.samples
+    out = [_line(indent, "kind", s.kind)]
+    if not reward:
+        out.append(_line(indent, "prob", repr(f.prob),
+                         f"{s.n:,} of {f.n_in_task:,} tool actions of the task"))
+    out.append(_line(indent, "duration_s", _flow(f.duration.config()), _duration_comment(f)))
+    if s.kind == "cpu":
+        lo, hi = s.core_range
+        out.append(_line(indent, "cores", f"[{lo}, {hi}]", "the range the requests declared"))
+        if f.amdahl is not None:
+            a = f.amdahl
+            out.append(_line(indent, "parallel_fraction", _num(f.parallel_fraction),
+                             f"Amdahl fit: {a.n:,} runs on {len(a.core_counts)} core counts "
+                             f"({a.core_counts[0]}-{a.core_counts[-1]}), rmse of log run "
+                             f"{a.rmse:.3f}"))
+        else:
+            out.append(_line(indent, "parallel_fraction", _num(f.parallel_fraction),
+                             f"as declared by {s.n:,} runs (one core count: not fitted)"))
+    elif s.kind == "gpu":
+        out.append(_line(indent, "service", _mode(s.services), f"{s.n:,} runs"))
+    else:
+        out.append(_line(indent, "endpoint", _mode(s.endpoints), f"{s.n:,} calls"))
+        if f.tokens is not None:
+            out.append(_line(indent, "tokens", _flow(f.tokens.config()),
+                             f"quantiles of {f.tokens.n:,} calls"))
+    out.append(_line(indent, "timeout_s", _num(f.timeout_s),
+                     f"declared; {f.timeout_rate:.2%} killed (the fit: "
+                     f"{f.fitted_timeout_rate:.2%}); estimate error sigma {f.est_sigma:.3f}"))
+    return out
+
+
+def _workload_yaml(c: Calibration) -> str:
+    s = c.samples
+    lines = [f"# Calibrated by metasched-calibrate from {s.path}: {s.n_actions:,} measured "
+             f"actions,",
+             f"# {sum(t.n_traj for t in c.tasks):,} finished trajectories in {c.steps} RL "
+             f"steps. Every figure: its fit and sample size.",
+             _line(0, "name", c.name),
+             _line(0, "steps", str(c.steps), "RL steps in the trace"),
+             _line(0, "trajectories_per_step", str(c.trajectories_per_step),
+                   "finished trajectories per step in the trace (mean)"),
+             _line(0, "estimate_error", _num(c.estimate_error),
+                   "sigma of log(estimate / duration), pooled over types"),
+             _line(0, "trace", "null")]
+    if c.services:
+        lines.append("services:")
+        for name, spec in c.services.items():
+            lines.append(f"  {name}:")
+            lines += [_line(4, k, _num(v), why) for k, (v, why) in spec.items()]
+    lines.append("tasks:")
+    for t in c.tasks:
+        lines.append(f"  {t.name}:")
+        lines.append(_line(4, "share", _num(t.share), f"{t.n_traj:,} of the trace's "
+                           "finished trajectories"))
+        lines.append(_line(4, "turns", _flow(t.turns.config()),
+                           f"tool actions per trajectory: quantiles of {t.turns.n:,} "
+                           "trajectories (counts as rounded values), observed range"))
+        if t.gaps is not None:
+            lines.append(_line(4, "generation_s", _flow(t.gaps.config()),
+                               f"gaps (submission - previous finish): quantiles of "
+                               f"{t.gaps.n:,}; KS {t.gaps.ks:.3f}"))
+        else:
+            lines.append(_line(4, "generation_s", "0",
+                               "no gap in the trace (trajectories of one action)"))
+        if t.sandbox is not None:
+            sb = t.sandbox
+            lines.append(_line(4, "sandbox", _flow({"mem_gb": sb["mem_gb"],
+                                                    "startup_s": sb["startup_s"]}),
+                               "from the base profile (the trace has no sandboxes)"))
+        else:
+            lines.append(_line(4, "sandbox", "null", "none recorded"))
+        if t.actions:
+            lines.append("    actions:")
+            for f in t.actions:
+                lines.append(f"      {f.samples.name}:")
+                lines += _action_lines(f, 8, False)
+        else:
+            lines.append(_line(4, "actions", "{}", "no tool action recorded"))
+        lines.append("    reward:".ljust(COMMENT_COL - 1) + f" # {t.reward.samples.name}: "
+                     f"{t.reward.samples.n:,} runs")
+        lines += _action_lines(t.reward, 6, True)
+    return "\n".join(lines) + "\n"
+
+
+def _cluster_yaml(c: Calibration) -> str:
+    d = c.cluster
+    head = [f"# Cluster of the calibrated profile {c.name}: from {c.cluster_source}."]
+    if "defaults" in d:
+        return "\n".join(head + ["defaults:", f"  - {d['defaults'][0]}", "  - _self_",
+                                 f"name: {c.name}"]) + "\n"
+    lines = head + [f"name: {c.name}", _line(0, "scale", "1.0", "multiplies every pool "
+                                             "(README)")]
+    cpu, gpu = d.get("cpu") or {}, d.get("gpu") or {}
+    lines += ["cpu:", _line(2, "nodes", str(cpu.get("nodes", 0))),
+              _line(2, "cores_per_node", str(cpu.get("cores_per_node", 0))),
+              _line(2, "mem_gb_per_node", _num(cpu.get("mem_gb_per_node", 0.0))),
+              "gpu:", _line(2, "devices", str(gpu.get("devices", 0))),
+              _line(2, "mem_gb", _num(gpu.get("mem_gb", 0.0))), "api:"]
+    eps = (d.get("api") or {}).get("endpoints") or {}
+    if not eps:
+        lines.append("  endpoints: {}")
+    else:
+        lines.append("  endpoints:")
+        for name, e in eps.items():
+            lines.append(f"    {name}: {_flow(e)}")
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["Calibration", "TaskFit", "TypeFit", "calibrate"]

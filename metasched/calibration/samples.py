@@ -1,0 +1,175 @@
+"""Reading a recorded trace into what calibration fits: per action type, the measured
+durations and allocations; per task, turns per trajectory and generation gaps; the RL
+steps; the cluster.
+
+A recorded trace is a stream of ``action`` lines with ``measured`` objects (written by
+:class:`metasched.core.action_log.ActionLog`, live or simulated). Lines without
+``measured`` (and ``trajectory`` lines) carry no measurements and are counted, not used.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from metasched.errors import ConfigError
+from metasched.sim.trace import TraceHeader, scan_trace
+
+PathLike = str | os.PathLike
+
+
+@dataclass
+class TypeSamples:
+    """Every recorded run of one action type (``task``, ``name``; the reward apart)."""
+
+    task: str
+    name: str
+    kind: str
+    reward: bool
+    run_s: list[float] = field(default_factory=list)  # start to finish
+    setup_s: list[float] = field(default_factory=list)  # before it ran (gpu restore)
+    est_s: list[float] = field(default_factory=list)
+    cores: list[int] = field(default_factory=list)
+    batch: list[int] = field(default_factory=list)
+    timed_out: list[bool] = field(default_factory=list)
+    failed: int = 0  # failed otherwise than by its timeout
+    timeouts_s: dict[float, int] = field(default_factory=dict)  # declared timeout: count
+    core_range: tuple[int, int] = (1, 1)  # widest declared [min, max]
+    declared_pf: dict[float, int] = field(default_factory=dict)
+    services: dict[str, int] = field(default_factory=dict)
+    endpoints: dict[str, int] = field(default_factory=dict)
+    tokens: list[int] = field(default_factory=list)
+
+    @property
+    def n(self) -> int:
+        return len(self.run_s)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {"run_s": np.asarray(self.run_s, float), "setup_s": np.asarray(self.setup_s, float),
+                "est_s": np.asarray(self.est_s, float), "cores": np.asarray(self.cores, int),
+                "batch": np.asarray(self.batch, int),
+                "timed_out": np.asarray(self.timed_out, bool)}
+
+
+@dataclass
+class TrajectoryRecord:
+    task: str
+    tools: int = 0  # tool actions (all but the reward)
+    ended: bool = False  # its reward action was recorded
+    first_s: float = np.inf  # first submission
+    last_s: float = 0.0  # last finish
+    step: int | None = None
+
+
+@dataclass
+class TraceSamples:
+    """What :func:`read_samples` gathers from a trace."""
+
+    path: str
+    header: TraceHeader | None = None
+    types: dict[tuple[str, str, bool], TypeSamples] = field(default_factory=dict)
+    trajectories: dict[str, TrajectoryRecord] = field(default_factory=dict)
+    gaps: dict[str, list[float]] = field(default_factory=dict)  # task -> generation gaps
+    n_lines: int = 0
+    n_actions: int = 0  # action lines with measurements
+    n_unmeasured: int = 0  # trajectory lines and action lines without measurements
+    n_loose: int = 0  # measured actions of no trajectory
+
+    def steps(self) -> list[list[TrajectoryRecord]]:
+        """The finished trajectories grouped into RL steps: by their recorded ``step``
+        where the clock knew it, else by the synchronous-step barrier (a trajectory
+        that starts after every earlier one has finished starts a new step)."""
+        done = [t for t in self.trajectories.values() if t.ended]
+        if done and all(t.step is not None for t in done):
+            by: dict[int, list[TrajectoryRecord]] = {}
+            for t in done:
+                by.setdefault(t.step, []).append(t)
+            return [by[s] for s in sorted(by)]
+        out: list[list[TrajectoryRecord]] = []
+        end = -np.inf
+        for t in sorted(done, key=lambda t: t.first_s):
+            if not out or t.first_s >= end:
+                out.append([])
+            out[-1].append(t)
+            end = max(end, t.last_s)
+        return out
+
+
+def read_samples(path: PathLike, progress: Callable[[int], None] | None = None) -> TraceSamples:
+    """Gather a trace's measurements (streamed: nothing but the samples is kept).
+
+    Args:
+        path: a JSONL trace.
+        progress: called with the number of lines read so far, every 10,000 lines.
+
+    Raises:
+        ConfigError: the trace is malformed (one line naming file, line and field), or
+            has no measured actions.
+    """
+    out = TraceSamples(str(path))
+    for item in scan_trace(path):
+        out.n_lines += 1
+        if progress is not None and out.n_lines % 10_000 == 0:
+            progress(out.n_lines)
+        if item.header is not None:
+            out.header = item.header
+            continue
+        if item.action is None or item.measured is None:
+            out.n_unmeasured += 1
+            continue
+        ia, m = item.action, item.measured
+        spec = ia.spec
+        key = (ia.task, spec.name, spec.reward)
+        ts = out.types.get(key)
+        if ts is None:
+            ts = out.types[key] = TypeSamples(ia.task, spec.name, spec.kind, spec.reward)
+        elif ts.kind != spec.kind:
+            raise ConfigError(f"{path}:{item.lineno}: action.kind",
+                              f"{ia.task}/{spec.name} was {ts.kind} on an earlier line (got "
+                              f"{spec.kind}); give actions of another kind another name")
+        out.n_actions += 1
+        ts.run_s.append(m.run_s)
+        ts.setup_s.append(m.setup_s)
+        ts.est_s.append(spec.est_s)
+        ts.cores.append(m.cores if m.cores is not None else spec.min_cores)
+        ts.batch.append(m.batch)
+        ts.timed_out.append(m.status == "timeout")
+        ts.failed += m.status == "failed"
+        ts.timeouts_s[spec.timeout_s] = ts.timeouts_s.get(spec.timeout_s, 0) + 1
+        if spec.kind == "cpu":
+            lo, hi = ts.core_range
+            ts.core_range = ((spec.min_cores, spec.max_cores) if ts.n == 1
+                             else (min(lo, spec.min_cores), max(hi, spec.max_cores)))
+            pf = spec.parallel_fraction
+            ts.declared_pf[pf] = ts.declared_pf.get(pf, 0) + 1
+        elif spec.kind == "gpu":
+            ts.services[spec.service] = ts.services.get(spec.service, 0) + 1
+        else:
+            ts.endpoints[spec.endpoint] = ts.endpoints.get(spec.endpoint, 0) + 1
+            ts.tokens.append(spec.tokens)
+        if m.trajectory is None:
+            out.n_loose += 1
+            continue
+        tr = out.trajectories.get(m.trajectory)
+        if tr is None:
+            tr = out.trajectories[m.trajectory] = TrajectoryRecord(ia.task)
+        tr.first_s = min(tr.first_s, ia.arrival_s)
+        tr.last_s = max(tr.last_s, ia.arrival_s + m.queue_s + m.run_s)
+        if m.step is not None:
+            tr.step = m.step
+        if spec.reward:
+            tr.ended = True
+        else:
+            tr.tools += 1
+        if m.gap_s is not None:
+            out.gaps.setdefault(ia.task, []).append(m.gap_s)
+    if out.n_actions == 0:
+        raise ConfigError(str(path), "no measured actions: calibration needs a recorded trace "
+                          "(metasched-dispatch trace=..., or the simulator's action_log)")
+    return out
+
+
+__all__ = ["TraceSamples", "TrajectoryRecord", "TypeSamples", "read_samples"]

@@ -1,0 +1,306 @@
+"""metasched-calibrate: the fits, the recovery of a known profile from a simulated trace,
+the files it writes (read by the other apps) and its one-line errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from metasched.calibration.fits import (
+    censored_quantile,
+    count_quantile,
+    fit_amdahl,
+    fit_duration,
+)
+from metasched.cli.calibrate_app import main as calibrate_main
+from metasched.compose import profile
+from metasched.core.cluster_config import parse_cluster
+from metasched.sim.recording import record_trace
+from metasched.sim.trace import trace_from_workload, write_trace
+from metasched.sim.workload_config import Z90, Dist, parse_dist, parse_workload
+
+PY = sys.executable
+PROFILE = Path(__file__).parent / "data" / "recovery_profile.yaml"
+CLUSTER = {"name": "recovery", "cpu": {"nodes": 2, "cores_per_node": 32, "mem_gb_per_node": 64},
+           "gpu": {"devices": 1, "mem_gb": 24},
+           "api": {"endpoints": {"web": {"rpm": 1200, "max_concurrency": 32}}}}
+# The recovery tolerances: relative, for medians, p90s and turn counts; absolute for
+# Amdahl fractions.
+TOL = 0.05
+AMDAHL_TOL = 0.05
+# Every checked quantile's sampling standard error is at most TOL / SE_MARGIN for the
+# sample the trace holds (checked below): the tolerance is not met by luck of the seed.
+SE_MARGIN = 4.0
+
+
+# ---------------------------------------------------------------- fits
+
+
+def test_censored_quantile_is_exact_below_the_censored_and_unknown_above() -> None:
+    x = np.arange(1.0, 11.0)
+    cens = x >= 9  # killed at 9 and 10: only known to be longer
+    assert censored_quantile(x, cens, 0.5) == pytest.approx(5.5)
+    assert censored_quantile(x, cens, 0.9) is None
+    assert censored_quantile(x, np.zeros(10, bool), 0.9) == pytest.approx(9.1)
+
+
+@pytest.mark.parametrize(("counts", "q", "expected"), [
+    ([5] * 10, 0.5, 5.0), ([5] * 10, 0.1, 4.6), ([5] * 10, 0.9, 5.4),
+    ([1, 2, 3, 4], 0.5, 2.5), ([0, 0, 10, 10], 0.25, 0.0),
+])
+def test_count_quantile_reads_counts_as_rounded_values(counts, q, expected) -> None:
+    assert count_quantile(np.array(counts), q) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("spec", [{"median": 2.0, "p90": 5.0}, {"median": 0.3, "p90": 0.5,
+                                                                  "p99": 3.0}])
+def test_fit_duration_recovers_the_profile_form(spec: dict) -> None:
+    d = parse_dist(spec, "d")
+    x = d.sample(np.random.default_rng(5), 1_000_000)
+    fit = fit_duration(x)
+    for q, key in ((0.5, "median"), (0.9, "p90"), (0.99, "p99")):
+        if key in spec:
+            assert fit.quantiles[q] == pytest.approx(spec[key], rel=0.03)
+    assert fit.ks < 0.01
+
+
+def test_fit_duration_reads_the_tail_from_the_fraction_killed() -> None:
+    d = parse_dist({"median": 1.0, "p90": 2.0, "p99": 10.0}, "d")
+    x = d.sample(np.random.default_rng(7), 200_000)
+    timeout = 6.0  # between the p90 and the p99: the p99 itself is never seen
+    cens = x > timeout
+    fit = fit_duration(np.minimum(x, timeout), cens)
+    assert fit.tail_from_censoring and fit.censored == cens.sum()
+    assert fit.quantiles[0.9] == pytest.approx(2.0, rel=0.02)
+    assert fit.quantiles[0.99] == pytest.approx(10.0, rel=0.05)
+
+
+def test_fit_amdahl_corrects_for_cores_given_by_the_estimate() -> None:
+    rng = np.random.default_rng(11)
+    n, p = 20_000, 0.7
+    base = np.exp(rng.normal(1.0, 0.6, n))
+    est = base * np.exp(0.3 * rng.standard_normal(n))
+    # A scheduler that gives long-looking runs more cores: k and the base are dependent.
+    cores = np.where(est > np.median(est), 8, 1) * rng.integers(1, 3, n)
+    run = base * ((1 - p) + p / cores)
+    fit = fit_amdahl(run, cores, est)
+    assert fit is not None and fit.p == pytest.approx(p, abs=0.02)
+    assert fit.core_counts == (1, 2, 8, 16)
+    naive = fit_amdahl(run, cores, est, bins=1)  # no estimate bins: confounded
+    assert abs(naive.p - p) > 0.1
+    assert fit_amdahl(run, np.full(n, 4), est) is None  # one core count: p is unknowable
+    few = np.where(np.arange(n) < 29, 1, 16)  # 29 runs off the usual count: too loose
+    assert fit_amdahl(run, few, est) is None
+
+
+# ---------------------------------------------------------------- recovery
+
+
+def simulated_trace(path: Path, seed: int) -> tuple:
+    """A trace of the known profile, recorded by the simulator under ``random``: its
+    random core counts make every Amdahl fraction identifiable, and it leaves real queue
+    waits, batches and timeouts."""
+    w = parse_workload(yaml.safe_load(PROFILE.read_text()))
+    _, n = record_trace(w, parse_cluster(CLUSTER), path, scheduler="random", seed=seed)
+    return w, n
+
+
+@pytest.fixture(scope="module")
+def recovered(tmp_path_factory) -> dict:
+    """Trace the known profile, calibrate it with the app, read back what it wrote."""
+    root = tmp_path_factory.mktemp("recovery")
+    trace = root / "recovery.jsonl"
+    truth, n_actions = simulated_trace(trace, seed=424242)
+    out = root / "configs"
+    calibrate_main([str(trace), "--name", "rec", "--out", str(out), "--quiet"])
+    fitted = parse_workload(yaml.safe_load((out / "workload" / "rec.yaml").read_text()))
+    doc = json.loads((out / "calibration.json").read_text())
+    return {"truth": truth, "fitted": fitted, "doc": doc, "out": out, "n": n_actions}
+
+
+def _types(w) -> dict[str, object]:
+    out = {}
+    for t in w.tasks:
+        for a in t.actions:
+            out[f"{t.name}/{a.name}"] = a
+        out[f"{t.name}/reward"] = t.reward
+    return out
+
+
+LABELS = ["code/run", "code/test", "code/build", "code/reward", "judge/search", "judge/reward"]
+
+
+def _se(d: Dist, q: float, n: int) -> float:
+    """Relative standard error of a sample quantile of ``d`` (its log-scale slope at the
+    quantile; at the p90 kink the steeper side's)."""
+    z = {0.5: 0.0, 0.9: Z90}[q]
+    slope = d.sigma if q == 0.5 else max(d.sigma, d.tail_sigma or d.sigma)
+    density = math.exp(-z * z / 2) / math.sqrt(2 * math.pi)
+    return math.sqrt(q * (1 - q) / n) / density * slope
+
+
+def test_recovery_trace_is_large_enough(recovered: dict) -> None:
+    assert recovered["n"] >= 20_000
+    assert recovered["doc"]["actions"] == recovered["n"]
+
+
+@pytest.mark.parametrize("label", LABELS)
+@pytest.mark.parametrize("q", [0.5, 0.9])
+def test_recovery_duration_quantiles(recovered: dict, label: str, q: float) -> None:
+    true_d = _types(recovered["truth"])[label].duration_s
+    fit_d = _types(recovered["fitted"])[label].duration_s
+    n = recovered["doc"]["types"][label]["n"]
+    assert TOL >= SE_MARGIN * _se(true_d, q, n), "the trace is too small for the tolerance"
+    want, got = (float(d.quantile(np.array([q]))[0]) for d in (true_d, fit_d))
+    assert got == pytest.approx(want, rel=TOL)
+
+
+@pytest.mark.parametrize("task", ["code", "judge"])
+@pytest.mark.parametrize("q", [0.5, 0.9])
+def test_recovery_turns_and_generation_gaps(recovered: dict, task: str, q: float) -> None:
+    truth = {t.name: t for t in recovered["truth"].tasks}[task]
+    fitted = {t.name: t for t in recovered["fitted"].tasks}[task]
+    n_traj = recovered["doc"]["tasks"][task]["trajectories"]
+    assert TOL >= SE_MARGIN * _se(truth.turns, q, n_traj)
+    for want, got in ((truth.turns, fitted.turns), (truth.generation_s, fitted.generation_s)):
+        assert float(got.quantile(np.array([q]))[0]) == pytest.approx(
+            float(want.quantile(np.array([q]))[0]), rel=TOL)
+    assert fitted.share == pytest.approx(truth.share, abs=0.01)
+
+
+@pytest.mark.parametrize("label", ["code/test", "code/build", "code/reward"])
+def test_recovery_amdahl_fractions(recovered: dict, label: str) -> None:
+    assert recovered["doc"]["types"][label]["amdahl_fitted"]
+    want = _types(recovered["truth"])[label].parallel_fraction
+    got = _types(recovered["fitted"])[label].parallel_fraction
+    assert abs(got - want) <= AMDAHL_TOL
+
+
+def test_recovery_timeouts_estimates_steps_and_services(recovered: dict) -> None:
+    truth, fitted, doc = recovered["truth"], recovered["fitted"], recovered["doc"]
+    run = doc["types"]["code/run"]
+    # The profile's own timeout rate: P(duration > timeout) for a one-core action.
+    d = _types(truth)["code/run"].duration_s
+    u = math.log(_types(truth)["code/run"].timeout_s / d.median)
+    z = Z90 + (u - d.sigma * Z90) / d.tail_sigma
+    rate = 1 - 0.5 * math.erfc(-z / math.sqrt(2))
+    se = math.sqrt(rate * (1 - rate) / run["n"])
+    assert rate > 0.01
+    assert abs(run["timeout_rate"] - rate) <= SE_MARGIN * se
+    assert abs(run["fitted_timeout_rate"] - rate) <= SE_MARGIN * se
+    # The p99 beyond the timeout comes from the fraction killed.
+    assert float(_types(fitted)["code/run"].duration_s.quantile(np.array([0.99]))[0]) == (
+        pytest.approx(float(d.quantile(np.array([0.99]))[0]), rel=0.1))
+    assert fitted.estimate_error == pytest.approx(truth.estimate_error, abs=0.02)
+    assert (fitted.steps, fitted.trajectories_per_step) == (truth.steps,
+                                                            truth.trajectories_per_step)
+    assert fitted.services["rm"].restore_s == truth.services["rm"].restore_s
+    assert _types(fitted)["code/test"].max_cores == 8
+    assert _types(fitted)["judge/search"].endpoint == "web"
+
+
+def test_calibrated_profile_runs_in_metasched_eval(recovered: dict, tmp_path: Path) -> None:
+    out = recovered["out"]
+    p = subprocess.run([PY, "-m", "metasched.cli.eval_app", "--config-dir", str(out),
+                        "workload=rec", "workload.steps=1", "workload.trajectories_per_step=30",
+                        "n_seeds=1", "schedulers=[fifo]", "plots=false", "workers=1",
+                        f"hydra.run.dir={tmp_path}"], capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["workload"] == "rec" and res["schedulers"]["fifo"]["actions"] > 0
+
+
+@pytest.mark.parametrize("app", ["metasched.cli.plan_app", "metasched.cli.train_app"])
+def test_calibrated_profile_composes_for_plan_and_train(recovered: dict, app: str) -> None:
+    p = subprocess.run([PY, "-m", app, "--config-dir", str(recovered["out"]), "workload=rec",
+                        "--cfg", "job"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    cfg = yaml.safe_load(p.stdout)
+    assert cfg["workload"]["name"] == "rec" and cfg["cluster"]["name"] == "rec"
+    assert cfg["cluster"]["cpu"]["cores_per_node"] == 32
+
+
+def test_report_and_plot_are_written(recovered: dict) -> None:
+    out = recovered["out"]
+    report = (out / "fit_report.md").read_text()
+    for label in LABELS:
+        assert f"| {label} |" in report
+    assert (out / "qq.png").stat().st_size > 10_000
+    # Every fitted parameter is commented with its fit and sample size.
+    text = (out / "workload" / "rec.yaml").read_text()
+    for line in text.splitlines():
+        if any(line.strip().startswith(k) for k in ("duration_s:", "turns:", "generation_s:",
+                                                    "parallel_fraction:", "prob:")):
+            assert "#" in line and any(ch.isdigit() for ch in line.split("#", 1)[1]), line
+
+
+# ---------------------------------------------------------------- the app
+
+
+def _run(args: list[str], capsys) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as e:
+        calibrate_main(args)
+        raise SystemExit(0)
+    out = capsys.readouterr()
+    return e.value.code, out.out, out.err
+
+
+def test_base_profile_supplies_the_cluster_and_sandboxes(tmp_path: Path, capsys) -> None:
+    w, c = profile("coding")
+    w = type(w)(**{**{f: getattr(w, f) for f in w.__dataclass_fields__},
+                   "steps": 1, "trajectories_per_step": 4})
+    trace = tmp_path / "coding.jsonl"
+    record_trace(w, c, trace, seed=1)
+    headless = tmp_path / "headless.jsonl"
+    headless.write_text("".join(trace.read_text().splitlines(keepends=True)[1:]))
+    code, _, err = _run([str(headless), "--out", str(tmp_path / "o"), "--quiet"], capsys)
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: base: ")
+    out = tmp_path / "o"
+    code, stdout, _ = _run([str(headless), "--out", str(out), "--base", "coding"], capsys)
+    assert code == 0 and "| swe/reward |" in stdout
+    cluster = yaml.safe_load((out / "cluster" / "headless.yaml").read_text())
+    assert cluster["defaults"][0] == "coding"
+    workload = parse_workload(yaml.safe_load((out / "workload" / "headless.yaml").read_text()))
+    assert workload.tasks[0].sandbox == w.tasks[0].sandbox
+    p = subprocess.run([PY, "-m", "metasched.cli.plan_app", "--config-dir", str(out),
+                        "workload=headless", "--cfg", "job"], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert yaml.safe_load(p.stdout)["cluster"]["cpu"]["cores_per_node"] == c.cores_per_node
+
+
+@pytest.mark.parametrize(("make", "args", "message"), [
+    (None, ["missing.jsonl"], "error: missing.jsonl: cannot read trace"),
+    ("plain", [], "no measured actions"),
+    ("bad", [], r"error: .*t.jsonl:2: measured.status: must be one of"),
+    ("good", ["--name", "a b"], "error: name: must be letters"),
+    ("good", ["--bogus"], "error: arguments: unrecognized arguments: --bogus"),
+    ("good", ["--base", "nosuch"], "error: overrides: "),
+])
+def test_mistakes_are_one_line(make, args, message, tmp_path: Path, capsys) -> None:
+    trace = tmp_path / "t.jsonl"
+    w, c = profile("coding")
+    w = type(w)(**{**{f: getattr(w, f) for f in w.__dataclass_fields__},
+                   "steps": 1, "trajectories_per_step": 2})
+    if make == "plain":
+        write_trace(trace_from_workload(w, 0), trace)
+    elif make in ("good", "bad"):
+        record_trace(w, c, trace, scheduler="fifo", seed=1)
+        if make == "bad":
+            rows = trace.read_text().splitlines()
+            rows[1] = rows[1].replace('"status":"done"', '"status":"fine"')
+            trace.write_text("\n".join(rows) + "\n")
+    argv = [*(args if not make else [str(trace), *args]), "--out", str(tmp_path / "o"),
+            "--quiet"]
+    code, _, err = _run(argv, capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert re.search(message, err), err
