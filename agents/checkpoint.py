@@ -1,9 +1,13 @@
 """Checkpoints of a learned scheduler: a directory holding
 
-- ``model.zip``: the SB3 MaskablePPO model (to resume training);
-- ``policy.npz``: the policy's weights for the NumPy forward pass (all inference);
+- ``model.zip``: the SB3 MaskablePPO model, optimizer state and timesteps included (to
+  resume training: ``metasched-train resume=<dir>``);
+- ``vecnormalize.pkl``: the ``VecNormalize`` statistics (returns, and observations if
+  they are normalised), when training normalises (SB3's format, loaded on resume);
+- ``policy.npz``: the policy's weights for the NumPy forward pass (all inference), with
+  the observation statistics when the policy reads normalised observations;
 - ``metadata.json``: observation schema (version, K, L, slot feature names, caps),
-  the resolved training config, training seeds and eval metrics.
+  what is normalised, the resolved training config, training seeds and eval metrics.
 
 Loading checks the schema against the running code and fails with a clear error when
 they differ.
@@ -21,6 +25,7 @@ from metasched.errors import ConfigError
 METADATA = "metadata.json"
 WEIGHTS = "policy.npz"
 MODEL = "model.zip"
+VEC_NORMALIZE = "vecnormalize.pkl"
 
 
 def is_checkpoint(path: str | Path) -> bool:
@@ -52,14 +57,23 @@ def resolve_scheduler(name: str) -> str:
 
 def save_checkpoint(path: str | Path, model, obs_config: ObsConfig,
                     extra: dict[str, Any]) -> Path:
-    """Write ``model`` (a MaskablePPO with a ``SlotPolicy``) as a checkpoint directory."""
+    """Write ``model`` (a MaskablePPO with a ``SlotPolicy``) as a checkpoint directory,
+    with the statistics of its ``VecNormalize`` if it trains behind one."""
     from metasched.agents.numpy_policy import NumpyPolicy
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     model.save(out / MODEL)
-    NumpyPolicy.from_sb3(model.policy).save(out / WEIGHTS)
-    meta = {"obs_schema": schema(obs_config), **extra}
+    vec_norm = model.get_vec_normalize_env()
+    if vec_norm is not None:
+        vec_norm.save(out / VEC_NORMALIZE)
+    else:
+        (out / VEC_NORMALIZE).unlink(missing_ok=True)  # none stale from an earlier save
+    NumpyPolicy.from_sb3(model.policy, vec_norm).save(out / WEIGHTS)
+    meta = {"obs_schema": schema(obs_config),
+            "normalization": {"obs": bool(vec_norm is not None and vec_norm.norm_obs),
+                              "reward": bool(vec_norm is not None and vec_norm.norm_reward)},
+            **extra}
     (out / METADATA).write_text(json.dumps(meta, indent=2, default=str) + "\n")
     return out
 

@@ -46,4 +46,7 @@ class LearnedScheduler(PolicyScheduler):
             policy = NumpyPolicy.load(path / WEIGHTS)
         except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile) as e:
             raise ConfigError("checkpoint", f"{path / WEIGHTS} is unreadable ({e})") from None
+        if self.metadata.get("normalization", {}).get("obs") and policy.obs_norm is None:
+            raise ConfigError("checkpoint", f"{path} was trained on normalised observations "
+                              f"but {WEIGHTS} has no normalisation statistics")
         super().__init__(policy, self.metadata["obs_config"], name=str(checkpoint))

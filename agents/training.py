@@ -1,19 +1,26 @@
 """Training the learned scheduler: env construction, callbacks, the training loop.
 
 Flow (``train``): build vectorised envs over the profile (domain randomisation and a
-load curriculum as configured) -> behaviour-clone a heuristic (``agent.bc.expert``,
-``rate_greedy`` by default) -> MaskablePPO
-with checkpoint, maskable-eval, curriculum and scheduler-metrics callbacks -> write the
-final and the best checkpoint directories.
+load curriculum as configured; ``VecNormalize`` as configured) -> behaviour-clone a
+heuristic (``agent.bc.expert``, ``rate_greedy`` by default; DAgger rounds as configured)
+-> MaskablePPO with checkpoint, curriculum and scheduler-metrics callbacks -> write the
+final and the best checkpoint directories. Or resume: load a checkpoint's model (weights,
+optimizer state, timesteps) and ``VecNormalize`` statistics and continue to
+``agent.total_timesteps``.
 
-Validation during training uses seeds at the top of the training range (never the
-evaluation seeds): ``VALIDATION_SEEDS``.
+"Best" means one thing: the lowest mean ACT on the validation seeds
+(``SchedulerMetricsCallback``), the warm-started (or resumed) policy included. Validation
+uses seeds at the top of the training range (never the evaluation seeds):
+``VALIDATION_SEEDS``.
 """
 
 from __future__ import annotations
 
+import logging
+import re
 import time
-from dataclasses import replace
+import zipfile
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +33,17 @@ from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv, VecNorm
 from metasched.core.cluster_config import ClusterConfig
 from metasched.core.observation import ObsConfig
 from metasched.envs.scheduling import ActionSchedulingEnv, Randomization, RewardConfig
+from metasched.errors import ConfigError
 from metasched.sim.seeds import TRAIN_SIM_SEEDS, VALIDATION_SEEDS
 from metasched.sim.workload_config import WorkloadConfig
+
+log = logging.getLogger("metasched.train")
+
+# Observation keys VecNormalize normalises when asked: the context features only. Slot
+# rows are not: per-position statistics would break the scorer's permutation
+# equivariance (slot i and slot j are the same kind of row), and the presence flag the
+# pooling reads must stay 0/1.
+NORM_OBS_KEYS = ("backlog", "pools")
 
 
 def env_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -43,7 +59,7 @@ def env_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"obs_config": ObsConfig(**cfg["obs"]), "reward": RewardConfig(**e["reward"]),
             "episode_steps": int(e["episode_steps"]), "horizon_mean_s": e.get("horizon_mean_s"),
             "max_wait_s": e.get("max_wait_s"), "randomization": rand,
-            "seed_range": TRAIN_SIM_SEEDS}
+            "seed_range": TRAIN_SIM_SEEDS, "estimates": e.get("estimates", "profile")}
 
 
 def _make_env(workload: WorkloadConfig, cluster: ClusterConfig, kwargs: dict[str, Any],
@@ -97,13 +113,14 @@ class CurriculumCallback(BaseCallback):
 
 
 def simulate(workload: WorkloadConfig, cluster: ClusterConfig, scheduler, seeds, *,
-             max_wait_s: float | None) -> dict[str, float]:
+             max_wait_s: float | None, estimates: str = "profile") -> dict[str, float]:
     """Mean ACT, step time, utilisation and guard firings of ``scheduler`` over seeds."""
-    from metasched.sim.simulator import Simulator
+    from metasched.sim.simulator import Simulator, cost_model_for
 
     acts, steps, cpu, gpu, api, guard = [], [], [], [], [], 0
     for s in seeds:
-        sim = Simulator(workload, cluster, s, max_wait_s=max_wait_s)
+        sim = Simulator(workload, cluster, s, max_wait_s=max_wait_s,
+                        cost_model=cost_model_for(estimates))
         r = sim.run(scheduler)
         acts.append(float(r.act.mean()))
         steps.append(float(r.step_s.mean()))
@@ -124,16 +141,18 @@ class SchedulerMetricsCallback(BaseCallback):
 
     def __init__(self, workload: WorkloadConfig, cluster: ClusterConfig, obs_config: ObsConfig,
                  seeds, freq: int, best_dir: Path, max_wait_s: float | None,
-                 meta: dict[str, Any], reference: str = "rate_greedy") -> None:
+                 meta: dict[str, Any], reference: str = "rate_greedy",
+                 estimates: str = "profile") -> None:
         super().__init__()
         from metasched.agents import make_scheduler
 
         self.workload, self.cluster, self.obs_config = workload, cluster, obs_config
         self.seeds, self.freq, self.best_dir = list(seeds), freq, best_dir
-        self.max_wait_s, self.meta = max_wait_s, meta
+        self.max_wait_s, self.meta, self.estimates = max_wait_s, meta, estimates
         self.reference_name = reference
         self.reference = {"name": reference, **simulate(
-            workload, cluster, make_scheduler(reference), self.seeds, max_wait_s=max_wait_s)}
+            workload, cluster, make_scheduler(reference), self.seeds, max_wait_s=max_wait_s,
+            estimates=estimates)}
         self.best: dict[str, float] | None = None
         self.history: list[dict[str, float]] = []
         self._last = 0
@@ -142,14 +161,17 @@ class SchedulerMetricsCallback(BaseCallback):
         from metasched.agents.learned import PolicyScheduler
         from metasched.agents.numpy_policy import NumpyPolicy
 
-        sched = PolicyScheduler(NumpyPolicy.from_sb3(self.model.policy), self.obs_config)
-        m = simulate(self.workload, self.cluster, sched, self.seeds, max_wait_s=self.max_wait_s)
+        policy = NumpyPolicy.from_sb3(self.model.policy, self.model.get_vec_normalize_env())
+        sched = PolicyScheduler(policy, self.obs_config)
+        m = simulate(self.workload, self.cluster, sched, self.seeds, max_wait_s=self.max_wait_s,
+                     estimates=self.estimates)
         m["act_vs_reference"] = m["mean_act_s"] / self.reference["mean_act_s"]
         m["step_vs_reference"] = m["mean_step_s"] / self.reference["mean_step_s"]
         m["timesteps"] = self.num_timesteps
         return m
 
     def _on_training_start(self) -> None:
+        self._last = self.num_timesteps  # a resumed run counts on from its checkpoint
         self.record(self.evaluate())  # the warm-started policy, before any PPO update
 
     def _on_step(self) -> bool:
@@ -173,12 +195,103 @@ class SchedulerMetricsCallback(BaseCallback):
         self.logger.dump(self.num_timesteps)
 
 
+def _agent_settings(agent: dict[str, Any]) -> dict[str, Any]:
+    """MaskablePPO keyword arguments from the ``agent`` config section."""
+    out = {k: float(agent[k]) for k in ("learning_rate", "gamma", "gae_lambda", "clip_range",
+                                         "ent_coef", "vf_coef", "max_grad_norm")}
+    out.update({k: int(agent[k]) for k in ("n_steps", "batch_size", "n_epochs")})
+    out["target_kl"] = None if agent.get("target_kl") is None else float(agent["target_kl"])
+    return out
+
+
+def _normalized(venv, agent: dict[str, Any], stats: Path | None):
+    """``venv`` behind ``VecNormalize`` as configured: the saved statistics of ``stats``
+    (a resumed run's), else fresh ones; unwrapped when nothing is normalised."""
+    norm_obs = bool(agent.get("normalize_obs", False))
+    norm_reward = bool(agent.get("normalize_reward", False))
+    if stats is not None and stats.is_file():
+        venv = VecNormalize.load(str(stats), venv)
+        venv.training = True
+        venv.norm_obs, venv.norm_reward = norm_obs, norm_reward
+        return venv
+    if not (norm_obs or norm_reward):
+        return venv
+    # Returns of -time-in-system are large; the critic learns them better scaled.
+    return VecNormalize(venv, norm_obs=norm_obs, norm_reward=norm_reward,
+                        norm_obs_keys=list(NORM_OBS_KEYS) if norm_obs else None,
+                        gamma=float(agent["gamma"]))
+
+
+@dataclass(frozen=True)
+class ResumeFrom:
+    """What a resumed run loads: the SB3 model, its ``VecNormalize`` statistics (if any
+    were saved) and the timesteps it has trained."""
+
+    model: Path
+    stats: Path | None
+    timesteps: int
+
+
+def resume_source(cfg: dict[str, Any]) -> ResumeFrom | None:
+    """What ``resume`` names, checked against the config (one-line errors), or None.
+
+    ``resume`` is a checkpoint directory (``checkpoint/``, ``best/``) or one of the
+    periodic SB3 checkpoints (``sb3_checkpoints/model_<n>_steps.zip``, its statistics
+    beside it as ``model_vecnormalize_<n>_steps.pkl``)."""
+    from metasched.agents.checkpoint import MODEL, VEC_NORMALIZE, load_metadata, resolve_scheduler
+
+    name = cfg.get("resume")
+    if name is None:
+        return None
+    agent = cfg["agent"]
+    periodic = re.fullmatch(r"(.+)_(\d+)_steps\.zip", Path(str(name)).name)
+    if periodic is not None:
+        path = Path(str(name)).resolve()
+        if not path.is_file():
+            raise ConfigError("resume", f"{name} does not exist")
+        prefix, steps = periodic.groups()
+        stats = path.with_name(f"{prefix}_vecnormalize_{steps}_steps.pkl")
+        got = ResumeFrom(path, stats if stats.is_file() else None, int(steps))
+        saved = {"obs": None, "reward": got.stats is not None}
+    else:
+        path = Path(resolve_scheduler(str(name)))
+        if not (path / MODEL).is_file():
+            raise ConfigError("resume", f"{name} is neither a checkpoint directory with "
+                              f"{MODEL} nor an SB3 checkpoint (model_<n>_steps.zip)")
+        try:
+            meta = load_metadata(path)
+        except ConfigError as e:
+            raise ConfigError("resume", e.problem) from None
+        if meta["obs_config"] != ObsConfig(**cfg["obs"]):
+            raise ConfigError("obs", f"differs from the observation {name} was trained on "
+                              f"({meta['obs_config'].to_dict()})")
+        stats = path / VEC_NORMALIZE
+        got = ResumeFrom(path / MODEL, stats if stats.is_file() else None,
+                         int((meta.get("validation") or {}).get("timesteps", 0)))
+        trained = (meta.get("config") or {}).get("agent") or {}
+        saved = meta.get("normalization") or {  # checkpoints from before it was recorded
+            "obs": bool(trained.get("normalize_obs", False)),
+            "reward": bool(trained.get("normalize_reward", False))}
+    for key, what in (("normalize_obs", "obs"), ("normalize_reward", "reward")):
+        if saved[what] is not None and bool(agent.get(key, False)) != bool(saved[what]):
+            raise ConfigError(f"agent.{key}", f"must be {str(bool(saved[what])).lower()} to "
+                              f"resume {name} (it was trained so)")
+    if saved["obs"] and got.stats is None:
+        raise ConfigError("resume", f"{name} reads normalised observations but its "
+                          f"statistics ({VEC_NORMALIZE}) are missing")
+    if got.timesteps >= int(agent["total_timesteps"]):
+        raise ConfigError("agent.total_timesteps", f"{name} has trained {got.timesteps} "
+                          "timesteps already; ask for more than that to resume it (got "
+                          f"{agent['total_timesteps']})")
+    return got
+
+
 def train(cfg: dict[str, Any], workload: WorkloadConfig, cluster: ClusterConfig,
           out_dir: Path, *, progress: bool = True) -> dict[str, Any]:
-    """Run behaviour cloning then MaskablePPO as configured; returns a summary and
-    writes ``out_dir/checkpoint`` (final), ``out_dir/best`` and TensorBoard logs."""
+    """Run behaviour cloning then MaskablePPO as configured, or continue the run of the
+    checkpoint ``cfg["resume"]`` names; returns a summary and writes
+    ``out_dir/checkpoint`` (final), ``out_dir/best`` and TensorBoard logs."""
     from sb3_contrib import MaskablePPO
-    from sb3_contrib.common.maskable.callbacks import MaskableEvalCallback
 
     from metasched.agents.checkpoint import save_checkpoint
     from metasched.agents.imitation import behaviour_clone
@@ -188,33 +301,47 @@ def train(cfg: dict[str, Any], workload: WorkloadConfig, cluster: ClusterConfig,
     torch.set_num_threads(1)
     t_start = time.perf_counter()
     agent, seed = cfg["agent"], int(cfg["seed"])
+    resume = resume_source(cfg)
     kwargs = env_kwargs(cfg)
     cur = cfg["env"].get("curriculum") or {}
     load0 = float(cur["load_start"]) if cur.get("enabled") else 1.0
     n_envs = int(agent["n_envs"])
+    total = int(agent["total_timesteps"])
     thunks = [_make_env(workload, cluster, kwargs, load0, i, seed) for i in range(n_envs)]
     venv = (SubprocVecEnv(thunks) if agent.get("vec_env") == "subproc" and n_envs > 1
             else DummyVecEnv(thunks))
-    if agent.get("normalize_reward", False):
-        # Returns of -time-in-system are large; the critic learns them better scaled.
-        venv = VecNormalize(venv, norm_obs=False, norm_reward=True, gamma=float(agent["gamma"]))
-    model = MaskablePPO(
-        SlotPolicy, venv, learning_rate=float(agent["learning_rate"]),
-        n_steps=int(agent["n_steps"]), batch_size=int(agent["batch_size"]),
-        n_epochs=int(agent["n_epochs"]), gamma=float(agent["gamma"]),
-        gae_lambda=float(agent["gae_lambda"]), clip_range=float(agent["clip_range"]),
-        ent_coef=float(agent["ent_coef"]), vf_coef=float(agent["vf_coef"]),
-        max_grad_norm=float(agent["max_grad_norm"]),
-        target_kl=None if agent.get("target_kl") is None else float(agent["target_kl"]),
-        policy_kwargs={"hidden": int(agent["hidden"])},
-        tensorboard_log=str(out_dir / "tensorboard"), seed=seed, verbose=0)
+    try:
+        venv = _normalized(venv, agent, None if resume is None else resume.stats)
+        if resume is not None and resume.stats is None and agent.get("normalize_reward"):
+            log.warning("%s has no saved VecNormalize statistics: return statistics start "
+                        "afresh", cfg["resume"])
+        if resume is None:
+            model = MaskablePPO(
+                SlotPolicy, venv, **_agent_settings(agent),
+                policy_kwargs={"hidden": int(agent["hidden"])},
+                tensorboard_log=str(out_dir / "tensorboard"), seed=seed, verbose=0)
+        else:  # weights, optimizer state and timesteps from the checkpoint
+            try:
+                model = MaskablePPO.load(resume.model, env=venv, device="cpu",
+                                         **_agent_settings(agent))
+            except (ValueError, KeyError, OSError, zipfile.BadZipFile) as e:
+                raise ConfigError("resume", f"cannot continue {resume.model} here: "
+                                  f"{e}") from None
+            model.tensorboard_log = str(out_dir / "tensorboard")
+            model.set_random_seed(seed)
+    except BaseException:
+        venv.close()
+        raise
+    started_at = model.num_timesteps
     meta = {"training": {"seed": seed, "sim_seed_range": list(TRAIN_SIM_SEEDS),
-                         "validation_seeds": list(VALIDATION_SEEDS[: int(cfg['eval']['seeds'])])},
+                         "validation_seeds": list(VALIDATION_SEEDS[: int(cfg['eval']['seeds'])]),
+                         "resumed_from": None if resume is None else str(resume.model),
+                         "resumed_at_timesteps": started_at},
             "config": cfg, "parameters": n_parameters(model.policy)}
 
     bc = agent.get("bc") or {}
     bc_losses: list[float] = []
-    if int(bc.get("decisions", 0)) > 0:
+    if resume is None and int(bc.get("decisions", 0)) > 0:
         # Full load (randomised as configured): the clone must know busy clusters too.
         # The expert's decisions come from every profile in ``bc.profiles`` (the training
         # profile's own cluster for it, each other profile's own cluster for the rest).
@@ -224,17 +351,29 @@ def train(cfg: dict[str, Any], workload: WorkloadConfig, cluster: ClusterConfig,
         fit = {"epochs": int(bc["epochs"]), "batch_size": int(bc["batch_size"]),
                "lr": float(bc["lr"])}
         obs, actions = _collect(envs, int(bc["decisions"]), seed, expert)
-        bc_losses = behaviour_clone(model.policy, obs, actions, seed=seed, **fit)
+        vec_norm = model.get_vec_normalize_env()
+        normalize_obs = vec_norm is not None and vec_norm.norm_obs
+        if normalize_obs:
+            # Clone on what the policy will read: statistics first seeded from the
+            # expert's observations, then every fit's observations normalised by them.
+            for k in vec_norm.norm_obs_keys:
+                vec_norm.obs_rms[k].update(obs[k])
+
+        def seen(o: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            return vec_norm.normalize_obs(o) if normalize_obs else o
+
+        bc_losses = behaviour_clone(model.policy, seen(obs), actions, seed=seed, **fit)
         for r in range(int(bc.get("dagger_rounds", 0))):
             # DAgger: the clone drives, the expert labels; refit on everything so far.
             more_obs, more_actions = _collect(
                 envs, int(bc["dagger_decisions"]), seed + 1 + r, expert,
-                learner=NumpyPolicy.from_sb3(model.policy), beta=float(bc.get("dagger_beta", 0)))
+                learner=NumpyPolicy.from_sb3(model.policy, vec_norm),
+                beta=float(bc.get("dagger_beta", 0)))
             obs = {k: np.concatenate([obs[k], more_obs[k]]) for k in obs}
             actions = np.concatenate([actions, more_actions])
-            bc_losses += behaviour_clone(model.policy, obs, actions, seed=seed + 1 + r, **fit)
+            bc_losses += behaviour_clone(model.policy, seen(obs), actions, seed=seed + 1 + r,
+                                         **fit)
 
-    total = int(agent["total_timesteps"])
     ev = cfg["eval"]
     val_seeds = VALIDATION_SEEDS[: int(ev["seeds"])]
     val_workload = replace(workload, steps=int(cfg["env"]["episode_steps"]))
@@ -243,34 +382,29 @@ def train(cfg: dict[str, Any], workload: WorkloadConfig, cluster: ClusterConfig,
     metrics_cb = SchedulerMetricsCallback(val_workload, val_cluster, kwargs["obs_config"],
                                           val_seeds, int(ev["freq"]), out_dir / "best",
                                           kwargs["max_wait_s"], meta,
-                                          reference=str(ev.get("reference", "rate_greedy")))
-
+                                          reference=str(ev.get("reference", "rate_greedy")),
+                                          estimates=kwargs["estimates"])
     callbacks = [metrics_cb,
                  CheckpointCallback(max(1, int(cfg["checkpoint_freq"]) // n_envs),
-                                    str(out_dir / "sb3_checkpoints"), name_prefix="model")]
+                                    str(out_dir / "sb3_checkpoints"), name_prefix="model",
+                                    save_vecnormalize=True)]
     if cur.get("enabled"):
         callbacks.append(CurriculumCallback(load0, float(cur["load_end"]),
                                             float(cur["fraction"]), total))
-    eval_kwargs = {**kwargs, "randomization": None,
-                   "seed_range": (VALIDATION_SEEDS[0], VALIDATION_SEEDS[-1] + 1)}
-    eval_thunk = _make_env(workload, cluster, eval_kwargs, 1.0, 0, seed)
-    eval_env = type(venv.unwrapped if isinstance(venv, VecNormalize) else venv)([eval_thunk])
-    if isinstance(venv, VecNormalize):  # the same wrappers as training, frozen statistics
-        eval_env = VecNormalize(eval_env, norm_obs=False, norm_reward=False, training=False)
-    callbacks.append(MaskableEvalCallback(
-        eval_env, n_eval_episodes=1, eval_freq=max(1, int(ev["freq"]) // n_envs),
-        best_model_save_path=str(out_dir / "sb3_best"), log_path=str(out_dir / "sb3_eval"),
-        deterministic=True, verbose=0))
     t_bc = time.perf_counter() - t_start
-    model.learn(total, callback=CallbackList(callbacks), progress_bar=progress,
-                tb_log_name="ppo")
+    try:
+        model.learn(total - started_at, callback=CallbackList(callbacks), progress_bar=progress,
+                    tb_log_name="ppo", reset_num_timesteps=resume is None)
+    finally:
+        venv.close()
     final = metrics_cb.history[-1]
     if final["timesteps"] != model.num_timesteps:
         final = metrics_cb.evaluate()
         metrics_cb.record(final)
-    venv.close()
     elapsed = time.perf_counter() - t_start
     summary = {"elapsed_s": elapsed, "bc_s": t_bc, "bc_losses": bc_losses,
+               "resumed_from": meta["training"]["resumed_from"],
+               "timesteps": {"start": started_at, "end": model.num_timesteps},
                "final_validation": final, "best_validation": metrics_cb.best,
                "reference": metrics_cb.reference, "history": metrics_cb.history}
     save_checkpoint(out_dir / "checkpoint", model, kwargs["obs_config"],

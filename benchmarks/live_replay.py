@@ -3,46 +3,62 @@ through the live dispatcher on this machine.
 
 Draws one RL step of a CPU-only profile (``coding`` by default) with ``--trajectories``
 trajectories, scales every duration by ``--scale``, and runs it (a) in the simulator
-on a cluster of this machine's cores and (b) live: one coroutine per trajectory sleeps
-through each LLM generation gap, then submits the turn's action and waits for its
-result; the action is a command that sleeps for its true duration at the granted core
-count (Amdahl, from ``OMP_NUM_THREADS``), so a grant of more cores really shortens it.
-The profile's sandbox start-up is left out of the simulated side (its delay is folded
-into the first generation gap); live, each command runs in its trajectory's sandbox by
-default (``--isolation``: ``bwrap``, or ``off`` for commands on the host without
-cgroups; several modes are run one after the other per scheduler). Prints mean ACT and
-step time, simulated and live, per scheduler and isolation.
+on a cluster of this machine's cores and (b) live, ``--repeats`` times: one coroutine
+per trajectory sleeps through each LLM generation gap, then submits the turn's action
+and waits for its result; the action is a command that sleeps for its true duration at
+the granted core count (Amdahl, from ``OMP_NUM_THREADS``), so a grant of more cores
+really shortens it. The profile's sandbox start-up is left out of the simulated side
+(its delay is folded into the first generation gap); live, each command runs in its
+trajectory's sandbox by default (``--isolation``: ``bwrap``, or ``off`` for commands on
+the host without cgroups; several modes are run one after the other per scheduler).
+Prints mean ACT and step time, simulated and live (mean and range over the repeats),
+per scheduler and isolation.
 
-    python benchmarks/live_replay.py [--profile coding] [--trajectories 4] [--scale 0.02]
-        [--schedulers fifo,elastic_greedy,checkpoints/default] [--seed 1000000]
-        [--isolation bwrap,off]
+    python benchmarks/live_replay.py [--profile coding] [--trajectories 16] [--scale 0.1]
+        [--schedulers static,...,checkpoints/default] [--repeats 3] [--sim-runs 10]
+        [--seed 1000000] [--estimates online|profile] [--launch-s auto|<s>]
+        [--launch-mean-s <s>] [--isolation bwrap,off]
 
-Live differs from simulated by construction in two ways, both part of what is measured:
-commands cost their start-up (a shell and ``sleep``, a few ms; with isolation, a
-trajectory's sandbox is made before its first command and each start goes through the
-sandbox server), and the policy sees
-estimates from the online cost model (measured durations) instead of the profile's.
+The simulator is given what the dispatcher has: the online cost model's estimates
+(``--estimates online``, the default: learned from measured durations, as live; the
+profile's noisy per-action estimates only as the first hint; ``--estimates profile``
+gives both sides each action's profile estimate instead), the start-up of a command
+on this machine (``auto``: before each scheduler's live runs of each isolation mode,
+the median and mean run of about ``--launch-samples`` do-nothing commands of the same
+form, submitted as the replay submits its actions, in trajectories' sandboxes; drawn
+per action in simulation from the log-normal with that median and mean), and the
+workload's expected demand per task (for ``static`` and ``task_isolated``). One
+instance of a step is chaotic: a few ms more or less on one action reorders the queue
+behind it, so the simulator's figure is the mean of ``--sim-runs`` runs that differ in
+their start-up draws, as live runs differ.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
+import sys
 import time
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import numpy as np
+from tqdm import tqdm
 
-from metasched.agents import make_scheduler
+from metasched.agents import BASELINES, make_scheduler
 from metasched.agents.checkpoint import resolve_scheduler
 from metasched.compose import profile
-from metasched.core.actions import Turn
+from metasched.core.actions import Turn, amdahl_run_s
 from metasched.core.cluster_config import ClusterConfig
+from metasched.core.cost_model import CostModel
+from metasched.errors import ConfigError
 from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
 from metasched.runtime.sandbox.config import SandboxConfig
 from metasched.sim.sampling import TrajectorySpec, WorkloadInstance, sample_workload
 from metasched.sim.simulator import Simulator
+
+MAX_WAIT_S = 300.0  # the dispatcher's default guard, on both sides
 
 
 def scaled_step(profile_name: str, n: int, scale: float, seed: int):
@@ -56,8 +72,8 @@ def scaled_step(profile_name: str, n: int, scale: float, seed: int):
         for i, turn in enumerate(t.turns):
             a = turn.action
             if a.kind != "cpu":
-                raise SystemExit(f"{profile_name}: live replay runs cpu actions only "
-                                 f"(found a {a.kind} action)")
+                raise ConfigError("profile", f"live replay runs cpu actions only "
+                                  f"({profile_name} has a {a.kind} action)")
             gen = turn.gen_s
             if i == 0 and t.sandbox is not None:
                 gen = max(gen, t.sandbox.startup_s)  # start-up overlaps the first gap
@@ -76,71 +92,218 @@ def amdahl_sleep(base_s: float, p: float) -> list[str]:
     return ["/bin/sh", "-c", script]
 
 
-def simulate(w, inst, cluster: ClusterConfig, sched: str, seed: int
+def dispatcher_cost_model() -> CostModel:
+    """A cost model with the dispatcher's default settings."""
+    d = {f.name: f.default for f in fields(DispatcherConfig)}
+    return CostModel(d["cost_alpha"], d["default_est_s"])
+
+
+def simulate(w, inst, cluster: ClusterConfig, sched: str, seed: int, online: bool
              ) -> tuple[float, float, int]:
-    # The dispatcher's guard (max_wait_s 300, serving stalled queues) on both sides.
-    sim = Simulator(w, cluster, seed, instance=inst, max_wait_s=300.0)
+    """Mean ACT, step time and failures of one simulated run (``seed``: the scheduler's
+    and the start-up draws' generators; the instance is fixed)."""
+    sim = Simulator(w, cluster, seed, instance=inst, max_wait_s=MAX_WAIT_S,
+                    cost_model=dispatcher_cost_model() if online else None)
     r = sim.run(make_scheduler(resolve_scheduler(sched)))
     return float(r.act.mean()), float(r.step_s[0]), int(r.counters["failed"])
 
 
-async def live(inst, cores: list[int], sched: str, isolation: str
-               ) -> tuple[float, float, int]:
-    sandbox = (SandboxConfig(isolation="none", cgroups="none") if isolation == "off"
-               else SandboxConfig(isolation=isolation))
+def sandbox_config(isolation: str) -> SandboxConfig:
+    """The dispatcher's sandbox settings for an ``--isolation`` mode."""
+    return (SandboxConfig(isolation="none", cgroups="none") if isolation == "off"
+            else SandboxConfig(isolation=isolation))
+
+
+async def measure_launch_s(inst: WorkloadInstance, cores: list[int], n: int,
+                           isolation: str) -> tuple[float, float]:
+    """Median and mean run time of about ``n`` do-nothing commands of the replay's form,
+    on this machine now, submitted as the replay submits: one coroutine per trajectory
+    sleeps through its first generation gaps and submits a do-nothing command after
+    each, each in its trajectory's sandbox. (Commands started one after another, with
+    nothing else going on, start faster and with a far lighter tail than commands that
+    start after idle spells, several at once, on a loaded machine.)"""
+    trajs = inst.steps[0]
+    per = -(-n // len(trajs))
+    cfg = DispatcherConfig(scheduler="fifo", cores=cores, sandbox=sandbox_config(isolation))
+    runs: list[float] = []
+    async with Dispatcher(cfg) as d:
+
+        async def trajectory(i: int, spec: TrajectorySpec) -> None:
+            for k, turn in enumerate(spec.turns[:per]):
+                await asyncio.sleep(turn.gen_s)
+                r = await d.submit({"kind": "cpu", "argv": amdahl_sleep(0.0, 0.0),
+                                    "timeout_s": 10.0, "name": "launch",
+                                    "trajectory": f"launch-{i}", "turn": k})
+                if r.status != "done":
+                    raise ConfigError("isolation", f"{isolation}: a do-nothing command "
+                                      f"failed: {r.reason}")
+                runs.append(r.finished_at - r.started_at)
+
+        await asyncio.gather(*(trajectory(i, s) for i, s in enumerate(trajs)))
+    return float(np.median(runs)), float(np.mean(runs))
+
+
+def sigma_from_mean(median_s: float, mean_s: float) -> float:
+    """The sigma of the log-normal with this median and mean (its mean is
+    median x exp(sigma² / 2)): the mean start-up, tail included, is what mean ACT feels."""
+    return math.sqrt(2.0 * math.log(mean_s / median_s)) if mean_s > median_s > 0 else 0.0
+
+
+async def live(inst, cores: list[int], sched: str, online: bool, isolation: str
+               ) -> tuple[float, float, int, float, float]:
+    """Mean ACT, step time, failures, and the median and mean start-up of a command (its
+    measured run less the sleep it was asked for) of one live run."""
     cfg = DispatcherConfig(scheduler=sched, cores=cores, sample_interval_s=0.5,
-                           sandbox=sandbox)
+                           max_wait_s=MAX_WAIT_S, task_demand=inst.demand_by_task(),
+                           estimates="online" if online else "request",
+                           sandbox=sandbox_config(isolation))
     async with Dispatcher(cfg) as d:
         if d.fallback_reason:
-            raise SystemExit(f"{sched}: {d.fallback_reason}")
+            raise ConfigError("schedulers", f"{sched}: {d.fallback_reason}")
+
+        startup: list[float] = []
 
         async def trajectory(i: int, spec: TrajectorySpec) -> None:
             for k, turn in enumerate(spec.turns):
                 await asyncio.sleep(turn.gen_s)
                 a = turn.action
-                await d.submit({
+                r = await d.submit({
                     "kind": "cpu", "argv": amdahl_sleep(a.true_s, a.parallel_fraction),
                     "timeout_s": a.timeout_s, "min_cores": a.min_cores,
                     "max_cores": a.max_cores, "parallel_fraction": a.parallel_fraction,
                     "est_s": a.est_s, "task": spec.task, "name": a.name,
                     "trajectory": f"t{i}", "turn": k, "reward": a.reward})
+                if r.status == "done":
+                    k = len(r.allocation["cores"])
+                    startup.append(r.finished_at - r.started_at
+                                   - amdahl_run_s(a.true_s, a.parallel_fraction, k))
 
         t0 = time.perf_counter()
         await asyncio.gather(*(trajectory(i, s) for i, s in enumerate(inst.steps[0])))
         step = time.perf_counter() - t0
     r = d.run_result()
-    return float(r.act.mean()), step, int(r.counters["failed"])
+    return (float(r.act.mean()), step, int(r.counters["failed"]), float(np.median(startup)),
+            float(np.mean(startup)))
 
 
-def main() -> None:
+def spread(xs: list[float], digits: int = 3) -> str:
+    """Mean (min-max) of several runs."""
+    if len(xs) == 1:
+        return f"{xs[0]:.{digits}f}"
+    return f"{np.mean(xs):.{digits}f} ({min(xs):.{digits}f}–{max(xs):.{digits}f})"
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", default="coding")
-    ap.add_argument("--trajectories", type=int, default=4)
-    ap.add_argument("--scale", type=float, default=0.02, help="time scale (live seconds per "
+    ap.add_argument("--trajectories", type=int, default=16)
+    ap.add_argument("--scale", type=float, default=0.1, help="time scale (live seconds per "
                     "simulated second)")
-    ap.add_argument("--schedulers", default="fifo,elastic_greedy,checkpoints/default")
+    ap.add_argument("--schedulers", default=",".join([*BASELINES, "checkpoints/default"]))
+    ap.add_argument("--repeats", type=int, default=3, help="live runs per scheduler (0: "
+                    "simulate only)")
+    ap.add_argument("--sim-runs", type=int, default=10, help="simulated runs per scheduler "
+                    "(start-up draws and the scheduler's generator differ; the instance not)")
     ap.add_argument("--seed", type=int, default=1_000_000)
+    ap.add_argument("--estimates", default="online",
+                    help="estimates on both sides: the online cost model's (the "
+                    "dispatcher's default) or the profile's per-action ones (live: each "
+                    "request's est_s, estimates='request')")
+    ap.add_argument("--launch-s", default="auto", help="a command's start-up in the "
+                    "simulator (median), seconds, or 'auto': measured here before each "
+                    "scheduler's live runs")
+    ap.add_argument("--launch-mean-s", type=float, default=None, help="its mean with a "
+                    "given --launch-s (log-normal; default: constant)")
+    ap.add_argument("--launch-samples", type=int, default=200)
     ap.add_argument("--isolation", default="bwrap",
                     help="comma-separated: bwrap, none, off (no isolation, no cgroups)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    try:
+        return replay(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def replay(args: argparse.Namespace) -> int:
+    """Check the arguments, run the table, print it; 0 when done."""
+    for name, lo in (("trajectories", 1), ("repeats", 0), ("sim_runs", 1),
+                     ("launch_samples", 1)):
+        if getattr(args, name) < lo:
+            raise ConfigError(name.replace("_", "-"), f"must be >= {lo}")
+    if not args.scale > 0:
+        raise ConfigError("scale", f"must be > 0 (got {args.scale:g})")
+    modes = args.isolation.split(",")
+    for m in modes:
+        if m not in ("bwrap", "none", "off"):
+            raise ConfigError("isolation", f"{m!r} is not one of bwrap, none, off")
+    if args.estimates not in ("online", "profile"):
+        raise ConfigError("estimates", f"must be online or profile (got {args.estimates!r})")
+    fixed = None
+    if args.launch_s != "auto":
+        try:
+            fixed = float(args.launch_s)
+        except ValueError:
+            raise ConfigError("launch-s", f"must be 'auto' or seconds (got {args.launch_s!r})"
+                              ) from None
+        mean = fixed if args.launch_mean_s is None else args.launch_mean_s
+        if not 0 <= fixed <= mean:
+            raise ConfigError("launch-mean-s", "need 0 <= launch-s <= launch-mean-s")
+        fixed = (fixed, mean)
     cores = sorted(os.sched_getaffinity(0))
     w, inst = scaled_step(args.profile, args.trajectories, args.scale, args.seed)
-    cluster = ClusterConfig(name="local", cpu_nodes=1, cores_per_node=len(cores),
-                            mem_gb_per_node=64.0, gpu_devices=0, gpu_mem_gb=0.0, endpoints={})
+    base = ClusterConfig(name="local", cpu_nodes=1, cores_per_node=len(cores),
+                         mem_gb_per_node=64.0, gpu_devices=0, gpu_mem_gb=0.0, endpoints={})
+    scheds = args.schedulers.split(",")
+    for s in scheds:
+        make_scheduler(resolve_scheduler(s))  # a bad name fails before anything runs
     n_actions = sum(len(t.turns) for t in inst.steps[0])
     print(f"{args.profile}: {args.trajectories} trajectories, {n_actions} actions, time x "
-          f"{args.scale:g}, {len(cores)} cores, seed {args.seed}")
+          f"{args.scale:g}, {len(cores)} cores, seed {args.seed}; simulator: {args.estimates} "
+          f"estimates, {args.sim_runs} runs; live: {args.repeats} runs; mean (min–max)")
     print("| scheduler | isolation | mean ACT s sim | live | live ÷ sim | step s sim | live "
-          "| live ÷ sim | failed (timeouts) sim / live |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for sched in args.schedulers.split(","):
-        s_act, s_step, s_failed = simulate(w, inst, cluster, sched, args.seed)
-        for isolation in args.isolation.split(","):
-            l_act, l_step, l_failed = asyncio.run(live(inst, cores, sched, isolation))
-            print(f"| {sched} | {isolation} | {s_act:.4f} | {l_act:.4f} | {l_act / s_act:.2f} "
-                  f"| {s_step:.2f} | {l_step:.2f} | {l_step / s_step:.2f} "
-                  f"| {s_failed} / {l_failed} |", flush=True)
+          "| live ÷ sim | failed (timeouts) sim / live | start-up ms sim (median / mean) "
+          "| start-up ms live (median / mean) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    bar = tqdm(total=len(scheds) * len(modes) * (args.sim_runs + args.repeats), desc="runs",
+               unit="run")
+    for sched in scheds:
+        for mode in modes:
+            median, mean = fixed or asyncio.run(measure_launch_s(inst, cores,
+                                                                 args.launch_samples, mode))
+            cluster = replace(base, cpu_launch_s=median,
+                              cpu_launch_sigma=sigma_from_mean(median, mean))
+            sims = []
+            for i in range(args.sim_runs):
+                sims.append(simulate(w, inst, cluster, sched, args.seed + i,
+                                     args.estimates == "online"))
+                bar.update()
+            lives = []
+            for _ in range(args.repeats):
+                lives.append(asyncio.run(live(inst, cores, sched, args.estimates == "online",
+                                              mode)))
+                bar.update()
+            bar.write(row(sched, mode, sims, lives, median, mean))
+    bar.close()
+    return 0
+
+
+def row(sched: str, mode: str, sims: list, lives: list, median: float, mean: float) -> str:
+    """One line of the table: simulated runs, live runs and the start-up used."""
+    s_act, s_step = float(np.mean([x[0] for x in sims])), float(np.mean([x[1] for x in sims]))
+    cells = [spread([x[0] for x in sims], 4), "–", "–", spread([x[1] for x in sims], 2),
+             "–", "–", f"{'-'.join(str(x[2]) for x in sims)} / –",
+             f"{median * 1e3:.2f} / {mean * 1e3:.2f}", "–"]
+    if lives:
+        acts, steps = [x[0] for x in lives], [x[1] for x in lives]
+        cells[1:3] = [spread(acts, 4), spread([a / s_act for a in acts])]
+        cells[4:6] = [spread(steps, 2), spread([s / s_step for s in steps])]
+        cells[6] = (f"{'-'.join(str(x[2]) for x in sims)} / "
+                    f"{'-'.join(str(x[2]) for x in lives)}")
+        cells[8] = (f"{spread([x[3] * 1e3 for x in lives], 2)} / "
+                    f"{spread([x[4] * 1e3 for x in lives], 2)}")
+    return f"| {sched} | {mode} | " + " | ".join(cells) + " |"
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

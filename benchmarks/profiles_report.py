@@ -46,8 +46,9 @@ def main() -> None:
         step = s["static"]["mean_step_s"] / s["elastic_greedy"]["mean_step_s"]
         joint = per = "—"
         if not args.no_plan:
-            pcfg = compose("plan", [f"workload={prof}", f"n_seeds={args.plan_seeds}"])
-            plan = run_plan(pcfg, out / "plan", progress=False)
+            pcfg = compose("plan", [f"workload={prof}", f"n_seeds={args.plan_seeds}",
+                                    "scheduler=elastic_greedy"])
+            plan = run_plan(pcfg, out / "plan", progress=False)["schedulers"]["elastic_greedy"]
             joint = (f"scale {plan['scale']:.3f}: {fmt(plan)}" if plan["scale"] is not None
                      else "target not met")
             per = "; ".join(f"{k}: {fmt(p)}" if p["scale"] is not None else f"{k}: not met"

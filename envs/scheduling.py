@@ -25,7 +25,7 @@ from metasched.core.cluster_config import ClusterConfig
 from metasched.core.metrics import API_HELD, CPU_HELD, GPU_HELD
 from metasched.core.observation import OBS_HIGH, F, ObsConfig, ObservationEncoder
 from metasched.sim.seeds import TRAIN_SEED_MAX
-from metasched.sim.simulator import Simulator
+from metasched.sim.simulator import Simulator, cost_model_for
 from metasched.sim.workload_config import WorkloadConfig
 
 
@@ -84,17 +84,29 @@ class ActionSchedulingEnv(gym.Env):
         load: load multiplier (trajectories per step), for a curriculum.
         seed_range: simulation seeds are drawn from ``[lo, hi)`` (training seeds by
             default; evaluation seeds are disjoint).
+        render_mode: ``None`` or ``"ansi"``: ``render()`` returns a text view of the
+            queue (the K slots, their legal levels, the advisor's choice) and the pools.
+        estimates: ``"profile"`` (each action's own estimate) or ``"online"`` (the live
+            dispatcher's cost model, learned within the episode from measured durations:
+            what the policy will see live).
     """
 
-    metadata = {"render_modes": []}
+    metadata = {"render_modes": ["ansi"], "render_fps": 4}
 
     def __init__(self, workload: str | WorkloadConfig = "coding",
                  cluster: ClusterConfig | None = None, *, obs_config: ObsConfig | None = None,
                  reward: RewardConfig | None = None, episode_steps: int = 1,
                  horizon_mean_s: float | None = None, max_wait_s: float | None = 300.0,
                  randomization: Randomization | None = None, load: float = 1.0,
-                 seed_range: tuple[int, int] = (0, TRAIN_SEED_MAX)) -> None:
+                 seed_range: tuple[int, int] = (0, TRAIN_SEED_MAX),
+                 render_mode: str | None = None, estimates: str = "profile") -> None:
         super().__init__()
+        cost_model_for(estimates)  # a bad value fails here, not at the first reset
+        self.estimates = estimates
+        if render_mode is not None and render_mode not in self.metadata["render_modes"]:
+            raise ValueError(f"render_mode must be None or one of "
+                             f"{self.metadata['render_modes']} (got {render_mode!r})")
+        self.render_mode = render_mode
         if isinstance(workload, str):
             from metasched.compose import profile
 
@@ -153,7 +165,7 @@ class ActionSchedulingEnv(gym.Env):
         self.sim_seed = int(options.get("sim_seed", rng.integers(*self.seed_range)))
         workload = scale_workload(self.base_workload, load, est, gen, self.episode_steps)
         self.sim = Simulator(workload, cluster, self.sim_seed, max_wait_s=self.max_wait_s,
-                             serve_stalled=True)
+                             serve_stalled=True, cost_model=cost_model_for(self.estimates))
         self.encoder = ObservationEncoder(self.sim.state, self.obs_config)
         self._horizon = (rng.exponential(self.horizon_mean_s) if self.horizon_mean_s
                          else np.inf)
@@ -184,6 +196,15 @@ class ActionSchedulingEnv(gym.Env):
         self._obs = self.encoder.observe(state)
         truncated = not self._done and state.t >= self._horizon
         return self._obs, float(reward), self._done, bool(truncated), self._info(invalid)
+
+    def render(self) -> str | None:
+        """The text view (``render_mode="ansi"``) of the state the last observation
+        encodes; None without a render mode."""
+        if self.render_mode is None:
+            return None
+        from metasched.core.text_view import text_view
+
+        return text_view(self.sim.state, self.encoder)
 
     def action_masks(self) -> np.ndarray:
         """Legal actions now (for sb3-contrib's MaskablePPO); wait is always legal."""

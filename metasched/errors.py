@@ -14,3 +14,7 @@ class ConfigError(ValueError):
         self.field = str(field).replace("\r", "\\r").replace("\n", "\\n")
         self.problem = str(problem).replace("\r", "\\r").replace("\n", "\\n")
         super().__init__(f"{self.field}: {self.problem}")
+
+    def __reduce__(self):
+        # Rebuilt from both parts, so it crosses process boundaries (evaluation workers).
+        return type(self), (self.field, self.problem)

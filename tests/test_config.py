@@ -272,6 +272,10 @@ BAD_CLUSTER = [
     ("fractional nodes", setter("cpu/nodes", 1.5), "cluster.cpu.nodes"),
     ("negative gpu memory", setter("gpu/mem_gb", -80), "cluster.gpu.mem_gb"),
     ("string cores", setter("cpu/cores_per_node", "16"), "cluster.cpu.cores_per_node"),
+    ("negative launch", setter("cpu/launch_s", -0.01), "cluster.cpu.launch_s"),
+    ("launch p90 below it", lambda c: (setter("cpu/launch_s", 0.01)(c),
+                                       setter("cpu/launch_p90_s", 0.005)(c))[-1],
+     "cluster.cpu.launch_p90_s"),
 ]
 
 

@@ -46,12 +46,14 @@ def obs_equal(a: dict, b: dict) -> bool:
 # ------------------------------------------------------------------ API checkers
 
 
+@pytest.mark.parametrize("render_mode", [None, "ansi"])
 @pytest.mark.parametrize("name", PROFILES)
-def test_gymnasium_check_env_no_warnings(name):
+def test_gymnasium_check_env_no_warnings(name, render_mode):
     w, c = shrunk(name)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        env = gym.make(ENV_ID, workload=w, cluster=c)  # with a spec: render/close checks run
+        # With a spec: the render and close checks run too.
+        env = gym.make(ENV_ID, workload=w, cluster=c, render_mode=render_mode)
         gym_check_env(env.unwrapped)
     assert [str(x.message) for x in caught] == []
 
@@ -79,6 +81,59 @@ def test_gym_make_by_profile_name():
     assert np.isfinite(reward) and reward <= 0.0
     assert not info["invalid"]
     env.close()
+
+
+def test_render_ansi_shows_the_queue_and_the_pools():
+    w, c = shrunk("mixed")
+    env = gym.make(ENV_ID, workload=w, cluster=c, render_mode="ansi")
+    obs, _ = env.reset(seed=0)
+    text = env.render()
+    lines = text.splitlines()
+    state, enc = env.unwrapped.sim.state, env.unwrapped.encoder
+    assert lines[0].startswith(f"t {state.t:.3f} s | step 0: 0/{state.step_total}")
+    assert f"pending {state.n_pending} " in lines[0]
+    assert sum(ln.startswith("gpu") for ln in lines) == c.gpu_devices
+    for e in c.endpoints:
+        assert any(ln.startswith(f"api  {e}: ") for ln in lines), e
+    slots = enc.slots(state)
+    rows = [ln for ln in lines if ln[:4].strip().isdigit()]
+    assert len(rows) == len(slots) == int(obs["slots"].reshape(enc.cfg.k_slots, -1)[:, -1].sum())
+    for row, a in zip(rows, slots, strict=True):
+        assert f"{a.task}/{a.spec.name}"[:24] in row
+    legal = obs["action_mask"][:-1].reshape(enc.cfg.k_slots, enc.cfg.levels)
+    assert [r.count("*") for r in rows] == legal.sum(1)[:len(rows)].tolist()
+    for _ in range(5):  # the view follows the state
+        obs, *_ = env.step(int(np.flatnonzero(obs["action_mask"])[0]))
+    assert env.render().splitlines()[0].startswith(f"t {env.unwrapped.sim.state.t:.3f} s")
+
+
+def test_online_estimates_are_the_cost_models():
+    from metasched.core.cost_model import signature
+
+    env = make_env("coding", estimates="online")
+    obs, _ = env.reset(seed=0)
+    for _ in range(300):
+        obs, _, term, trunc, _ = env.step(int(np.flatnonzero(obs["action_mask"])[0]))
+        assert not (term or trunc)
+    model = env.sim.cost_model
+    assert model is not None and sum(model.count.values()) > 0
+    learned = [a for a in env.sim.state.pending["cpu"].values()
+               if signature("cpu", a.task, a.spec.name) in model.mean]
+    assert learned  # what the policy sees now comes from measured runs
+    for a in learned:  # the estimate it was queued with; the model has learned since
+        assert a.spec.est_s != next(
+            t.action.est_s for t in a.traj.turns if t.action.true_s == a.spec.true_s)
+    with pytest.raises(ValueError, match="estimates"):
+        make_env("coding", estimates="exact")
+
+
+def test_no_render_mode_renders_nothing_and_bad_modes_are_refused():
+    w, c = shrunk("coding")
+    env = ActionSchedulingEnv(w, c)
+    env.reset(seed=0)
+    assert env.render_mode is None and env.render() is None
+    with pytest.raises(ValueError, match="render_mode"):
+        ActionSchedulingEnv(w, c, render_mode="human")
 
 
 # ------------------------------------------------------------------ masks

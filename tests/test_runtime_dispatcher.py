@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from metasched.core.pools import EndpointSpec
 from metasched.core.scheduler import Scheduler
+from metasched.errors import ConfigError
 from metasched.runtime.api_calls import RetryPolicy
 from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
 from metasched.runtime.gpu import linear_scorer
@@ -408,6 +409,36 @@ def test_cost_model_learns_what_the_policy_sees():
     assert seen == [est]
 
 
+@pytest.mark.parametrize("demand, guard_fired", [({"cpu": {"swe": 10.0}}, 0), ({}, 1)],
+                         ids=["told", "unknown"])
+def test_task_demand_sizes_the_partitioning_baselines(demand, guard_fired):
+    """task_isolated partitions cores by the demand it is told (as the simulator tells it
+    from the workload); told nothing, it has no partition, and only the guard's
+    idle-cluster rule starts the action."""
+    (r,), d = run(dispatch([cpu("/bin/true", task="swe")],
+                           cfg(scheduler="task_isolated", task_demand=demand)))
+    assert r.ok
+    assert d.state.task_demand["cpu"] == demand.get("cpu", {})
+    assert d.guard.fired == guard_fired
+
+
+def test_request_estimates_are_what_the_scheduler_sees():
+    """estimates="request": the caller's est_s stands after the signature has run (as
+    each action's own estimate does in simulation); without one, the cost model's."""
+    async def go():
+        async with Dispatcher(cfg(estimates="request")) as d:
+            req = cpu("/bin/true", name="nap", est_s=50.0)
+            await d.submit(req)
+            d.accept(dict(req, id="next", est_s=7.0))
+            d.accept({k: v for k, v in req.items() if k != "est_s"} | {"id": "bare"})
+            return ({a.spec.est_s for a in d.state.pending["cpu"].values()},
+                    d.cost.estimate("cpu:default:nap"))
+    seen, learned = run(go())
+    assert seen == {7.0, learned} and learned < 5.0
+    with pytest.raises(ConfigError, match="estimates"):
+        Dispatcher(cfg(estimates="exact"))
+
+
 def test_cgroup_parent_that_is_not_a_cgroup_falls_back_to_affinity(tmp_path, caplog):
     sandbox = SandboxConfig(cgroups="v2", cgroup_parent=str(tmp_path))
     (r,), d = run(dispatch([cpu("/bin/true")], cfg(sandbox=sandbox)))
@@ -502,6 +533,30 @@ def test_idle_trajectories_are_closed_and_their_held_cores_return():
             return held, d.state.cpu.held, dict(d.state.trajectories)
     held, later, trajs = run(go())
     assert held > 0 and later == 0 and trajs == {}
+
+
+@pytest.mark.parametrize("parallel", [1, 3])
+def test_held_cores_are_the_trajectorys_own_and_its_parallel_actions_share_them(parallel):
+    """static holds one core per trajectory: a trajectory's actions, parallel ones too,
+    run on that core, the other cores stay free for other trajectories, and the core
+    returns to the pool when the trajectory closes."""
+    async def go():
+        async with Dispatcher(cfg(scheduler="static",
+                                  scheduler_params={"cores_per_sandbox": 1})) as d:
+            first = await asyncio.gather(*(d.submit(cpu(
+                PY, "-c", "import time; time.sleep(0.2)", trajectory="t", turn=0))
+                for _ in range(parallel)))
+            free_while_held = sorted(d._free_cores)
+            other = await d.submit(cpu("/bin/true", trajectory="u", turn=0))
+            last = await d.submit(cpu("/bin/true", trajectory="t", turn=1, reward=True))
+            await d.submit(cpu("/bin/true", trajectory="u", turn=1, reward=True))
+            return first, other, last, free_while_held, sorted(d._free_cores)
+    first, other, last, free_while_held, free_after = run(go())
+    assert all(r.status == "done" for r in [*first, other, last])
+    held = {tuple(r.allocation["cores"]) for r in first}
+    assert len(held) == 1 and held == {tuple(last.allocation["cores"])}
+    assert free_while_held == sorted(set(CORES) - set(held.pop()))
+    assert free_after == CORES
 
 
 def test_unusable_cores_are_a_config_error():

@@ -34,6 +34,7 @@ ARRIVALS = [
     (2.0, "math", "cpu", 0.8, 1, 1, 0.0, 0),
     (2.5, "judge", "api", 0.7, 1, 1, 0.0, 6000),
     (3.5, "judge", "api", 0.4, 1, 1, 0.0, 3000),
+    (3.5, "swe", "cpu", 3.0, 1, 4 * len(CORES), 0.8, 0),  # more cores than the node has
 ]
 
 

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from metasched.core.cost_model import CostModel
 from metasched.errors import ConfigError
-from metasched.runtime.cost_model import CostModel
 from metasched.runtime.requests import Result, parse_request
 
 CPU = {"kind": "cpu", "argv": ["/bin/echo", "hi"], "timeout_s": 5}

@@ -287,3 +287,126 @@ def test_api_utilisation_at_most_one_with_burst(make_workload, make_cluster):
     r = Simulator(w, c, seed=0).run(make_scheduler("fifo"))
     assert r.ok.all() and r.makespan == pytest.approx(1.1)
     assert 0.0 <= r.utilisation()["api"] <= 1.0
+
+
+# ------------------------------------------------------------------ what the live clock has
+
+
+class SeenSpecs(Scheduler):
+    """fifo that records every pending action's spec when it is first asked about it."""
+
+    name = "seen_specs"
+
+    def __init__(self) -> None:
+        self.inner = make_scheduler("fifo")
+        self.specs: dict[int, object] = {}
+
+    def reset(self, state, rng) -> None:
+        self.inner.reset(state, rng)
+
+    def decide(self, state):
+        for kind in ("cpu", "gpu", "api"):
+            for a in state.pending[kind].values():
+                self.specs.setdefault(a.id, a.spec)
+        return self.inner.decide(state)
+
+
+def test_max_cores_above_the_node_is_capped_as_live(make_workload, make_cluster):
+    """A 1-16 core action on a 4-core node is a 1-4 core action (the dispatcher caps
+    requests the same way): its estimates, observation and lower bound say 4 cores."""
+    from metasched.core.observation import SLOT_FEATURES, ObservationEncoder
+
+    w = make_workload({"kind": "cpu", "duration_s": 10.0, "timeout_s": 100.0,
+                       "cores": [1, 16], "parallel_fraction": 0.9})
+    sim = Simulator(w, make_cluster(cores=4), seed=0)
+    assert sim.next_decision()
+    (a,) = sim.state.pending["cpu"].values()
+    assert (a.spec.min_cores, a.spec.max_cores) == (1, 4)
+    assert a.lower_bound_s == pytest.approx(10.0 * (0.1 + 0.9 / 4))
+    row = ObservationEncoder(sim.state).observe(sim.state)["slots"][:len(SLOT_FEATURES)]
+    assert row[SLOT_FEATURES.index("max_cores_frac")] == 1.0
+
+
+@pytest.mark.parametrize("duration, timeout, ok", [(2.0, 10.0, True), (2.0, 2.2, False)])
+def test_launch_s_adds_to_every_cpu_run(make_workload, make_cluster, duration, timeout, ok):
+    w = make_workload({"kind": "cpu", "duration_s": duration, "timeout_s": timeout})
+    cluster = dataclasses.replace(make_cluster(), cpu_launch_s=0.5)
+    r = Simulator(w, cluster, seed=0).run(make_scheduler("fifo"))
+    assert r.ok.tolist() == [ok]
+    assert r.end[0] - r.start[0] == pytest.approx(min(duration + 0.5, timeout))
+    assert r.lower_bound[0] == pytest.approx(min(duration + 0.5, timeout))
+
+
+def test_launch_s_drawn_per_action_around_its_median(make_workload, make_cluster):
+    """With a 90th percentile the start-up is log-normal per action, from the run's own
+    generator: deterministic for a seed, and the workload drawn as without it."""
+    from metasched.core.cluster_config import launch_sigma
+
+    w = make_workload({"kind": "cpu", "duration_s": 1.0, "timeout_s": 100.0},
+                      actions={"x": {"kind": "cpu", "prob": 1.0, "duration_s": 1.0,
+                                     "timeout_s": 100.0}}, turns=400)
+    jittered = dataclasses.replace(make_cluster(cores=4), cpu_launch_s=0.5,
+                                   cpu_launch_sigma=launch_sigma(0.5, 1.0))
+    a = Simulator(w, jittered, seed=0).run(make_scheduler("fifo"))
+    b = Simulator(w, jittered, seed=0).run(make_scheduler("fifo"))
+    assert_same_result(a, b)
+    launch = a.end - a.start - 1.0
+    assert np.median(launch) == pytest.approx(0.5, rel=0.1)
+    assert np.percentile(launch, 90) == pytest.approx(1.0, rel=0.15)
+    plain = Simulator(w, make_cluster(cores=4), seed=0)
+    assert plain.instance.steps == Simulator(w, jittered, seed=0).instance.steps
+
+
+def test_without_a_cost_model_schedulers_see_the_profile_estimates(make_workload, make_cluster):
+    w = make_workload({"kind": "cpu", "duration_s": 2.0, "timeout_s": 100.0},
+                      actions={"x": {"kind": "cpu", "prob": 1.0, "duration_s": 2.0,
+                                     "timeout_s": 100.0}}, turns=4, estimate_error=0.5)
+    sim = Simulator(w, make_cluster(), seed=3)
+    rec = SeenSpecs()
+    sim.run(rec)
+    profile_est = [t.action.est_s for t in sim.instance.steps[0][0].turns]
+    assert [rec.specs[i].est_s for i in sorted(rec.specs)] == profile_est
+    assert len(set(profile_est)) == len(profile_est)  # noisy, one per action
+
+
+def test_cost_model_estimates_are_learned_from_measured_runs(make_workload, make_cluster):
+    """With the dispatcher's cost model, an action's estimate is the hint until its
+    signature has run, then the measured run in one-core seconds (Amdahl undone, the
+    command start-up included, as live)."""
+    from metasched.core.cost_model import CostModel
+
+    action = {"kind": "cpu", "prob": 1.0, "duration_s": 4.0, "timeout_s": 100.0,
+              "cores": [2, 2], "parallel_fraction": 0.5}
+    w = make_workload({"kind": "cpu", "duration_s": 1.0, "timeout_s": 100.0},
+                      actions={"x": action}, turns=3, estimate_error=0.5)
+    cluster = dataclasses.replace(make_cluster(), cpu_launch_s=0.3)
+    model = CostModel(alpha=1.0)
+    sim = Simulator(w, cluster, seed=3, cost_model=model)
+    rec = SeenSpecs()
+    sim.run(rec)
+    seen = [rec.specs[i] for i in sorted(rec.specs)]
+    hints = [t.action.est_s for t in sim.instance.steps[0][0].turns]
+    run_s = 0.3 + 4.0 * (0.5 + 0.5 / 2)  # measured on its 2 cores
+    learned = run_s / (0.5 + 0.5 / 2)
+    assert [s.name for s in seen] == ["x", "x", "x", "reward"]
+    assert seen[0].est_s == hints[0]
+    assert [s.est_s for s in seen[1:3]] == pytest.approx([learned, learned])
+    assert seen[3].est_s == hints[3]  # the reward's signature has not run yet
+    assert model.count == {"cpu:t:x": 3, "cpu:t:reward": 1}
+    assert all(s.true_s == t.action.true_s for s, t in zip(
+        seen, sim.instance.steps[0][0].turns, strict=True))
+
+
+def test_cost_model_learns_gpu_batches_without_the_restore(make_workload, make_cluster):
+    from metasched.core.cost_model import CostModel
+
+    w = make_workload({"kind": "gpu", "service": "rm", "duration_s": 1.0, "timeout_s": 100.0},
+                      steps=2, estimate_error=0.5)
+    model = CostModel(alpha=1.0)
+    sim = Simulator(w, make_cluster(), seed=0, cost_model=model)
+    rec = SeenSpecs()
+    r = sim.run(rec)
+    first, second = (rec.specs[i] for i in sorted(rec.specs))
+    assert r.end[0] - r.start[0] == pytest.approx(4.0 + 1.0)  # restore, then the batch
+    assert second.est_s == pytest.approx(1.0)
+    assert first.est_s == sim.instance.steps[0][0].turns[0].action.est_s

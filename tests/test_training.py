@@ -1,12 +1,16 @@
 """``metasched-train`` end to end at toy sizes: checkpoints that load and run, their
-metadata, TensorBoard logs, and one-line errors for bad settings."""
+metadata, TensorBoard logs, one notion of best, VecNormalize statistics saved with the
+model, resuming a run, and one-line errors for bad settings."""
 
 from __future__ import annotations
 
 import json
+import pickle
 
+import numpy as np
 import pytest
 import torch
+from sb3_contrib import MaskablePPO
 
 from metasched.agents.learned import LearnedScheduler
 from metasched.compose import compose, load_profile
@@ -72,6 +76,144 @@ def test_metadata_records_schema_config_seeds_and_validation(run):
     assert len(saved["bc_losses"]) == 1 + rounds and min(saved["bc_losses"]) > 0
 
 
+def test_one_notion_of_best_lowest_validation_mean_act(run):
+    _, out, summary = run
+    history = summary["history"]
+    assert len(history) >= 2 and history[0]["timesteps"] == 0  # the warm start is a candidate
+    best = min(history, key=lambda m: m["mean_act_s"])
+    assert summary["best_validation"] == best
+    meta = json.loads((out / "best" / "metadata.json").read_text())
+    assert meta["validation"] == pytest.approx(best)
+    assert not (out / "sb3_best").exists() and not (out / "sb3_eval").exists()
+
+
+def _stats(path):
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
+def test_vecnormalize_statistics_are_saved_with_the_model(run):
+    cfg, out, _ = run
+    assert cfg["agent"]["normalize_reward"] and not cfg["agent"]["normalize_obs"]
+    for which in ("checkpoint", "best"):
+        meta = json.loads((out / which / "metadata.json").read_text())
+        assert meta["normalization"] == {"obs": False, "reward": True}
+        stats = _stats(out / which / "vecnormalize.pkl")
+        assert stats.norm_reward and not stats.norm_obs
+    assert _stats(out / "checkpoint" / "vecnormalize.pkl").ret_rms.count > 500  # 512 steps
+    periodic = sorted((out / "sb3_checkpoints").glob("*vecnormalize_*_steps.pkl"))
+    assert [p.name for p in periodic] == ["model_vecnormalize_256_steps.pkl",
+                                          "model_vecnormalize_512_steps.pkl"]
+
+
+@pytest.fixture(scope="module")
+def resumed(run, tmp_path_factory):
+    from metasched.cli.train_app import run_train
+
+    _, out, _ = run
+    n = torch.get_num_threads()
+    cfg = compose("train", [*TINY, f"resume={out / 'checkpoint'}", "agent.total_timesteps=768"])
+    out2 = tmp_path_factory.mktemp("resumed")
+    summary = run_train(cfg, out2, progress=False)
+    torch.set_num_threads(n)
+    return out, out2, summary
+
+
+def _adam_steps(model_zip) -> list[float]:
+    state = MaskablePPO.load(model_zip, device="cpu").policy.optimizer.state_dict()["state"]
+    return [float(v["step"]) for v in state.values()]
+
+
+def test_resume_continues_timesteps_optimizer_and_statistics(resumed):
+    out, out2, summary = resumed
+    assert summary["timesteps"] == {"start": 512, "end": 768}
+    assert summary["bc_losses"] == []  # no second warm start
+    meta = json.loads((out2 / "checkpoint" / "metadata.json").read_text())
+    assert meta["training"]["resumed_from"] == str(out / "checkpoint" / "model.zip")
+    assert meta["training"]["resumed_at_timesteps"] == 512
+    assert meta["validation"]["timesteps"] == 768
+    assert MaskablePPO.load(out2 / "checkpoint" / "model.zip", device="cpu").num_timesteps == 768
+    # Adam's moments carried over: its step count goes on from the checkpoint's (a fresh
+    # optimizer would count the resumed updates alone, fewer than the first run's).
+    before, after = _adam_steps(out / "checkpoint" / "model.zip"), \
+        _adam_steps(out2 / "checkpoint" / "model.zip")
+    assert min(after) > max(before)
+    # The return statistics too: they keep counting from the checkpoint's.
+    assert (_stats(out2 / "checkpoint" / "vecnormalize.pkl").ret_rms.count
+            > _stats(out / "checkpoint" / "vecnormalize.pkl").ret_rms.count + 200)
+    history = summary["history"]
+    assert history[0]["timesteps"] == 512 and history[-1]["timesteps"] == 768
+
+
+def test_resume_from_a_periodic_sb3_checkpoint(run, tmp_path):
+    from metasched.cli.train_app import run_train
+
+    _, out, _ = run
+    n = torch.get_num_threads()
+    zipped = out / "sb3_checkpoints" / "model_256_steps.zip"
+    summary = run_train(compose("train", [*TINY, f"resume={zipped}"]), tmp_path,
+                        progress=False)
+    torch.set_num_threads(n)
+    assert summary["timesteps"] == {"start": 256, "end": 512}
+    LearnedScheduler(tmp_path / "checkpoint")
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["agent.total_timesteps=512"], "agent.total_timesteps"),  # trained that much already
+    (["obs.k_slots=8"], "obs"),
+    (["agent.normalize_reward=false"], "agent.normalize_reward"),
+])
+def test_bad_resume_is_one_line_before_anything_is_written(run, tmp_path, overrides, field):
+    from metasched.cli.train_app import run_train
+
+    _, out, _ = run
+    cfg = compose("train", [*TINY, f"resume={out / 'checkpoint'}", *overrides])
+    with pytest.raises(ConfigError) as e:
+        run_train(cfg, tmp_path / "run", progress=False)
+    assert e.value.field == field and "\n" not in str(e.value)
+    assert not (tmp_path / "run").exists()
+
+
+def test_normalised_observations_are_applied_at_inference(tmp_path):
+    """With agent.normalize_obs the checkpoint's NumPy policy carries the statistics and
+    decides as SB3's predict does on VecNormalize-normalised observations."""
+    from stable_baselines3.common.vec_env import VecNormalize
+
+    from metasched.cli.train_app import run_train
+
+    n = torch.get_num_threads()
+    cfg = compose("train", [*TINY, "agent.normalize_obs=true", "agent.total_timesteps=256"])
+    run_train(cfg, tmp_path, progress=False)
+    torch.set_num_threads(n)
+    ckpt = tmp_path / "checkpoint"
+    meta = json.loads((ckpt / "metadata.json").read_text())
+    assert meta["normalization"] == {"obs": True, "reward": True}
+    stats: VecNormalize = _stats(ckpt / "vecnormalize.pkl")
+    assert stats.norm_obs_keys == ["backlog", "pools"]
+    sched = LearnedScheduler(ckpt)
+    assert set(sched.policy.obs_norm) == {"backlog", "pools"}
+    model = MaskablePPO.load(ckpt / "model.zip", device="cpu")
+    w, c = load_profile(cfg)
+    sim = Simulator(w, c, 1_000_000, max_wait_s=300.0)
+    sched.reset(sim.state, sim.scheduler_rng())
+    checked = changed = 0
+    while sim.next_decision():
+        obs = sched.encoder.observe(sim.state)
+        normed = stats.normalize_obs({k: v[None] for k, v in obs.items()})
+        changed += not np.array_equal(normed["pools"][0], obs["pools"])
+        want, _ = model.predict(normed, action_masks=obs["action_mask"][None].astype(bool),
+                                deterministic=True)
+        got = sched.policy.act(obs)
+        assert got == int(np.asarray(want).item())
+        g = sched.encoder.grant(sim.state, got)
+        if g is None:
+            sim.wait()
+        else:
+            sim.apply(g)
+        checked += 1
+    assert checked > 50 and changed == checked  # every decision read normalised features
+
+
 def test_tensorboard_logs(run):
     _, out, _ = run
     events = list((out / "tensorboard").rglob("events.out.tfevents.*"))
@@ -103,6 +245,8 @@ def test_tensorboard_logs(run):
     ("env.randomization.cluster_scale=[0.5,0.1]", "env.randomization.cluster_scale"),
     ("env.randomization.cluster_scale=[0,1]", "env.randomization.cluster_scale"),
     ("eval.cluster_scale=0", "eval.cluster_scale"),
+    ("resume=/nonexistent/checkpoint", "resume"),
+    ("env.estimates=exact", "env.estimates"),
 ])
 def test_bad_settings_raise_config_error(tmp_path, override, field):
     from metasched.cli.train_app import run_train

@@ -56,8 +56,9 @@ def load_services(spec: Any) -> dict[str, Any]:
     return out
 
 
-def dispatcher_config(cfg: dict[str, Any], run_dir: Path):
-    """A validated ``DispatcherConfig`` from the composed config."""
+def dispatcher_config(cfg: dict[str, Any], run_dir: Path, endpoints: dict | None = None):
+    """A validated ``DispatcherConfig`` from the composed config (``endpoints``: the
+    parsed endpoint quotas, where the app reads more than quotas from its settings)."""
     from metasched.runtime.dispatcher import DispatcherConfig
     from metasched.runtime.sandbox.config import SandboxConfig
 
@@ -94,7 +95,9 @@ def dispatcher_config(cfg: dict[str, Any], run_dir: Path):
     return DispatcherConfig(
         trace=trace, scheduler=scheduler, scheduler_params=dict(params), cores=cores,
         gpu_standin=int_setting(cfg, "gpu_standin", 0, default=0, hi=64),
-        endpoints=parse_endpoints(cfg.get("endpoints"), "endpoints"),
+        endpoints=(parse_endpoints(cfg.get("endpoints"), "endpoints") if endpoints is None
+                   else endpoints),
+        tail_bytes=int_setting(cfg, "tail_bytes", 0, default=4096, hi=64 * 2**20),
         journal=journal, fsync=bool_setting(cfg, "fsync", False),
         journal_env=bool_setting(cfg, "journal_env", False),
         max_wait_s=max_wait_setting(cfg), workdir=workdir,

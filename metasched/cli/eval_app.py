@@ -13,31 +13,22 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from metasched.agents.checkpoint import resolve_scheduler
 from metasched.cli.app import make_main
 from metasched.cli.output import write_report
-from metasched.cli.settings import int_setting, max_wait_setting, seeds_setting
+from metasched.cli.settings import (
+    int_setting,
+    max_wait_setting,
+    schedulers_setting,
+    seeds_setting,
+)
 from metasched.compose import load_profile
 from metasched.errors import ConfigError
+from metasched.sim.simulator import ESTIMATES
 
 
 def eval_settings(cfg: dict[str, Any]) -> dict[str, Any]:
     """Validated evaluation settings from a composed config."""
-    from metasched.agents import make_scheduler
-
-    scheds = cfg.get("schedulers")
-    if isinstance(scheds, str):
-        scheds = [scheds]
-    if not isinstance(scheds, list) or not scheds or not all(isinstance(s, str) for s in scheds):
-        raise ConfigError("schedulers", f"must be a non-empty list of names (got {scheds!r})")
-    paths = {s: resolve_scheduler(s) for s in scheds}
-    if len(set(scheds)) != len(scheds):
-        raise ConfigError("schedulers", f"lists a scheduler twice ({scheds})")
-    params = cfg.get("scheduler_params") or {}
-    if not isinstance(params, dict):
-        raise ConfigError("scheduler_params", "must be a mapping of scheduler name to kwargs")
-    for s in scheds:
-        make_scheduler(paths[s], **(params.get(s) or {}))  # fails early on bad names/params
+    scheds, paths, params = schedulers_setting(cfg)
     reference = cfg.get("reference")
     if reference is not None and reference not in scheds:
         raise ConfigError("reference", f"must be one of the schedulers {scheds} or null "
@@ -45,8 +36,10 @@ def eval_settings(cfg: dict[str, Any]) -> dict[str, Any]:
     dt = cfg.get("timeline_dt", 10.0)
     if isinstance(dt, bool) or not isinstance(dt, (int, float)) or not dt > 0:
         raise ConfigError("timeline_dt", f"must be a number > 0 (got {dt!r})")
-    return {"schedulers": scheds, "paths": paths,
-            "params": {s: dict(params.get(s) or {}) for s in scheds},
+    est = cfg.get("estimates", "profile")
+    if est not in ESTIMATES:
+        raise ConfigError("estimates", f"must be one of {', '.join(ESTIMATES)} (got {est!r})")
+    return {"schedulers": scheds, "paths": paths, "params": params, "estimates": est,
             "seeds": seeds_setting(cfg), "workers": int_setting(cfg, "workers", 1),
             "timeline_dt": float(dt), "plots": bool(cfg.get("plots", True)),
             "max_wait_s": max_wait_setting(cfg), "reference": reference}
@@ -62,7 +55,8 @@ def run_eval(cfg: dict[str, Any], out_dir, progress: bool = True) -> dict[str, A
     doc, runs = evaluate(workload, cluster, s["schedulers"], s["seeds"], params=s["params"],
                          workers=s["workers"], timeline_dt=s["timeline_dt"],
                          max_wait_s=s["max_wait_s"], paths=s["paths"],
-                         reference=s["reference"], progress=progress)
+                         estimates=s["estimates"], reference=s["reference"],
+                         progress=progress)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if s["plots"]:

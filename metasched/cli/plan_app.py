@@ -1,84 +1,153 @@
-"""``metasched-plan``: how small a cluster a scheduler needs to match a target step time.
+"""``metasched-plan``: how small a cluster each scheduler needs to match a target step time.
 
 Examples::
 
-    metasched-plan                                   # coding: elastic_greedy vs static
+    metasched-plan                                   # coding: every scheduler vs static
     metasched-plan workload=rm_math target_step_s=300
+    metasched-plan scheduler=checkpoints/default     # one scheduler
+    metasched-plan 'schedulers=[elastic_greedy,checkpoints/default]' tolerance=0.02
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 from metasched.cli.app import make_main
 from metasched.cli.output import json_safe
-from metasched.cli.settings import int_setting, seeds_setting
+from metasched.cli.settings import (
+    int_setting,
+    max_wait_setting,
+    schedulers_setting,
+    seeds_setting,
+)
 from metasched.compose import load_profile
 from metasched.core.actions import KINDS
 from metasched.errors import ConfigError
 
 
-def _float(cfg: dict[str, Any], key: str, lo: float, hi: float = float("inf")) -> float:
+def _float(cfg: dict[str, Any], key: str, lo: float, hi: float = float("inf"), *,
+           lo_closed: bool = False) -> float:
     v = cfg.get(key)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo < v <= hi:
-        raise ConfigError(key, f"must be a number in ({lo:g}, {hi:g}] (got {v!r})")
+    ok = (not isinstance(v, bool) and isinstance(v, (int, float))
+          and (lo <= v if lo_closed else lo < v) and v <= hi)
+    if not ok:
+        raise ConfigError(key, f"must be a number in {'[' if lo_closed else '('}{lo:g}, "
+                          f"{hi:g}] (got {v!r})")
     return float(v)
 
 
-def run_plan(cfg: dict[str, Any], out_dir, progress: bool = True) -> dict[str, Any]:
-    """Plan as configured; write plan.json into ``out_dir`` and print a summary."""
-    from pathlib import Path
-
-    from metasched.agents import make_scheduler
-    from metasched.evaluation.planning import plan_capacity
-
-    workload, cluster = load_profile(cfg)
+def plan_settings(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Validated planning settings from a composed config (one-line errors)."""
     pools = cfg.get("scale_pools")
     if not isinstance(pools, list) or not pools or any(p not in KINDS for p in pools):
         raise ConfigError("scale_pools", f"must be a non-empty list from {list(KINDS)} "
                           f"(got {pools!r})")
-    params = cfg.get("scheduler_params") or {}
-    sched, base = str(cfg.get("scheduler")), str(cfg.get("baseline"))
-    make_scheduler(sched, **(params.get(sched) or {}))
-    make_scheduler(base, **(params.get(base) or {}))
+    key = "scheduler" if cfg.get("scheduler") is not None else "schedulers"
+    scheds, paths, params = schedulers_setting(cfg, key)
+    (base,), base_paths, base_params = schedulers_setting(cfg, "baseline")
     target = cfg.get("target_step_s")
-    common = dict(seeds=seeds_setting(cfg), params=params.get(sched) or {},
-                  tolerance=_float(cfg, "tolerance", 0.0, 1.0),
-                  min_scale=_float(cfg, "min_scale", 0.0, 1.0),
-                  workers=int_setting(cfg, "workers", 1), progress=progress)
-    plan = plan_capacity(
-        workload, cluster, sched, pools=tuple(pools), baseline=base,
-        baseline_params=params.get(base) or {},
-        target_step_s=None if target is None else _float(cfg, "target_step_s", 0.0), **common)
-    doc = {"workload": workload.name, **plan.to_dict(), "per_pool": {}}
-    _report(f"all of {', '.join(pools)} scaled together", plan, cluster, sched)
-    present = [p for p in pools if cluster.resources()[p]]
-    if cfg.get("per_pool", True) and len(present) > 1:
-        for pool in present:
-            one = plan_capacity(workload, cluster, sched, pools=(pool,),
-                                target_step_s=plan.target_step_s, **common)
-            one.target_source = plan.target_source
-            doc["per_pool"][pool] = one.to_dict()
-            _report(f"{pool} alone scaled, the rest full", one, cluster, sched)
+    return {"schedulers": scheds, "paths": paths, "params": params, "pools": tuple(pools),
+            "baseline": base, "baseline_path": base_paths[base],
+            "baseline_params": base_params[base],
+            "target_step_s": None if target is None else _float(cfg, "target_step_s", 0.0),
+            "seeds": seeds_setting(cfg), "workers": int_setting(cfg, "workers", 1),
+            "tolerance": _float(cfg, "tolerance", 0.0, 1.0, lo_closed=True),
+            "resolution": _float(cfg, "resolution", 0.0, 1.0),
+            "min_scale": _float(cfg, "min_scale", 0.0, 1.0),
+            "max_wait_s": max_wait_setting(cfg), "per_pool": bool(cfg.get("per_pool", True))}
+
+
+def run_plan(cfg: dict[str, Any], out_dir, progress: bool = True) -> dict[str, Any]:
+    """Plan every scheduler as configured; write plan.json and plan.md into ``out_dir``
+    and print each plan's trials, then one table."""
+    from metasched.evaluation.planning import mean_step, plan_capacity
+
+    workload, cluster = load_profile(cfg)
+    s = plan_settings(cfg)
+    common = dict(seeds=s["seeds"], tolerance=s["tolerance"], resolution=s["resolution"],
+                  min_scale=s["min_scale"], max_wait_s=s["max_wait_s"],
+                  workers=s["workers"], progress=progress)
+    present = [p for p in s["pools"] if cluster.resources()[p]]
+    if not present:
+        raise ConfigError("scale_pools", f"the cluster has none of {list(s['pools'])}")
+    target, source = s["target_step_s"], "given"
+    if target is None:  # one target for every scheduler
+        target = mean_step(workload, cluster, s["baseline_path"], s["baseline_params"],
+                           s["seeds"], s["workers"], progress, s["max_wait_s"])
+        source = f"{s['baseline']} on the full cluster"
+    doc: dict[str, Any] = {"workload": workload.name, "target_step_s": target,
+                           "target_source": source, "tolerance": s["tolerance"],
+                           "scale_pools": list(s["pools"]), "schedulers": {}}
+    plans = {}
+    for name in s["schedulers"]:
+        run = dict(common, params=s["params"][name], target_step_s=target, label=name)
+        plan = plan_capacity(workload, cluster, s["paths"][name], pools=s["pools"], **run)
+        plan.target_source = source
+        _report(f"{name}, all of {', '.join(s['pools'])} scaled together", plan, cluster)
+        alone = {}
+        if s["per_pool"] and len(present) > 1:
+            for pool in present:
+                one = plan_capacity(workload, cluster, s["paths"][name], pools=(pool,), **run)
+                one.target_source = source
+                alone[pool] = one
+                _report(f"{name}, {pool} alone scaled, the rest full", one, cluster)
+        plans[name] = (plan, alone)
+        doc["schedulers"][name] = {**plan.to_dict(),
+                                   "per_pool": {p: one.to_dict() for p, one in alone.items()}}
+    table = plan_table(plans, cluster, target, source, s["tolerance"])
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "plan.json").write_text(json.dumps(json_safe(doc), indent=2) + "\n")
+    (out / "plan.md").write_text(table)
+    print(table)
     print(f"plan written to {out / 'plan.json'}")
     return doc
 
 
-def _report(title: str, plan, cluster, sched: str) -> None:
-    print(f"{title}: target mean step time {plan.target_step_s:,.1f} s ({plan.target_source})")
+def plan_table(plans: dict[str, Any], cluster, target: float, source: str,
+               tolerance: float) -> str:
+    """One markdown table: per scheduler, the smallest cluster meeting the target."""
+    full = cluster.resources()
+    present = [p for p in full if full[p]]
+    pools_alone = sorted({p for _, alone in plans.values() for p in alone},
+                         key=present.index)
+    head = ["scheduler", "scale", *(f"{p} (of {full[p]:g})" for p in present),
+            "saved", "mean step s", *(f"{p} alone: saved" for p in pools_alone)]
+    lines = [f"Target: mean step time {target:,.1f} s ({source}), met within "
+             f"{tolerance:.1%}.", "", "| " + " | ".join(head) + " |",
+             "|" + "---|" * len(head)]
+    for name, (plan, alone) in plans.items():
+        if plan.scale is None:
+            cells = ["misses at full size", *("–" for _ in present), "–",
+                     f"{plan.trials[0].mean_step_s:,.1f}"]
+        else:
+            met = next(t for t in plan.trials if t.scale == plan.scale)
+            saved = plan.saved()
+            cells = [f"{plan.scale:.3f}", *(f"{plan.planned[p]:g}" for p in present),
+                     ", ".join(f"{p} {saved[p]:.0%}" for p in present),
+                     f"{met.mean_step_s:,.1f}"]
+        for p in pools_alone:
+            one = alone.get(p)
+            cells.append("–" if one is None or one.scale is None
+                         else f"{one.saved()[p]:.0%}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _report(title: str, plan, cluster) -> None:
+    print(f"{title}: target mean step time {plan.target_step_s:,.1f} s ({plan.target_source})"
+          f", met within {plan.tolerance:.1%}")
     for t in sorted(plan.trials, key=lambda t: t.scale):
         res = ", ".join(f"{k} {v:g}" for k, v in t.resources.items() if cluster.resources()[k])
         print(f"  scale {t.scale:6.3f}  [{res}]  mean step {t.mean_step_s:,.1f} s  "
               f"{'meets' if t.meets else 'misses'}")
     if plan.scale is None:
-        print(f"  {sched} does not meet the target even on the full cluster")
+        print(f"  {plan.scheduler} does not meet the target even on the full cluster")
     else:
         saved = ", ".join(f"{k} {v:.0%}" for k, v in plan.saved().items())
-        print(f"  {sched} meets it at scale {plan.scale:.3f}: resources saved: {saved}")
+        print(f"  {plan.scheduler} meets it at scale {plan.scale:.3f}: resources saved: {saved}")
 
 
 main = make_main("plan", run_plan)

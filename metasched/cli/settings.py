@@ -41,3 +41,31 @@ def seeds_setting(cfg: dict[str, Any]) -> list[int]:
     n = int_setting(cfg, "n_seeds", 1)
     off = int_setting(cfg, "seed_offset", 0)
     return list(range(off, off + n))
+
+
+def schedulers_setting(cfg: dict[str, Any], key: str = "schedulers"
+                       ) -> tuple[list[str], dict[str, str], dict[str, dict[str, Any]]]:
+    """``schedulers`` (a name or a list of names; a name may be a checkpoint directory)
+    with their ``scheduler_params``: (names, what loads each name, params per name).
+    Each is built once here, so a bad name or parameter fails before any run."""
+    from metasched.agents import make_scheduler
+    from metasched.agents.checkpoint import resolve_scheduler
+
+    scheds = cfg.get(key)
+    if isinstance(scheds, str):
+        scheds = [scheds]
+    if not isinstance(scheds, list) or not scheds or not all(isinstance(s, str) for s in scheds):
+        raise ConfigError(key, f"must be a non-empty list of names (got {scheds!r})")
+    if len(set(scheds)) != len(scheds):
+        raise ConfigError(key, f"lists a scheduler twice ({scheds})")
+    params = cfg.get("scheduler_params") or {}
+    if not isinstance(params, dict):
+        raise ConfigError("scheduler_params", "must be a mapping of scheduler name to kwargs")
+    paths = {s: resolve_scheduler(s) for s in scheds}
+    out = {s: dict(params.get(s) or {}) for s in scheds}
+    for s in scheds:
+        try:
+            make_scheduler(paths[s], **out[s])
+        except ConfigError as e:  # named by the setting that holds the name
+            raise ConfigError(key if e.field == "schedulers" else e.field, e.problem) from None
+    return scheds, paths, out

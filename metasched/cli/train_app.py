@@ -5,10 +5,14 @@ Examples::
     metasched-train                                   # the default config (configs/train.yaml)
     metasched-train workload=rm_math agent.total_timesteps=100000
     metasched-train --multirun seed=0,1,2             # a sweep, one run directory each
+    metasched-train resume=outputs/train/mixed/<run>/checkpoint agent.total_timesteps=600000
 
-A run directory holds ``checkpoint/`` (final), ``best/`` (best validation mean ACT),
-``tensorboard/`` (``tensorboard --logdir <run dir>/tensorboard``), SB3 checkpoints and
-``train_summary.json``.
+A run directory holds ``checkpoint/`` (final), ``best/`` (lowest validation mean ACT),
+``tensorboard/`` (``tensorboard --logdir <run dir>/tensorboard``), periodic SB3
+checkpoints (``sb3_checkpoints/``, with their VecNormalize statistics) and
+``train_summary.json``. ``resume=<checkpoint>`` continues a run into a new run directory
+(weights, optimizer state, timesteps and VecNormalize statistics; the other settings
+from the command line, as for a fresh run) up to ``agent.total_timesteps``.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from metasched.cli.app import make_main
 from metasched.cli.output import json_safe
 from metasched.compose import load_profile
 from metasched.errors import ConfigError
+from metasched.sim.simulator import ESTIMATES
 
 _POSITIVE = ("total_timesteps", "n_envs", "n_steps", "batch_size", "n_epochs", "hidden",
              "learning_rate")
@@ -58,6 +63,10 @@ def check_train_settings(cfg: dict[str, Any]) -> None:
             raise ConfigError(f"obs.{key}", f"must be a whole number >= 1 (got {v!r})")
     if cfg["obs"]["levels"] < 2:
         raise ConfigError("obs.levels", "must be >= 2 (one level cannot express elasticity)")
+    est = (cfg.get("env") or {}).get("estimates", "profile")
+    if est not in ESTIMATES:
+        raise ConfigError("env.estimates", f"must be one of {', '.join(ESTIMATES)} "
+                          f"(got {est!r})")
     seed = cfg.get("seed")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ConfigError("seed", f"must be a whole number >= 0 (got {seed!r})")
@@ -96,7 +105,9 @@ def run_train(cfg: dict[str, Any], out_dir: str | Path, progress: bool = True) -
     except ValueError as e:
         raise ConfigError("obs", str(e)) from None
     require_train_extra()  # after the settings: their errors need no torch
-    from metasched.agents.training import train
+    from metasched.agents.training import resume_source, train
+
+    resume_source(cfg)  # a bad resume fails before anything is written
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

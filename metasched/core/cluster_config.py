@@ -7,8 +7,10 @@ message naming the field. The scheduling state (:mod:`metasched.core.state`) rea
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from statistics import NormalDist
 from typing import Any
 
 from metasched.core.pools import EndpointSpec
@@ -18,7 +20,14 @@ from metasched.errors import ConfigError
 
 @dataclass(frozen=True, slots=True)
 class ClusterConfig:
-    """Resources: CPU nodes, GPU devices, API endpoint quotas."""
+    """Resources: CPU nodes, GPU devices, API endpoint quotas.
+
+    ``cpu_launch_s`` is the start-up of a cpu action's command (process creation and
+    exec, seconds): the simulator adds it to every cpu action's run, on its granted
+    cores; 0 where the profile's durations already include it. With
+    ``cpu_launch_sigma`` > 0 it is the median of a log-normal start-up drawn per action
+    (``cluster.cpu.launch_p90_s`` gives its 90th percentile).
+    """
 
     name: str
     cpu_nodes: int
@@ -27,6 +36,8 @@ class ClusterConfig:
     gpu_devices: int
     gpu_mem_gb: float
     endpoints: dict[str, EndpointSpec]
+    cpu_launch_s: float = 0.0
+    cpu_launch_sigma: float = 0.0
 
     def scaled(self, factor: float, pools: tuple[str, ...] = ("cpu", "gpu")) -> ClusterConfig:
         """The cluster with the named pools scaled by ``factor`` (at least one unit each
@@ -85,10 +96,17 @@ def parse_cluster(d: Mapping, path: str = "cluster") -> ClusterConfig:
     cpu = mapping_or_empty(d.get("cpu"), f"{path}.cpu")
     gpu = mapping_or_empty(d.get("gpu"), f"{path}.gpu")
     api = mapping_or_empty(d.get("api"), f"{path}.api")
-    for sub, keys in (("cpu", {"nodes", "cores_per_node", "mem_gb_per_node"}),
+    for sub, keys in (("cpu", {"nodes", "cores_per_node", "mem_gb_per_node", "launch_s",
+                               "launch_p90_s"}),
                       ("gpu", {"devices", "mem_gb"}), ("api", {"endpoints"})):
         check_keys(locals()[sub], keys, f"{path}.{sub}")
     endpoints = parse_endpoints(api.get("endpoints"), f"{path}.api.endpoints")
+    launch = bounded(cpu.get("launch_s", 0.0), f"{path}.cpu.launch_s", lo=0.0)
+    p90 = cpu.get("launch_p90_s")
+    sigma = 0.0
+    if p90 is not None:
+        p90 = bounded(p90, f"{path}.cpu.launch_p90_s", lo=launch)
+        sigma = launch_sigma(launch, p90)
     scale = bounded(d.get("scale", 1.0), f"{path}.scale", lo=0.0, lo_open=True)
     c = ClusterConfig(
         name=str(d.get("name", "cluster")),
@@ -99,6 +117,13 @@ def parse_cluster(d: Mapping, path: str = "cluster") -> ClusterConfig:
                                 lo=0.0),
         gpu_devices=bounded(gpu.get("devices", 0), f"{path}.gpu.devices", lo=0, integer=True),
         gpu_mem_gb=bounded(gpu.get("mem_gb", 0.0), f"{path}.gpu.mem_gb", lo=0.0),
-        endpoints=endpoints)
+        endpoints=endpoints, cpu_launch_s=launch, cpu_launch_sigma=sigma)
     # One knob for a contended regime: every pool scaled as metasched-plan scales them.
     return c if scale == 1.0 else c.scaled(scale, ("cpu", "gpu", "api"))
+
+
+def launch_sigma(median_s: float, p90_s: float) -> float:
+    """The log-normal sigma of a start-up with this median and 90th percentile."""
+    if not median_s > 0.0 or p90_s <= median_s:
+        return 0.0
+    return math.log(p90_s / median_s) / NormalDist().inv_cdf(0.9)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict, deque
+from dataclasses import replace
 
 from metasched.core.actions import (
     DONE,
@@ -196,11 +197,17 @@ class ClusterState:
         self.device_owner[device] = task
 
     def submit(self, a: Action) -> None:
-        """Queue a newly arrived action."""
+        """Queue a newly arrived action. A cpu action's ``max_cores`` above the largest
+        node is capped to that node (no grant can exceed it), on both clocks: the
+        scheduler's estimates and observations then mean the same in simulation and
+        live."""
         self.version += 1
         spec = a.spec
         if spec.kind == "cpu":
-            best = spec.true_s / spec.speedup(min(spec.max_cores, self.max_node_cores))
+            if spec.max_cores > self.max_node_cores:
+                spec = a.spec = replace(
+                    spec, max_cores=max(spec.min_cores, self.max_node_cores))
+            best = self.cluster.cpu_launch_s + spec.true_s / spec.speedup(spec.max_cores)
         else:
             best = spec.true_s
         a.lower_bound_s = min(best, spec.timeout_s)

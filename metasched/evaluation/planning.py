@@ -1,9 +1,12 @@
 """Capacity planning: the smallest cluster on which a scheduler meets a target step time.
 
 Bisection over a scale factor applied to the chosen pools (``ClusterConfig.scaled``).
-Step time is not strictly monotone in cluster size for every workload, so the answer is
-the upper end of the final bisection bracket (a tested scale that met the target); all
-trials are reported so a non-monotone curve is visible.
+A scale meets the target when its mean step time is at most the target times
+``1 + tolerance``: step times that differ by less are the same to the planner, so noise
+of a fraction of a percent does not decide the answer. Step time is not strictly
+monotone in cluster size for every workload, so the answer is the upper end of the
+final bisection bracket (a tested scale that met the target); all trials are reported
+so a non-monotone curve is visible.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class Plan:
     full: dict[str, float]
     planned: dict[str, float] | None
     trials: list[Trial] = field(default_factory=list)
+    tolerance: float = 0.0
 
     def saved(self) -> dict[str, float] | None:
         """Fraction of each pool's resources saved (pools the cluster has)."""
@@ -48,7 +52,8 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         return {"scheduler": self.scheduler, "target_step_s": self.target_step_s,
-                "target_source": self.target_source, "scale": self.scale,
+                "target_source": self.target_source, "tolerance": self.tolerance,
+                "scale": self.scale,
                 "resources_full": self.full, "resources_planned": self.planned,
                 "resources_saved": self.saved(),
                 "trials": [t.__dict__ for t in sorted(self.trials, key=lambda t: t.scale)]}
@@ -56,9 +61,9 @@ class Plan:
 
 def mean_step(workload: WorkloadConfig, cluster: ClusterConfig, scheduler: str,
               params: dict[str, Any], seeds: Sequence[int], workers: int,
-              progress: bool) -> float:
-    jobs = [Job(workload, cluster, scheduler, params, s) for s in seeds]
-    runs = run_jobs(jobs, workers=workers, progress=progress)
+              progress: bool, max_wait_s: float | None = None) -> float:
+    jobs = [Job(workload, cluster, scheduler, params, s, max_wait_s=max_wait_s) for s in seeds]
+    runs = run_jobs(jobs, workers=workers, progress=progress, transient=True)
     return float(np.mean([np.mean(r["step_s"]) for r in runs]))
 
 
@@ -66,18 +71,30 @@ def plan_capacity(workload: WorkloadConfig, cluster: ClusterConfig, scheduler: s
                   seeds: Sequence[int], *, params: dict[str, Any] | None = None,
                   target_step_s: float | None = None, baseline: str = "static",
                   baseline_params: dict[str, Any] | None = None,
-                  pools: tuple[str, ...] = ("cpu", "gpu", "api"), tolerance: float = 0.02,
-                  min_scale: float = 0.01, workers: int = 1, progress: bool = True) -> Plan:
+                  pools: tuple[str, ...] = ("cpu", "gpu", "api"), tolerance: float = 0.01,
+                  resolution: float = 0.02, min_scale: float = 0.01,
+                  max_wait_s: float | None = 300.0, label: str | None = None,
+                  workers: int = 1, progress: bool = True) -> Plan:
     """Bisect the scale factor of ``pools`` for the smallest cluster on which
     ``scheduler``'s mean step time is at most the target (default: ``baseline``'s mean
-    step time on the full cluster)."""
+    step time on the full cluster) times ``1 + tolerance``.
+
+    Args:
+        scheduler, baseline: names or checkpoint paths (``make_scheduler``).
+        tolerance: relative slack on the target (0.01: within 1% of it meets it).
+        resolution: stop bisecting when the bracket of scales is this narrow.
+        max_wait_s: the core's starvation guard for every run (as in evaluation).
+        label: the scheduler's name in the plan (default: ``scheduler``).
+    """
     params = params or {}
     source = "given"
     if target_step_s is None:
         target_step_s = mean_step(workload, cluster, baseline, baseline_params or {}, seeds,
-                                  workers, progress)
+                                  workers, progress, max_wait_s)
         source = f"{baseline} on the full cluster"
-    plan = Plan(scheduler, target_step_s, source, None, cluster.resources(), None)
+    plan = Plan(label or scheduler, target_step_s, source, None, cluster.resources(), None,
+                tolerance=tolerance)
+    bound = target_step_s * (1.0 + tolerance)
     seen: dict[tuple, Trial] = {}
 
     def trial(scale: float) -> Trial:
@@ -87,10 +104,12 @@ def plan_capacity(workload: WorkloadConfig, cluster: ClusterConfig, scheduler: s
             return seen[key]
         try:
             check_compatible(workload, c)
-            step = mean_step(workload, c, scheduler, params, seeds, workers, progress)
         except ConfigError:  # the scaled cluster cannot run some action at all
             step = float("inf")
-        t = Trial(scale, c.resources(), step, step <= target_step_s)
+        else:
+            step = mean_step(workload, c, scheduler, params, seeds, workers, progress,
+                             max_wait_s)
+        t = Trial(scale, c.resources(), step, step <= bound)
         seen[key] = t
         plan.trials.append(t)
         return t
@@ -101,7 +120,7 @@ def plan_capacity(workload: WorkloadConfig, cluster: ClusterConfig, scheduler: s
     if trial(lo).meets:
         hi = lo
     else:
-        while hi - lo > tolerance:
+        while hi - lo > resolution:
             mid = (lo + hi) / 2
             if trial(mid).meets:
                 hi = mid

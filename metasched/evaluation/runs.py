@@ -37,6 +37,7 @@ class Job:
     timeline_dt: float = 10.0
     max_wait_s: float | None = None
     label: str | None = None  # the name in results (default: ``scheduler``)
+    estimates: str = "profile"  # see metasched.sim.simulator.ESTIMATES
     group: str | None = None  # which of several evaluations run together it belongs to
 
 
@@ -65,12 +66,21 @@ def _instance(workload: WorkloadConfig, seed: int) -> WorkloadInstance | None:
 def run_job(job: Job) -> dict[str, Any]:
     """Run one job and return its compact measurements (picklable)."""
     from metasched.agents import make_scheduler
-    from metasched.sim.simulator import Simulator
+    from metasched.errors import ConfigError
+    from metasched.sim.simulator import SimulationError, Simulator, cost_model_for
 
     sim = Simulator(job.workload, job.cluster, job.seed, timeline_dt=job.timeline_dt,
-                    max_wait_s=job.max_wait_s, instance=_instance(job.workload, job.seed))
-    r = sim.run(make_scheduler(job.scheduler, **job.params))
-    out = summarise_run(r, job.label or job.scheduler, job.seed)
+                    max_wait_s=job.max_wait_s, instance=_instance(job.workload, job.seed),
+                    cost_model=cost_model_for(job.estimates))
+    name = job.label or job.scheduler
+    try:
+        r = sim.run(make_scheduler(job.scheduler, **job.params))
+    except SimulationError as e:  # a run that cannot finish is reported, not a traceback
+        why = (f"{e} (set max_wait_s: the starvation guard serves what a waiting scheduler "
+               "leaves)") if job.max_wait_s is None else str(e)
+        raise ConfigError("max_wait_s" if job.max_wait_s is None else "cluster",
+                          f"{name} on seed {job.seed}: {why}") from None
+    out = summarise_run(r, name, job.seed)
     out["group"] = job.group
     return out
 
@@ -101,14 +111,21 @@ def summarise_run(r: RunResult, label: str, seed: int) -> dict[str, Any]:
 
 
 def run_jobs(jobs: list[Job], workers: int = 1, progress: bool = True,
-             on_done: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
-    """Run jobs in ``workers`` processes (in-process when 1) with a progress bar."""
+             on_done: Callable[[dict[str, Any]], None] | None = None, *,
+             transient: bool = False) -> list[dict[str, Any]]:
+    """Run jobs in ``workers`` processes (in-process when 1) with a progress bar
+    (``transient``: cleared when done, for callers that run many small batches)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     results: list[dict[str, Any]] = []
     columns = ("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
-    with Progress(*columns, disable=not progress, transient=False) as bar:
+    from rich.console import Console
+
+    console = Console()
+    # A transient bar off a terminal would leave only an empty line behind.
+    shown = progress and (console.is_terminal or not transient)
+    with Progress(*columns, console=console, disable=not shown, transient=transient) as bar:
         task = bar.add_task("simulating", total=len(jobs))
         if workers <= 1:
             for job in jobs:
@@ -220,13 +237,15 @@ def _sum_dicts(ds) -> dict[str, int]:
 def eval_jobs(workload: WorkloadConfig, cluster: ClusterConfig, schedulers: Sequence[str],
               seeds: Sequence[int], *, params: dict[str, dict[str, Any]] | None = None,
               timeline_dt: float = 10.0, max_wait_s: float | None = None,
-              paths: dict[str, str] | None = None, group: str | None = None) -> list[Job]:
+              paths: dict[str, str] | None = None, group: str | None = None,
+              estimates: str = "profile") -> list[Job]:
     """The jobs of one evaluation: every scheduler on every seed. ``paths`` maps a
-    scheduler name to what loads it (a checkpoint directory)."""
+    scheduler name to what loads it (a checkpoint directory); ``estimates``: see
+    :func:`evaluate`."""
     params, paths = params or {}, paths or {}
     # Seed by seed: a worker then samples each instance once for all schedulers.
     return [Job(workload, cluster, paths.get(s, s), dict(params.get(s, {})), seed, timeline_dt,
-                max_wait_s, label=s, group=group)
+                max_wait_s, label=s, group=group, estimates=estimates)
             for seed in seeds for s in schedulers]
 
 
@@ -249,14 +268,18 @@ def results_document(workload: str, schedulers: Sequence[str], seeds: Sequence[i
 def evaluate(workload: WorkloadConfig, cluster: ClusterConfig, schedulers: Sequence[str],
              seeds: Sequence[int], *, params: dict[str, dict[str, Any]] | None = None,
              workers: int = 1, timeline_dt: float = 10.0, max_wait_s: float | None = None,
-             paths: dict[str, str] | None = None, reference: str | None = None,
+             paths: dict[str, str] | None = None, estimates: str = "profile",
+             reference: str | None = None,
              progress: bool = True) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Run every scheduler on every seed; returns (results document, per-run data).
-    ``paths`` maps a scheduler name to what loads it (a checkpoint directory). The
+    ``paths`` maps a scheduler name to what loads it (a checkpoint directory);
+    ``estimates`` is ``"profile"`` (each action's own estimate) or ``"online"`` (the
+    live dispatcher's cost model, learned from the run's measured durations). The
     document compares every scheduler, paired by seed, with ``reference`` (default: the
     best heuristic of the run by mean ACT; see :func:`compare_paired`)."""
     jobs = eval_jobs(workload, cluster, schedulers, seeds, params=params,
-                     timeline_dt=timeline_dt, max_wait_s=max_wait_s, paths=paths)
+                     timeline_dt=timeline_dt, max_wait_s=max_wait_s, paths=paths,
+                     estimates=estimates)
     runs = run_jobs(jobs, workers=workers, progress=progress)
     doc = results_document(workload.name, schedulers, seeds, runs, paths=paths,
                            reference=reference)

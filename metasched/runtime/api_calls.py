@@ -260,8 +260,9 @@ class _Retry:
     detail: dict[str, Any] = field(default_factory=dict)
 
 
-class _BadResponse(Exception):
-    """The server's reply is not HTTP we can read (not retried: it would be again)."""
+class BadResponse(Exception):
+    """The server's reply is not HTTP we can read (not retried: it would be again), or
+    its body is over the size limit."""
 
 
 _ssl_context: ssl.SSLContext | None = None
@@ -304,16 +305,22 @@ async def warm_up() -> None:
     await anyio.sleep(0)
 
 
-async def _read_body(resp: httpx.Response) -> bytes:
+async def read_body(resp: httpx.Response) -> bytes:
+    """A streamed response's whole body, decoded (gzip, deflate ...).
+
+    Raises:
+        BadResponse: the body is over 64 MiB (said by its Content-Length, or found
+            while reading it).
+    """
     length = resp.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > _MAX_BODY:
-        raise _BadResponse(f"response body over {_MAX_BODY >> 20} MiB")
+        raise BadResponse(f"response body over {_MAX_BODY >> 20} MiB")
     parts: list[bytes] = []
     size = 0
     async for chunk in resp.aiter_bytes():  # decoded (gzip, deflate ...)
         size += len(chunk)
         if size > _MAX_BODY:
-            raise _BadResponse(f"response body over {_MAX_BODY >> 20} MiB")
+            raise BadResponse(f"response body over {_MAX_BODY >> 20} MiB")
         parts.append(chunk)
     return b"".join(parts)
 
@@ -321,13 +328,13 @@ async def _read_body(resp: httpx.Response) -> bytes:
 async def _http_request(client: httpx.AsyncClient, spec: HttpSpec
                         ) -> tuple[httpx.Response, bytes]:
     """One request on the pooled client. Raises httpx's errors for connection trouble
-    and :class:`_BadResponse` for an unreadable reply."""
+    and :class:`BadResponse` for an unreadable reply."""
     body, content_type = spec.payload()
     headers = dict(spec.headers)
     if content_type is not None and "content-type" not in {k.lower() for k in headers}:
         headers["Content-Type"] = content_type
     async with client.stream(spec.method, spec.url, headers=headers, content=body) as resp:
-        return resp, await _read_body(resp)
+        return resp, await read_body(resp)
 
 
 def _charset(content_type: str) -> str:
@@ -345,7 +352,7 @@ def _text(resp: httpx.Response, body: bytes) -> str:
         return body.decode("utf-8", "replace")
 
 
-def _retry_after(value: str | None) -> float | None:
+def parse_retry_after(value: str | None) -> float | None:
     """Retry-After in seconds: a number of seconds or an HTTP date; None if absent/bad."""
     if value is None:
         return None
@@ -408,7 +415,7 @@ async def _http_attempt(client: httpx.AsyncClient, spec: HttpSpec) -> Outcome | 
         return _Retry(f"proxy error: {_one_line(str(e), 200)}")
     except (httpx.NetworkError, OSError) as e:  # reset, or closed, mid-exchange
         return _Retry(_connection_reason(e))
-    except _BadResponse as e:
+    except BadResponse as e:
         return Outcome(ok=False, reason=f"bad response: {e}")
     except httpx.DecodingError as e:
         return Outcome(ok=False, reason=f"bad response: {_one_line(str(e), 200)}")
@@ -429,7 +436,7 @@ async def _http_attempt(client: httpx.AsyncClient, spec: HttpSpec) -> Outcome | 
                        detail={"status": status, "http_version": resp.http_version})
     detail = {"status": status, "body": _text(resp, body)[:_BODY_CHARS]}
     if status == 429 or status >= 500:
-        return _Retry(f"HTTP {status}", _retry_after(resp.headers.get("retry-after")), detail)
+        return _Retry(f"HTTP {status}", parse_retry_after(resp.headers.get("retry-after")), detail)
     return Outcome(ok=False, reason=f"HTTP {status}", detail=detail)
 
 
@@ -542,4 +549,5 @@ async def call_api(
             await own.aclose()
 
 
-__all__ = ["HttpSpec", "RetryPolicy", "RetryableError", "call_api", "make_client", "warm_up"]
+__all__ = ["BadResponse", "HttpSpec", "RetryPolicy", "RetryableError", "call_api",
+           "make_client", "parse_retry_after", "read_body", "warm_up"]

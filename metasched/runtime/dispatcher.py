@@ -23,7 +23,7 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ import numpy as np
 from metasched.core.action_log import ActionLog
 from metasched.core.actions import Action, ActionSpec, Grant, SandboxSpec, Trajectory
 from metasched.core.cluster_config import ClusterConfig
+from metasched.core.cost_model import CostModel
 from metasched.core.guard import WaitGuard
 from metasched.core.metrics import Recorder, Ring, RunResult
 from metasched.core.observation import ObsConfig, ObservationEncoder
@@ -41,7 +42,6 @@ from metasched.core.scheduler import Scheduler
 from metasched.core.state import ClusterState, InvalidGrant
 from metasched.errors import ConfigError
 from metasched.runtime.api_calls import RetryPolicy, call_api, make_client, warm_up
-from metasched.runtime.cost_model import CostModel
 from metasched.runtime.gpu import (
     GpuSampler,
     LiveService,
@@ -97,6 +97,10 @@ class DispatcherConfig:
             request), which brings the values back, instead of running without them.
         max_wait_s: the core's starvation guard (None: off).
         cost_alpha, default_est_s: the online cost model (see ``CostModel``).
+        estimates: what the scheduler sees as an action's estimate: ``"online"`` (the
+            cost model's, learned from measured durations; the request's ``est_s`` only
+            until its signature has run) or ``"request"`` (the request's ``est_s`` when it
+            has one, as a profile's or a trace's per-action estimates in simulation).
         retry: API retry policy (429 / 5xx / connection errors).
         sandbox: how commands are confined: isolation (namespaces, unprivileged users,
             workspaces), cgroups, environment (see :class:`SandboxConfig`).
@@ -115,6 +119,10 @@ class DispatcherConfig:
             with every action).
         trajectory_idle_s: a trajectory with nothing queued or running for this long is
             closed (its held cores return), in case its reward action never comes.
+        task_demand: expected work per pool and task, in estimate-seconds, in the form
+            of ``WorkloadInstance.demand_by_task()``: what the partitioning baselines
+            (``static``, ``task_isolated``) size their partitions by; the simulator
+            takes it from the workload. Empty (default): unknown.
         trace: a JSONL file to append every finished action to, with what was measured
             (``metasched.core.action_log``; ``metasched-calibrate`` fits a workload
             profile to it). None: no trace.
@@ -134,6 +142,7 @@ class DispatcherConfig:
     max_wait_s: float | None = 300.0
     cost_alpha: float = 0.3
     default_est_s: float = 1.0
+    estimates: str = "online"
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     workdir: str | None = None
@@ -141,6 +150,7 @@ class DispatcherConfig:
     sample_interval_s: float = 1.0
     metrics_window: int | None = 100_000
     trajectory_idle_s: float = 3600.0
+    task_demand: dict[str, dict[str, float]] = field(default_factory=dict)
     trace: str | Path | None = None
 
 
@@ -200,9 +210,13 @@ class Dispatcher:
             gpu_mem_gb=min((d.mem_gb for d in self.devices), default=0.0),
             endpoints=dict(cfg.endpoints))
         self.state = ClusterState(self.cluster, specs)
+        self.state.task_demand.update({k: dict(v) for k, v in cfg.task_demand.items()})
         self.state.metrics = Recorder(max_actions=cfg.metrics_window)
         self.guard = WaitGuard(cfg.max_wait_s)
         self.cost = CostModel(cfg.cost_alpha, cfg.default_est_s)
+        if cfg.estimates not in ("online", "request"):
+            raise ConfigError("estimates", f"must be online or request (got {cfg.estimates!r})")
+        self._request_estimates = cfg.estimates == "request"
         self.workdir = (check_workdir(cfg.workdir) if cfg.workdir is not None
                         else default_workdir())
         # Last: it takes the journal's lock (a second dispatcher fails here, before it
@@ -231,6 +245,10 @@ class Dispatcher:
         self._traj_ended: set[int] = set()
         self._traj_seen: dict[int, float] = {}
         self._free_cores = list(self.cores)
+        # Cores a trajectory holds (a scheduler's ``hold``, e.g. static's sandboxes), by
+        # trajectory id: out of the free pool until it closes; its actions run on them
+        # (sharing them, as processes of one sandbox do) before taking free ones.
+        self._held_cores: dict[int, list[int]] = {}
         self._tasks: set[asyncio.Task] = set()
         # Started commands whose task has not finished waiting for them: on close, any
         # whose task never ran is abandoned (killed and cleaned up) rather than leaked.
@@ -688,7 +706,8 @@ class Dispatcher:
 
     def _check(self, req: Request) -> Request:
         """What the request asks of this dispatcher's resources (ConfigError if it can
-        never run here); cpu ``max_cores`` above the node is capped to the node."""
+        never run here); cpu ``max_cores`` above the node is capped to the node when it
+        is queued (``ClusterState.submit``, as in simulation)."""
         node = len(self.cores)
         if req.kind == "cpu":
             if req.min_cores > node:
@@ -698,8 +717,6 @@ class Dispatcher:
             if req.mem_limit_mb is not None and req.mem_limit_mb > ram_mb:
                 raise ConfigError("mem_limit_mb", f"must be <= {ram_mb:.0f} (MiB: this "
                                   f"machine's memory; got {req.mem_limit_mb:g})")
-            if req.max_cores > node:
-                req = replace(req, max_cores=node)
         elif req.kind == "gpu":
             if not self.devices:
                 raise ConfigError("kind", f"gpu request, but {self.no_gpu_reason or 'no GPU'}")
@@ -851,9 +868,12 @@ class Dispatcher:
         state = self.state
         t = self._now()
         state.advance(t)
+        if self._request_estimates and req.est_s is not None:
+            est = req.est_s
+        else:
+            est = self.cost.estimate(req.signature, req.est_s)
         spec = ActionSpec(
-            kind=req.kind, name=req.name, true_s=math.nan,
-            est_s=self.cost.estimate(req.signature, req.est_s), timeout_s=req.timeout_s,
+            kind=req.kind, name=req.name, true_s=math.nan, est_s=est, timeout_s=req.timeout_s,
             min_cores=req.min_cores, max_cores=req.max_cores,
             parallel_fraction=req.parallel_fraction,
             service=(req.service or COMMAND_SERVICE) if req.kind == "gpu" else None,
@@ -956,11 +976,9 @@ class Dispatcher:
             if self.journal is not None and job.request.argv == ():
                 self._journal_start(job.request.id, None, job.attempts)
         if kind == "cpu":
-            cores = self.monitor.least_loaded(self._free_cores, g.cores)
-            for c in cores:
-                self._free_cores.remove(c)
+            cores, own = self._grant_cores(g)
             jobs[0].alloc = {"cores": cores}
-            work = partial(self._run_cpu, jobs[0], cores, self._start_command(jobs[0], cores))
+            work = partial(self._run_cpu, jobs[0], own, self._start_command(jobs[0], cores))
         elif kind == "gpu":
             for job in jobs:
                 job.alloc = {"device": g.device, "batch": len(jobs)}
@@ -989,6 +1007,19 @@ class Dispatcher:
                 if job.request.id in self._jobs and job.action.status == "running":
                     self._complete(job, Outcome(False, f"internal error: {type(e).__name__}: "
                                                 f"{e}"))
+
+    def _grant_cores(self, g: Grant) -> tuple[list[int], list[int]]:
+        """The core ids of a started cpu grant, and those of them it took from the free
+        pool (returned when it ends): first the ones its trajectory holds (the state has
+        already counted a new hold), then free ones, least loaded first."""
+        traj = g.action.traj
+        held: list[int] = []
+        if traj is not None and traj.held_cores:
+            held = self._held_cores.setdefault(traj.id, [])
+            held.extend(self._take_cores(traj.held_cores - len(held)))
+        from_held = held[:g.cores]
+        own = self._take_cores(g.cores - len(from_held))
+        return from_held + own, own
 
     def _on_pid(self, job: _Job) -> Callable[[int], None]:
         def record(pid: int) -> None:
@@ -1150,9 +1181,7 @@ class Dispatcher:
                                    exit_code=out.exit_code, core_ids=job.alloc.get("cores"),
                                    trajectory=job.request.trajectory)
         if out.ok and a.start_t == a.start_t:
-            run_s = state.t - a.start_t - float(out.detail.get("restore_s", 0.0))
-            self.cost.observe(job.request.signature, run_s, cores=max(1, a.cores),
-                              parallel_fraction=a.spec.parallel_fraction)
+            self.cost.learn(a, state.t - a.start_t - float(out.detail.get("restore_s", 0.0)))
         finished_at = self._wall0 + state.t
         traj = a.traj
         if traj is not None:
@@ -1190,6 +1219,7 @@ class Dispatcher:
         """The trajectory is over: its held cores, sandbox memory and sandbox (its
         workspace, and whatever still runs in it) are released."""
         self.state.close_trajectory(traj)
+        self._free_cores.extend(self._held_cores.pop(traj.id, ()))
         if self.action_log is not None:
             self.action_log.forget(traj.id)
         self._traj_live.pop(traj.id, None)
@@ -1252,7 +1282,10 @@ class Dispatcher:
                 "guard_fired": self.guard.fired, "decision_latency_us": pct,
                 "awaiting_resubmission": len(self._held),
                 "measured_utilisation": self.monitor.summary(),
-                "confinement": self.boxes.describe() if self.boxes is not None else None}
+                "confinement": self.boxes.describe() if self.boxes is not None else None,
+                # Whether a trajectory's commands share one working directory (its
+                # sandbox's workspace); without isolation each has a scratch one.
+                "trajectory_workspaces": self.boxes is not None and self.boxes.isolated}
 
     def run_result(self) -> RunResult:
         """What this dispatcher measured, in the simulator's form (for the same
@@ -1269,6 +1302,52 @@ class Dispatcher:
                         "api": float(s.api.total)},
             sum(e.spec.rpm / 60.0 for e in eps), sum(e.spec.req_capacity for e in eps), s.t,
             counters)
+
+    def status(self) -> dict[str, Any]:
+        """:meth:`stats` plus the pools as they are now: cores (busy, free), GPU devices
+        (busy, resident services), API endpoints (quota, calls in flight, what the
+        buckets hold), the queue by kind, and the utilisation granted so far."""
+        s = self.state
+        s.advance(self._now())
+        cpu = s.cpu
+        devices = [{"index": d.index, "mem_gb": d.mem_gb, "busy": d.busy,
+                    "resident": sorted(d.resident)} for d in s.gpu.devices]
+        endpoints = {name: {"rpm": ep.spec.rpm, "tpm": ep.spec.tpm,
+                            "max_concurrency": ep.spec.max_concurrency,
+                            "in_flight": ep.in_flight, "requests_available": ep.req,
+                            "tokens_available": None if ep.spec.tpm is None else ep.tok,
+                            "requests": ep.requests}
+                     for name, ep in s.api.endpoints.items()}
+        granted = self.run_result().utilisation()
+        return {**self.stats(),
+                "queue": {kind: len(q) for kind, q in s.pending.items()},
+                "pools": {"cpu": {"cores": list(self.cores), "busy": cpu.busy,
+                                  "free": sum(cpu.free), "held": cpu.held,
+                                  "mem_gb": cpu.mem_gb[0], "mem_gb_free": cpu.mem_free[0]},
+                          "gpu": {"devices": devices, "reason": self.no_gpu_reason},
+                          "api": endpoints},
+                "granted_utilisation": {k: float(v) for k, v in granted.items()},
+                "uptime_s": s.t}
+
+    def find(self, rid: str) -> tuple[str, Result | None] | None:
+        """Where request ``rid`` stands: ``("queued", None)`` or ``("running", None)``
+        while it is this dispatcher's, ``("finished", result)`` once the journal holds
+        its result (a finished request is not kept in memory: without a journal it is
+        unknown here), None if it is unknown."""
+        job = self._jobs.get(rid)
+        if job is not None:
+            return ("queued" if job.started_at is None else "running"), None
+        if rid in self._held:
+            return "queued", None
+        if self.journal is None:
+            return None
+        self.flush()  # a result waiting for its group commit is read back too
+        row = self.journal.row(rid)
+        if row is None:
+            return None
+        if row[2] is None:
+            return "queued", None
+        return "finished", Result.from_json(row[2])
 
 
 def _taken(rid: str) -> str:

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from metasched.core.actions import KINDS
+from metasched.core.cost_model import signature
 from metasched.core.validate import Field, json_object, number, required, short, string
 from metasched.errors import ConfigError
 
@@ -103,7 +104,7 @@ class Request:
     @property
     def signature(self) -> str:
         """``kind:task:name``: what the cost model learns durations of."""
-        return f"{self.kind}:{self.task}:{self.name}"
+        return signature(self.kind, self.task, self.name)
 
     @property
     def replayable(self) -> bool:

@@ -10,13 +10,16 @@ own generator spawned from the same seed.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
+from dataclasses import replace
 
 import numpy as np
 
 from metasched.core.action_log import ActionLog
 from metasched.core.actions import Action, Grant, Trajectory
 from metasched.core.cluster_config import ClusterConfig
+from metasched.core.cost_model import CostModel, signature
 from metasched.core.guard import WaitGuard
 from metasched.core.metrics import RunResult
 from metasched.core.scheduler import Scheduler
@@ -31,6 +34,20 @@ from metasched.sim.workload_config import WorkloadConfig
 
 # Event types, in the order events at the same instant are handled.
 END, DEVICE_FREE, ARRIVE, INDEPENDENT, WAKE, DEADLINE = range(6)
+
+
+# Where schedulers' estimates come from (``estimates`` settings): each action's own
+# (``"profile"``: the profile's noisy ones, or a trace's), or the live dispatcher's
+# online cost model learned from the run's measured durations (``"online"``).
+ESTIMATES = ("profile", "online")
+
+
+def cost_model_for(estimates: str) -> CostModel | None:
+    """The ``cost_model`` argument of an ``estimates`` setting (``ESTIMATES``): None, or
+    a fresh ``CostModel`` with the dispatcher's defaults."""
+    if estimates not in ESTIMATES:
+        raise ValueError(f"estimates must be one of {ESTIMATES} (got {estimates!r})")
+    return CostModel() if estimates == "online" else None
 
 
 class SimulationError(RuntimeError):
@@ -60,16 +77,26 @@ class Simulator:
             until the next event, and with nothing left to happen raises
             ``SimulationError``. Always on while ``max_wait_s`` is set. The env turns it
             on: a policy's wait must never end a run.
+        cost_model: where schedulers' estimates come from. None (default): each action's
+            estimate is the profile's (or the trace's) ``est_s``. A ``CostModel``: the
+            live dispatcher's estimates, learned from the durations this run measures
+            (the action's own ``est_s`` is the hint until its signature has run), so a
+            scheduler is judged on the estimates it will see live.
         check_invariants: verify the accounting invariant at every event (slow; tests).
         action_log: where to record every finished action as a trace line, with what
             was measured (queue wait, run time, allocation, generation gap), as the live
             dispatcher records them (``metasched.core.action_log``).
+
+    A cpu action runs its command's start-up (``cluster.cpu_launch_s``, or a log-normal
+    draw around it when ``cluster.cpu_launch_sigma`` > 0, from the run's own generator)
+    plus its true duration at the granted cores, holding the cores throughout.
     """
 
     def __init__(self, workload: WorkloadConfig, cluster: ClusterConfig, seed: int, *,
                  instance: WorkloadInstance | None = None, timeline_dt: float = 10.0,
                  max_wait_s: float | None = None, serve_stalled: bool = False,
-                 check_invariants: bool = False, action_log: ActionLog | None = None) -> None:
+                 cost_model: CostModel | None = None, check_invariants: bool = False,
+                 action_log: ActionLog | None = None) -> None:
         self.workload = workload
         self.cluster = cluster
         self.seed = seed
@@ -82,6 +109,11 @@ class Simulator:
             workload, workload_rng(seed))
         self.state = ClusterState(cluster, workload.services, timeline_dt=timeline_dt)
         self.check_invariants = check_invariants
+        self.cost_model = cost_model
+        self._restore_s: dict[int, float] = {}  # gpu action id -> its batch's restore
+        self._launch_s, self._launch_sigma = cluster.cpu_launch_s, cluster.cpu_launch_sigma
+        # A third stream of the seed: the workload's and the scheduler's stay as they were.
+        self._launch_rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(3)[2])
         self.guard = WaitGuard(max_wait_s)
         self.serve_stalled = serve_stalled or max_wait_s is not None
         self._deadline_at = -1.0  # the pending guard wake-up, if in the future
@@ -168,7 +200,10 @@ class Simulator:
         t = state.t
         spec = grant.action.spec
         if spec.kind == "cpu":
-            run = spec.true_s / spec.speedup(grant.cores)
+            launch = self._launch_s
+            if self._launch_sigma:
+                launch *= math.exp(self._launch_sigma * self._launch_rng.standard_normal())
+            run = launch + spec.true_s / spec.speedup(grant.cores)
             self._push_end(grant.action, t, run)
         elif spec.kind == "gpu":
             svc = state.gpu.services[spec.service]
@@ -176,6 +211,8 @@ class Simulator:
             end = t + delay + batch_s
             for b in started:
                 self._push_end(b, t, delay + batch_s)
+                if self.cost_model is not None and delay:
+                    self._restore_s[b.id] = delay
                 if self.action_log is not None:
                     self._gpu_runs[b.id] = (len(started), delay)
             self._push(end, DEVICE_FREE, grant.device)
@@ -250,6 +287,9 @@ class Simulator:
                 self.state.check_invariant()
 
     def _submit(self, spec, task: str, traj: Trajectory | None, turn: int) -> None:
+        if self.cost_model is not None:
+            spec = replace(spec, est_s=self.cost_model.estimate(
+                signature(spec.kind, task, spec.name), spec.est_s))
         a = Action(self._next_action_id, spec, task, traj, turn, self.state.t)
         self._next_action_id += 1
         self.state.submit(a)
@@ -262,6 +302,10 @@ class Simulator:
     def _on_end(self, a: Action) -> None:
         failed = a.reason == "timeout"
         self.state.finish(a, not failed, a.reason)
+        if self.cost_model is not None:
+            restore = self._restore_s.pop(a.id, 0.0)
+            if not failed:  # live learns from successes only
+                self.cost_model.learn(a, self.state.t - a.start_t - restore)
         traj = a.traj
         if self.action_log is not None:
             batch, setup = self._gpu_runs.pop(a.id, (1, 0.0))

@@ -1,11 +1,14 @@
-"""The online cost model: what the policy sees as an action's estimated duration.
+"""The online cost model: an action's estimated duration as the live dispatcher knows it.
 
-In simulation an action's estimate comes from the workload profile; live, it is learned
-per action signature (``kind:task:name``) as an exponentially weighted moving average
-of measured durations, normalised to the simulator's units (one core for cpu actions,
-via the request's Amdahl parallel fraction; one request alone for gpu; the call for
-api). Before a signature has been measured, the caller's ``est_s`` is used, then
-``default_s``.
+A live dispatcher cannot know an action's duration in advance: it learns one per action
+signature (``kind:task:name``) as an exponentially weighted moving average of measured
+durations, normalised to the simulator's units (one core for cpu actions, via the
+action's Amdahl parallel fraction; one request alone for gpu; the call for api). Before
+a signature has been measured, the caller's ``est_s`` is used, then ``default_s``.
+
+The simulator runs the same model when given one (``Simulator(cost_model=...)``), so
+that a scheduler judged in simulation sees the estimates it will see live, instead of
+the profile's per-action estimates.
 """
 
 from __future__ import annotations
@@ -13,7 +16,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from metasched.core.actions import amdahl_run_s
+from metasched.core.actions import Action, amdahl_run_s
+
+
+def signature(kind: str, task: str | None, name: str) -> str:
+    """``kind:task:name``: what the cost model learns durations of."""
+    return f"{kind}:{task}:{name}"
 
 
 class CostModel:
@@ -54,6 +62,13 @@ class CostModel:
         self.mean[signature] = base if m is None else m + self.alpha * (base - m)
         self.count[signature] = self.count.get(signature, 0) + 1
 
+    def learn(self, a: Action, run_s: float) -> None:
+        """Learn from action ``a`` having run ``run_s`` seconds (without a gpu service's
+        restore) on its granted cores; both clocks call this."""
+        spec = a.spec
+        self.observe(signature(spec.kind, a.task, spec.name), run_s, cores=max(1, a.cores),
+                     parallel_fraction=spec.parallel_fraction)
+
     def save(self, path: str | Path) -> None:
         """Write the learned estimates as JSON (to warm-start the next dispatcher)."""
         Path(path).write_text(json.dumps({"alpha": self.alpha, "mean": self.mean,
@@ -69,4 +84,4 @@ class CostModel:
         self.count.update({str(k): int(v) for k, v in doc.get("count", {}).items()})
 
 
-__all__ = ["CostModel"]
+__all__ = ["CostModel", "signature"]

@@ -1,0 +1,121 @@
+"""The quota proxy under many worker processes: does a shared upstream quota hold?
+
+A counting upstream on 127.0.0.1 (``metasched.serve.rate_limited``) answers 429 past
+``--rpm`` requests in any 60 s. ``--processes`` worker processes, each with
+``--threads`` callers, post to ``/v1/endpoints/search/...`` of one ``metasched-serve``
+application as fast as answers come, for ``--seconds``. Printed (and with ``--json``,
+one JSON object): the most requests the upstream counted in any 60 s window, the 429s
+it sent, what the workers got back (status counts), and the requests answered per
+minute of the run.
+
+    python benchmarks/quota_proxy.py [--rpm 60] [--processes 4] [--threads 4]
+        [--seconds 62] [--json]
+
+``tests/test_serve_proxy.py`` runs it with the defaults as the acceptance check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+
+
+def worker(url: str, threads: int) -> None:
+    """One worker process: says ``ready`` once imported, reads the end of the run (wall
+    clock) from stdin, then ``threads`` callers post until it; prints the statuses it
+    got, as a JSON list."""
+    import httpx
+
+    print("ready", flush=True)
+    until = float(sys.stdin.readline())
+    statuses: list[int] = []
+
+    def loop(i: int) -> None:
+        with httpx.Client(timeout=None) as c:
+            n = 0
+            while time.time() < until:
+                try:
+                    r = c.post(f"{url}/v1/endpoints/search/query?w={i}&n={n}", json={"q": n},
+                               timeout=max(0.1, until - time.time()))
+                except httpx.TimeoutException:
+                    break  # the run is over while this call waited its turn
+                statuses.append(r.status_code)
+                n += 1
+
+    callers = [threading.Thread(target=loop, args=(i,)) for i in range(threads)]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join()
+    print(json.dumps(statuses))
+
+
+def measure(rpm: float, processes: int, threads: int, seconds: float) -> dict:
+    """Run the scenario (see the module docstring) and return its figures."""
+    from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
+    from metasched.serve import BackgroundServer, ServeConfig, create_app
+    from metasched.serve.config import parse_upstreams
+    from metasched.serve.rate_limited import RateLimitedServer, max_in_window
+
+    with RateLimitedServer(rpm, window_s=60.0) as upstream:
+        endpoints, upstreams = parse_upstreams({"search": {
+            "rpm": rpm, "max_concurrency": processes, "url": upstream.url}})
+        dcfg = DispatcherConfig(scheduler="elastic_greedy", endpoints=endpoints)
+        app = create_app(lambda: Dispatcher(dcfg), ServeConfig(upstreams=upstreams,
+                                                               languages=[]))
+        with BackgroundServer(app) as srv:
+            procs = [subprocess.Popen([sys.executable, __file__, "--worker", srv.url,
+                                       str(threads)], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, text=True)
+                     for _ in range(processes)]
+            # The run starts once every worker is up (starting Python on a loaded
+            # machine takes seconds, which would otherwise come off the run).
+            for proc in procs:
+                assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+            until = time.time() + seconds
+            outs = [json.loads(proc.communicate(f"{until}\n", timeout=seconds + 120)[0])
+                    for proc in procs]
+        arrivals = list(upstream.arrivals)
+        rejected = upstream.rejected
+    statuses = Counter(str(s) for out in outs for s in out)
+    return {"rpm": rpm, "processes": processes, "callers": processes * threads,
+            "seconds": seconds, "upstream_requests": len(arrivals),
+            "busiest_60s_window": max_in_window(arrivals, 60.0), "upstream_429": rejected,
+            "worker_statuses": dict(statuses),
+            "answered_per_minute": statuses.get("200", 0) * 60.0 / seconds}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rpm", type=float, default=60.0)
+    p.add_argument("--processes", type=int, default=4)
+    p.add_argument("--threads", type=int, default=4, help="callers per process")
+    p.add_argument("--seconds", type=float, default=62.0)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--worker", nargs=2, metavar=("URL", "THREADS"),
+                   help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args.worker[0], int(args.worker[1]))
+        return
+    if not args.rpm > 0 or args.processes < 1 or args.threads < 1 or not args.seconds > 0:
+        p.error("--rpm, --processes, --threads, --seconds: must be > 0")
+    r = measure(args.rpm, args.processes, args.threads, args.seconds)
+    if args.json:
+        print(json.dumps(r))
+        return
+    print(f"{r['callers']} callers in {r['processes']} processes for {r['seconds']:g} s "
+          f"against a {r['rpm']:g} RPM upstream:")
+    print(f"  busiest 60 s window at the upstream: {r['busiest_60s_window']} requests "
+          f"({r['upstream_requests']} in all), 429s sent: {r['upstream_429']}")
+    print(f"  workers got: {r['worker_statuses']}, "
+          f"{r['answered_per_minute']:.1f} answered per minute")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""``metasched-serve``: the HTTP service in front of one live dispatcher on this machine.
+
+Examples::
+
+    metasched-serve                                        # 127.0.0.1:8080
+    metasched-serve port=9090 scheduler=elastic_greedy 'languages=[python,cpp]'
+    metasched-serve '+endpoints={search: {rpm: 600, max_concurrency: 64, url: "http://..."}}'
+    METASCHED_SERVE_TOKEN=... metasched-serve host=0.0.0.0  # any other address needs a token
+
+Point SandboxFusion clients at it (verl: ``sandbox_fusion_url=http://127.0.0.1:8080/
+run_code``; SkyRL: ``SANDBOX_FUSION_URL=http://127.0.0.1:8080``), native clients at
+``/v1/actions`` (``metasched.client``), search and judge clients at
+``/v1/endpoints/<name>/``. SIGINT, SIGTERM and SIGHUP stop it: requests in flight get
+``graceful_s`` to finish, then running commands are killed and what did not finish
+stays in the journal (a restart on the same journal runs it).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from metasched.cli.app import Interrupted, make_main
+from metasched.cli.dispatch_app import dispatcher_config, load_services
+from metasched.errors import ConfigError
+
+log = logging.getLogger("metasched.serve")
+
+_LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def serve_config(cfg: dict[str, Any], upstreams: dict[str, Any]):
+    """The service's settings from the composed config."""
+    from metasched.serve.config import ServeConfig
+
+    keys = ("host", "port", "token", "max_body_mb", "languages", "task", "keep_results")
+    return ServeConfig(upstreams=upstreams, **{k: cfg[k] for k in keys if cfg.get(k) is not None})
+
+
+def run_serve(cfg: dict[str, Any], out_dir: Path) -> None:
+    """Serve until stopped (see the module docstring)."""
+    from metasched.runtime.dispatcher import Dispatcher
+    from metasched.serve import create_app, serve
+    from metasched.serve.config import parse_upstreams
+
+    endpoints, upstreams = parse_upstreams(cfg.get("endpoints"), "endpoints")
+    out = Path(out_dir)
+    dcfg = dispatcher_config(cfg, out, endpoints=endpoints)
+    scfg = serve_config(cfg, upstreams)
+    graceful = cfg.get("graceful_s", 30)
+    if isinstance(graceful, bool) or not isinstance(graceful, (int, float)) or graceful < 0:
+        raise ConfigError("graceful_s", f"must be a number of seconds >= 0 (got {graceful!r})")
+    level = cfg.get("log_level", "info")
+    if level not in _LOG_LEVELS:
+        raise ConfigError("log_level", f"must be one of {', '.join(_LOG_LEVELS)} "
+                          f"(got {level!r})")
+    services = load_services(cfg.get("services"))
+    out.mkdir(parents=True, exist_ok=True)
+    dispatcher = Dispatcher(dcfg, services=services)  # a bad setting fails here
+    app = create_app(dispatcher, scfg)
+    log.info("journal: %s", dcfg.journal)
+    stopped_by = serve(app, scfg.host, scfg.port, graceful_s=float(graceful), log_level=level)
+    if stopped_by is not None:
+        raise Interrupted(stopped_by)
+
+
+main = make_main("serve", run_serve)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""The native API: ``POST /v1/actions`` (the dispatcher's request JSON), ``GET
+/v1/actions/{id}``, ``POST /v1/trajectories/{name}/close``, ``GET /v1/status``, ``GET
+/v1/health``, ``GET /v1/ping`` and the Prometheus ``GET /metrics``.
+
+``POST /v1/actions`` answers once the request is durable (journaled): ``202`` with
+``{"id", "status": "queued"}``, or, with ``?wait=<seconds>``, ``200`` with the result if
+it finishes within that time. A request the dispatcher rejects (bad input) is ``422``
+with its result (``status: "rejected"``, ``reason`` naming the field). ``GET
+/v1/actions/{id}`` answers ``{"id", "status": "queued" | "running"}`` or the result
+(``status`` ``done``, ``failed`` or ``rejected``), and ``404`` for an unknown id; it too
+takes ``?wait=<seconds>`` (long polling).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from metasched.errors import ConfigError
+from metasched.runtime.requests import REJECTED, Result
+from metasched.serve.context import context_from
+
+if TYPE_CHECKING:
+    from metasched.serve.app import Service
+
+__all__ = ["MAX_WAIT_S", "error", "native_router", "read_json", "result_response"]
+
+MAX_WAIT_S = 3600.0  # the longest one long poll waits (a client polls again after it)
+
+
+def error(status: int, detail: str) -> JSONResponse:
+    """A one-line error answer: ``{"detail": "<field>: <problem>"}``."""
+    return JSONResponse({"detail": detail}, status_code=status)
+
+
+async def read_json(request: Request) -> Any:
+    """The request's JSON body.
+
+    Raises:
+        ConfigError: the body is not JSON (named ``body``).
+    """
+    raw = await request.body()
+    try:
+        text = raw.decode("utf-8")  # not json.loads(bytes): it would guess UTF-16 or -32
+    except UnicodeDecodeError as e:
+        raise ConfigError("body", f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at "
+                          f"{e.start})") from None
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise ConfigError("body", f"not valid JSON ({e})") from None
+
+
+def result_response(result: Result, status: int = 200) -> Response:
+    """A result as the JSON the dispatcher's journal holds (values JSON cannot hold are
+    written as their repr)."""
+    return Response(result.to_json(), status_code=status, media_type="application/json")
+
+
+async def _wait(future: asyncio.Future[Result], wait_s: float) -> Result | None:
+    if wait_s <= 0 and not future.done():
+        return None
+    try:
+        # shield: a client that gives up waiting does not cancel the request.
+        return await asyncio.wait_for(asyncio.shield(future), wait_s)
+    except asyncio.TimeoutError:
+        return None
+
+
+def native_router(service: Service) -> APIRouter:
+    """The routes of the native API (see the module docstring)."""
+    router = APIRouter()
+    wait_query = Query(0.0, ge=0.0, le=MAX_WAIT_S,
+                       description="seconds to wait for the result before answering")
+
+    @router.get("/v1/ping")
+    async def ping() -> str:
+        """Liveness, as SandboxFusion answers it."""
+        return "pong"
+
+    @router.get("/v1/health")
+    async def health() -> JSONResponse:
+        """200 once the dispatcher runs and the languages are probed; 503 before."""
+        if not service.ready:
+            return JSONResponse({"status": "starting"}, status_code=503)
+        return JSONResponse({"status": "ok", "scheduler": service.dispatcher.stats()
+                             ["scheduler"]})
+
+    @router.get("/v1/status")
+    async def status() -> JSONResponse:
+        """Pools, queue, utilisation and the policy in use."""
+        return JSONResponse(service.status())
+
+    @router.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(service.metrics.registry),
+                        media_type=CONTENT_TYPE_LATEST)
+
+    @router.post("/v1/actions")
+    async def submit(request: Request, wait: float = wait_query) -> Response:
+        try:
+            doc = await read_json(request)
+            if not isinstance(doc, dict):
+                raise ConfigError("body", f"must be a JSON object (a request; got "
+                                  f"{type(doc).__name__})")
+            ctx = context_from(request.headers)
+        except ConfigError as e:
+            return error(422, str(e))
+        doc = {**ctx.fields(), **doc}
+        rid = doc.setdefault("id", uuid.uuid4().hex)
+        future = await service.dispatcher.enqueue(doc)
+        service.track(rid, future, doc.get("kind"))
+        result = await _wait(future, wait)
+        if result is None:
+            return JSONResponse({"id": rid, "status": "queued"}, status_code=202)
+        return result_response(result, 422 if result.status == REJECTED else 200)
+
+    @router.post("/v1/trajectories/{name}/close")
+    async def close_trajectory(name: str) -> JSONResponse:
+        """End trajectory ``name`` as its reward action would: its sandbox and workspace
+        go once nothing of it is queued or running."""
+        service.dispatcher.close_trajectory(name)
+        return JSONResponse({"trajectory": name, "status": "closing"})
+
+    @router.get("/v1/actions/{rid}")
+    async def lookup(rid: str, wait: float = wait_query) -> Response:
+        state, result, future = service.submissions.lookup(rid)
+        if result is None and future is not None:
+            result = await _wait(future, wait)
+            if result is None:
+                state, result, _ = service.submissions.lookup(rid)
+        if result is not None:
+            return result_response(result)
+        if state == "unknown":
+            return error(404, f"id: {rid!r} is not known here")
+        return JSONResponse({"id": rid, "status": state})
+
+    return router

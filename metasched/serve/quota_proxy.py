@@ -1,0 +1,166 @@
+"""The API-quota proxy: ``/v1/endpoints/<name>/<path>`` forwards to the endpoint's
+upstream (``<url>/<path>``, query string kept), within the endpoint's RPM, TPM and
+concurrency, for every worker that uses the service at once.
+
+Each forwarded request is an ``api`` action of the dispatcher, so it queues with the
+others until the endpoint's buckets and concurrency let it start (the caller waits: no
+429 from here). The upstream's 429 and 5xx answers, and connection failures, are
+retried with backoff (``Retry-After`` honoured), each retry charging the quota again, as
+for every API action; when the retries run out the caller gets the upstream's last
+answer. A call that runs past the endpoint's ``timeout_s`` is answered 504, a call that
+never reached the upstream 502.
+
+Headers: the caller's are forwarded, except hop-by-hop ones, the service's own
+(``X-Trajectory-Id``, ``X-Turn``, ``X-Task``, ``X-Reward``, ``X-Tokens``) and, when the
+service has a token, ``Authorization`` (that is the service's); the upstream's configured
+``headers`` replace the caller's of the same name. ``X-Tokens`` says how many tokens the
+call counts against the endpoint's TPM (default: the endpoint's ``tokens``).
+
+A caller that disconnects before its call starts is not forwarded (the quota it was
+granted is spent unused); one that disconnects later does not stop the upstream call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import httpx
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from metasched.errors import ConfigError
+from metasched.runtime.api_calls import RetryableError, parse_retry_after, read_body
+from metasched.runtime.requests import REJECTED, Result
+from metasched.serve.context import HEADERS, context_from
+from metasched.serve.native import error
+
+if TYPE_CHECKING:
+    from metasched.serve.app import Service
+
+__all__ = ["METHODS", "proxy_router"]
+
+METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE"]
+_HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate",
+                         "proxy-authorization", "te", "trailer", "transfer-encoding",
+                         "upgrade"})
+# Not forwarded to the upstream: hop-by-hop, the client's own framing and encoding (the
+# pooled client sets them), and what is the service's.
+_DROP_REQUEST = _HOP_BY_HOP | {"host", "content-length", "accept-encoding", "x-tokens",
+                               *HEADERS}
+# Not passed back: hop-by-hop, and what the body as sent here (decoded, whole) and this
+# server's own headers replace.
+_DROP_RESPONSE = _HOP_BY_HOP | {"content-length", "content-encoding", "date", "server"}
+
+
+class _Upstream:
+    """The upstream's answer to the last attempt of one call."""
+
+    __slots__ = ("status", "headers", "body")
+
+    def __init__(self, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
+        self.status, self.headers, self.body = status, headers, body
+
+    def response(self) -> Response:
+        return Response(self.body, status_code=self.status,
+                        headers={k: v for k, v in self.headers if k.lower() not in
+                                 _DROP_RESPONSE and k.lower() != "content-type"},
+                        media_type=dict((k.lower(), v) for k, v in self.headers)
+                        .get("content-type"))
+
+
+def _tokens(request: Request, default: int) -> int:
+    text = request.headers.get("x-tokens")
+    if text is None:
+        return default
+    if not text.strip().isdigit():
+        raise ConfigError("X-Tokens", f"must be a whole number >= 0 (got {text!r})")
+    return int(text)
+
+
+def proxy_router(service: Service) -> APIRouter:
+    """The quota proxy's route (see the module docstring)."""
+    router = APIRouter()
+
+    @router.api_route("/v1/endpoints/{name}/{path:path}", methods=METHODS)
+    async def forward(name: str, path: str, request: Request) -> Response:
+        up = service.config.upstreams.get(name)
+        if up is None:
+            known = ", ".join(sorted(service.config.upstreams)) or "none"
+            return error(404, f"endpoint: {name!r} is not proxied here (proxied: {known})")
+        try:
+            tokens = _tokens(request, up.tokens)
+            ctx = context_from(request.headers)
+        except ConfigError as e:
+            return error(422, str(e))
+        body = await request.body()
+        headers = {k: v for k, v in request.headers.items() if k not in _DROP_REQUEST}
+        if service.config.token is not None:
+            headers.pop("authorization", None)
+        for k, v in up.headers.items():
+            headers.pop(k.lower(), None)
+            headers[k] = v
+        url = f"{up.url}/{path}"
+        if request.url.query:
+            url += f"?{request.url.query}"
+        last: list[_Upstream] = []
+        gone = asyncio.Event()
+        client = service.http
+        count = service.metrics.upstream
+
+        async def call() -> None:
+            if gone.is_set():
+                return  # the caller left while the call waited its turn
+            try:  # a body over the limit (BadResponse) fails the call, unretried
+                async with client.stream(request.method, url, headers=headers,
+                                         content=body or None) as resp:
+                    content = await read_body(resp)
+            except httpx.TransportError as e:
+                raise RetryableError(f"upstream unreachable: {type(e).__name__}: "
+                                     f"{str(e)[:200] or 'no detail'}") from None
+            count.labels(name, str(resp.status_code)).inc()
+            last[:] = [_Upstream(resp.status_code, list(resp.headers.multi_items()), content)]
+            if resp.status_code == 429 or resp.status_code >= 500:
+                raise RetryableError(f"HTTP {resp.status_code}",
+                                     parse_retry_after(resp.headers.get("retry-after")))
+
+        doc: dict[str, Any] = {"kind": "api", "endpoint": name, "tokens": tokens,
+                               "timeout_s": up.timeout_s, "id": uuid.uuid4().hex,
+                               "name": name, **ctx.fields()}
+        future = service.dispatcher.accept(doc, call=call)
+        service.track(doc["id"], future, "api")
+        result = await _until_done(future, request, gone)
+        if result is None:  # the caller left
+            return Response(status_code=499)
+        return _answer(result, last)
+
+    return router
+
+
+def _answer(result: Result, last: list[_Upstream]) -> Response:
+    if result.status == REJECTED:
+        return error(422, result.reason)
+    if last and (result.ok or result.reason.startswith("HTTP ")):
+        return last[0].response()  # the upstream's answer, retried as far as allowed
+    if result.reason.startswith("timeout"):
+        return error(504, f"upstream: {result.reason}")
+    return error(502, f"upstream: {result.reason}")
+
+
+async def _until_done(future: asyncio.Future[Result], request: Request,
+                      gone: asyncio.Event) -> Result | None:
+    """The call's result; None (and ``gone`` set) if the caller disconnects first."""
+    async def disconnected() -> None:
+        while not await request.is_disconnected():
+            await asyncio.sleep(1.0)
+
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({future, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if future in done:
+        return future.result()
+    gone.set()
+    return None

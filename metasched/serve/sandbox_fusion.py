@@ -1,0 +1,290 @@
+"""``POST /run_code``: SandboxFusion's contract, run as the dispatcher's actions.
+
+Request (JSON): ``code`` (required), ``language`` (``python``), ``compile_timeout`` and
+``run_timeout`` (seconds, 10 each), ``memory_limit_MB`` (-1: none), ``stdin``,
+``files`` (path -> base64, written beside the code), ``fetch_files`` (paths read back
+after the run). Fields it does not know are ignored, as SandboxFusion does; the
+trajectory fields ``trajectory``, ``turn``, ``task``, ``reward`` (or the headers
+``X-Trajectory-Id`` ...) say whose action it is.
+
+Response: ``status`` (``Success``, ``Failed`` or ``SandboxError``), ``message``,
+``compile_result`` and ``run_result`` (each ``{status: Finished | Error |
+TimeLimitExceeded, execution_time, return_code, stdout, stderr}`` or null), ``files``
+(path -> base64 of each fetched file that exists). ``SandboxError`` is a fault of the
+sandbox (a command that could not start, a request the dispatcher rejected, a language
+not offered here), ``Failed`` a compile error, a non-zero exit or a time limit, and
+``Success`` everything else. A compile that fails is not followed by a run
+(``run_result`` null). Every answer is ``200`` but for a body that is not a request
+(``422``): under load the request waits its turn, it is never refused.
+
+Each step is one ``cpu`` action of one core in the request's trajectory (a fresh one,
+closed at the end, unless the request names one: then its workspace and files persist
+across that trajectory's requests): the files written (``<language>:write``, see
+:mod:`metasched.serve.files`), the compile (``<language>:compile``), the run
+(``<language>:run``) and, if asked, the fetch (``<language>:fetch``), named so for the
+cost model. A time limit is the action's timeout, counted from its start: the wait in
+the queue does not count against it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import uuid
+from typing import TYPE_CHECKING, Any, Literal
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from metasched.errors import ConfigError
+from metasched.runtime.requests import DONE, MAX_SECONDS, REJECTED, Result
+from metasched.serve.context import context_from
+from metasched.serve.files import decoded_size, fetch_argv, parse_fetched, stdin_argv, write_argvs
+from metasched.serve.languages import LANGUAGES, Language
+from metasched.serve.native import error
+
+if TYPE_CHECKING:
+    from metasched.serve.app import Service
+
+__all__ = ["CommandRunResult", "RunCodeRequest", "RunCodeResponse", "probe_languages",
+           "run_code", "run_code_router"]
+
+RunStatus = Literal["Success", "Failed", "SandboxError"]
+CommandStatus = Literal["Finished", "Error", "TimeLimitExceeded"]
+
+
+class RunCodeRequest(BaseModel):
+    """SandboxFusion's ``RunCodeRequest``, plus the trajectory fields."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    code: str
+    language: str = "python"
+    compile_timeout: float = Field(10.0, gt=0, le=MAX_SECONDS)
+    run_timeout: float = Field(10.0, gt=0, le=MAX_SECONDS)
+    memory_limit_MB: int = Field(-1, ge=-1)  # noqa: N815 - SandboxFusion's name
+    stdin: str | None = None
+    files: dict[str, str | None] = Field(default_factory=dict)
+    fetch_files: list[str] = Field(default_factory=list)
+    trajectory: str | None = None
+    turn: int | None = Field(None, ge=0)
+    task: str | None = None
+    reward: bool | None = None
+
+    @field_validator("files")
+    @classmethod
+    def _base64(cls, files: dict[str, str | None]) -> dict[str, str | None]:
+        for path, content in files.items():
+            if not path:
+                raise ValueError("a file needs a path")
+            if content is not None:
+                try:
+                    decoded_size(content)
+                except ValueError:
+                    raise ValueError(f"{path}: must be base64") from None
+        return files
+
+
+class CommandRunResult(BaseModel):
+    """How one command (the compile, or the run) ended."""
+
+    status: CommandStatus
+    execution_time: float | None = None
+    return_code: int | None = None
+    stdout: str | None = None
+    stderr: str | None = None
+
+
+class RunCodeResponse(BaseModel):
+    """SandboxFusion's ``RunCodeResponse``."""
+
+    status: RunStatus
+    message: str = ""
+    compile_result: CommandRunResult | None = None
+    run_result: CommandRunResult | None = None
+    files: dict[str, str] = Field(default_factory=dict)
+
+
+FILES_TIMEOUT_S = 60.0  # writing a request's files, fetching them back
+# Failures that are the program's running out of time, not the sandbox's fault.
+_TIME_LIMITS = ("timeout after", "cpu time limit exceeded")
+
+
+def command_result(result: Result) -> CommandRunResult:
+    """A dispatcher result as SandboxFusion reports a command: a program that ran and
+    ended (any exit status or signal, a memory or process limit) is ``Finished`` with
+    its return code; one stopped by its time limit is ``TimeLimitExceeded``; one that
+    could not run is ``Error``, its reason in ``stderr``."""
+    took = (result.finished_at - result.started_at
+            if result.started_at is not None and result.finished_at is not None else None)
+    if result.status == DONE:
+        return CommandRunResult(status="Finished", execution_time=took, return_code=0,
+                                stdout=result.stdout, stderr=result.stderr)
+    if result.reason.startswith(_TIME_LIMITS):
+        return CommandRunResult(status="TimeLimitExceeded", execution_time=took,
+                                stdout=result.stdout, stderr=result.stderr)
+    if result.status != REJECTED and result.exit_code is not None:
+        return CommandRunResult(status="Finished", execution_time=took,
+                                return_code=result.exit_code, stdout=result.stdout,
+                                stderr=result.stderr)
+    return CommandRunResult(status="Error", execution_time=took, stdout=result.stdout,
+                            stderr=result.reason)
+
+
+def run_status(*steps: CommandRunResult | None) -> tuple[RunStatus, str]:
+    """SandboxFusion's status rule over the steps that ran."""
+    ran = [s for s in steps if s is not None]
+    for s in ran:
+        if s.status == "Error":
+            return "SandboxError", s.stderr or ""
+    if any(s.status == "TimeLimitExceeded" or s.return_code != 0 for s in ran):
+        return "Failed", ""
+    return "Success", ""
+
+
+async def run_code(service: Service, req: RunCodeRequest, context: dict[str, Any], *,
+                   language: Language | None = None) -> RunCodeResponse:
+    """Run one ``/run_code`` request through the service's dispatcher: its files
+    written, its code compiled (if the language compiles) and run, its ``fetch_files``
+    read back, each step an action of the request's trajectory (see :mod:`.files`).
+
+    Args:
+        service: the service (its dispatcher and settings).
+        req: the request.
+        context: trajectory fields from the headers (the request's own override them).
+        language: run as this language, offered or not (the start-up probes).
+    """
+    lang = language or service.languages.get(req.language)
+    if lang is None:
+        why = service.unavailable.get(req.language)
+        offered = ", ".join(sorted(service.languages)) or "none"
+        return RunCodeResponse(status="SandboxError", message=(
+            f"language: {req.language!r} is not offered here"
+            + (f" ({why})" if why else "") + f" (offered: {offered})"))
+    given = {**context, **{k: v for k, v in (("trajectory", req.trajectory),
+                                             ("turn", req.turn), ("task", req.task),
+                                             ("reward", req.reward)) if v is not None}}
+    trajectory = given.get("trajectory") or f"run-{uuid.uuid4().hex}"
+    layout = lang.layout(uuid.uuid4().hex[:12])
+    inputs = {path: content for path, content in req.files.items() if content is not None}
+    inputs[layout.source] = base64.b64encode(req.code.encode()).decode()
+    if req.stdin:
+        inputs[layout.stdin] = base64.b64encode(req.stdin.encode()).decode()
+    common: dict[str, Any] = {
+        "kind": "cpu", "trajectory": trajectory, "turn": given.get("turn", 0),
+        "task": given.get("task") or service.config.task}
+    if req.memory_limit_MB > 0:
+        common["mem_limit_mb"] = req.memory_limit_MB
+    compiled: CommandRunResult | None = None
+    ran: CommandRunResult | None = None
+    fetched: dict[str, str] = {}
+
+    async def step(argv: list[str], name: str, timeout_s: float, **extra: Any) -> Result:
+        return await service.submit({**common, "argv": argv, "name": f"{lang.name}:{name}",
+                                     "timeout_s": timeout_s, **extra})
+
+    try:
+        for argv in write_argvs(inputs):
+            r = await step(argv, "write", FILES_TIMEOUT_S)
+            if not r.ok:
+                return RunCodeResponse(status="SandboxError", message=(
+                    f"files: could not be written: {r.reason}: {r.stderr.strip()[-300:]}"
+                    if r.stderr.strip() else f"files: could not be written: {r.reason}"))
+        argv = lang.compile_argv(layout)
+        if argv is not None:
+            r = await step(argv, "compile", req.compile_timeout)
+            if r.status == REJECTED:
+                return RunCodeResponse(status="SandboxError", message=r.reason)
+            compiled = command_result(r)
+        if compiled is None or (compiled.status == "Finished" and compiled.return_code == 0):
+            argv = lang.run_argv(layout)
+            r = await step(stdin_argv(layout.stdin, argv) if req.stdin else argv, "run",
+                           req.run_timeout, reward=bool(given.get("reward")))
+            if r.status == REJECTED:
+                return RunCodeResponse(status="SandboxError", message=r.reason,
+                                       compile_result=compiled)
+            ran = command_result(r)
+        if req.fetch_files:
+            r = await step(fetch_argv(list(req.fetch_files)), "fetch", FILES_TIMEOUT_S)
+            try:
+                if not r.ok:
+                    raise ValueError(f"{r.reason}: {r.stderr.strip()[-300:]}")
+                fetched = parse_fetched(r.stdout)
+            except ValueError as e:
+                return RunCodeResponse(status="SandboxError", message=f"fetch_files: {e}",
+                                       compile_result=compiled, run_result=ran)
+    finally:
+        if "trajectory" not in given:
+            service.dispatcher.close_trajectory(trajectory)  # its workspace goes with it
+    status, message = run_status(compiled, ran)
+    return RunCodeResponse(status=status, message=message, compile_result=compiled,
+                           run_result=ran, files=fetched)
+
+
+async def probe_languages(service: Service, names: list[str] | None
+                          ) -> tuple[dict[str, Language], dict[str, str]]:
+    """Which languages work here: each one's tools on PATH, then its probe program run
+    as a request would be. Returns the working ones and, for the others, why not.
+
+    Raises:
+        ConfigError: a language asked for by name (``names``) is unknown or does not
+            work here.
+    """
+    wanted = list(LANGUAGES) if names is None else names
+    for name in wanted:
+        if name not in LANGUAGES:
+            raise ConfigError("languages", f"unknown language {name!r} (known: "
+                              f"{', '.join(LANGUAGES)})")
+    works: dict[str, Language] = {}
+    why: dict[str, str] = {}
+    if service.dispatcher.stats().get("trajectory_workspaces") is False:
+        # A request's steps (files written, compile, run, fetch) are separate commands.
+        why = dict.fromkeys(wanted, "commands have no trajectory workspace here (no "
+                            "sandboxes: sandbox.isolation=none), so a request's steps "
+                            "would not share its files")
+    candidates = []
+    for name in wanted:
+        if name in why:
+            continue
+        missing = LANGUAGES[name].missing_tools()
+        if missing:
+            why[name] = f"not installed: {', '.join(missing)} not found on PATH"
+        else:
+            candidates.append(LANGUAGES[name])
+
+    async def probe(lang: Language) -> None:
+        resp = await run_code(service, RunCodeRequest(
+            code=lang.probe, language=lang.name, compile_timeout=120, run_timeout=60,
+            task="probe"), {}, language=lang)
+        out = (resp.run_result.stdout or "") if resp.run_result is not None else ""
+        if resp.status == "Success" and "ok" in out:
+            works[lang.name] = lang
+            return
+        step = resp.run_result or resp.compile_result
+        detail = resp.message or (step.stderr if step is not None else "") or resp.status
+        why[lang.name] = f"its probe failed: {' '.join(detail.split())[:200]}"
+
+    await asyncio.gather(*(probe(lang) for lang in candidates))
+    if names is not None:
+        for name in names:
+            if name in why:
+                raise ConfigError("languages", f"{name} does not work here: {why[name]}")
+    return works, why
+
+
+def run_code_router(service: Service) -> APIRouter:
+    """The ``/run_code`` route (see the module docstring)."""
+    router = APIRouter()
+
+    @router.post("/run_code", response_model=RunCodeResponse)
+    async def run_code_route(req: RunCodeRequest, request: Request):
+        try:
+            context = context_from(request.headers).fields()
+        except ConfigError as e:
+            return error(422, str(e))
+        resp = await run_code(service, req, context)
+        service.metrics.run_code.labels(req.language if req.language in LANGUAGES
+                                        else "other", resp.status).inc()
+        return resp
+
+    return router

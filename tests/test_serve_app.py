@@ -1,0 +1,69 @@
+"""``metasched-serve`` as a command: bad settings are one line and exit status 2 before
+anything listens; a good one serves until SIGTERM, then exits 128 + 15."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+PY = sys.executable
+
+
+def _serve(tmp_path, *args: str) -> list[str]:
+    """The command line; no /run_code languages unless asked (probing takes seconds)."""
+    if not any(a.startswith("languages=") for a in args):
+        args = (*args, "languages=[]")
+    return [PY, "-m", "metasched.cli.serve_app", *args, f"hydra.run.dir={tmp_path}/out"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["host=0.0.0.0"], "error: token: listening on 0.0.0.0 needs a token"),
+    (["languages=[cobol]"], "error: languages: unknown language 'cobol'"),
+    (["+endpoints={s: {rpm: 60, max_concurrency: 1, url: 'ftp://x'}}"],
+     "error: endpoints.s.url: must start with http:// or https://"),
+    (["sandbox.isolation=maybe"], "error: sandbox.isolation: must be one of"),
+])
+def test_bad_settings_are_one_line_errors(tmp_path, args, message):
+    p = subprocess.run(_serve(tmp_path, *args), capture_output=True, text=True, cwd=tmp_path,
+                       timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.startswith(message) and p.stderr.count("\n") == 1, p.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serves_until_sigterm(tmp_path):
+    port = _free_port()
+    p = subprocess.Popen(_serve(tmp_path, f"port={port}", "languages=[python]",
+                                "scheduler=elastic_greedy"),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         cwd=tmp_path)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if httpx.get(f"{url}/v1/ping", timeout=5).json() == "pong":
+                    break
+            except httpx.TransportError:
+                pass
+            assert p.poll() is None and time.monotonic() < deadline, p.stderr.read()
+            time.sleep(0.2)
+        doc = httpx.post(f"{url}/run_code", json={"code": "print(6 * 7)"}, timeout=60).json()
+        assert doc["status"] == "Success" and doc["run_result"]["stdout"] == "42\n"
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
