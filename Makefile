@@ -34,8 +34,13 @@ sandbox-tools:
 
 install: $(STAMP)
 
+# The first run: a contended point (one GPU for rm_math's three reward models), where
+# schedulers differ, with today's practice, the heuristics and the shipped policy side by side.
+RUN_ARGS ?= workload=rm_math cluster.gpu.devices=1 \
+	'schedulers=[static,fifo,elastic_greedy,rate_greedy,checkpoints/default]'
+
 run: $(STAMP)
-	$(VENV)/bin/metasched-eval
+	$(VENV)/bin/metasched-eval $(RUN_ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -1,5 +1,6 @@
 """Behaviour-cloning warm start: record a heuristic's decisions in the env, then fit
-the policy's masked action distribution to them (cross-entropy)."""
+the policy's masked action distribution to them (cross-entropy); DAgger rounds add the
+states the clone itself reaches, labelled by the heuristic."""
 
 from __future__ import annotations
 
@@ -30,10 +31,18 @@ def expert_action(env: ActionSchedulingEnv, expert) -> int:
 
 
 def collect_expert(env: ActionSchedulingEnv, n_decisions: int, seed: int,
-                   expert_name: str = "elastic_greedy",
-                   progress=None) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """Run the expert for ``n_decisions`` env steps; returns (observations, actions)."""
+                   expert_name: str = "rate_greedy", progress=None, learner=None,
+                   beta: float = 0.0) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Record ``n_decisions`` env steps labelled with the expert's actions; returns
+    (observations, actions).
+
+    Without ``learner`` the expert drives the env. With ``learner`` (anything with
+    ``act(obs) -> int``, e.g. a ``NumpyPolicy``), the env takes the learner's action,
+    or the expert's with probability ``beta``: DAgger, the states the learner reaches
+    labelled with what the expert would do there (a clone's small errors otherwise lead
+    it to states the expert never showed it)."""
     expert = make_scheduler(expert_name)
+    rng = np.random.default_rng(seed)
     obs, _ = env.reset(seed=seed)
     expert.reset(env.sim.state, np.random.default_rng(seed))
     keys = list(obs)
@@ -44,6 +53,8 @@ def collect_expert(env: ActionSchedulingEnv, n_decisions: int, seed: int,
         for k in keys:
             buf[k].append(obs[k])
         actions[i] = a
+        if learner is not None and rng.random() >= beta:
+            a = learner.act(obs)
         obs, _, term, trunc, _ = env.step(a)
         if term or trunc:
             obs, _ = env.reset()

@@ -1,11 +1,12 @@
 """Training the learned scheduler: env construction, callbacks, the training loop.
 
 Flow (``train``): build vectorised envs over the profile (domain randomisation and a
-load curriculum as configured; ``VecNormalize`` as configured) -> behaviour-clone
-``elastic_greedy`` -> MaskablePPO with checkpoint, curriculum and scheduler-metrics
-callbacks -> write the final and the best checkpoint directories. Or resume: load a
-checkpoint's model (weights, optimizer state, timesteps) and ``VecNormalize``
-statistics and continue to ``agent.total_timesteps``.
+load curriculum as configured; ``VecNormalize`` as configured) -> behaviour-clone a
+heuristic (``agent.bc.expert``, ``rate_greedy`` by default; DAgger rounds as configured)
+-> MaskablePPO with checkpoint, curriculum and scheduler-metrics callbacks -> write the
+final and the best checkpoint directories. Or resume: load a checkpoint's model (weights,
+optimizer state, timesteps) and ``VecNormalize`` statistics and continue to
+``agent.total_timesteps``.
 
 "Best" means one thing: the lowest mean ACT on the validation seeds
 (``SchedulerMetricsCallback``), the warm-started (or resumed) policy included. Validation
@@ -51,9 +52,10 @@ def env_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
     r = e.get("randomization") or {}
     rand = None
     if r.get("enabled", False):
-        est = r.get("estimate_error")
+        est, scale = r.get("estimate_error"), r.get("cluster_scale")
         rand = Randomization(load=tuple(r["load"]), estimate_error=tuple(est) if est else None,
-                             generation_scale=tuple(r["generation_scale"]))
+                             generation_scale=tuple(r["generation_scale"]),
+                             cluster_scale=tuple(scale) if scale else None)
     return {"obs_config": ObsConfig(**cfg["obs"]), "reward": RewardConfig(**e["reward"]),
             "episode_steps": int(e["episode_steps"]), "horizon_mean_s": e.get("horizon_mean_s"),
             "max_wait_s": e.get("max_wait_s"), "randomization": rand,
@@ -68,6 +70,27 @@ def _make_env(workload: WorkloadConfig, cluster: ClusterConfig, kwargs: dict[str
         env.reset(seed=seed + 1000 * rank)
         return Monitor(env)
     return thunk
+
+
+def _clone_profiles(names, workload: WorkloadConfig, cluster: ClusterConfig
+                    ) -> list[tuple[WorkloadConfig, ClusterConfig]]:
+    """(workload, cluster) of every profile named for cloning; the training profile (or
+    no names) means the training workload on its configured cluster."""
+    from metasched.compose import profile
+
+    names = list(names or [workload.name])
+    return [(workload, cluster) if n == workload.name else profile(n) for n in names]
+
+
+def _collect(envs: list[ActionSchedulingEnv], n: int, seed: int, expert: str, **kw
+             ) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """``n`` expert-labelled decisions split evenly over ``envs``, concatenated."""
+    from metasched.agents.imitation import collect_expert
+
+    parts = [collect_expert(env, n // len(envs) + (i < n % len(envs)), seed + 7919 * i,
+                            expert_name=expert, **kw) for i, env in enumerate(envs)]
+    obs = {k: np.concatenate([p[0][k] for p in parts]) for k in parts[0][0]}
+    return obs, np.concatenate([p[1] for p in parts])
 
 
 class CurriculumCallback(BaseCallback):
@@ -113,20 +136,23 @@ def simulate(workload: WorkloadConfig, cluster: ClusterConfig, scheduler, seeds,
 
 class SchedulerMetricsCallback(BaseCallback):
     """Every ``freq`` steps: simulate the current policy (NumPy fast path) on validation
-    seeds; log mean ACT, step time, utilisation and the gap to ``elastic_greedy``; keep
-    the best policy by mean ACT as a checkpoint directory."""
+    seeds; log mean ACT, step time, utilisation and the gap to the ``reference``
+    heuristic; keep the best policy by mean ACT as a checkpoint directory."""
 
     def __init__(self, workload: WorkloadConfig, cluster: ClusterConfig, obs_config: ObsConfig,
                  seeds, freq: int, best_dir: Path, max_wait_s: float | None,
-                 meta: dict[str, Any], estimates: str = "profile") -> None:
+                 meta: dict[str, Any], reference: str = "rate_greedy",
+                 estimates: str = "profile") -> None:
         super().__init__()
         from metasched.agents import make_scheduler
 
         self.workload, self.cluster, self.obs_config = workload, cluster, obs_config
         self.seeds, self.freq, self.best_dir = list(seeds), freq, best_dir
         self.max_wait_s, self.meta, self.estimates = max_wait_s, meta, estimates
-        self.reference = simulate(workload, cluster, make_scheduler("elastic_greedy"),
-                                  self.seeds, max_wait_s=max_wait_s, estimates=estimates)
+        self.reference_name = reference
+        self.reference = {"name": reference, **simulate(
+            workload, cluster, make_scheduler(reference), self.seeds, max_wait_s=max_wait_s,
+            estimates=estimates)}
         self.best: dict[str, float] | None = None
         self.history: list[dict[str, float]] = []
         self._last = 0
@@ -139,8 +165,8 @@ class SchedulerMetricsCallback(BaseCallback):
         sched = PolicyScheduler(policy, self.obs_config)
         m = simulate(self.workload, self.cluster, sched, self.seeds, max_wait_s=self.max_wait_s,
                      estimates=self.estimates)
-        m["act_vs_elastic_greedy"] = m["mean_act_s"] / self.reference["mean_act_s"]
-        m["step_vs_elastic_greedy"] = m["mean_step_s"] / self.reference["mean_step_s"]
+        m["act_vs_reference"] = m["mean_act_s"] / self.reference["mean_act_s"]
+        m["step_vs_reference"] = m["mean_step_s"] / self.reference["mean_step_s"]
         m["timesteps"] = self.num_timesteps
         return m
 
@@ -268,7 +294,8 @@ def train(cfg: dict[str, Any], workload: WorkloadConfig, cluster: ClusterConfig,
     from sb3_contrib import MaskablePPO
 
     from metasched.agents.checkpoint import save_checkpoint
-    from metasched.agents.imitation import behaviour_clone, collect_expert
+    from metasched.agents.imitation import behaviour_clone
+    from metasched.agents.numpy_policy import NumpyPolicy
     from metasched.agents.policy import SlotPolicy, n_parameters
 
     torch.set_num_threads(1)
@@ -316,25 +343,47 @@ def train(cfg: dict[str, Any], workload: WorkloadConfig, cluster: ClusterConfig,
     bc_losses: list[float] = []
     if resume is None and int(bc.get("decisions", 0)) > 0:
         # Full load (randomised as configured): the clone must know busy clusters too.
-        env = ActionSchedulingEnv(workload, cluster, load=1.0, **kwargs)
-        obs, actions = collect_expert(env, int(bc["decisions"]), seed)
+        # The expert's decisions come from every profile in ``bc.profiles`` (the training
+        # profile's own cluster for it, each other profile's own cluster for the rest).
+        envs = [ActionSchedulingEnv(w, c, load=1.0, **kwargs)
+                for w, c in _clone_profiles(bc.get("profiles"), workload, cluster)]
+        expert = str(bc.get("expert", "rate_greedy"))
+        fit = {"epochs": int(bc["epochs"]), "batch_size": int(bc["batch_size"]),
+               "lr": float(bc["lr"])}
+        obs, actions = _collect(envs, int(bc["decisions"]), seed, expert)
         vec_norm = model.get_vec_normalize_env()
-        if vec_norm is not None and vec_norm.norm_obs:
+        normalize_obs = vec_norm is not None and vec_norm.norm_obs
+        if normalize_obs:
             # Clone on what the policy will read: statistics first seeded from the
-            # expert's observations, then those observations normalised.
+            # expert's observations, then every fit's observations normalised by them.
             for k in vec_norm.norm_obs_keys:
                 vec_norm.obs_rms[k].update(obs[k])
-            obs = vec_norm.normalize_obs(obs)
-        bc_losses = behaviour_clone(model.policy, obs, actions, epochs=int(bc["epochs"]),
-                                    batch_size=int(bc["batch_size"]), lr=float(bc["lr"]),
-                                    seed=seed)
+
+        def seen(o: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            return vec_norm.normalize_obs(o) if normalize_obs else o
+
+        bc_losses = behaviour_clone(model.policy, seen(obs), actions, seed=seed, **fit)
+        for r in range(int(bc.get("dagger_rounds", 0))):
+            # DAgger: the clone drives, the expert labels; refit on everything so far.
+            more_obs, more_actions = _collect(
+                envs, int(bc["dagger_decisions"]), seed + 1 + r, expert,
+                learner=NumpyPolicy.from_sb3(model.policy, vec_norm),
+                beta=float(bc.get("dagger_beta", 0)))
+            obs = {k: np.concatenate([obs[k], more_obs[k]]) for k in obs}
+            actions = np.concatenate([actions, more_actions])
+            bc_losses += behaviour_clone(model.policy, seen(obs), actions, seed=seed + 1 + r,
+                                         **fit)
 
     ev = cfg["eval"]
     val_seeds = VALIDATION_SEEDS[: int(ev["seeds"])]
     val_workload = replace(workload, steps=int(cfg["env"]["episode_steps"]))
-    metrics_cb = SchedulerMetricsCallback(val_workload, cluster, kwargs["obs_config"], val_seeds,
-                                          int(ev["freq"]), out_dir / "best",
-                                          kwargs["max_wait_s"], meta, kwargs["estimates"])
+    # Validation on the cluster scaled as configured: a contended one tells policies apart.
+    val_cluster = cluster.scaled(float(ev.get("cluster_scale", 1.0)), ("cpu", "gpu", "api"))
+    metrics_cb = SchedulerMetricsCallback(val_workload, val_cluster, kwargs["obs_config"],
+                                          val_seeds, int(ev["freq"]), out_dir / "best",
+                                          kwargs["max_wait_s"], meta,
+                                          reference=str(ev.get("reference", "rate_greedy")),
+                                          estimates=kwargs["estimates"])
     callbacks = [metrics_cb,
                  CheckpointCallback(max(1, int(cfg["checkpoint_freq"]) // n_envs),
                                     str(out_dir / "sb3_checkpoints"), name_prefix="model",
@@ -357,7 +406,7 @@ def train(cfg: dict[str, Any], workload: WorkloadConfig, cluster: ClusterConfig,
                "resumed_from": meta["training"]["resumed_from"],
                "timesteps": {"start": started_at, "end": model.num_timesteps},
                "final_validation": final, "best_validation": metrics_cb.best,
-               "reference_elastic_greedy": metrics_cb.reference, "history": metrics_cb.history}
+               "reference": metrics_cb.reference, "history": metrics_cb.history}
     save_checkpoint(out_dir / "checkpoint", model, kwargs["obs_config"],
                     {**meta, "validation": final, "reference": metrics_cb.reference,
                      "training_summary": {k: v for k, v in summary.items() if k != "history"}})

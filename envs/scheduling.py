@@ -47,6 +47,9 @@ class Randomization:
     load: tuple[float, float] = (1.0, 1.0)  # multiplies trajectories per step
     estimate_error: tuple[float, float] | None = None  # replaces the profile's sigma
     generation_scale: tuple[float, float] = (1.0, 1.0)  # multiplies LLM generation times
+    # Scales every pool of the cluster (``ClusterConfig.scaled``, as ``cluster.scale``),
+    # drawn log-uniformly: contended clusters as often as roomy ones. None: the cluster.
+    cluster_scale: tuple[float, float] | None = None
 
 
 def scale_workload(w: WorkloadConfig, load: float = 1.0, estimate_error: float | None = None,
@@ -148,16 +151,20 @@ class ActionSchedulingEnv(gym.Env):
         options = options or {}
         rng = self.np_random
         load = float(options.get("load", self.load))
-        est, gen = None, 1.0
+        est, gen, cluster = None, 1.0, self.cluster
         r = self.randomization
         if r is not None and not options.get("no_randomization", False):
             load *= rng.uniform(*r.load)
             if r.estimate_error is not None:
                 est = rng.uniform(*r.estimate_error)
             gen = rng.uniform(*r.generation_scale)
+            if r.cluster_scale is not None:
+                lo, hi = np.log(r.cluster_scale)
+                cluster = cluster.scaled(float(np.exp(rng.uniform(lo, hi))),
+                                         ("cpu", "gpu", "api"))
         self.sim_seed = int(options.get("sim_seed", rng.integers(*self.seed_range)))
         workload = scale_workload(self.base_workload, load, est, gen, self.episode_steps)
-        self.sim = Simulator(workload, self.cluster, self.sim_seed, max_wait_s=self.max_wait_s,
+        self.sim = Simulator(workload, cluster, self.sim_seed, max_wait_s=self.max_wait_s,
                              serve_stalled=True, cost_model=cost_model_for(self.estimates))
         self.encoder = ObservationEncoder(self.sim.state, self.obs_config)
         self._horizon = (rng.exponential(self.horizon_mean_s) if self.horizon_mean_s

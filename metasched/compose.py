@@ -33,16 +33,21 @@ def package_dir(package: str) -> Path:
 
 
 def compose(config_name: str = "eval", overrides: list[str] | None = None) -> dict[str, Any]:
-    """Compose ``configs/<config_name>.yaml`` with Hydra overrides into a plain dict."""
+    """Compose ``configs/<config_name>.yaml`` with Hydra overrides into a plain dict
+    (inside a running Hydra app, from that app's config search path)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     try:
-        with initialize_config_dir(str(config_dir()), version_base="1.3"):
+        if GlobalHydra.instance().is_initialized():  # an app's Hydra cannot be re-entered
             cfg = hydra_compose(config_name, overrides=list(overrides or []))
+        else:
+            with initialize_config_dir(str(config_dir()), version_base="1.3"):
+                cfg = hydra_compose(config_name, overrides=list(overrides or []))
         return OmegaConf.to_container(cfg, resolve=True)
     except (HydraException, OmegaConfBaseException) as e:
         raise ConfigError("overrides", str(e).splitlines()[0]) from None

@@ -18,7 +18,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "metasched"))
 
 # Modules that are about training or the SB3 policy through and through; the base install
 # (no `train` extra) runs everything else, and the header of the run says what it left out.
-TRAIN_ONLY = ["test_policy.py", "test_training.py"]
+TRAIN_ONLY = ["test_imitation.py", "test_policy.py", "test_training.py"]
 collect_ignore = [] if HAS_TRAIN_EXTRA else TRAIN_ONLY
 
 

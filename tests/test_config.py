@@ -522,3 +522,16 @@ def test_section_not_a_mapping(valid_config, what, mutate):
         load(w, c)
     assert isinstance(excinfo.value, ConfigError), repr(excinfo.value)
     assert excinfo.value.field.startswith(what)
+
+
+def test_profile_composes_inside_a_running_hydra_app():
+    """An app (``metasched-train`` cloning on several profiles) composes other profiles
+    while its own Hydra is initialised."""
+    from hydra import initialize_config_dir
+
+    from metasched.compose import config_dir, profile
+
+    outside = profile("retool")
+    with initialize_config_dir(str(config_dir()), version_base="1.3"):
+        inside = profile("retool")
+    assert inside == outside and inside[0].name == "retool"

@@ -108,6 +108,15 @@ def test_cli_bad_settings_are_one_line_errors(tmp_path, args, message):
     assert p.stderr.startswith(message) and p.stderr.count("\n") == 1, p.stderr
 
 
+def _as_from_a_terminal() -> None:
+    """SIGINT at its default, as a shell started from a terminal leaves it. A suite run in
+    the background of a non-interactive shell (``make test &``, CI runners) passes SIGINT
+    on ignored, and Python then keeps ignoring it instead of raising KeyboardInterrupt."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_dispatch(tmp_path, jobs, *args, finished: int = 0):
     """A real ``metasched-dispatch`` process, returned once a command of it runs (and
     ``finished`` requests have finished), with the pids of its running commands."""
@@ -118,7 +127,8 @@ def start_dispatch(tmp_path, jobs, *args, finished: int = 0):
     out = tmp_path / "out"
     p = subprocess.Popen([PY, "-m", "metasched.cli.dispatch_app", f"jobs={jobs}",
                           "scheduler=fifo", f"hydra.run.dir={out}", *args], cwd=tmp_path,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=_as_from_a_terminal)
     pids: list[int] = []
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and p.poll() is None:  # until a command is running

@@ -303,7 +303,10 @@ def test_grant_legal_iff_unmasked(name):
             slot, level = divmod(i, cfg.levels)
             a = slots[slot]
             assert g.action is a
-            if a.spec.kind == "cpu":
+            advised = enc.advised_grants(st).get(a.id)
+            if advised is not None:  # an advised slot is the advisor's grant at every level
+                assert g is advised
+            elif a.spec.kind == "cpu":
                 assert g.cores == cpu_levels(a.spec.min_cores, a.spec.max_cores,
                                              cfg.levels)[level]
             elif a.spec.kind == "gpu":
@@ -356,7 +359,7 @@ def test_action_for_reproduces_the_gpu_batch_it_maps(state, queued):
 @pytest.mark.parametrize("name", ["rm_math", "mixed"])
 def test_advisor_features_mark_the_advisors_grants(name):
     cfg = ObsConfig()
-    assert cfg.advisor == "elastic_greedy"
+    assert cfg.advisor == "rate_greedy"
     plain = None
     seen = 0
     for sim, enc in decision_states(name, 80, wait_prob=0.3):
@@ -544,3 +547,68 @@ def test_observing_does_not_change_the_run(name):
     for f in ("submit", "start", "end", "ok"):
         assert np.array_equal(getattr(plain, f), getattr(seen, f)), f
     assert plain.counters == seen.counters
+
+
+# ------------------------------------------------------------------ the advisor's own grants
+
+
+@pytest.mark.parametrize("name", ["rm_math", "mixed", "retool"])
+def test_advised_action_is_the_advisors_grant(name):
+    """Following the advisor is choosing its slot, whatever node, cores, device and batch
+    it chose: every legal level of an advised slot decodes to the advisor's grant."""
+    checked = 0
+    levels = ObsConfig().levels
+    for sim, enc in decision_states(name, 80, wait_prob=0.3):
+        st = sim.state
+        slots, mask = enc.slots(st), enc.mask(st)
+        for g in enc.advised_grants(st).values():
+            a = enc.action_for(st, g)
+            if a is None:  # advised beyond the K slots
+                continue
+            slot = a // levels
+            assert slots[slot] is g.action
+            legal = [slot * levels + lv for lv in range(levels) if mask[slot * levels + lv]]
+            assert a in legal and all(enc.grant(st, i) is g for i in legal)
+            checked += 1
+    assert checked > 0
+
+
+class FollowsAdvisor(Scheduler):
+    """Grants the advisor's first advised action through the encoder's action space."""
+
+    name = "follows_advisor"
+
+    def reset(self, state, rng):
+        self.enc = ObservationEncoder(state, ObsConfig())
+
+    def decide(self, state):
+        slots = self.enc.slots(state)
+        advised = self.enc.advised_grants(state)
+        for s in slots:
+            if s.id in advised:
+                return [self.enc.grant(state, self.enc.action_for(state, advised[s.id], slots))]
+        return []
+
+
+@pytest.mark.parametrize("name", ["rm_math", "mixed"])
+def test_following_the_advisor_reproduces_its_run(name):
+    w, c = shrunk(name, 0.1)
+    want = Simulator(w, c, 3, max_wait_s=300.0).run(make_scheduler(ObsConfig().advisor))
+    got = Simulator(w, c, 3, max_wait_s=300.0).run(FollowsAdvisor())
+    assert got.act.size == want.act.size > 0
+    assert np.allclose(np.sort(got.act), np.sort(want.act))
+
+
+def test_gpu_levels_batch_the_shortest_requests(make_cluster):
+    st = ClusterState(make_cluster(nodes=1, cores=8, gpus=1), SERVICES)
+    enc = ObservationEncoder(st, ObsConfig(k_slots=4, levels=4, max_nodes=2, max_devices=2,
+                                           max_services=2, max_endpoints=2, advisor=None))
+    ests = [5.0, 0.1, 3.0, 0.2, 0.3, 4.0]
+    reqs = [submit_at(st, float(i), gpu_spec(e)) for i, e in enumerate(ests)]
+    st.advance(10.0)
+    slots = enc.slots(st)
+    lead = slots.index(reqs[0])
+    level = batch_levels(SERVICES["rm"].max_batch, 4).index(4)  # a batch of up to 4
+    g = enc.grant(st, lead * 4 + level)
+    assert g.action is reqs[0]
+    assert [b.spec.est_s for b in g.batch] == [0.1, 0.2, 0.3]

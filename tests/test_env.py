@@ -268,7 +268,7 @@ def _same_trace(a, b) -> None:
 @pytest.mark.parametrize("name", ["mixed", "search"])
 def test_same_seed_same_actions_identical(name):
     kw = {"randomization": Randomization(load=(0.5, 1.5), estimate_error=(0.2, 1.0),
-                                         generation_scale=(0.7, 1.3)),
+                                         generation_scale=(0.7, 1.3), cluster_scale=(0.1, 1.0)),
           "horizon_mean_s": 400.0}
     env1, env2 = make_env(name, **kw), make_env(name, **kw)
     actions, t1 = _run(env1, 7, None)
@@ -278,6 +278,24 @@ def test_same_seed_same_actions_identical(name):
     _same_trace(t1, t3)
     _, t4 = _run(env2, 8, actions[:1])
     assert t4[0][1] != t1[0][1]  # another seed draws another simulation
+
+
+def test_cluster_scale_randomisation_draws_contended_and_roomy_clusters():
+    w, c = shrunk("mixed")
+    env = ActionSchedulingEnv(w, c, randomization=Randomization(cluster_scale=(0.1, 1.0)))
+    cores = []
+    for seed in range(30):
+        env.reset(seed=seed)
+        got = env.sim.state.cluster
+        assert env.sim.state.cpu.cores[0] == got.cores_per_node  # the simulation's cluster
+        assert round(0.1 * c.cores_per_node) <= got.cores_per_node <= c.cores_per_node
+        assert 1 <= got.gpu_devices <= c.gpu_devices
+        f = got.cores_per_node / c.cores_per_node
+        for name, e in got.endpoints.items():  # every pool by the same factor
+            assert e.rpm / c.endpoints[name].rpm == pytest.approx(f, abs=1 / c.cores_per_node)
+        cores.append(got.cores_per_node)
+    assert min(cores) <= 0.3 * c.cores_per_node and max(cores) >= 0.7 * c.cores_per_node
+    assert env.cluster == c  # the env's own cluster is kept for the next draw
 
 
 def test_sim_seed_option_fixes_the_simulation():

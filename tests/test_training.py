@@ -20,8 +20,8 @@ from metasched.sim.simulator import Simulator
 
 TINY = ["workload=rm_math", "workload.trajectories_per_step=8", "agent.total_timesteps=512",
         "agent.n_steps=128", "agent.batch_size=64", "agent.n_envs=1", "agent.vec_env=dummy",
-        "agent.bc.decisions=300", "agent.bc.epochs=1", "eval.freq=256", "eval.seeds=1",
-        "checkpoint_freq=256", "env.curriculum.enabled=false"]
+        "agent.bc.decisions=300", "agent.bc.epochs=1", "agent.bc.dagger_decisions=100",
+        "eval.freq=256", "eval.seeds=1", "checkpoint_freq=256", "env.curriculum.enabled=false"]
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def test_metadata_records_schema_config_seeds_and_validation(run):
     assert len(seeds) == 1 and 0 <= lo < hi <= seeds[0] < 1_000_000  # never eval seeds
     val = meta["validation"]
     assert val["mean_act_s"] > 0 and val["timesteps"] == 512
-    assert {"mean_step_s", "act_vs_elastic_greedy", "guard_fired"} <= set(val)
+    assert {"mean_step_s", "act_vs_reference", "guard_fired"} <= set(val)
     assert meta["reference"]["mean_act_s"] > 0
     best = json.loads((out / "best" / "metadata.json").read_text())
     assert best["validation"]["mean_act_s"] == pytest.approx(
@@ -71,7 +71,9 @@ def test_metadata_records_schema_config_seeds_and_validation(run):
     assert 0 < meta["parameters"] < 50_000
     saved = json.loads((out / "train_summary.json").read_text())
     assert saved["final_validation"]["mean_act_s"] == pytest.approx(val["mean_act_s"])
-    assert len(saved["bc_losses"]) == 1 and saved["bc_losses"][0] > 0
+    rounds = cfg["agent"]["bc"]["dagger_rounds"]
+    assert rounds >= 1  # one epoch per fit: the clone's, then one per DAgger round
+    assert len(saved["bc_losses"]) == 1 + rounds and min(saved["bc_losses"]) > 0
 
 
 def test_one_notion_of_best_lowest_validation_mean_act(run):
@@ -236,6 +238,13 @@ def test_tensorboard_logs(run):
     ("obs.max_nodes=1", "obs"),          # rm_math has two nodes
     ("obs.max_services=2", "obs"),       # and three reward models
     ("seed=-1", "seed"),
+    ("agent.bc.expert=oracle", "agent.bc.expert"),
+    ("eval.reference=oracle", "eval.reference"),
+    ("obs.advisor=oracle", "obs.advisor"),
+    ("agent.bc.profiles=[mixed,nosuch]", "agent.bc.profiles"),
+    ("env.randomization.cluster_scale=[0.5,0.1]", "env.randomization.cluster_scale"),
+    ("env.randomization.cluster_scale=[0,1]", "env.randomization.cluster_scale"),
+    ("eval.cluster_scale=0", "eval.cluster_scale"),
     ("resume=/nonexistent/checkpoint", "resume"),
     ("env.estimates=exact", "env.estimates"),
 ])

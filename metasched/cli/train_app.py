@@ -70,6 +70,27 @@ def check_train_settings(cfg: dict[str, Any]) -> None:
     seed = cfg.get("seed")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ConfigError("seed", f"must be a whole number >= 0 (got {seed!r})")
+    from metasched.agents import BASELINES
+
+    for field, name in (("agent.bc.expert", (agent.get("bc") or {}).get("expert", "rate_greedy")),
+                        ("eval.reference", (cfg.get("eval") or {}).get("reference", "rate_greedy")),
+                        ("obs.advisor", (cfg.get("obs") or {}).get("advisor", "rate_greedy"))):
+        if name not in BASELINES and not (field == "obs.advisor" and name is None):
+            raise ConfigError(field, f"must be a heuristic, one of {', '.join(BASELINES)} "
+                                     f"(got {name!r})")
+    from metasched.compose import PROFILES
+
+    for name in (agent.get("bc") or {}).get("profiles") or []:
+        if name not in PROFILES:
+            raise ConfigError("agent.bc.profiles", f"unknown profile {name!r}; one of "
+                                                   f"{', '.join(PROFILES)}")
+    scale = ((cfg.get("env") or {}).get("randomization") or {}).get("cluster_scale")
+    if scale is not None and not (len(scale) == 2 and 0 < scale[0] <= scale[1]):
+        raise ConfigError("env.randomization.cluster_scale",
+                          f"must be [lo, hi] with 0 < lo <= hi (got {list(scale)!r})")
+    v = (cfg.get("eval") or {}).get("cluster_scale", 1.0)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+        raise ConfigError("eval.cluster_scale", f"must be a number > 0 (got {v!r})")
 
 
 def run_train(cfg: dict[str, Any], out_dir: str | Path, progress: bool = True) -> dict[str, Any]:
@@ -92,9 +113,9 @@ def run_train(cfg: dict[str, Any], out_dir: str | Path, progress: bool = True) -
     out.mkdir(parents=True, exist_ok=True)
     summary = train(cfg, workload, cluster, out, progress=progress)
     (out / "train_summary.json").write_text(json.dumps(json_safe(summary), indent=2) + "\n")
-    best, ref = summary["best_validation"], summary["reference_elastic_greedy"]
+    best, ref = summary["best_validation"], summary["reference"]
     print(f"trained in {summary['elapsed_s'] / 60:.1f} min; validation mean ACT "
-          f"{best['mean_act_s']:.3f} s (best) vs elastic_greedy {ref['mean_act_s']:.3f} s; "
+          f"{best['mean_act_s']:.3f} s (best) vs {ref['name']} {ref['mean_act_s']:.3f} s; "
           f"checkpoints: {out / 'checkpoint'} (final), {out / 'best'} (best)")
     return summary
 

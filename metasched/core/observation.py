@@ -25,7 +25,12 @@ Action ``i = slot * L + level`` grants the action in ``slot`` at allocation ``le
 geometrically from the action's minimum (level 0) to its maximum (level L-1), legal if
 that many cores are free on its node; gpu, a batch of at most 1 .. max_batch requests
 (geometric) on the preferred idle device (service resident, else room without
-eviction, else least recently used); api, level 0 only.
+eviction, else least recently used), filled with the shortest queued requests to its
+service (one long request makes a whole batch as slow as itself); api, level 0 only.
+
+An advised action, at any legal level, is the advisor's grant itself (its node, cores,
+device and batch): following the advisor is choosing its slot, whatever batch or device
+it chose; the levels choose allocations of the actions it did not advise.
 """
 
 from __future__ import annotations
@@ -41,7 +46,9 @@ from metasched.core.actions import Action, Grant
 from metasched.core.ledger import Ledger
 from metasched.core.state import ClusterState
 
-OBS_SCHEMA_VERSION = 2  # 2: advisor features; advised actions fill the first slots
+OBS_SCHEMA_VERSION = 3  # 2: advisor features; advised actions fill the first slots
+# 3: rate_greedy advises; an advised slot is the advisor's own grant; gpu levels batch
+#    the shortest queued requests
 OBS_HIGH = 1e4  # every feature is clipped to [0, OBS_HIGH]
 
 SLOT_FEATURES = (
@@ -82,7 +89,7 @@ class ObsConfig:
     max_devices: int = 4
     max_services: int = 4
     max_endpoints: int = 4
-    advisor: str | None = "elastic_greedy"  # heuristic whose proposal is a feature
+    advisor: str | None = "rate_greedy"  # heuristic whose proposal is a feature (and a grant)
     version: int = OBS_SCHEMA_VERSION
 
     def to_dict(self) -> dict:
@@ -152,7 +159,7 @@ class ObservationEncoder:
             self.advisor = make_scheduler(cfg.advisor)
             self.advisor.reset(state, np.random.default_rng(0))
         self._cache_key: tuple[int, int] | None = None
-        self._cache: tuple[list[Action], dict[int, float]] = ([], {})
+        self._cache: tuple[list[Action], dict[int, float], dict[int, Grant]] = ([], {}, {})
         self.service_index = {s: i for i, s in enumerate(sorted(state.gpu.services))}
         self.endpoint_names = sorted(state.api.endpoints)
         self.node_cores = max(1, state.cluster.cores_per_node)
@@ -170,11 +177,17 @@ class ObservationEncoder:
         """Action id -> advised size fraction, for what the advisor would start now."""
         return self._view(state)[1]
 
-    def _view(self, state: ClusterState) -> tuple[list[Action], dict[int, float]]:
+    def advised_grants(self, state: ClusterState) -> dict[int, Grant]:
+        """Action id -> the advisor's grant of it now."""
+        return self._view(state)[2]
+
+    def _view(self, state: ClusterState
+              ) -> tuple[list[Action], dict[int, float], dict[int, Grant]]:
         key = (id(state), state.version)
         if self._cache_key == key:
             return self._cache
-        advice = self._ask_advisor(state)
+        grants = self._ask_advisor(state)
+        advice = {i: self._size_frac(state, g) for i, g in grants.items()}
         p = state.pending
         merged = heapq.merge(p["cpu"].values(), p["gpu"].values(), p["api"].values(),
                              key=lambda a: (a.submit_t, a.id))
@@ -192,23 +205,24 @@ class ObservationEncoder:
                 blocked.append(a)
             if len(advised) + len(ready) >= k and len(advised) >= len(advice):
                 break
-        self._cache_key, self._cache = key, ((advised + ready + blocked)[:k], advice)
+        self._cache_key = key
+        self._cache = ((advised + ready + blocked)[:k], advice, grants)
         return self._cache
 
-    def _ask_advisor(self, state: ClusterState) -> dict[int, float]:
-        advice: dict[int, float] = {}
+    def _ask_advisor(self, state: ClusterState) -> dict[int, Grant]:
         if self.advisor is None:
-            return advice
-        for g in self.advisor.decide(state):
-            s = g.action.spec
-            if s.kind == "cpu":
-                advice[g.action.id] = g.cores / s.max_cores
-            elif s.kind == "gpu":
-                cap = state.gpu.services[s.service].max_batch
-                advice[g.action.id] = (1 + len(g.batch)) / cap
-            else:
-                advice[g.action.id] = 1.0
-        return advice
+            return {}
+        return {g.action.id: g for g in self.advisor.decide(state)}
+
+    @staticmethod
+    def _size_frac(state: ClusterState, g: Grant) -> float:
+        """The advised allocation: cores / max cores (cpu), batch / max batch (gpu)."""
+        s = g.action.spec
+        if s.kind == "cpu":
+            return g.cores / s.max_cores
+        if s.kind == "gpu":
+            return (1 + len(g.batch)) / state.gpu.services[s.service].max_batch
+        return 1.0
 
     # ------------------------------------------------------------------ mask / grants
 
@@ -254,6 +268,9 @@ class ObservationEncoder:
         led = Ledger(state)
         if not self._legal_levels(state, led, a)[level]:
             return None
+        advised = self.advised_grants(state).get(a.id)
+        if advised is not None:
+            return advised
         spec = a.spec
         if spec.kind == "cpu":
             node, _ = led.cpu_room(a)
@@ -262,8 +279,19 @@ class ObservationEncoder:
         if spec.kind == "gpu":
             cap = batch_levels(state.gpu.services[spec.service].max_batch, cfg.levels)[level]
             device = led.idle_device_for(spec.service)
-            return Grant(a, device=device, batch=led.batch_for(a, cap))
+            return Grant(a, device=device, batch=self.shortest_batch(state, a, cap))
         return Grant(a)
+
+    @staticmethod
+    def shortest_batch(state: ClusterState, a: Action, limit: int) -> tuple[Action, ...]:
+        """The other pending requests to ``a``'s service with the shortest estimates
+        (ties: oldest), at most ``limit - 1`` of them: the rest of a batch led by ``a``."""
+        room = min(limit, state.gpu.services[a.spec.service].max_batch) - 1
+        if room <= 0:
+            return ()
+        same = (b for b in state.pending["gpu"].values()
+                if b is not a and b.spec.service == a.spec.service)
+        return tuple(heapq.nsmallest(room, same, key=lambda b: (b.spec.est_s, b.submit_t, b.id)))
 
     def action_for(self, state: ClusterState, g: Grant,
                    slots: list[Action] | None = None) -> int | None:
