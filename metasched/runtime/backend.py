@@ -6,8 +6,10 @@ everything on this machine (one node: the cores this process may use; GPUs from 
 commands through :mod:`metasched.runtime.process`). Given a :class:`Backend`, it
 schedules over the backend's nodes and devices instead, and hands it each granted
 command and GPU batch; the journal, the queue, the guard, the policy and API calls
-(whose quotas the dispatcher's ``ApiPool`` holds for every caller) stay in the
-dispatcher. :mod:`metasched.runtime.ray_backend` is the backend for a Ray cluster.
+(whose quotas the dispatcher's ``ApiPool`` holds for every caller) and the sandboxes'
+bookkeeping (which trajectory's sandbox is on which node, its memory) stay in the
+dispatcher; the backend confines each command on its node as the dispatcher does here.
+:mod:`metasched.runtime.ray_backend` is the backend for a Ray cluster.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any, Protocol
 from metasched.core.pools import ServiceSpec
 from metasched.runtime.gpu import LiveDevice
 from metasched.runtime.outcome import Outcome
+from metasched.runtime.sandbox.config import SandboxConfig
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,11 @@ class Node:
 @dataclass(frozen=True)
 class CommandSpec:
     """What a granted command needs, wherever it runs (the arguments of
-    :func:`metasched.runtime.process.run_process`, less its cores)."""
+    :func:`metasched.runtime.sandbox.launch.launch`, less its cores and sandbox).
+
+    ``env`` is the dispatcher's allow-listed environment, ``request_env`` the request's
+    own (over a sandbox's home), ``extra_env`` what the dispatcher marks it with (its
+    action id)."""
 
     argv: tuple[str, ...]
     timeout_s: float
@@ -49,6 +56,8 @@ class CommandSpec:
     cpu_time_s: float | None = None
     tail_bytes: int = 4096
     extra_env: Mapping[str, str] | None = None
+    request_env: Mapping[str, str] | None = None
+    pids_max: int | None = None
 
 
 class Command(Protocol):
@@ -90,9 +99,22 @@ class Backend(Protocol):
     no_gpu_reason: str
     host: GpuHost
 
-    def start_command(self, node: int, n_cores: int, spec: CommandSpec) -> Command:
-        """Start ``spec`` on ``n_cores`` cores of ``nodes[node]`` now (the cores are the
-        backend's to choose and free; a failure to start is the Command's Outcome)."""
+    async def start_sandboxes(self, config: SandboxConfig, hide: list[str]) -> Any:
+        """Set up each node's confinement as ``config`` says (``hide``: host paths
+        commands must not see); the dispatcher's view of the sandboxes (the interface of
+        :class:`~metasched.runtime.sandbox.manager.Sandboxes` it uses: ``isolated``,
+        ``get``, ``open``, ``shared``, ``close_trajectory``, ``close``, ``describe``).
+
+        Raises:
+            ConfigError: a node cannot confine commands as configured.
+        """
+        ...
+
+    def start_command(self, node: int, n_cores: int, spec: CommandSpec,
+                      sandbox: Any = None) -> Command:
+        """Start ``spec`` on ``n_cores`` cores of ``nodes[node]`` now, in ``sandbox`` (one
+        of :meth:`start_sandboxes`'s, on that node; None: outside any); the cores are the
+        backend's to choose and free; a failure to start is the Command's Outcome."""
         ...
 
     async def run_device_command(self, device: int, spec: CommandSpec) -> Outcome:

@@ -19,7 +19,6 @@ import logging
 import math
 import os
 import sqlite3
-import tempfile
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
@@ -60,12 +59,13 @@ from metasched.runtime.machine import (
     usable_cores,
 )
 from metasched.runtime.outcome import Outcome
-from metasched.runtime.process import Process, kill_group, start_process
+from metasched.runtime.process import Process, kill_group
 from metasched.runtime.requests import DONE, FAILED, REJECTED, Request, Result, parse_request
 from metasched.runtime.sandbox.config import SandboxConfig, allowed_env
+from metasched.runtime.sandbox.launch import launch, open_confinement
 from metasched.runtime.sandbox.manager import Sandbox, Sandboxes
-from metasched.runtime.sandbox.rundir import RunDirectory, remove_dead_runs
-from metasched.runtime.sandbox.workspace import WORKSPACE, template_from
+from metasched.runtime.sandbox.rundir import RunDirectory
+from metasched.runtime.sandbox.workspace import template_from
 
 log = logging.getLogger("metasched.dispatch")
 
@@ -341,8 +341,10 @@ class Dispatcher:
                 await self.backend.kill_orphans([key for key, _, _ in self.journal.unfinished()])
             else:
                 self._read_journal(self._kill_orphans)
-        if self.backend is None:  # a backend's commands run on its nodes, as it confines them
+        if self.backend is None:
             await self._start_sandboxes()
+        else:  # each node's commands are confined there, as they are here
+            self.boxes = await self.backend.start_sandboxes(self.config.sandbox, self._hidden())
         if self.journal is not None:
             self._read_journal(self._recover)
         self._ticker = asyncio.create_task(self._tick())
@@ -471,37 +473,18 @@ class Dispatcher:
             except (psutil.Error, OSError):
                 pass
 
-    async def _start_sandboxes(self) -> None:
-        """Remove what dispatchers that are gone left (their run directories, with the
-        scratch directories and cgroups they record: nothing else), make this one's, and
-        start the sandboxes. The log says in one line how commands are confined."""
-        root = self.workdir if self.workdir is not None else tempfile.gettempdir()
-        removed = remove_dead_runs(root)
-        if removed:
-            log.info("removed what %d dispatchers that are gone left in %s", len(removed), root)
-        try:
-            self.run_dir = RunDirectory(root)
-        except OSError as e:
-            raise ConfigError("workdir", f"cannot make a directory in {root} "
-                              f"({e.strerror or e})") from None
-        # The journal's files are invisible to commands (a command that found it could
-        # forge the results served on resume).
-        hide = ([str(self.journal.path.resolve()) + suffix
+    def _hidden(self) -> list[str]:
+        """Host paths commands must not see: the journal's files (a command that found
+        it could forge the results served on resume)."""
+        return ([str(self.journal.path.resolve()) + suffix
                  for suffix in ("", "-wal", "-shm", ".lock")]
                 if self.journal is not None else [])
-        self.boxes = Sandboxes(self.config.sandbox, hide=hide)
-        self.run_dir.record(self.boxes.directories())
-        for why in self.boxes.warnings:
-            log.warning(why)
-        log.info(self.boxes.describe())
-        self.boxes.attach(self._loop)
-        if self.boxes.isolated:  # trajectory-less commands' sandbox, ready before they come
-            try:
-                await self.boxes.shared(self.config.sandbox.network).ready
-            except OSError as e:
-                self.boxes.close()
-                self.run_dir.remove()
-                raise ConfigError("sandbox", f"cannot make a sandbox: {e.strerror or e}") from None
+
+    async def _start_sandboxes(self) -> None:
+        """Set up this machine's confinement (see
+        :func:`metasched.runtime.sandbox.launch.open_confinement`)."""
+        self.run_dir, self.boxes = await open_confinement(
+            self.workdir, self.config.sandbox, hide=self._hidden())
 
     def _recover(self) -> None:
         """Re-queue what a previous dispatcher accepted but did not finish."""
@@ -1066,24 +1049,15 @@ class Dispatcher:
         sandbox (isolation on) or on the host, in a cgroup slot when there are cgroups.
         An exception (a bug, not the action's failure) is handed to the task to report."""
         req = job.request
-        sb = job.sandbox
-        if sb is not None and sb.ready.done() and sb.ready.exception() is not None:
-            why = getattr(sb.ready.exception(), "strerror", None) or str(sb.ready.exception())
-            return Process.failed(Outcome(False, f"cannot start: {why}",
-                                          detail={"cores": cores}))
-        env = dict(self._base_env)
-        if sb is not None:
-            env.update(HOME=WORKSPACE, TMPDIR="/tmp", USER="sandbox", LOGNAME="sandbox")
-        if req.env:
-            env.update(req.env)
         try:
-            proc = start_process(
-                req.argv, cores=cores, timeout_s=req.timeout_s, env=env,
-                mem_limit_mb=req.mem_limit_mb, cpu_time_s=req.cpu_time_s,
+            proc = launch(
+                req.argv, cores=cores, timeout_s=req.timeout_s, env=self._base_env,
+                request_env=req.env, boxes=self.boxes, sandbox=job.sandbox,
+                cwd_root=self.run_dir.path,
                 pids_max=req.pids_max or self.config.sandbox.pids_max,
+                mem_limit_mb=req.mem_limit_mb, cpu_time_s=req.cpu_time_s,
                 tail_bytes=self.config.tail_bytes,
                 extra_env={ACTION_ENV: req.id, **(extra_env or {})},
-                cwd_root=self.run_dir.path, confinement=self.boxes, sandbox=sb,
                 on_start=self._on_pid(job))
         except Exception as e:  # noqa: BLE001
             return e
@@ -1093,15 +1067,17 @@ class Dispatcher:
     def _command_spec(self, req: Request, extra_env: Mapping[str, str] | None = None
                       ) -> CommandSpec:
         # The dispatcher's allow-listed environment, as its own commands get (no secret).
-        env = {**self._base_env, **(req.env or {})}
-        return CommandSpec(req.argv, req.timeout_s, env, req.mem_limit_mb, req.cpu_time_s,
-                           self.config.tail_bytes, {ACTION_ENV: req.id, **(extra_env or {})})
+        return CommandSpec(req.argv, req.timeout_s, self._base_env, req.mem_limit_mb,
+                           req.cpu_time_s, self.config.tail_bytes,
+                           {ACTION_ENV: req.id, **(extra_env or {})}, req.env,
+                           req.pids_max or self.config.sandbox.pids_max)
 
     def _start_remote(self, job: _Job, node: int, n_cores: int) -> Command | Exception:
         """Start a cpu action's command on the backend's ``node`` now (see
         :meth:`_start_command`)."""
         try:
-            cmd = self.backend.start_command(node, n_cores, self._command_spec(job.request))
+            cmd = self.backend.start_command(node, n_cores, self._command_spec(job.request),
+                                             job.sandbox)
         except Exception as e:  # noqa: BLE001
             return e
         job.alloc = {"node": self.backend.nodes[node].name, "cores": cmd.cores}

@@ -94,14 +94,16 @@ class DispatcherActor:
         services: GPU services by name (each GPU's actor hosts them).
         name: the actor's name (commands carry it; see :class:`~.cluster.RayBackend`).
         cores_per_node: grant at most this many cores per node (default: all Ray has).
+        submit: how commands reach their node's agent (see :class:`~.cluster.RayBackend`).
     """
 
     def __init__(self, config: DispatcherConfig, services: Mapping[str, LiveService] | None,
-                 name: str, cores_per_node: int | None = None) -> None:
+                 name: str, cores_per_node: int | None = None, submit: str = "task") -> None:
         self.config = config
         self.services = dict(services or {})
         self.name = name
         self.cores_per_node = cores_per_node
+        self.submit = submit
         self.dispatcher: Dispatcher | None = None
         self.backend: RayBackend | None = None
         self._starting: asyncio.Task | None = None
@@ -118,7 +120,7 @@ class DispatcherActor:
         cfg = self.config
         self.backend = await RayBackend.create(
             dispatcher=self.name, services=self.services, cores_per_node=self.cores_per_node,
-            standin_mem_gb=cfg.gpu_standin_mem_gb, workdir=cfg.workdir)
+            standin_mem_gb=cfg.gpu_standin_mem_gb, workdir=cfg.workdir, submit=self.submit)
         d = Dispatcher(cfg, backend=self.backend)
         await d.start()
         self.dispatcher = d

@@ -51,8 +51,8 @@ def _ensure_ray(address: str | None) -> None:
 
 def start_dispatcher(config: DispatcherConfig | None = None, *, name: str = DEFAULT_NAME,
                      services: Mapping[str, LiveService] | None = None,
-                     cores_per_node: int | None = None, address: str | None = None,
-                     timeout_s: float = 300.0) -> DispatcherHandle:
+                     cores_per_node: int | None = None, submit: str = "task",
+                     address: str | None = None, timeout_s: float = 300.0) -> DispatcherHandle:
     """Start the dispatcher actor ``name`` on this node (where its journal is), or find
     the running one, and wait until it serves.
 
@@ -62,6 +62,9 @@ def start_dispatcher(config: DispatcherConfig | None = None, *, name: str = DEFA
         name: the actor's name in the ``metasched`` namespace.
         services: GPU services by name (each GPU's actor hosts them).
         cores_per_node: grant at most this many cores per node.
+        submit: how commands reach their node's agent: ``"task"`` (a Ray task each, with
+            ``num_cpus`` of its grant) or ``"agent"`` (an actor call each; the agents hold
+            the dispatcher's cores in Ray): see :mod:`.cluster`.
         address: the cluster (default ``"auto"``) when Ray is not initialised yet.
         timeout_s: how long the dispatcher may take to start.
 
@@ -75,7 +78,7 @@ def start_dispatcher(config: DispatcherConfig | None = None, *, name: str = DEFA
         name=name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
         num_cpus=0, max_restarts=-1, max_task_retries=0, max_concurrency=MAX_CONCURRENCY,
         scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
-    ).remote(config or DispatcherConfig(), dict(services or {}), name, cores_per_node)
+    ).remote(config or DispatcherConfig(), dict(services or {}), name, cores_per_node, submit)
     info = ray.get(actor.ready.remote(), timeout=timeout_s)
     if "error" in info:
         ray.kill(actor, no_restart=True)

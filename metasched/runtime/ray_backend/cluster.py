@@ -8,12 +8,24 @@ mixed cluster), which core ids commands are pinned to is what a task on the node
 run on (asked once, by a task pinned to it), its memory is the node's. GPUs are Ray's
 ``GPU`` resources, each served by an actor (:mod:`.gpu_hosts`).
 
-A granted command becomes ``run_command`` on its node (``NodeAffinitySchedulingStrategy``,
-not soft: a trajectory's commands run where its sandbox is) with ``num_cpus`` equal to
-its granted cores, so Ray's own accounting agrees with the dispatcher's and other Ray
-work on the cluster sees the cores as taken. Tasks are not retried by Ray: a command
-that was lost with its worker or node is reported failed, with the reason, and the
-dispatcher's journal decides what runs again.
+Each node has the dispatcher's agent (:mod:`.node_agent`: the node's sandboxes and
+cgroups), which runs every command granted there, in its trajectory's sandbox: a
+trajectory's commands run on the node of its sandbox (the core places the sandbox and
+pins the trajectory's actions there, as in simulation). How a command reaches the agent
+is ``submit``:
+
+- ``"task"`` (the default): a Ray task pinned to the node (``NodeAffinitySchedulingStrategy``,
+  not soft) with ``num_cpus`` equal to its granted cores, which asks the node's agent to
+  run it, so Ray's own accounting agrees with the dispatcher's grant by grant and other
+  Ray work on the cluster sees the cores as taken while the command runs;
+- ``"agent"``: one actor call to the node's agent, without a task: a task submission
+  less per action (see ``benchmarks/ray_throughput.py``); the agents then hold the
+  dispatcher's cores of their node in Ray's accounting (``num_cpus``) for as long as
+  the dispatcher runs, busy or not.
+
+Tasks and calls are not retried by Ray: a command that was lost with its worker or node
+is reported failed, with the reason, and the dispatcher's journal decides what runs
+again.
 """
 
 from __future__ import annotations
@@ -22,7 +34,7 @@ import asyncio
 import logging
 import pickle
 from collections.abc import Collection, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
@@ -33,18 +45,24 @@ from metasched.runtime.backend import CommandSpec, Node
 from metasched.runtime.gpu import LiveService
 from metasched.runtime.outcome import Outcome
 from metasched.runtime.ray_backend.gpu_hosts import RayGpuHost
+from metasched.runtime.ray_backend.node_agent import BoxSpec, NodeAgent, pack, run_on_agent
 from metasched.runtime.ray_backend.node_tasks import (
     DISPATCHER_ENV,
     NodeFacts,
     describe_node,
     kill_orphans,
-    pack,
-    run_command,
 )
+from metasched.runtime.sandbox.config import SandboxConfig
+from metasched.runtime.sandbox.workspace import Template
 
 log = logging.getLogger("metasched.dispatch")
 
 DESCRIBE_TIMEOUT_S = 60.0  # how long nodes may take to answer the first look
+SUBMIT_MODES = ("task", "agent")
+AGENT_CONCURRENCY = 10_000  # commands one node's agent may run at once (async calls)
+
+
+_MB = 1 << 20
 
 
 def _pinned(node_id: str) -> NodeAffinitySchedulingStrategy:
@@ -143,6 +161,69 @@ def lost(e: BaseException) -> str:
     return f"ray: {type(e).__name__}: {text}" if text else f"ray: {type(e).__name__}"
 
 
+@dataclass(eq=False)
+class RemoteSandbox:
+    """A trajectory's sandbox as the dispatcher sees it on a Ray backend: what its first
+    command decided (the node's agent makes it there, at that command). Ready at once:
+    a sandbox that cannot be made fails its command with the reason."""
+
+    key: str
+    network: bool
+    size_bytes: int
+    template: Template | None
+    ready: asyncio.Future[None]
+
+    def box(self) -> BoxSpec:
+        return BoxSpec(self.key, self.network, self.size_bytes / _MB, self.template)
+
+
+class RemoteSandboxes:
+    """The sandboxes of every node, as the dispatcher tracks them (the interface of
+    :class:`~metasched.runtime.sandbox.manager.Sandboxes` it uses); each lives in its
+    node's agent."""
+
+    def __init__(self, backend: RayBackend, facts: list[dict[str, Any]],
+                 config: SandboxConfig) -> None:
+        self.backend = backend
+        self.config = config
+        self.isolated = all(f["isolated"] for f in facts)
+        self.warnings = sorted({w for f in facts for w in f["warnings"]})
+        lines = sorted({f["confinement"] for f in facts})
+        self._line = f"on {len(facts)} Ray nodes: " + " | ".join(lines)
+        self._sandboxes: dict[str, RemoteSandbox] = {}
+        self._shared: dict[bool, RemoteSandbox] = {}
+
+    def describe(self) -> str:
+        return self._line
+
+    def _new(self, key: str, size_mb: float, template: Template | None,
+             network: bool) -> RemoteSandbox:
+        ready = asyncio.get_running_loop().create_future()
+        ready.set_result(None)
+        return RemoteSandbox(key, network, int(size_mb * _MB), template, ready)
+
+    def get(self, key: str) -> RemoteSandbox | None:
+        return self._sandboxes.get(key)
+
+    def open(self, key: str, *, size_mb: float, template: Template | None,
+             network: bool) -> RemoteSandbox:
+        sb = self._sandboxes[key] = self._new(key, size_mb, template, network)
+        return sb
+
+    def shared(self, network: bool) -> RemoteSandbox:
+        sb = self._shared.get(network)
+        if sb is None:
+            sb = self._shared[network] = self._new("", self.config.scratch_mb, None, network)
+        return sb
+
+    def close_trajectory(self, key: str) -> None:
+        self._sandboxes.pop(key, None)
+        self.backend.close_trajectory(key)
+
+    def close(self) -> None:
+        """Nothing here: the agents end their sandboxes when the backend closes."""
+
+
 class RayBackend:
     """The Ray cluster as a :class:`~metasched.runtime.backend.Backend` (see the module
     docstring); made by :meth:`create` from the connected cluster.
@@ -152,14 +233,18 @@ class RayBackend:
         gpus: the GPU actors (None: no GPU).
         dispatcher: the dispatcher's name, carried by every command (the next
             dispatcher on the same journal finds the commands a dead one left by it).
-        workdir: where commands' scratch directories go on the nodes (None: ``/dev/shm``
+        workdir: where the agents' run directories go on the nodes (None: ``/dev/shm``
             where writable).
+        submit: how a command reaches its node's agent: ``"task"`` or ``"agent"``.
     """
 
     name = "ray"
 
     def __init__(self, nodes: list[Node], gpus: RayGpuHost | None, *, dispatcher: str,
-                 workdir: str | None = None) -> None:
+                 workdir: str | None = None, submit: str = "task") -> None:
+        if submit not in SUBMIT_MODES:
+            raise ConfigError("submit", f"must be one of {', '.join(SUBMIT_MODES)}, got "
+                              f"{submit!r}")
         self.nodes = nodes
         self.gpus = gpus
         self.devices = list(gpus.devices) if gpus is not None else []
@@ -167,13 +252,16 @@ class RayBackend:
         self.no_gpu_reason = "" if self.devices else "no GPU: the Ray cluster has none"
         self.dispatcher = dispatcher
         self.workdir = workdir
+        self.submit = submit
+        self.agents: list[Any] = []  # per node, once start_sandboxes has run
         self._free = [sorted(n.cores) for n in nodes]  # per node: core ids not running
         self._submit: dict[tuple[int, int], Any] = {}  # (node, cores) -> task options
+        self._where: dict[str, int] = {}  # trajectory -> the node of its sandbox
 
     @classmethod
     async def create(cls, *, dispatcher: str, services: Mapping[str, LiveService] | None = None,
                      cores_per_node: int | None = None, standin_mem_gb: float = 16.0,
-                     workdir: str | None = None) -> RayBackend:
+                     workdir: str | None = None, submit: str = "task") -> RayBackend:
         """The backend of the cluster this process is connected to (``ray.init`` first)."""
         nodes = await cluster_view(cores_per_node=cores_per_node)
         n_gpus = int(ray.cluster_resources().get("GPU", 0))
@@ -185,18 +273,45 @@ class RayBackend:
                             gpus.standin_reason)
         elif services:
             log.warning("GPU services registered, but the Ray cluster has no GPU")
-        return cls(nodes, gpus, dispatcher=dispatcher, workdir=workdir)
+        return cls(nodes, gpus, dispatcher=dispatcher, workdir=workdir, submit=submit)
+
+    async def start_sandboxes(self, config: SandboxConfig, hide: list[str]) -> RemoteSandboxes:
+        """Start each node's agent (its run directory, sandbox server and cgroups).
+
+        Raises:
+            ConfigError: a node cannot confine commands as configured (the message
+                names the node and why).
+        """
+        # The agents end with the actor that starts them (the dispatcher's), and their
+        # sandboxes with them. In "agent" mode they hold the dispatcher's cores in Ray.
+        cpus = len(self.nodes[0].cores) if self.submit == "agent" else 0
+        agent = ray.remote(NodeAgent)
+        self.agents = [agent.options(
+            num_cpus=cpus, max_restarts=0, max_concurrency=AGENT_CONCURRENCY,
+            scheduling_strategy=_pinned(n.name)).remote(config, hide, self.workdir)
+            for n in self.nodes]
+        try:
+            facts = await asyncio.wait_for(asyncio.gather(
+                *(a.describe.remote() for a in self.agents)), DESCRIBE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise ConfigError("sandbox", f"the Ray nodes' agents did not start within "
+                              f"{DESCRIBE_TIMEOUT_S:g} s") from None
+        for node, f in zip(self.nodes, facts, strict=True):
+            if "error" in f:
+                raise ConfigError("sandbox", f"node {node.name[:12]}: {f['error']}")
+        return RemoteSandboxes(self, facts, config)
 
     def _task(self, node: int, n_cores: int) -> Any:
-        """``run_command`` with the options of ``n_cores`` on ``node`` (made once)."""
+        """``run_on_agent`` with the options of ``n_cores`` on ``node`` (made once)."""
         key = (node, n_cores)
         fn = self._submit.get(key)
         if fn is None:
-            fn = self._submit[key] = run_command.options(
+            fn = self._submit[key] = run_on_agent.options(
                 num_cpus=n_cores, scheduling_strategy=_pinned(self.nodes[node].name))
         return fn
 
-    def start_command(self, node: int, n_cores: int, spec: CommandSpec) -> RemoteCommand:
+    def start_command(self, node: int, n_cores: int, spec: CommandSpec,
+                      sandbox: RemoteSandbox | None = None) -> RemoteCommand:
         free = self._free[node]
         cores, free[:] = free[:n_cores], free[n_cores:]
         spec = replace(spec, extra_env={**(spec.extra_env or {}),
@@ -205,8 +320,21 @@ class RayBackend:
         def release() -> None:
             free.extend(cores)
             free.sort()
-        ref = self._task(node, n_cores).remote(pack(spec, cores, self.workdir))
+        if sandbox is not None and sandbox.key:
+            self._where[sandbox.key] = node
+        packed = pack(spec, cores, sandbox.box() if sandbox is not None else None)
+        agent = self.agents[node]
+        if self.submit == "agent":
+            ref = agent.run.remote(packed)
+        else:
+            ref = self._task(node, n_cores).remote(agent, packed)
         return RemoteCommand(ref, cores, release)
+
+    def close_trajectory(self, key: str) -> None:
+        """End trajectory ``key``'s sandbox on its node (nothing waits for it)."""
+        node = self._where.pop(key, None)
+        if node is not None and self.agents:
+            self.agents[node].close_trajectory.remote(key)
 
     async def run_device_command(self, device: int, spec: CommandSpec) -> Outcome:
         spec = replace(spec, extra_env={**(spec.extra_env or {}),
@@ -229,8 +357,15 @@ class RayBackend:
             log.info("killed %d commands a previous dispatcher left running", sum(killed))
 
     async def close(self) -> None:
+        agents, self.agents = self.agents, []
+        if agents:
+            # Each ends its sandboxes and removes what it made before it goes.
+            await asyncio.gather(*(a.close.remote() for a in agents), return_exceptions=True)
+            for a in agents:
+                ray.kill(a)
         if self.gpus is not None:
             self.gpus.close()
 
 
-__all__ = ["RayBackend", "RemoteCommand", "alive_nodes", "cluster_view", "lost"]
+__all__ = ["SUBMIT_MODES", "RayBackend", "RemoteCommand", "RemoteSandbox", "RemoteSandboxes",
+           "alive_nodes", "cluster_view", "lost"]

@@ -64,7 +64,8 @@ class GpuHostActor:
         from metasched.runtime.process import run_process
 
         return await run_process(
-            spec.argv, cores=usable_cores(), timeout_s=spec.timeout_s, env=spec.env,
+            spec.argv, cores=usable_cores(), timeout_s=spec.timeout_s,
+            env={**(spec.env or {}), **(spec.request_env or {})},
             mem_limit_mb=spec.mem_limit_mb, cpu_time_s=spec.cpu_time_s,
             tail_bytes=spec.tail_bytes, extra_env={**(spec.extra_env or {}),
                                                    **command_env(self.device)},

@@ -1,18 +1,10 @@
-"""What runs on a Ray node for the dispatcher: a granted command (as a task holding its
-cores in Ray's accounting), the node's description, and the removal of commands a
-dead dispatcher left running.
-
-A command runs through the same executor as on one machine
-(:func:`metasched.runtime.process.run_process`: pinned to its core ids, its own session,
-rlimits, a timeout that kills the group). The worker keeps one event loop for all the
-tasks it runs (making one per task would cost more than a short command's spawn).
-"""
+"""Tasks the dispatcher runs on a Ray node besides its commands (which its node agent
+runs: :mod:`.node_agent`): the node's description, and the removal of commands a dead
+dispatcher left running."""
 
 from __future__ import annotations
 
-import asyncio
 import os
-import pickle
 import signal
 import socket
 from collections.abc import Collection
@@ -21,57 +13,12 @@ from dataclasses import dataclass
 import psutil
 import ray
 
-from metasched.runtime.backend import CommandSpec
-from metasched.runtime.machine import default_workdir, memory_gb, usable_cores
+from metasched.runtime.machine import memory_gb, usable_cores
 
 # Every command of a Ray-backed dispatcher carries its action's id (ACTION_ENV, as on one
 # machine) and the dispatcher's name, so that the next dispatcher on the same journal finds
 # what the dead one left on any node without a pid in the journal.
 DISPATCHER_ENV = "METASCHED_DISPATCHER"
-
-_loop: asyncio.AbstractEventLoop | None = None
-
-
-def _event_loop() -> asyncio.AbstractEventLoop:
-    global _loop
-    if _loop is None or _loop.is_closed():
-        _loop = asyncio.new_event_loop()
-    return _loop
-
-
-def pack(spec: CommandSpec, cores: list[int], workdir: str | None) -> bytes:
-    """``run_command``'s argument: bytes pass through Ray without its serializer (a
-    dataclass costs it ~10x a pickle of it; this is paid on every action)."""
-    return pickle.dumps((spec, cores, workdir), pickle.HIGHEST_PROTOCOL)
-
-
-@ray.remote(max_retries=0)
-def run_command(packed: bytes) -> bytes:
-    """Run the command of ``pack(spec, cores, workdir)``, pinned to ``cores`` of this
-    node; how it ended (a pickled :class:`Outcome`, for the same reason).
-
-    ``ray.cancel`` (non-forced) interrupts the wait: the command's process group is
-    killed before the task ends, so nothing of it outlives the task.
-    """
-    from metasched.runtime.process import run_process
-
-    spec, cores, workdir = pickle.loads(packed)
-    loop = _event_loop()
-    run = loop.create_task(run_process(
-        spec.argv, cores=cores, timeout_s=spec.timeout_s, env=spec.env,
-        mem_limit_mb=spec.mem_limit_mb, cpu_time_s=spec.cpu_time_s,
-        tail_bytes=spec.tail_bytes, extra_env=spec.extra_env,
-        cwd_root=workdir if workdir is not None else default_workdir()))
-    try:
-        return pickle.dumps(loop.run_until_complete(run), pickle.HIGHEST_PROTOCOL)
-    except KeyboardInterrupt:  # how Ray delivers a cancellation
-        run.cancel()
-        try:
-            loop.run_until_complete(run)  # kills the group, removes the scratch directory
-        except BaseException:  # noqa: BLE001, S110 - cancelled: the task ends anyway
-            pass
-        raise
-
 
 @dataclass(frozen=True)
 class NodeFacts:
@@ -113,4 +60,4 @@ def kill_orphans(dispatcher: str, keys: Collection[str]) -> int:
     return len(groups)
 
 
-__all__ = ["DISPATCHER_ENV", "NodeFacts", "describe_node", "kill_orphans", "pack", "run_command"]
+__all__ = ["DISPATCHER_ENV", "NodeFacts", "describe_node", "kill_orphans"]
