@@ -1,7 +1,9 @@
 """The dispatcher's functional tests on both backends: this machine (``local``) and a Ray
-cluster (``ray``: the dispatcher as a named actor, commands as node-pinned tasks, GPU
-services in GPU actors), through the same interface (``submit`` / ``accept`` /
-``enqueue`` / ``stats``), durability included (journal, a killed dispatcher, dedup by id).
+cluster (``ray``: the dispatcher as a named actor, commands as node-pinned tasks run by
+each node's agent, GPU services in GPU actors), through the same interface (``submit`` /
+``accept`` / ``enqueue`` / ``stats``), durability included (journal, a killed
+dispatcher, dedup by id), and confinement (bwrap sandboxes and cgroup slots: no network,
+no writes outside the workspace, cores and memory held, a trajectory's workspace kept).
 
 Ray runs here as one local node bound to 127.0.0.1, started once for the module (Ray
 takes seconds to start) with 2 CPUs and one logical GPU (a CPU stand-in serves it).
@@ -43,12 +45,17 @@ BACKENDS = ["local", "ray"]
 
 def cfg(**kw) -> DispatcherConfig:
     kw.setdefault("scheduler", "elastic_greedy")
-    # Commands unconfined on both sides: a Ray node runs them as the Ray worker's user
-    # (sandboxes on Ray are not built yet); confinement is tested in test_sandbox_*.
+    # Commands unconfined (cgroup slots only) unless a test asks for sandboxes: these
+    # tests write gate files where a sandboxed command could not (see confined()).
     kw.setdefault("sandbox", SandboxConfig(isolation="none"))
     kw.setdefault("sample_interval_s", 0.05)
     kw.setdefault("gpu_standin", 1)  # local; on Ray the cluster's logical GPU is a stand-in
     return DispatcherConfig(**kw)
+
+
+def confined(**kw) -> DispatcherConfig:
+    """Settings whose commands run in bwrap sandboxes (a test using them needs bwrap)."""
+    return cfg(sandbox=SandboxConfig(isolation="bwrap"), **kw)
 
 
 def cpu(*argv: str, **kw) -> dict:
@@ -66,7 +73,7 @@ def ray_cluster():
         assert node["NodeManagerAddress"] == "127.0.0.1", node["NodeManagerAddress"]
         yield ray
     finally:
-        RaySide.shared = None
+        RaySide.shared = RaySide.shared_config = None
         ray.shutdown()
 
 
@@ -96,15 +103,17 @@ class LocalSide:
 class RaySide:
     """The dispatcher as a named actor, reached through a handle.
 
-    A test that asks for the default settings (``cfg()``, no journal, no services)
-    shares one actor with the others that do (started when first needed, as a cluster's
-    dispatcher serves many workers; each test connects its own handle): a dispatcher
-    actor takes seconds to start. Tests of their own settings, journals and restarts get
-    their own (the shared one is stopped first: each takes the cluster's GPU).
+    A test that asks for the default settings (``cfg()`` or ``confined()``: no journal,
+    no services) shares one actor with the others that do (started when first needed, as
+    a cluster's dispatcher serves many workers; each test connects its own handle): a
+    dispatcher actor takes seconds to start. Tests of their own settings, journals and
+    restarts get their own (the shared one is stopped first: each takes the cluster's
+    GPU).
     """
 
     name = "ray"
     shared: str | None = None  # the shared actor's name, once started
+    shared_config: DispatcherConfig | None = None  # its settings
 
     def __init__(self) -> None:
         from metasched.runtime.ray_backend import connect, start_dispatcher, stop_dispatcher
@@ -116,20 +125,23 @@ class RaySide:
         cannot start beside it."""
         if RaySide.shared is not None:
             self.stop(RaySide.shared, drain=False)
-            RaySide.shared = None
+            RaySide.shared = RaySide.shared_config = None
 
-    def shared_name(self) -> str:
-        """The shared actor's name (started by the first test that needs it)."""
+    def shared_name(self, config: DispatcherConfig) -> str:
+        """The shared actor's name, with ``config`` (started by the first test that
+        needs it; one of other settings is stopped first)."""
+        if RaySide.shared_config != config:
+            self.release_shared()
         if RaySide.shared is None:
             name = f"test-shared-{uuid.uuid4().hex[:8]}"
-            self.start(cfg(), name=name)
-            RaySide.shared = name
+            self.start(config, name=name)
+            RaySide.shared, RaySide.shared_config = name, config
         return RaySide.shared
 
     @asynccontextmanager
     async def dispatcher(self, config, services=None):
-        if config == cfg() and not services:
-            handle = self.connect(await asyncio.to_thread(self.shared_name))
+        if config in (cfg(), confined()) and not services:
+            handle = self.connect(await asyncio.to_thread(self.shared_name, config))
             try:
                 yield handle
             finally:
@@ -507,3 +519,114 @@ def test_commands_carry_their_action_id(side):
                                       id="who"))
     r = run(go())
     assert r.ok and r.stdout.strip() == "who"
+
+
+# ---------------------------------------------------------------------- confinement
+
+
+@pytest.fixture
+def boxed(side):
+    """``side``, for a test of commands in bwrap sandboxes (skipped where bwrap cannot
+    run: it needs root and bubblewrap)."""
+    from sandbox_helpers import needs_isolation
+
+    needs_isolation()
+    return side
+
+
+def test_a_sandboxed_command_runs_unprivileged_without_network(boxed):
+    """No network unless asked (a server on the host's 127.0.0.1 is out of reach), a
+    user id of the sandbox range, the workspace as its working directory."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    code = ("import os, socket\n"
+            "s = socket.socket(); s.settimeout(2)\n"
+            "try:\n"
+            f"    s.connect(('127.0.0.1', {port})); print('reached')\n"
+            "except OSError:\n"
+            "    print('unreachable')\n"
+            "print(os.getuid(), os.getcwd())")
+
+    async def go():
+        async with boxed.dispatcher(confined()) as d:
+            return await d.submit(cpu(PY, "-c", code))
+    try:
+        r = run(go())
+    finally:
+        listener.close()
+    assert r.ok, r.reason
+    reach, ident = r.stdout.strip().splitlines()
+    uid, cwd = ident.split()
+    assert reach == "unreachable"
+    assert int(uid) >= SandboxConfig().uid_range[0] and cwd == "/workspace"
+
+
+def test_a_sandboxed_command_writes_only_in_its_workspace(boxed, visible_dir):
+    """The system and the host's directories are read-only in the sandbox (a directory
+    it can see, world-writable on the host, included); its workspace is writable."""
+    visible_dir.chmod(0o777)
+    code = ("import os\n"
+            "for path in ['/etc/metasched-probe', '" + str(visible_dir / "x") + "']:\n"
+            "    try:\n"
+            "        open(path, 'w').write('x'); print('wrote', path)\n"
+            "    except OSError as e:\n"
+            "        print('refused', e.errno)\n"
+            "open('/workspace/ok', 'w').write('y'); print(open('/workspace/ok').read())")
+
+    async def go():
+        async with boxed.dispatcher(confined()) as d:
+            return await d.submit(cpu(PY, "-c", code))
+    r = run(go())
+    assert r.ok, r.reason
+    lines = r.stdout.strip().splitlines()
+    assert [ln.split()[0] for ln in lines[:2]] == ["refused", "refused"], lines
+    assert lines[2] == "y"
+    assert not (visible_dir / "x").exists() and not os.path.exists("/etc/metasched-probe")
+
+
+def test_a_sandboxed_command_is_held_to_its_cores_and_memory(boxed):
+    """Its cgroup's cpuset is its grant (asking for every core does not widen it), and
+    its memory limit holds (an allocation past it is killed, and said so)."""
+    widen = ("import os\n"
+             "try:\n"
+             "    os.sched_setaffinity(0, range(os.cpu_count()))\n"
+             "except OSError:\n"
+             "    pass\n"
+             "print(sorted(os.sched_getaffinity(0)))")
+    hog = "b = bytearray(512 << 20); b[::4096] = b'x' * len(b[::4096]); print('kept')"
+
+    async def go():
+        async with boxed.dispatcher(confined()) as d:
+            return await asyncio.gather(
+                d.submit(cpu(PY, "-c", widen, min_cores=1, max_cores=1)),
+                d.submit(cpu(PY, "-c", hog, mem_limit_mb=128)))
+    pinned, hogged = run(go())
+    assert pinned.ok, pinned.reason
+    assert json.loads(pinned.stdout) == pinned.allocation["cores"]
+    assert len(pinned.allocation["cores"]) == 1
+    assert hogged.status == "failed" and "memory limit exceeded" in hogged.reason, hogged
+
+
+def test_a_trajectorys_workspace_persists_across_its_actions_only(boxed):
+    """A trajectory's actions share its sandbox's workspace (on its node: the same one
+    for each of them); another trajectory's is out of sight."""
+    t1, t2 = f"t-{uuid.uuid4().hex[:8]}", f"t-{uuid.uuid4().hex[:8]}"
+    write = "open('note', 'w').write('kept')"
+    read = ("import os\n"
+            "print(open('note').read() if os.path.exists('note') else 'absent')")
+
+    async def go():
+        async with boxed.dispatcher(confined()) as d:
+            first = await d.submit(cpu(PY, "-c", write, trajectory=t1))
+            again = await d.submit(cpu(PY, "-c", read, trajectory=t1, turn=1))
+            other = await d.submit(cpu(PY, "-c", read, trajectory=t2))
+            return first, again, other
+    first, again, other = run(go())
+    assert first.ok and again.ok and other.ok, (first.reason, again.reason, other.reason)
+    assert again.stdout.strip() == "kept" and other.stdout.strip() == "absent"
+    if boxed.name == "ray":
+        assert first.allocation["node"] == again.allocation["node"]
