@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import uuid
 from contextlib import asynccontextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -431,7 +432,7 @@ def test_ray_cluster_view_is_what_ray_reports(ray_cluster):
 def test_ray_dispatcher_is_found_by_name_from_another_process(ray_cluster, tmp_path):
     """A worker in another process (a Ray driver of its own) connects by name, submits
     through the sync handle, and its command runs as a task of the cluster."""
-    name = RaySide().shared_name()
+    name = RaySide().shared_name(cfg())
     worker = f"""
 import json, os, ray
 from metasched.runtime.ray_backend import connect
@@ -472,6 +473,38 @@ def test_ray_commands_hold_their_cores_in_rays_accounting(ray_cluster):
             return r, during
     r, during = run(go())
     assert r.ok and len(r.allocation["cores"]) == 2 and during == 0.0
+
+
+def test_ray_agent_submission_holds_the_dispatchers_cores_while_it_runs(ray_cluster):
+    """submit="agent": commands are calls to the node's agent (no task each), and the
+    agent holds the dispatcher's cores in Ray's accounting until the dispatcher stops."""
+    from metasched.runtime.ray_backend import start_dispatcher, stop_dispatcher
+
+    RaySide().release_shared()
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    handle = start_dispatcher(cfg(), name=name, submit="agent")
+    try:
+        with handle.sync() as d:
+            r = d.submit(cpu(PY, "-c", "import os; print(len(os.sched_getaffinity(0)))",
+                             min_cores=2, max_cores=2))
+        during = ray_cluster.available_resources().get("CPU", 0.0)
+    finally:
+        stop_dispatcher(name)
+    for _ in range(100):
+        if ray_cluster.available_resources().get("CPU", 0.0) == RAY_CPUS:
+            break
+        time.sleep(0.05)
+    assert r.ok and r.stdout.strip() == "2", r
+    assert during == 0.0
+    assert ray_cluster.available_resources().get("CPU", 0.0) == RAY_CPUS
+
+
+def test_ray_unknown_submission_mode_is_one_line(ray_cluster):
+    from metasched.runtime.ray_backend import start_dispatcher
+
+    RaySide().release_shared()
+    with pytest.raises(ConfigError, match="submit: must be one of task, agent"):
+        start_dispatcher(cfg(), name=f"test-{uuid.uuid4().hex[:8]}", submit="carrier")
 
 
 def test_ray_command_of_a_stopped_dispatcher_is_killed_with_its_task(ray_cluster, visible_dir):

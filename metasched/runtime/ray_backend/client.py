@@ -32,7 +32,7 @@ from metasched.errors import ConfigError
 from metasched.runtime.dispatcher import DispatcherConfig
 from metasched.runtime.gpu import LiveService
 from metasched.runtime.ray_backend.actor import DispatcherActor, dumps
-from metasched.runtime.ray_backend.cluster import lost
+from metasched.runtime.ray_backend.cluster import check_submit, lost
 from metasched.runtime.requests import REJECTED, Request, Result
 
 log = logging.getLogger("metasched.dispatch")
@@ -72,6 +72,7 @@ def start_dispatcher(config: DispatcherConfig | None = None, *, name: str = DEFA
         ConfigError: the dispatcher cannot start on this cluster (one line, naming the
             setting), e.g. a journal another dispatcher holds.
     """
+    check_submit(submit)
     _ensure_ray(address)
     here = ray.get_runtime_context().get_node_id()
     actor = ray.remote(DispatcherActor).options(

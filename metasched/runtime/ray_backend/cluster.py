@@ -65,6 +65,14 @@ AGENT_CONCURRENCY = 10_000  # commands one node's agent may run at once (async c
 _MB = 1 << 20
 
 
+def check_submit(submit: str) -> str:
+    """``submit`` if it names a way of reaching the agents (ConfigError if not)."""
+    if submit not in SUBMIT_MODES:
+        raise ConfigError("submit", f"must be one of {', '.join(SUBMIT_MODES)}, got "
+                          f"{submit!r}")
+    return submit
+
+
 def _pinned(node_id: str) -> NodeAffinitySchedulingStrategy:
     return NodeAffinitySchedulingStrategy(node_id, soft=False)
 
@@ -242,9 +250,7 @@ class RayBackend:
 
     def __init__(self, nodes: list[Node], gpus: RayGpuHost | None, *, dispatcher: str,
                  workdir: str | None = None, submit: str = "task") -> None:
-        if submit not in SUBMIT_MODES:
-            raise ConfigError("submit", f"must be one of {', '.join(SUBMIT_MODES)}, got "
-                              f"{submit!r}")
+        check_submit(submit)
         self.nodes = nodes
         self.gpus = gpus
         self.devices = list(gpus.devices) if gpus is not None else []
@@ -368,4 +374,4 @@ class RayBackend:
 
 
 __all__ = ["SUBMIT_MODES", "RayBackend", "RemoteCommand", "RemoteSandbox", "RemoteSandboxes",
-           "alive_nodes", "cluster_view", "lost"]
+           "alive_nodes", "check_submit", "cluster_view", "lost"]
