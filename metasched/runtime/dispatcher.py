@@ -497,8 +497,9 @@ class Dispatcher:
                 why = ("not replayable after a restart (an api call given as a Python "
                        "callable): resubmit it" if doc.get("kind") == "api"
                        and "http" not in doc else f"cannot run here: {e}")
-                job = _Job(Request(kind="cpu", timeout_s=1.0, id=key), future, queued_at,
-                           attempts)
+                # A placeholder (not validated: it never runs) to carry the failure.
+                job = _Job(Request.model_construct(kind="cpu", timeout_s=1.0, id=key),
+                           future, queued_at, attempts)
                 self._jobs[key] = job
                 self._finish_job(job, Result(key, FAILED, why, queued_at=queued_at,
                                              finished_at=time.time(), attempts=attempts))
