@@ -120,7 +120,7 @@ def _fields_at(model: Any, loc: Sequence[Any]) -> list[str] | None:
 
 def validation_error(errors: Sequence[Mapping[str, Any]], loc: str = "", *,
                      model: Any = None, strip: Sequence[str] = (),
-                     at: Sequence[str] = ()) -> ConfigError:
+                     at: Sequence[str] = (), root: str = "request") -> ConfigError:
     """The first of a pydantic validation error's ``errors()`` as one line naming its
     field: ``<loc>: <field path>: <problem> (got <value>)``.
 
@@ -131,16 +131,19 @@ def validation_error(errors: Sequence[Mapping[str, Any]], loc: str = "", *,
         strip: leading location parts to leave out (FastAPI's ``body``).
         at: location parts to put before the error's own (``("http",)``: the model
             validated is the ``http`` field of a request).
+        root: the name of the whole value, for an error that is about all of it.
 
     A validator that raises a :class:`ConfigError` names its own field (relative to
     where it ran): cross-field rules say which field is wrong.
     """
     if not errors:
-        return ConfigError(loc or "request", "invalid")
+        return ConfigError(loc or root, "invalid")
     e = errors[0]
     parts = list(e.get("loc", ()))
     while parts and strip and parts[0] in strip:
         parts.pop(0)
+    if e.get("type") == "json_invalid":
+        parts = []  # its location is a character offset
     key = bool(parts) and parts[-1] == "[key]"
     if key:  # a mapping's key: named as the mapping
         parts = parts[:-2]
@@ -172,7 +175,7 @@ def validation_error(errors: Sequence[Mapping[str, Any]], loc: str = "", *,
     if key and kind != "value_error":
         problem = f"bad key: {problem}"
     where = _path(parts)
-    field = f"{loc}: {where}" if loc and where else loc or where or "request"
+    field = f"{loc}: {where}" if loc and where else loc or where or root
     return ConfigError(field, problem)
 
 

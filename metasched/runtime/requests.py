@@ -66,6 +66,7 @@ from pydantic import (
     ValidationInfo,
     model_validator,
 )
+from pydantic.json_schema import SkipJsonSchema
 
 from metasched.core.cost_model import signature
 from metasched.errors import ConfigError, short, validation_error
@@ -159,7 +160,7 @@ class Request(BaseModel):
 
     kind: Literal["cpu", "gpu", "api"]
     timeout_s: Seconds
-    id: Text
+    id: Text = ""  # a fresh key when not given (the validator makes it)
     task: Text = "default"
     name: str = ""
     trajectory: TrajectoryId = None
@@ -182,7 +183,8 @@ class Request(BaseModel):
     endpoint: Text | None = None
     tokens: Count(0) = 0
     http: HttpSpec | None = None
-    call: Callable[[], Awaitable[Any]] | None = Field(None, exclude=True)
+    # From Python only: not in the JSON form, nor in its schema.
+    call: SkipJsonSchema[Callable[[], Awaitable[Any]] | None] = Field(None, exclude=True)
 
     @model_validator(mode="before")
     @classmethod
