@@ -36,14 +36,28 @@ def short(value: Any, limit: int = 60) -> str:
     return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
-def one_of(value: Any, choices: Iterable[Any], field: str, what: str = "") -> Any:
-    """``value`` if it is one of ``choices``, else a ConfigError naming ``field``: the
-    check for settings that are not pydantic models (their ``Literal`` fields get the
-    same message from :func:`validation_error`)."""
+def one_of(value: Any, choices: Iterable[Any], field: object, *, what: str = "",
+           null: bool = False) -> Any:
+    """``value`` if it is one of ``choices`` (or None, if ``null``), else a ConfigError
+    naming ``field``: ``must be one of a, b, c (got 'x')``. The check for settings that
+    are not pydantic models; a model's ``Literal`` field gets the same message from
+    :func:`validation_error`.
+
+    Args:
+        value: the value given.
+        choices: the allowed values.
+        field: its name (anything whose ``str`` is the name, e.g. a trace's locator).
+        what: what the choices are, in the message (``"the schedulers"``).
+        null: None is allowed too.
+    """
     choices = tuple(choices)
-    if value not in choices:
-        names = ", ".join(str(c) for c in choices)
-        raise ConfigError(field, f"must be one of {what + ' ' if what else ''}{names} "
+    try:
+        ok = value in choices or (null and value is None)
+    except TypeError:  # an unhashable value, against a set or a dict's keys
+        ok = False
+    if not ok:
+        names = ", ".join(str(c) for c in choices) + (" or null" if null else "")
+        raise ConfigError(str(field), f"must be one of {what + ' ' if what else ''}{names} "
                           f"(got {short(value)})")
     return value
 

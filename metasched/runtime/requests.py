@@ -68,6 +68,7 @@ from pydantic import (
 )
 from pydantic.json_schema import SkipJsonSchema
 
+from metasched.core.actions import KINDS
 from metasched.core.cost_model import signature
 from metasched.errors import ConfigError, short, validation_error
 from metasched.runtime.api_calls import HttpSpec
@@ -158,7 +159,7 @@ class Request(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
 
-    kind: Literal["cpu", "gpu", "api"]
+    kind: Literal[KINDS]  # type: ignore[valid-type]  # the core's kinds: cpu, gpu, api
     timeout_s: Seconds
     id: Text = ""  # a fresh key when not given (the validator makes it)
     task: Text = "default"
