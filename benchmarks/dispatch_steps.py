@@ -6,7 +6,11 @@ Prints µs per call (best of 3 ``timeit`` repeats) for: watching a pipe with asy
 ``add_reader``/``remove_reader`` against registering it in a plain ``select.epoll``
 (what ``FdWatch`` does; three descriptors per action), making and removing a scratch
 directory with ``tempfile.mkdtemp`` against one exclusive ``mkdir`` (``make_workdir``),
-parsing a one-line cpu request, its journal form, and a result's JSON.
+parsing requests (a minimal cpu one, a cpu one with 13 fields, an api one with its http
+spec, a job file's line: its JSON decoded too), the journal form, and a result's JSON.
+
+The script runs against any tree that has ``parse_request``: to compare two, run it with
+each tree's interpreter (or ``PYTHONPATH``) alternately.
 """
 
 from __future__ import annotations
@@ -24,6 +28,12 @@ from metasched.runtime.process.workdir import make_workdir
 from metasched.runtime.requests import Result, parse_request
 
 REQUEST = {"kind": "cpu", "argv": ["/bin/true"], "timeout_s": 60}
+FULL = {"kind": "cpu", "argv": ["python3", "-c", "print(1)"], "timeout_s": 60,
+        "trajectory": "t-17", "turn": 3, "task": "swe", "est_s": 0.5, "min_cores": 1,
+        "max_cores": 4, "parallel_fraction": 0.8, "env": {"SEED": "1"},
+        "mem_limit_mb": 512}
+API = {"kind": "api", "endpoint": "search", "tokens": 20, "timeout_s": 30,
+       "http": {"url": "http://127.0.0.1:9/search", "method": "POST", "json": {"q": "x"}}}
 
 
 def best_us(fn, n: int) -> float:
@@ -67,6 +77,11 @@ def main() -> None:
     rows[f"make_workdir + rmdir ({root})"] = best_us(lambda: os.rmdir(make_workdir(root)), n)
     req = parse_request(REQUEST)
     rows["parse_request (cpu, 3 fields)"] = best_us(lambda: parse_request(REQUEST), n)
+    rows["parse_request (cpu, 13 fields)"] = best_us(lambda: parse_request(FULL), n)
+    rows["parse_request (api, http spec)"] = best_us(lambda: parse_request(API), n)
+    line = json.dumps(FULL)
+    rows["job line: json.loads + parse_request (cpu, 13 fields)"] = best_us(
+        lambda: parse_request(json.loads(line), "jobs.jsonl:1"), n)
     rows["journal form of the request"] = best_us(lambda: json.dumps(
         {"queued_at": 1.0, "request": req.to_dict()}, separators=(",", ":")), n)
     result = Result(req.id, "done", "", 0, None, "", "", 1.0, 2.0, 3.0, {"cores": [1]}, 1)
