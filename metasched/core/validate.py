@@ -29,7 +29,7 @@ def bounded(value: Any, path: object, *, lo: float = -math.inf, hi: float = math
     """``value`` as a number within the bounds (an int if ``integer``), or an error naming
     ``path``."""
     # ``path`` is turned into text only for an error (ConfigError calls str on it): the
-    # request parser passes its field locators as they are, per field, per request.
+    # trace parser passes its field locators as they are, per field, per line.
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(path, f"must be a number (got {value!r})")
     try:
