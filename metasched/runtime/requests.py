@@ -157,13 +157,13 @@ class Request(BaseModel):
     if one fails).
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
     kind: Literal[KINDS]  # type: ignore[valid-type]  # the core's kinds: cpu, gpu, api
     timeout_s: Seconds
     id: Text = ""  # a fresh key when not given (the validator makes it)
     task: Text = "default"
-    name: str = ""
+    name: Text = ""  # the command's basename, the service or the endpoint when not given
     trajectory: TrajectoryId = None
     turn: Turn = 0
     reward: Flag = False
