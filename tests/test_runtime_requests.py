@@ -10,8 +10,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from metasched.core.cost_model import CostModel
-from metasched.errors import ConfigError
-from metasched.errors import one_of, validation_error
+from metasched.errors import ConfigError, one_of, validation_error
 from metasched.runtime.requests import Request, Result, parse_request
 
 CPU = {"kind": "cpu", "argv": ["/bin/echo", "hi"], "timeout_s": 5}

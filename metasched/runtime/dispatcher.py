@@ -40,7 +40,7 @@ from metasched.core.observation import ObsConfig, ObservationEncoder
 from metasched.core.pools import EndpointSpec, ServiceSpec
 from metasched.core.scheduler import Scheduler
 from metasched.core.state import ClusterState, InvalidGrant
-from metasched.errors import ConfigError
+from metasched.errors import ConfigError, one_of
 from metasched.runtime.api_calls import RetryPolicy, call_api, make_client, warm_up
 from metasched.runtime.gpu import (
     GpuSampler,
@@ -214,8 +214,7 @@ class Dispatcher:
         self.state.metrics = Recorder(max_actions=cfg.metrics_window)
         self.guard = WaitGuard(cfg.max_wait_s)
         self.cost = CostModel(cfg.cost_alpha, cfg.default_est_s)
-        if cfg.estimates not in ("online", "request"):
-            raise ConfigError("estimates", f"must be online or request (got {cfg.estimates!r})")
+        one_of(cfg.estimates, ("online", "request"), "estimates")
         self._request_estimates = cfg.estimates == "request"
         self.workdir = (check_workdir(cfg.workdir) if cfg.workdir is not None
                         else default_workdir())
