@@ -20,7 +20,8 @@ class ConfigError(ValueError):
         # One line, whatever the names in it contain.
         self.field = str(field).replace("\r", "\\r").replace("\n", "\\n")
         self.problem = str(problem).replace("\r", "\\r").replace("\n", "\\n")
-        super().__init__(f"{self.field}: {self.problem}")
+        # No field: raised inside a validator, whose caller names it (validation_error).
+        super().__init__(f"{self.field}: {self.problem}" if self.field else self.problem)
 
     def __reduce__(self):
         # Rebuilt from both parts, so it crosses process boundaries (evaluation workers).
@@ -168,9 +169,8 @@ def validation_error(errors: Sequence[Mapping[str, Any]], loc: str = "", *,
     kind = e.get("type", "")
     cause = ctx.get("error")
     if kind in ("value_error", "assertion_error") and isinstance(cause, ConfigError):
-        where = _path(parts)
-        where = f"{where}.{cause.field}" if where and cause.field else where or cause.field
-        field = f"{loc}: {where}" if loc and where else loc or where
+        where = _path([*parts, cause.field] if cause.field else parts)
+        field = f"{loc}: {where}" if loc and where else loc or where or root
         return ConfigError(field, cause.problem)
     if kind in ("value_error", "assertion_error") and cause is not None:
         problem = str(cause)

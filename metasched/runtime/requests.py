@@ -7,7 +7,7 @@ journal and the steps of ``/run_code`` all validate with it, and a failed check 
 line naming the field (:func:`metasched.errors.validation_error`), e.g.
 ``jobs.jsonl:3: timeout_s: must be > 0 (got -1)``. Numbers, strings and booleans are
 strict: ``"2"`` is not 2 and ``1`` is not ``true`` (a whole float, ``2.0``, is a whole
-number); ``null`` is the default of an optional field.
+number); ``null`` stands for "not given" in the fields whose default is none.
 
 A request is one action. Fields every kind has:
 
