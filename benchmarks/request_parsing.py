@@ -24,28 +24,24 @@ import subprocess
 import sys
 from pathlib import Path
 
-# The worker: reads a step name and a count per line, answers the seconds they took.
+from dispatch_steps import API, FULL, REQUEST
+
+# The requests timed: those of dispatch_steps.py, sent to each worker as JSON.
+REQUESTS = {"cpu, 3 fields": REQUEST, "cpu, 13 fields": FULL, "api, http spec": API}
+
+# The worker: reads the requests, then a step name and a count per line, and answers the
+# seconds they took.
 WORKER = r'''
 import json, sys, time
 from metasched.runtime.requests import parse_request
-CPU = {"kind": "cpu", "argv": ["/bin/true"], "timeout_s": 60}
-FULL = {"kind": "cpu", "argv": ["python3", "-c", "print(1)"], "timeout_s": 60,
-        "trajectory": "t-17", "turn": 3, "task": "swe", "est_s": 0.5, "min_cores": 1,
-        "max_cores": 4, "parallel_fraction": 0.8, "env": {"SEED": "1"},
-        "mem_limit_mb": 512}
-API = {"kind": "api", "endpoint": "search", "tokens": 20, "timeout_s": 30,
-       "http": {"url": "http://127.0.0.1:9/search", "method": "POST", "json": {"q": "x"}}}
-LINE = json.dumps(FULL)
-STEPS = {
-    "cpu, 3 fields": lambda: parse_request(CPU),
-    "cpu, 13 fields": lambda: parse_request(FULL),
-    "api, http spec": lambda: parse_request(API),
-    "job line (json.loads + parse)": lambda: parse_request(json.loads(LINE), "jobs.jsonl:1"),
-}
-print(json.dumps(list(STEPS)), flush=True)
-for line in sys.stdin:
-    name, n = line.rsplit(" ", 1)
-    fn = STEPS[name]
+requests = json.loads(sys.stdin.readline())
+line = json.dumps(requests["cpu, 13 fields"])
+steps = {name: (lambda d=d: parse_request(d)) for name, d in requests.items()}
+steps["job line (json.loads + parse)"] = lambda: parse_request(json.loads(line), "jobs.jsonl:1")
+print(json.dumps(list(steps)), flush=True)
+for cmd in sys.stdin:
+    name, n = cmd.rsplit(" ", 1)
+    fn = steps[name]
     t0 = time.perf_counter()
     for _ in range(int(n)):
         fn()
@@ -67,6 +63,9 @@ def main() -> None:
     workers = [subprocess.Popen([p, "-c", WORKER], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, text=True) for p in pythons]
     try:
+        for w in workers:
+            w.stdin.write(json.dumps(REQUESTS) + "\n")
+            w.stdin.flush()
         steps = [json.loads(w.stdout.readline()) for w in workers][0]
         times: dict[tuple[int, str], list[float]] = {}
         for b in range(args.bursts):
