@@ -131,7 +131,7 @@ def test_wrong_service_batch_member(state):
 
 
 def test_api_without_tokens(state):
-    a = submit(state, api_spec(tokens=11))  # more than the 10-token bucket
+    a = submit(state, api_spec(tokens=11))  # more than the 10 tokens a window admits
     assert state.check(Grant(a)) == "endpoint e has no free slot or tokens"
     b = submit(state, api_spec(tokens=4))
     state.start(Grant(b))  # spends the only request of the RPM bucket
