@@ -380,12 +380,15 @@ def test_live_replay_benchmark_prints_sim_and_live_side_by_side():
                                          (["--scale", "0"], "scale"),
                                          (["--estimates", "exact"], "estimates"),
                                          (["--launch-s", "soon"], "launch-s"),
+                                         # the live runs' start-up needs live runs
+                                         (["--launch-s", "live"], "launch-s"),
                                          (["--schedulers", "fifo,nope"], "schedulers"),
                                          (["--profile", "rm_math"], "profile")])
 def test_live_replay_bad_arguments_are_one_line(args, field):
     root = Path(__file__).resolve().parent.parent
-    r = subprocess.run([sys.executable, str(root / "benchmarks" / "live_replay.py"), *args,
-                        "--repeats", "0"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "live_replay.py"),
+                        "--repeats", "0", "--launch-s", "auto", *args],
+                       capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"error: {field}: "), r.stderr
