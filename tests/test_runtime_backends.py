@@ -298,7 +298,7 @@ def test_api_call_is_retried_within_the_dispatchers_quota(side):
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Counting)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}/q"
-    ep = {"e": EndpointSpec(rpm=6000, max_concurrency=2, burst_s=1.0)}
+    ep = {"e": EndpointSpec(rpm=6000, max_concurrency=2, window_s=1.0)}
 
     async def go():
         async with side.dispatcher(cfg(endpoints=ep, retry=RetryPolicy(4, 0.01, 0.05))) as d:
