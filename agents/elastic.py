@@ -68,9 +68,13 @@ class ElasticGreedyScheduler(Scheduler):
         """Queue the actions submitted since the last decision."""
         if self._arrivals.new_run(state):  # a new run: start over
             self._cpu_q: dict[int, PendingQueue] = {}  # by the node an action must run on
+            # Nodes whose queue holds entries: a decision visits these, not every node of
+            # the cluster (10^3-10^4 nodes, few of them with anything queued at a time).
+            self._cpu_busy: set[int] = set()
             self._api_q: dict[str, PendingQueue] = {}  # by endpoint
         for a in self._arrivals.new(state, "cpu"):
             self._cpu_q.setdefault(a.node, PendingQueue()).push(self._cpu_key(a), a)
+            self._cpu_busy.add(a.node)
         eps = state.api.endpoints
         for a in self._arrivals.new(state, "api"):
             key = self._api_key(eps[a.spec.endpoint].spec, a)
@@ -118,9 +122,10 @@ class ElasticGreedyScheduler(Scheduler):
         pending = state.pending["cpu"]
         # Sandbox nodes first (each uses only its own cores), then actions free to go
         # to the node with the most free cores.
-        for node in sorted(self._cpu_q, key=lambda n: (n < 0, n)):
+        for node in sorted(self._cpu_busy, key=lambda n: (n < 0, n)):
             q = self._cpu_q[node]
             if not q.heap:
+                self._cpu_busy.discard(node)  # its last entries were dropped when met
                 continue
             chosen: list[tuple[Action, int]] = []
             waiting = False

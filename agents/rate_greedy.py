@@ -103,6 +103,7 @@ class RateGreedyScheduler(ElasticGreedyScheduler):
             self._cpu_q = {}
             for a in state.pending["cpu"].values():
                 self._cpu_q.setdefault(a.node, PendingQueue()).push(self._cpu_key(a), a)
+            self._cpu_busy = set(self._cpu_q)
 
     def _cpu_key(self, a: Action) -> tuple:
         s = a.spec

@@ -580,7 +580,7 @@ def test_an_executor_bug_fails_its_action_instead_of_hanging(monkeypatch, where)
             raise RuntimeError("bug")
         return _BrokenWait()
 
-    monkeypatch.setattr(mod, "start_process", broken)
+    monkeypatch.setattr(mod, "launch", broken)  # where the dispatcher starts commands
     (r, s), d = run(dispatch([cpu("/bin/true"), cpu("/bin/true")]))
     assert r.status == s.status == "failed" and r.reason == "internal error: RuntimeError: bug"
     assert d.state.cpu.busy == 0 and sorted(d._free_cores) == CORES

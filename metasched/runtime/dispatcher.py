@@ -19,7 +19,6 @@ import logging
 import math
 import os
 import sqlite3
-import tempfile
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
@@ -42,6 +41,7 @@ from metasched.core.scheduler import Scheduler
 from metasched.core.state import ClusterState, InvalidGrant
 from metasched.errors import ConfigError, one_of
 from metasched.runtime.api_calls import RetryPolicy, call_api, make_client, warm_up
+from metasched.runtime.backend import Backend, Command, CommandSpec
 from metasched.runtime.gpu import (
     GpuSampler,
     LiveService,
@@ -59,12 +59,13 @@ from metasched.runtime.machine import (
     usable_cores,
 )
 from metasched.runtime.outcome import Outcome
-from metasched.runtime.process import Process, kill_group, start_process
+from metasched.runtime.process import Process, kill_group
 from metasched.runtime.requests import DONE, FAILED, REJECTED, Request, Result, parse_request
 from metasched.runtime.sandbox.config import SandboxConfig, allowed_env
+from metasched.runtime.sandbox.launch import launch, open_confinement
 from metasched.runtime.sandbox.manager import Sandbox, Sandboxes
-from metasched.runtime.sandbox.rundir import RunDirectory, remove_dead_runs
-from metasched.runtime.sandbox.workspace import WORKSPACE, template_from
+from metasched.runtime.sandbox.rundir import RunDirectory
+from metasched.runtime.sandbox.workspace import template_from
 
 log = logging.getLogger("metasched.dispatch")
 
@@ -181,31 +182,52 @@ class Dispatcher:
         services: live GPU services by name (see ``metasched.runtime.gpu``).
         scheduler: a ``Scheduler`` object instead of ``config.scheduler``.
         clock: monotonic seconds (tests inject a fake clock).
+        backend: where actions run (default: this machine; see
+            :mod:`metasched.runtime.backend`). A backend brings its own nodes, devices
+            and services: ``cores``, ``mem_gb`` and ``gpu_standin`` of ``config`` and
+            ``services`` are then the backend's business.
     """
 
     def __init__(self, config: DispatcherConfig | None = None, *,
                  services: Mapping[str, LiveService] | None = None,
                  scheduler: Scheduler | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 backend: Backend | None = None) -> None:
         self.config = cfg = config or DispatcherConfig()
-        usable = usable_cores()
-        self.cores = sorted(set(cfg.cores)) if cfg.cores is not None else usable
-        if not self.cores:
-            raise ConfigError("cores", "no CPU cores to run actions on")
-        if not set(self.cores) <= set(usable):
-            raise ConfigError("cores", f"{sorted(set(self.cores) - set(usable))} are not "
-                              f"usable here (usable: {usable})")
-        self.devices, self.no_gpu_reason = discover_devices(
-            standin=cfg.gpu_standin, standin_mem_gb=cfg.gpu_standin_mem_gb)
-        self.host = ServiceHost(self.devices)
-        for name, svc in (services or {}).items():
-            self.host.register(name, svc)
+        self.backend = backend
+        if backend is None:
+            usable = usable_cores()
+            self.cores = sorted(set(cfg.cores)) if cfg.cores is not None else usable
+            if not self.cores:
+                raise ConfigError("cores", "no CPU cores to run actions on")
+            if not set(self.cores) <= set(usable):
+                raise ConfigError("cores", f"{sorted(set(self.cores) - set(usable))} are not "
+                                  f"usable here (usable: {usable})")
+            self.devices, self.no_gpu_reason = discover_devices(
+                standin=cfg.gpu_standin, standin_mem_gb=cfg.gpu_standin_mem_gb)
+            self.host = ServiceHost(self.devices)
+            for name, svc in (services or {}).items():
+                self.host.register(name, svc)
+            n_nodes, node_cores = 1, len(self.cores)
+            node_mem = cfg.mem_gb if cfg.mem_gb is not None else memory_gb()
+        else:
+            if services:
+                raise ValueError("with a backend, GPU services are given to the backend")
+            if not backend.nodes:
+                raise ConfigError("cores", f"no CPU cores to run actions on ({backend.name})")
+            self.cores = []  # the backend's nodes' cores: not this process's to pin
+            self.devices, self.no_gpu_reason = list(backend.devices), backend.no_gpu_reason
+            self.host = backend.host
+            # The core's CPU pool has nodes of one size: the smallest node's.
+            n_nodes = len(backend.nodes)
+            node_cores = min(len(n.cores) for n in backend.nodes)
+            node_mem = min(n.mem_gb for n in backend.nodes)
         specs: dict[str, ServiceSpec] = dict(self.host.specs)
         if self.devices:
             specs[COMMAND_SERVICE] = ServiceSpec(mem_gb=0.0, restore_s=0.0, max_batch=1)
         self.cluster = ClusterConfig(
-            name="local", cpu_nodes=1, cores_per_node=len(self.cores),
-            mem_gb_per_node=cfg.mem_gb if cfg.mem_gb is not None else memory_gb(),
+            name="local" if backend is None else backend.name, cpu_nodes=n_nodes,
+            cores_per_node=node_cores, mem_gb_per_node=node_mem,
             gpu_devices=len(self.devices),
             gpu_mem_gb=min((d.mem_gb for d in self.devices), default=0.0),
             endpoints=dict(cfg.endpoints))
@@ -251,7 +273,7 @@ class Dispatcher:
         self._tasks: set[asyncio.Task] = set()
         # Started commands whose task has not finished waiting for them: on close, any
         # whose task never ran is abandoned (killed and cleaned up) rather than leaked.
-        self._commands: set[Process] = set()
+        self._commands: set[Process | Command] = set()
         self._next_action = 0
         self._next_traj = 0
         self._kick_pending = False
@@ -267,7 +289,9 @@ class Dispatcher:
         self._wake: asyncio.TimerHandle | None = None  # the next quota refill or deadline
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
-        self.gpu_sampler = GpuSampler(self.devices, self.host) if self.devices else None
+        # NVML readings and per-core load are this machine's: a backend's are not here.
+        self.gpu_sampler = (GpuSampler(self.devices, self.host)
+                            if self.devices and backend is None else None)
         self.monitor = MachineMonitor(self.cores, self.gpu_sampler)
         self.boxes: Sandboxes | None = None  # made at start
         self.run_dir: RunDirectory | None = None
@@ -312,8 +336,14 @@ class Dispatcher:
                 max_keepalive=max(1, sum(ep.spec.max_concurrency for ep in endpoints)))
             await warm_up()
         if self.journal is not None:
-            self._read_journal(self._kill_orphans)
-        await self._start_sandboxes()
+            if self.backend is not None:  # its commands are found by id on every node
+                await self.backend.kill_orphans([key for key, _, _ in self.journal.unfinished()])
+            else:
+                self._read_journal(self._kill_orphans)
+        if self.backend is None:
+            await self._start_sandboxes()
+        else:  # each node's commands are confined there, as they are here
+            self.boxes = await self.backend.start_sandboxes(self.config.sandbox, self._hidden())
         if self.journal is not None:
             self._read_journal(self._recover)
         self._ticker = asyncio.create_task(self._tick())
@@ -442,37 +472,18 @@ class Dispatcher:
             except (psutil.Error, OSError):
                 pass
 
-    async def _start_sandboxes(self) -> None:
-        """Remove what dispatchers that are gone left (their run directories, with the
-        scratch directories and cgroups they record: nothing else), make this one's, and
-        start the sandboxes. The log says in one line how commands are confined."""
-        root = self.workdir if self.workdir is not None else tempfile.gettempdir()
-        removed = remove_dead_runs(root)
-        if removed:
-            log.info("removed what %d dispatchers that are gone left in %s", len(removed), root)
-        try:
-            self.run_dir = RunDirectory(root)
-        except OSError as e:
-            raise ConfigError("workdir", f"cannot make a directory in {root} "
-                              f"({e.strerror or e})") from None
-        # The journal's files are invisible to commands (a command that found it could
-        # forge the results served on resume).
-        hide = ([str(self.journal.path.resolve()) + suffix
+    def _hidden(self) -> list[str]:
+        """Host paths commands must not see: the journal's files (a command that found
+        it could forge the results served on resume)."""
+        return ([str(self.journal.path.resolve()) + suffix
                  for suffix in ("", "-wal", "-shm", ".lock")]
                 if self.journal is not None else [])
-        self.boxes = Sandboxes(self.config.sandbox, hide=hide)
-        self.run_dir.record(self.boxes.directories())
-        for why in self.boxes.warnings:
-            log.warning(why)
-        log.info(self.boxes.describe())
-        self.boxes.attach(self._loop)
-        if self.boxes.isolated:  # trajectory-less commands' sandbox, ready before they come
-            try:
-                await self.boxes.shared(self.config.sandbox.network).ready
-            except OSError as e:
-                self.boxes.close()
-                self.run_dir.remove()
-                raise ConfigError("sandbox", f"cannot make a sandbox: {e.strerror or e}") from None
+
+    async def _start_sandboxes(self) -> None:
+        """Set up this machine's confinement (see
+        :func:`metasched.runtime.sandbox.launch.open_confinement`)."""
+        self.run_dir, self.boxes = await open_confinement(
+            self.workdir, self.config.sandbox, hide=self._hidden())
 
     def _recover(self) -> None:
         """Re-queue what a previous dispatcher accepted but did not finish."""
@@ -708,7 +719,7 @@ class Dispatcher:
         """What the request asks of this dispatcher's resources (ConfigError if it can
         never run here); cpu ``max_cores`` above the node is capped to the node when it
         is queued (``ClusterState.submit``, as in simulation)."""
-        node = len(self.cores)
+        node = self.cluster.cores_per_node
         if req.kind == "cpu":
             if req.min_cores > node:
                 raise ConfigError("min_cores", f"{req.min_cores} cores asked, this dispatcher "
@@ -972,10 +983,14 @@ class Dispatcher:
         for job in jobs:
             job.started_at = now_wall
             job.attempts += 1
-            # A command's start is journaled with its pid, once it runs (_on_pid).
-            if self.journal is not None and job.request.argv == ():
+            # A local command's start is journaled with its pid, once it runs (_on_pid);
+            # a backend's commands are found by their id after a crash (kill_orphans).
+            if self.journal is not None and (job.request.argv == () or self.backend):
                 self._journal_start(job.request.id, None, job.attempts)
-        if kind == "cpu":
+        if kind == "cpu" and self.backend is not None:
+            cmd = self._start_remote(jobs[0], g.action.node, g.cores)
+            work = partial(self._run_remote, jobs[0], cmd)
+        elif kind == "cpu":
             cores, own = self._grant_cores(g)
             jobs[0].alloc = {"cores": cores}
             work = partial(self._run_cpu, jobs[0], own, self._start_command(jobs[0], cores))
@@ -1034,29 +1049,49 @@ class Dispatcher:
         sandbox (isolation on) or on the host, in a cgroup slot when there are cgroups.
         An exception (a bug, not the action's failure) is handed to the task to report."""
         req = job.request
-        sb = job.sandbox
-        if sb is not None and sb.ready.done() and sb.ready.exception() is not None:
-            why = getattr(sb.ready.exception(), "strerror", None) or str(sb.ready.exception())
-            return Process.failed(Outcome(False, f"cannot start: {why}",
-                                          detail={"cores": cores}))
-        env = dict(self._base_env)
-        if sb is not None:
-            env.update(HOME=WORKSPACE, TMPDIR="/tmp", USER="sandbox", LOGNAME="sandbox")
-        if req.env:
-            env.update(req.env)
         try:
-            proc = start_process(
-                req.argv, cores=cores, timeout_s=req.timeout_s, env=env,
-                mem_limit_mb=req.mem_limit_mb, cpu_time_s=req.cpu_time_s,
+            proc = launch(
+                req.argv, cores=cores, timeout_s=req.timeout_s, env=self._base_env,
+                request_env=req.env, boxes=self.boxes, sandbox=job.sandbox,
+                cwd_root=self.run_dir.path,
                 pids_max=req.pids_max or self.config.sandbox.pids_max,
+                mem_limit_mb=req.mem_limit_mb, cpu_time_s=req.cpu_time_s,
                 tail_bytes=self.config.tail_bytes,
                 extra_env={ACTION_ENV: req.id, **(extra_env or {})},
-                cwd_root=self.run_dir.path, confinement=self.boxes, sandbox=sb,
                 on_start=self._on_pid(job))
         except Exception as e:  # noqa: BLE001
             return e
         self._commands.add(proc)
         return proc
+
+    def _command_spec(self, req: Request, extra_env: Mapping[str, str] | None = None
+                      ) -> CommandSpec:
+        # The dispatcher's allow-listed environment, as its own commands get (no secret).
+        return CommandSpec(req.argv, req.timeout_s, self._base_env, req.mem_limit_mb,
+                           req.cpu_time_s, self.config.tail_bytes,
+                           {ACTION_ENV: req.id, **(extra_env or {})}, req.env,
+                           req.pids_max or self.config.sandbox.pids_max)
+
+    def _start_remote(self, job: _Job, node: int, n_cores: int) -> Command | Exception:
+        """Start a cpu action's command on the backend's ``node`` now (see
+        :meth:`_start_command`)."""
+        try:
+            cmd = self.backend.start_command(node, n_cores, self._command_spec(job.request),
+                                             job.sandbox)
+        except Exception as e:  # noqa: BLE001
+            return e
+        job.alloc = {"node": self.backend.nodes[node].name, "cores": cmd.cores}
+        self._commands.add(cmd)
+        return cmd
+
+    async def _run_remote(self, job: _Job, cmd: Command | Exception) -> None:
+        try:
+            if isinstance(cmd, Exception):
+                raise cmd
+            out = await cmd.wait()
+        finally:
+            self._commands.discard(cmd)
+        self._complete(job, out)
 
     async def _run_cpu(self, job: _Job, cores: list[int], proc: Process | Exception) -> None:
         out = await self._wait_command(proc, lambda: self._free_cores.extend(cores))
@@ -1078,6 +1113,10 @@ class Dispatcher:
         dev = self.devices[device]
         first = jobs[0].request
         try:
+            if first.service is None and self.backend is not None:
+                out = await self.backend.run_device_command(device, self._command_spec(first))
+                self._complete(jobs[0], out)
+                return
             if first.service is None:  # a command that needs a device, and cores
                 cores = await self._reserve_cores(first.min_cores)
                 jobs[0].alloc["cores"] = cores
@@ -1281,7 +1320,7 @@ class Dispatcher:
                 "decisions": self.n_decisions, "grants": s.n_grants,
                 "guard_fired": self.guard.fired, "decision_latency_us": pct,
                 "awaiting_resubmission": len(self._held),
-                "measured_utilisation": self.monitor.summary(),
+                "measured_utilisation": self.monitor.summary() if self.backend is None else {},
                 "confinement": self.boxes.describe() if self.boxes is not None else None,
                 # Whether a trajectory's commands share one working directory (its
                 # sandbox's workspace); without isolation each has a scratch one.

@@ -1,0 +1,231 @@
+"""Throughput of the dispatcher actor on no-op actions, side by side with raw Ray tasks.
+
+Starts a local Ray (bound to 127.0.0.1; or joins ``--address``), then alternates, R
+rounds:
+
+- raw: N tasks as a user would write them without a scheduler (``/bin/true`` through
+  the CPU executor, pinned to one core, ``num_cpus=1``, node affinity, unconfined),
+  submitted by this process all at once and awaited on its event loop;
+- raw, k in flight: the same tasks, at most k (the cores the dispatcher grants) running
+  or queued in Ray at a time, the next submitted when one ends;
+- through the actor, once per ``--submit`` mode: the same N actions submitted through a
+  handle to the dispatcher actor (journal on, as in production), which queues them,
+  schedules them (elastic_greedy) and has each node's agent run them confined as the
+  dispatcher's ``sandbox`` settings say (``--isolation``: ``auto`` is bwrap sandboxes
+  and cgroup slots where the machine allows, as users get by default): ``task``, a Ray
+  task per action with ``num_cpus`` of its grant that asks the agent; ``agent``, a
+  direct call to the agent per action (the agent holds the dispatcher's cores in Ray,
+  so its dispatcher runs only for its own measurement, started and stopped each round).
+
+Prints each rate, the ratio per round (actor ÷ raw, the acceptance figure: >= 0.8) and
+its median, and where the CPU went: the dispatcher actor's CPU seconds per action, and
+so the ceiling of one dispatcher actor on one core (actions/s it could schedule were
+the tasks free), and the rate of empty Ray tasks (no command) here, Ray's own floor.
+
+    python benchmarks/ray_throughput.py [--n 2000] [--rounds 3] [--cpus 2]
+        [--submit task,agent] [--isolation auto] [--trajectories 0] [--address auto]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import pickle
+import statistics
+import tempfile
+import time
+
+
+def _local_ray(cpus: int) -> None:
+    # Ray resolves 127.0.0.1 to the machine's outward address (and binds every server to
+    # all interfaces) unless clusters are off; with them off it binds to 127.0.0.1 only.
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import ray
+
+    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=cpus,
+             namespace="metasched", log_to_driver=False, logging_level="ERROR")
+
+
+async def _raw(n: int, body: str, in_flight: int | None = None) -> float:
+    """Actions per second of ``n`` tasks submitted as the dispatcher's backend submits
+    them (``body``: "command", the executor on /bin/true; "empty", a task that returns),
+    all at once, or at most ``in_flight`` at a time (the next when one ends)."""
+    import ray
+
+    from metasched.runtime.ray_backend.cluster import cluster_view
+
+    (node,) = (await cluster_view())[:1]
+    strategy = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node.name, False)
+    if body == "command":
+        fn = _command.options(num_cpus=1, scheduling_strategy=strategy)
+        cores = node.cores
+        t0 = time.perf_counter()
+        if in_flight is None:
+            refs = [fn.remote(("/bin/true",), cores[i % len(cores)]) for i in range(n)]
+            outs = [pickle.loads(o) for o in await asyncio.gather(*refs)]
+        else:
+            slots = asyncio.Semaphore(in_flight)
+
+            async def one(i: int):
+                async with slots:
+                    return pickle.loads(await fn.remote(("/bin/true",), cores[i % len(cores)]))
+            outs = await asyncio.gather(*(one(i) for i in range(n)))
+        rate = n / (time.perf_counter() - t0)
+        bad = [o for o in outs if not o.ok]
+        if bad:
+            raise SystemExit(f"{len(bad)} raw tasks failed, e.g. {bad[0].reason}")
+        return rate
+    fn = _empty.options(num_cpus=1, scheduling_strategy=strategy)
+    t0 = time.perf_counter()
+    await asyncio.gather(*(fn.remote() for _ in range(n)))
+    return n / (time.perf_counter() - t0)
+
+
+def _empty_task():
+    return None
+
+
+_loop = None
+
+
+def _command_task(argv: tuple[str, ...], core: int) -> bytes:
+    """A user's plain task: run ``argv`` pinned to ``core`` through the CPU executor (one
+    event loop per worker, kept), return how it ended, pickled."""
+    global _loop
+    from metasched.runtime.machine import default_workdir
+    from metasched.runtime.process import run_process
+
+    if _loop is None:
+        _loop = asyncio.new_event_loop()
+    out = _loop.run_until_complete(run_process(argv, cores=[core], timeout_s=60.0,
+                                               cwd_root=default_workdir()))
+    return pickle.dumps(out, pickle.HIGHEST_PROTOCOL)
+
+
+_empty = None
+_command = None
+
+
+async def _through_actor(handle, n: int, trajectories: int = 0) -> float:
+    """Actions/s of ``n`` no-op actions through ``handle``: trajectory-less, or spread
+    over ``trajectories`` trajectories (each its sandbox, made at its first action: the
+    same names on every call, so that the warm-up made them and they stay open)."""
+    def request(i: int) -> dict:
+        req = {"kind": "cpu", "argv": ["/bin/true"], "timeout_s": 60}
+        if trajectories:
+            req["trajectory"] = f"t{i % trajectories}"
+        return req
+    t0 = time.perf_counter()
+    futs = [handle.accept(request(i)) for i in range(n)]
+    results = await asyncio.gather(*futs)
+    rate = n / (time.perf_counter() - t0)
+    bad = [r for r in results if not r.ok]
+    if bad:
+        raise SystemExit(f"{len(bad)} actions failed, e.g. {bad[0].reason}")
+    return rate
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--n", type=int, default=2000, help="actions per round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--cpus", type=int, default=2, help="CPUs of the local Ray")
+    p.add_argument("--address", default=None, help="join this cluster instead ('auto')")
+    p.add_argument("--scheduler", default="elastic_greedy")
+    p.add_argument("--submit", default="task,agent",
+                   help="the dispatcher's ways of reaching its agents, comma-separated")
+    p.add_argument("--isolation", default="auto", choices=["auto", "bwrap", "none"],
+                   help="the dispatcher's sandbox.isolation")
+    p.add_argument("--trajectories", type=int, default=0,
+                   help="spread the actor's actions over this many trajectories (0: none)")
+    args = p.parse_args()
+    if args.n < 1 or args.rounds < 1 or args.trajectories < 0:
+        raise SystemExit("error: n, rounds, trajectories: must be >= 1 (trajectories >= 0)")
+    from metasched.runtime.ray_backend.cluster import SUBMIT_MODES
+
+    modes = [m.strip() for m in args.submit.split(",") if m.strip()]
+    bad = [m for m in modes if m not in SUBMIT_MODES]
+    if bad or not modes:
+        raise SystemExit(f"error: submit: one or more of {', '.join(SUBMIT_MODES)} "
+                         f"(got {args.submit!r})")
+
+    if args.address is None:
+        _local_ray(args.cpus)
+    import psutil
+    import ray
+
+    from metasched.runtime.dispatcher import DispatcherConfig
+    from metasched.runtime.ray_backend import start_dispatcher, stop_dispatcher
+    from metasched.runtime.sandbox.config import SandboxConfig
+
+    if args.address is not None:
+        ray.init(address=args.address, namespace="metasched", log_to_driver=False)
+    global _empty, _command
+    _empty = ray.remote(max_retries=0)(_empty_task)
+    _command = ray.remote(max_retries=0)(_command_task)
+
+    async def through(mode: str, tmp: str, n: int) -> tuple[float, float, dict]:
+        """Actions/s of ``n`` actions through a fresh dispatcher in ``mode`` (warmed
+        first), its actor's CPU s per action, its stats."""
+        name = f"bench-{os.getpid()}-{mode}"
+        cfg = DispatcherConfig(scheduler=args.scheduler, sample_interval_s=1.0,
+                               journal=os.path.join(tmp, f"{name}-{time.time_ns()}.db"),
+                               sandbox=SandboxConfig(isolation=args.isolation))
+        handle = await asyncio.to_thread(start_dispatcher, cfg, name=name, submit=mode)
+        try:
+            stats = await handle.astats()
+            proc = psutil.Process(stats["actor_pid"])  # on this machine
+            await _through_actor(handle, min(n, 200), args.trajectories)
+            c0 = sum(proc.cpu_times()[:2])
+            rate = await _through_actor(handle, n, args.trajectories)
+            per = (sum(proc.cpu_times()[:2]) - c0) / n
+            stats = await handle.astats()
+        finally:
+            await handle.aclose()
+            await asyncio.to_thread(stop_dispatcher, name, drain=False)
+        return rate, per, stats
+
+    async def rounds(tmp: str) -> None:
+        await _raw(min(args.n, 200), "command")  # workers started, imports done
+        empty = await _raw(args.n, "empty")
+        print(f"empty Ray tasks (no command): {empty:,.0f}/s")
+        cores = args.cpus
+        cols = "".join(f" {m} /s | {m} ÷ raw | {m} ÷ raw {cores} in flight | {m} actor CPU "
+                       f"ms/action |" for m in modes)
+        print(f"| round | raw Ray tasks /s | raw, {cores} in flight /s |{cols}")
+        print("|---|---|---|" + "---|---|---|---|" * len(modes))
+        ratios = {m: [] for m in modes}
+        ratios_k = {m: [] for m in modes}
+        cpu_per = {m: [] for m in modes}
+        stats = {}
+        for r in range(args.rounds):
+            raw = await _raw(args.n, "command")
+            raw_k = await _raw(args.n, "command", in_flight=cores)
+            row = f"| {r + 1} | {raw:,.0f} | {raw_k:,.0f} |"
+            for m in modes:
+                rate, per, stats[m] = await through(m, tmp, args.n)
+                ratios[m].append(rate / raw)
+                ratios_k[m].append(rate / raw_k)
+                cpu_per[m].append(per)
+                row += (f" {rate:,.0f} | {rate / raw:.2f} | {rate / raw_k:.2f} | "
+                        f"{per * 1e3:.3f} |")
+            print(row, flush=True)
+        print()
+        for m in modes:
+            med = statistics.median(cpu_per[m])
+            lat = stats[m]["decision_latency_us"]
+            print(f"{m}: median actor ÷ raw {statistics.median(ratios[m]):.2f} (min "
+                  f"{min(ratios[m]):.2f}, max {max(ratios[m]):.2f}, {args.rounds} rounds of "
+                  f"{args.n:,}); ÷ raw with {cores} in flight "
+                  f"{statistics.median(ratios_k[m]):.2f}; actor {med * 1e3:.3f} ms CPU per "
+                  f"action (median): ceiling of one actor on one core ~{1 / med:,.0f} "
+                  f"actions/s; decision latency µs p50 {lat.get('p50', 0):.0f}, p99 "
+                  f"{lat.get('p99', 0):.0f}; {stats[m]['confinement']}")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        asyncio.run(rounds(tmp))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""Where a dispatcher's actions run: the seam between the scheduling core on the
+dispatcher's clock and the machines that execute what it grants.
+
+A :class:`~metasched.runtime.dispatcher.Dispatcher` built without a backend runs
+everything on this machine (one node: the cores this process may use; GPUs from NVML;
+commands through :mod:`metasched.runtime.process`). Given a :class:`Backend`, it
+schedules over the backend's nodes and devices instead, and hands it each granted
+command and GPU batch; the journal, the queue, the guard, the policy and API calls
+(whose quotas the dispatcher's ``ApiPool`` holds for every caller) and the sandboxes'
+bookkeeping (which trajectory's sandbox is on which node, its memory) stay in the
+dispatcher; the backend confines each command on its node as the dispatcher does here.
+:mod:`metasched.runtime.ray_backend` is the backend for a Ray cluster.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from metasched.core.pools import ServiceSpec
+from metasched.runtime.gpu import LiveDevice
+from metasched.runtime.outcome import Outcome
+from metasched.runtime.sandbox.config import SandboxConfig
+
+
+@dataclass(frozen=True)
+class Node:
+    """One machine whose cores the dispatcher grants.
+
+    Attributes:
+        name: how the backend names it (a Ray node id).
+        cores: CPU ids commands on it may be pinned to (as many as the dispatcher may
+            grant there).
+        mem_gb: its memory, GB (what ``mem_limit_mb`` and sandboxes are bounded by).
+    """
+
+    name: str
+    cores: tuple[int, ...]
+    mem_gb: float
+
+
+@dataclass(frozen=True)
+class CommandSpec:
+    """What a granted command needs, wherever it runs (the arguments of
+    :func:`metasched.runtime.sandbox.launch.launch`, less its cores and sandbox).
+
+    ``env`` is the dispatcher's allow-listed environment, ``request_env`` the request's
+    own (over a sandbox's home), ``extra_env`` what the dispatcher marks it with (its
+    action id)."""
+
+    argv: tuple[str, ...]
+    timeout_s: float
+    env: Mapping[str, str] | None = None
+    mem_limit_mb: float | None = None
+    cpu_time_s: float | None = None
+    tail_bytes: int = 4096
+    extra_env: Mapping[str, str] | None = None
+    request_env: Mapping[str, str] | None = None
+    pids_max: int | None = None
+
+
+class Command(Protocol):
+    """A started command: ``await wait()`` for how it ended, or ``abandon()`` it (stop
+    it and clean up, never waiting)."""
+
+    cores: list[int]
+
+    async def wait(self) -> Outcome: ...
+
+    def abandon(self) -> None: ...
+
+
+class GpuHost(Protocol):
+    """The GPU services of a backend's devices (:class:`metasched.runtime.gpu.ServiceHost`
+    has this interface on one machine)."""
+
+    @property
+    def specs(self) -> dict[str, ServiceSpec]: ...
+
+    async def run_batch(self, service: str, device: LiveDevice, resident_now: Collection[str],
+                        payloads: list[Any]) -> Outcome: ...
+
+
+class Backend(Protocol):
+    """The machines a dispatcher schedules over (see the module docstring).
+
+    Attributes:
+        name: a word for logs and stats ("ray").
+        nodes: the CPU nodes, in the order of the core's ``CpuPool``.
+        devices: the GPUs, ``devices[i].index == i`` as in the core's ``GpuPool``.
+        no_gpu_reason: why there is no GPU ("" when there are some).
+        host: runs batches of GPU services on ``devices``.
+    """
+
+    name: str
+    nodes: Sequence[Node]
+    devices: Sequence[LiveDevice]
+    no_gpu_reason: str
+    host: GpuHost
+
+    async def start_sandboxes(self, config: SandboxConfig, hide: list[str]) -> Any:
+        """Set up each node's confinement as ``config`` says (``hide``: host paths
+        commands must not see); the dispatcher's view of the sandboxes (the interface of
+        :class:`~metasched.runtime.sandbox.manager.Sandboxes` it uses: ``isolated``,
+        ``get``, ``open``, ``shared``, ``close_trajectory``, ``close``, ``describe``).
+
+        Raises:
+            ConfigError: a node cannot confine commands as configured.
+        """
+        ...
+
+    def start_command(self, node: int, n_cores: int, spec: CommandSpec,
+                      sandbox: Any = None) -> Command:
+        """Start ``spec`` on ``n_cores`` cores of ``nodes[node]`` now, in ``sandbox`` (one
+        of :meth:`start_sandboxes`'s, on that node; None: outside any); the cores are the
+        backend's to choose and free; a failure to start is the Command's Outcome."""
+        ...
+
+    async def run_device_command(self, device: int, spec: CommandSpec) -> Outcome:
+        """Run a command that needs ``devices[device]`` (it sees that device alone)."""
+        ...
+
+    async def kill_orphans(self, keys: Collection[str]) -> None:
+        """Kill the commands a previous dispatcher on the same journal left running
+        for the unfinished requests ``keys`` (before they are queued again)."""
+        ...
+
+    async def close(self) -> None:
+        """Stop what the backend started for this dispatcher (its GPU hosts...)."""
+        ...
+
+
+__all__ = ["Backend", "Command", "CommandSpec", "GpuHost", "Node"]

@@ -1,0 +1,377 @@
+"""The Ray cluster as a dispatcher's backend: the cluster view (nodes, cores, GPUs) read
+from Ray, and granted commands run as Ray tasks pinned to their node.
+
+The view: every alive node with CPUs is a CPU node of the core's pool. How many cores
+the dispatcher may grant there is Ray's ``CPU`` resource of the node (the smallest
+node's, since the core's nodes have one size; the log says what that leaves out of a
+mixed cluster), which core ids commands are pinned to is what a task on the node may
+run on (asked once, by a task pinned to it), its memory is the node's. GPUs are Ray's
+``GPU`` resources, each served by an actor (:mod:`.gpu_hosts`).
+
+Each node has the dispatcher's agent (:mod:`.node_agent`: the node's sandboxes and
+cgroups), which runs every command granted there, in its trajectory's sandbox: a
+trajectory's commands run on the node of its sandbox (the core places the sandbox and
+pins the trajectory's actions there, as in simulation). How a command reaches the agent
+is ``submit``:
+
+- ``"task"`` (the default): a Ray task pinned to the node (``NodeAffinitySchedulingStrategy``,
+  not soft) with ``num_cpus`` equal to its granted cores, which asks the node's agent to
+  run it, so Ray's own accounting agrees with the dispatcher's grant by grant and other
+  Ray work on the cluster sees the cores as taken while the command runs;
+- ``"agent"``: one actor call to the node's agent, without a task: a task submission
+  less per action (see ``benchmarks/ray_throughput.py``); the agents then hold the
+  dispatcher's cores of their node in Ray's accounting (``num_cpus``) for as long as
+  the dispatcher runs, busy or not.
+
+Tasks and calls are not retried by Ray: a command that was lost with its worker or node
+is reported failed, with the reason, and the dispatcher's journal decides what runs
+again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import pickle
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from metasched.errors import ConfigError
+from metasched.runtime.backend import CommandSpec, Node
+from metasched.runtime.gpu import LiveService
+from metasched.runtime.outcome import Outcome
+from metasched.runtime.ray_backend.gpu_hosts import RayGpuHost
+from metasched.runtime.ray_backend.node_agent import BoxSpec, NodeAgent, pack, run_on_agent
+from metasched.runtime.ray_backend.node_tasks import (
+    DISPATCHER_ENV,
+    NodeFacts,
+    describe_node,
+    kill_orphans,
+)
+from metasched.runtime.sandbox.config import SandboxConfig
+from metasched.runtime.sandbox.workspace import Template
+
+log = logging.getLogger("metasched.dispatch")
+
+DESCRIBE_TIMEOUT_S = 60.0  # how long nodes may take to answer the first look
+SUBMIT_MODES = ("task", "agent")
+AGENT_CONCURRENCY = 10_000  # commands one node's agent may run at once (async calls)
+
+
+_MB = 1 << 20
+
+
+def check_submit(submit: str) -> str:
+    """``submit`` if it names a way of reaching the agents (ConfigError if not)."""
+    if submit not in SUBMIT_MODES:
+        raise ConfigError("submit", f"must be one of {', '.join(SUBMIT_MODES)}, got "
+                          f"{submit!r}")
+    return submit
+
+
+def _pinned(node_id: str) -> NodeAffinitySchedulingStrategy:
+    return NodeAffinitySchedulingStrategy(node_id, soft=False)
+
+
+def alive_nodes() -> list[dict[str, Any]]:
+    """Ray's records of the alive nodes that have CPUs, in node-id order (a stable order
+    across dispatchers of one cluster)."""
+    nodes = [n for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) >= 1]
+    return sorted(nodes, key=lambda n: n["NodeID"])
+
+
+async def cluster_view(*, cores_per_node: int | None = None,
+                       timeout_s: float = DESCRIBE_TIMEOUT_S) -> list[Node]:
+    """The CPU nodes of the connected cluster as the dispatcher schedules them.
+
+    Args:
+        cores_per_node: grant at most this many cores on each node (default: the
+            smallest node's ``CPU``).
+        timeout_s: how long the nodes may take to describe themselves.
+
+    Raises:
+        ConfigError: no node has a CPU, or ``cores_per_node`` exceeds a node's.
+    """
+    records = alive_nodes()
+    if not records:
+        raise ConfigError("cores", "the Ray cluster has no alive node with a CPU")
+    ray_cpus = {n["NodeID"]: int(n["Resources"]["CPU"]) for n in records}
+    smallest = min(ray_cpus.values())
+    if cores_per_node is None:
+        cores_per_node = smallest
+    elif cores_per_node > smallest:
+        raise ConfigError("cores_per_node", f"{cores_per_node} exceeds the smallest node's "
+                          f"{smallest} CPUs in Ray")
+    left_out = sum(ray_cpus.values()) - cores_per_node * len(ray_cpus)
+    if left_out:
+        log.warning("Ray nodes of different sizes: the dispatcher grants %d cores on each of "
+                    "%d nodes, leaving %d of the cluster's %d CPUs to other work",
+                    cores_per_node, len(ray_cpus), left_out, sum(ray_cpus.values()))
+    try:
+        facts: list[NodeFacts] = await asyncio.wait_for(asyncio.gather(*(
+            describe_node.options(scheduling_strategy=_pinned(n)).remote() for n in ray_cpus)),
+            timeout_s)
+    except asyncio.TimeoutError:
+        raise ConfigError("cores", f"the Ray nodes did not describe themselves within "
+                          f"{timeout_s:g} s") from None
+    nodes = []
+    for f in facts:
+        if len(f.cores) < cores_per_node:
+            raise ConfigError("cores", f"node {f.node_id[:12]} ({f.hostname}) may run on "
+                              f"{len(f.cores)} CPUs, fewer than the {cores_per_node} Ray "
+                              f"counts there")
+        nodes.append(Node(f.node_id, f.cores[:cores_per_node], f.mem_gb))
+    return nodes
+
+
+class RemoteCommand:
+    """A command running as a Ray task (the :class:`~metasched.runtime.backend.Command`
+    of a Ray backend): ``wait()`` awaits the task; cancelling the wait, or ``abandon()``,
+    cancels it (its process group is killed on the node)."""
+
+    __slots__ = ("ref", "cores", "_release")
+
+    def __init__(self, ref: ray.ObjectRef, cores: list[int], release) -> None:
+        self.ref = ref
+        self.cores = cores
+        self._release = release
+
+    def _free(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+    async def wait(self) -> Outcome:
+        try:
+            return pickle.loads(await self.ref)
+        except asyncio.CancelledError:
+            ray.cancel(self.ref)
+            raise
+        except ray.exceptions.RayError as e:
+            return Outcome(ok=False, reason=lost(e), detail={"cores": self.cores})
+        finally:
+            self._free()
+
+    def abandon(self) -> None:
+        ray.cancel(self.ref)
+        self._free()
+
+
+def lost(e: BaseException) -> str:
+    """Why a task or actor call failed in Ray, on one line."""
+    text = " ".join(str(e).split())
+    if len(text) > 200:
+        text = text[:197] + "..."
+    return f"ray: {type(e).__name__}: {text}" if text else f"ray: {type(e).__name__}"
+
+
+@dataclass(eq=False)
+class RemoteSandbox:
+    """A trajectory's sandbox as the dispatcher sees it on a Ray backend: what its first
+    command decided (the node's agent makes it there, at that command). Ready at once:
+    a sandbox that cannot be made fails its command with the reason."""
+
+    key: str
+    network: bool
+    size_bytes: int
+    template: Template | None
+    ready: asyncio.Future[None]
+
+    def box(self) -> BoxSpec:
+        return BoxSpec(self.key, self.network, self.size_bytes / _MB, self.template)
+
+
+class RemoteSandboxes:
+    """The sandboxes of every node, as the dispatcher tracks them (the interface of
+    :class:`~metasched.runtime.sandbox.manager.Sandboxes` it uses); each lives in its
+    node's agent."""
+
+    def __init__(self, backend: RayBackend, facts: list[dict[str, Any]],
+                 config: SandboxConfig) -> None:
+        self.backend = backend
+        self.config = config
+        self.isolated = all(f["isolated"] for f in facts)
+        self.warnings = sorted({w for f in facts for w in f["warnings"]})
+        lines = sorted({f["confinement"] for f in facts})
+        self._line = f"on {len(facts)} Ray nodes: " + " | ".join(lines)
+        self._sandboxes: dict[str, RemoteSandbox] = {}
+        self._shared: dict[bool, RemoteSandbox] = {}
+
+    def describe(self) -> str:
+        return self._line
+
+    def _new(self, key: str, size_mb: float, template: Template | None,
+             network: bool) -> RemoteSandbox:
+        ready = asyncio.get_running_loop().create_future()
+        ready.set_result(None)
+        return RemoteSandbox(key, network, int(size_mb * _MB), template, ready)
+
+    def get(self, key: str) -> RemoteSandbox | None:
+        return self._sandboxes.get(key)
+
+    def open(self, key: str, *, size_mb: float, template: Template | None,
+             network: bool) -> RemoteSandbox:
+        sb = self._sandboxes[key] = self._new(key, size_mb, template, network)
+        return sb
+
+    def shared(self, network: bool) -> RemoteSandbox:
+        sb = self._shared.get(network)
+        if sb is None:
+            sb = self._shared[network] = self._new("", self.config.scratch_mb, None, network)
+        return sb
+
+    def close_trajectory(self, key: str) -> None:
+        self._sandboxes.pop(key, None)
+        self.backend.close_trajectory(key)
+
+    def close(self) -> None:
+        """Nothing here: the agents end their sandboxes when the backend closes."""
+
+
+class RayBackend:
+    """The Ray cluster as a :class:`~metasched.runtime.backend.Backend` (see the module
+    docstring); made by :meth:`create` from the connected cluster.
+
+    Args:
+        nodes: the CPU nodes (see :func:`cluster_view`).
+        gpus: the GPU actors (None: no GPU).
+        dispatcher: the dispatcher's name, carried by every command (the next
+            dispatcher on the same journal finds the commands a dead one left by it).
+        workdir: where the agents' run directories go on the nodes (None: ``/dev/shm``
+            where writable).
+        submit: how a command reaches its node's agent: ``"task"`` or ``"agent"``.
+    """
+
+    name = "ray"
+
+    def __init__(self, nodes: list[Node], gpus: RayGpuHost | None, *, dispatcher: str,
+                 workdir: str | None = None, submit: str = "task") -> None:
+        check_submit(submit)
+        self.nodes = nodes
+        self.gpus = gpus
+        self.devices = list(gpus.devices) if gpus is not None else []
+        self.host = gpus if gpus is not None else RayGpuHost([], [], {})
+        self.no_gpu_reason = "" if self.devices else "no GPU: the Ray cluster has none"
+        self.dispatcher = dispatcher
+        self.workdir = workdir
+        self.submit = submit
+        self.agents: list[Any] = []  # per node, once start_sandboxes has run
+        self._free = [sorted(n.cores) for n in nodes]  # per node: core ids not running
+        self._submit: dict[tuple[int, int], Any] = {}  # (node, cores) -> task options
+        self._where: dict[str, int] = {}  # trajectory -> the node of its sandbox
+
+    @classmethod
+    async def create(cls, *, dispatcher: str, services: Mapping[str, LiveService] | None = None,
+                     cores_per_node: int | None = None, standin_mem_gb: float = 16.0,
+                     workdir: str | None = None, submit: str = "task") -> RayBackend:
+        """The backend of the cluster this process is connected to (``ray.init`` first)."""
+        nodes = await cluster_view(cores_per_node=cores_per_node)
+        n_gpus = int(ray.cluster_resources().get("GPU", 0))
+        gpus = None
+        if n_gpus:
+            gpus = await RayGpuHost.start(n_gpus, services or {}, standin_mem_gb)
+            if gpus.standin_reason:
+                log.warning("Ray GPUs without a device NVML can see are CPU stand-ins (%s)",
+                            gpus.standin_reason)
+        elif services:
+            log.warning("GPU services registered, but the Ray cluster has no GPU")
+        return cls(nodes, gpus, dispatcher=dispatcher, workdir=workdir, submit=submit)
+
+    async def start_sandboxes(self, config: SandboxConfig, hide: list[str]) -> RemoteSandboxes:
+        """Start each node's agent (its run directory, sandbox server and cgroups).
+
+        Raises:
+            ConfigError: a node cannot confine commands as configured (the message
+                names the node and why).
+        """
+        # The agents end with the actor that starts them (the dispatcher's), and their
+        # sandboxes with them. In "agent" mode they hold the dispatcher's cores in Ray.
+        cpus = len(self.nodes[0].cores) if self.submit == "agent" else 0
+        agent = ray.remote(NodeAgent)
+        self.agents = [agent.options(
+            num_cpus=cpus, max_restarts=0, max_concurrency=AGENT_CONCURRENCY,
+            scheduling_strategy=_pinned(n.name)).remote(config, hide, self.workdir)
+            for n in self.nodes]
+        try:
+            facts = await asyncio.wait_for(asyncio.gather(
+                *(a.describe.remote() for a in self.agents)), DESCRIBE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise ConfigError("sandbox", f"the Ray nodes' agents did not start within "
+                              f"{DESCRIBE_TIMEOUT_S:g} s") from None
+        for node, f in zip(self.nodes, facts, strict=True):
+            if "error" in f:
+                raise ConfigError("sandbox", f"node {node.name[:12]}: {f['error']}")
+        return RemoteSandboxes(self, facts, config)
+
+    def _task(self, node: int, n_cores: int) -> Any:
+        """``run_on_agent`` with the options of ``n_cores`` on ``node`` (made once)."""
+        key = (node, n_cores)
+        fn = self._submit.get(key)
+        if fn is None:
+            fn = self._submit[key] = run_on_agent.options(
+                num_cpus=n_cores, scheduling_strategy=_pinned(self.nodes[node].name))
+        return fn
+
+    def start_command(self, node: int, n_cores: int, spec: CommandSpec,
+                      sandbox: RemoteSandbox | None = None) -> RemoteCommand:
+        free = self._free[node]
+        cores, free[:] = free[:n_cores], free[n_cores:]
+        spec = replace(spec, extra_env={**(spec.extra_env or {}),
+                                        DISPATCHER_ENV: self.dispatcher})
+
+        def release() -> None:
+            free.extend(cores)
+            free.sort()
+        if sandbox is not None and sandbox.key:
+            self._where[sandbox.key] = node
+        packed = pack(spec, cores, sandbox.box() if sandbox is not None else None)
+        agent = self.agents[node]
+        if self.submit == "agent":
+            ref = agent.run.remote(packed)
+        else:
+            ref = self._task(node, n_cores).remote(agent, packed)
+        return RemoteCommand(ref, cores, release)
+
+    def close_trajectory(self, key: str) -> None:
+        """End trajectory ``key``'s sandbox on its node (nothing waits for it)."""
+        node = self._where.pop(key, None)
+        if node is not None and self.agents:
+            self.agents[node].close_trajectory.remote(key)
+
+    async def run_device_command(self, device: int, spec: CommandSpec) -> Outcome:
+        spec = replace(spec, extra_env={**(spec.extra_env or {}),
+                                        DISPATCHER_ENV: self.dispatcher})
+        try:
+            return await self.host.run_command(device, spec, self.workdir)
+        except ray.exceptions.RayError as e:
+            return Outcome(ok=False, reason=lost(e))
+
+    async def kill_orphans(self, keys: Collection[str]) -> None:
+        keys = list(keys)
+        if not keys:
+            return
+        # One task per node with every key (not one per key): the next dispatcher does not
+        # know where a dead one's commands ran.
+        killed = await asyncio.gather(*(
+            kill_orphans.options(scheduling_strategy=_pinned(n.name)).remote(
+                self.dispatcher, keys) for n in self.nodes))
+        if sum(killed):
+            log.info("killed %d commands a previous dispatcher left running", sum(killed))
+
+    async def close(self) -> None:
+        agents, self.agents = self.agents, []
+        if agents:
+            # Each ends its sandboxes and removes what it made before it goes.
+            await asyncio.gather(*(a.close.remote() for a in agents), return_exceptions=True)
+            for a in agents:
+                ray.kill(a)
+        if self.gpus is not None:
+            self.gpus.close()
+
+
+__all__ = ["SUBMIT_MODES", "RayBackend", "RemoteCommand", "RemoteSandbox", "RemoteSandboxes",
+           "alive_nodes", "check_submit", "cluster_view", "lost"]
