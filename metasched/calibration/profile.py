@@ -30,6 +30,7 @@ from metasched.calibration.fits import (
     fit_amdahl,
     fit_counts,
     fit_duration,
+    fit_gaps,
 )
 from metasched.calibration.samples import TraceSamples, TypeSamples
 from metasched.errors import ConfigError
@@ -252,7 +253,7 @@ def calibrate(samples: TraceSamples, name: str, base: dict[str, Any] | None = No
         sandbox = (base_tasks.get(task) or {}).get("sandbox")
         tasks.append(TaskFit(
             task, len(trajs), len(trajs) / n_traj, fit_counts(np.array([t.tools for t in trajs])),
-            fit_duration(np.asarray(gaps, float)) if gaps else None, tools, rewards[0],
+            fit_gaps(np.asarray(gaps, float)) if gaps else None, tools, rewards[0],
             [f.samples.name for f in rewards[1:]], sandbox))
     if not tasks:
         raise ConfigError(samples.path, "no task has a recorded reward action")
@@ -381,7 +382,10 @@ def _workload_yaml(c: Calibration) -> str:
         if t.gaps is not None:
             lines.append(_line(4, "generation_s", _flow(t.gaps.config()),
                                f"gaps (submission - previous finish): quantiles of "
-                               f"{t.gaps.n:,}; KS {t.gaps.ks:.3f}"))
+                               f"{t.gaps.n:,}"
+                               + (f" ({t.gaps.zero:.1%} zero: calls made together; the "
+                                  "quantiles are the others')" if t.gaps.zero else "")
+                               + f"; KS {t.gaps.ks:.3f}"))
         else:
             lines.append(_line(4, "generation_s", "0",
                                "no gap in the trace (trajectories of one action)"))

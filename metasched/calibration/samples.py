@@ -110,6 +110,11 @@ def read_samples(path: PathLike, progress: Callable[[int], None] | None = None) 
             has no measured actions.
     """
     out = TraceSamples(str(path))
+    # A trajectory's name may come back after its reward closed it (a client that names
+    # trajectories per step, runs appended to one trace): the dispatcher then holds a new
+    # trajectory, and so does this reading. name -> (the key of its latest trajectory,
+    # how many it has had).
+    latest: dict[str, tuple[str, int]] = {}
     for item in scan_trace(path):
         out.n_lines += 1
         if progress is not None and out.n_lines % 10_000 == 0:
@@ -153,9 +158,12 @@ def read_samples(path: PathLike, progress: Callable[[int], None] | None = None) 
         if m.trajectory is None:
             out.n_loose += 1
             continue
-        tr = out.trajectories.get(m.trajectory)
-        if tr is None:
-            tr = out.trajectories[m.trajectory] = TrajectoryRecord(ia.task)
+        key, uses = latest.get(m.trajectory, (m.trajectory, 0))
+        tr = out.trajectories.get(key)
+        if tr is None or tr.ended:
+            key = m.trajectory if uses == 0 else f"{m.trajectory}#{uses}"
+            latest[m.trajectory] = (key, uses + 1)
+            tr = out.trajectories[key] = TrajectoryRecord(ia.task)
         tr.first_s = min(tr.first_s, ia.arrival_s)
         tr.last_s = max(tr.last_s, ia.arrival_s + m.queue_s + m.run_s)
         if m.step is not None:

@@ -108,10 +108,12 @@ def loop_settings(cfg: dict[str, Any]) -> dict[str, Any]:
             "estimates": estimates}
 
 
-def warm_start_overrides(s: dict[str, Any], profile_dir: Path, name: str) -> list[str]:
+def warm_start_overrides(s: dict[str, Any], profile_dir: Path, name: str,
+                         obs_keys: list[str]) -> list[str]:
     """``metasched-train`` overrides of the loop's training: the calibrated profile, the
-    warm start (and the observation, network and normalisation it needs), the budget,
-    then the user's ``train_overrides``."""
+    warm start (and the observation, network and normalisation it needs; ``obs_keys``:
+    the ``obs`` settings ``metasched-train`` has), the budget, then the user's
+    ``train_overrides``."""
     meta = s["metadata"]
     trained = (meta.get("config") or {}).get("agent") or {}
     norm = meta.get("normalization") or {
@@ -124,7 +126,9 @@ def warm_start_overrides(s: dict[str, Any], profile_dir: Path, name: str) -> lis
            f"agent.normalize_reward={str(bool(norm['reward'])).lower()}"]
     if "hidden" in trained:
         out.append(f"agent.hidden={int(trained['hidden'])}")
-    for k, v in meta["obs_config"].to_dict().items():
+    obs = meta["obs_config"]
+    for k in obs_keys:  # the observation it was trained on
+        v = getattr(obs, k)
         out.append(f"obs.{k}={'null' if v is None else v}")
     return out + s["train_overrides"]
 
@@ -191,7 +195,8 @@ def run_loop(cfg: dict[str, Any], out_dir: str | Path, progress: bool = True
 
     t0 = _stage(2, f"train on {name}, warm-started from {s['checkpoint_name']}, "
                    f"{s['budget']:,} timesteps -> {out / 'train'}")
-    train_cfg = compose("train", warm_start_overrides(s, profile_dir, name))
+    obs_keys = list(compose("train")["obs"])
+    train_cfg = compose("train", warm_start_overrides(s, profile_dir, name, obs_keys))
     summary = run_train(train_cfg, out / "train", progress=progress)
     new = out / "checkpoint"
     if new.exists():

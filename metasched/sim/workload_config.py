@@ -33,6 +33,11 @@ class Dist:
     with a kink at the p90, so the median, p90 and p99 all hold exactly. Measured action
     times have tails far heavier than one log-normal through the median and p90 allows
     (test runs: p90 2.6x the median, p99 155x).
+
+    ``zero`` is a point mass at 0 (before clipping): the fraction of draws that are 0,
+    the rest from the log-normal, whose median and quantiles are then those of the
+    non-zero draws. Generation gaps have one: an agent's calls made together (a test
+    run's programs at once, parallel tool calls) follow each other with no gap.
     """
 
     median: float
@@ -40,6 +45,7 @@ class Dist:
     lo: float = 0.0
     hi: float = math.inf
     tail_sigma: float | None = None  # log-scale slope above the p90 (None: ``sigma``)
+    zero: float = 0.0  # the fraction of draws that are 0
 
     def sample(self, rng, size: int | None = None):
         """Draw from the distribution with ``rng`` (a numpy Generator)."""
@@ -49,6 +55,9 @@ class Dist:
             x = np.full(size, self.median) if size is not None else self.median
         else:
             x = self._unclipped(rng.standard_normal(size))
+        if self.zero > 0.0:  # drawn only then: profiles without one keep their streams
+            x = np.where(rng.random(size) < self.zero, 0.0, x)
+            x = x if size is not None else float(x)
         return np.clip(x, self.lo, self.hi) if size is not None else min(max(x, self.lo), self.hi)
 
     def _unclipped(self, z):
@@ -65,7 +74,13 @@ class Dist:
         import numpy as np
         from scipy.stats import norm
 
-        return np.clip(self._unclipped(norm.ppf(np.asarray(p, float))), self.lo, self.hi)
+        p = np.asarray(p, float)
+        if self.zero > 0.0:  # the mass at 0 takes the lowest quantiles
+            body = (p - self.zero) / (1.0 - self.zero)
+            x = np.where(p <= self.zero, 0.0,
+                         self._unclipped(norm.ppf(np.clip(body, 1e-12, 1.0 - 1e-12))))
+            return np.clip(x, self.lo, self.hi)
+        return np.clip(self._unclipped(norm.ppf(p)), self.lo, self.hi)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,14 +132,19 @@ class WorkloadConfig:
 
 def parse_dist(d: Any, path: str, *, positive: bool = True) -> Dist:
     """``{median: m, p90: q, p99: q, min: lo, max: hi}`` (p90, p99 or both) or a plain
-    number (a constant)."""
+    number (a constant); where values may be 0 (``positive`` false), also ``zero: f``,
+    the fraction of draws that are 0 (the quantiles are then those of the others)."""
     if isinstance(d, (int, float)) and not isinstance(d, bool):
         v = bounded(d, path, lo=0.0, lo_open=positive)
         return Dist(v, 0.0, v, v)
     if not isinstance(d, Mapping):
         raise ConfigError(path, f"must be a number or a mapping with median/p90/p99 (got {d!r})")
-    check_keys(d, {"median", "p90", "p99", "min", "max"}, path)
+    check_keys(d, {"median", "p90", "p99", "min", "max"} | (set() if positive else {"zero"}),
+               path)
     median = bounded(get_key(d, "median", path), f"{path}.median", lo=0.0, lo_open=positive)
+    zero = bounded(d.get("zero", 0.0), f"{path}.zero", lo=0.0, hi=1.0)
+    if zero == 1.0:
+        raise ConfigError(f"{path}.zero", "must be < 1 (a distribution of zeros: give 0)")
     sigma = 0.0
     tail_sigma = None
     if "p90" in d and "p99" in d:  # a body through the p90, its own tail to the p99
@@ -142,7 +162,7 @@ def parse_dist(d: Any, path: str, *, positive: bool = True) -> Dist:
     hi = bounded(d["max"], f"{path}.max", lo=max(lo, 0.0)) if "max" in d else math.inf
     if not lo <= median <= hi:
         raise ConfigError(path, f"median {median:g} must lie within [min, max] = [{lo:g}, {hi:g}]")
-    return Dist(median, sigma, lo, hi, tail_sigma)
+    return Dist(median, sigma, lo, hi, tail_sigma, zero)
 
 
 def parse_action_type(name: str, d: Any, path: str, services: Mapping, *,
