@@ -14,6 +14,7 @@ marked as an assumption.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -74,6 +75,9 @@ class TaskFit:
     reward: TypeFit
     unused_rewards: list[str] = field(default_factory=list)
     sandbox: dict[str, Any] | None = None
+    # What one agent turn submitted, where some turn submitted several actions: (prob,
+    # the actions in order, turns seen); ``turns`` and ``gaps`` are then per agent turn.
+    turn_groups: list[tuple[float, tuple[str, ...], int]] = field(default_factory=list)
 
 
 @dataclass
@@ -250,11 +254,16 @@ def calibrate(samples: TraceSamples, name: str, base: dict[str, Any] | None = No
             top = max(tools, key=lambda f: f.samples.n)
             top.prob = round(1.0 - sum(f.prob for f in tools if f is not top), 6)
         gaps = samples.gaps.get(task)
+        counts = np.array([t.tools for t in trajs])
+        groups = _turn_groups(samples.turn_groups.get(task) or {})
+        if groups:  # turns of several actions: agent turns, the generation before each
+            gaps = samples.turn_gaps.get(task)
+            counts = np.array([t.groups for t in trajs])
         sandbox = (base_tasks.get(task) or {}).get("sandbox")
         tasks.append(TaskFit(
-            task, len(trajs), len(trajs) / n_traj, fit_counts(np.array([t.tools for t in trajs])),
+            task, len(trajs), len(trajs) / n_traj, fit_counts(counts),
             fit_gaps(np.asarray(gaps, float)) if gaps else None, tools, rewards[0],
-            [f.samples.name for f in rewards[1:]], sandbox))
+            [f.samples.name for f in rewards[1:]], sandbox, groups))
     if not tasks:
         raise ConfigError(samples.path, "no task has a recorded reward action")
     for t in tasks:
@@ -277,6 +286,22 @@ def calibrate(samples: TraceSamples, name: str, base: dict[str, Any] | None = No
     return Calibration(name, samples, list(fits.values()), tasks, len(steps),
                        max(1, round(n_traj / len(steps))), est_err, services, cluster,
                        cluster_source, notes)
+
+
+def _turn_groups(seen: dict[tuple[str, ...], dict[tuple[str, ...], int]]
+                 ) -> list[tuple[float, tuple[str, ...], int]]:
+    """Turn groups from what the trace's turns submitted (the multiset of names -> the
+    orders it came in -> count): each multiset in its most common order, with its share
+    of turns (six decimals, the largest taking the rounding); none where every turn
+    submitted one action (what the profile's per-action draw already is)."""
+    if not any(len(k) > 1 for k in seen):
+        return []
+    rows = sorted(((sum(o.values()), max(o.items(), key=lambda kv: (kv[1], kv[0]))[0])
+                   for o in seen.values()), key=lambda r: (-r[0], r[1]))
+    total = sum(n for n, _ in rows)
+    out = [[round(n / total, 6), order, n] for n, order in rows]
+    out[0][0] = round(1.0 - sum(r[0] for r in out[1:]), 6)
+    return [(p, order, n) for p, order, n in out]
 
 
 # ---------------------------------------------------------------- YAML
@@ -377,11 +402,13 @@ def _workload_yaml(c: Calibration) -> str:
         lines.append(_line(4, "share", _num(t.share), f"{t.n_traj:,} of the trace's "
                            "finished trajectories"))
         lines.append(_line(4, "turns", _flow(t.turns.config()),
-                           f"tool actions per trajectory: quantiles of {t.turns.n:,} "
-                           "trajectories (counts as rounded values), observed range"))
+                           f"{'agent turns' if t.turn_groups else 'tool actions'} per "
+                           f"trajectory: quantiles of {t.turns.n:,} trajectories (counts as "
+                           "rounded values), observed range"))
         if t.gaps is not None:
             lines.append(_line(4, "generation_s", _flow(t.gaps.config()),
-                               f"gaps (submission - previous finish): quantiles of "
+                               f"gaps (submission - previous finish"
+                               f"{', before a turn' if t.turn_groups else ''}): quantiles of "
                                f"{t.gaps.n:,}"
                                + (f" ({t.gaps.zero:.1%} zero: calls made together; the "
                                   "quantiles are the others')" if t.gaps.zero else "")
@@ -389,6 +416,15 @@ def _workload_yaml(c: Calibration) -> str:
         else:
             lines.append(_line(4, "generation_s", "0",
                                "no gap in the trace (trajectories of one action)"))
+        if t.turn_groups:
+            n_turns = sum(n for _, _, n in t.turn_groups)
+            lines.append("    turn_groups:".ljust(COMMENT_COL - 1) + f" # what one agent turn "
+                         f"submitted: {n_turns:,} turns (turns and generation_s are per turn)")
+            for p, order, n in t.turn_groups:
+                names = ", ".join(json.dumps(a) for a in order)
+                lines.append(_line(6, "- prob", f"{p!r}, actions: [{names}]",
+                                   f"{n:,} turns").replace("- prob:", "- {prob:", 1)
+                             .replace(f"[{names}]", f"[{names}]}}", 1))
         if t.sandbox is not None:
             sb = t.sandbox
             lines.append(_line(4, "sandbox", _flow({"mem_gb": sb["mem_gb"],

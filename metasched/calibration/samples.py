@@ -62,6 +62,10 @@ class TrajectoryRecord:
     first_s: float = np.inf  # first submission
     last_s: float = 0.0  # last finish
     step: int | None = None
+    groups: int = 0  # agent turns: groups of tool actions with one turn number
+    # The turn being read: its number and its actions as (submission, name, gap).
+    turn: int | None = None
+    pending: list[tuple[float, str, float | None]] = field(default_factory=list)
 
 
 @dataclass
@@ -73,6 +77,11 @@ class TraceSamples:
     types: dict[tuple[str, str, bool], TypeSamples] = field(default_factory=dict)
     trajectories: dict[str, TrajectoryRecord] = field(default_factory=dict)
     gaps: dict[str, list[float]] = field(default_factory=dict)  # task -> generation gaps
+    # task -> what its agent turns submitted: the multiset of action names -> the orders
+    # (by submission) it came in -> count; and the gap before each turn's first action.
+    turn_groups: dict[str, dict[tuple[str, ...], dict[tuple[str, ...], int]]] = field(
+        default_factory=dict)
+    turn_gaps: dict[str, list[float]] = field(default_factory=dict)
     n_lines: int = 0
     n_actions: int = 0  # action lines with measurements
     n_unmeasured: int = 0  # trajectory lines and action lines without measurements
@@ -96,6 +105,19 @@ class TraceSamples:
             out[-1].append(t)
             end = max(end, t.last_s)
         return out
+
+
+def _end_turn(out: TraceSamples, tr: TrajectoryRecord) -> None:
+    """Count the turn ``tr`` was reading (its actions: one request's steps, or calls
+    made together) as a group of its task."""
+    acts = sorted(tr.pending)  # by submission: the order the agent issued them
+    order = tuple(name for _, name, _ in acts)
+    orders = out.turn_groups.setdefault(tr.task, {}).setdefault(tuple(sorted(order)), {})
+    orders[order] = orders.get(order, 0) + 1
+    if acts[0][2] is not None:  # the generation before the turn (none before the first)
+        out.turn_gaps.setdefault(tr.task, []).append(acts[0][2])
+    tr.groups += 1
+    tr.turn, tr.pending = None, []
 
 
 def read_samples(path: PathLike, progress: Callable[[int], None] | None = None) -> TraceSamples:
@@ -168,10 +190,16 @@ def read_samples(path: PathLike, progress: Callable[[int], None] | None = None) 
         tr.last_s = max(tr.last_s, ia.arrival_s + m.queue_s + m.run_s)
         if m.step is not None:
             tr.step = m.step
+        # Without a turn number each action is a turn of its own.
+        turn = m.turn if m.turn is not None else -1 - tr.tools
+        if tr.turn is not None and (spec.reward or turn != tr.turn):
+            _end_turn(out, tr)
         if spec.reward:
             tr.ended = True
         else:
             tr.tools += 1
+            tr.turn = turn
+            tr.pending.append((ia.arrival_s, spec.name, m.gap_s))
         if m.gap_s is not None:
             out.gaps.setdefault(ia.task, []).append(m.gap_s)
     if out.n_actions == 0:

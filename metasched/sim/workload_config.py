@@ -101,11 +101,23 @@ class ActionType:
 
 
 @dataclass(frozen=True, slots=True)
+class TurnGroup:
+    """What one agent turn submits: actions of the task's types, in order, the first
+    after the turn's LLM generation, each of the others as soon as the one before it has
+    finished (the steps of one request, such as ``/run_code``'s write and run)."""
+
+    prob: float
+    actions: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class TaskConfig:
     """An agentic task: how its trajectories are shaped.
 
     A trajectory has ``turns`` tool actions (drawn from ``actions`` by ``prob``) and then
     its ``reward`` action; LLM generation of ``generation_s`` precedes each of them.
+    With ``turn_groups``, ``turns`` counts agent turns instead, each a group drawn by its
+    ``prob``, whose actions follow each other without generation between them.
     """
 
     name: str
@@ -115,6 +127,7 @@ class TaskConfig:
     sandbox: SandboxSpec | None
     actions: tuple[ActionType, ...]
     reward: ActionType
+    turn_groups: tuple[TurnGroup, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,6 +217,36 @@ def parse_action_type(name: str, d: Any, path: str, services: Mapping, *,
                       endpoint, tokens)
 
 
+def parse_turn_groups(d: Any, path: str, names: set[str]) -> tuple[TurnGroup, ...]:
+    """``[{prob: p, actions: [name, ...]}, ...]`` (absent or null: none): what one turn
+    submits, the groups' probabilities summing to 1, every name one of the task's
+    action types."""
+    if d is None:
+        return ()
+    if not isinstance(d, (list, tuple)) or not d:
+        raise ConfigError(path, f"must be a non-empty list of {{prob, actions}} (got {d!r})")
+    out = []
+    for i, g in enumerate(d):
+        gp = f"{path}[{i}]"
+        if not isinstance(g, Mapping):
+            raise ConfigError(gp, f"must be a mapping {{prob, actions}} (got {g!r})")
+        check_keys(g, {"prob", "actions"}, gp)
+        prob = bounded(get_key(g, "prob", gp), f"{gp}.prob", lo=0.0, hi=1.0)
+        acts = get_key(g, "actions", gp)
+        if not isinstance(acts, (list, tuple)) or not acts:
+            raise ConfigError(f"{gp}.actions", f"must be a non-empty list of action names "
+                              f"(got {acts!r})")
+        for a in acts:
+            if a not in names:
+                raise ConfigError(f"{gp}.actions", f"unknown action {a!r} (the task's: "
+                                  f"{', '.join(sorted(names)) or 'none'})")
+        out.append(TurnGroup(prob, tuple(str(a) for a in acts)))
+    if abs(sum(g.prob for g in out) - 1.0) > 1e-6:
+        raise ConfigError(path, f"probabilities (prob) must sum to 1 (got "
+                          f"{sum(g.prob for g in out):g})")
+    return tuple(out)
+
+
 def parse_service(d: Any, path: str) -> ServiceSpec:
     """A GPU service: ``{mem_gb, restore_s, max_batch, batch_marginal}``."""
     if not isinstance(d, Mapping):
@@ -241,7 +284,8 @@ def parse_workload(d: Mapping, path: str = "workload") -> WorkloadConfig:
         t, tp = tasks_d[tname], f"{path}.tasks.{tname}"
         if not isinstance(t, Mapping):
             raise ConfigError(tp, f"must be a mapping (got {t!r})")
-        check_keys(t, {"share", "turns", "generation_s", "sandbox", "actions", "reward"}, tp)
+        check_keys(t, {"share", "turns", "generation_s", "sandbox", "actions", "reward",
+                        "turn_groups"}, tp)
         sb = t.get("sandbox")
         sandbox = None
         if sb is not None:
@@ -261,6 +305,8 @@ def parse_workload(d: Mapping, path: str = "workload") -> WorkloadConfig:
             raise ConfigError(f"{tp}.actions", "probabilities (prob) must sum to 1 "
                               f"(got {sum(a.prob for a in actions):g})")
         turns = parse_dist(get_key(t, "turns", tp), f"{tp}.turns", positive=False)
+        groups = parse_turn_groups(t.get("turn_groups"), f"{tp}.turn_groups",
+                                   {a.name for a in actions})
         if not actions and turns.hi > 0:
             raise ConfigError(f"{tp}.actions", "a task with tool turns (turns > 0) needs actions")
         tasks.append(TaskConfig(
@@ -271,7 +317,8 @@ def parse_workload(d: Mapping, path: str = "workload") -> WorkloadConfig:
                                     positive=False),
             sandbox=sandbox, actions=actions,
             reward=parse_action_type("reward", get_key(t, "reward", tp), f"{tp}.reward",
-                                     services, reward=True)))
+                                     services, reward=True),
+            turn_groups=groups))
     return WorkloadConfig(name, steps, n_traj, est_err, tuple(tasks), services,
                           None if trace is None else str(trace))
 
