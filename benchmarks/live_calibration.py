@@ -34,6 +34,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from metasched.errors import ConfigError
+
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "examples" / "agent_rollout.py"
 
@@ -104,16 +106,35 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--trace", type=Path, default=None,
                    help="an existing trace of the demonstration: skip the live runs")
     args = p.parse_args(argv)
+    try:
+        return run(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def run(args: argparse.Namespace) -> dict:
     from metasched.cli.calibrate_app import run_calibrate
     from metasched.sim.seeds import EVAL_SEED_OFFSET
+
+    try:
+        seeds = [int(s) for s in args.seeds.split(",")]
+    except ValueError:
+        raise ConfigError("seeds", f"must be whole numbers separated by commas (got "
+                          f"{args.seeds!r})") from None
+    if args.trajectories < 1:
+        raise ConfigError("trajectories", f"must be >= 1 (got {args.trajectories})")
+    if args.sim_seeds < 2:
+        raise ConfigError("sim-seeds", f"must be >= 2 (got {args.sim_seeds})")
+    if args.trace is not None and not args.trace.is_file():
+        raise ConfigError("trace", f"{args.trace}: no such file")
 
     args.out.mkdir(parents=True, exist_ok=True)
     demo = []
     if args.trace is None:
         trace = args.out / "live.jsonl"
         trace.unlink(missing_ok=True)
-        demo = live_runs(trace, [int(s) for s in args.seeds.split(",")], args.trajectories,
-                         args.scheduler, args.out)
+        demo = live_runs(trace, seeds, args.trajectories, args.scheduler, args.out)
     else:
         trace = args.trace
     live = live_figures(trace)
