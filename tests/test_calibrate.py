@@ -311,10 +311,11 @@ def test_mistakes_are_one_line(make, args, message, tmp_path: Path, capsys) -> N
 
 def _grouped_trace(path: Path, n_traj: int, seed: int, *, runs: int = 1) -> dict:
     """A live-like trace: each agent turn is a request of two steps (``w`` then ``r``,
-    the second submitted as the first finishes) with probability 0.7, else one search
-    (``s``); LLM generation before each turn. ``runs`` runs appended one after the
-    other, reusing the trajectories' names (as a client naming them per step does).
-    Returns what was drawn."""
+    the second submitted as the first finishes) with probability 0.6, two programs
+    posted at once (``t``, ``t``) with probability 0.25, else one search (``s``); LLM
+    generation before each turn. ``runs`` runs appended one after the other, 10 s apart,
+    reusing the trajectories' names (as a client naming them per step does). Returns
+    what was drawn."""
     rng = np.random.default_rng(seed)
     header = {"type": "cluster", "name": "local",
               "cpu": {"nodes": 1, "cores_per_node": 2, "mem_gb_per_node": 8.0},
@@ -323,6 +324,24 @@ def _grouped_trace(path: Path, n_traj: int, seed: int, *, runs: int = 1) -> dict
               "services": {}, "started_at": 0.0}
     lines, groups, gens, turns = [json.dumps(header)], [], [], []
     start = end = 0.0
+
+    def line(t: float, name: str, run_s: float, traj: int, turn: int, gap: float | None,
+             reward: bool) -> None:
+        kind = "api" if name == "s" else "cpu"
+        act = {"kind": kind, "name": name, "duration_s": run_s, "timeout_s": 60.0}
+        if kind == "api":
+            act["endpoint"] = "web"
+        if reward:
+            act["reward"] = True
+        m = {"queue_s": 0.0, "run_s": run_s, "status": "done", "trajectory": f"traj-{traj}",
+             "turn": turn}
+        if kind == "cpu":
+            m["cores"] = 1
+        if gap is not None:
+            m["gap_s"] = gap
+        lines.append(json.dumps({"type": "action", "arrival_s": t, "task": "agent",
+                                 "action": act, "measured": m}))
+
     for _ in range(runs):
         for i in range(n_traj):  # a run's trajectories start together
             t = start
@@ -332,35 +351,33 @@ def _grouped_trace(path: Path, n_traj: int, seed: int, *, runs: int = 1) -> dict
             for turn in range(k + 1):
                 gen = float(rng.lognormal(0.0, 0.5))
                 t += gen
-                reward = turn == k
-                if reward:
-                    steps = ["reward"]
-                else:
-                    steps = ["w", "r"] if rng.random() < 0.7 else ["s"]
-                    groups.append(tuple(steps))
-                    if prev_end is not None:
-                        gens.append(gen)
-                for j, name in enumerate(steps):
-                    if j:
-                        t += 0.002  # the next step of one request: no generation
+                if prev_end is not None and turn < k:
+                    gens.append(gen)
+                gap = None if prev_end is None else t - prev_end
+                if turn == k:
                     run_s = float(rng.lognormal(-1.0, 0.3))
-                    kind = "api" if name == "s" else "cpu"
-                    act = {"kind": kind, "name": name, "duration_s": run_s,
-                           "timeout_s": 60.0}
-                    if kind == "api":
-                        act["endpoint"] = "web"
-                    if reward:
-                        act["reward"] = True
-                    m = {"queue_s": 0.0, "run_s": run_s, "status": "done",
-                         "trajectory": f"traj-{i}", "turn": turn}
-                    if kind == "cpu":
-                        m["cores"] = 1
-                    if prev_end is not None:
-                        m["gap_s"] = t - prev_end
-                    lines.append(json.dumps({"type": "action", "arrival_s": t, "task": "agent",
-                                             "action": act, "measured": m}))
+                    line(t, "reward", run_s, i, turn, gap, True)
                     t += run_s
-                    prev_end = t
+                    continue
+                u = rng.random()
+                if u < 0.6:  # a request of two steps
+                    groups.append((("w",), ("r",)))
+                    for j, name in enumerate(("w", "r")):
+                        run_s = float(rng.lognormal(-1.0, 0.3))
+                        line(t, name, run_s, i, turn, gap if j == 0 else 0.002, False)
+                        t += run_s + (0.002 if j == 0 else 0.0)
+                elif u < 0.85:  # two programs posted at once
+                    groups.append((("t", "t"),))
+                    runs_s = [float(rng.lognormal(-1.0, 0.3)) for _ in range(2)]
+                    for j, run_s in enumerate(sorted(runs_s)):
+                        line(t, "t", run_s, i, turn, gap if j == 0 else 0.0, False)
+                    t += max(runs_s)
+                else:
+                    groups.append((("s",),))
+                    run_s = float(rng.lognormal(-1.0, 0.3))
+                    line(t, "s", run_s, i, turn, gap, False)
+                    t += run_s
+                prev_end = t
             end = max(end, t)
         start = end + 10.0  # the next run starts after this one
     path.write_text("\n".join(lines) + "\n")
@@ -375,23 +392,28 @@ def test_turns_of_several_actions_are_fitted_as_turn_groups(tmp_path: Path) -> N
     w = parse_workload(yaml.safe_load((out / "workload" / "g.yaml").read_text()))
     task = w.tasks[0]
     n = len(drawn["groups"])
-    share = sum(g == ("w", "r") for g in drawn["groups"]) / n
     got = {g.actions: g.prob for g in task.turn_groups}
-    assert set(got) == {("w", "r"), ("s",)}  # in the order the agent issued them
-    assert got[("w", "r")] == pytest.approx(share, abs=1e-6)
+    # In the order the agent issued them: stages, a stage's actions submitted together.
+    assert set(got) == {(("w",), ("r",)), (("t", "t"),), (("s",),)}
+    for g, p in got.items():
+        assert p == pytest.approx(drawn["groups"].count(g) / n, abs=1e-6)
     # Turns and generation are per agent turn: the gaps inside a request are left out.
     assert task.turns.median == pytest.approx(np.median(drawn["turns"]), abs=0.5)
     assert task.generation_s.zero == 0.0
     assert task.generation_s.median == pytest.approx(np.median(drawn["gens"]), rel=1e-3)
-    # The simulator draws turns as groups: each w followed at once by its r.
+    # The simulator draws turns as groups: each w followed by its r once it has
+    # finished, the two t submitted together.
     from metasched.sim.sampling import sample_trajectory
 
     spec = sample_trajectory(task, np.random.default_rng(0), 0.0)
-    names = [t.action.name for t in spec.turns[:-1]]
-    for i, name in enumerate(names):
-        if name == "w":
-            assert names[i + 1] == "r" and spec.turns[i + 1].gen_s == 0.0
-    assert "r" not in [names[0], *[names[i + 1] for i, x in enumerate(names[:-1]) if x != "w"]]
+    tools = spec.turns[:-1]
+    for i, t in enumerate(tools):
+        if t.action.name == "w":
+            assert tools[i + 1].action.name == "r" and tools[i + 1].gen_s == 0.0
+            assert not t.together
+        if t.action.name == "t" and t.together:
+            assert tools[i + 1].action.name == "t" and not tools[i + 1].together
+    assert any(t.together for t in tools) or all(t.action.name != "t" for t in tools)
 
 
 def test_trajectory_names_reused_after_their_reward_are_new_trajectories(tmp_path: Path) -> None:
@@ -403,6 +425,11 @@ def test_trajectory_names_reused_after_their_reward_are_new_trajectories(tmp_pat
     steps = samples.steps()
     assert [len(s) for s in steps] == [20, 20, 20]
     assert sorted(t.groups for s in steps for t in s) == sorted(drawn["turns"])
+    # The pause between the runs (10 s here) is the profile's pause between steps.
+    from metasched.calibration.profile import calibrate
+
+    gap, n = calibrate(samples, "appended").step_gap
+    assert n == 2 and gap == pytest.approx(10.0, abs=1.5)
 
 
 def test_a_point_mass_at_zero() -> None:

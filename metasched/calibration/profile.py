@@ -76,8 +76,9 @@ class TaskFit:
     unused_rewards: list[str] = field(default_factory=list)
     sandbox: dict[str, Any] | None = None
     # What one agent turn submitted, where some turn submitted several actions: (prob,
-    # the actions in order, turns seen); ``turns`` and ``gaps`` are then per agent turn.
-    turn_groups: list[tuple[float, tuple[str, ...], int]] = field(default_factory=list)
+    # its stages in order, turns seen); ``turns`` and ``gaps`` are then per agent turn.
+    turn_groups: list[tuple[float, tuple[tuple[str, ...], ...], int]] = field(
+        default_factory=list)
 
 
 @dataclass
@@ -95,6 +96,7 @@ class Calibration:
     cluster: dict[str, Any]  # the configs/cluster document, or {"defaults": ...}
     cluster_source: str
     notes: list[str] = field(default_factory=list)
+    step_gap: tuple[float, int] = (0.0, 0)  # the pause between steps, and gaps measured
 
     def workload_yaml(self) -> str:
         return _workload_yaml(self)
@@ -285,13 +287,26 @@ def calibrate(samples: TraceSamples, name: str, base: dict[str, Any] | None = No
                           "cluster to use (e.g. --base coding)")
     return Calibration(name, samples, list(fits.values()), tasks, len(steps),
                        max(1, round(n_traj / len(steps))), est_err, services, cluster,
-                       cluster_source, notes)
+                       cluster_source, notes, _step_gap(steps, tasks))
 
 
-def _turn_groups(seen: dict[tuple[str, ...], dict[tuple[str, ...], int]]
-                 ) -> list[tuple[float, tuple[str, ...], int]]:
+def _step_gap(steps: list, tasks: list[TaskFit]) -> tuple[float, int]:
+    """The pause between RL steps (the trainer's update; runs of a service started one
+    after another): the median of the next step's first submission less the last
+    finish before it, less one generation gap (its first submission follows one), at
+    least 0; and how many gaps were measured."""
+    gaps = [min(t.first_s for t in b) - max(t.last_s for t in a)
+            for a, b in zip(steps, steps[1:], strict=False)]
+    if not gaps:
+        return 0.0, 0
+    gen = [t.gaps.dist.quantile(0.5) for t in tasks if t.gaps is not None]
+    return max(0.0, float(np.median(gaps)) - float(np.mean(gen) if gen else 0.0)), len(gaps)
+
+
+def _turn_groups(seen: dict[tuple[str, ...], dict[tuple[tuple[str, ...], ...], int]]
+                 ) -> list[tuple[float, tuple[tuple[str, ...], ...], int]]:
     """Turn groups from what the trace's turns submitted (the multiset of names -> the
-    orders it came in -> count): each multiset in its most common order, with its share
+    stages it came in -> count): each multiset in its most common stages, with its share
     of turns (six decimals, the largest taking the rounding); none where every turn
     submitted one action (what the profile's per-action draw already is)."""
     if not any(len(k) > 1 for k in seen):
@@ -390,6 +405,10 @@ def _workload_yaml(c: Calibration) -> str:
                    "finished trajectories per step in the trace (mean)"),
              _line(0, "estimate_error", _num(c.estimate_error),
                    "sigma of log(estimate / duration), pooled over types"),
+             *([_line(0, "step_gap_s", _num(c.step_gap[0]),
+                      f"pause between steps: median of {c.step_gap[1]:,} gaps (the next "
+                      "step's first submission - the last finish, less a generation)")]
+               if c.step_gap[0] > 0 else []),
              _line(0, "trace", "null")]
     if c.services:
         lines.append("services:")
@@ -421,7 +440,8 @@ def _workload_yaml(c: Calibration) -> str:
             lines.append("    turn_groups:".ljust(COMMENT_COL - 1) + f" # what one agent turn "
                          f"submitted: {n_turns:,} turns (turns and generation_s are per turn)")
             for p, order, n in t.turn_groups:
-                names = ", ".join(json.dumps(a) for a in order)
+                names = ", ".join(json.dumps(st[0]) if len(st) == 1 else json.dumps(list(st))
+                                  for st in order)
                 lines.append(_line(6, "- prob", f"{p!r}, actions: [{names}]",
                                    f"{n:,} turns").replace("- prob:", "- {prob:", 1)
                              .replace(f"[{names}]", f"[{names}]}}", 1))

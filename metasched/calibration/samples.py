@@ -63,9 +63,9 @@ class TrajectoryRecord:
     last_s: float = 0.0  # last finish
     step: int | None = None
     groups: int = 0  # agent turns: groups of tool actions with one turn number
-    # The turn being read: its number and its actions as (submission, name, gap).
+    # The turn being read: its number and its actions as (submission, name, gap, finish).
     turn: int | None = None
-    pending: list[tuple[float, str, float | None]] = field(default_factory=list)
+    pending: list[tuple[float, str, float | None, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -77,10 +77,11 @@ class TraceSamples:
     types: dict[tuple[str, str, bool], TypeSamples] = field(default_factory=dict)
     trajectories: dict[str, TrajectoryRecord] = field(default_factory=dict)
     gaps: dict[str, list[float]] = field(default_factory=dict)  # task -> generation gaps
-    # task -> what its agent turns submitted: the multiset of action names -> the orders
-    # (by submission) it came in -> count; and the gap before each turn's first action.
-    turn_groups: dict[str, dict[tuple[str, ...], dict[tuple[str, ...], int]]] = field(
-        default_factory=dict)
+    # task -> what its agent turns submitted: the multiset of action names -> the stages
+    # (by submission; a stage: actions submitted together) it came in -> count; and the
+    # gap before each turn's first action.
+    turn_groups: dict[str, dict[tuple[str, ...], dict[tuple[tuple[str, ...], ...], int]]] = \
+        field(default_factory=dict)
     turn_gaps: dict[str, list[float]] = field(default_factory=dict)
     n_lines: int = 0
     n_actions: int = 0  # action lines with measurements
@@ -110,9 +111,20 @@ class TraceSamples:
 def _end_turn(out: TraceSamples, tr: TrajectoryRecord) -> None:
     """Count the turn ``tr`` was reading (its actions: one request's steps, or calls
     made together) as a group of its task."""
-    acts = sorted(tr.pending)  # by submission: the order the agent issued them
-    order = tuple(name for _, name, _ in acts)
-    orders = out.turn_groups.setdefault(tr.task, {}).setdefault(tuple(sorted(order)), {})
+    # By submission: the order the agent issued them.
+    acts = sorted(tr.pending, key=lambda a: (a[0], a[3], a[1]))
+    # A stage: actions submitted before every earlier one of the turn had finished (made
+    # together); the next stage starts once the agent has had all their answers.
+    stages: list[list[str]] = []
+    done = -np.inf
+    for arrival, name, _, finish in acts:
+        if not stages or arrival >= done:
+            stages.append([])
+        stages[-1].append(name)
+        done = max(done, finish)
+    order = tuple(tuple(s) for s in stages)
+    key = tuple(sorted(name for _, name, _, _ in acts))
+    orders = out.turn_groups.setdefault(tr.task, {}).setdefault(key, {})
     orders[order] = orders.get(order, 0) + 1
     if acts[0][2] is not None:  # the generation before the turn (none before the first)
         out.turn_gaps.setdefault(tr.task, []).append(acts[0][2])
@@ -199,7 +211,8 @@ def read_samples(path: PathLike, progress: Callable[[int], None] | None = None) 
         else:
             tr.tools += 1
             tr.turn = turn
-            tr.pending.append((ia.arrival_s, spec.name, m.gap_s))
+            tr.pending.append((ia.arrival_s, spec.name, m.gap_s,
+                               ia.arrival_s + m.queue_s + m.run_s))
         if m.gap_s is not None:
             out.gaps.setdefault(ia.task, []).append(m.gap_s)
     if out.n_actions == 0:

@@ -102,12 +102,14 @@ class ActionType:
 
 @dataclass(frozen=True, slots=True)
 class TurnGroup:
-    """What one agent turn submits: actions of the task's types, in order, the first
-    after the turn's LLM generation, each of the others as soon as the one before it has
-    finished (the steps of one request, such as ``/run_code``'s write and run)."""
+    """What one agent turn submits: stages of actions of the task's types, in order. The
+    first stage comes after the turn's LLM generation, each later one as soon as every
+    action of the one before has finished (the steps of one request, such as
+    ``/run_code``'s write and run); a stage's actions are submitted together (calls made
+    at once, such as a test run's programs)."""
 
     prob: float
-    actions: tuple[str, ...]
+    actions: tuple[tuple[str, ...], ...]  # stages
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +143,9 @@ class WorkloadConfig:
     tasks: tuple[TaskConfig, ...]
     services: dict[str, ServiceSpec] = field(default_factory=dict)
     trace: str | None = None
+    # Between one RL step's end and the next one's start: the trainer's update, while
+    # the rollout's resources idle (quotas refill).
+    step_gap_s: float = 0.0
 
 
 def parse_dist(d: Any, path: str, *, positive: bool = True) -> Dist:
@@ -218,9 +223,9 @@ def parse_action_type(name: str, d: Any, path: str, services: Mapping, *,
 
 
 def parse_turn_groups(d: Any, path: str, names: set[str]) -> tuple[TurnGroup, ...]:
-    """``[{prob: p, actions: [name, ...]}, ...]`` (absent or null: none): what one turn
-    submits, the groups' probabilities summing to 1, every name one of the task's
-    action types."""
+    """``[{prob: p, actions: [stage, ...]}, ...]`` (absent or null: none): what one turn
+    submits, a stage being an action name or a list of names submitted together; the
+    groups' probabilities summing to 1, every name one of the task's action types."""
     if d is None:
         return ()
     if not isinstance(d, (list, tuple)) or not d:
@@ -236,11 +241,18 @@ def parse_turn_groups(d: Any, path: str, names: set[str]) -> tuple[TurnGroup, ..
         if not isinstance(acts, (list, tuple)) or not acts:
             raise ConfigError(f"{gp}.actions", f"must be a non-empty list of action names "
                               f"(got {acts!r})")
-        for a in acts:
-            if a not in names:
-                raise ConfigError(f"{gp}.actions", f"unknown action {a!r} (the task's: "
-                                  f"{', '.join(sorted(names)) or 'none'})")
-        out.append(TurnGroup(prob, tuple(str(a) for a in acts)))
+        stages = []
+        for stage in acts:
+            stage = [stage] if isinstance(stage, str) else stage
+            if not isinstance(stage, (list, tuple)) or not stage:
+                raise ConfigError(f"{gp}.actions", f"a stage must be an action name or a "
+                                  f"non-empty list of them (got {stage!r})")
+            for a in stage:
+                if a not in names:
+                    raise ConfigError(f"{gp}.actions", f"unknown action {a!r} (the task's: "
+                                      f"{', '.join(sorted(names)) or 'none'})")
+            stages.append(tuple(str(a) for a in stage))
+        out.append(TurnGroup(prob, tuple(stages)))
     if abs(sum(g.prob for g in out) - 1.0) > 1e-6:
         raise ConfigError(path, f"probabilities (prob) must sum to 1 (got "
                           f"{sum(g.prob for g in out):g})")
@@ -264,7 +276,7 @@ def parse_workload(d: Mapping, path: str = "workload") -> WorkloadConfig:
     if not isinstance(d, Mapping):
         raise ConfigError(path, f"must be a mapping (got {type(d).__name__})")
     check_keys(d, {"name", "steps", "trajectories_per_step", "estimate_error", "services",
-                    "tasks", "trace"}, path)
+                    "tasks", "trace", "step_gap_s"}, path)
     name = str(get_key(d, "name", path))
     services = {str(k): parse_service(v, f"{path}.services.{k}")
                 for k, v in mapping_or_empty(d.get("services"), f"{path}.services").items()}
@@ -319,8 +331,9 @@ def parse_workload(d: Mapping, path: str = "workload") -> WorkloadConfig:
             reward=parse_action_type("reward", get_key(t, "reward", tp), f"{tp}.reward",
                                      services, reward=True),
             turn_groups=groups))
+    gap = bounded(d.get("step_gap_s", 0.0), f"{path}.step_gap_s", lo=0.0)
     return WorkloadConfig(name, steps, n_traj, est_err, tuple(tasks), services,
-                          None if trace is None else str(trace))
+                          None if trace is None else str(trace), gap)
 
 
 def check_compatible(w: WorkloadConfig, c: ClusterConfig, path: str = "workload") -> None:
