@@ -18,7 +18,7 @@ the step time, the first submission to the last finish of a run's trajectories. 
 demonstration's own agent-side figures (an HTTP call's issue to its answer) are printed
 beside them.
 
-    python benchmarks/live_calibration.py [--seeds 0,1,2] [--trajectories 12]
+    python benchmarks/live_calibration.py [--seeds 0,1,2,3,4,5,6,7] [--trajectories 12]
         [--sim-seeds 40] [--scheduler checkpoints/default] [--out DIR]
         [--trace TRACE]        # an existing trace: skip the live runs
 """
@@ -98,7 +98,8 @@ def replay(profile_dir: Path, name: str, scheduler: str, seeds: list[int]
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seeds", default="0,1,2", help="the demonstration's seeds, one run each")
+    p.add_argument("--seeds", default="0,1,2,3,4,5,6,7",
+                   help="the demonstration's seeds, one run each")
     p.add_argument("--trajectories", type=int, default=12)
     p.add_argument("--sim-seeds", type=int, default=40)
     p.add_argument("--scheduler", default="checkpoints/default")
