@@ -264,7 +264,13 @@ def init_source(cfg: dict[str, Any]) -> ResumeFrom | None:
 def _checkpoint_source(cfg: dict[str, Any], key: str) -> ResumeFrom | None:
     """The checkpoint ``cfg[key]`` names, checked against the observation and
     normalisation settings of ``cfg`` (one-line errors naming ``key``), or None."""
-    from metasched.agents.checkpoint import MODEL, VEC_NORMALIZE, load_metadata, resolve_scheduler
+    from metasched.agents.checkpoint import (
+        MODEL,
+        VEC_NORMALIZE,
+        load_metadata,
+        normalization,
+        resolve_scheduler,
+    )
 
     name = cfg.get(key)
     if name is None:
@@ -298,9 +304,7 @@ def _checkpoint_source(cfg: dict[str, Any], key: str) -> ResumeFrom | None:
         if "hidden" in trained and int(trained["hidden"]) != int(agent["hidden"]):
             raise ConfigError("agent.hidden", f"must be {trained['hidden']} to {key} from "
                               f"{name} (its network's width; got {agent['hidden']})")
-        saved = meta.get("normalization") or {  # checkpoints from before it was recorded
-            "obs": bool(trained.get("normalize_obs", False)),
-            "reward": bool(trained.get("normalize_reward", False))}
+        saved = normalization(meta)
     for k, what in (("normalize_obs", "obs"), ("normalize_reward", "reward")):
         if saved[what] is not None and bool(agent.get(k, False)) != bool(saved[what]):
             raise ConfigError(f"agent.{k}", f"must be {str(bool(saved[what])).lower()} to "

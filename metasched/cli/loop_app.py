@@ -114,11 +114,11 @@ def warm_start_overrides(s: dict[str, Any], profile_dir: Path, name: str,
     warm start (and the observation, network and normalisation it needs; ``obs_keys``:
     the ``obs`` settings ``metasched-train`` has), the budget, then the user's
     ``train_overrides``."""
+    from metasched.agents.checkpoint import normalization
+
     meta = s["metadata"]
     trained = (meta.get("config") or {}).get("agent") or {}
-    norm = meta.get("normalization") or {
-        "obs": bool(trained.get("normalize_obs", False)),
-        "reward": bool(trained.get("normalize_reward", False))}
+    norm = normalization(meta)
     out = [f"hydra.searchpath=[file://{profile_dir.resolve()}]", f"workload={name}",
            f"init={s['checkpoint']}", "agent.bc.decisions=0",
            f"agent.total_timesteps={s['budget']}", f"seed={s['seed']}",
