@@ -10,9 +10,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pydantic import ValidationError
+
 from metasched.core.pools import EndpointSpec
 from metasched.core.validate import bounded, check_keys, get_key, mapping_or_empty
-from metasched.errors import ConfigError
+from metasched.errors import ConfigError, validation_error
 
 __all__ = ["LOOPBACK", "ServeConfig", "Upstream", "derated", "is_loopback", "parse_upstreams"]
 
@@ -86,10 +88,10 @@ def parse_upstreams(d: Any, path: str = "endpoints"
         url = get_key(e, "url", at)
         headers = mapping_or_empty(e.get("headers"), f"{at}.headers")
         try:
-            HttpSpec(url=str(url), headers={str(k): v for k, v in headers.items()})
-        except ValueError as err:  # "http.url: ..." / "http.headers: ..."
-            raise ConfigError(f"{at}.{str(err).split(':', 1)[0].removeprefix('http.')}",
-                              str(err).split(": ", 1)[1]) from None
+            HttpSpec.model_validate({"url": str(url),
+                                     "headers": {str(k): v for k, v in headers.items()}})
+        except ValidationError as err:
+            raise validation_error(err.errors(), model=HttpSpec, at=(at,)) from None
         upstreams[str(name)] = Upstream(
             url=str(url).rstrip("/"), headers={str(k): str(v) for k, v in headers.items()},
             tokens=bounded(e.get("tokens", 0), f"{at}.tokens", lo=0, integer=True),
