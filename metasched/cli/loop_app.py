@@ -35,7 +35,7 @@ from typing import Any
 from metasched.cli.app import make_main
 from metasched.cli.output import json_safe
 from metasched.cli.settings import int_setting
-from metasched.errors import ConfigError
+from metasched.errors import ConfigError, one_of
 from metasched.sim.seeds import EVAL_SEED_OFFSET
 
 # The names the two policies carry in the evaluation.
@@ -85,15 +85,10 @@ def loop_settings(cfg: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError("evaluation.heuristics", f"must be a non-empty list of heuristics "
                           f"(got {heuristics!r})")
     for h in heuristics:
-        if h not in BASELINES:
-            raise ConfigError("evaluation.heuristics", f"unknown heuristic {h!r}; one of "
-                              f"{', '.join(BASELINES)}")
+        one_of(h, BASELINES, "evaluation.heuristics", what="the heuristics")
     if len(set(heuristics)) != len(heuristics):
         raise ConfigError("evaluation.heuristics", f"lists a heuristic twice ({heuristics})")
-    estimates = ev.get("estimates", "profile")
-    if estimates not in ESTIMATES:
-        raise ConfigError("evaluation.estimates", f"must be one of {', '.join(ESTIMATES)} "
-                          f"(got {estimates!r})")
+    estimates = one_of(ev.get("estimates", "profile"), ESTIMATES, "evaluation.estimates")
     try:
         n_seeds = int_setting(ev, "n_seeds", 2)  # a paired CI needs two seeds
         offset = int_setting(ev, "seed_offset", EVAL_SEED_OFFSET)  # held out
