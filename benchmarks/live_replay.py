@@ -12,21 +12,29 @@ really shortens it. The profile's sandbox start-up is left out of the simulated 
 trajectory's sandbox by default (``--isolation``: ``bwrap``, or ``off`` for commands on
 the host without cgroups; several modes are run one after the other per scheduler).
 Prints mean ACT and step time, simulated and live (mean and range over the repeats),
-per scheduler and isolation.
+per scheduler and isolation, and each learned policy's live mean ACT and step time
+against the best heuristic's (by live mean ACT): the ratio of means over the repeats and
+its paired 95% interval (Fieller, ``metasched.evaluation.statistics``). The live runs go
+in rounds, every scheduler once a round, so that run k of each met the same stretch of
+the machine's load and the rounds pair.
 
     python benchmarks/live_replay.py [--profile coding] [--trajectories 16] [--scale 0.1]
         [--schedulers static,...,checkpoints/default] [--repeats 3] [--sim-runs 10]
-        [--seed 1000000] [--estimates online|profile] [--launch-s auto|<s>]
+        [--seed 1000000] [--estimates online|profile] [--launch-s live|auto|<s>]
         [--launch-mean-s <s>] [--isolation bwrap,off]
 
 The simulator is given what the dispatcher has: the online cost model's estimates
 (``--estimates online``, the default: learned from measured durations, as live; the
 profile's noisy per-action estimates only as the first hint; ``--estimates profile``
 gives both sides each action's profile estimate instead), the start-up of a command
-on this machine (``auto``: before each scheduler's live runs of each isolation mode,
-the median and mean run of about ``--launch-samples`` do-nothing commands of the same
-form, submitted as the replay submits its actions, in trajectories' sandboxes; drawn
-per action in simulation from the log-normal with that median and mean), and the
+on this machine, drawn per action in simulation from the log-normal with a measured
+median and mean: ``live`` (the default) pools every command's start-up in the live runs
+of every scheduler, per isolation mode, and simulates after them (one figure of the
+machine over the same stretch of its load, the same for every scheduler); ``auto``
+measures, before each scheduler's simulated runs, about ``--launch-samples`` do-nothing
+commands of the same form, submitted as the replay submits its actions, in
+trajectories' sandboxes (on a loaded machine such a probe meets a different stretch of
+load than the live runs do, and its tail differs by up to 3x), and the
 workload's expected demand per task (for ``static`` and ``task_isolated``). One
 instance of a step is chaotic: a few ms more or less on one action reorders the queue
 behind it, so the simulator's figure is the mean of ``--sim-runs`` runs that differ in
@@ -53,6 +61,7 @@ from metasched.core.actions import Turn, amdahl_run_s
 from metasched.core.cluster_config import ClusterConfig
 from metasched.core.cost_model import CostModel
 from metasched.errors import ConfigError
+from metasched.evaluation.statistics import paired_comparison
 from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
 from metasched.runtime.sandbox.config import SandboxConfig
 from metasched.sim.sampling import TrajectorySpec, WorkloadInstance, sample_workload
@@ -151,8 +160,9 @@ def sigma_from_mean(median_s: float, mean_s: float) -> float:
 
 async def live(inst, cores: list[int], sched: str, online: bool, isolation: str
                ) -> tuple[float, float, int, float, float]:
-    """Mean ACT, step time, failures, and the median and mean start-up of a command (its
-    measured run less the sleep it was asked for) of one live run."""
+    """Mean ACT, step time, failures, the median and mean start-up of a command (its
+    measured run less the sleep it was asked for) and every command's start-up, of one
+    live run."""
     cfg = DispatcherConfig(scheduler=sched, cores=cores, sample_interval_s=0.5,
                            max_wait_s=MAX_WAIT_S, task_demand=inst.demand_by_task(),
                            estimates="online" if online else "request",
@@ -183,7 +193,7 @@ async def live(inst, cores: list[int], sched: str, online: bool, isolation: str
         step = time.perf_counter() - t0
     r = d.run_result()
     return (float(r.act.mean()), step, int(r.counters["failed"]), float(np.median(startup)),
-            float(np.mean(startup)))
+            float(np.mean(startup)), startup)
 
 
 def spread(xs: list[float], digits: int = 3) -> str:
@@ -209,9 +219,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="estimates on both sides: the online cost model's (the "
                     "dispatcher's default) or the profile's per-action ones (live: each "
                     "request's est_s, estimates='request')")
-    ap.add_argument("--launch-s", default="auto", help="a command's start-up in the "
-                    "simulator (median), seconds, or 'auto': measured here before each "
-                    "scheduler's live runs")
+    ap.add_argument("--launch-s", default="live", help="a command's start-up in the "
+                    "simulator (median), seconds; 'live': pooled from every scheduler's "
+                    "live runs; 'auto': measured by a probe before each scheduler's "
+                    "simulated runs")
     ap.add_argument("--launch-mean-s", type=float, default=None, help="its mean with a "
                     "given --launch-s (log-normal; default: constant)")
     ap.add_argument("--launch-samples", type=int, default=200)
@@ -240,12 +251,15 @@ def replay(args: argparse.Namespace) -> int:
     if args.estimates not in ("online", "profile"):
         raise ConfigError("estimates", f"must be online or profile (got {args.estimates!r})")
     fixed = None
-    if args.launch_s != "auto":
+    if args.launch_s == "live" and args.repeats == 0:
+        raise ConfigError("launch-s", "'live' needs live runs (--repeats >= 1); give "
+                          "seconds or 'auto'")
+    if args.launch_s not in ("auto", "live"):
         try:
             fixed = float(args.launch_s)
         except ValueError:
-            raise ConfigError("launch-s", f"must be 'auto' or seconds (got {args.launch_s!r})"
-                              ) from None
+            raise ConfigError("launch-s", f"must be 'live', 'auto' or seconds (got "
+                              f"{args.launch_s!r})") from None
         mean = fixed if args.launch_mean_s is None else args.launch_mean_s
         if not 0 <= fixed <= mean:
             raise ConfigError("launch-mean-s", "need 0 <= launch-s <= launch-mean-s")
@@ -267,25 +281,69 @@ def replay(args: argparse.Namespace) -> int:
     print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     bar = tqdm(total=len(scheds) * len(modes) * (args.sim_runs + args.repeats), desc="runs",
                unit="run")
-    for sched in scheds:
-        for mode in modes:
-            median, mean = fixed or asyncio.run(measure_launch_s(inst, cores,
-                                                                 args.launch_samples, mode))
+    keys = [(sched, mode) for sched in scheds for mode in modes]
+    sims: dict[tuple[str, str], list] = {key: [] for key in keys}
+    launch: dict[tuple[str, str], tuple[float, float]] = {}
+    lives: dict[tuple[str, str], list] = {key: [] for key in keys}
+
+    def simulate_all() -> None:
+        for sched, mode in keys:
+            if args.launch_s == "live":
+                pooled = [x for s in scheds for run in lives[s, mode] for x in run[5]]
+                median, mean = float(np.median(pooled)), float(np.mean(pooled))
+            else:
+                median, mean = fixed or asyncio.run(measure_launch_s(
+                    inst, cores, args.launch_samples, mode))
+            launch[sched, mode] = median, mean
             cluster = replace(base, cpu_launch_s=median,
                               cpu_launch_sigma=sigma_from_mean(median, mean))
-            sims = []
             for i in range(args.sim_runs):
-                sims.append(simulate(w, inst, cluster, sched, args.seed + i,
-                                     args.estimates == "online"))
+                sims[sched, mode].append(simulate(w, inst, cluster, sched, args.seed + i,
+                                                  args.estimates == "online"))
                 bar.update()
-            lives = []
-            for _ in range(args.repeats):
-                lives.append(asyncio.run(live(inst, cores, sched, args.estimates == "online",
-                                              mode)))
-                bar.update()
-            bar.write(row(sched, mode, sims, lives, median, mean))
+
+    if args.launch_s != "live":
+        simulate_all()
+    # Live runs in rounds, every scheduler once a round: run k of two schedulers met the
+    # same stretch of the machine's load, so they pair.
+    for _ in range(args.repeats):
+        for sched, mode in keys:
+            lives[sched, mode].append(asyncio.run(live(
+                inst, cores, sched, args.estimates == "online", mode)))
+            bar.update()
+    if args.launch_s == "live":
+        simulate_all()
     bar.close()
+    for sched in scheds:
+        for mode in modes:
+            print(row(sched, mode, sims[sched, mode], lives[sched, mode], *launch[sched, mode]))
+    for mode in modes:
+        line = paired_line(scheds, mode, lives)
+        if line:
+            print(line)
     return 0
+
+
+def paired_line(scheds: list[str], mode: str, lives: dict[tuple[str, str], list]) -> str:
+    """Each learned policy's live mean ACT and step time against the best heuristic's
+    (by live mean ACT), paired by round: ratio of means and its 95% interval."""
+    heuristics = [s for s in scheds if s in BASELINES and len(lives[s, mode]) >= 2]
+    if not heuristics:
+        return ""
+    best = min(heuristics, key=lambda s: np.mean([x[0] for x in lives[s, mode]]))
+    out = []
+    for s in scheds:
+        if s in BASELINES or len(lives[s, mode]) < 2:
+            continue
+        act = paired_comparison([x[0] for x in lives[s, mode]], [x[0] for x in lives[best, mode]])
+        step = paired_comparison([x[1] for x in lives[s, mode]],
+                                 [x[1] for x in lives[best, mode]])
+        out.append(f"{s} ÷ {best} (the best heuristic live, {mode}), {len(lives[s, mode])} "
+                   f"paired rounds: mean ACT {act['ratio']:.3f} (95% CI "
+                   f"{act['ratio_ci95'][0]:.3f}–{act['ratio_ci95'][1]:.3f}), step "
+                   f"{step['ratio']:.3f} ({step['ratio_ci95'][0]:.3f}–"
+                   f"{step['ratio_ci95'][1]:.3f})")
+    return "\n".join(out)
 
 
 def row(sched: str, mode: str, sims: list, lives: list, median: float, mean: float) -> str:

@@ -1,7 +1,7 @@
 """API executor: performs one web-search / LLM-judge call, with retries, once the
 scheduler has started it.
 
-The scheduler decides *when* a call starts (the endpoint's RPM/TPM buckets and
+The scheduler decides *when* a call starts (the endpoint's RPM/TPM quotas and
 concurrency in ``ClusterState``); :func:`call_api` performs it. A call is either an
 :class:`HttpSpec` (a JSON-over-HTTP request) or a user's async callable. 429s, 5xx,
 connection errors and :class:`RetryableError` are retried with exponential backoff and
@@ -472,7 +472,7 @@ async def _attempts(target: HttpSpec | Callable[[], Awaitable[Any]], retry: Retr
         if attempt > 1:
             await asyncio.sleep(wait)
             # After the backoff: a retry is a new request against the endpoint's quota,
-            # which the dispatcher takes here once the buckets allow it.
+            # which the dispatcher takes here once the quota allows it.
             if before_retry is not None:
                 await before_retry()
         progress.attempts = attempt
@@ -510,7 +510,7 @@ async def call_api(
             reproducible waits).
         before_retry: awaited before every retry, after the backoff wait (so
             ``attempts - 1`` times); the dispatcher waits there until the endpoint's
-            buckets allow another request and takes it. Its exceptions propagate; the
+            quota allows another request and takes it. Its exceptions propagate; the
             timeout may cancel it.
         client: the pooled client for an :class:`HttpSpec` (see :func:`make_client`;
             default: one made for this call and closed after it).

@@ -940,7 +940,7 @@ class Dispatcher:
         self._arm_timers()
 
     def _arm_timers(self) -> None:
-        """Look again when API buckets refill or the guard's deadline comes."""
+        """Look again when API quota windows have room or the guard's deadline comes."""
         state = self.state
         waits = []
         if state.pending["api"]:
@@ -1306,7 +1306,7 @@ class Dispatcher:
     def status(self) -> dict[str, Any]:
         """:meth:`stats` plus the pools as they are now: cores (busy, free), GPU devices
         (busy, resident services), API endpoints (quota, calls in flight, what the
-        buckets hold), the queue by kind, and the utilisation granted so far."""
+        windows admit), the queue by kind, and the utilisation granted so far."""
         s = self.state
         s.advance(self._now())
         cpu = s.cpu

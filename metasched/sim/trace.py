@@ -377,7 +377,7 @@ def validate_against(instance: WorkloadInstance, workload_services: dict[str, Se
 
     Checks: gpu actions name a service in ``workload_services`` that fits a device (and
     the cluster has a device); api actions name an endpoint of the cluster and need no
-    more tokens than its bucket holds; cpu actions fit on one node (``min_cores`` at most
+    more tokens than its quota window admits; cpu actions fit on one node (``min_cores`` at most
     ``cores_per_node``, and some CPU node exists); sandboxes fit a node's memory.
 
     Raises:
@@ -414,8 +414,8 @@ def validate_against(instance: WorkloadInstance, workload_services: dict[str, Se
             raise ConfigError(f"{where}.endpoint", f"unknown endpoint {a.endpoint!r} (cluster "
                               f"defines: {', '.join(sorted(cluster.endpoints)) or 'none'})")
         elif a.tokens > cluster.endpoints[a.endpoint].tok_capacity:
-            raise ConfigError(f"{where}.tokens", f"{a.tokens} exceeds the token bucket of "
-                              f"endpoint {a.endpoint!r}")
+            raise ConfigError(f"{where}.tokens", f"{a.tokens} exceeds what one quota window of "
+                              f"endpoint {a.endpoint!r} admits")
 
 
 def trace_from_workload(workload: WorkloadConfig, seed: int) -> WorkloadInstance:

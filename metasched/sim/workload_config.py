@@ -357,8 +357,8 @@ def check_compatible(w: WorkloadConfig, c: ClusterConfig, path: str = "workload"
                 raise ConfigError(f"{ap}.endpoint", f"unknown endpoint {a.endpoint!r} (cluster "
                                   f"defines: {', '.join(sorted(c.endpoints)) or 'none'})")
             elif a.tokens is not None and a.tokens.hi > c.endpoints[a.endpoint].tok_capacity:
-                raise ConfigError(f"{ap}.tokens", f"max {a.tokens.hi:g} exceeds the token bucket "
-                                  f"of endpoint {a.endpoint!r}")
+                raise ConfigError(f"{ap}.tokens", f"max {a.tokens.hi:g} exceeds what one quota "
+                                  f"window of endpoint {a.endpoint!r} admits")
         if t.sandbox is not None and c.cpu_nodes == 0:
             raise ConfigError(f"{path}.tasks.{t.name}.sandbox",
                               "needs a CPU node to live on; cluster.cpu.nodes is 0")
