@@ -78,6 +78,16 @@ def save_checkpoint(path: str | Path, model, obs_config: ObsConfig,
     return out
 
 
+def normalization(meta: dict[str, Any]) -> dict[str, bool]:
+    """What a checkpoint's policy was trained to read normalised (``obs``) and whether its
+    returns were (``reward``), from its metadata (for checkpoints from before it was
+    recorded: from the training config)."""
+    trained = (meta.get("config") or {}).get("agent") or {}
+    return meta.get("normalization") or {
+        "obs": bool(trained.get("normalize_obs", False)),
+        "reward": bool(trained.get("normalize_reward", False))}
+
+
 def schema(obs_config: ObsConfig) -> dict[str, Any]:
     """What a checkpoint records about the observation it was trained on."""
     return {"version": OBS_SCHEMA_VERSION, "slot_features": list(SLOT_FEATURES),

@@ -6,7 +6,8 @@ heuristic (``agent.bc.expert``, ``rate_greedy`` by default; DAgger rounds as con
 -> MaskablePPO with checkpoint, curriculum and scheduler-metrics callbacks -> write the
 final and the best checkpoint directories. Or resume: load a checkpoint's model (weights,
 optimizer state, timesteps) and ``VecNormalize`` statistics and continue to
-``agent.total_timesteps``.
+``agent.total_timesteps``. Or warm-start (``init``): a new run from a checkpoint's policy
+weights and ``VecNormalize`` statistics, no cloning.
 
 "Best" means one thing: the lowest mean ACT on the validation seeds
 (``SchedulerMetricsCallback``), the warm-started (or resumed) policy included. Validation
@@ -238,9 +239,40 @@ def resume_source(cfg: dict[str, Any]) -> ResumeFrom | None:
     ``resume`` is a checkpoint directory (``checkpoint/``, ``best/``) or one of the
     periodic SB3 checkpoints (``sb3_checkpoints/model_<n>_steps.zip``, its statistics
     beside it as ``model_vecnormalize_<n>_steps.pkl``)."""
-    from metasched.agents.checkpoint import MODEL, VEC_NORMALIZE, load_metadata, resolve_scheduler
+    if cfg.get("resume") is not None and cfg.get("init") is not None:
+        raise ConfigError("init", "give resume= (continue a run) or init= (a new run "
+                          "warm-started from a checkpoint), not both")
+    got = _checkpoint_source(cfg, "resume")
+    if got is not None and got.timesteps >= int(cfg["agent"]["total_timesteps"]):
+        raise ConfigError("agent.total_timesteps", f"{cfg['resume']} has trained "
+                          f"{got.timesteps} timesteps already; ask for more than that to "
+                          f"resume it (got {cfg['agent']['total_timesteps']})")
+    return got
 
-    name = cfg.get("resume")
+
+def init_source(cfg: dict[str, Any]) -> ResumeFrom | None:
+    """What ``init`` names (a warm start: a new run from the checkpoint's policy weights
+    and ``VecNormalize`` statistics, with a fresh optimizer, timesteps counted from 0 and
+    no behaviour cloning), checked against the config (one-line errors), or None. Takes
+    the same checkpoints as ``resume``."""
+    if cfg.get("resume") is not None and cfg.get("init") is not None:
+        raise ConfigError("init", "give resume= (continue a run) or init= (a new run "
+                          "warm-started from a checkpoint), not both")
+    return _checkpoint_source(cfg, "init")
+
+
+def _checkpoint_source(cfg: dict[str, Any], key: str) -> ResumeFrom | None:
+    """The checkpoint ``cfg[key]`` names, checked against the observation and
+    normalisation settings of ``cfg`` (one-line errors naming ``key``), or None."""
+    from metasched.agents.checkpoint import (
+        MODEL,
+        VEC_NORMALIZE,
+        load_metadata,
+        normalization,
+        resolve_scheduler,
+    )
+
+    name = cfg.get(key)
     if name is None:
         return None
     agent = cfg["agent"]
@@ -248,7 +280,7 @@ def resume_source(cfg: dict[str, Any]) -> ResumeFrom | None:
     if periodic is not None:
         path = Path(str(name)).resolve()
         if not path.is_file():
-            raise ConfigError("resume", f"{name} does not exist")
+            raise ConfigError(key, f"{name} does not exist")
         prefix, steps = periodic.groups()
         stats = path.with_name(f"{prefix}_vecnormalize_{steps}_steps.pkl")
         got = ResumeFrom(path, stats if stats.is_file() else None, int(steps))
@@ -256,12 +288,12 @@ def resume_source(cfg: dict[str, Any]) -> ResumeFrom | None:
     else:
         path = Path(resolve_scheduler(str(name)))
         if not (path / MODEL).is_file():
-            raise ConfigError("resume", f"{name} is neither a checkpoint directory with "
+            raise ConfigError(key, f"{name} is neither a checkpoint directory with "
                               f"{MODEL} nor an SB3 checkpoint (model_<n>_steps.zip)")
         try:
             meta = load_metadata(path)
         except ConfigError as e:
-            raise ConfigError("resume", e.problem) from None
+            raise ConfigError(key, e.problem) from None
         if meta["obs_config"] != ObsConfig(**cfg["obs"]):
             raise ConfigError("obs", f"differs from the observation {name} was trained on "
                               f"({meta['obs_config'].to_dict()})")
@@ -269,21 +301,32 @@ def resume_source(cfg: dict[str, Any]) -> ResumeFrom | None:
         got = ResumeFrom(path / MODEL, stats if stats.is_file() else None,
                          int((meta.get("validation") or {}).get("timesteps", 0)))
         trained = (meta.get("config") or {}).get("agent") or {}
-        saved = meta.get("normalization") or {  # checkpoints from before it was recorded
-            "obs": bool(trained.get("normalize_obs", False)),
-            "reward": bool(trained.get("normalize_reward", False))}
-    for key, what in (("normalize_obs", "obs"), ("normalize_reward", "reward")):
-        if saved[what] is not None and bool(agent.get(key, False)) != bool(saved[what]):
-            raise ConfigError(f"agent.{key}", f"must be {str(bool(saved[what])).lower()} to "
-                              f"resume {name} (it was trained so)")
+        if "hidden" in trained and int(trained["hidden"]) != int(agent["hidden"]):
+            raise ConfigError("agent.hidden", f"must be {trained['hidden']} to {key} from "
+                              f"{name} (its network's width; got {agent['hidden']})")
+        saved = normalization(meta)
+    for k, what in (("normalize_obs", "obs"), ("normalize_reward", "reward")):
+        if saved[what] is not None and bool(agent.get(k, False)) != bool(saved[what]):
+            raise ConfigError(f"agent.{k}", f"must be {str(bool(saved[what])).lower()} to "
+                              f"{key} from {name} (it was trained so)")
     if saved["obs"] and got.stats is None:
-        raise ConfigError("resume", f"{name} reads normalised observations but its "
+        raise ConfigError(key, f"{name} reads normalised observations but its "
                           f"statistics ({VEC_NORMALIZE}) are missing")
-    if got.timesteps >= int(agent["total_timesteps"]):
-        raise ConfigError("agent.total_timesteps", f"{name} has trained {got.timesteps} "
-                          "timesteps already; ask for more than that to resume it (got "
-                          f"{agent['total_timesteps']})")
     return got
+
+
+def _load_policy_weights(model, source: ResumeFrom) -> None:
+    """Copy the policy weights of ``source`` into ``model`` (a warm start: its optimizer
+    and timesteps stay fresh)."""
+    from stable_baselines3.common.save_util import load_from_zip_file
+
+    try:
+        _, params, _ = load_from_zip_file(source.model, device="cpu")
+        model.policy.load_state_dict(params["policy"])
+    except (RuntimeError, ValueError, KeyError, TypeError, OSError, zipfile.BadZipFile) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError("init", f"cannot take the policy of {source.model} (is "
+                          f"agent.hidden the one it was trained with?): {first}") from None
 
 
 def train(cfg: dict[str, Any], workload: WorkloadConfig, cluster: ClusterConfig,
@@ -302,6 +345,7 @@ def train(cfg: dict[str, Any], workload: WorkloadConfig, cluster: ClusterConfig,
     t_start = time.perf_counter()
     agent, seed = cfg["agent"], int(cfg["seed"])
     resume = resume_source(cfg)
+    init = init_source(cfg)
     kwargs = env_kwargs(cfg)
     cur = cfg["env"].get("curriculum") or {}
     load0 = float(cur["load_start"]) if cur.get("enabled") else 1.0
@@ -311,15 +355,18 @@ def train(cfg: dict[str, Any], workload: WorkloadConfig, cluster: ClusterConfig,
     venv = (SubprocVecEnv(thunks) if agent.get("vec_env") == "subproc" and n_envs > 1
             else DummyVecEnv(thunks))
     try:
-        venv = _normalized(venv, agent, None if resume is None else resume.stats)
-        if resume is not None and resume.stats is None and agent.get("normalize_reward"):
+        source = resume or init
+        venv = _normalized(venv, agent, None if source is None else source.stats)
+        if source is not None and source.stats is None and agent.get("normalize_reward"):
             log.warning("%s has no saved VecNormalize statistics: return statistics start "
-                        "afresh", cfg["resume"])
+                        "afresh", cfg["resume"] if resume is not None else cfg["init"])
         if resume is None:
             model = MaskablePPO(
                 SlotPolicy, venv, **_agent_settings(agent),
                 policy_kwargs={"hidden": int(agent["hidden"])},
                 tensorboard_log=str(out_dir / "tensorboard"), seed=seed, verbose=0)
+            if init is not None:  # weights only: a new run
+                _load_policy_weights(model, init)
         else:  # weights, optimizer state and timesteps from the checkpoint
             try:
                 model = MaskablePPO.load(resume.model, env=venv, device="cpu",
@@ -336,12 +383,13 @@ def train(cfg: dict[str, Any], workload: WorkloadConfig, cluster: ClusterConfig,
     meta = {"training": {"seed": seed, "sim_seed_range": list(TRAIN_SIM_SEEDS),
                          "validation_seeds": list(VALIDATION_SEEDS[: int(cfg['eval']['seeds'])]),
                          "resumed_from": None if resume is None else str(resume.model),
-                         "resumed_at_timesteps": started_at},
+                         "resumed_at_timesteps": started_at,
+                         "initialised_from": None if init is None else str(init.model)},
             "config": cfg, "parameters": n_parameters(model.policy)}
 
     bc = agent.get("bc") or {}
     bc_losses: list[float] = []
-    if resume is None and int(bc.get("decisions", 0)) > 0:
+    if resume is None and init is None and int(bc.get("decisions", 0)) > 0:
         # Full load (randomised as configured): the clone must know busy clusters too.
         # The expert's decisions come from every profile in ``bc.profiles`` (the training
         # profile's own cluster for it, each other profile's own cluster for the rest).
@@ -404,6 +452,7 @@ def train(cfg: dict[str, Any], workload: WorkloadConfig, cluster: ClusterConfig,
     elapsed = time.perf_counter() - t_start
     summary = {"elapsed_s": elapsed, "bc_s": t_bc, "bc_losses": bc_losses,
                "resumed_from": meta["training"]["resumed_from"],
+               "initialised_from": meta["training"]["initialised_from"],
                "timesteps": {"start": started_at, "end": model.num_timesteps},
                "final_validation": final, "best_validation": metrics_cb.best,
                "reference": metrics_cb.reference, "history": metrics_cb.history}

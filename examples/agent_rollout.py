@@ -162,11 +162,12 @@ class Worker:
             r = await self.http.post(f"{self.service}/run_code", json=body, headers=headers)
         return r.status_code == 200 and r.json()["status"] == "Success"
 
-    async def search(self, trajectory: str, query: str) -> bool:
+    async def search(self, trajectory: str, turn: int, query: str) -> bool:
         if self.mode == "metasched":  # the proxy queues and retries
             r = await self.http.get(f"{self.service}/v1/endpoints/search/q",
                                     params={"q": query},
-                                    headers={"X-Trajectory-Id": trajectory})
+                                    headers={"X-Trajectory-Id": trajectory,
+                                             "X-Turn": str(turn), "X-Task": "agent"})
             return r.status_code == 200
         backoff = 0.5
         for _ in range(20):  # the worker's own limit, then the API's answer
@@ -210,7 +211,7 @@ async def trajectory(i: int, plan: Plan, worker: Worker,
                     for k, w in enumerate(t.work_s)))
                 ok = all(oks)
             elif t.tool == "search":
-                ok = await worker.search(name, f"q{i}-{turn}")
+                ok = await worker.search(name, turn, f"q{i}-{turn}")
             else:
                 ok = await worker.reward(name, turn, plan.payload)
             t1 = time.monotonic()
@@ -259,9 +260,12 @@ def run_mode(mode: str, plans: list[Plan], args: argparse.Namespace) -> dict:
         scheduler, params, per_sandbox = args.scheduler, {}, 1
     with RateLimitedServer(args.rpm, latency_s=args.search_latency_s) as api:
         upstream = Upstream(url=api.url)
+        trace = None if args.trace is None else args.trace.with_name(
+            f"{args.trace.stem}.{mode}{args.trace.suffix}" if args.mode == "both"
+            else args.trace.name)
         dcfg = DispatcherConfig(scheduler=scheduler, scheduler_params=params, gpu_standin=1,
                                 endpoints={"search": derated(quota, upstream.margin_s)},
-                                tail_bytes=65536)
+                                tail_bytes=65536, trace=trace)
         scfg = ServeConfig(upstreams={"search": upstream}, languages=["python"])
         app = create_app(lambda: Dispatcher(dcfg, services={"rm": linear_scorer(16)}), scfg)
         with BackgroundServer(app) as srv:
@@ -334,6 +338,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     p.add_argument("--mode", choices=(*MODES, "both"), default="both")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON")
+    p.add_argument("--trace", type=Path, default=None,
+                   help="record the dispatcher's finished actions to this JSONL trace "
+                        "(with --mode both: one file per mode, NAME.<mode>.jsonl)")
     args = p.parse_args(argv)
     for name in ("trajectories", "workers", "tests", "semaphore"):
         if getattr(args, name) < 1:

@@ -304,3 +304,176 @@ def test_mistakes_are_one_line(make, args, message, tmp_path: Path, capsys) -> N
     code, _, err = _run(argv, capsys)
     assert code == 2 and err.count("\n") == 1, err
     assert re.search(message, err), err
+
+
+# ---------------------------------------------------------------- agent turns
+
+
+def _grouped_trace(path: Path, n_traj: int, seed: int, *, runs: int = 1) -> dict:
+    """A live-like trace: each agent turn is a request of two steps (``w`` then ``r``,
+    the second submitted as the first finishes) with probability 0.6, two programs
+    posted at once (``t``, ``t``) with probability 0.25, else one search (``s``); LLM
+    generation before each turn. ``runs`` runs appended one after the other, 10 s apart,
+    reusing the trajectories' names (as a client naming them per step does). Returns
+    what was drawn."""
+    rng = np.random.default_rng(seed)
+    header = {"type": "cluster", "name": "local",
+              "cpu": {"nodes": 1, "cores_per_node": 2, "mem_gb_per_node": 8.0},
+              "gpu": {"devices": 0, "mem_gb": 0.0},
+              "api": {"endpoints": {"web": {"rpm": 600.0, "max_concurrency": 4}}},
+              "services": {}, "started_at": 0.0}
+    lines, groups, gens, turns = [json.dumps(header)], [], [], []
+    start = end = 0.0
+
+    def line(t: float, name: str, run_s: float, traj: int, turn: int, gap: float | None,
+             reward: bool) -> None:
+        kind = "api" if name == "s" else "cpu"
+        act = {"kind": kind, "name": name, "duration_s": run_s, "timeout_s": 60.0}
+        if kind == "api":
+            act["endpoint"] = "web"
+        if reward:
+            act["reward"] = True
+        m = {"queue_s": 0.0, "run_s": run_s, "status": "done", "trajectory": f"traj-{traj}",
+             "turn": turn}
+        if kind == "cpu":
+            m["cores"] = 1
+        if gap is not None:
+            m["gap_s"] = gap
+        lines.append(json.dumps({"type": "action", "arrival_s": t, "task": "agent",
+                                 "action": act, "measured": m}))
+
+    for _ in range(runs):
+        for i in range(n_traj):  # a run's trajectories start together
+            t = start
+            k = int(rng.integers(2, 7))
+            turns.append(k)
+            prev_end = None
+            for turn in range(k + 1):
+                gen = float(rng.lognormal(0.0, 0.5))
+                t += gen
+                if prev_end is not None and turn < k:
+                    gens.append(gen)
+                gap = None if prev_end is None else t - prev_end
+                if turn == k:
+                    run_s = float(rng.lognormal(-1.0, 0.3))
+                    line(t, "reward", run_s, i, turn, gap, True)
+                    t += run_s
+                    continue
+                u = rng.random()
+                if u < 0.6:  # a request of two steps
+                    groups.append((("w",), ("r",)))
+                    for j, name in enumerate(("w", "r")):
+                        run_s = float(rng.lognormal(-1.0, 0.3))
+                        line(t, name, run_s, i, turn, gap if j == 0 else 0.002, False)
+                        t += run_s + (0.002 if j == 0 else 0.0)
+                elif u < 0.85:  # two programs posted at once
+                    groups.append((("t", "t"),))
+                    runs_s = [float(rng.lognormal(-1.0, 0.3)) for _ in range(2)]
+                    for j, run_s in enumerate(sorted(runs_s)):
+                        line(t, "t", run_s, i, turn, gap if j == 0 else 0.0, False)
+                    t += max(runs_s)
+                else:
+                    groups.append((("s",),))
+                    run_s = float(rng.lognormal(-1.0, 0.3))
+                    line(t, "s", run_s, i, turn, gap, False)
+                    t += run_s
+                prev_end = t
+            end = max(end, t)
+        start = end + 10.0  # the next run starts after this one
+    path.write_text("\n".join(lines) + "\n")
+    return {"groups": groups, "gens": gens, "turns": turns}
+
+
+def test_turns_of_several_actions_are_fitted_as_turn_groups(tmp_path: Path) -> None:
+    trace = tmp_path / "grouped.jsonl"
+    drawn = _grouped_trace(trace, 200, seed=5)
+    out = tmp_path / "o"
+    calibrate_main([str(trace), "--name", "g", "--out", str(out), "--quiet", "--no-plot"])
+    w = parse_workload(yaml.safe_load((out / "workload" / "g.yaml").read_text()))
+    task = w.tasks[0]
+    n = len(drawn["groups"])
+    got = {g.actions: g.prob for g in task.turn_groups}
+    # In the order the agent issued them: stages, a stage's actions submitted together.
+    assert set(got) == {(("w",), ("r",)), (("t", "t"),), (("s",),)}
+    for g, p in got.items():
+        assert p == pytest.approx(drawn["groups"].count(g) / n, abs=1e-6)
+    # Turns and generation are per agent turn: the gaps inside a request are left out.
+    assert task.turns.median == pytest.approx(np.median(drawn["turns"]), abs=0.5)
+    assert task.generation_s.zero == 0.0
+    assert task.generation_s.median == pytest.approx(np.median(drawn["gens"]), rel=1e-3)
+    # The simulator draws turns as groups: each w followed by its r once it has
+    # finished, the two t submitted together.
+    from metasched.sim.sampling import sample_trajectory
+
+    spec = sample_trajectory(task, np.random.default_rng(0), 0.0)
+    tools = spec.turns[:-1]
+    for i, t in enumerate(tools):
+        if t.action.name == "w":
+            assert tools[i + 1].action.name == "r" and tools[i + 1].gen_s == 0.0
+            assert not t.together
+        if t.action.name == "t" and t.together:
+            assert tools[i + 1].action.name == "t" and not tools[i + 1].together
+    assert any(t.together for t in tools) or all(t.action.name != "t" for t in tools)
+
+
+def test_trajectory_names_reused_after_their_reward_are_new_trajectories(tmp_path: Path) -> None:
+    from metasched.calibration.samples import read_samples
+
+    trace = tmp_path / "appended.jsonl"
+    drawn = _grouped_trace(trace, 20, seed=6, runs=3)
+    samples = read_samples(trace)
+    steps = samples.steps()
+    assert [len(s) for s in steps] == [20, 20, 20]
+    assert sorted(t.groups for s in steps for t in s) == sorted(drawn["turns"])
+    # The pause between the runs (10 s here) is the profile's pause between steps.
+    from metasched.calibration.profile import calibrate
+
+    gap, n = calibrate(samples, "appended").step_gap
+    assert n == 2 and gap == pytest.approx(10.0, abs=1.5)
+
+
+def test_a_point_mass_at_zero() -> None:
+    d = parse_dist({"median": 2.0, "p90": 4.0, "zero": 0.4}, "g", positive=False)
+    x = d.sample(np.random.default_rng(1), 100_000)
+    assert (x == 0).mean() == pytest.approx(0.4, abs=0.01)
+    assert np.median(x[x > 0]) == pytest.approx(2.0, rel=0.02)
+    assert d.quantile([0.2, 0.4 + 0.6 * 0.5]).tolist() == pytest.approx([0.0, 2.0])
+    from metasched.calibration.fits import dist_cdf, fit_gaps
+
+    assert float(dist_cdf(d, np.array([0.0]))[0]) == pytest.approx(0.4)
+    fit = fit_gaps(x)
+    assert fit.zero == pytest.approx(0.4, abs=0.01)
+    assert fit.config()["median"] == pytest.approx(2.0, rel=0.03)
+    assert fit_gaps(x[x > 0]).zero == 0.0 and "zero" not in fit_gaps(x[x > 0]).config()
+
+
+@pytest.mark.parametrize("spec, positive, field", [
+    ({"median": 1.0, "zero": 0.1}, True, "d.zero"),     # durations cannot be 0
+    ({"median": 1.0, "zero": 1.0}, False, "d.zero"),
+    ({"median": 1.0, "zero": -0.1}, False, "d.zero"),
+])
+def test_bad_zero_is_one_line(spec, positive, field) -> None:
+    from metasched.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        parse_dist(spec, "d", positive=positive)
+    assert e.value.field == field and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("groups, message", [
+    ([{"prob": 1.0, "actions": ["nope"]}], "unknown action 'nope'"),
+    ([{"prob": 0.5, "actions": ["test"]}], "must sum to 1"),
+    ([{"prob": 1.0, "actions": []}], "must be a non-empty list"),
+    ("test", "must be a non-empty list"),
+])
+def test_bad_turn_groups_are_one_line(groups, message) -> None:
+    from metasched.errors import ConfigError
+
+    d = yaml.safe_load(PROFILE.read_text())
+    task = next(iter(d["tasks"].values()))
+    task["actions"] = {"test": next(iter(task["actions"].values()))}
+    task["actions"]["test"]["prob"] = 1.0
+    task["turn_groups"] = groups
+    with pytest.raises(ConfigError) as e:
+        parse_workload(d)
+    assert message in str(e.value) and "turn_groups" in e.value.field

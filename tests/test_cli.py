@@ -392,3 +392,42 @@ def test_live_replay_bad_arguments_are_one_line(args, field):
     assert r.returncode == 2
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"error: {field}: "), r.stderr
+
+
+def test_live_calibration_benchmark_replays_a_trace_beside_its_runs(tmp_path):
+    """On a recorded trace (the simulator's, standing in for the live runs' trace): the
+    runs it holds against the replay of its calibrated profile."""
+    from dataclasses import replace
+
+    from metasched.compose import profile
+    from metasched.sim.recording import record_trace
+
+    w, c = profile("rm_math")
+    trace = tmp_path / "runs.jsonl"
+    record_trace(replace(w, steps=2, trajectories_per_step=6), c, trace, "rate_greedy", 1)
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "live_calibration.py"),
+                        "--trace", str(trace), "--sim-seeds", "2", "--scheduler",
+                        "rate_greedy", "--out", str(tmp_path / "o")], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "2 runs of 6 trajectories" in r.stdout
+    doc = json.loads((tmp_path / "o" / "live_calibration.json").read_text())
+    assert len(doc["live"]) == 2 and len(doc["simulated"]) == 2
+    for row in ("mean ACT (s)", "step time (s)"):
+        assert any(ln.startswith(f"| {row} |") for ln in r.stdout.splitlines())
+    assert doc["mean_act_s_ratio"] > 0 and doc["step_s_ratio"] > 0
+
+
+@pytest.mark.parametrize("args, field", [(["--sim-seeds", "1"], "sim-seeds"),
+                                         (["--seeds", "0,x"], "seeds"),
+                                         (["--trajectories", "0"], "trajectories"),
+                                         (["--trace", "/nonexistent.jsonl"], "trace")])
+def test_live_calibration_bad_arguments_are_one_line(args, field, tmp_path):
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "live_calibration.py"),
+                        *args, "--out", str(tmp_path)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"error: {field}: "), r.stderr

@@ -178,6 +178,35 @@ def test_synchronous_steps_exact(make_workload, make_cluster):
     assert sorted(r.submit.tolist()) == [1.0, 1.0, 4.0, 4.0, 7.0, 7.0]
 
 
+def test_pause_between_steps(make_workload, make_cluster):
+    # As above, with the trainer's pause of 5 s between steps (not part of a step).
+    w = make_workload({"kind": "cpu", "duration_s": 2.0, "timeout_s": 10.0},
+                      trajectories=2, steps=3)
+    r = Simulator(dataclasses.replace(w, step_gap_s=5.0), make_cluster(), seed=0).run(
+        make_scheduler("fifo"))
+    assert r.step_start.tolist() == [0.0, 8.0, 16.0]
+    assert r.step_end.tolist() == [3.0, 11.0, 19.0]
+
+
+@pytest.mark.parametrize("stages, end", [
+    ([["a", "a"]], 5.0),   # submitted together at 1 s: both done at 3 s, reward 4-5 s
+    (["a", "a"], 7.0),     # one after the other: 1-3 s, 3-5 s, reward 6-7 s
+])
+def test_turn_groups_submit_stages_in_order_and_a_stage_together(make_workload, make_cluster,
+                                                                  stages, end):
+    from conftest import _workload_dict
+
+    from metasched.sim.workload_config import parse_workload
+
+    d = _workload_dict({"kind": "cpu", "duration_s": 1.0, "timeout_s": 10.0}, turns=1,
+                       actions={"a": {"kind": "cpu", "prob": 1.0, "duration_s": 2.0,
+                                      "timeout_s": 10.0}})
+    d["tasks"]["t"]["turn_groups"] = [{"prob": 1.0, "actions": stages}]
+    r = Simulator(parse_workload(d), make_cluster(), seed=0).run(make_scheduler("fifo"))
+    assert r.step_end.tolist() == [end]
+    assert r.counters["completed"] == 3
+
+
 @pytest.mark.parametrize("name, steps", [("coding", 3), ("rm_math", 4)])
 def test_synchronous_steps_on_profile(name, steps):
     w, c = small(name, steps=steps, trajectories=6)

@@ -174,6 +174,60 @@ def test_bad_resume_is_one_line_before_anything_is_written(run, tmp_path, overri
     assert not (tmp_path / "run").exists()
 
 
+@pytest.fixture(scope="module")
+def warm(run, tmp_path_factory):
+    from metasched.cli.train_app import run_train
+
+    _, out, _ = run
+    n = torch.get_num_threads()
+    cfg = compose("train", [*TINY, f"init={out / 'checkpoint'}", "agent.total_timesteps=256",
+                            "seed=3"])
+    out2 = tmp_path_factory.mktemp("warm")
+    summary = run_train(cfg, out2, progress=False)
+    torch.set_num_threads(n)
+    return out, out2, summary
+
+
+def test_init_warm_starts_a_new_run_from_weights_and_statistics(warm):
+    out, out2, summary = warm
+    assert summary["timesteps"] == {"start": 0, "end": 256}  # a new run
+    assert summary["bc_losses"] == []  # the checkpoint is the warm start: no cloning
+    assert summary["initialised_from"] == str(out / "checkpoint" / "model.zip")
+    meta = json.loads((out2 / "checkpoint" / "metadata.json").read_text())
+    assert meta["training"]["initialised_from"] == str(out / "checkpoint" / "model.zip")
+    assert meta["training"]["resumed_from"] is None
+    # Before any update the policy is the checkpoint's: same validation figure as the
+    # checkpoint's own on the same seeds (validation config unchanged).
+    first = summary["history"][0]
+    assert first["timesteps"] == 0
+    saved = json.loads((out / "checkpoint" / "metadata.json").read_text())["validation"]
+    assert first["mean_act_s"] == pytest.approx(saved["mean_act_s"])
+    # A fresh optimizer: Adam counts only this run's updates (fewer than the first run's).
+    assert max(_adam_steps(out2 / "checkpoint" / "model.zip")) < \
+        min(_adam_steps(out / "checkpoint" / "model.zip"))
+    # The return statistics carry over and keep counting.
+    assert (_stats(out2 / "checkpoint" / "vecnormalize.pkl").ret_rms.count
+            > _stats(out / "checkpoint" / "vecnormalize.pkl").ret_rms.count + 200)
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["resume={ckpt}"], "init"),  # both at once
+    (["obs.k_slots=8"], "obs"),
+    (["agent.normalize_reward=false"], "agent.normalize_reward"),
+    (["agent.hidden=32"], "agent.hidden"),  # another network shape
+])
+def test_bad_init_is_one_line_before_anything_is_written(run, tmp_path, overrides, field):
+    from metasched.cli.train_app import run_train
+
+    _, out, _ = run
+    ckpt = out / "checkpoint"
+    cfg = compose("train", [*TINY, f"init={ckpt}", *(o.format(ckpt=ckpt) for o in overrides)])
+    with pytest.raises(ConfigError) as e:
+        run_train(cfg, tmp_path / "run", progress=False)
+    assert e.value.field == field and "\n" not in str(e.value)
+    assert not (tmp_path / "run").exists()
+
+
 def test_normalised_observations_are_applied_at_inference(tmp_path):
     """With agent.normalize_obs the checkpoint's NumPy policy carries the statistics and
     decides as SB3's predict does on VecNormalize-normalised observations."""
@@ -246,6 +300,7 @@ def test_tensorboard_logs(run):
     ("env.randomization.cluster_scale=[0,1]", "env.randomization.cluster_scale"),
     ("eval.cluster_scale=0", "eval.cluster_scale"),
     ("resume=/nonexistent/checkpoint", "resume"),
+    ("init=/nonexistent/checkpoint", "init"),
     ("env.estimates=exact", "env.estimates"),
 ])
 def test_bad_settings_raise_config_error(tmp_path, override, field):

@@ -12,7 +12,7 @@ given only where no censored run could change it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from scipy import optimize, stats
@@ -35,13 +35,16 @@ class DistFit:
     quantiles: dict[float, float]  # the fitted form's defining quantiles
     ks: float  # Kolmogorov-Smirnov distance of the finished runs from the fit
     tail_from_censoring: bool = False  # the p99 extrapolated from the fraction killed
+    zero: float = 0.0  # the fraction of zeros (the quantiles are those of the rest)
 
     def config(self) -> dict[str, float] | float:
-        """The profile's ``{median, p90, p99}`` (or a constant)."""
+        """The profile's ``{median, p90, p99}`` (or a constant), with ``zero`` if any."""
         q = self.quantiles
-        if len(q) == 1:
+        z = {"zero": round(self.zero, 4)} if self.zero > 0 else {}
+        if len(q) == 1 and not z:
             return q[0.5]
-        return {"median": q[0.5], **{f"p{round(k * 100)}": v for k, v in q.items() if k != 0.5}}
+        return {"median": q[0.5], **{f"p{round(k * 100)}": v for k, v in q.items() if k != 0.5},
+                **z}
 
 
 def censored_quantile(x: np.ndarray, censored: np.ndarray, q: float) -> float | None:
@@ -61,10 +64,12 @@ def censored_quantile(x: np.ndarray, censored: np.ndarray, q: float) -> float | 
 
 
 def dist_from_quantiles(q: dict[float, float], lo: float = 0.0,
-                        hi: float = math.inf) -> Dist:
+                        hi: float = math.inf, zero: float = 0.0) -> Dist:
     """The profile form through the given median (p90, p99) quantiles, as a profile
-    would give it."""
+    would give it (with a fraction ``zero`` of zeros beside them)."""
     spec: dict[str, float] = {"median": q[0.5], "min": lo}
+    if zero > 0:
+        spec["zero"] = zero
     spec.update({f"p{round(k * 100)}": v for k, v in q.items() if k != 0.5})
     if hi < math.inf:
         spec["max"] = hi
@@ -74,6 +79,9 @@ def dist_from_quantiles(q: dict[float, float], lo: float = 0.0,
 def dist_cdf(d: Dist, x: np.ndarray) -> np.ndarray:
     """P(X <= x) under a profile distribution (clipping ignored)."""
     x = np.asarray(x, float)
+    if d.zero > 0.0:  # the point mass at 0, then the log-normal for the rest
+        rest = dist_cdf(replace(d, zero=0.0), x)
+        return np.where(x >= 0.0, d.zero + (1.0 - d.zero) * rest, 0.0)
     if d.sigma == 0.0 and d.tail_sigma is None:
         return (x >= d.median).astype(float)
     with np.errstate(divide="ignore"):
@@ -118,6 +126,21 @@ def fit_duration(x: np.ndarray, censored: np.ndarray | None = None) -> DistFit:
     ks = float(stats.ks_1samp(done, lambda v: dist_cdf(dist, v)).statistic) if (
         len(done) >= 2 and (dist.sigma > 0 or dist.tail_sigma)) else math.nan
     return DistFit(dist, len(x), int(censored.sum()), quantiles, ks, tail_from_censoring)
+
+
+def fit_gaps(x: np.ndarray) -> DistFit:
+    """Fit generation gaps: the fraction that are 0 (an action submitted before the one
+    before it had finished: calls made together, whose recorded gap is 0) as the form's
+    point mass at 0, the profile form to the rest. One log-normal through the median of
+    all of them would put the median at 0 and miss the mean of the rest."""
+    x = np.asarray(x, float)
+    pos = x[x > 0.0]
+    zero = 1.0 - len(pos) / len(x) if len(x) else 0.0
+    if zero == 0.0 or len(pos) == 0:
+        return fit_duration(x)
+    body = fit_duration(pos)  # its KS distance: the non-zero gaps from the log-normal
+    return DistFit(replace(body.dist, zero=zero), len(x), 0, body.quantiles, body.ks,
+                   zero=zero)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ marked as an assumption.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from metasched.calibration.fits import (
     fit_amdahl,
     fit_counts,
     fit_duration,
+    fit_gaps,
 )
 from metasched.calibration.samples import TraceSamples, TypeSamples
 from metasched.errors import ConfigError
@@ -73,6 +75,10 @@ class TaskFit:
     reward: TypeFit
     unused_rewards: list[str] = field(default_factory=list)
     sandbox: dict[str, Any] | None = None
+    # What one agent turn submitted, where some turn submitted several actions: (prob,
+    # its stages in order, turns seen); ``turns`` and ``gaps`` are then per agent turn.
+    turn_groups: list[tuple[float, tuple[tuple[str, ...], ...], int]] = field(
+        default_factory=list)
 
 
 @dataclass
@@ -90,6 +96,7 @@ class Calibration:
     cluster: dict[str, Any]  # the configs/cluster document, or {"defaults": ...}
     cluster_source: str
     notes: list[str] = field(default_factory=list)
+    step_gap: tuple[float, int] = (0.0, 0)  # the pause between steps, and gaps measured
 
     def workload_yaml(self) -> str:
         return _workload_yaml(self)
@@ -249,11 +256,16 @@ def calibrate(samples: TraceSamples, name: str, base: dict[str, Any] | None = No
             top = max(tools, key=lambda f: f.samples.n)
             top.prob = round(1.0 - sum(f.prob for f in tools if f is not top), 6)
         gaps = samples.gaps.get(task)
+        counts = np.array([t.tools for t in trajs])
+        groups = _turn_groups(samples.turn_groups.get(task) or {})
+        if groups:  # turns of several actions: agent turns, the generation before each
+            gaps = samples.turn_gaps.get(task)
+            counts = np.array([t.groups for t in trajs])
         sandbox = (base_tasks.get(task) or {}).get("sandbox")
         tasks.append(TaskFit(
-            task, len(trajs), len(trajs) / n_traj, fit_counts(np.array([t.tools for t in trajs])),
-            fit_duration(np.asarray(gaps, float)) if gaps else None, tools, rewards[0],
-            [f.samples.name for f in rewards[1:]], sandbox))
+            task, len(trajs), len(trajs) / n_traj, fit_counts(counts),
+            fit_gaps(np.asarray(gaps, float)) if gaps else None, tools, rewards[0],
+            [f.samples.name for f in rewards[1:]], sandbox, groups))
     if not tasks:
         raise ConfigError(samples.path, "no task has a recorded reward action")
     for t in tasks:
@@ -275,7 +287,36 @@ def calibrate(samples: TraceSamples, name: str, base: dict[str, Any] | None = No
                           "cluster to use (e.g. --base coding)")
     return Calibration(name, samples, list(fits.values()), tasks, len(steps),
                        max(1, round(n_traj / len(steps))), est_err, services, cluster,
-                       cluster_source, notes)
+                       cluster_source, notes, _step_gap(steps, tasks))
+
+
+def _step_gap(steps: list, tasks: list[TaskFit]) -> tuple[float, int]:
+    """The pause between RL steps (the trainer's update; runs of a service started one
+    after another): the median of the next step's first submission less the last
+    finish before it, less one generation gap (its first submission follows one), at
+    least 0; and how many gaps were measured."""
+    gaps = [min(t.first_s for t in b) - max(t.last_s for t in a)
+            for a, b in zip(steps, steps[1:], strict=False)]
+    if not gaps:
+        return 0.0, 0
+    gen = [t.gaps.dist.quantile(0.5) for t in tasks if t.gaps is not None]
+    return max(0.0, float(np.median(gaps)) - float(np.mean(gen) if gen else 0.0)), len(gaps)
+
+
+def _turn_groups(seen: dict[tuple[str, ...], dict[tuple[tuple[str, ...], ...], int]]
+                 ) -> list[tuple[float, tuple[tuple[str, ...], ...], int]]:
+    """Turn groups from what the trace's turns submitted (the multiset of names -> the
+    stages it came in -> count): each multiset in its most common stages, with its share
+    of turns (six decimals, the largest taking the rounding); none where every turn
+    submitted one action (what the profile's per-action draw already is)."""
+    if not any(len(k) > 1 for k in seen):
+        return []
+    rows = sorted(((sum(o.values()), max(o.items(), key=lambda kv: (kv[1], kv[0]))[0])
+                   for o in seen.values()), key=lambda r: (-r[0], r[1]))
+    total = sum(n for n, _ in rows)
+    out = [[round(n / total, 6), order, n] for n, order in rows]
+    out[0][0] = round(1.0 - sum(r[0] for r in out[1:]), 6)
+    return [(p, order, n) for p, order, n in out]
 
 
 # ---------------------------------------------------------------- YAML
@@ -364,6 +405,10 @@ def _workload_yaml(c: Calibration) -> str:
                    "finished trajectories per step in the trace (mean)"),
              _line(0, "estimate_error", _num(c.estimate_error),
                    "sigma of log(estimate / duration), pooled over types"),
+             *([_line(0, "step_gap_s", _num(c.step_gap[0]),
+                      f"pause between steps: median of {c.step_gap[1]:,} gaps (the next "
+                      "step's first submission - the last finish, less a generation)")]
+               if c.step_gap[0] > 0 else []),
              _line(0, "trace", "null")]
     if c.services:
         lines.append("services:")
@@ -376,15 +421,30 @@ def _workload_yaml(c: Calibration) -> str:
         lines.append(_line(4, "share", _num(t.share), f"{t.n_traj:,} of the trace's "
                            "finished trajectories"))
         lines.append(_line(4, "turns", _flow(t.turns.config()),
-                           f"tool actions per trajectory: quantiles of {t.turns.n:,} "
-                           "trajectories (counts as rounded values), observed range"))
+                           f"{'agent turns' if t.turn_groups else 'tool actions'} per "
+                           f"trajectory: quantiles of {t.turns.n:,} trajectories (counts as "
+                           "rounded values), observed range"))
         if t.gaps is not None:
             lines.append(_line(4, "generation_s", _flow(t.gaps.config()),
-                               f"gaps (submission - previous finish): quantiles of "
-                               f"{t.gaps.n:,}; KS {t.gaps.ks:.3f}"))
+                               f"gaps (submission - previous finish"
+                               f"{', before a turn' if t.turn_groups else ''}): quantiles of "
+                               f"{t.gaps.n:,}"
+                               + (f" ({t.gaps.zero:.1%} zero: calls made together; the "
+                                  "quantiles are the others')" if t.gaps.zero else "")
+                               + f"; KS {t.gaps.ks:.3f}"))
         else:
             lines.append(_line(4, "generation_s", "0",
                                "no gap in the trace (trajectories of one action)"))
+        if t.turn_groups:
+            n_turns = sum(n for _, _, n in t.turn_groups)
+            lines.append("    turn_groups:".ljust(COMMENT_COL - 1) + f" # what one agent turn "
+                         f"submitted: {n_turns:,} turns (turns and generation_s are per turn)")
+            for p, order, n in t.turn_groups:
+                names = ", ".join(json.dumps(st[0]) if len(st) == 1 else json.dumps(list(st))
+                                  for st in order)
+                lines.append(_line(6, "- prob", f"{p!r}, actions: [{names}]",
+                                   f"{n:,} turns").replace("- prob:", "- {prob:", 1)
+                             .replace(f"[{names}]", f"[{names}]}}", 1))
         if t.sandbox is not None:
             sb = t.sandbox
             lines.append(_line(4, "sandbox", _flow({"mem_gb": sb["mem_gb"],

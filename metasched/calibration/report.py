@@ -27,8 +27,9 @@ def _series(cal: Calibration) -> list[tuple[str, np.ndarray, np.ndarray, Any]]:
     for f in cal.types:
         out.append((f.label, f.x, f.censored, f.duration.dist))
     for t in cal.tasks:
-        if t.gaps is not None:
-            g = np.asarray(cal.samples.gaps[t.name], float)
+        if t.gaps is not None:  # per agent turn where the task has turn groups
+            g = np.asarray((cal.samples.turn_gaps if t.turn_groups else cal.samples.gaps)
+                           [t.name], float)
             out.append((f"{t.name}: generation gap", g, np.zeros(len(g), bool), t.gaps.dist))
     return out
 
@@ -42,8 +43,9 @@ def quantile_rows(cal: Calibration) -> list[dict[str, Any]]:
         fit = [float(v) for v in dist.quantile(np.array(REPORT_QUANTILES))]
         rows.append({"label": label, "n": len(x), "empirical": emp, "fitted": fit})
     for t in cal.tasks:
-        counts = np.array([tr.tools for s in cal.samples.steps() for tr in s
-                           if tr.task == t.name], float)
+        counts = np.array([tr.groups if t.turn_groups else tr.tools
+                           for s in cal.samples.steps() for tr in s if tr.task == t.name],
+                          float)
         emp = [float(np.quantile(counts, q)) for q in REPORT_QUANTILES]
         fit = [float(v) for v in np.round(t.turns.dist.quantile(np.array(REPORT_QUANTILES)))]
         rows.append({"label": f"{t.name}: turns", "n": len(counts), "empirical": emp,

@@ -62,6 +62,10 @@ class TrajectoryRecord:
     first_s: float = np.inf  # first submission
     last_s: float = 0.0  # last finish
     step: int | None = None
+    groups: int = 0  # agent turns: groups of tool actions with one turn number
+    # The turn being read: its number and its actions as (submission, name, gap, finish).
+    turn: int | None = None
+    pending: list[tuple[float, str, float | None, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -73,6 +77,12 @@ class TraceSamples:
     types: dict[tuple[str, str, bool], TypeSamples] = field(default_factory=dict)
     trajectories: dict[str, TrajectoryRecord] = field(default_factory=dict)
     gaps: dict[str, list[float]] = field(default_factory=dict)  # task -> generation gaps
+    # task -> what its agent turns submitted: the multiset of action names -> the stages
+    # (by submission; a stage: actions submitted together) it came in -> count; and the
+    # gap before each turn's first action.
+    turn_groups: dict[str, dict[tuple[str, ...], dict[tuple[tuple[str, ...], ...], int]]] = \
+        field(default_factory=dict)
+    turn_gaps: dict[str, list[float]] = field(default_factory=dict)
     n_lines: int = 0
     n_actions: int = 0  # action lines with measurements
     n_unmeasured: int = 0  # trajectory lines and action lines without measurements
@@ -98,6 +108,30 @@ class TraceSamples:
         return out
 
 
+def _end_turn(out: TraceSamples, tr: TrajectoryRecord) -> None:
+    """Count the turn ``tr`` was reading (its actions: one request's steps, or calls
+    made together) as a group of its task."""
+    # By submission: the order the agent issued them.
+    acts = sorted(tr.pending, key=lambda a: (a[0], a[3], a[1]))
+    # A stage: actions submitted before every earlier one of the turn had finished (made
+    # together); the next stage starts once the agent has had all their answers.
+    stages: list[list[str]] = []
+    done = -np.inf
+    for arrival, name, _, finish in acts:
+        if not stages or arrival >= done:
+            stages.append([])
+        stages[-1].append(name)
+        done = max(done, finish)
+    order = tuple(tuple(s) for s in stages)
+    key = tuple(sorted(name for _, name, _, _ in acts))
+    orders = out.turn_groups.setdefault(tr.task, {}).setdefault(key, {})
+    orders[order] = orders.get(order, 0) + 1
+    if acts[0][2] is not None:  # the generation before the turn (none before the first)
+        out.turn_gaps.setdefault(tr.task, []).append(acts[0][2])
+    tr.groups += 1
+    tr.turn, tr.pending = None, []
+
+
 def read_samples(path: PathLike, progress: Callable[[int], None] | None = None) -> TraceSamples:
     """Gather a trace's measurements (streamed: nothing but the samples is kept).
 
@@ -110,6 +144,11 @@ def read_samples(path: PathLike, progress: Callable[[int], None] | None = None) 
             has no measured actions.
     """
     out = TraceSamples(str(path))
+    # A trajectory's name may come back after its reward closed it (a client that names
+    # trajectories per step, runs appended to one trace): the dispatcher then holds a new
+    # trajectory, and so does this reading. name -> (the key of its latest trajectory,
+    # how many it has had).
+    latest: dict[str, tuple[str, int]] = {}
     for item in scan_trace(path):
         out.n_lines += 1
         if progress is not None and out.n_lines % 10_000 == 0:
@@ -153,17 +192,27 @@ def read_samples(path: PathLike, progress: Callable[[int], None] | None = None) 
         if m.trajectory is None:
             out.n_loose += 1
             continue
-        tr = out.trajectories.get(m.trajectory)
-        if tr is None:
-            tr = out.trajectories[m.trajectory] = TrajectoryRecord(ia.task)
+        key, uses = latest.get(m.trajectory, (m.trajectory, 0))
+        tr = out.trajectories.get(key)
+        if tr is None or tr.ended:
+            key = m.trajectory if uses == 0 else f"{m.trajectory}#{uses}"
+            latest[m.trajectory] = (key, uses + 1)
+            tr = out.trajectories[key] = TrajectoryRecord(ia.task)
         tr.first_s = min(tr.first_s, ia.arrival_s)
         tr.last_s = max(tr.last_s, ia.arrival_s + m.queue_s + m.run_s)
         if m.step is not None:
             tr.step = m.step
+        # Without a turn number each action is a turn of its own.
+        turn = m.turn if m.turn is not None else -1 - tr.tools
+        if tr.turn is not None and (spec.reward or turn != tr.turn):
+            _end_turn(out, tr)
         if spec.reward:
             tr.ended = True
         else:
             tr.tools += 1
+            tr.turn = turn
+            tr.pending.append((ia.arrival_s, spec.name, m.gap_s,
+                               ia.arrival_s + m.queue_s + m.run_s))
         if m.gap_s is not None:
             out.gaps.setdefault(ia.task, []).append(m.gap_s)
     if out.n_actions == 0:

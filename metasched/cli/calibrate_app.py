@@ -117,7 +117,8 @@ def run_calibrate(args: argparse.Namespace) -> dict[str, Any]:
            "tasks": {t.name: {"trajectories": t.n_traj, "share": t.share,
                               "turns": {str(k): v for k, v in t.turns.quantiles.items()},
                               "generation_s": None if t.gaps is None else
-                              {str(k): v for k, v in t.gaps.quantiles.items()}}
+                              {str(k): v for k, v in t.gaps.quantiles.items()},
+                              "generation_zero": None if t.gaps is None else t.gaps.zero}
                      for t in cal.tasks},
            "report": quantile_rows(cal), "notes": cal.notes}
     (out / "calibration.json").write_text(json.dumps(json_safe(doc), indent=2) + "\n")

@@ -6,6 +6,7 @@ Examples::
     metasched-train workload=rm_math agent.total_timesteps=100000
     metasched-train --multirun seed=0,1,2             # a sweep, one run directory each
     metasched-train resume=outputs/train/mixed/<run>/checkpoint agent.total_timesteps=600000
+    metasched-train init=checkpoints/default agent.bc.decisions=0   # a warm start
 
 A run directory holds ``checkpoint/`` (final), ``best/`` (lowest validation mean ACT),
 ``tensorboard/`` (``tensorboard --logdir <run dir>/tensorboard``), periodic SB3
@@ -13,6 +14,8 @@ checkpoints (``sb3_checkpoints/``, with their VecNormalize statistics) and
 ``train_summary.json``. ``resume=<checkpoint>`` continues a run into a new run directory
 (weights, optimizer state, timesteps and VecNormalize statistics; the other settings
 from the command line, as for a fresh run) up to ``agent.total_timesteps``.
+``init=<checkpoint>`` starts a new run from a checkpoint's policy weights and VecNormalize
+statistics (a fresh optimizer, timesteps from 0, no behaviour cloning).
 """
 
 from __future__ import annotations
@@ -101,9 +104,10 @@ def run_train(cfg: dict[str, Any], out_dir: str | Path, progress: bool = True) -
     except ValueError as e:
         raise ConfigError("obs", str(e)) from None
     require_train_extra()  # after the settings: their errors need no torch
-    from metasched.agents.training import resume_source, train
+    from metasched.agents.training import init_source, resume_source, train
 
-    resume_source(cfg)  # a bad resume fails before anything is written
+    resume_source(cfg)  # a bad resume or init fails before anything is written
+    init_source(cfg)
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

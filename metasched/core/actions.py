@@ -75,10 +75,15 @@ class SandboxSpec:
 
 @dataclass(frozen=True, slots=True)
 class Turn:
-    """One turn of a trajectory: LLM generation for ``gen_s`` seconds, then ``action``."""
+    """One turn of a trajectory: LLM generation for ``gen_s`` seconds, then ``action``.
+
+    ``together``: the next turn's action is submitted with this one, without waiting for
+    it (calls made together, e.g. a test run's programs); the trajectory goes on once
+    every action submitted together has finished."""
 
     gen_s: float
     action: ActionSpec
+    together: bool = False
 
 
 class Trajectory:

@@ -95,11 +95,30 @@ def sample_trajectory(task: TaskConfig, rng: np.random.Generator,
                       est_error: float) -> TrajectorySpec:
     """Draw one trajectory of ``task``."""
     n = int(round(task.turns.sample(rng)))
+    if task.turn_groups:
+        return _sample_grouped(task, n, rng, est_error)
     probs = np.array([a.prob for a in task.actions]) if task.actions else None
     kinds = rng.choice(len(task.actions), size=n, p=probs) if n else []
     gens = task.generation_s.sample(rng, n + 1)
     turns = [Turn(float(gens[i]), _spec(task.actions[k], rng, est_error, False))
              for i, k in enumerate(kinds)]
+    turns.append(Turn(float(gens[n]), _spec(task.reward, rng, est_error, True)))
+    return TrajectorySpec(task.name, tuple(turns), task.sandbox)
+
+
+def _sample_grouped(task: TaskConfig, n: int, rng: np.random.Generator,
+                    est_error: float) -> TrajectorySpec:
+    """A trajectory of ``n`` agent turns, each a turn group drawn by its probability:
+    its stages in order, a stage's actions submitted together, generation before the
+    first stage only."""
+    groups = task.turn_groups
+    picks = rng.choice(len(groups), size=n, p=[g.prob for g in groups]) if n else []
+    gens = task.generation_s.sample(rng, n + 1)
+    by_name = {a.name: a for a in task.actions}
+    turns = [Turn(float(gens[i]) if j == 0 and m == 0 else 0.0,
+                  _spec(by_name[name], rng, est_error, False), together=m < len(stage) - 1)
+             for i, k in enumerate(picks) for j, stage in enumerate(groups[k].actions)
+             for m, name in enumerate(stage)]
     turns.append(Turn(float(gens[n]), _spec(task.reward, rng, est_error, True)))
     return TrajectorySpec(task.name, tuple(turns), task.sandbox)
 

@@ -34,7 +34,7 @@ from metasched.sim.sampling import (
 from metasched.sim.workload_config import WorkloadConfig
 
 # Event types, in the order events at the same instant are handled.
-END, DEVICE_FREE, ARRIVE, INDEPENDENT, WAKE, DEADLINE = range(6)
+END, DEVICE_FREE, ARRIVE, INDEPENDENT, WAKE, DEADLINE, STEP = range(7)
 
 
 # Where schedulers' estimates come from (``estimates`` settings): each action's own
@@ -111,6 +111,7 @@ class Simulator:
         self.check_invariants = check_invariants
         self.cost_model = cost_model
         self._restore_s: dict[int, float] = {}  # gpu action id -> its batch's restore
+        self._in_flight: dict[int, int] = {}  # trajectory id -> its actions submitted, unfinished
         self._launch_s, self._launch_sigma = cluster.cpu_launch_s, cluster.cpu_launch_sigma
         # A third stream of the seed: the workload's and the scheduler's stay as they were.
         self._launch_rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(3)[2])
@@ -280,6 +281,8 @@ class Simulator:
                 self._on_arrive(obj)
             elif etype == INDEPENDENT:
                 self._submit(obj.spec, obj.task, None, 0)
+            elif etype == STEP:  # the trainer's pause between steps is over
+                self._start_next_step()
             elif etype == WAKE:  # tokens have refilled; nothing to do but ask again
                 self._wake_at.pop(obj, None)
             # DEADLINE: an action reached the guard's limit; the guard acts next
@@ -295,9 +298,13 @@ class Simulator:
         self.state.submit(a)
 
     def _on_arrive(self, traj: Trajectory) -> None:
-        turn = traj.turn
-        traj.turn += 1
-        self._submit(traj.turns[turn].action, traj.task, traj, turn)
+        while True:  # this turn's action, and those submitted together with it
+            turn = traj.turn
+            traj.turn += 1
+            self._in_flight[traj.id] = self._in_flight.get(traj.id, 0) + 1
+            self._submit(traj.turns[turn].action, traj.task, traj, turn)
+            if not traj.turns[turn].together or traj.turn >= traj.n_turns:
+                return
 
     def _on_end(self, a: Action) -> None:
         failed = a.reason == "timeout"
@@ -313,6 +320,10 @@ class Simulator:
                                    setup_s=setup, duration_s=a.spec.true_s)
         if traj is None:
             return
+        left = self._in_flight.pop(traj.id) - 1
+        if left:  # others submitted together with it are still running
+            self._in_flight[traj.id] = left
+            return
         if traj.turn < traj.n_turns:
             self._push(self.state.t + traj.turns[traj.turn].gen_s, ARRIVE, traj)
             return
@@ -322,7 +333,11 @@ class Simulator:
         self.state.step_done += 1
         if self.state.step_done == self.state.step_total:
             self.state.metrics.steps.append((self.state.step_start_t, self.state.t))
-            self._start_next_step()
+            gap = self.workload.step_gap_s
+            if gap > 0 and self._step + 1 < len(self.instance.steps):
+                self._push(self.state.t + gap, STEP, None)
+            else:
+                self._start_next_step()
 
     def _start_next_step(self) -> None:
         self._step += 1

@@ -33,6 +33,11 @@ class Dist:
     with a kink at the p90, so the median, p90 and p99 all hold exactly. Measured action
     times have tails far heavier than one log-normal through the median and p90 allows
     (test runs: p90 2.6x the median, p99 155x).
+
+    ``zero`` is a point mass at 0 (before clipping): the fraction of draws that are 0,
+    the rest from the log-normal, whose median and quantiles are then those of the
+    non-zero draws. Generation gaps have one: an agent's calls made together (a test
+    run's programs at once, parallel tool calls) follow each other with no gap.
     """
 
     median: float
@@ -40,6 +45,7 @@ class Dist:
     lo: float = 0.0
     hi: float = math.inf
     tail_sigma: float | None = None  # log-scale slope above the p90 (None: ``sigma``)
+    zero: float = 0.0  # the fraction of draws that are 0
 
     def sample(self, rng, size: int | None = None):
         """Draw from the distribution with ``rng`` (a numpy Generator)."""
@@ -49,6 +55,9 @@ class Dist:
             x = np.full(size, self.median) if size is not None else self.median
         else:
             x = self._unclipped(rng.standard_normal(size))
+        if self.zero > 0.0:  # drawn only then: profiles without one keep their streams
+            x = np.where(rng.random(size) < self.zero, 0.0, x)
+            x = x if size is not None else float(x)
         return np.clip(x, self.lo, self.hi) if size is not None else min(max(x, self.lo), self.hi)
 
     def _unclipped(self, z):
@@ -65,7 +74,13 @@ class Dist:
         import numpy as np
         from scipy.stats import norm
 
-        return np.clip(self._unclipped(norm.ppf(np.asarray(p, float))), self.lo, self.hi)
+        p = np.asarray(p, float)
+        if self.zero > 0.0:  # the mass at 0 takes the lowest quantiles
+            body = (p - self.zero) / (1.0 - self.zero)
+            x = np.where(p <= self.zero, 0.0,
+                         self._unclipped(norm.ppf(np.clip(body, 1e-12, 1.0 - 1e-12))))
+            return np.clip(x, self.lo, self.hi)
+        return np.clip(self._unclipped(norm.ppf(p)), self.lo, self.hi)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,11 +101,25 @@ class ActionType:
 
 
 @dataclass(frozen=True, slots=True)
+class TurnGroup:
+    """What one agent turn submits: stages of actions of the task's types, in order. The
+    first stage comes after the turn's LLM generation, each later one as soon as every
+    action of the one before has finished (the steps of one request, such as
+    ``/run_code``'s write and run); a stage's actions are submitted together (calls made
+    at once, such as a test run's programs)."""
+
+    prob: float
+    actions: tuple[tuple[str, ...], ...]  # stages
+
+
+@dataclass(frozen=True, slots=True)
 class TaskConfig:
     """An agentic task: how its trajectories are shaped.
 
     A trajectory has ``turns`` tool actions (drawn from ``actions`` by ``prob``) and then
     its ``reward`` action; LLM generation of ``generation_s`` precedes each of them.
+    With ``turn_groups``, ``turns`` counts agent turns instead, each a group drawn by its
+    ``prob``, whose actions follow each other without generation between them.
     """
 
     name: str
@@ -100,6 +129,7 @@ class TaskConfig:
     sandbox: SandboxSpec | None
     actions: tuple[ActionType, ...]
     reward: ActionType
+    turn_groups: tuple[TurnGroup, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,18 +143,26 @@ class WorkloadConfig:
     tasks: tuple[TaskConfig, ...]
     services: dict[str, ServiceSpec] = field(default_factory=dict)
     trace: str | None = None
+    # Between one RL step's end and the next one's start: the trainer's update, while
+    # the rollout's resources idle (quotas refill).
+    step_gap_s: float = 0.0
 
 
 def parse_dist(d: Any, path: str, *, positive: bool = True) -> Dist:
     """``{median: m, p90: q, p99: q, min: lo, max: hi}`` (p90, p99 or both) or a plain
-    number (a constant)."""
+    number (a constant); where values may be 0 (``positive`` false), also ``zero: f``,
+    the fraction of draws that are 0 (the quantiles are then those of the others)."""
     if isinstance(d, (int, float)) and not isinstance(d, bool):
         v = bounded(d, path, lo=0.0, lo_open=positive)
         return Dist(v, 0.0, v, v)
     if not isinstance(d, Mapping):
         raise ConfigError(path, f"must be a number or a mapping with median/p90/p99 (got {d!r})")
-    check_keys(d, {"median", "p90", "p99", "min", "max"}, path)
+    check_keys(d, {"median", "p90", "p99", "min", "max"} | (set() if positive else {"zero"}),
+               path)
     median = bounded(get_key(d, "median", path), f"{path}.median", lo=0.0, lo_open=positive)
+    zero = bounded(d.get("zero", 0.0), f"{path}.zero", lo=0.0, hi=1.0)
+    if zero == 1.0:
+        raise ConfigError(f"{path}.zero", "must be < 1 (a distribution of zeros: give 0)")
     sigma = 0.0
     tail_sigma = None
     if "p90" in d and "p99" in d:  # a body through the p90, its own tail to the p99
@@ -142,7 +180,7 @@ def parse_dist(d: Any, path: str, *, positive: bool = True) -> Dist:
     hi = bounded(d["max"], f"{path}.max", lo=max(lo, 0.0)) if "max" in d else math.inf
     if not lo <= median <= hi:
         raise ConfigError(path, f"median {median:g} must lie within [min, max] = [{lo:g}, {hi:g}]")
-    return Dist(median, sigma, lo, hi, tail_sigma)
+    return Dist(median, sigma, lo, hi, tail_sigma, zero)
 
 
 def parse_action_type(name: str, d: Any, path: str, services: Mapping, *,
@@ -183,6 +221,43 @@ def parse_action_type(name: str, d: Any, path: str, services: Mapping, *,
                       endpoint, tokens)
 
 
+def parse_turn_groups(d: Any, path: str, names: set[str]) -> tuple[TurnGroup, ...]:
+    """``[{prob: p, actions: [stage, ...]}, ...]`` (absent or null: none): what one turn
+    submits, a stage being an action name or a list of names submitted together; the
+    groups' probabilities summing to 1, every name one of the task's action types."""
+    if d is None:
+        return ()
+    if not isinstance(d, (list, tuple)) or not d:
+        raise ConfigError(path, f"must be a non-empty list of {{prob, actions}} (got {d!r})")
+    out = []
+    for i, g in enumerate(d):
+        gp = f"{path}[{i}]"
+        if not isinstance(g, Mapping):
+            raise ConfigError(gp, f"must be a mapping {{prob, actions}} (got {g!r})")
+        check_keys(g, {"prob", "actions"}, gp)
+        prob = bounded(get_key(g, "prob", gp), f"{gp}.prob", lo=0.0, hi=1.0)
+        acts = get_key(g, "actions", gp)
+        if not isinstance(acts, (list, tuple)) or not acts:
+            raise ConfigError(f"{gp}.actions", f"must be a non-empty list of action names "
+                              f"(got {acts!r})")
+        stages = []
+        for stage in acts:
+            stage = [stage] if isinstance(stage, str) else stage
+            if not isinstance(stage, (list, tuple)) or not stage:
+                raise ConfigError(f"{gp}.actions", f"a stage must be an action name or a "
+                                  f"non-empty list of them (got {stage!r})")
+            for a in stage:
+                if a not in names:
+                    raise ConfigError(f"{gp}.actions", f"unknown action {a!r} (the task's: "
+                                      f"{', '.join(sorted(names)) or 'none'})")
+            stages.append(tuple(str(a) for a in stage))
+        out.append(TurnGroup(prob, tuple(stages)))
+    if abs(sum(g.prob for g in out) - 1.0) > 1e-6:
+        raise ConfigError(path, f"probabilities (prob) must sum to 1 (got "
+                          f"{sum(g.prob for g in out):g})")
+    return tuple(out)
+
+
 def parse_service(d: Any, path: str) -> ServiceSpec:
     """A GPU service: ``{mem_gb, restore_s, max_batch, batch_marginal}``."""
     if not isinstance(d, Mapping):
@@ -200,7 +275,7 @@ def parse_workload(d: Mapping, path: str = "workload") -> WorkloadConfig:
     if not isinstance(d, Mapping):
         raise ConfigError(path, f"must be a mapping (got {type(d).__name__})")
     check_keys(d, {"name", "steps", "trajectories_per_step", "estimate_error", "services",
-                    "tasks", "trace"}, path)
+                    "tasks", "trace", "step_gap_s"}, path)
     name = str(get_key(d, "name", path))
     services = {str(k): parse_service(v, f"{path}.services.{k}")
                 for k, v in mapping_or_empty(d.get("services"), f"{path}.services").items()}
@@ -220,7 +295,8 @@ def parse_workload(d: Mapping, path: str = "workload") -> WorkloadConfig:
         t, tp = tasks_d[tname], f"{path}.tasks.{tname}"
         if not isinstance(t, Mapping):
             raise ConfigError(tp, f"must be a mapping (got {t!r})")
-        check_keys(t, {"share", "turns", "generation_s", "sandbox", "actions", "reward"}, tp)
+        check_keys(t, {"share", "turns", "generation_s", "sandbox", "actions", "reward",
+                        "turn_groups"}, tp)
         sb = t.get("sandbox")
         sandbox = None
         if sb is not None:
@@ -240,6 +316,8 @@ def parse_workload(d: Mapping, path: str = "workload") -> WorkloadConfig:
             raise ConfigError(f"{tp}.actions", "probabilities (prob) must sum to 1 "
                               f"(got {sum(a.prob for a in actions):g})")
         turns = parse_dist(get_key(t, "turns", tp), f"{tp}.turns", positive=False)
+        groups = parse_turn_groups(t.get("turn_groups"), f"{tp}.turn_groups",
+                                   {a.name for a in actions})
         if not actions and turns.hi > 0:
             raise ConfigError(f"{tp}.actions", "a task with tool turns (turns > 0) needs actions")
         tasks.append(TaskConfig(
@@ -250,9 +328,11 @@ def parse_workload(d: Mapping, path: str = "workload") -> WorkloadConfig:
                                     positive=False),
             sandbox=sandbox, actions=actions,
             reward=parse_action_type("reward", get_key(t, "reward", tp), f"{tp}.reward",
-                                     services, reward=True)))
+                                     services, reward=True),
+            turn_groups=groups))
+    gap = bounded(d.get("step_gap_s", 0.0), f"{path}.step_gap_s", lo=0.0)
     return WorkloadConfig(name, steps, n_traj, est_err, tuple(tasks), services,
-                          None if trace is None else str(trace))
+                          None if trace is None else str(trace), gap)
 
 
 def check_compatible(w: WorkloadConfig, c: ClusterConfig, path: str = "workload") -> None:
