@@ -10,9 +10,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from metasched.core.actions import Immutable
+
 
 @dataclass(frozen=True, slots=True)
-class ServiceSpec:
+class ServiceSpec(Immutable):
     """A GPU service (reward model) that can be made resident on a device.
 
     Attributes:
@@ -34,7 +36,7 @@ class ServiceSpec:
 
 
 @dataclass(frozen=True, slots=True)
-class EndpointSpec:
+class EndpointSpec(Immutable):
     """An API endpoint's quota.
 
     Attributes:
