@@ -84,6 +84,24 @@ def _translate(g: Grant, memo: dict[int, Any]) -> Grant:
     return replace(g, action=memo[id(g.action)], batch=tuple(memo[id(b)] for b in g.batch))
 
 
+def _fitting(state, grants: list[Grant]) -> list[Grant]:
+    """``grants`` less the CPU grants that the ones before them leave no room for."""
+    free = list(state.cpu.free)
+    out = []
+    for g in grants:
+        a = g.action
+        if a.spec.kind == "cpu":
+            node = a.node if a.node >= 0 else g.node
+            held = a.traj.held_cores if a.traj is not None else 0
+            new_held = max(held, g.hold)
+            need = new_held - held + max(0, g.cores - new_held)
+            if need > free[node]:
+                continue
+            free[node] -= need
+        out.append(g)
+    return out
+
+
 class LookaheadTeacher:
     """One-step look-ahead over ``rate_greedy`` (see the module docstring).
 
@@ -210,7 +228,9 @@ class LookaheadTeacher:
     def _swap_alternatives(self, sim: Simulator, grants: list[Grant],
                            kind: str) -> list[Candidate]:
         """rate_greedy's grants with its first ``kind`` grant given instead to the oldest
-        queued action, or to the one of the trajectory furthest behind (fewest turns)."""
+        queued action, or to the one of the trajectory furthest behind (fewest turns);
+        for CPU also that grant with every core it can use, that no grant before it
+        takes (later grants on the node that no longer fit are dropped)."""
         state = sim.state
         idx = next((i for i, g in enumerate(grants) if g.action.spec.kind == kind), None)
         if idx is None:
@@ -227,12 +247,24 @@ class LookaheadTeacher:
         else:
             pending = [a for a in pending if a.spec.endpoint == first.action.spec.endpoint
                        and a.spec.tokens <= first.action.spec.tokens]
+        out = []
+        if kind == "cpu":  # the same action on every core it can use that is free now
+            a = first.action
+            node = a.node if a.node >= 0 else first.node
+            held = a.traj.held_cores if a.traj is not None else 0
+            room = state.cpu.free[node] + held - sum(
+                g.cores for g in grants[:idx] if g.action.spec.kind == "cpu"
+                and (g.action.node if g.action.node >= 0 else g.node) == node)
+            more = min(a.spec.max_cores, room)
+            if more > first.cores:
+                out.append(Candidate("cpu:more", _fitting(state, [
+                    *grants[:idx], replace(first, cores=more), *grants[idx + 1:]])))
         if not pending:
-            return []
+            return out
         picks = {"oldest": min(pending, key=lambda a: (a.submit_t, a.id)),
                  "behind": min(pending, key=lambda a: (a.traj.turn if a.traj else 0,
                                                        a.submit_t, a.id))}
-        out, seen = [], set()
+        seen: set[int] = set()
         for label, a in picks.items():
             if a.id in seen:
                 continue

@@ -126,3 +126,16 @@ def test_headroom_benchmark_argument_errors_are_one_line(args, field):
     p = subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True)
     assert p.returncode == 2
     assert p.stderr.startswith(f"error: {field}:") and p.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("profile, kinds, pool", [("retool", ("cpu",), "cpu"),
+                                                  ("search", ("api",), "api")])
+def test_cpu_and_api_alternatives_are_legal_grants(profile, kinds, pool):
+    w, c = shrunk(profile, load=0.05, steps=1)
+    sim = Simulator(w, c.scaled(0.05 if pool == "cpu" else 0.25, (pool,)), 5, max_wait_s=300.0)
+    teacher = LookaheadTeacher(horizon_s=10.0, kinds=kinds)
+    r = teacher.run(sim)  # an illegal grant raises InvalidGrant
+    assert sim.done and r.counters["completed"] + r.counters["failed"] == r.counters["submitted"]
+    assert teacher.stats.looked > 0
+    assert all(label == "rate_greedy" or label.split(":")[0] in kinds
+               for label in teacher.stats.by_label)
