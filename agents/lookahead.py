@@ -140,6 +140,7 @@ class LookaheadTeacher:
         self.rng = np.random.default_rng(seed)
         self.stats = LookaheadStats()
         self._futures: list[Any] = []
+        self._seeds: list[int] = [0] * self.n_futures
 
     # ------------------------------------------------------------------ driving
 
@@ -158,6 +159,8 @@ class LookaheadTeacher:
             best = cands[0]
             if len(cands) > 1:
                 self.stats.looked += 1
+                # one draw per future, the same for every candidate (common random numbers)
+                self._seeds = [int(x) for x in self.rng.integers(2**63, size=self.n_futures)]
                 costs = [self.cost(sim, c) for c in cands]
                 best = cands[int(np.argmin(costs))]  # ties: rate_greedy's (listed first)
                 if best is not cands[0]:
@@ -329,8 +332,9 @@ class LookaheadTeacher:
         return snap[0] - start + left
 
     def _redraw(self, child: Simulator, future: int) -> None:
-        """Replace what a scheduler does not know with draws from the estimates."""
-        rng = self.rng
+        """Replace what a scheduler does not know with draws from the estimates (future
+        ``future``'s draws: the same for every candidate's fork)."""
+        rng = np.random.default_rng(self._seeds[future])
         sigma = child.workload.estimate_error
         state = child.state
         now = state.t

@@ -108,7 +108,11 @@ def test_estimates_only_forks_redraw_what_is_unknown():
     assert after.keys() == before.keys() and after != before
     assert {a.id: a.spec.true_s for a in sim.state.pending["gpu"].values()} == before
     assert {a.id: a.spec.est_s for a in child.state.pending["gpu"].values()} == est
-    assert memo[id(sim.state)] is child.state
+    # another candidate's fork of the same future draws the same (common random numbers)
+    other, _ = fork(sim)
+    teacher._redraw(other, 0)
+    assert {a.id: a.spec.true_s for a in other.state.pending["gpu"].values()} == after
+    assert [e[0] for e in other._heap] == [e[0] for e in child._heap]
 
 
 @pytest.mark.parametrize("kw, match", [
