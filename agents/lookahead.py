@@ -113,13 +113,15 @@ class LookaheadTeacher:
         n_alternatives: GPU grants other than ``rate_greedy``'s, best by its score first.
         holds_s: GPU holds tried besides "until the next event": a fork starts no GPU
             batch for this many seconds.
+        look_every: look ahead at every this-many-th decision that has alternatives
+            (``rate_greedy``'s decision at the others): a cheaper, partial teacher.
         seed: the generator of the estimates-only draws.
         params: ``rate_greedy``'s parameters.
     """
 
     def __init__(self, horizon_s: float = 60.0, privileged: bool = True, n_futures: int = 2,
                  kinds: tuple[str, ...] = ("gpu",), n_alternatives: int = 3,
-                 holds_s: tuple[float, ...] = (), seed: int = 0,
+                 holds_s: tuple[float, ...] = (), look_every: int = 1, seed: int = 0,
                  params: dict[str, Any] | None = None) -> None:
         if not horizon_s > 0:
             raise ValueError(f"horizon_s must be > 0 (got {horizon_s})")
@@ -136,6 +138,10 @@ class LookaheadTeacher:
         if any(not h > 0 for h in holds_s):
             raise ValueError(f"holds_s must be > 0 (got {holds_s})")
         self.holds_s = tuple(holds_s)
+        if look_every < 1:
+            raise ValueError(f"look_every must be >= 1 (got {look_every})")
+        self.look_every = look_every
+        self._offered = 0
         self.params = dict(params or {})
         self.rng = np.random.default_rng(seed)
         self.stats = LookaheadStats()
@@ -144,8 +150,9 @@ class LookaheadTeacher:
 
     # ------------------------------------------------------------------ driving
 
-    def run(self, sim: Simulator) -> RunResult:
-        """Drive ``sim`` to its end, deciding by look-ahead; its result."""
+    def run(self, sim: Simulator, progress=None) -> RunResult:
+        """Drive ``sim`` to its end, deciding by look-ahead; its result. ``progress``: a
+        callable given the simulated time after each decision (a progress bar)."""
         self.stats = LookaheadStats()
         if not self.privileged:  # later RL steps of each future, drawn once
             self._futures = [sample_workload(sim.workload, np.random.default_rng(
@@ -158,6 +165,8 @@ class LookaheadTeacher:
             cands = self.candidates(sim, base.decide(sim.state))
             best = cands[0]
             if len(cands) > 1:
+                self._offered += 1
+            if len(cands) > 1 and (self._offered - 1) % self.look_every == 0:
                 self.stats.looked += 1
                 # one draw per future, the same for every candidate (common random numbers)
                 self._seeds = [int(x) for x in self.rng.integers(2**63, size=self.n_futures)]
@@ -167,6 +176,8 @@ class LookaheadTeacher:
                     self.stats.changed += 1
             self.stats.by_label[best.label] = self.stats.by_label.get(best.label, 0) + 1
             self._apply(sim, best)
+            if progress is not None:
+                progress(sim.state.t)
         return sim.result()
 
     @staticmethod

@@ -117,7 +117,8 @@ def test_estimates_only_forks_redraw_what_is_unknown():
 
 @pytest.mark.parametrize("kw, match", [
     ({"horizon_s": 0.0}, "horizon_s"), ({"n_futures": 0}, "n_futures"),
-    ({"kinds": ("disk",)}, "kinds"), ({"holds_s": (0.0,)}, "holds_s")])
+    ({"kinds": ("disk",)}, "kinds"), ({"holds_s": (0.0,)}, "holds_s"),
+    ({"look_every": 0}, "look_every")])
 def test_bad_parameters(kw, match):
     with pytest.raises(ValueError, match=match):
         LookaheadTeacher(**kw)
@@ -125,7 +126,8 @@ def test_bad_parameters(kw, match):
 
 @pytest.mark.parametrize("args, field", [
     (["--points", "nowhere"], "points"), (["--seed-offset", "999999"], "seed-offset"),
-    (["--variants", "oracle"], "variants"), (["--holds-s", "x"], "holds-s")])
+    (["--variants", "oracle"], "variants"), (["--holds-s", "x"], "holds-s"),
+    (["--look-every", "0"], "look-every")])
 def test_headroom_benchmark_argument_errors_are_one_line(args, field):
     p = subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True)
     assert p.returncode == 2
@@ -143,3 +145,12 @@ def test_cpu_and_api_alternatives_are_legal_grants(profile, kinds, pool):
     assert teacher.stats.looked > 0
     assert all(label == "rate_greedy" or label.split(":")[0] in kinds
                for label in teacher.stats.by_label)
+
+
+def test_look_every_looks_at_a_share_of_the_decisions_with_alternatives():
+    every = LookaheadTeacher(horizon_s=20.0)
+    every.run(_contended())
+    third = LookaheadTeacher(horizon_s=20.0, look_every=3)
+    third.run(_contended())
+    assert 0 < third.stats.looked < every.stats.looked
+    assert third.stats.looked == -(-third._offered // 3)
