@@ -327,11 +327,7 @@ class LookaheadTeacher:
             grants = base.decide(state)
             if state.t < hold_until:
                 grants = [g for g in grants if g.action.spec.kind != "gpu"]
-            if grants:
-                for g in grants:
-                    child.apply(g)
-            else:
-                child.wait()
+            self._apply(child, Candidate("rate_greedy", grants))
         if not snap:  # the run ended before the horizon: nothing is left in the system
             return state.in_system_s - start
         left = 0.0
