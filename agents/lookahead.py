@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import heapq
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -150,10 +151,12 @@ class LookaheadTeacher:
 
     # ------------------------------------------------------------------ driving
 
-    def run(self, sim: Simulator, progress=None) -> RunResult:
+    def run(self, sim: Simulator,
+            progress: Callable[[float], None] | None = None) -> RunResult:
         """Drive ``sim`` to its end, deciding by look-ahead; its result. ``progress``: a
         callable given the simulated time after each decision (a progress bar)."""
         self.stats = LookaheadStats()
+        self._offered = 0
         if not self.privileged:  # later RL steps of each future, drawn once
             self._futures = [sample_workload(sim.workload, np.random.default_rng(
                 self.rng.integers(2**63))) for _ in range(self.n_futures)]
