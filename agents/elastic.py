@@ -13,7 +13,7 @@ free up sooner than a restore elsewhere would take; restores evict the services 
 the least queued work.
 
 API: the call using the least quota first (shortest estimated call among equals),
-whenever the endpoint's RPM/TPM buckets and concurrency allow.
+whenever the endpoint's RPM/TPM quotas and concurrency allow.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def _sjf_key(a: Action) -> tuple[float, int]:
 
 def _quota_s(ep: EndpointSpec, a: Action) -> float:
     """Seconds of the endpoint's quota a call uses: its request or its tokens,
-    whichever bucket refills slower for it."""
+    whichever of the two quotas it uses the larger share of."""
     req = 60.0 / ep.rpm
     return req if ep.tpm is None else max(req, 60.0 * a.spec.tokens / ep.tpm)
 

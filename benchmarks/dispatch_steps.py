@@ -6,7 +6,11 @@ Prints µs per call (best of 3 ``timeit`` repeats) for: watching a pipe with asy
 ``add_reader``/``remove_reader`` against registering it in a plain ``select.epoll``
 (what ``FdWatch`` does; three descriptors per action), making and removing a scratch
 directory with ``tempfile.mkdtemp`` against one exclusive ``mkdir`` (``make_workdir``),
-parsing a one-line cpu request, its journal form, and a result's JSON.
+parsing requests (a minimal cpu one, a cpu one with 13 fields, an api one with its http
+spec, a job file's line: its JSON decoded too), the journal form, and a result's JSON.
+
+The script runs against any tree that has ``parse_request``: to compare two, run it with
+each tree's interpreter (or ``PYTHONPATH``) alternately.
 """
 
 from __future__ import annotations
@@ -24,10 +28,19 @@ from metasched.runtime.process.workdir import make_workdir
 from metasched.runtime.requests import Result, parse_request
 
 REQUEST = {"kind": "cpu", "argv": ["/bin/true"], "timeout_s": 60}
+FULL = {"kind": "cpu", "argv": ["python3", "-c", "print(1)"], "timeout_s": 60,
+        "trajectory": "t-17", "turn": 3, "task": "swe", "est_s": 0.5, "min_cores": 1,
+        "max_cores": 4, "parallel_fraction": 0.8, "env": {"SEED": "1"},
+        "mem_limit_mb": 512}
+API = {"kind": "api", "endpoint": "search", "tokens": 20, "timeout_s": 30,
+       "http": {"url": "http://127.0.0.1:9/search", "method": "POST", "json": {"q": "x"}}}
+
+
+REPEAT = 3  # timings per row; the best is reported (--repeat)
 
 
 def best_us(fn, n: int) -> float:
-    return min(timeit.repeat(fn, number=n, repeat=3)) / n * 1e6
+    return min(timeit.repeat(fn, number=n, repeat=REPEAT)) / n * 1e6
 
 
 async def fd_watching(n: int) -> dict[str, float]:
@@ -56,21 +69,37 @@ async def fd_watching(n: int) -> dict[str, float]:
 
 
 def main() -> None:
+    global REPEAT
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=20000, help="calls per timing")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="timings per row, the best reported (more on a loaded machine)")
+    ap.add_argument("--only", default="", help="only the rows whose name contains this")
     args = ap.parse_args()
-    n = args.n
-    rows = asyncio.run(fd_watching(n))
+    n, REPEAT = args.n, max(1, args.repeat)
     root = default_workdir() or tempfile.gettempdir()
-    rows[f"tempfile.mkdtemp + rmdir ({root})"] = best_us(
-        lambda: os.rmdir(tempfile.mkdtemp(prefix="metasched-", dir=root)), n)
-    rows[f"make_workdir + rmdir ({root})"] = best_us(lambda: os.rmdir(make_workdir(root)), n)
     req = parse_request(REQUEST)
-    rows["parse_request (cpu, 3 fields)"] = best_us(lambda: parse_request(REQUEST), n)
-    rows["journal form of the request"] = best_us(lambda: json.dumps(
-        {"queued_at": 1.0, "request": req.to_dict()}, separators=(",", ":")), n)
+    line = json.dumps(FULL)
     result = Result(req.id, "done", "", 0, None, "", "", 1.0, 2.0, 3.0, {"cores": [1]}, 1)
-    rows["Result.to_json"] = best_us(result.to_json, n)
+    steps = {
+        f"tempfile.mkdtemp + rmdir ({root})":
+            lambda: os.rmdir(tempfile.mkdtemp(prefix="metasched-", dir=root)),
+        f"make_workdir + rmdir ({root})": lambda: os.rmdir(make_workdir(root)),
+        "parse_request (cpu, 3 fields)": lambda: parse_request(REQUEST),
+        "parse_request (cpu, 13 fields)": lambda: parse_request(FULL),
+        "parse_request (api, http spec)": lambda: parse_request(API),
+        "job line: json.loads + parse_request (cpu, 13 fields)":
+            lambda: parse_request(json.loads(line), "jobs.jsonl:1"),
+        "journal form of the request": lambda: json.dumps(
+            {"queued_at": 1.0, "request": req.to_dict()}, separators=(",", ":")),
+        "Result.to_json": result.to_json,
+    }
+    rows = asyncio.run(fd_watching(n)) if not args.only or any(
+        args.only in name for name in ("asyncio add_reader + remove_reader",
+                                       "epoll register + unregister")) else {}
+    for name, fn in steps.items():
+        if args.only in name:
+            rows[name] = best_us(fn, n)
     print("| step | µs per call |")
     print("|---|---|")
     for name, us in rows.items():

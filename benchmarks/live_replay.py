@@ -12,7 +12,11 @@ really shortens it. The profile's sandbox start-up is left out of the simulated 
 trajectory's sandbox by default (``--isolation``: ``bwrap``, or ``off`` for commands on
 the host without cgroups; several modes are run one after the other per scheduler).
 Prints mean ACT and step time, simulated and live (mean and range over the repeats),
-per scheduler and isolation.
+per scheduler and isolation, and each learned policy's live mean ACT and step time
+against the best heuristic's (by live mean ACT): the ratio of means over the repeats and
+its paired 95% interval (Fieller, ``metasched.evaluation.statistics``). The live runs go
+in rounds, every scheduler once a round, so that run k of each met the same stretch of
+the machine's load and the rounds pair.
 
     python benchmarks/live_replay.py [--profile coding] [--trajectories 16] [--scale 0.1]
         [--schedulers static,...,checkpoints/default] [--repeats 3] [--sim-runs 10]
@@ -53,6 +57,7 @@ from metasched.core.actions import Turn, amdahl_run_s
 from metasched.core.cluster_config import ClusterConfig
 from metasched.core.cost_model import CostModel
 from metasched.errors import ConfigError
+from metasched.evaluation.statistics import paired_comparison
 from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
 from metasched.runtime.sandbox.config import SandboxConfig
 from metasched.sim.sampling import TrajectorySpec, WorkloadInstance, sample_workload
@@ -267,25 +272,60 @@ def replay(args: argparse.Namespace) -> int:
     print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     bar = tqdm(total=len(scheds) * len(modes) * (args.sim_runs + args.repeats), desc="runs",
                unit="run")
+    sims: dict[tuple[str, str], list] = {}
+    launch: dict[tuple[str, str], tuple[float, float]] = {}
     for sched in scheds:
         for mode in modes:
             median, mean = fixed or asyncio.run(measure_launch_s(inst, cores,
                                                                  args.launch_samples, mode))
+            launch[sched, mode] = median, mean
             cluster = replace(base, cpu_launch_s=median,
                               cpu_launch_sigma=sigma_from_mean(median, mean))
-            sims = []
+            sims[sched, mode] = []
             for i in range(args.sim_runs):
-                sims.append(simulate(w, inst, cluster, sched, args.seed + i,
-                                     args.estimates == "online"))
+                sims[sched, mode].append(simulate(w, inst, cluster, sched, args.seed + i,
+                                                  args.estimates == "online"))
                 bar.update()
-            lives = []
-            for _ in range(args.repeats):
-                lives.append(asyncio.run(live(inst, cores, sched, args.estimates == "online",
-                                              mode)))
+    # Live runs in rounds, every scheduler once a round: run k of two schedulers met the
+    # same stretch of the machine's load, so they pair.
+    lives: dict[tuple[str, str], list] = {key: [] for key in sims}
+    for _ in range(args.repeats):
+        for sched in scheds:
+            for mode in modes:
+                lives[sched, mode].append(asyncio.run(live(
+                    inst, cores, sched, args.estimates == "online", mode)))
                 bar.update()
-            bar.write(row(sched, mode, sims, lives, median, mean))
     bar.close()
+    for sched in scheds:
+        for mode in modes:
+            print(row(sched, mode, sims[sched, mode], lives[sched, mode], *launch[sched, mode]))
+    for mode in modes:
+        line = paired_line(scheds, mode, lives)
+        if line:
+            print(line)
     return 0
+
+
+def paired_line(scheds: list[str], mode: str, lives: dict[tuple[str, str], list]) -> str:
+    """Each learned policy's live mean ACT and step time against the best heuristic's
+    (by live mean ACT), paired by round: ratio of means and its 95% interval."""
+    heuristics = [s for s in scheds if s in BASELINES and len(lives[s, mode]) >= 2]
+    if not heuristics:
+        return ""
+    best = min(heuristics, key=lambda s: np.mean([x[0] for x in lives[s, mode]]))
+    out = []
+    for s in scheds:
+        if s in BASELINES or len(lives[s, mode]) < 2:
+            continue
+        act = paired_comparison([x[0] for x in lives[s, mode]], [x[0] for x in lives[best, mode]])
+        step = paired_comparison([x[1] for x in lives[s, mode]],
+                                 [x[1] for x in lives[best, mode]])
+        out.append(f"{s} ÷ {best} (the best heuristic live, {mode}), {len(lives[s, mode])} "
+                   f"paired rounds: mean ACT {act['ratio']:.3f} (95% CI "
+                   f"{act['ratio_ci95'][0]:.3f}–{act['ratio_ci95'][1]:.3f}), step "
+                   f"{step['ratio']:.3f} ({step['ratio_ci95'][0]:.3f}–"
+                   f"{step['ratio_ci95'][1]:.3f})")
+    return "\n".join(out)
 
 
 def row(sched: str, mode: str, sims: list, lives: list, median: float, mean: float) -> str:

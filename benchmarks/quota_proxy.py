@@ -6,7 +6,9 @@ A counting upstream on 127.0.0.1 (``metasched.serve.rate_limited``) answers 429 
 application as fast as answers come, for ``--seconds``. Printed (and with ``--json``,
 one JSON object): the most requests the upstream counted in any 60 s window, the 429s
 it sent, what the workers got back (status counts), and the requests answered per
-minute of the run.
+minute of the run, and how soon the upstream had its first ``--rpm`` requests (a
+quota counted over a sliding 60 s admits them at once: the proxy should not spread them
+over the minute).
 
     python benchmarks/quota_proxy.py [--rpm 60] [--processes 4] [--threads 4]
         [--seconds 62] [--json]
@@ -83,9 +85,12 @@ def measure(rpm: float, processes: int, threads: int, seconds: float) -> dict:
         arrivals = list(upstream.arrivals)
         rejected = upstream.rejected
     statuses = Counter(str(s) for out in outs for s in out)
+    ts = sorted(arrivals)
+    first = ts[int(rpm) - 1] - ts[0] if len(ts) >= rpm else None
     return {"rpm": rpm, "processes": processes, "callers": processes * threads,
             "seconds": seconds, "upstream_requests": len(arrivals),
             "busiest_60s_window": max_in_window(arrivals, 60.0), "upstream_429": rejected,
+            "first_quota_within_s": first,
             "worker_statuses": dict(statuses),
             "answered_per_minute": statuses.get("200", 0) * 60.0 / seconds}
 
@@ -113,6 +118,9 @@ def main() -> None:
           f"against a {r['rpm']:g} RPM upstream:")
     print(f"  busiest 60 s window at the upstream: {r['busiest_60s_window']} requests "
           f"({r['upstream_requests']} in all), 429s sent: {r['upstream_429']}")
+    first = r["first_quota_within_s"]
+    print(f"  the first {r['rpm']:g} requests reached it within "
+          + ("(fewer were sent)" if first is None else f"{first:.2f} s"))
     print(f"  workers got: {r['worker_statuses']}, "
           f"{r['answered_per_minute']:.1f} answered per minute")
 

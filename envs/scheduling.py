@@ -24,6 +24,7 @@ from gymnasium import spaces
 from metasched.core.cluster_config import ClusterConfig
 from metasched.core.metrics import API_HELD, CPU_HELD, GPU_HELD
 from metasched.core.observation import OBS_HIGH, F, ObsConfig, ObservationEncoder
+from metasched.errors import one_of
 from metasched.sim.seeds import TRAIN_SEED_MAX
 from metasched.sim.simulator import Simulator, cost_model_for
 from metasched.sim.workload_config import WorkloadConfig
@@ -103,9 +104,7 @@ class ActionSchedulingEnv(gym.Env):
         super().__init__()
         cost_model_for(estimates)  # a bad value fails here, not at the first reset
         self.estimates = estimates
-        if render_mode is not None and render_mode not in self.metadata["render_modes"]:
-            raise ValueError(f"render_mode must be None or one of "
-                             f"{self.metadata['render_modes']} (got {render_mode!r})")
+        one_of(render_mode, self.metadata["render_modes"], "render_mode", null=True)
         self.render_mode = render_mode
         if isinstance(workload, str):
             from metasched.compose import profile

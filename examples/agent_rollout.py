@@ -131,9 +131,14 @@ class Bucket:
 
 @dataclass
 class Tally:
+    """What the agents saw. ``calls``: each tool call's trajectory, turn, tool, and when
+    it was issued and answered (seconds from the rollout's start): the timelines."""
+
     act: dict[str, list[float]] = field(default_factory=lambda: {k: [] for k in KINDS})
     failed: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
     seen_429: int = 0
+    t0: float = field(default_factory=time.monotonic)
+    calls: list[dict] = field(default_factory=list)
 
 
 class Worker:
@@ -208,8 +213,11 @@ async def trajectory(i: int, plan: Plan, worker: Worker,
                 ok = await worker.search(name, f"q{i}-{turn}")
             else:
                 ok = await worker.reward(name, turn, plan.payload)
-            tally.act[t.tool].append(time.monotonic() - t0)
+            t1 = time.monotonic()
+            tally.act[t.tool].append(t1 - t0)
             tally.failed[t.tool] += not ok
+            tally.calls.append({"trajectory": i, "turn": turn, "tool": t.tool,
+                                "issued_s": t0 - tally.t0, "answered_s": t1 - tally.t0})
     finally:
         if holding:
             sandboxes.release()
@@ -265,13 +273,27 @@ def run_mode(mode: str, plans: list[Plan], args: argparse.Namespace) -> dict:
             after = httpx.get(f"{srv.url}/v1/status").json()
         rejected = api.rejected
     calls = [x for k in KINDS for x in tally.act[k]]
+    last = max(tally.calls, key=lambda c: c["answered_s"])["trajectory"]
     util = (busy_core_s(after) - busy_core_s(before)) / (cores * step_s)
     return {"mode": mode, "scheduler": after["scheduler"], "step_s": step_s,
             "mean_act_s": float(np.mean(calls)),
             "mean_act_s_by_kind": {k: float(np.mean(v)) if v else math.nan
                                    for k, v in tally.act.items()},
             "calls": {k: len(v) for k, v in tally.act.items()}, "failed": tally.failed,
-            "cores_busy": util, "api_429": rejected, "worker_429": tally.seen_429}
+            "cores_busy": util, "api_429": rejected, "worker_429": tally.seen_429,
+            "last_trajectory": critical(tally.calls, last, plans[last]),
+            "timeline": tally.calls}
+
+
+def critical(calls: list[dict], i: int, plan: Plan) -> dict:
+    """Where trajectory ``i``'s time went: its LLM generation, then each tool's calls
+    (issue to answer, as the agent saw them)."""
+    mine = [c for c in calls if c["trajectory"] == i]
+    out = {"trajectory": i, "end_s": max(c["answered_s"] for c in mine),
+           "generation_s": sum(t.gen_s for t in plan.turns)}
+    for k in KINDS:
+        out[f"{k}_s"] = sum(c["answered_s"] - c["issued_s"] for c in mine if c["tool"] == k)
+    return out
 
 
 def table(results: dict[str, dict]) -> str:
@@ -335,6 +357,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         r = results[mode]
         print(f"  {r['scheduler']}: step {r['step_s']:.1f} s, mean ACT {r['mean_act_s']:.3f} s, "
               f"failed {sum(r['failed'].values())}", flush=True)
+        c = r["last_trajectory"]
+        print(f"  last to end: traj-{c['trajectory']} at {c['end_s']:.1f} s: generation "
+              f"{c['generation_s']:.1f} s, " + ", ".join(f"{k} {c[f'{k}_s']:.1f} s"
+                                                         for k in KINDS), flush=True)
     print(table(results))
     if args.out is not None:
         args.out.write_text(json.dumps(results, indent=1))

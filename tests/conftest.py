@@ -49,7 +49,7 @@ def _cluster_dict(*, nodes: int = 1, cores: int = 4, mem_gb: float = 64.0, gpus:
                  gpu_mem_gb: float = 80.0, endpoints: dict | None = None) -> dict:
     """A cluster dict; by default one 4-core node, one 80 GB GPU, endpoint ``e``."""
     if endpoints is None:
-        endpoints = {"e": {"rpm": 600, "tpm": 60000, "max_concurrency": 4, "burst_s": 1.0}}
+        endpoints = {"e": {"rpm": 600, "tpm": 60000, "max_concurrency": 4, "window_s": 1.0}}
     return {"name": "tiny",
             "cpu": {"nodes": nodes, "cores_per_node": cores, "mem_gb_per_node": mem_gb},
             "gpu": {"devices": gpus, "mem_gb": gpu_mem_gb},
@@ -117,7 +117,7 @@ def valid_config() -> tuple[dict, dict]:
         "gpu": {"devices": 1, "mem_gb": 80},
         "api": {"endpoints": {
             "web": {"rpm": 600, "max_concurrency": 16},
-            "judge": {"rpm": 500, "tpm": 600000, "max_concurrency": 16, "burst_s": 1.0},
+            "judge": {"rpm": 500, "tpm": 600000, "max_concurrency": 16, "window_s": 1.0},
         }},
     }
     return workload, cluster

@@ -28,6 +28,14 @@ def test_both_modes_run_and_report(tmp_path):
     for r in results.values():
         assert sum(r["failed"].values()) == 0 and r["calls"]["reward"] == 3
         assert r["step_s"] > 0 and r["mean_act_s"] > 0
+        calls = r["timeline"]  # every call, on one clock from the rollout's start
+        assert len(calls) == sum(r["calls"].values())
+        assert all(0 <= c["issued_s"] <= c["answered_s"] <= r["step_s"] for c in calls)
+        last = r["last_trajectory"]
+        assert last["end_s"] == max(c["answered_s"] for c in calls)
+        mine = [c for c in calls if c["trajectory"] == last["trajectory"]]
+        assert sum(last[f"{k}_s"] for k in ("python", "tests", "search", "reward")) == (
+            pytest.approx(sum(c["answered_s"] - c["issued_s"] for c in mine)))
 
 
 def test_bad_arguments_are_one_line(tmp_path):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -340,23 +341,39 @@ def test_a_stop_signal_ends_an_evaluation_and_its_workers_at_once(tmp_path, sig,
 
 
 def test_live_replay_benchmark_prints_sim_and_live_side_by_side():
-    """One tiny step (one trajectory, durations x 0.005) simulated and replayed live."""
+    """One tiny step (one trajectory, durations x 0.005) simulated and replayed live, two
+    rounds of a heuristic and the shipped policy: the table, and the policy's paired
+    ratio against the heuristic with its interval."""
     root = Path(__file__).resolve().parent.parent
     r = subprocess.run([sys.executable, str(root / "benchmarks" / "live_replay.py"),
-                        "--trajectories", "1", "--scale", "0.005", "--repeats", "1",
+                        "--trajectories", "1", "--scale", "0.005", "--repeats", "2",
                         "--sim-runs", "2", "--launch-samples", "8", "--isolation", "off",
-                        "--schedulers", "fifo"], capture_output=True, text=True, timeout=300)
+                        "--schedulers", f"fifo,{root / 'checkpoints' / 'default'}"],
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| fifo | off |")]
-    assert len(rows) == 1, r.stdout
-    # "mean (min–max)" over the runs where there are several: the mean comes first
-    cells = [c.strip() for c in rows[0].strip("|").split("|")]
-    sim_act, live_act, ratio = (float(cells[i].split()[0]) for i in (2, 3, 4))
-    assert sim_act > 0 and live_act > 0 and ratio == pytest.approx(live_act / sim_act, rel=0.01)
-    sim_step, live_step = (float(cells[i].split()[0]) for i in (5, 6))
-    assert sim_step > 0 and live_step > 0
-    median, mean = (float(x) for x in cells[9].split("/"))
-    assert median > 0 and mean > 0  # the start-up measured here, in ms
+    live_acts = {}
+    for name in ("fifo", str(root / "checkpoints" / "default")):
+        rows = [ln for ln in r.stdout.splitlines() if ln.startswith(f"| {name} | off |")]
+        assert len(rows) == 1, r.stdout
+        # "mean (min–max)" over the runs where there are several: the mean comes first
+        cells = [c.strip() for c in rows[0].strip("|").split("|")]
+        sim_act, live_act, ratio = (float(cells[i].split()[0]) for i in (2, 3, 4))
+        assert sim_act > 0 and live_act > 0
+        assert ratio == pytest.approx(live_act / sim_act, rel=0.01)
+        sim_step, live_step = (float(cells[i].split()[0]) for i in (5, 6))
+        assert sim_step > 0 and live_step > 0
+        median, mean = (float(x) for x in cells[9].split("/"))
+        assert median > 0 and mean > 0  # the start-up measured here, in ms
+        live_acts[name] = live_act
+    paired = [ln for ln in r.stdout.splitlines() if " ÷ fifo (the best heuristic live" in ln]
+    assert len(paired) == 1, r.stdout
+    m = re.search(r"2 paired rounds: mean ACT ([\d.]+) \(95% CI (-?[\d.inf]+)–([\d.inf]+)\)",
+                  paired[0])
+    assert m, paired[0]
+    ratio, lo, hi = (float(x) for x in m.groups())
+    policy = live_acts[str(root / "checkpoints" / "default")]
+    assert ratio == pytest.approx(policy / live_acts["fifo"], rel=0.01)
+    assert lo <= ratio <= hi
 
 
 @pytest.mark.parametrize("args, field", [(["--isolation", "docker"], "isolation"),

@@ -135,7 +135,7 @@ def test_valid_config_parses_to_expected_values(valid_config):
     assert tasks["search"].reward.tokens.hi == 8000
     assert tasks["code"].sandbox.mem_gb == 4
     assert c.cpu_nodes == 2 and c.endpoints["judge"].tpm == 600000
-    assert c.endpoints["web"].burst_s == 1.0  # default
+    assert c.endpoints["web"].window_s == 60.0  # default: the per-minute quota
     assert c.resources() == {"cpu": 32, "gpu": 1, "api": 32}
 
 
@@ -266,7 +266,7 @@ BAD_CLUSTER = [
     ("max_concurrency 0", setter("api/endpoints/judge/max_concurrency", 0),
      "cluster.api.endpoints.judge.max_concurrency"),
     ("negative tpm", setter("api/endpoints/judge/tpm", -1), "cluster.api.endpoints.judge.tpm"),
-    ("burst 0", setter("api/endpoints/judge/burst_s", 0), "cluster.api.endpoints.judge.burst_s"),
+    ("window 0", setter("api/endpoints/judge/window_s", 0), "cluster.api.endpoints.judge.window_s"),
     ("unknown field", setter("gpu/bogus", 1), "cluster.gpu.bogus"),
     ("unknown section", setter("tpu", {}), "cluster.tpu"),
     ("fractional nodes", setter("cpu/nodes", 1.5), "cluster.cpu.nodes"),

@@ -206,7 +206,7 @@ def test_a_pass_over_an_old_queue_reads_what_it_grants_not_the_queue(kind, make_
 
     n = 10_000
     cluster = make_cluster(nodes=1, cores=4, gpus=2, endpoints={
-        "e": {"rpm": 60_000, "max_concurrency": 3, "burst_s": 1.0}})
+        "e": {"rpm": 60_000, "max_concurrency": 3, "window_s": 1.0}})
     state = ClusterState(cluster, {"rm": ServiceSpec(mem_gb=1, restore_s=0, max_batch=1)})
     state.pending[kind] = _CountingQueue()
     spec = {"cpu": ActionSpec("cpu", "x", 1.0, 1.0, 100.0),

@@ -1,4 +1,4 @@
-"""Pool mechanics with exact numbers: Amdahl, API token buckets, GPU residency and
+"""Pool mechanics with exact numbers: Amdahl, API quota windows, GPU residency and
 batching, CPU sandbox placement."""
 
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from itertools import pairwise
 
+import numpy as np
 import pytest
 
 from metasched.core.actions import ActionSpec, amdahl_run_s
@@ -59,73 +60,98 @@ def test_est_run_s_ignores_cores_for_non_cpu(kind):
 
 
 @pytest.mark.parametrize(
-    "rpm, tpm, burst_s, req_cap, tok_cap",
+    "rpm, tpm, window_s, req_cap, tok_cap",
     [
         (120, None, 3.0, 6.0, math.inf),  # 2 req/s x 3 s
         (600, 60000, 1.0, 10.0, 1000.0),
-        (30, 600, 2.0, 1.0, 20.0),  # 0.5 req/s x 2 s = 1
-        (6, None, 1.0, 1.0, math.inf),  # 0.1 req/s x 1 s, but a bucket holds >= 1 request
+        (6, None, 60.0, 6.0, math.inf),  # the per-minute quota itself
+        (500, 600000, 10.0, 83.0, 100000.0),  # 83.3 requests: whole ones only
+        (6, None, 1.0, 1.0, math.inf),  # 0.1 req/s x 1 s, but a window admits >= 1
+        (6 * 60 / 60.25, None, 60.25, 6.0, math.inf),  # derated: the allowance kept
     ],
 )
-def test_endpoint_bucket_capacities(rpm, tpm, burst_s, req_cap, tok_cap):
-    spec = EndpointSpec(rpm=rpm, max_concurrency=4, tpm=tpm, burst_s=burst_s)
+def test_endpoint_window_capacities(rpm, tpm, window_s, req_cap, tok_cap):
+    spec = EndpointSpec(rpm=rpm, max_concurrency=4, tpm=tpm, window_s=window_s)
     assert spec.req_capacity == pytest.approx(req_cap)
     assert spec.tok_capacity == pytest.approx(tok_cap)
     ep = Endpoint("e", spec)
-    assert ep.req == pytest.approx(req_cap)  # buckets start full
+    assert ep.req == pytest.approx(req_cap)  # an empty window
     assert ep.tok == pytest.approx(tok_cap)
 
 
-def test_endpoint_rpm_burst_then_refill_rate():
-    # 120 rpm = 2 requests/s; a bucket of 3 s holds 6 requests.
-    ep = Endpoint("e", EndpointSpec(rpm=120, max_concurrency=100, burst_s=3.0))
-    for _ in range(6):
-        assert ep.can_start(0, 0.0)
-        ep.take(0, 0.0)
-    assert not ep.can_start(0, 0.0)  # burst spent
-    assert ep.ready_in(0, 0.0) == pytest.approx(0.5)  # one request refills in 1 / 2 s
-    assert not ep.can_start(0, 0.49)
-    assert ep.ready_in(0, 0.49) == pytest.approx(0.01)
-    assert ep.can_start(0, 0.5)
-    ep.take(0, 0.5)
+def test_endpoint_admits_a_whole_window_at_once_then_waits_for_the_oldest():
+    # 6 RPM over 60 s: six calls at once (an upstream counting a sliding minute takes
+    # them), the seventh when the first leaves the window, not 10 s after the sixth.
+    ep = Endpoint("e", EndpointSpec(rpm=6, max_concurrency=100, window_s=60.0))
+    for k in range(6):
+        assert ep.can_start(0, float(k))
+        ep.take(0, float(k))
+    assert not ep.can_start(0, 5.0)
+    assert ep.ready_in(0, 5.0) == pytest.approx(55.0)  # the call at t=0 leaves at 60
+    assert not ep.can_start(0, 59.999)
+    assert ep.can_start(0, 60.0)  # half-open: the charge at 0 is out at 60
+    ep.take(0, 60.0)
+    assert ep.ready_in(0, 60.0) == pytest.approx(1.0)  # next: the charge at 1
     assert ep.req == pytest.approx(0.0)
-    # 1.25 s later the bucket holds 2.5 requests: two calls, not three.
-    assert ep.ready_in(0, 1.75) == 0.0
-    ep.take(0, 1.75)
-    ep.take(0, 1.75)
-    assert not ep.can_start(0, 1.75)
-    assert ep.req == pytest.approx(0.5)
-    assert ep.requests == 9 and ep.in_flight == 9
+    assert ep.requests == 7 and ep.in_flight == 7
 
 
-def test_endpoint_refill_is_capped_at_burst_capacity():
-    ep = Endpoint("e", EndpointSpec(rpm=120, max_concurrency=100, tpm=6000, burst_s=3.0))
+def test_endpoint_window_forgets_old_charges():
+    ep = Endpoint("e", EndpointSpec(rpm=120, max_concurrency=100, tpm=6000, window_s=3.0))
     ep.take(50, 0.0)
+    ep.refill(2.0)
+    assert ep.req == pytest.approx(5.0) and ep.tok == pytest.approx(250.0)
     ep.refill(1000.0)
     assert ep.req == pytest.approx(6.0)
     assert ep.tok == pytest.approx(300.0)  # 100 tokens/s x 3 s
+    assert not ep.log
 
 
 def test_endpoint_tpm_limit_and_ready_in():
-    # Requests are plentiful (6000 rpm); tokens refill at 600 / 60 = 10 per second and
-    # the bucket holds 10.
-    ep = Endpoint("e", EndpointSpec(rpm=6000, max_concurrency=100, tpm=600, burst_s=1.0))
+    # Requests are plentiful (6000 rpm); 600 TPM over 1 s windows: 10 tokens in any 1 s.
+    ep = Endpoint("e", EndpointSpec(rpm=6000, max_concurrency=100, tpm=600, window_s=1.0))
     assert ep.can_start(8, 0.0)
     ep.take(8, 0.0)
     assert ep.tok == pytest.approx(2.0)
-    assert ep.can_start(2, 0.0)
-    assert not ep.can_start(5, 0.0)
-    assert ep.ready_in(5, 0.0) == pytest.approx(0.3)  # 3 missing tokens at 10/s
-    assert ep.ready_in(11, 0.0) == math.inf  # more than the bucket can ever hold
-    assert not ep.can_start(5, 0.29)
-    assert ep.can_start(5, 0.3 + 1e-9)
+    assert ep.can_start(2, 0.2)
+    ep.take(2, 0.2)
+    assert not ep.can_start(5, 0.5)
+    assert ep.ready_in(1, 0.5) == pytest.approx(0.5)  # the 8 tokens of t=0 leave at 1
+    assert ep.ready_in(10, 0.5) == pytest.approx(0.7)  # both charges must leave
+    assert ep.ready_in(11, 0.5) == math.inf  # more than a window ever admits
+    assert not ep.can_start(5, 0.99)
+    assert ep.can_start(5, 1.0)
+
+
+@pytest.mark.parametrize("rpm, tpm, window_s, tokens", [
+    (6, None, 60.0, 0), (120, None, 3.0, 0), (6000, 600, 1.0, 3), (500, 60000, 10.0, 700)])
+def test_endpoint_never_exceeds_its_allowance_in_any_window(rpm, tpm, window_s, tokens):
+    """Calls started as soon as the endpoint allows, in bursts and trickles: no window of
+    ``window_s`` holds more than the allowance, and the allowance is used (a call
+    waits only while a window is full)."""
+    from metasched.serve.rate_limited import max_in_window
+
+    spec = EndpointSpec(rpm=rpm, max_concurrency=10**6, tpm=tpm, window_s=window_s)
+    ep, rng = Endpoint("e", spec), np.random.default_rng(0)
+    t, starts = 0.0, []
+    for _ in range(400):
+        t += float(rng.exponential(window_s / 50)) if rng.random() < 0.3 else 0.0
+        wait = ep.ready_in(tokens, t)
+        assert math.isfinite(wait)
+        t += wait
+        assert ep.can_start(tokens, t)
+        ep.take(tokens, t)
+        starts.append(t)
+    cap = spec.req_capacity if tpm is None else min(spec.req_capacity,
+                                                    spec.tok_capacity // tokens)
+    assert max_in_window(starts, window_s) == cap
 
 
 def test_endpoint_max_concurrency():
-    ep = Endpoint("e", EndpointSpec(rpm=60000, max_concurrency=2, burst_s=1.0))
+    ep = Endpoint("e", EndpointSpec(rpm=60000, max_concurrency=2, window_s=1.0))
     ep.take(0, 0.0)
     ep.take(0, 0.0)
-    assert ep.req >= 1.0  # tokens remain ...
+    assert ep.req >= 1.0  # the window has room ...
     assert not ep.can_start(0, 0.0)  # ... but two calls are in flight
     ep.in_flight -= 1  # one call returns (ClusterState.finish does this)
     assert ep.can_start(0, 0.0)

@@ -36,7 +36,7 @@ def submit(state: ClusterState, spec: ActionSpec, traj: Trajectory | None = None
 @pytest.fixture
 def state(make_cluster):
     cluster = make_cluster(nodes=1, cores=4, gpus=1, gpu_mem_gb=80.0, endpoints={
-        "e": {"rpm": 60, "max_concurrency": 1, "burst_s": 1.0}})
+        "e": {"rpm": 60, "max_concurrency": 1, "window_s": 1.0}})
     return ClusterState(cluster, SERVICES)
 
 
@@ -152,7 +152,7 @@ def test_reads_estimates_only(make_cluster, seed):
     """The same queues with the true durations shuffled get the same decisions."""
     rng = np.random.default_rng(seed)
     cluster = make_cluster(nodes=2, cores=4, gpus=2, gpu_mem_gb=80.0, endpoints={
-        "e": {"rpm": 120, "max_concurrency": 3, "burst_s": 1.0}})
+        "e": {"rpm": 120, "max_concurrency": 3, "window_s": 1.0}})
     cpu = [ActionSpec("cpu", "x", 1.0, float(e), 60.0, 1, int(k), 0.8)
            for e, k in zip(rng.lognormal(0, 1, 12), rng.integers(1, 5, 12), strict=True)]
     gpus = [gpu(str(rng.choice(["small", "big"])), float(e)) for e in rng.lognormal(0, 1, 12)]

@@ -598,8 +598,9 @@ def test_from_dict_valid() -> None:
     ({"url": "http://h", "json": float("nan")}, "http.json"),
     ({"url": "http://h", "body": b"bytes"}, "http.body"),
     ({"url": "http://h", "body": "x", "json": 1}, "http:"),
-    ({"url": "http://h", "timeout": 3}, "http: unknown key(s) 'timeout'"),
-    ([("url", "http://h")], "http: must be a mapping"),
+    ({"url": "http://h", "timeout": 3},
+     "http.timeout: unknown field (expected one of: body, headers, json, method, url)"),
+    ([("url", "http://h")], "http: must be a JSON object"),
 ])
 def test_from_dict_rejects(d: object, field: str) -> None:
     with pytest.raises(ValueError) as info:

@@ -19,7 +19,7 @@ from metasched.sim.sampling import IndependentAction, WorkloadInstance
 from metasched.sim.simulator import Simulator
 
 CORES = sorted(os.sched_getaffinity(0))
-EP = {"judge": EndpointSpec(rpm=600, max_concurrency=8, tpm=600_000, burst_s=1.0)}
+EP = {"judge": EndpointSpec(rpm=600, max_concurrency=8, tpm=600_000, window_s=1.0)}
 LONG = 1000.0  # nothing finishes while observations are compared
 
 # (arrival s, task, kind, est_s, min cores, max cores, parallel fraction, tokens)

@@ -7,10 +7,11 @@ import math
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from metasched.core.cost_model import CostModel
-from metasched.errors import ConfigError
-from metasched.runtime.requests import Result, parse_request
+from metasched.errors import ConfigError, one_of, validation_error
+from metasched.runtime.requests import Request, Result, parse_request
 
 CPU = {"kind": "cpu", "argv": ["/bin/echo", "hi"], "timeout_s": 5}
 
@@ -44,14 +45,27 @@ def test_round_trip_through_json(req):
     (dict(CPU, timeout_s=-1), "timeout_s: must be > 0 (got -1)"),
     (dict(CPU, timeout_s=0), "timeout_s: must be > 0"),
     ({"kind": "cpu", "timeout_s": 1}, "argv: is required"),
-    (dict(CPU, argv="ls -l"), "argv: must be a non-empty list of strings"),
-    (dict(CPU, argv=[]), "argv: must be a non-empty list of strings"),
-    (dict(CPU, argv=["ls", 3]), "argv: must be a non-empty list of strings"),
+    (dict(CPU, argv="ls -l"), "argv: must be a list (got 'ls -l')"),
+    (dict(CPU, argv=[]), "argv: must have at least 1 item(s) (got [])"),
+    (dict(CPU, argv=["ls", 3]), "argv[1]: must be a string (got 3)"),
+    (dict(CPU, argv=["", "x"]), "argv[0]: the program must not be empty"),
+    (dict(CPU, argv=["ls", "a\0b"]), "argv[1]: must not contain NUL characters"),
     (dict(CPU, min_cores=4, max_cores=2), "max_cores: must be >= 4"),
     (dict(CPU, min_cores=0), "min_cores: must be >= 1"),
-    (dict(CPU, parallel_fraction=1.5), "parallel_fraction: must be >= 0 and <= 1"),
+    (dict(CPU, parallel_fraction=1.5), "parallel_fraction: must be <= 1 (got 1.5)"),
+    (dict(CPU, min_cores=2.5), "min_cores: must be a whole number (got 2.5)"),
+    (dict(CPU, min_cores=True), "min_cores: must be a whole number (got True)"),
+    (dict(CPU, turn=10**7), "turn: must be <= 1000000 (got 10000000)"),
+    (dict(CPU, timeout_s=float("inf")), "timeout_s: must be a finite number (got inf)"),
+    (dict(CPU, workspace_mb=64), "workspace_mb: only a trajectory has a workspace"),
+    (dict(CPU, call="f"), "call: unknown field"),
+    ({"kind": "api", "timeout_s": 1, "endpoint": "e", "http": {"url": "http://h", "x": 1}},
+     "http.x: unknown field (expected one of: body, headers, json, method, url)"),
+    ({"kind": "gpu", "timeout_s": 1, "service": "rm", "min_cores": 2},
+     "min_cores: only commands (requests with an argv) have it"),
     (dict(CPU, env={"A": 1}), "env.A: must be a string"),
     (dict(CPU, env={"A=B": "1"}), "env: bad variable name"),
+    (dict(CPU, env={"A": "x\0"}), "env.A: must not contain NUL characters"),
     (dict(CPU, service="orm"), "service: only gpu requests have it (this is cpu)"),
     (dict(CPU, colour="red"), "colour: unknown field"),
     (dict(CPU, reward="yes"), "reward: must be true or false"),
@@ -79,6 +93,72 @@ def test_api_request_with_a_callable_is_not_replayable():
     r = parse_request({"kind": "api", "endpoint": "e", "timeout_s": 1}, call=call)
     assert r.call is call and not r.replayable
     assert parse_request(dict(CPU)).replayable
+
+
+def test_a_request_built_in_python_gets_the_same_checks_and_defaults():
+    r = Request(kind="cpu", argv=["/usr/bin/pytest", "-q"], timeout_s=5, min_cores=2)
+    assert (r.name, r.max_cores, len(r.id)) == ("pytest", 2, 32)
+    assert r == parse_request(r.to_dict())
+    with pytest.raises(ValidationError) as e:
+        Request(kind="cpu", argv=["x"], timeout_s=-1)
+    assert str(validation_error(e.value.errors())) == "timeout_s: must be > 0 (got -1)"
+    with pytest.raises(ValidationError):
+        Request(kind="gpu", timeout_s=1)  # neither a service nor an argv
+
+
+def test_null_is_an_optional_fields_default_and_whole_floats_are_whole_numbers():
+    r = parse_request(dict(CPU, env=None, mem_limit_mb=None, est_s=None, id=None,
+                           min_cores=2.0, trajectory=17))
+    assert (r.env, r.mem_limit_mb, r.min_cores, r.max_cores, r.trajectory) == (
+        None, None, 2, 2, "17")
+    assert r.id  # a fresh key for a null id
+    with pytest.raises(ConfigError, match="task: must be a string"):
+        parse_request(dict(CPU, task=None))
+    with pytest.raises(ConfigError, match="min_cores: must be a whole number"):
+        parse_request(dict(CPU, min_cores="2"))  # strict: text is not a number
+
+
+def test_requests_with_different_callables_are_the_same_request():
+    async def a():
+        return 1
+
+    async def b():
+        return 2
+    api = {"kind": "api", "id": "k", "endpoint": "e", "timeout_s": 1}
+    assert parse_request(api, call=a) == parse_request(api, call=b)
+    assert "call" not in parse_request(api, call=a).to_dict()
+
+
+@pytest.mark.parametrize("errors, kw, message", [
+    # FastAPI's body errors: "body" left out, a whole-body error named by root.
+    ([{"type": "missing", "loc": ("body", "code"), "msg": "Field required"}],
+     {"strip": ("body",), "root": "body"}, "code: is required"),
+    ([{"type": "json_invalid", "loc": ("body", 7), "msg": "JSON decode error",
+       "ctx": {"error": "Expecting value"}}], {"strip": ("body",), "root": "body"},
+     "body: not valid JSON (Expecting value)"),
+    ([{"type": "string_type", "loc": ("env", 3, "[key]"), "input": 3}], {"loc": "j:2"},
+     "j:2: env: bad key: must be a string (got 3)"),
+    ([{"type": "greater_than_equal", "loc": ("a", 0, "b"), "input": -1, "ctx": {"ge": 0}}],
+     {"at": ("x",)}, "x.a[0].b: must be >= 0 (got -1)"),
+    ([{"type": "something_new", "loc": ("a",), "msg": "Pydantic's words", "input": 1}], {},
+     "a: Pydantic's words (got 1)"),
+    ([], {"loc": "j:9"}, "j:9: invalid"),
+])
+def test_validation_errors_are_one_line_naming_the_field(errors, kw, message):
+    assert str(validation_error(errors, **kw)) == message
+
+
+@pytest.mark.parametrize("value, kw, ok", [
+    ("a", {}, True), ("c", {}, False), (None, {}, False), (None, {"null": True}, True),
+    ([1], {}, False),
+])
+def test_one_of(value, kw, ok):
+    if ok:
+        assert one_of(value, ("a", "b"), "f", **kw) == value
+        return
+    with pytest.raises(ConfigError) as e:
+        one_of(value, ("a", "b"), "f", **kw)
+    assert str(e.value).startswith("f: must be one of a, b") and "(got " in str(e.value)
 
 
 @given(st.dictionaries(st.sampled_from(sorted({

@@ -309,7 +309,14 @@ def test_fork_bomb_is_bounded(mode):
 
     async def go():
         async with Dispatcher(cfg(mode, sandbox={"pids_max": 64})) as d:
-            before = len(psutil.pids())
+            # this test's own descendants: other tenants' processes on a shared host
+            # are not the bomb's
+            me = psutil.Process()
+
+            def descendants() -> int:
+                return len(me.children(recursive=True))
+
+            before = descendants()
             bomb = asyncio.ensure_future(d.submit(cpu("""
                 import os, time
                 while True:
@@ -320,13 +327,13 @@ def test_fork_bomb_is_bounded(mode):
             """, timeout_s=3)))
             peak = 0
             while not bomb.done():
-                peak = max(peak, len(psutil.pids()) - before)
+                peak = max(peak, descendants() - before)
                 await asyncio.sleep(0.05)
             after = await d.submit(sh("echo alive"))
             return bomb.result(), peak, after
     bomb, peak, after = run(go())
     assert bomb.status == "failed"
-    assert peak <= 64 + 16  # the limit, and other tenants' noise
+    assert 0 < peak <= 64 + 16  # the limit, and the sandbox's own helpers
     assert after.ok and after.stdout.strip() == "alive"
 
 

@@ -68,6 +68,30 @@ def test_rejected_requests_are_422_with_a_line_naming_the_field(http, body, mess
     assert doc["status"] == "rejected" and message in doc["reason"] and "\n" not in doc["reason"]
 
 
+@pytest.mark.parametrize("headers, message", [
+    ({"X-Turn": "three"}, "X-Turn: must be a whole number (got 'three')"),
+    ({"X-Turn": "-1"}, "X-Turn: must be >= 0"),
+    ({"X-Reward": "maybe"}, "X-Reward: must be true or false (got 'maybe')"),
+    ({"X-Trajectory-Id": ""}, "X-Trajectory-Id: must not be empty"),
+])
+def test_bad_trajectory_headers_are_422_naming_the_header(http, headers, message):
+    r = http.post("/v1/actions", json=ECHO, headers=headers)
+    assert r.status_code == 422 and r.json()["detail"].startswith(message)
+
+
+def test_the_openapi_document_shows_the_request_schema(http):
+    """/v1/actions documents the body with the schema the dispatcher validates with."""
+    from metasched.runtime.requests import Request
+
+    post = http.get("/openapi.json").json()["paths"]["/v1/actions"]["post"]
+    schema = post["requestBody"]["content"]["application/json"]["schema"]
+    assert set(schema["properties"]) == set(Request.model_fields) - {"call"}
+    assert schema["required"] == ["kind", "timeout_s"]
+    http_spec = next(s for s in schema["properties"]["http"]["anyOf"] if "properties" in s)
+    assert set(http_spec["properties"]) == {"url", "method", "headers", "json", "body"}
+    assert "$defs" not in str(schema)
+
+
 @pytest.mark.parametrize("content, message", [
     (b"{not json", "body: not valid JSON"),
     (b"[1, 2]", "body: must be a JSON object"),

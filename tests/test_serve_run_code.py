@@ -173,10 +173,14 @@ def test_unsupported_language_is_a_sandbox_error_naming_it(served):
 
 
 @pytest.mark.parametrize("body, message", [
-    ({"language": "python"}, "code: Field required"),
-    ({"code": "x", "run_timeout": 0}, "run_timeout: Input should be greater than 0"),
-    ({"code": "x", "files": {"a.txt": "%%%"}}, "files: Value error, a.txt: must be base64"),
-    ({"code": "x", "memory_limit_MB": -5}, "memory_limit_MB: Input should be greater than"),
+    ({"language": "python"}, "code: is required"),
+    ({"code": "x", "run_timeout": 0}, "run_timeout: must be > 0 (got 0)"),
+    ({"code": "x", "run_timeout": 1e9}, "run_timeout: must be <= 2592000 (30 days; got"),
+    ({"code": "x", "files": {"a.txt": "%%%"}}, "files.a.txt: must be base64 (got '%%%')"),
+    ({"code": "x", "files": {"": "eA=="}}, "files: bad key: must not be empty (got '')"),
+    ({"code": "x", "memory_limit_MB": -5}, "memory_limit_MB: must be >= -1 (got -5)"),
+    ({"code": "x", "turn": "3"}, "turn: must be a whole number (got '3')"),
+    ([1, 2], "body: must be a JSON object (got [1, 2])"),
 ])
 def test_a_body_that_is_not_a_request_is_422_in_one_line(served, body, message):
     r = post(served.url, body)

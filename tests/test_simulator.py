@@ -258,13 +258,18 @@ def test_illegal_grant_raises(make_workload, make_cluster):
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("scheduler", ["fifo", "elastic_greedy"])
-def test_api_calls_waiting_for_rpm_refill_complete(make_workload, make_cluster, scheduler):
-    # 60 rpm, bucket of 1: three calls at t = 1 start at 1, 2 and 3.
+@pytest.mark.parametrize("window_s, starts", [
+    (1.0, [1.0, 2.0, 3.0]),  # one call in any 1 s: each waits for the one before to leave
+    (60.0, [1.0, 1.0, 1.0]),  # 60 in any minute: all three at once
+])
+def test_api_calls_waiting_for_the_quota_window_complete(make_workload, make_cluster,
+                                                         scheduler, window_s, starts):
+    # 60 rpm; three calls at t = 1.
     w = make_workload({"kind": "api", "endpoint": "e", "duration_s": 0.1, "timeout_s": 10.0},
                       trajectories=3)
-    c = make_cluster(endpoints={"e": {"rpm": 60, "max_concurrency": 10}})
+    c = make_cluster(endpoints={"e": {"rpm": 60, "max_concurrency": 10, "window_s": window_s}})
     r = Simulator(w, c, seed=0).run(make_scheduler(scheduler))
-    assert sorted(r.start.tolist()) == pytest.approx([1.0, 2.0, 3.0])
+    assert sorted(r.start.tolist()) == pytest.approx(starts)
 
 
 @pytest.mark.timeout(30)
@@ -280,10 +285,10 @@ def test_sandbox_without_cpu_nodes_is_an_error(make_workload, make_cluster):
 
 
 def test_api_utilisation_at_most_one_with_burst(make_workload, make_cluster):
-    # 60 rpm with a 10 s bucket: 10 calls start at once, the run lasts 1.1 s.
+    # 60 rpm over a 10 s window: 10 calls start at once, the run lasts 1.1 s.
     w = make_workload({"kind": "api", "endpoint": "e", "duration_s": 0.1, "timeout_s": 10.0},
                       trajectories=10)
-    c = make_cluster(endpoints={"e": {"rpm": 60, "max_concurrency": 10, "burst_s": 10.0}})
+    c = make_cluster(endpoints={"e": {"rpm": 60, "max_concurrency": 10, "window_s": 10.0}})
     r = Simulator(w, c, seed=0).run(make_scheduler("fifo"))
     assert r.ok.all() and r.makespan == pytest.approx(1.1)
     assert 0.0 <= r.utilisation()["api"] <= 1.0

@@ -56,8 +56,8 @@ def state(make_cluster):
     600 tpm (10 tokens/s, bucket 10), two calls at once; endpoint tok: requests aplenty,
     600 tpm."""
     cluster = make_cluster(nodes=1, cores=8, endpoints={
-        "e": {"rpm": 60, "tpm": 600, "max_concurrency": 2, "burst_s": 1.0},
-        "tok": {"rpm": 6000, "tpm": 600, "max_concurrency": 10, "burst_s": 1.0}})
+        "e": {"rpm": 60, "tpm": 600, "max_concurrency": 2, "window_s": 1.0},
+        "tok": {"rpm": 6000, "tpm": 600, "max_concurrency": 10, "window_s": 1.0}})
     return ClusterState(cluster, SERVICES, timeline_dt=4.0)
 
 
@@ -131,7 +131,7 @@ def test_wrong_service_batch_member(state):
 
 
 def test_api_without_tokens(state):
-    a = submit(state, api_spec(tokens=11))  # more than the 10-token bucket
+    a = submit(state, api_spec(tokens=11))  # more than the 10 tokens a window admits
     assert state.check(Grant(a)) == "endpoint e has no free slot or tokens"
     b = submit(state, api_spec(tokens=4))
     state.start(Grant(b))  # spends the only request of the RPM bucket
@@ -147,7 +147,9 @@ def test_api_without_tpm_tokens(state):
     b = submit(state, api_spec(tokens=5, endpoint="tok"))
     assert state.check(Grant(b)) == "endpoint tok has no free slot or tokens"
     assert state.check(Grant(submit(state, api_spec(tokens=2, endpoint="tok")))) is None
-    state.advance(0.3 + 1e-9)  # 3 tokens refilled at 10/s
+    state.advance(0.999)  # still in the 1 s window: no partial refill, as a bucket has
+    assert state.check(Grant(b)) is not None
+    state.advance(1.0)  # the 8 tokens charged at 0 leave the window
     assert state.check(Grant(b)) is None
 
 
@@ -156,7 +158,7 @@ def test_api_without_concurrency_slot(state):
     state.start(Grant(calls[0]))
     state.advance(1.0)
     state.start(Grant(calls[1]))
-    state.advance(5.0)  # tokens refilled, but both slots are taken
+    state.advance(5.0)  # the window has room, but both slots are taken
     assert state.check(Grant(calls[2])) is not None
     state.finish(calls[0], ok=True)
     assert state.check(Grant(calls[2])) is None

@@ -22,7 +22,7 @@ from metasched.cli.settings import (
     seeds_setting,
 )
 from metasched.compose import load_profile
-from metasched.errors import ConfigError
+from metasched.errors import ConfigError, one_of
 from metasched.sim.simulator import ESTIMATES
 
 
@@ -30,15 +30,12 @@ def eval_settings(cfg: dict[str, Any]) -> dict[str, Any]:
     """Validated evaluation settings from a composed config."""
     scheds, paths, params = schedulers_setting(cfg)
     reference = cfg.get("reference")
-    if reference is not None and reference not in scheds:
-        raise ConfigError("reference", f"must be one of the schedulers {scheds} or null "
-                          f"(got {reference!r})")
+    one_of(reference, scheds, "reference", what="the schedulers", null=True)
     dt = cfg.get("timeline_dt", 10.0)
     if isinstance(dt, bool) or not isinstance(dt, (int, float)) or not dt > 0:
         raise ConfigError("timeline_dt", f"must be a number > 0 (got {dt!r})")
     est = cfg.get("estimates", "profile")
-    if est not in ESTIMATES:
-        raise ConfigError("estimates", f"must be one of {', '.join(ESTIMATES)} (got {est!r})")
+    one_of(est, ESTIMATES, "estimates")
     return {"schedulers": scheds, "paths": paths, "params": params, "estimates": est,
             "seeds": seeds_setting(cfg), "workers": int_setting(cfg, "workers", 1),
             "timeline_dt": float(dt), "plots": bool(cfg.get("plots", True)),

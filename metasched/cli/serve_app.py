@@ -23,7 +23,7 @@ from typing import Any
 
 from metasched.cli.app import Interrupted, make_main
 from metasched.cli.dispatch_app import dispatcher_config, load_services
-from metasched.errors import ConfigError
+from metasched.errors import ConfigError, one_of
 
 log = logging.getLogger("metasched.serve")
 
@@ -52,9 +52,7 @@ def run_serve(cfg: dict[str, Any], out_dir: Path) -> None:
     if isinstance(graceful, bool) or not isinstance(graceful, (int, float)) or graceful < 0:
         raise ConfigError("graceful_s", f"must be a number of seconds >= 0 (got {graceful!r})")
     level = cfg.get("log_level", "info")
-    if level not in _LOG_LEVELS:
-        raise ConfigError("log_level", f"must be one of {', '.join(_LOG_LEVELS)} "
-                          f"(got {level!r})")
+    one_of(level, _LOG_LEVELS, "log_level")
     services = load_services(cfg.get("services"))
     out.mkdir(parents=True, exist_ok=True)
     dispatcher = Dispatcher(dcfg, services=services)  # a bad setting fails here

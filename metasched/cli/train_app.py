@@ -25,7 +25,7 @@ from typing import Any
 from metasched.cli.app import make_main
 from metasched.cli.output import json_safe
 from metasched.compose import load_profile
-from metasched.errors import ConfigError
+from metasched.errors import ConfigError, one_of
 from metasched.sim.simulator import ESTIMATES
 
 _POSITIVE = ("total_timesteps", "n_envs", "n_steps", "batch_size", "n_epochs", "hidden",
@@ -64,9 +64,7 @@ def check_train_settings(cfg: dict[str, Any]) -> None:
     if cfg["obs"]["levels"] < 2:
         raise ConfigError("obs.levels", "must be >= 2 (one level cannot express elasticity)")
     est = (cfg.get("env") or {}).get("estimates", "profile")
-    if est not in ESTIMATES:
-        raise ConfigError("env.estimates", f"must be one of {', '.join(ESTIMATES)} "
-                          f"(got {est!r})")
+    one_of(est, ESTIMATES, "env.estimates")
     seed = cfg.get("seed")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ConfigError("seed", f"must be a whole number >= 0 (got {seed!r})")
@@ -75,9 +73,7 @@ def check_train_settings(cfg: dict[str, Any]) -> None:
     for field, name in (("agent.bc.expert", (agent.get("bc") or {}).get("expert", "rate_greedy")),
                         ("eval.reference", (cfg.get("eval") or {}).get("reference", "rate_greedy")),
                         ("obs.advisor", (cfg.get("obs") or {}).get("advisor", "rate_greedy"))):
-        if name not in BASELINES and not (field == "obs.advisor" and name is None):
-            raise ConfigError(field, f"must be a heuristic, one of {', '.join(BASELINES)} "
-                                     f"(got {name!r})")
+        one_of(name, BASELINES, field, what="the heuristics", null=field == "obs.advisor")
     from metasched.compose import PROFILES
 
     for name in (agent.get("bc") or {}).get("profiles") or []:

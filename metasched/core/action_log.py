@@ -42,8 +42,8 @@ def cluster_doc(cluster: ClusterConfig) -> dict[str, Any]:
         ep: dict[str, Any] = {"rpm": float(e.rpm), "max_concurrency": int(e.max_concurrency)}
         if e.tpm is not None:
             ep["tpm"] = float(e.tpm)
-        if e.burst_s != 1.0:
-            ep["burst_s"] = float(e.burst_s)
+        if e.window_s != 60.0:
+            ep["window_s"] = float(e.window_s)
         endpoints[name] = ep
     return {"name": cluster.name,
             "cpu": {"nodes": int(cluster.cpu_nodes), "cores_per_node": int(cluster.cores_per_node),

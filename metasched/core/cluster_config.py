@@ -65,21 +65,29 @@ class ClusterConfig:
                 "api": sum(e.max_concurrency for e in self.endpoints.values())}
 
 
+# The keys of one API endpoint's quota (EndpointSpec).
+ENDPOINT_KEYS = frozenset({"rpm", "tpm", "max_concurrency", "window_s"})
+
+
 def parse_endpoints(d: Any, path: str) -> dict[str, EndpointSpec]:
-    """Validate a mapping of API endpoint name -> ``{rpm, tpm, max_concurrency, burst_s}``."""
+    """Validate a mapping of API endpoint name -> ``{rpm, tpm, max_concurrency, window_s}``."""
     endpoints = {}
     for ename, e in mapping_or_empty(d, path).items():
         ep = f"{path}.{ename}"
         if not isinstance(e, Mapping):
             raise ConfigError(ep, f"must be a mapping (got {e!r})")
-        check_keys(e, {"rpm", "tpm", "max_concurrency", "burst_s"}, ep)
+        if "burst_s" in e:  # the token bucket this replaced
+            raise ConfigError(f"{ep}.burst_s", "quotas are counted over a sliding window: "
+                              "set window_s (seconds; 60 by default) instead")
+        check_keys(e, ENDPOINT_KEYS, ep)
         tpm = e.get("tpm")
         endpoints[str(ename)] = EndpointSpec(
             rpm=bounded(get_key(e, "rpm", ep), f"{ep}.rpm", lo=0.0, lo_open=True),
             max_concurrency=bounded(get_key(e, "max_concurrency", ep), f"{ep}.max_concurrency",
                                     lo=1, integer=True),
             tpm=None if tpm is None else bounded(tpm, f"{ep}.tpm", lo=0.0, lo_open=True),
-            burst_s=bounded(e.get("burst_s", 1.0), f"{ep}.burst_s", lo=0.0, lo_open=True))
+            window_s=bounded(e.get("window_s", 60.0), f"{ep}.window_s", lo=0.0, lo_open=True,
+                             hi=86400.0))
     return endpoints
 
 

@@ -142,7 +142,7 @@ class WaitGuard:
                      grants: list[Grant]) -> None:
         # An endpoint without a free slot or request token (after the planned calls)
         # starts nothing more in this pass: skip its calls; stop once every endpoint is
-        # in that state. ``api_ok`` refills an endpoint's buckets to now when it first
+        # in that state. ``api_ok`` brings an endpoint's quota window to now when it first
         # looks at one of its calls, as a walk over every call does.
         endpoints = state.api.endpoints
         full: set[str] = set()

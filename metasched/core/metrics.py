@@ -151,7 +151,7 @@ class RunResult:
     totals: np.ndarray
     capacity: dict[str, float]  # units per pool (cores, devices, api concurrency)
     api_rps: float  # total request quota per second over all endpoints
-    api_burst: float  # requests the full buckets allow at once, over all endpoints
+    api_burst: float  # requests one window allows at once, over all endpoints
     makespan: float
     counters: dict[str, int]
     failure_reasons: dict[str, int]
@@ -182,7 +182,7 @@ class RunResult:
 
     def utilisation(self) -> dict[str, float]:
         """Busy fraction of capacity over the makespan; for api, the fraction of the
-        request quota used (requests / (full buckets + RPM x makespan))."""
+        request quota used (requests / (one window's allowance + RPM x makespan))."""
         span = max(self.makespan, 1e-12)
         tot = self.totals
         out = {}

@@ -11,7 +11,8 @@ Observation (a dict of float32 arrays):
   the queue is invisible.
 - ``pools``: cluster-wide and per-unit state (``pool_features`` documents the layout):
   CPU busy/held fractions and free cores per node; per GPU device busy, memory used and
-  resident services; per API endpoint request/token bucket levels and concurrency;
+  resident services; per API endpoint request/token quota room (what its window still
+  admits) and concurrency;
   step progress and queue size. Every feature is clipped to [0, ``OBS_HIGH``].
 - ``action_mask`` (K x L + 1): which actions are legal now.
 
@@ -67,8 +68,8 @@ SLOT_FEATURES = (
     "resident_idle",          # gpu: its service is resident on an idle device
     "log_restore_s",          # gpu: log1p(restore time on the preferred idle device)
     "same_service_frac",      # gpu: queued requests to its service / max batch
-    "req_tokens_frac",        # api: request bucket level / capacity
-    "tok_tokens_frac",        # api: token bucket level / tokens the call needs (<= 1)
+    "req_tokens_frac",        # api: requests the window still admits / its allowance
+    "tok_tokens_frac",        # api: tokens the window still admits / the call's (<= 1)
     "concurrency_frac",       # api: calls in flight / max concurrency
     "feasible",               # some level is legal now
     "advised",                # the advisor heuristic would start this action now

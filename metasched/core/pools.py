@@ -1,5 +1,6 @@
 """Resource pools: CPU (nodes x cores + sandbox memory), GPU (devices x memory with
-resident services), API (endpoints with RPM/TPM token buckets and max concurrency).
+resident services), API (endpoints with RPM/TPM quotas over a sliding window and max
+concurrency).
 
 Pools hold mechanics only (what is free, what an allocation costs); *policy* belongs to
 schedulers. Both clocks (simulator, live dispatcher) drive the same pool objects.
@@ -8,6 +9,7 @@ schedulers. Both clocks (simulator, live dispatcher) drive the same pool objects
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 
 from metasched.core.actions import Immutable
@@ -37,27 +39,35 @@ class ServiceSpec(Immutable):
 
 @dataclass(frozen=True, slots=True)
 class EndpointSpec(Immutable):
-    """An API endpoint's quota.
+    """An API endpoint's quota, as APIs count theirs: at most ``rpm`` requests (and
+    ``tpm`` tokens) per minute, counted over a sliding window, so a burst up to the
+    window's allowance is admitted at once.
 
     Attributes:
-        rpm: requests per minute (token bucket refilled at rpm/60 per second).
+        rpm: requests per minute.
         max_concurrency: most calls in flight at once.
         tpm: tokens per minute, or None for no token limit.
-        burst_s: bucket capacity, in seconds of refill (capacity = rate x burst_s).
+        window_s: the window the quota is counted over: at most ``rpm x window_s / 60``
+            requests (and ``tpm x window_s / 60`` tokens) started in any ``window_s``
+            seconds (60: the per-minute quota itself).
     """
 
     rpm: float
     max_concurrency: int
     tpm: float | None = None
-    burst_s: float = 1.0
+    window_s: float = 60.0
 
     @property
     def req_capacity(self) -> float:
-        return max(1.0, self.rpm / 60.0 * self.burst_s)
+        """Requests admitted in one window (a whole number, at least one)."""
+        # The tolerance keeps a quota derated by floating-point factors (derated()) at
+        # the whole number it was meant to be.
+        return float(max(1, math.floor(self.rpm * self.window_s / 60.0 + 1e-9)))
 
     @property
     def tok_capacity(self) -> float:
-        return math.inf if self.tpm is None else self.tpm / 60.0 * self.burst_s
+        """Tokens admitted in one window."""
+        return math.inf if self.tpm is None else self.tpm * self.window_s / 60.0
 
 
 class CpuPool:
@@ -176,27 +186,32 @@ class GpuPool:
 
 
 class Endpoint:
-    """Live state of one API endpoint: two token buckets and a concurrency count."""
+    """Live state of one API endpoint: the log of requests charged in the trailing window
+    (a sliding-window log, the upstream's own way of counting) and a concurrency count.
 
-    __slots__ = ("name", "spec", "req", "tok", "last_t", "in_flight", "requests")
+    ``req`` and ``tok`` are what the window has room for as of the last :meth:`refill`.
+    """
+
+    __slots__ = ("name", "spec", "req", "tok", "log", "used_tok", "in_flight", "requests")
 
     def __init__(self, name: str, spec: EndpointSpec) -> None:
         self.name = name
         self.spec = spec
         self.req = spec.req_capacity
         self.tok = spec.tok_capacity
-        self.last_t = 0.0
+        self.log: deque[tuple[float, int]] = deque()  # (time, tokens) of each charge
+        self.used_tok = 0  # tokens in the log
         self.in_flight = 0
         self.requests = 0
 
     def refill(self, t: float) -> None:
-        dt = t - self.last_t
-        if dt > 0:
-            s = self.spec
-            self.req = min(s.req_capacity, self.req + dt * s.rpm / 60.0)
-            if s.tpm is not None:
-                self.tok = min(s.tok_capacity, self.tok + dt * s.tpm / 60.0)
-            self.last_t = t
+        """Drop the charges that left the window by ``t`` (half-open: one charged at
+        ``t - window_s`` is out) and update ``req`` and ``tok``."""
+        log, edge = self.log, t - self.spec.window_s
+        while log and log[0][0] <= edge:
+            self.used_tok -= log.popleft()[1]
+        self.req = self.spec.req_capacity - len(log)
+        self.tok = self.spec.tok_capacity - self.used_tok
 
     def can_start(self, tokens: int, t: float) -> bool:
         self.refill(t)
@@ -204,26 +219,38 @@ class Endpoint:
                 and self.tok >= tokens)
 
     def ready_in(self, tokens: int, t: float) -> float:
-        """Seconds until the buckets hold enough for a call of ``tokens`` (inf if never)."""
+        """Seconds until the window has room for a call of ``tokens`` (inf if never):
+        until enough of the charges in it have left."""
         self.refill(t)
-        s = self.spec
-        wait = max(0.0, (1.0 - self.req) / (s.rpm / 60.0))
-        if s.tpm is not None and tokens > self.tok:
-            if tokens > s.tok_capacity:
-                return math.inf
-            wait = max(wait, (tokens - self.tok) / (s.tpm / 60.0))
-        return wait
+        s, log = self.spec, self.log
+        if tokens > s.tok_capacity:
+            return math.inf
+        wait = 0.0
+        if self.req < 1.0:  # the oldest len - capacity + 1 charges must leave
+            wait = log[len(log) - int(s.req_capacity)][0] + s.window_s - t
+        short = tokens - self.tok
+        if short > 0:
+            for when, k in log:
+                short -= k
+                if short <= 0:
+                    wait = max(wait, when + s.window_s - t)
+                    break
+        # A charge leaves exactly at when + window_s; a hair later, in case the clock's
+        # arithmetic rounds the other way.
+        return wait + 1e-9 if wait > 0 else 0.0
 
     def charge(self, tokens: int, t: float) -> None:
-        """Take one request and ``tokens`` from the buckets (a call, or a retry of a call
-        already in flight: a retry is a new request against the quota)."""
+        """Count one request of ``tokens`` against the quota (a call, or a retry of a
+        call already in flight: a retry is a new request to the upstream)."""
         self.refill(t)
+        self.log.append((t, tokens))
+        self.used_tok += tokens
         self.req -= 1.0
         self.tok -= tokens
         self.requests += 1
 
     def take(self, tokens: int, t: float) -> None:
-        """Start a call: charge the buckets and count it in flight."""
+        """Start a call: charge the quota and count it in flight."""
         self.charge(tokens, t)
         self.in_flight += 1
 

@@ -147,7 +147,7 @@ class ClusterState:
 
     def api_wakeups(self) -> dict[str, float]:
         """For each endpoint whose waiting calls wait only for tokens: seconds until its
-        smallest waiting call fits the buckets (the clock must look again then)."""
+        smallest waiting call fits the quota window (the clock must look again then)."""
         smallest: dict[str, int] = {}
         for a in self.pending["api"].values():
             ep = a.spec.endpoint

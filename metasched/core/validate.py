@@ -1,4 +1,4 @@
-"""Checks of user-given values (config dicts, trace lines, dispatcher requests) that
+"""Checks of user-given values (config dicts, trace lines) that
 fail with a one-line :class:`~metasched.errors.ConfigError` naming the field, and for JSON
 the file and line too, e.g. ``jobs.jsonl:12: timeout_s: must be > 0 (got -1)``."""
 
@@ -8,7 +8,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from metasched.errors import ConfigError
+from metasched.errors import ConfigError, short
 
 # ---------------------------------------------------------------- config dicts
 
@@ -29,7 +29,7 @@ def bounded(value: Any, path: object, *, lo: float = -math.inf, hi: float = math
     """``value`` as a number within the bounds (an int if ``integer``), or an error naming
     ``path``."""
     # ``path`` is turned into text only for an error (ConfigError calls str on it): the
-    # request parser passes its field locators as they are, per field, per request.
+    # trace parser passes its field locators as they are, per field, per line.
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(path, f"must be a number (got {value!r})")
     try:
@@ -107,12 +107,6 @@ class Field:
     def __str__(self) -> str:
         path = self.path
         return f"{self.loc}: {path}" if path else self.loc
-
-
-def short(value: Any, limit: int = 60) -> str:
-    """``repr(value)``, cut to ``limit`` characters (keeps error messages short)."""
-    r = repr(value)
-    return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
 def number(value: Any, at: Field, **bounds: Any) -> Any:

@@ -1,7 +1,7 @@
 """API executor: performs one web-search / LLM-judge call, with retries, once the
 scheduler has started it.
 
-The scheduler decides *when* a call starts (the endpoint's RPM/TPM buckets and
+The scheduler decides *when* a call starts (the endpoint's RPM/TPM quotas and
 concurrency in ``ClusterState``); :func:`call_api` performs it. A call is either an
 :class:`HttpSpec` (a JSON-over-HTTP request) or a user's async callable. 429s, 5xx,
 connection errors and :class:`RetryableError` are retried with exponential backoff and
@@ -34,18 +34,26 @@ import random
 import re
 import ssl
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from types import MappingProxyType
-from typing import Any
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import httpx
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 
+from metasched.errors import ConfigError, validation_error
 from metasched.runtime.outcome import Outcome
 
 METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")
-SPEC_KEYS = ("url", "method", "headers", "json", "body")
 
 # Headers the client writes itself: a user's value would contradict the bytes sent (and
 # HTTP/2 forbids the last two).
@@ -68,121 +76,114 @@ def _one_line(text: str, limit: int = 500) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-@dataclass(frozen=True)
-class HttpSpec:
+def _check_url(url: str) -> str:
+    if not url.lower().startswith(("http://", "https://")):
+        raise ValueError("must start with http:// or https://")
+    if not _URL_CHARS.fullmatch(url):
+        raise ValueError("must be printable ASCII without spaces (percent-encode other "
+                         "characters)")
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 -- parsing the port is the check (ValueError if bad)
+    except ValueError as e:
+        raise ValueError(_one_line(str(e), 80)) from None
+    if not parts.hostname:
+        raise ValueError("has no host")
+    try:
+        parts.hostname.encode("idna")  # what the resolver will need (label lengths)
+    except UnicodeError:
+        raise ValueError("invalid host name") from None
+    if parts.username is not None or parts.password is not None:
+        raise ConfigError("", "credentials in the URL are not supported; send an "
+                          "Authorization header instead")
+    return url
+
+
+def _check_headers(headers: dict[str, str]) -> dict[str, str]:
+    for name, value in headers.items():
+        if not _TOKEN.fullmatch(name):
+            raise ConfigError("", f"invalid header name {_show(name)}")
+        if name.lower() in _MANAGED_HEADERS:
+            raise ConfigError("", f"{name!r} is set by the client; remove it")
+        if any(c in value for c in "\r\n\0") or not value.isascii():
+            # Non-ASCII would need an encoding the server may not share; line breaks
+            # would inject headers.
+            raise ConfigError("", f"value of {name!r} must be ASCII text without line "
+                              f"breaks (got {_show(value)})")
+    return headers
+
+
+def _check_json(value: Any) -> Any:
+    if value is not None:
+        try:
+            jsonlib.dumps(value, allow_nan=False)
+        except (TypeError, ValueError, RecursionError) as e:
+            raise ConfigError("", f"not JSON-serialisable ({type(e).__name__}: "
+                              f"{_one_line(str(e), 120)})") from None
+    return value
+
+
+def _default_if_null(default: Any) -> Any:
+    return BeforeValidator(lambda v: default if v is None else v)
+
+
+class HttpSpec(BaseModel):
     """One HTTP request.
 
     Attributes:
         url: ``http://`` or ``https://`` URL (printable ASCII; no credentials in it).
-        method: GET, POST, PUT, PATCH or DELETE (stored upper-case).
+        method: GET, POST, PUT, PATCH or DELETE (any case; stored upper-case).
         headers: extra request headers; ``Content-Length``, ``Transfer-Encoding`` and
             ``Connection`` are the client's. A ``Content-Type`` given here wins over the
             default for the body.
-        json: sent as the JSON body (``application/json``) when not None.
+        json_: sent as the JSON body (``application/json``) when not None (``json`` in
+            the JSON form and as a keyword).
         body: sent as a UTF-8 text body (``text/plain``) otherwise.
 
-    Construction validates every field (``ValueError`` with a one-line message naming
-    the field); :meth:`from_dict` also rejects unknown keys.
+    Construction validates every field (a pydantic ``ValidationError``, a ValueError);
+    :meth:`from_dict` raises a one-line ConfigError naming the field instead. Unknown
+    keys are an error. ``HttpSpec(url, **fields)`` takes the URL positionally too.
     """
 
-    url: str
-    method: str = "POST"
-    headers: Mapping[str, str] = field(default_factory=dict)
-    json: Any = None
-    body: str | None = None
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
-    def __post_init__(self) -> None:
-        url = self.url
-        if not isinstance(url, str):
-            raise ValueError(f"http.url: must be a string (got {_show(url)})")
-        if not url.lower().startswith(("http://", "https://")):
-            raise ValueError(f"http.url: must start with http:// or https:// (got {_show(url)})")
-        if not _URL_CHARS.fullmatch(url):
-            raise ValueError(f"http.url: must be printable ASCII without spaces "
-                             f"(percent-encode other characters; got {_show(url)})")
-        try:
-            parts = urlsplit(url)
-            parts.port  # noqa: B018 -- parsing the port is the check (ValueError if bad)
-        except ValueError as e:
-            raise ValueError(f"http.url: {_one_line(str(e), 80)} (got {_show(url)})") from None
-        if not parts.hostname:
-            raise ValueError(f"http.url: has no host (got {_show(url)})")
-        try:
-            parts.hostname.encode("idna")  # what the resolver will need (label lengths)
-        except UnicodeError:
-            raise ValueError(f"http.url: invalid host name (got {_show(url)})") from None
-        if parts.username is not None or parts.password is not None:
-            raise ValueError("http.url: credentials in the URL are not supported; "
-                             "send an Authorization header instead")
+    url: Annotated[str, Field(strict=True), AfterValidator(_check_url)]
+    method: Annotated[Literal[METHODS], BeforeValidator(
+        lambda v: "POST" if v is None else v.upper() if isinstance(v, str) else v)] = "POST"
+    headers: Annotated[dict[Annotated[str, Field(strict=True)],
+                            Annotated[str, Field(strict=True)]],
+                       _default_if_null({}), AfterValidator(_check_headers)] = {}
+    json_: Annotated[Any, AfterValidator(_check_json)] = Field(None, alias="json")
+    body: Annotated[str, Field(strict=True)] | None = None
 
-        method = self.method
-        if not isinstance(method, str) or method.upper() not in METHODS:
-            raise ValueError(f"http.method: must be one of {', '.join(METHODS)} "
-                             f"(got {_show(method)})")
-        object.__setattr__(self, "method", method.upper())
+    def __init__(self, url: str | None = None, /, **fields: Any) -> None:
+        if url is not None:
+            fields["url"] = url
+        super().__init__(**fields)
 
-        if not isinstance(self.headers, Mapping):
-            raise ValueError(f"http.headers: must be a mapping of names to strings "
-                             f"(got {type(self.headers).__name__})")
-        headers: dict[str, str] = {}
-        for name, value in self.headers.items():
-            if not isinstance(name, str) or not _TOKEN.fullmatch(name):
-                raise ValueError(f"http.headers: invalid header name {_show(name)}")
-            if name.lower() in _MANAGED_HEADERS:
-                raise ValueError(f"http.headers: {name!r} is set by the client; remove it")
-            if not isinstance(value, str):
-                raise ValueError(f"http.headers: value of {name!r} must be a string "
-                                 f"(got {type(value).__name__})")
-            if any(c in value for c in "\r\n\0") or not value.isascii():
-                # Non-ASCII would need an encoding the server may not share; line breaks
-                # would inject headers.
-                raise ValueError(f"http.headers: value of {name!r} must be ASCII text "
-                                 f"without line breaks (got {_show(value)})")
-            headers[name] = value
-        # A read-only copy: the spec is frozen, and the caller's dict may change later.
-        object.__setattr__(self, "headers", MappingProxyType(headers))
-
-        if self.json is not None and self.body is not None:
-            raise ValueError("http: give json or body, not both")
-        if self.json is not None:
-            try:
-                jsonlib.dumps(self.json, allow_nan=False)
-            except (TypeError, ValueError, RecursionError) as e:
-                raise ValueError(f"http.json: not JSON-serialisable "
-                                 f"({type(e).__name__}: {_one_line(str(e), 120)})") from None
-        if self.body is not None and not isinstance(self.body, str):
-            raise ValueError(f"http.body: must be a string (got {type(self.body).__name__}); "
-                             f"use json for structured bodies")
+    @model_validator(mode="after")
+    def _one_body(self) -> HttpSpec:
+        if self.json_ is not None and self.body is not None:
+            raise ConfigError("", "give json or body, not both")
+        return self
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> HttpSpec:
+    def from_dict(cls, d: Any) -> HttpSpec:
         """Build a spec from a plain mapping (e.g. a request's ``http`` section).
 
         Raises:
-            ValueError: one line naming the bad field (``http.url: ...``), for a missing
-                url, an unknown key or any invalid value.
+            ConfigError: one line naming the bad field (``http.url: ...``), for a
+                missing url, an unknown key or any invalid value.
         """
-        if not isinstance(d, Mapping):
-            raise ValueError(f"http: must be a mapping (got {type(d).__name__})")
-        unknown = [k for k in d if k not in SPEC_KEYS]
-        if unknown:
-            names = ", ".join(_show(k, 40) for k in unknown[:5])
-            more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
-            raise ValueError(f"http: unknown key(s) {names}{more} "
-                             f"(allowed: {', '.join(SPEC_KEYS)})")
-        if "url" not in d:
-            raise ValueError("http.url: missing")
-        kwargs = dict(d)
-        if kwargs.get("method") is None:
-            kwargs.pop("method", None)  # absent or null: the default
-        if kwargs.get("headers") is None:
-            kwargs.pop("headers", None)
-        return cls(**kwargs)
+        try:
+            return cls.model_validate(d)
+        except ValidationError as e:
+            raise validation_error(e.errors(), model=cls, at=("http",)) from None
 
     def payload(self) -> tuple[bytes | None, str | None]:
         """The body bytes and their default Content-Type (None, None without a body)."""
-        if self.json is not None:
-            return (jsonlib.dumps(self.json, allow_nan=False).encode(),
+        if self.json_ is not None:
+            return (jsonlib.dumps(self.json_, allow_nan=False).encode(),
                     "application/json")
         if self.body is not None:
             return self.body.encode(), "text/plain; charset=utf-8"
@@ -471,7 +472,7 @@ async def _attempts(target: HttpSpec | Callable[[], Awaitable[Any]], retry: Retr
         if attempt > 1:
             await asyncio.sleep(wait)
             # After the backoff: a retry is a new request against the endpoint's quota,
-            # which the dispatcher takes here once the buckets allow it.
+            # which the dispatcher takes here once the quota allows it.
             if before_retry is not None:
                 await before_retry()
         progress.attempts = attempt
@@ -509,7 +510,7 @@ async def call_api(
             reproducible waits).
         before_retry: awaited before every retry, after the backoff wait (so
             ``attempts - 1`` times); the dispatcher waits there until the endpoint's
-            buckets allow another request and takes it. Its exceptions propagate; the
+            quota allows another request and takes it. Its exceptions propagate; the
             timeout may cancel it.
         client: the pooled client for an :class:`HttpSpec` (see :func:`make_client`;
             default: one made for this call and closed after it).

@@ -40,7 +40,7 @@ from metasched.core.observation import ObsConfig, ObservationEncoder
 from metasched.core.pools import EndpointSpec, ServiceSpec
 from metasched.core.scheduler import Scheduler
 from metasched.core.state import ClusterState, InvalidGrant
-from metasched.errors import ConfigError
+from metasched.errors import ConfigError, one_of
 from metasched.runtime.api_calls import RetryPolicy, call_api, make_client, warm_up
 from metasched.runtime.gpu import (
     GpuSampler,
@@ -214,8 +214,7 @@ class Dispatcher:
         self.state.metrics = Recorder(max_actions=cfg.metrics_window)
         self.guard = WaitGuard(cfg.max_wait_s)
         self.cost = CostModel(cfg.cost_alpha, cfg.default_est_s)
-        if cfg.estimates not in ("online", "request"):
-            raise ConfigError("estimates", f"must be online or request (got {cfg.estimates!r})")
+        one_of(cfg.estimates, ("online", "request"), "estimates")
         self._request_estimates = cfg.estimates == "request"
         self.workdir = (check_workdir(cfg.workdir) if cfg.workdir is not None
                         else default_workdir())
@@ -497,8 +496,9 @@ class Dispatcher:
                 why = ("not replayable after a restart (an api call given as a Python "
                        "callable): resubmit it" if doc.get("kind") == "api"
                        and "http" not in doc else f"cannot run here: {e}")
-                job = _Job(Request(kind="cpu", timeout_s=1.0, id=key), future, queued_at,
-                           attempts)
+                # A placeholder (not validated: it never runs) to carry the failure.
+                job = _Job(Request.model_construct(kind="cpu", timeout_s=1.0, id=key),
+                           future, queued_at, attempts)
                 self._jobs[key] = job
                 self._finish_job(job, Result(key, FAILED, why, queued_at=queued_at,
                                              finished_at=time.time(), attempts=attempts))
@@ -940,7 +940,7 @@ class Dispatcher:
         self._arm_timers()
 
     def _arm_timers(self) -> None:
-        """Look again when API buckets refill or the guard's deadline comes."""
+        """Look again when API quota windows have room or the guard's deadline comes."""
         state = self.state
         waits = []
         if state.pending["api"]:
@@ -1306,7 +1306,7 @@ class Dispatcher:
     def status(self) -> dict[str, Any]:
         """:meth:`stats` plus the pools as they are now: cores (busy, free), GPU devices
         (busy, resident services), API endpoints (quota, calls in flight, what the
-        buckets hold), the queue by kind, and the utilisation granted so far."""
+        windows admit), the queue by kind, and the utilisation granted so far."""
         s = self.state
         s.advance(self._now())
         cpu = s.cpu

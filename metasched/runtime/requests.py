@@ -1,5 +1,13 @@
-"""What rollout workers submit to the dispatcher (``Request``) and what they get back
-(``Result``), with strict parsing of the JSON form (job files, the journal).
+"""What rollout workers submit to the dispatcher (``Request``, a pydantic model) and
+what they get back (``Result``).
+
+``Request`` is the one schema of an action request: the Python API
+(``Dispatcher.submit``), job files (``metasched-dispatch``), ``POST /v1/actions``, the
+journal and the steps of ``/run_code`` all validate with it, and a failed check is one
+line naming the field (:func:`metasched.errors.validation_error`), e.g.
+``jobs.jsonl:3: timeout_s: must be > 0 (got -1)``. Numbers, strings and booleans are
+strict: ``"2"`` is not 2 and ``1`` is not ``true`` (a whole float, ``2.0``, is a whole
+number); ``null`` stands for "not given" in the fields whose default is none.
 
 A request is one action. Fields every kind has:
 
@@ -46,23 +54,35 @@ import os
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    model_validator,
+)
+from pydantic.json_schema import SkipJsonSchema
 
 from metasched.core.actions import KINDS
 from metasched.core.cost_model import signature
-from metasched.core.validate import Field, json_object, number, required, short, string
-from metasched.errors import ConfigError
+from metasched.errors import ConfigError, short, validation_error
+from metasched.runtime.api_calls import HttpSpec
 
+# Which fields each kind has (besides the common ones), for the messages that say so.
 _COMMON = {"id", "kind", "task", "name", "trajectory", "turn", "reward", "timeout_s", "est_s"}
 # What a command (a cpu request, or a gpu request with an argv) may ask of its sandbox.
-_SANDBOX = {"pids_max", "network", "workspace_template", "workspace_mb"}
+_SANDBOX = ("pids_max", "network", "workspace_template", "workspace_mb")
 _BY_KIND = {
     "cpu": {"argv", "env", "min_cores", "max_cores", "parallel_fraction", "mem_limit_mb",
             "cpu_time_s", *_SANDBOX},
     "gpu": {"service", "payload", "argv", "env", "min_cores", *_SANDBOX},
-    "api": {"endpoint", "tokens", "http"},
+    "api": {"endpoint", "tokens", "http", "call"},
 }
-_ALL = _COMMON.union(*_BY_KIND.values())
 
 # Upper bounds: a value past them is a mistake, not a plan (``mem_limit_mb`` is bounded
 # by the machine's memory, where the dispatcher knows it).
@@ -70,36 +90,194 @@ MAX_SECONDS = 30 * 24 * 3600.0  # timeout_s, est_s, cpu_time_s: 30 days
 MAX_TURN = 1_000_000
 
 
-@dataclass(frozen=True)
-class Request:
-    """One action submitted to the dispatcher (see the module docstring)."""
+# ---------------------------------------------------------------- field types
+# Shared with the HTTP routes' models (``/run_code``'s timeouts and trajectory fields).
 
-    kind: str
-    timeout_s: float
-    id: str = ""
-    task: str = "default"
-    name: str = ""
-    trajectory: str | None = None
-    turn: int = 0
-    reward: bool = False
-    est_s: float | None = None
-    argv: tuple[str, ...] = ()
-    env: Mapping[str, str] | None = None
-    min_cores: int = 1
-    max_cores: int = 1
-    parallel_fraction: float = 0.0
-    mem_limit_mb: float | None = None
-    cpu_time_s: float | None = None
-    pids_max: int | None = None
-    network: bool | None = None
-    workspace_template: str | None = None
-    workspace_mb: float | None = None
-    service: str | None = None
+
+def _whole(value: Any) -> Any:
+    """A float that is a whole number as that int (JSON has one number type: ``2.0``
+    is 2 cores); anything else as it is, for the strict int check."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _no_nul(value: str) -> str:
+    if "\0" in value:
+        raise ValueError("must not contain NUL characters")
+    return value
+
+
+def _env_name(name: str) -> str:
+    if not name or "=" in name or "\0" in name:
+        raise ValueError("bad variable name (non-empty, without '=' or NUL)")
+    return name
+
+
+def _trajectory(value: Any) -> Any:
+    """A trajectory id given as a number is its decimal text."""
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+def Count(lo: int, hi: int | None = None) -> Any:  # noqa: N802 - a type, named as one
+    """A whole number in ``[lo, hi]`` (JSON's ``2.0`` included; ``true`` and ``"2"``
+    not)."""
+    return Annotated[int, BeforeValidator(_whole), Field(strict=True, ge=lo, le=hi)]
+
+
+Text = Annotated[str, Field(strict=True, min_length=1)]
+"""A non-empty string."""
+Flag = Annotated[bool, Field(strict=True)]
+def _at_most_30_days(value: float) -> float:
+    if value > MAX_SECONDS:
+        raise ConfigError("", f"must be <= {MAX_SECONDS:.0f} (30 days; got {short(value)})")
+    return value
+
+
+Seconds = Annotated[float, Field(strict=True, gt=0, allow_inf_nan=False),
+                    AfterValidator(_at_most_30_days)]
+"""A duration: > 0 and at most 30 days."""
+Turn = Count(0, MAX_TURN)
+TrajectoryId = Annotated[Text | None, BeforeValidator(_trajectory)]
+_Arg = Annotated[str, Field(strict=True), AfterValidator(_no_nul)]
+_Env = dict[Annotated[str, Field(strict=True), AfterValidator(_env_name)],
+            Annotated[str, Field(strict=True), AfterValidator(_no_nul)]]
+
+
+def _positive(hi: float = math.inf, lo: float = 0.0, open_lo: bool = True) -> Any:
+    bound = {"gt": lo} if open_lo else {"ge": lo}
+    return Annotated[float, Field(strict=True, allow_inf_nan=False,
+                                  le=None if hi == math.inf else hi, **bound)]
+
+
+class Request(BaseModel):
+    """One action submitted to the dispatcher (see the module docstring).
+
+    Built from its JSON form by :func:`parse_request` (job files, ``POST /v1/actions``,
+    the journal, dicts given to ``Dispatcher.submit``), or directly (``Request(kind=
+    "cpu", argv=[...], timeout_s=5)``: the same checks, a pydantic ``ValidationError``
+    if one fails).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: Literal[KINDS]  # type: ignore[valid-type]  # the core's kinds: cpu, gpu, api
+    timeout_s: Seconds
+    id: Text = ""  # a fresh key when not given (the validator makes it)
+    task: Text = "default"
+    name: Text = ""  # the command's basename, the service or the endpoint when not given
+    trajectory: TrajectoryId = None
+    turn: Turn = 0
+    reward: Flag = False
+    est_s: Seconds | None = None
+    argv: Annotated[tuple[_Arg, ...], Field(min_length=1)] = ()
+    env: _Env | None = None
+    min_cores: Count(1) = 1
+    max_cores: Count(1) = 1
+    parallel_fraction: _positive(1.0, open_lo=False) = 0.0
+    mem_limit_mb: _positive() | None = None
+    cpu_time_s: Seconds | None = None
+    pids_max: Count(1, 4_194_304) | None = None
+    network: Flag | None = None
+    workspace_template: Annotated[Text, AfterValidator(_no_nul)] | None = None
+    workspace_mb: _positive(2.0**40, 1.0, open_lo=False) | None = None
+    service: Text | None = None
     payload: Any = None
-    endpoint: str | None = None
-    tokens: int = 0
-    http: Any = None  # a metasched.runtime.api_calls.HttpSpec
-    call: Callable[[], Awaitable[Any]] | None = field(default=None, compare=False)
+    endpoint: Text | None = None
+    tokens: Count(0) = 0
+    http: HttpSpec | None = None
+    # From Python only: not in the JSON form, nor in its schema.
+    call: SkipJsonSchema[Callable[[], Awaitable[Any]] | None] = Field(None, exclude=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _per_kind(cls, data: Any, info: ValidationInfo) -> Any:
+        """The rules across fields that the kind decides, and the defaults that follow
+        from other fields (``name``, ``max_cores``, ``id``)."""
+        if not isinstance(data, Mapping) or not isinstance(data.get("kind"), str) \
+                or data["kind"] not in _BY_KIND:
+            return data  # the type's or the kind's own error follows
+        kind = data["kind"]
+        d = dict(data)
+        if info.context is not None:  # parsed from JSON: a callable comes beside it
+            if "call" in d:
+                raise ConfigError("call", "unknown field (a Python callable is given "
+                                  "as call=..., not in the request)")
+            if kind == "api" and info.context.get("call") is not None:
+                d["call"] = info.context["call"]
+        for key in d:
+            if key not in _COMMON and key not in _BY_KIND[kind] and key in cls.model_fields:
+                owner = next(k for k, keys in _BY_KIND.items() if key in keys)
+                raise ConfigError(key, f"only {owner} requests have it (this is {kind})")
+        if d.get("id") is None:
+            d["id"] = uuid.uuid4().hex
+        argv = d.get("argv")
+        if kind == "cpu" and "argv" not in d:
+            raise ConfigError("argv", "is required")
+        if "argv" not in d:
+            for key in _SANDBOX:
+                if key in d:
+                    raise ConfigError(key, "only commands (requests with an argv) have it")
+        elif d.get("trajectory") is None:
+            for key in ("workspace_template", "workspace_mb"):
+                if d.get(key) is not None:
+                    raise ConfigError(key, "only a trajectory has a workspace to set up "
+                                      "(a request without one gets a fresh, empty one)")
+        for key in ("env", "mem_limit_mb", "cpu_time_s", "pids_max", "network",
+                    "workspace_template", "workspace_mb"):
+            if key in d and d[key] is None:
+                del d[key]  # null: the default
+        default_name = None
+        if kind == "cpu":
+            d.setdefault("max_cores", d.get("min_cores", 1))
+        elif kind == "gpu":
+            if ("service" in d) == ("argv" in d):
+                raise ConfigError("service", "give either a service (with its payload) "
+                                  "or an argv (a command that needs a device), not both")
+            if "service" in d:
+                if "min_cores" in d:
+                    raise ConfigError("min_cores", "only commands (requests with an argv) "
+                                      "have it")
+                default_name = d["service"]
+            else:  # cores the command runs on, beside its device
+                d["max_cores"] = d.get("min_cores", 1)
+        else:
+            if d.get("http") is None:
+                d.pop("http", None)
+            if "endpoint" not in d:
+                raise ConfigError("endpoint", "is required")
+            if ("http" in d) == (d.get("call") is not None):
+                raise ConfigError("http", "an api request needs an http spec (or, from "
+                                  "Python, call=...), and not both")
+            default_name = d["endpoint"]
+        if isinstance(argv, (list, tuple)) and argv and isinstance(argv[0], str):
+            default_name = os.path.basename(argv[0])
+        if "name" not in d and isinstance(default_name, str) and default_name:
+            d["name"] = default_name
+        return d
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Request:
+        if self.argv and not self.argv[0]:
+            raise ConfigError("argv[0]", "the program must not be empty")
+        if self.kind == "gpu" and (self.service is None) == (not self.argv):
+            raise ConfigError("service", "give either a service (with its payload) or an "
+                              "argv (a command that needs a device), not both")
+        if self.kind == "api" and self.endpoint is None:
+            raise ConfigError("endpoint", "must not be empty (got None)")
+        if self.max_cores < self.min_cores:
+            raise ConfigError("max_cores", f"must be >= {self.min_cores} (min_cores; got "
+                              f"{self.max_cores})")
+        return self
+
+    def __eq__(self, other: object) -> bool:
+        # The same request whatever callable it carries (a resubmission from Python
+        # brings a new closure).
+        if not isinstance(other, Request):
+            return NotImplemented
+        a, b = dict(self.__dict__), dict(other.__dict__)
+        a.pop("call"), b.pop("call")
+        return a == b
+
+    __hash__ = None  # type: ignore[assignment]  # env and payload are mutable
 
     @property
     def signature(self) -> str:
@@ -114,193 +292,32 @@ class Request:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form (``parse_request`` reads it back); defaults are left out."""
-        out: dict[str, Any] = {}
-        for name, default in _REQUEST_DEFAULTS:
-            v = getattr(self, name)
-            if v is default or v == default:
-                continue
-            if name == "http":
-                v = {k: getattr(v, k) for k in ("url", "method", "headers", "json", "body")}
-                v = {k: dict(x) if k == "headers" else x for k, x in v.items()
-                     if x is not None and not (k == "headers" and not x)}
-            elif name == "argv":
-                v = list(v)
-            elif name == "env":
-                v = dict(v)
-            out[name] = v
+        out = self.model_dump(exclude_defaults=True, by_alias=True)
+        if "argv" in out:
+            out["argv"] = list(out["argv"])
         return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), separators=(",", ":"), allow_nan=False)
 
 
-_ALWAYS = object()  # equal to nothing: the field is written even at its default
-# (name, default) of each field of the JSON form, in order ("call" has none).
-_REQUEST_DEFAULTS = tuple(
-    (f.name, _ALWAYS if f.name in ("kind", "timeout_s", "id") else f.default)
-    for f in fields(Request) if f.name != "call")
-
-
 def parse_request(value: Any, loc: str = "request", *,
                   call: Callable[[], Awaitable[Any]] | None = None) -> Request:
     """A request from its JSON form (a dict), checked field by field.
+
+    Args:
+        value: the JSON form.
+        loc: where it came from, for the message (``jobs.jsonl:3``).
+        call: an api request's async callable (from Python; it has no JSON form).
 
     Raises:
         ConfigError: one line naming ``loc`` and the field, e.g.
             ``jobs.jsonl:3: timeout_s: must be > 0 (got -1)``.
     """
-    at = Field(loc)
-    d = json_object(value, at, _ALL)
-    kind = required(d, "kind", at)
-    if kind not in KINDS:
-        raise ConfigError(str(at["kind"]), f"must be one of {', '.join(KINDS)} (got {short(kind)})")
-    for key in d:
-        if key not in _COMMON and key not in _BY_KIND[kind]:
-            owner = next(k for k, keys in _BY_KIND.items() if key in keys)
-            raise ConfigError(str(at[key]), f"only {owner} requests have it (this is {kind})")
-    rid = d.get("id")
-    rid = uuid.uuid4().hex if rid is None else string(rid, at["id"])
-    timeout_s = _seconds(required(d, "timeout_s", at), at["timeout_s"])
-    # Absent optional fields take their defaults unchecked (one dict lookup each: this
-    # runs for every request a dispatcher accepts).
-    task = string(d["task"], at["task"]) if "task" in d else "default"
-    trajectory = d.get("trajectory")
-    if trajectory is not None:
-        if isinstance(trajectory, int) and not isinstance(trajectory, bool):
-            trajectory = str(trajectory)
-        trajectory = string(trajectory, at["trajectory"])
-    turn = 0
-    if "turn" in d:
-        turn = number(d["turn"], at["turn"], lo=0, integer=True)
-        if turn > MAX_TURN:
-            raise ConfigError(str(at["turn"]), f"must be <= {MAX_TURN} (got {short(d['turn'])})")
-    reward = d.get("reward", False)
-    if not isinstance(reward, bool):
-        raise ConfigError(str(at["reward"]), f"must be true or false (got {short(reward)})")
-    est_s = d.get("est_s")
-    if est_s is not None:
-        est_s = _seconds(est_s, at["est_s"])
-    kw: dict[str, Any] = {}
-    if "argv" in d or kind == "cpu":
-        kw["argv"] = _argv(required(d, "argv", at), at["argv"])
-        if d.get("env") is not None:
-            kw["env"] = _env(d["env"], at["env"])
-        _sandbox_fields(d, at, kw, trajectory)
-    else:
-        for key in _SANDBOX:
-            if key in d:
-                raise ConfigError(str(at[key]), "only commands (requests with an argv) "
-                                  "have it")
-    if kind == "cpu":
-        if "min_cores" in d:
-            kw["min_cores"] = number(d["min_cores"], at["min_cores"], lo=1, integer=True)
-        if "max_cores" in d:
-            kw["max_cores"] = number(d["max_cores"], at["max_cores"],
-                                     lo=kw.get("min_cores", 1), integer=True)
-        else:
-            kw["max_cores"] = kw.get("min_cores", 1)
-        if "parallel_fraction" in d:
-            kw["parallel_fraction"] = number(d["parallel_fraction"], at["parallel_fraction"],
-                                             lo=0.0, hi=1.0)
-        if d.get("mem_limit_mb") is not None:
-            kw["mem_limit_mb"] = number(d["mem_limit_mb"], at["mem_limit_mb"], lo=0.0,
-                                        lo_open=True)
-        if d.get("cpu_time_s") is not None:
-            kw["cpu_time_s"] = _seconds(d["cpu_time_s"], at["cpu_time_s"])
-        default_name = os.path.basename(kw["argv"][0])
-    elif kind == "gpu":
-        if ("service" in d) == ("argv" in d):
-            raise ConfigError(str(at["service"]), "give either a service (with its payload) "
-                              "or an argv (a command that needs a device), not both")
-        if "service" in d:
-            if "min_cores" in d:
-                raise ConfigError(str(at["min_cores"]), "only commands (requests with an "
-                                  "argv) have it")
-            kw["service"] = string(d["service"], at["service"])
-            kw["payload"] = d.get("payload")
-            default_name = kw["service"]
-        else:
-            if "min_cores" in d:  # cores the command runs on, beside its device
-                kw["min_cores"] = kw["max_cores"] = number(d["min_cores"], at["min_cores"],
-                                                           lo=1, integer=True)
-            default_name = os.path.basename(kw["argv"][0])
-    else:
-        kw["endpoint"] = string(required(d, "endpoint", at), at["endpoint"])
-        if "tokens" in d:
-            kw["tokens"] = number(d["tokens"], at["tokens"], lo=0, integer=True)
-        if ("http" in d) == (call is not None):
-            raise ConfigError(str(at["http"]), "an api request needs an http spec "
-                              "(or, from Python, call=...), and not both")
-        if "http" in d:
-            from metasched.runtime.api_calls import HttpSpec
-
-            if not isinstance(d["http"], Mapping):
-                raise ConfigError(str(at["http"]),
-                                  f"must be a JSON object (got {short(d['http'])})")
-            try:
-                kw["http"] = HttpSpec.from_dict(d["http"])
-            except ValueError as e:
-                raise ConfigError(loc, str(e)) from None
-        kw["call"] = call
-        default_name = kw["endpoint"]
-    name = string(d["name"], at["name"]) if "name" in d else default_name
-    return Request(kind=kind, timeout_s=timeout_s, id=rid, task=task, name=name,
-                   trajectory=trajectory, turn=turn, reward=reward, est_s=est_s, **kw)
-
-
-def _sandbox_fields(d: Mapping[str, Any], at: Field, kw: dict[str, Any],
-                    trajectory: str | None) -> None:
-    """The fields a command asks of its sandbox (into ``kw``)."""
-    if d.get("pids_max") is not None:
-        kw["pids_max"] = number(d["pids_max"], at["pids_max"], lo=1, hi=4_194_304,
-                                integer=True)
-    if d.get("network") is not None:
-        if not isinstance(d["network"], bool):
-            raise ConfigError(str(at["network"]), f"must be true or false (got "
-                              f"{short(d['network'])})")
-        kw["network"] = d["network"]
-    for key in ("workspace_template", "workspace_mb"):
-        if d.get(key) is None:
-            continue
-        if trajectory is None:
-            raise ConfigError(str(at[key]), "only a trajectory has a workspace to set up "
-                              "(a request without one gets a fresh, empty one)")
-        if key == "workspace_mb":
-            kw[key] = number(d[key], at[key], lo=1.0, hi=2.0**40)
-        else:
-            kw[key] = string(d[key], at[key])
-            if "\0" in kw[key]:
-                raise ConfigError(str(at[key]), "must not contain NUL characters")
-
-
-def _seconds(value: Any, at: Field) -> float:
-    """A duration: > 0 and at most :data:`MAX_SECONDS`."""
-    v = number(value, at, lo=0.0, lo_open=True)
-    if v > MAX_SECONDS:
-        raise ConfigError(str(at), f"must be <= {MAX_SECONDS:.0f} (30 days; got {short(value)})")
-    return v
-
-
-def _argv(value: Any, at: Field) -> tuple[str, ...]:
-    if (not isinstance(value, (list, tuple)) or not value
-            or not all(isinstance(x, str) for x in value)):
-        raise ConfigError(str(at), f"must be a non-empty list of strings (got {short(value)})")
-    if not value[0]:
-        raise ConfigError(str(at), "the program (first element) must not be empty")
-    if any("\0" in x for x in value):
-        raise ConfigError(str(at), "must not contain NUL characters")
-    return tuple(value)
-
-
-def _env(value: Any, at: Field) -> dict[str, str]:
-    if not isinstance(value, Mapping):
-        raise ConfigError(str(at), f"must be a JSON object of strings (got {short(value)})")
-    for k, v in value.items():
-        if not isinstance(k, str) or not k or "=" in k or "\0" in k:
-            raise ConfigError(str(at), f"bad variable name {short(k)}")
-        if not isinstance(v, str) or "\0" in v:
-            raise ConfigError(str(at[k]), f"must be a string (got {short(v)})")
-    return dict(value)
+    try:
+        return Request.model_validate(value, context={"call": call})
+    except ValidationError as e:
+        raise validation_error(e.errors(), loc, model=Request) from None
 
 
 # Result statuses: done, failed (ran and failed, or could not run), rejected (bad input:

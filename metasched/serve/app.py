@@ -22,7 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from metasched.errors import ConfigError
+from metasched.errors import ConfigError, validation_error
 from metasched.runtime.requests import Result
 from metasched.serve.config import ServeConfig
 from metasched.serve.frontend import DispatcherLike, Submissions
@@ -194,11 +194,9 @@ def create_app(dispatcher: DispatcherLike | Callable[[], DispatcherLike],
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {"loc": ("body",), "msg": "invalid"}
-        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
-        value = first.get("input")
-        got = "" if first.get("type") == "missing" else f" (got {value!r:.60})"
-        return error(422, f"{loc}: {first.get('msg', 'invalid')}{got}")
+        # A body a route's model rejects (/run_code's): one line naming the field, as
+        # the dispatcher's own rejections.
+        return error(422, str(validation_error(exc.errors(), strip=("body",), root="body")))
 
     @app.exception_handler(ConfigError)
     async def bad_input(request: Request, exc: ConfigError) -> JSONResponse:

@@ -10,15 +10,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pydantic import ValidationError
+
+from metasched.core.cluster_config import ENDPOINT_KEYS
 from metasched.core.pools import EndpointSpec
 from metasched.core.validate import bounded, check_keys, get_key, mapping_or_empty
-from metasched.errors import ConfigError
+from metasched.errors import ConfigError, validation_error
 
 __all__ = ["LOOPBACK", "ServeConfig", "Upstream", "derated", "is_loopback", "parse_upstreams"]
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 # The keys of one proxied endpoint: its quota (EndpointSpec) and where it forwards to.
-_QUOTA_KEYS = {"rpm", "tpm", "max_concurrency", "burst_s"}
+_QUOTA_KEYS = ENDPOINT_KEYS
 _UPSTREAM_KEYS = {"url", "headers", "tokens", "timeout_s", "margin_s"}
 
 
@@ -36,9 +39,9 @@ class Upstream:
         timeout_s: bound on one proxied call from its start, retries and their waits
             included (the wait in the queue before it is not counted).
         margin_s: how much later one request may reach the upstream than another,
-            relative to its start (network and scheduling jitter). The proxy spaces
-            requests by ``60 + margin_s`` seconds per quota instead of 60, so that the
-            upstream still counts at most ``rpm`` in any 60 s window.
+            relative to its start (network and scheduling jitter). The proxy counts the
+            quota's allowance over a window ``margin_s`` longer than the upstream's, so
+            that the upstream still counts at most ``rpm`` in any 60 s window.
     """
 
     url: str
@@ -49,16 +52,21 @@ class Upstream:
 
 
 def derated(spec: EndpointSpec, margin_s: float) -> EndpointSpec:
-    """The quota the dispatcher enforces for an upstream quota of ``spec``: rates spaced
-    by ``60 + margin_s`` seconds instead of 60 (see :attr:`Upstream.margin_s`)."""
-    f = 60.0 / (60.0 + margin_s)
-    return replace(spec, rpm=spec.rpm * f, tpm=None if spec.tpm is None else spec.tpm * f)
+    """The quota the dispatcher enforces for an upstream quota of ``spec``: the same
+    allowance per window, over a window ``margin_s`` longer (see
+    :attr:`Upstream.margin_s`). A request reaches the upstream between its start and
+    ``margin_s`` later, so those arriving in any upstream window started within one
+    window ``margin_s`` longer: at most the allowance."""
+    w = spec.window_s + margin_s
+    f = spec.window_s / w
+    return replace(spec, rpm=spec.rpm * f, tpm=None if spec.tpm is None else spec.tpm * f,
+                   window_s=w)
 
 
 def parse_upstreams(d: Any, path: str = "endpoints"
                     ) -> tuple[dict[str, EndpointSpec], dict[str, Upstream]]:
     """Split ``endpoints`` settings into the dispatcher's quotas and the proxy's
-    upstreams: ``name -> {rpm, max_concurrency, tpm, burst_s}`` plus, for an endpoint
+    upstreams: ``name -> {rpm, max_concurrency, tpm, window_s}`` plus, for an endpoint
     the proxy forwards to, ``url`` (and ``headers``, ``tokens``, ``timeout_s``,
     ``margin_s``). A proxied endpoint's quota is derated by its margin (see
     :func:`derated`).
@@ -86,10 +94,10 @@ def parse_upstreams(d: Any, path: str = "endpoints"
         url = get_key(e, "url", at)
         headers = mapping_or_empty(e.get("headers"), f"{at}.headers")
         try:
-            HttpSpec(url=str(url), headers={str(k): v for k, v in headers.items()})
-        except ValueError as err:  # "http.url: ..." / "http.headers: ..."
-            raise ConfigError(f"{at}.{str(err).split(':', 1)[0].removeprefix('http.')}",
-                              str(err).split(": ", 1)[1]) from None
+            HttpSpec.model_validate({"url": str(url),
+                                     "headers": {str(k): v for k, v in headers.items()}})
+        except ValidationError as err:
+            raise validation_error(err.errors(), model=HttpSpec, at=(at,)) from None
         upstreams[str(name)] = Upstream(
             url=str(url).rstrip("/"), headers={str(k): str(v) for k, v in headers.items()},
             tokens=bounded(e.get("tokens", 0), f"{at}.tokens", lo=0, integer=True),

@@ -11,50 +11,37 @@ turns, their reward action, a workspace kept across its tool calls) adds the hea
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
-from metasched.errors import ConfigError
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+
+from metasched.errors import validation_error
+from metasched.runtime.requests import MAX_TURN
 
 __all__ = ["HEADERS", "TrajectoryContext", "context_from"]
 
 # Header -> the request field it fills.
 HEADERS = {"x-trajectory-id": "trajectory", "x-turn": "turn", "x-task": "task",
            "x-reward": "reward"}
-_TRUE, _FALSE = ("1", "true", "yes"), ("0", "false", "no")
+_Header = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1)]
 
 
-@dataclass(frozen=True)
-class TrajectoryContext:
-    """The trajectory fields of one HTTP request (None: not given)."""
+class TrajectoryContext(BaseModel):
+    """The trajectory fields of one HTTP request (None: not given), validated from the
+    headers' text: ``X-Turn`` a whole number, ``X-Reward`` true or false (``1``,
+    ``yes`` ... as pydantic reads a boolean); the request schema checks them again as
+    request fields once merged."""
 
-    trajectory: str | None = None
-    turn: int | None = None
-    task: str | None = None
-    reward: bool | None = None
+    model_config = ConfigDict(frozen=True, extra="ignore", populate_by_name=True)
+
+    trajectory: _Header | None = Field(None, alias="X-Trajectory-Id")
+    turn: Annotated[int, Field(ge=0, le=MAX_TURN)] | None = Field(None, alias="X-Turn")
+    task: _Header | None = Field(None, alias="X-Task")
+    reward: bool | None = Field(None, alias="X-Reward")
 
     def fields(self) -> dict[str, Any]:
         """The given fields, as request fields."""
-        return {k: v for k, v in (("trajectory", self.trajectory), ("turn", self.turn),
-                                  ("task", self.task), ("reward", self.reward))
-                if v is not None}
-
-
-def _header_value(field: str, header: str, text: str) -> Any:
-    text = text.strip()
-    if field == "turn":
-        if not text.isdigit():
-            raise ConfigError(header, f"must be a whole number >= 0 (got {text!r})")
-        return int(text)
-    if field == "reward":
-        if text.lower() in _TRUE:
-            return True
-        if text.lower() in _FALSE:
-            return False
-        raise ConfigError(header, f"must be true or false (got {text!r})")
-    if not text:
-        raise ConfigError(header, "must not be empty")
-    return text
+        return self.model_dump(exclude_none=True)
 
 
 def context_from(headers: Mapping[str, str]) -> TrajectoryContext:
@@ -65,10 +52,14 @@ def context_from(headers: Mapping[str, str]) -> TrajectoryContext:
     Raises:
         ConfigError: a header with a bad value, named (``X-Turn: must be ...``).
     """
-    given: dict[str, Any] = {}
-    for header, field in HEADERS.items():
-        value = headers.get(header)
-        if value is not None:
-            name = "-".join(p.capitalize() for p in header.split("-"))
-            given[field] = _header_value(field, name, value)
-    return TrajectoryContext(**given)
+    given = {"-".join(p.capitalize() for p in header.split("-")): headers[header]
+             for header in HEADERS if headers.get(header) is not None}
+    if not given:
+        return _NONE
+    try:
+        return TrajectoryContext.model_validate(given)
+    except ValidationError as e:
+        raise validation_error(e.errors(), model=TrajectoryContext) from None
+
+
+_NONE = TrajectoryContext()

@@ -63,7 +63,7 @@ class _DispatcherCollector(Collector):
             inflight = GaugeMetricFamily("metasched_api_in_flight", "API calls in flight",
                                          labels=["endpoint"])
             avail = GaugeMetricFamily("metasched_api_requests_available",
-                                      "Requests the endpoint's RPM bucket holds",
+                                      "Requests the endpoint's RPM window still admits",
                                       labels=["endpoint"])
             for ep, e in api.items():
                 inflight.add_metric([ep], e["in_flight"])

@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from metasched.errors import ConfigError
 from metasched.runtime.requests import REJECTED, Result
+from metasched.runtime.requests import Request as ActionRequest
 from metasched.serve.context import context_from
 
 if TYPE_CHECKING:
@@ -55,6 +56,22 @@ async def read_json(request: Request) -> Any:
         return json.loads(text)
     except ValueError as e:
         raise ConfigError("body", f"not valid JSON ({e})") from None
+
+
+def _inlined(schema: dict[str, Any]) -> dict[str, Any]:
+    """A JSON schema with its ``$defs`` written where they are referred to (an OpenAPI
+    document resolves ``#/$defs/...`` from its own root, not the embedded schema's)."""
+    defs = schema.pop("$defs", {})
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return walk(defs[ref.rsplit("/", 1)[1]])
+            return {k: walk(v) for k, v in node.items()}
+        return [walk(v) for v in node] if isinstance(node, list) else node
+
+    return walk(schema)
 
 
 def result_response(result: Result, status: int = 200) -> Response:
@@ -102,7 +119,12 @@ def native_router(service: Service) -> APIRouter:
         return Response(generate_latest(service.metrics.registry),
                         media_type=CONTENT_TYPE_LATEST)
 
-    @router.post("/v1/actions")
+    # The body is read as JSON and merged with the trajectory headers before the request
+    # schema checks it (in the dispatcher, as every front door's): documented here.
+    body_schema = {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": _inlined(ActionRequest.model_json_schema())}}}}
+
+    @router.post("/v1/actions", openapi_extra=body_schema)
     async def submit(request: Request, wait: float = wait_query) -> Response:
         try:
             doc = await read_json(request)

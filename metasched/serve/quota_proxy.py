@@ -3,7 +3,7 @@ upstream (``<url>/<path>``, query string kept), within the endpoint's RPM, TPM a
 concurrency, for every worker that uses the service at once.
 
 Each forwarded request is an ``api`` action of the dispatcher, so it queues with the
-others until the endpoint's buckets and concurrency let it start (the caller waits: no
+others until the endpoint's quota and concurrency let it start (the caller waits: no
 429 from here). The upstream's 429 and 5xx answers, and connection failures, are
 retried with backoff (``Retry-After`` honoured), each retry charging the quota again, as
 for every API action; when the retries run out the caller gets the upstream's last

@@ -31,13 +31,22 @@ from __future__ import annotations
 import asyncio
 import base64
 import uuid
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from metasched.errors import ConfigError
-from metasched.runtime.requests import DONE, MAX_SECONDS, REJECTED, Result
+from metasched.runtime.requests import (
+    DONE,
+    REJECTED,
+    Flag,
+    Result,
+    Seconds,
+    Text,
+    TrajectoryId,
+    Turn,
+)
 from metasched.serve.context import context_from
 from metasched.serve.files import decoded_size, fetch_argv, parse_fetched, stdin_argv, write_argvs
 from metasched.serve.languages import LANGUAGES, Language
@@ -53,36 +62,39 @@ RunStatus = Literal["Success", "Failed", "SandboxError"]
 CommandStatus = Literal["Finished", "Error", "TimeLimitExceeded"]
 
 
+def _base64(content: str | None) -> str | None:
+    if content is not None:
+        try:
+            decoded_size(content)
+        except ValueError:
+            raise ValueError("must be base64") from None
+    return content
+
+
 class RunCodeRequest(BaseModel):
-    """SandboxFusion's ``RunCodeRequest``, plus the trajectory fields."""
+    """SandboxFusion's ``RunCodeRequest``, plus the trajectory fields.
+
+    The fields that become fields of the dispatcher's requests have the request
+    schema's types: the timeouts are ``timeout_s`` (:data:`Seconds`), and the
+    trajectory fields those of :class:`~metasched.runtime.requests.Request`; a bad
+    value is the same one-line message as for a request.
+    """
 
     model_config = ConfigDict(extra="ignore")
 
     code: str
     language: str = "python"
-    compile_timeout: float = Field(10.0, gt=0, le=MAX_SECONDS)
-    run_timeout: float = Field(10.0, gt=0, le=MAX_SECONDS)
+    compile_timeout: Seconds = 10.0
+    run_timeout: Seconds = 10.0
     memory_limit_MB: int = Field(-1, ge=-1)  # noqa: N815 - SandboxFusion's name
     stdin: str | None = None
-    files: dict[str, str | None] = Field(default_factory=dict)
+    files: dict[Text, Annotated[str | None, AfterValidator(_base64)]] = Field(
+        default_factory=dict)
     fetch_files: list[str] = Field(default_factory=list)
-    trajectory: str | None = None
-    turn: int | None = Field(None, ge=0)
-    task: str | None = None
-    reward: bool | None = None
-
-    @field_validator("files")
-    @classmethod
-    def _base64(cls, files: dict[str, str | None]) -> dict[str, str | None]:
-        for path, content in files.items():
-            if not path:
-                raise ValueError("a file needs a path")
-            if content is not None:
-                try:
-                    decoded_size(content)
-                except ValueError:
-                    raise ValueError(f"{path}: must be base64") from None
-        return files
+    trajectory: TrajectoryId = None
+    turn: Turn | None = None
+    task: Text | None = None
+    reward: Flag | None = None
 
 
 class CommandRunResult(BaseModel):

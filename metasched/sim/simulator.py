@@ -24,6 +24,7 @@ from metasched.core.guard import WaitGuard
 from metasched.core.metrics import RunResult
 from metasched.core.scheduler import Scheduler
 from metasched.core.state import ClusterState
+from metasched.errors import one_of
 from metasched.sim.sampling import (
     WorkloadInstance,
     run_seed_sequences,
@@ -45,8 +46,7 @@ ESTIMATES = ("profile", "online")
 def cost_model_for(estimates: str) -> CostModel | None:
     """The ``cost_model`` argument of an ``estimates`` setting (``ESTIMATES``): None, or
     a fresh ``CostModel`` with the dispatcher's defaults."""
-    if estimates not in ESTIMATES:
-        raise ValueError(f"estimates must be one of {ESTIMATES} (got {estimates!r})")
+    one_of(estimates, ESTIMATES, "estimates")
     return CostModel() if estimates == "online" else None
 
 

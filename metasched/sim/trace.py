@@ -24,7 +24,7 @@ from metasched.core.actions import KINDS, ActionSpec, SandboxSpec, Turn
 from metasched.core.cluster_config import ClusterConfig, parse_cluster
 from metasched.core.pools import ServiceSpec
 from metasched.core.validate import Field, json_object, number, required, short, string
-from metasched.errors import ConfigError
+from metasched.errors import ConfigError, one_of
 from metasched.sim.sampling import (
     IndependentAction,
     TrajectorySpec,
@@ -99,9 +99,7 @@ def _parse_action(value: Any, at: Field) -> ActionSpec:
     """An ``ACTION`` object as an :class:`ActionSpec` (``duration_s`` -> ``true_s``)."""
     d = json_object(value, at, _ACTION_KEYS)
     kind = required(d, "kind", at)
-    if kind not in KINDS:
-        raise ConfigError(str(at["kind"]),
-                          f"must be one of {', '.join(KINDS)} (got {short(kind)})")
+    one_of(kind, KINDS, at["kind"])
     for key in d:
         owner = _OWNER.get(key)
         if owner is not None and owner != kind:
@@ -175,9 +173,7 @@ def _opt_int(d: dict[str, Any], key: str, at: Field, lo: int = 0) -> int | None:
 def _parse_measured(value: Any, at: Field) -> Measured:
     d = json_object(value, at, _MEASURED_KEYS)
     status = required(d, "status", at)
-    if status not in STATUSES:
-        raise ConfigError(str(at["status"]),
-                          f"must be one of {', '.join(STATUSES)} (got {short(status)})")
+    one_of(status, STATUSES, at["status"])
     reason = d.get("reason", "")
     if not isinstance(reason, str):
         raise ConfigError(str(at["reason"]), f"must be a string (got {short(reason)})")
@@ -376,7 +372,7 @@ def validate_against(instance: WorkloadInstance, workload_services: dict[str, Se
 
     Checks: gpu actions name a service in ``workload_services`` that fits a device (and
     the cluster has a device); api actions name an endpoint of the cluster and need no
-    more tokens than its bucket holds; cpu actions fit on one node (``min_cores`` at most
+    more tokens than its quota window admits; cpu actions fit on one node (``min_cores`` at most
     ``cores_per_node``, and some CPU node exists); sandboxes fit a node's memory.
 
     Raises:
@@ -413,8 +409,8 @@ def validate_against(instance: WorkloadInstance, workload_services: dict[str, Se
             raise ConfigError(f"{where}.endpoint", f"unknown endpoint {a.endpoint!r} (cluster "
                               f"defines: {', '.join(sorted(cluster.endpoints)) or 'none'})")
         elif a.tokens > cluster.endpoints[a.endpoint].tok_capacity:
-            raise ConfigError(f"{where}.tokens", f"{a.tokens} exceeds the token bucket of "
-                              f"endpoint {a.endpoint!r}")
+            raise ConfigError(f"{where}.tokens", f"{a.tokens} exceeds what one quota window of "
+                              f"endpoint {a.endpoint!r} admits")
 
 
 def trace_from_workload(workload: WorkloadConfig, seed: int) -> WorkloadInstance:

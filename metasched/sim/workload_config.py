@@ -18,7 +18,7 @@ from metasched.core.actions import KINDS, SandboxSpec
 from metasched.core.cluster_config import ClusterConfig
 from metasched.core.pools import ServiceSpec
 from metasched.core.validate import bounded, check_keys, get_key, mapping_or_empty
-from metasched.errors import ConfigError
+from metasched.errors import ConfigError, one_of
 
 Z90, Z99 = 1.2815515655446004, 2.3263478740408408  # standard normal quantiles
 
@@ -152,8 +152,7 @@ def parse_action_type(name: str, d: Any, path: str, services: Mapping, *,
     check_keys(d, {"kind", "prob", "duration_s", "timeout_s", "cores", "parallel_fraction",
                     "service", "endpoint", "tokens"}, path)
     kind = get_key(d, "kind", path)
-    if kind not in KINDS:
-        raise ConfigError(f"{path}.kind", f"must be one of {', '.join(KINDS)} (got {kind!r})")
+    one_of(kind, KINDS, f"{path}.kind")
     prob = 1.0 if reward else bounded(get_key(d, "prob", path), f"{path}.prob", lo=0.0, hi=1.0)
     duration = parse_dist(get_key(d, "duration_s", path), f"{path}.duration_s")
     timeout = bounded(get_key(d, "timeout_s", path), f"{path}.timeout_s", lo=0.0, lo_open=True)
@@ -278,8 +277,8 @@ def check_compatible(w: WorkloadConfig, c: ClusterConfig, path: str = "workload"
                 raise ConfigError(f"{ap}.endpoint", f"unknown endpoint {a.endpoint!r} (cluster "
                                   f"defines: {', '.join(sorted(c.endpoints)) or 'none'})")
             elif a.tokens is not None and a.tokens.hi > c.endpoints[a.endpoint].tok_capacity:
-                raise ConfigError(f"{ap}.tokens", f"max {a.tokens.hi:g} exceeds the token bucket "
-                                  f"of endpoint {a.endpoint!r}")
+                raise ConfigError(f"{ap}.tokens", f"max {a.tokens.hi:g} exceeds what one quota "
+                                  f"window of endpoint {a.endpoint!r} admits")
         if t.sandbox is not None and c.cpu_nodes == 0:
             raise ConfigError(f"{path}.tasks.{t.name}.sandbox",
                               "needs a CPU node to live on; cluster.cpu.nodes is 0")

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from metasched.errors import ConfigError
+from metasched.errors import ConfigError, one_of
 
 __all__ = ["ENV_ALLOW", "ISOLATION_MODES", "CGROUP_MODES", "SandboxConfig", "allowed_env"]
 
@@ -65,12 +65,8 @@ class SandboxConfig:
 
     def check(self) -> None:
         """Raise :class:`ConfigError` (one line, naming the field) on a bad value."""
-        if self.isolation not in ISOLATION_MODES:
-            raise ConfigError("sandbox.isolation", f"must be one of {', '.join(ISOLATION_MODES)} "
-                              f"(got {self.isolation!r})")
-        if self.cgroups not in CGROUP_MODES:
-            raise ConfigError("sandbox.cgroups", f"must be one of {', '.join(CGROUP_MODES)} "
-                              f"(got {self.cgroups!r})")
+        one_of(self.isolation, ISOLATION_MODES, "sandbox.isolation")
+        one_of(self.cgroups, CGROUP_MODES, "sandbox.cgroups")
         if self.uid_range is not None:
             try:
                 first, count = (int(x) for x in self.uid_range)
