@@ -16,8 +16,21 @@ KINDS = ("cpu", "gpu", "api")
 PENDING, RUNNING, DONE, FAILED = "pending", "running", "done", "failed"
 
 
+class Immutable:
+    """A frozen value: copies (``copy.copy``, ``copy.deepcopy``) share it. A simulator is
+    forked by ``copy.deepcopy`` (look-ahead); its specs need not be copied with it."""
+
+    __slots__ = ()
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+
 @dataclass(frozen=True, slots=True)
-class ActionSpec:
+class ActionSpec(Immutable):
     """What an action is, independent of when it runs.
 
     Attributes:
@@ -66,7 +79,7 @@ def amdahl_run_s(base_s: float, parallel_fraction: float, cores: int) -> float:
 
 
 @dataclass(frozen=True, slots=True)
-class SandboxSpec:
+class SandboxSpec(Immutable):
     """A per-trajectory sandbox: memory held on one node for the trajectory's life."""
 
     mem_gb: float
@@ -74,7 +87,7 @@ class SandboxSpec:
 
 
 @dataclass(frozen=True, slots=True)
-class Turn:
+class Turn(Immutable):
     """One turn of a trajectory: LLM generation for ``gen_s`` seconds, then ``action``.
 
     ``together``: the next turn's action is submitted with this one, without waiting for

@@ -12,9 +12,11 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
+from metasched.core.actions import Immutable
+
 
 @dataclass(frozen=True, slots=True)
-class ServiceSpec:
+class ServiceSpec(Immutable):
     """A GPU service (reward model) that can be made resident on a device.
 
     Attributes:
@@ -36,7 +38,7 @@ class ServiceSpec:
 
 
 @dataclass(frozen=True, slots=True)
-class EndpointSpec:
+class EndpointSpec(Immutable):
     """An API endpoint's quota, as APIs count theirs: at most ``rpm`` requests (and
     ``tpm`` tokens) per minute, counted over a sliding window, so a burst up to the
     window's allowance is admitted at once.

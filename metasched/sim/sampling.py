@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from metasched.core.actions import ActionSpec, SandboxSpec, Turn
+from metasched.core.actions import ActionSpec, Immutable, SandboxSpec, Turn
 from metasched.sim.workload_config import ActionType, TaskConfig, WorkloadConfig
 
 
 @dataclass(frozen=True, slots=True)
-class TrajectorySpec:
+class TrajectorySpec(Immutable):
     """A trajectory to run: its task, its turns (generation gap + action), its sandbox."""
 
     task: str
@@ -25,7 +25,7 @@ class TrajectorySpec:
 
 
 @dataclass(frozen=True, slots=True)
-class IndependentAction:
+class IndependentAction(Immutable):
     """An action with an explicit arrival time and no trajectory (trace replay)."""
 
     arrival_s: float
