@@ -29,6 +29,7 @@ import argparse
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -41,10 +42,13 @@ DEMO = ROOT / "examples" / "agent_rollout.py"
 
 
 def live_runs(trace: Path, seeds: list[int], trajectories: int, scheduler: str,
-              out: Path) -> list[dict]:
-    """Run the demonstration once per seed, appending to ``trace``; its results."""
+              out: Path, pause_s: float = 0.0) -> list[dict]:
+    """Run the demonstration once per seed, appending to ``trace``, ``pause_s`` apart;
+    its results."""
     results = []
-    for s in tqdm(seeds, desc="live runs", unit="run"):
+    for i, s in enumerate(tqdm(seeds, desc="live runs", unit="run")):
+        if i:
+            time.sleep(pause_s)
         res = out / f"demo.seed{s}.json"
         cmd = [sys.executable, str(DEMO), "--mode", "metasched", "--seed", str(s),
                "--trajectories", str(trajectories), "--scheduler", scheduler,
@@ -104,6 +108,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--sim-seeds", type=int, default=40)
     p.add_argument("--scheduler", default="checkpoints/default")
     p.add_argument("--out", type=Path, default=Path("outputs/live_calibration"))
+    # Each demonstration run starts its own service, whose search quota starts full; a
+    # pause of one quota window between runs (60 s, and the proxy's margin) puts that in
+    # the trace too: the calibrated pause between steps then starts every replayed step
+    # with a full window, as live. Runs closer together would each start with a full
+    # quota live but with the last step's burst still counted in the replay.
+    p.add_argument("--pause-s", type=float, default=61.0,
+                   help="seconds between live runs (default: one quota window)")
     p.add_argument("--trace", type=Path, default=None,
                    help="an existing trace of the demonstration: skip the live runs")
     args = p.parse_args(argv)
@@ -125,6 +136,8 @@ def run(args: argparse.Namespace) -> dict:
                           f"{args.seeds!r})") from None
     if args.trajectories < 1:
         raise ConfigError("trajectories", f"must be >= 1 (got {args.trajectories})")
+    if args.pause_s < 0:
+        raise ConfigError("pause-s", f"must be >= 0 (got {args.pause_s:g})")
     if args.sim_seeds < 2:
         raise ConfigError("sim-seeds", f"must be >= 2 (got {args.sim_seeds})")
     if args.trace is not None and not args.trace.is_file():
@@ -135,7 +148,8 @@ def run(args: argparse.Namespace) -> dict:
     if args.trace is None:
         trace = args.out / "live.jsonl"
         trace.unlink(missing_ok=True)
-        demo = live_runs(trace, seeds, args.trajectories, args.scheduler, args.out)
+        demo = live_runs(trace, seeds, args.trajectories, args.scheduler, args.out,
+                         args.pause_s)
     else:
         trace = args.trace
     live = live_figures(trace)

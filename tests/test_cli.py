@@ -422,6 +422,7 @@ def test_live_calibration_benchmark_replays_a_trace_beside_its_runs(tmp_path):
 @pytest.mark.parametrize("args, field", [(["--sim-seeds", "1"], "sim-seeds"),
                                          (["--seeds", "0,x"], "seeds"),
                                          (["--trajectories", "0"], "trajectories"),
+                                         (["--pause-s", "-1"], "pause-s"),
                                          (["--trace", "/nonexistent.jsonl"], "trace")])
 def test_live_calibration_bad_arguments_are_one_line(args, field, tmp_path):
     root = Path(__file__).resolve().parent.parent
