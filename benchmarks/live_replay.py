@@ -287,10 +287,14 @@ def replay(args: argparse.Namespace) -> int:
     lives: dict[tuple[str, str], list] = {key: [] for key in keys}
 
     def simulate_all() -> None:
+        pooled: dict[str, tuple[float, float]] = {}
+        if args.launch_s == "live":
+            for mode in modes:
+                xs = [x for s in scheds for run in lives[s, mode] for x in run[5]]
+                pooled[mode] = float(np.median(xs)), float(np.mean(xs))
         for sched, mode in keys:
             if args.launch_s == "live":
-                pooled = [x for s in scheds for run in lives[s, mode] for x in run[5]]
-                median, mean = float(np.median(pooled)), float(np.mean(pooled))
+                median, mean = pooled[mode]
             else:
                 median, mean = fixed or asyncio.run(measure_launch_s(
                     inst, cores, args.launch_samples, mode))
