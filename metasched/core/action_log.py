@@ -7,8 +7,9 @@ allocation (cores, core ids, device, batch, setup time) and the generation gap b
 (its submission minus the previous action's finish in the same trajectory). A first
 ``{"type": "cluster", ...}`` line records the resources (cluster and GPU services) the
 actions ran on; a live clock appending to an existing trace writes one again when it
-starts (a service started anew, its quotas full). ``workload.trace=`` replays such a file (the actions arrive at their
-recorded times); ``metasched-calibrate`` fits a workload profile to it.
+starts (a service started anew, its quotas full). ``workload.trace=`` replays such a
+file (the actions arrive at their recorded times); ``metasched-calibrate`` fits a
+workload profile to it.
 
 The simulator and the live dispatcher write the same lines through one
 :class:`ActionLog`, so a calibration fitted on a simulated trace is fitted by the code
