@@ -64,18 +64,14 @@ def cpu(*argv: str, **kw) -> dict:
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    """One local Ray for the module: 2 CPUs, one logical GPU, bound to 127.0.0.1."""
-    ray = pytest.importorskip("ray", reason="needs the ray extra (pip install 'metasched[ray]')")
-    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=RAY_CPUS,
-             num_gpus=1, log_to_driver=False, logging_level="ERROR")
+def ray_cluster(ray_session):
+    """The session's local Ray (conftest: 2 CPUs, one logical GPU, bound to 127.0.0.1);
+    the shared dispatcher actor is stopped when the module ends."""
+    assert int(ray_session.cluster_resources()["CPU"]) == RAY_CPUS
     try:
-        (node,) = ray.nodes()
-        assert node["NodeManagerAddress"] == "127.0.0.1", node["NodeManagerAddress"]
-        yield ray
+        yield ray_session
     finally:
-        RaySide.shared = RaySide.shared_config = None
-        ray.shutdown()
+        RaySide().release_shared()
 
 
 class LocalSide:
