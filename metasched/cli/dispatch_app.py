@@ -259,7 +259,7 @@ async def dispatch_all(path: str | Path, dcfg, services: dict[str, Any], out: Te
 
 
 def live_table(name: str, jobs_file: str, summary: dict[str, Any], stats: dict[str, Any],
-               tally: Tally, where: str = "on this machine") -> str:
+               tally: Tally, where: str = "on this machine", note: str = "") -> str:
     """The results table of a live run (markdown)."""
     from metasched.evaluation.report import fmt
 
@@ -294,6 +294,8 @@ def live_table(name: str, jobs_file: str, summary: dict[str, Any], stats: dict[s
     if waiting:
         lines += ["", f"Waiting: {waiting} requests recovered from the journal were not "
                   f"resubmitted (their env was not stored); they stay unfinished in it"]
+    if note:
+        lines += ["", note]
     return "\n".join(lines) + "\n"
 
 
@@ -365,7 +367,16 @@ def run_dispatch(cfg: dict[str, Any], out_dir, progress: bool = True) -> dict[st
     # One live run: the interval is over actions (evaluation's is over seeds).
     summary["ci95"]["mean_act_s"] = tally.act_ci95()
     doc["live"] = stats
-    write_report(out, doc, live_table(name, str(cfg["jobs"]), summary, stats, tally, where))
+    note = ""
+    if remote is not None and not remote.started:
+        # What the dispatcher measured covers its other clients too; the file's own
+        # mean ACT is the tally's.
+        summary["mean_act_s"] = tally.mean_act
+        note = (f"Attached to a running dispatcher: counts and the mean ACT are this file's; "
+                f"the ACT percentiles, utilisation, decisions and failures are over all it "
+                f"ran since it started ({len(run.end)} actions).")
+    write_report(out, doc, live_table(name, str(cfg["jobs"]), summary, stats, tally, where,
+                                      note))
     return doc
 
 
