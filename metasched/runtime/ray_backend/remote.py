@@ -75,12 +75,14 @@ def init_ray(address: str, namespace: str) -> None:
     if ray.is_initialized():
         return
     host, _, port = address.rpartition(":")
+    listens = False
     if host and port.isdigit() and "://" not in address:
         # An address where nothing listens: say so at once (Ray retries for a minute).
         import socket
 
         try:
             socket.create_connection((host, int(port)), timeout=5).close()
+            listens = True
         except OSError as e:
             raise ConfigError("ray.address", f"no Ray cluster reachable at {address!r} "
                               f"({e.strerror or e}); start one with `ray start --head`, or "
@@ -90,9 +92,18 @@ def init_ray(address: str, namespace: str) -> None:
                  logging_level="ERROR")
     except (ConnectionError, TimeoutError, ValueError) as e:
         why = " ".join(str(e).split())[:160]
+        if listens:  # something answers there, but not as a cluster this process may join
+            raise ConfigError("ray.address", f"{address!r} listens but Ray could not join it "
+                              f"as a cluster (not a Ray head, or one with token "
+                              f"authentication: set RAY_AUTH_MODE=token, with its token in "
+                              f"~/.ray/auth_token or RAY_AUTH_TOKEN): {why}") from None
         raise ConfigError("ray.address", f"no Ray cluster reachable at {address!r} (start one "
                           f"with `ray start --head`, or give ray.address=<host>:<port>): "
                           f"{why}") from None
+    except ray.exceptions.AuthenticationError as e:  # a cluster with token authentication
+        why = " ".join(str(e).split())[:200]
+        raise ConfigError("ray.address", f"the Ray cluster at {address!r} refused this "
+                          f"process ({why})") from None
 
 
 def open_dispatcher(settings: RaySettings, config: DispatcherConfig,
