@@ -365,20 +365,30 @@ def _grouped_trace(path: Path, n_traj: int, seed: int, *, runs: int = 1,
                     t += run_s
                     continue
                 u = rng.random()
-                if u < 0.6:  # a request of two steps
-                    groups.append((("w",), ("r",)))
+                if u < 0.5:  # a request of two steps
+                    groups.append(((("w",),), (("r",),)))
                     for j, name in enumerate(("w", "r")):
                         run_s = float(rng.lognormal(-1.0, 0.3))
                         line(t, name, run_s, i, turn, gap if j == 0 else 0.002, False)
                         t += run_s + (0.002 if j == 0 else 0.0)
-                elif u < 0.85:  # two programs posted at once
-                    groups.append((("t", "t"),))
+                elif u < 0.7:  # two programs posted at once
+                    groups.append(((("t",), ("t",)),))
                     runs_s = [float(rng.lognormal(-1.0, 0.3)) for _ in range(2)]
                     for j, run_s in enumerate(sorted(runs_s)):
                         line(t, "t", run_s, i, turn, gap if j == 0 else 0.0, False)
                     t += max(runs_s)
+                elif u < 0.85:  # two programs posted at once, each run after its write
+                    groups.append(((("c", "x"), ("c", "x")),))
+                    ends = []
+                    writes_s = sorted(float(rng.lognormal(-2.0, 0.3)) for _ in range(2))
+                    for j, write_s in enumerate(writes_s):
+                        line(t, "c", write_s, i, turn, gap if j == 0 else 0.0, False)
+                        run_s = float(rng.lognormal(0.0, 0.3))
+                        line(t + write_s + 0.002, "x", run_s, i, turn, 0.002, False)
+                        ends.append(t + write_s + 0.002 + run_s)
+                    t = max(ends)
                 else:
-                    groups.append((("s",),))
+                    groups.append(((("s",),),))
                     run_s = float(rng.lognormal(-1.0, 0.3))
                     line(t, "s", run_s, i, turn, gap, False)
                     t += run_s
@@ -398,8 +408,10 @@ def test_turns_of_several_actions_are_fitted_as_turn_groups(tmp_path: Path) -> N
     task = w.tasks[0]
     n = len(drawn["groups"])
     got = {g.actions: g.prob for g in task.turn_groups}
-    # In the order the agent issued them: stages, a stage's actions submitted together.
-    assert set(got) == {(("w",), ("r",)), (("t", "t"),), (("s",),)}
+    # In the order the agent issued them: stages, a stage's chains submitted together,
+    # a chain's actions each after the one before it.
+    assert set(got) == {((("w",),), (("r",),)), ((("t",), ("t",)),),
+                        ((("c", "x"), ("c", "x")),), ((("s",),),)}
     for g, p in got.items():
         assert p == pytest.approx(drawn["groups"].count(g) / n, abs=1e-6)
     # Turns and generation are per agent turn: the gaps inside a request are left out.
@@ -418,7 +430,13 @@ def test_turns_of_several_actions_are_fitted_as_turn_groups(tmp_path: Path) -> N
             assert not t.together
         if t.action.name == "t" and t.together:
             assert tools[i + 1].action.name == "t" and not tools[i + 1].together
+        if t.action.name == "c":  # c, x, c, x: the group's two chains
+            assert t.chained is False and tools[i + 1].action.name == "x"
+            assert tools[i + 1].chained and t.together
     assert any(t.together for t in tools) or all(t.action.name != "t" for t in tools)
+    # Written and read back: the chains as lists of names in their stage.
+    text = (out / "workload" / "g.yaml").read_text()
+    assert '[[["c", "x"], ["c", "x"]]]' in text
 
 
 def test_trajectory_names_reused_after_their_reward_are_new_trajectories(tmp_path: Path) -> None:
@@ -501,6 +519,9 @@ def test_bad_zero_is_one_line(spec, positive, field) -> None:
     ([{"prob": 1.0, "actions": ["nope"]}], "unknown action 'nope'"),
     ([{"prob": 0.5, "actions": ["test"]}], "must sum to 1"),
     ([{"prob": 1.0, "actions": []}], "must be a non-empty list"),
+    ([{"prob": 1.0, "actions": [["test", []]]}], "a chain must be a non-empty list"),
+    ([{"prob": 1.0, "actions": [[["test", ["test"]]]]}], "a chain must be a non-empty list"),
+    ([{"prob": 1.0, "actions": [[["test", "nope"]]]}], "unknown action 'nope'"),
     ("test", "must be a non-empty list"),
 ])
 def test_bad_turn_groups_are_one_line(groups, message) -> None:

@@ -222,6 +222,29 @@ def test_turn_groups_submit_stages_in_order_and_a_stage_together(make_workload, 
     assert r.counters["completed"] == 3
 
 
+@pytest.mark.parametrize("stages, b_submit, end", [
+    # a chain a -> b beside c: b as soon as a ends (2 s), c 1-5 s, reward 6-7 s
+    ([[["a", "b"], "c"]], 2.0, 7.0),
+    # a and c together, then b: b once both have ended (5 s), reward 7.5-8.5 s
+    ([["a", "c"], "b"], 5.0, 8.5),
+])
+def test_a_chain_goes_on_when_its_own_action_ends(make_cluster, stages, b_submit, end):
+    from conftest import _workload_dict
+
+    from metasched.sim.workload_config import parse_workload
+
+    acts = {n: {"kind": "cpu", "prob": p, "duration_s": d, "timeout_s": 10.0}
+            for n, p, d in [("a", 0.5, 1.0), ("b", 0.25, 1.5), ("c", 0.25, 4.0)]}
+    d = _workload_dict({"kind": "cpu", "duration_s": 1.0, "timeout_s": 10.0}, turns=1,
+                       actions=acts)
+    d["tasks"]["t"]["turn_groups"] = [{"prob": 1.0, "actions": stages}]
+    r = Simulator(parse_workload(d), make_cluster(), seed=0).run(make_scheduler("fifo"))
+    run_s = r.end - r.start
+    assert r.counters["completed"] == 4
+    assert r.submit[np.isclose(run_s, 1.5)].tolist() == [b_submit]
+    assert r.step_end.tolist() == [end]
+
+
 @pytest.mark.parametrize("name, steps", [("coding", 3), ("rm_math", 4)])
 def test_synchronous_steps_on_profile(name, steps):
     w, c = small(name, steps=steps, trajectories=6)

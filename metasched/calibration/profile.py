@@ -33,7 +33,7 @@ from metasched.calibration.fits import (
     fit_duration,
     fit_gaps,
 )
-from metasched.calibration.samples import TraceSamples, TypeSamples
+from metasched.calibration.samples import Stages, TraceSamples, TypeSamples
 from metasched.errors import ConfigError
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
@@ -77,8 +77,7 @@ class TaskFit:
     sandbox: dict[str, Any] | None = None
     # What one agent turn submitted, where some turn submitted several actions: (prob,
     # its stages in order, turns seen); ``turns`` and ``gaps`` are then per agent turn.
-    turn_groups: list[tuple[float, tuple[tuple[str, ...], ...], int]] = field(
-        default_factory=list)
+    turn_groups: list[tuple[float, Stages, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -322,8 +321,8 @@ def _fresh_steps(steps: list, restarts_s: list[float]) -> tuple[int, int]:
     return fresh, len(bounds)
 
 
-def _turn_groups(seen: dict[tuple[str, ...], dict[tuple[tuple[str, ...], ...], int]]
-                 ) -> list[tuple[float, tuple[tuple[str, ...], ...], int]]:
+def _turn_groups(seen: dict[tuple[str, ...], dict[Stages, int]]
+                 ) -> list[tuple[float, Stages, int]]:
     """Turn groups from what the trace's turns submitted (the multiset of names -> the
     stages it came in -> count): each multiset in its most common stages, with its share
     of turns (six decimals, the largest taking the rounding); none where every turn
@@ -339,6 +338,13 @@ def _turn_groups(seen: dict[tuple[str, ...], dict[tuple[tuple[str, ...], ...], i
 
 
 # ---------------------------------------------------------------- YAML
+
+
+def _stage_yaml(stage: tuple[tuple[str, ...], ...]) -> Any:
+    """A stage as the profile writes it: a name alone, else a list of names and chains
+    (a chain of one action is its name)."""
+    items = [c[0] if len(c) == 1 else list(c) for c in stage]
+    return items[0] if len(items) == 1 and isinstance(items[0], str) else items
 
 
 def _num(v: float) -> str:
@@ -463,8 +469,7 @@ def _workload_yaml(c: Calibration) -> str:
             lines.append("    turn_groups:".ljust(COMMENT_COL - 1) + f" # what one agent turn "
                          f"submitted: {n_turns:,} turns (turns and generation_s are per turn)")
             for p, order, n in t.turn_groups:
-                names = ", ".join(json.dumps(st[0]) if len(st) == 1 else json.dumps(list(st))
-                                  for st in order)
+                names = ", ".join(json.dumps(_stage_yaml(st)) for st in order)
                 lines.append(_line(6, "- prob", f"{p!r}, actions: [{names}]",
                                    f"{n:,} turns").replace("- prob:", "- {prob:", 1)
                              .replace(f"[{names}]", f"[{names}]}}", 1))

@@ -19,6 +19,7 @@ from metasched.errors import ConfigError
 from metasched.sim.trace import TraceHeader, scan_trace
 
 PathLike = str | os.PathLike
+Stages = tuple[tuple[tuple[str, ...], ...], ...]  # a turn's stages of chains of names
 
 
 @dataclass
@@ -78,9 +79,9 @@ class TraceSamples:
     trajectories: dict[str, TrajectoryRecord] = field(default_factory=dict)
     gaps: dict[str, list[float]] = field(default_factory=dict)  # task -> generation gaps
     # task -> what its agent turns submitted: the multiset of action names -> the stages
-    # (by submission; a stage: actions submitted together) it came in -> count; and the
-    # gap before each turn's first action.
-    turn_groups: dict[str, dict[tuple[str, ...], dict[tuple[tuple[str, ...], ...], int]]] = \
+    # (by submission; a stage: chains of actions submitted together) it came in -> count;
+    # and the gap before each turn's first action.
+    turn_groups: dict[str, dict[tuple[str, ...], dict[Stages, int]]] = \
         field(default_factory=dict)
     turn_gaps: dict[str, list[float]] = field(default_factory=dict)
     # When a live service started again on this trace (a later cluster line's
@@ -117,15 +118,30 @@ def _end_turn(out: TraceSamples, tr: TrajectoryRecord) -> None:
     # By submission: the order the agent issued them.
     acts = sorted(tr.pending, key=lambda a: (a[0], a[3], a[1]))
     # A stage: actions submitted before every earlier one of the turn had finished (made
-    # together); the next stage starts once the agent has had all their answers.
-    stages: list[list[str]] = []
+    # together); the next stage starts once the agent has had all their answers. Inside a
+    # stage, an action submitted after one of the stage's actions had finished follows it
+    # (a chain: a program's run after its own write), the latest such one that no other
+    # follows; an action submitted before any had finished starts a chain of its own.
+    stages: list[list[list[str]]] = []
     done = -np.inf
+    open_: list[tuple[float, int]] = []  # the stage's chains' last finishes, chain index
     for arrival, name, _, finish in acts:
         if not stages or arrival >= done:
             stages.append([])
-        stages[-1].append(name)
+            open_ = []
+        chains = stages[-1]
+        ended = [(f, c) for f, c in open_ if f <= arrival]
+        if ended:
+            f, c = max(ended)
+            open_.remove((f, c))
+            chains[c].append(name)
+        else:
+            c = len(chains)
+            chains.append([name])
+        open_.append((finish, c))
         done = max(done, finish)
-    order = tuple(tuple(s) for s in stages)
+    # Chains submitted together in any order are one group: a stage's chains sorted.
+    order = tuple(tuple(sorted(tuple(c) for c in s)) for s in stages)
     key = tuple(sorted(name for _, name, _, _ in acts))
     orders = out.turn_groups.setdefault(tr.task, {}).setdefault(key, {})
     orders[order] = orders.get(order, 0) + 1

@@ -92,11 +92,15 @@ class Turn(Immutable):
 
     ``together``: the next turn's action is submitted with this one, without waiting for
     it (calls made together, e.g. a test run's programs); the trajectory goes on once
-    every action submitted together has finished."""
+    every action submitted together has finished. ``chained`` (on a turn after a
+    ``together`` one): this action is submitted when the one before it finishes, not
+    with the group (a chain inside the group, e.g. a program's run after its own write,
+    while the other programs' chains go on)."""
 
     gen_s: float
     action: ActionSpec
     together: bool = False
+    chained: bool = False
 
 
 class Trajectory:

@@ -109,16 +109,20 @@ def sample_trajectory(task: TaskConfig, rng: np.random.Generator,
 def _sample_grouped(task: TaskConfig, n: int, rng: np.random.Generator,
                     est_error: float) -> TrajectorySpec:
     """A trajectory of ``n`` agent turns, each a turn group drawn by its probability:
-    its stages in order, a stage's actions submitted together, generation before the
-    first stage only."""
+    its stages in order, a stage's chains submitted together (one turn after another,
+    a chain's later actions ``chained``), generation before the first stage only."""
     groups = task.turn_groups
     picks = rng.choice(len(groups), size=n, p=[g.prob for g in groups]) if n else []
     gens = task.generation_s.sample(rng, n + 1)
     by_name = {a.name: a for a in task.actions}
-    turns = [Turn(float(gens[i]) if j == 0 and m == 0 else 0.0,
-                  _spec(by_name[name], rng, est_error, False), together=m < len(stage) - 1)
-             for i, k in enumerate(picks) for j, stage in enumerate(groups[k].actions)
-             for m, name in enumerate(stage)]
+    turns = []
+    for i, k in enumerate(picks):
+        for j, stage in enumerate(groups[k].actions):
+            flat = [(name, m > 0) for chain in stage for m, name in enumerate(chain)]
+            turns += [Turn(float(gens[i]) if j == 0 and m == 0 else 0.0,
+                           _spec(by_name[name], rng, est_error, False),
+                           together=m < len(flat) - 1, chained=chained)
+                      for m, (name, chained) in enumerate(flat)]
     turns.append(Turn(float(gens[n]), _spec(task.reward, rng, est_error, True)))
     return TrajectorySpec(task.name, tuple(turns), task.sandbox)
 

@@ -298,13 +298,20 @@ class Simulator:
         self.state.submit(a)
 
     def _on_arrive(self, traj: Trajectory) -> None:
-        while True:  # this turn's action, and those submitted together with it
-            turn = traj.turn
-            traj.turn += 1
-            self._in_flight[traj.id] = self._in_flight.get(traj.id, 0) + 1
-            self._submit(traj.turns[turn].action, traj.task, traj, turn)
-            if not traj.turns[turn].together or traj.turn >= traj.n_turns:
+        # This turn's action, and those submitted together with it; a chained one waits
+        # for the action before it (submitted from _on_end).
+        i = traj.turn
+        while True:
+            if not traj.turns[i].chained:
+                self._submit_turn(traj, i)
+            if not traj.turns[i].together or i + 1 >= traj.n_turns:
                 return
+            i += 1
+
+    def _submit_turn(self, traj: Trajectory, i: int) -> None:
+        traj.turn += 1  # turns submitted so far
+        self._in_flight[traj.id] = self._in_flight.get(traj.id, 0) + 1
+        self._submit(traj.turns[i].action, traj.task, traj, i)
 
     def _on_end(self, a: Action) -> None:
         failed = a.reason == "timeout"
@@ -320,6 +327,9 @@ class Simulator:
                                    setup_s=setup, duration_s=a.spec.true_s)
         if traj is None:
             return
+        nxt = a.turn + 1
+        if nxt < traj.n_turns and traj.turns[nxt].chained:  # its chain goes on
+            self._submit_turn(traj, nxt)
         left = self._in_flight.pop(traj.id) - 1
         if left:  # others submitted together with it are still running
             self._in_flight[traj.id] = left

@@ -142,19 +142,23 @@ def _parse_trajectory(d: dict[str, Any], at: Field) -> tuple[int, TrajectorySpec
     turns = []
     for i, value in enumerate(turns_v):
         t_at = at["turns"][f"[{i}]"]
-        t = json_object(value, t_at, {"gen_s", "action", "together"})
+        t = json_object(value, t_at, {"gen_s", "action", "together", "chained"})
         gen_s = number(required(t, "gen_s", t_at), t_at["gen_s"], lo=0.0)
         together = t.get("together", False)
         if not isinstance(together, bool) or (together and i == len(turns_v) - 1):
             raise ConfigError(str(t_at["together"]), "must be true or false, and only on a "
                               f"turn before the last (got {short(together)})")
+        chained = t.get("chained", False)
+        if not isinstance(chained, bool) or (chained and not (turns and turns[-1].together)):
+            raise ConfigError(str(t_at["chained"]), "must be true or false, and only on a "
+                              f"turn after one with \"together\" (got {short(chained)})")
         action = _parse_action(required(t, "action", t_at), t_at["action"])
         last = i == len(turns_v) - 1
         if action.reward != last:
             raise ConfigError(str(t_at["action"]["reward"]),
                               'the last turn\'s action must have "reward": true' if last
                               else "only the last turn's action may be the reward")
-        turns.append(Turn(gen_s, action, together))
+        turns.append(Turn(gen_s, action, together, chained))
     return step, TrajectorySpec(task, tuple(turns), sandbox)
 
 
@@ -329,7 +333,8 @@ def _trace_lines(instance: WorkloadInstance) -> list[dict[str, Any]]:
                 obj["sandbox"] = {"mem_gb": float(ts.sandbox.mem_gb),
                                   "startup_s": float(ts.sandbox.startup_s)}
             obj["turns"] = [{"gen_s": float(t.gen_s), "action": _action_obj(t.action),
-                             **({"together": True} if t.together else {})}
+                             **({"together": True} if t.together else {}),
+                             **({"chained": True} if t.chained else {})}
                             for t in ts.turns]
             lines.append(obj)
     for ia in instance.independent:

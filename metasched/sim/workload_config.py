@@ -105,11 +105,13 @@ class TurnGroup:
     """What one agent turn submits: stages of actions of the task's types, in order. The
     first stage comes after the turn's LLM generation, each later one as soon as every
     action of the one before has finished (the steps of one request, such as
-    ``/run_code``'s write and run); a stage's actions are submitted together (calls made
-    at once, such as a test run's programs)."""
+    ``/run_code``'s write and run); a stage's chains are submitted together (calls made
+    at once, such as a test run's programs), each chain's actions one after another (a
+    program's run when its own write has finished); the next stage waits for every
+    chain. A stage of single-action chains is a stage of actions submitted together."""
 
     prob: float
-    actions: tuple[tuple[str, ...], ...]  # stages
+    actions: tuple[tuple[tuple[str, ...], ...], ...]  # stages of chains of names
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,8 +228,9 @@ def parse_action_type(name: str, d: Any, path: str, services: Mapping, *,
 
 def parse_turn_groups(d: Any, path: str, names: set[str]) -> tuple[TurnGroup, ...]:
     """``[{prob: p, actions: [stage, ...]}, ...]`` (absent or null: none): what one turn
-    submits, a stage being an action name or a list of names submitted together; the
-    groups' probabilities summing to 1, every name one of the task's action types."""
+    submits, a stage being an action name or a list submitted together of names and
+    chains (a chain: a list of names, each submitted when the one before it finishes);
+    the groups' probabilities summing to 1, every name one of the task's action types."""
     if d is None:
         return ()
     if not isinstance(d, (list, tuple)) or not d:
@@ -248,12 +251,20 @@ def parse_turn_groups(d: Any, path: str, names: set[str]) -> tuple[TurnGroup, ..
             stage = [stage] if isinstance(stage, str) else stage
             if not isinstance(stage, (list, tuple)) or not stage:
                 raise ConfigError(f"{gp}.actions", f"a stage must be an action name or a "
-                                  f"non-empty list of them (got {stage!r})")
-            for a in stage:
-                if a not in names:
-                    raise ConfigError(f"{gp}.actions", f"unknown action {a!r} (the task's: "
-                                      f"{', '.join(sorted(names)) or 'none'})")
-            stages.append(tuple(str(a) for a in stage))
+                                  f"non-empty list of names and chains (got {stage!r})")
+            chains = []
+            for chain in stage:
+                chain = [chain] if isinstance(chain, str) else chain
+                if not isinstance(chain, (list, tuple)) or not chain or not all(
+                        isinstance(a, str) for a in chain):
+                    raise ConfigError(f"{gp}.actions", f"a chain must be a non-empty list of "
+                                      f"action names (got {chain!r})")
+                for a in chain:
+                    if a not in names:
+                        raise ConfigError(f"{gp}.actions", f"unknown action {a!r} (the "
+                                          f"task's: {', '.join(sorted(names)) or 'none'})")
+                chains.append(tuple(chain))
+            stages.append(tuple(chains))
         out.append(TurnGroup(prob, tuple(stages)))
     if abs(sum(g.prob for g in out) - 1.0) > 1e-6:
         raise ConfigError(path, f"probabilities (prob) must sum to 1 (got "
