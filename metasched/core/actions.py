@@ -95,12 +95,16 @@ class Turn(Immutable):
     every action submitted together has finished. ``chained`` (on a turn after a
     ``together`` one): this action is submitted when the one before it finishes, not
     with the group (a chain inside the group, e.g. a program's run after its own write,
-    while the other programs' chains go on)."""
+    while the other programs' chains go on). ``same_turn``: the action belongs to the
+    agent turn of the turn before it (a later step of one request, an action submitted
+    with it), so the trajectory's count of turns, which schedulers read, does not advance
+    (as the dispatcher counts a request's turn number)."""
 
     gen_s: float
     action: ActionSpec
     together: bool = False
     chained: bool = False
+    same_turn: bool = False
 
 
 class Trajectory:
@@ -126,7 +130,7 @@ class Trajectory:
         self.node: int = -1  # sandbox node; -1 until placed (or no sandbox)
         self.start_t = math.nan
         self.end_t = math.nan
-        self.turn = 0  # index of the next turn to submit
+        self.turn = 0  # agent turns submitted so far
         self.held_cores = 0  # cores reserved for the trajectory (trajectory-bound practice)
         self.act_s = 0.0  # sum of ACT of its finished actions (critical-path feature)
 

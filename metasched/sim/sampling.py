@@ -110,7 +110,8 @@ def _sample_grouped(task: TaskConfig, n: int, rng: np.random.Generator,
                     est_error: float) -> TrajectorySpec:
     """A trajectory of ``n`` agent turns, each a turn group drawn by its probability:
     its stages in order, a stage's chains submitted together (one turn after another,
-    a chain's later actions ``chained``), generation before the first stage only."""
+    a chain's later actions ``chained``), generation before the first stage only; all
+    but the group's first action are ``same_turn`` (one agent turn, as live)."""
     groups = task.turn_groups
     picks = rng.choice(len(groups), size=n, p=[g.prob for g in groups]) if n else []
     gens = task.generation_s.sample(rng, n + 1)
@@ -121,7 +122,8 @@ def _sample_grouped(task: TaskConfig, n: int, rng: np.random.Generator,
             flat = [(name, m > 0) for chain in stage for m, name in enumerate(chain)]
             turns += [Turn(float(gens[i]) if j == 0 and m == 0 else 0.0,
                            _spec(by_name[name], rng, est_error, False),
-                           together=m < len(flat) - 1, chained=chained)
+                           together=m < len(flat) - 1, chained=chained,
+                           same_turn=j > 0 or m > 0)
                       for m, (name, chained) in enumerate(flat)]
     turns.append(Turn(float(gens[n]), _spec(task.reward, rng, est_error, True)))
     return TrajectorySpec(task.name, tuple(turns), task.sandbox)

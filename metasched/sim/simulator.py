@@ -112,6 +112,7 @@ class Simulator:
         self.cost_model = cost_model
         self._restore_s: dict[int, float] = {}  # gpu action id -> its batch's restore
         self._in_flight: dict[int, int] = {}  # trajectory id -> its actions submitted, unfinished
+        self._next_turn: dict[int, int] = {}  # trajectory id -> index of its next turn
         self._launch_s, self._launch_sigma = cluster.cpu_launch_s, cluster.cpu_launch_sigma
         # A third stream of the seed: the workload's and the scheduler's stay as they were.
         self._launch_rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(3)[2])
@@ -300,7 +301,7 @@ class Simulator:
     def _on_arrive(self, traj: Trajectory) -> None:
         # This turn's action, and those submitted together with it; a chained one waits
         # for the action before it (submitted from _on_end).
-        i = traj.turn
+        i = self._next_turn.get(traj.id, 0)
         while True:
             if not traj.turns[i].chained:
                 self._submit_turn(traj, i)
@@ -309,7 +310,9 @@ class Simulator:
             i += 1
 
     def _submit_turn(self, traj: Trajectory, i: int) -> None:
-        traj.turn += 1  # turns submitted so far
+        if not traj.turns[i].same_turn:  # agent turns submitted so far
+            traj.turn += 1
+        self._next_turn[traj.id] = max(self._next_turn.get(traj.id, 0), i + 1)
         self._in_flight[traj.id] = self._in_flight.get(traj.id, 0) + 1
         self._submit(traj.turns[i].action, traj.task, traj, i)
 
@@ -334,9 +337,11 @@ class Simulator:
         if left:  # others submitted together with it are still running
             self._in_flight[traj.id] = left
             return
-        if traj.turn < traj.n_turns:
-            self._push(self.state.t + traj.turns[traj.turn].gen_s, ARRIVE, traj)
+        nxt = self._next_turn[traj.id]
+        if nxt < traj.n_turns:
+            self._push(self.state.t + traj.turns[nxt].gen_s, ARRIVE, traj)
             return
+        del self._next_turn[traj.id]
         traj.end_t = self.state.t
         self.state.close_trajectory(traj)
         self._open_waiting_sandboxes()

@@ -142,7 +142,7 @@ def _parse_trajectory(d: dict[str, Any], at: Field) -> tuple[int, TrajectorySpec
     turns = []
     for i, value in enumerate(turns_v):
         t_at = at["turns"][f"[{i}]"]
-        t = json_object(value, t_at, {"gen_s", "action", "together", "chained"})
+        t = json_object(value, t_at, {"gen_s", "action", "together", "chained", "same_turn"})
         gen_s = number(required(t, "gen_s", t_at), t_at["gen_s"], lo=0.0)
         together = t.get("together", False)
         if not isinstance(together, bool) or (together and i == len(turns_v) - 1):
@@ -152,13 +152,17 @@ def _parse_trajectory(d: dict[str, Any], at: Field) -> tuple[int, TrajectorySpec
         if not isinstance(chained, bool) or (chained and not (turns and turns[-1].together)):
             raise ConfigError(str(t_at["chained"]), "must be true or false, and only on a "
                               f"turn after one with \"together\" (got {short(chained)})")
+        same_turn = t.get("same_turn", False)
+        if not isinstance(same_turn, bool) or (same_turn and i == 0):
+            raise ConfigError(str(t_at["same_turn"]), "must be true or false, and not on the "
+                              f"first turn (got {short(same_turn)})")
         action = _parse_action(required(t, "action", t_at), t_at["action"])
         last = i == len(turns_v) - 1
         if action.reward != last:
             raise ConfigError(str(t_at["action"]["reward"]),
                               'the last turn\'s action must have "reward": true' if last
                               else "only the last turn's action may be the reward")
-        turns.append(Turn(gen_s, action, together, chained))
+        turns.append(Turn(gen_s, action, together, chained, same_turn))
     return step, TrajectorySpec(task, tuple(turns), sandbox)
 
 
@@ -334,7 +338,8 @@ def _trace_lines(instance: WorkloadInstance) -> list[dict[str, Any]]:
                                   "startup_s": float(ts.sandbox.startup_s)}
             obj["turns"] = [{"gen_s": float(t.gen_s), "action": _action_obj(t.action),
                              **({"together": True} if t.together else {}),
-                             **({"chained": True} if t.chained else {})}
+                             **({"chained": True} if t.chained else {}),
+                             **({"same_turn": True} if t.same_turn else {})}
                             for t in ts.turns]
             lines.append(obj)
     for ia in instance.independent:
