@@ -369,12 +369,14 @@ class LookaheadTeacher:
         tasks = {t.name: t for t in child.workload.tasks}
         trajs = list(state.trajectories.values()) + list(child._sandbox_queue)
         for traj in trajs:
-            if traj.turn >= traj.n_turns:
+            k = child._next_turn.get(traj.id, 0)  # the simulator's next turn
+            while 0 < k < traj.n_turns and traj.turns[k - 1].together:
+                k += 1  # the group in flight keeps its own turns (chains not yet submitted)
+            if k >= traj.n_turns:
                 continue  # its reward action is submitted: nothing is left to draw
             fresh = sample_trajectory(tasks[traj.task], rng, sigma).turns
-            done = traj.turns[:traj.turn]
-            traj.turns = done + (list(fresh[traj.turn:]) if len(fresh) > traj.turn
-                                 else list(fresh[-1:]))
+            done = traj.turns[:k]
+            traj.turns = done + (list(fresh[k:]) if len(fresh) > k else list(fresh[-1:]))
         child.instance = replace(child.instance, steps=(
             list(child.instance.steps[:child._step + 1])
             + list(self._futures[future].steps[child._step + 1:])))

@@ -245,6 +245,32 @@ def test_a_chain_goes_on_when_its_own_action_ends(make_cluster, stages, b_submit
     assert r.step_end.tolist() == [end]
 
 
+def test_a_trajectorys_turns_are_its_agent_turns(make_cluster):
+    """Schedulers read a trajectory's turns as the dispatcher counts them (a request's
+    turn number): a group of several actions is one turn, not one per action."""
+    from conftest import _workload_dict
+
+    from metasched.agents.queue import FifoScheduler
+    from metasched.sim.workload_config import parse_workload
+
+    seen: list[tuple[str, int]] = []
+
+    class Watching(FifoScheduler):
+        def decide(self, state):
+            seen.extend((a.spec.name, a.traj.turn) for q in state.pending.values()
+                        for a in q.values() if a.traj)
+            return super().decide(state)
+
+    acts = {n: {"kind": "cpu", "prob": 0.5, "duration_s": 1.0, "timeout_s": 10.0}
+            for n in ("a", "b")}
+    d = _workload_dict({"kind": "cpu", "duration_s": 1.0, "timeout_s": 10.0}, turns=3,
+                       actions=acts)
+    d["tasks"]["t"]["turn_groups"] = [{"prob": 1.0, "actions": [[["a", "b"], "a"], "b"]}]
+    r = Simulator(parse_workload(d), make_cluster(), seed=0).run(Watching())
+    assert r.counters["completed"] == 3 * 4 + 1
+    assert sorted({turn for _, turn in seen}) == [1, 2, 3, 4]  # 3 agent turns, the reward
+
+
 @pytest.mark.parametrize("name, steps", [("coding", 3), ("rm_math", 4)])
 def test_synchronous_steps_on_profile(name, steps):
     w, c = small(name, steps=steps, trajectories=6)

@@ -300,8 +300,8 @@ def test_random_lines_raise_only_config_error(lines: list, tmp_path_factory) -> 
 
 
 def test_turns_submitted_together_round_trip(tmp_path):
-    """``together`` (calls made at once) and ``chained`` (a chain inside them) are written
-    and read back; misplaced, one line."""
+    """``together`` (calls made at once), ``chained`` (a chain inside them) and
+    ``same_turn`` (one agent turn) are written and read back; misplaced, one line."""
     from metasched.core.actions import Turn
     from metasched.sim.trace import read_trace, trace_from_workload, write_trace
 
@@ -310,19 +310,22 @@ def test_turns_submitted_together_round_trip(tmp_path):
     t0 = inst.steps[0][0]
     turns = list(t0.turns)
     turns[0] = Turn(turns[0].gen_s, turns[0].action, together=True)
-    turns[1] = Turn(turns[1].gen_s, turns[1].action, chained=True)
+    turns[1] = Turn(turns[1].gen_s, turns[1].action, chained=True, same_turn=True)
     inst.steps[0][0] = dataclasses.replace(t0, turns=tuple(turns))
     path = tmp_path / "t.jsonl"
     write_trace(inst, path)
     back = read_trace(path)
     assert [t.together for t in back.steps[0][0].turns] == [t.together for t in turns]
     assert [t.chained for t in back.steps[0][0].turns] == [t.chained for t in turns]
-    rows = [json.loads(x) for x in path.read_text().splitlines()]
-    rows[0]["turns"][0]["chained"] = True  # the first: no group before it
-    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    with pytest.raises(ConfigError) as e:
-        read_trace(path)
-    assert "chained" in str(e.value) and "\n" not in str(e.value)
+    assert [t.same_turn for t in back.steps[0][0].turns] == [t.same_turn for t in turns]
+    for key in ("chained", "same_turn"):  # on the first turn: no turn before it
+        write_trace(inst, path)
+        rows = [json.loads(x) for x in path.read_text().splitlines()]
+        rows[0]["turns"][0][key] = True
+        path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+        with pytest.raises(ConfigError) as e:
+            read_trace(path)
+        assert key in str(e.value) and "\n" not in str(e.value)
     write_trace(inst, path)
     rows = [json.loads(x) for x in path.read_text().splitlines()]
     rows[0]["turns"][-1]["together"] = True  # on the reward: nothing follows it
