@@ -33,7 +33,7 @@ import ray
 from metasched.runtime.backend import CommandSpec
 from metasched.runtime.outcome import Outcome
 from metasched.runtime.sandbox.config import SandboxConfig
-from metasched.runtime.sandbox.launch import launch, open_confinement
+from metasched.runtime.sandbox.launch import gpu_sandbox, launch, open_confinement
 from metasched.runtime.sandbox.workspace import Template
 
 CANCEL_CHECK_S = 0.1  # how soon a task sees its cancellation while its command runs
@@ -118,6 +118,11 @@ class NodeAgent:
                 await sb.ready
             except OSError:
                 pass  # launch fails the command with the reason
+            try:  # a gpu command: its sandbox with its GPU's device nodes
+                sb = await gpu_sandbox(boxes, sb, spec.gpu)
+            except OSError as e:
+                return pickle.dumps(Outcome(False, f"cannot start: {e.strerror or e}",
+                                            detail={"cores": cores}), pickle.HIGHEST_PROTOCOL)
         proc = launch(spec.argv, cores=cores, timeout_s=spec.timeout_s, env=spec.env or {},
                       request_env=spec.request_env, boxes=boxes, sandbox=sb,
                       cwd_root=self.run_dir.path, pids_max=spec.pids_max,
