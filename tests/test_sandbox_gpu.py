@@ -205,3 +205,46 @@ def test_the_dispatcher_runs_a_trajectorys_gpu_command_with_its_gpu_alone(dev, m
     assert last.stdout.split("\n")[:4] == [*none, "from-gpu"]
     assert during == before[1] + 2  # the trajectory's sandbox and its GPU's
     assert after == before and slots == []
+
+
+def test_a_ray_node_agent_runs_a_gpu_command_with_its_gpu_alone(dev, monkeypatch, tmp_path):
+    """The node agent's launch path (what a Ray node runs for a granted command, called
+    here in this process: Ray's transport is not what is checked): a gpu command's spec
+    names its GPU's NVML index, and the agent runs it in its trajectory's sandbox for
+    that GPU; the trajectory's cpu command sees no GPU node; both share the workspace;
+    closing the trajectory ends both sandboxes."""
+    needs_isolation()
+    pytest.importorskip("ray")
+    import pickle
+
+    from metasched.runtime import gpu as gpu_mod
+    from metasched.runtime.backend import CommandSpec
+    from metasched.runtime.ray_backend.node_agent import BoxSpec, NodeAgent, pack
+    from metasched.runtime.sandbox import devices as devices_mod
+
+    monkeypatch.setattr(devices_mod, "DEV_ROOT", str(dev))
+    monkeypatch.setattr(gpu_mod, "_minors", {3: 1})  # NVML's GPU 3 is /dev/nvidia1
+    box = BoxSpec("t1", network=False, size_mb=64)
+
+    def spec(script, gpu=None):
+        return CommandSpec(("sh", "-c", script), 30.0, {"PATH": "/usr/bin:/bin"}, gpu=gpu)
+
+    async def go():
+        agent = NodeAgent(SandboxConfig(isolation="bwrap"), [], str(tmp_path))
+        try:
+            cpu = pickle.loads(await agent.run(pack(spec(PROBE + "; echo c > note"), [0], box)))
+            gpu = pickle.loads(await agent.run(pack(spec(PROBE + "; cat note", gpu=3), [0],
+                                                    box)))
+            during = bwraps(agent.boxes)
+            agent.close_trajectory("t1")
+            await asyncio.sleep(0.3)
+            return cpu, gpu, during, bwraps(agent.boxes)
+        finally:
+            agent.close()
+    cpu, gpu, during, after = run(go())
+    assert cpu.ok and gpu.ok, (cpu.reason, gpu.reason)
+    assert cpu.stdout.split("\n")[:3] == ["nvidiactl absent", "nvidia0 absent",
+                                          "nvidia1 absent"]
+    assert gpu.stdout.split("\n")[:4] == ["nvidiactl open", "nvidia0 absent", "nvidia1 open",
+                                          "c"]
+    assert during - after == 2

@@ -12,8 +12,8 @@ import os
 
 __all__ = ["CLONE_NEWIPC", "CLONE_NEWNET", "CLONE_NEWNS", "CLONE_NEWPID", "CLONE_NEWUTS",
            "MNT_DETACH", "MS_BIND", "MS_NODEV", "MS_NOSUID", "MS_PRIVATE", "MS_RDONLY",
-           "MS_REC", "MS_REMOUNT", "clone_mount", "mount", "move_mount", "no_new_privs", "parent_death_signal", "setns",
-           "umount", "unshare"]
+           "MS_REC", "MS_REMOUNT", "clone_mount", "mount", "move_mount", "no_new_privs",
+           "parent_death_signal", "setns", "umount", "unshare"]
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUTS = 0x04000000
@@ -107,6 +107,7 @@ def clone_mount(path: str) -> int:
 def move_mount(fd: int, target: str) -> None:
     """Attach the detached mount ``fd`` (from :func:`clone_mount`) at ``target`` in this
     thread's mount namespace."""
-    _check(int(_libc.syscall(ctypes.c_long(_SYS_MOVE_MOUNT), ctypes.c_int(fd), b"", ctypes.c_int(_AT_FDCWD),
-                             target.encode(), ctypes.c_uint(_MOVE_MOUNT_F_EMPTY_PATH))),
-           f"move_mount {target}")
+    rc = _libc.syscall(ctypes.c_long(_SYS_MOVE_MOUNT), ctypes.c_int(fd), b"",
+                       ctypes.c_int(_AT_FDCWD), target.encode(),
+                       ctypes.c_uint(_MOVE_MOUNT_F_EMPTY_PATH))
+    _check(int(rc), f"move_mount {target}")
