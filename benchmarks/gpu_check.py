@@ -126,18 +126,6 @@ def busy_util(sampler: GpuSampler, device: str, seconds: float = 1.5) -> float:
     return peak
 
 
-def reachable_by_all(path: str) -> bool:
-    """Whether every user may run ``path``: each directory on the way (the symlinks
-    resolved) searchable by others, the file executable by them."""
-    real = os.path.realpath(path)
-    d = os.path.dirname(real)
-    while d != "/":
-        if not os.stat(d).st_mode & 0o001:
-            return False
-        d = os.path.dirname(d)
-    return os.access(real, os.X_OK) and bool(os.stat(real).st_mode & 0o001)
-
-
 # Run in the sandbox by a gpu command: the CUDA op, then which NVIDIA nodes it has.
 CONFINED_GPU = (
     "import glob, torch\n"
@@ -153,9 +141,10 @@ async def confined_gpu_command(devices: list[LiveDevice]) -> None:
     from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
     from metasched.runtime.gpu import device_minor
     from metasched.runtime.sandbox.config import SandboxConfig
+    from metasched.runtime.sandbox.uids import runnable_by_all
 
     name = "confined gpu command runs CUDA"
-    if not reachable_by_all(sys.executable):
+    if not runnable_by_all(sys.executable):
         check(name, False, f"the sandbox's users cannot run {sys.executable} (a directory "
               f"above it is closed to others); run from a Python every user may run")
         return
@@ -174,8 +163,9 @@ async def confined_gpu_command(devices: list[LiveDevice]) -> None:
         check(name, False, f"cannot confine commands here: {e}")
         return
     if not gpu.ok:
-        tail = (gpu.stderr or "").strip().splitlines()[-1:] or [""]
-        check(name, False, f"the gpu command failed: {gpu.reason}; {tail[0][-300:]}")
+        tail = (gpu.stderr or "").strip().splitlines()[-1:]
+        said = f"; its stderr ends: {tail[0][-300:]}" if tail else ""
+        check(name, False, f"the gpu command failed: {gpu.reason}{said}")
         return
     lines = (gpu.stdout.splitlines() + ["", "", ""])[:3]
     dev = devices[gpu.allocation["device"]]
