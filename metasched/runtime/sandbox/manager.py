@@ -66,6 +66,7 @@ class Sandbox:
     free_slots: list[Slot] = field(default_factory=list)
     running: int = 0
     closed: bool = False
+    retired: bool = False
 
     @property
     def shared(self) -> bool:
@@ -336,7 +337,10 @@ class Sandboxes:
 
     def _retire(self, sb: Sandbox) -> None:
         """Its processes are gone (the namespace's init took them): free its id and
-        slots."""
+        slots (once: two commands' ends may both find it closed and empty)."""
+        if sb.retired:
+            return
+        sb.retired = True
         if not sb.shared and sb.parent is None:  # a GPU's sandbox has its parent's
             self.uids.give(sb.uid)
         for slot in sb.free_slots:
@@ -385,6 +389,8 @@ class Sandboxes:
             raise
         if sb is not None:
             sb.running += 1
+            if sb.parent is not None:  # its user is the parent's: kept until this ends
+                sb.parent.running += 1
         return Started(cmd, pid, slot, uid)
 
     def on_exit(self, started: Started, handler: Callable[[dict[str, Any]], None]) -> None:
@@ -407,6 +413,8 @@ class Sandboxes:
             self._release(started.slot, lambda s: s is not None and self._host_slots.append(s))
             return
         sb.running -= 1
+        if sb.parent is not None:
+            sb.parent.running -= 1
         self._release(started.slot, lambda slot: self._done(sb, started, slot))
 
     def _done(self, sb: Sandbox, started: Started, slot: Slot | None) -> None:
@@ -416,6 +424,9 @@ class Sandboxes:
             self._give_slot(sb, slot)
         if sb.closed and sb.running == 0:
             self._retire(sb)
+        parent = sb.parent
+        if parent is not None and parent.closed and parent.running == 0:
+            self._retire(parent)
 
     # --- slots of commands run on the host (isolation off) ------------------------------
 
