@@ -11,8 +11,11 @@ machine (:func:`~metasched.runtime.sandbox.launch.open_confinement`: bwrap names
 an unprivileged user per trajectory, cgroup slots), and starts each command through
 the same call (:func:`~metasched.runtime.sandbox.launch.launch`) in its trajectory's
 sandbox on that node: the workspace persists across the trajectory's commands, wherever
-the dispatcher runs. When the dispatcher's actor dies, Ray ends the agents it owns, and
-with each its sandbox server: every sandbox and command on the node ends too.
+the dispatcher runs. A gpu command (its spec names its GPU's NVML index on this node)
+runs in that sandbox's sandbox for its GPU, which binds that GPU's device node alone
+(:func:`~metasched.runtime.sandbox.launch.gpu_sandbox`). When the dispatcher's actor
+dies, Ray ends the agents it owns, and with each its sandbox server: every sandbox and
+command on the node ends too.
 
 Commands reach an agent one call per command (:meth:`NodeAgent.run`); how a call is
 made, and how it holds its cores in Ray's accounting, is :class:`~.cluster.RayBackend`'s.
