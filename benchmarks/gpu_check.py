@@ -16,6 +16,14 @@ Checks, on the first visible GPU:
 4. ``linear_scorer`` on the GPU gives the CPU's results within 1e-5.
 5. ``command_env``: a child process given it sees exactly one GPU, this one (name and
    UUID); a stand-in's env shows it none.
+6. A confined gpu command (a live ``Dispatcher`` with ``sandbox.isolation: bwrap``, a
+   trajectory's gpu request with an argv) runs a CUDA op on its device: it sees one GPU
+   (``torch.cuda.device_count() == 1``, ``torch.zeros(1).cuda()`` works), has
+   ``/dev/nvidia<minor>`` of its GPU and no other GPU's node, and reads the file its
+   trajectory's cpu command wrote; that cpu command sees no ``/dev/nvidia*`` at all.
+   Needs root and bubblewrap, and a Python with CUDA torch that the sandbox's
+   unprivileged users may run (every directory above it searchable by others); the
+   failure says which of these is missing.
 
 Without a GPU (no NVML, or none visible) it prints "SKIPPED: no GPU: ..." and exits 0.
 
@@ -116,6 +124,63 @@ def busy_util(sampler: GpuSampler, device: str, seconds: float = 1.5) -> float:
     stop.set()
     t.join()
     return peak
+
+
+# Run in the sandbox by a gpu command: the CUDA op, then which NVIDIA nodes it has.
+CONFINED_GPU = (
+    "import glob, torch\n"
+    "print(torch.cuda.device_count(), torch.zeros(1).cuda().device)\n"
+    "print(' '.join(sorted(glob.glob('/dev/nvidia*'))))\n"
+    "print(open('note').read())")
+CONFINED_CPU = "import glob; print(' '.join(sorted(glob.glob('/dev/nvidia*'))) or 'none')"
+
+
+async def confined_gpu_command(devices: list[LiveDevice]) -> None:
+    """Check 6: a gpu command in its sandbox runs a CUDA op on its device, and only it."""
+    from metasched.errors import ConfigError
+    from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
+    from metasched.runtime.gpu import device_minor
+    from metasched.runtime.sandbox.config import SandboxConfig
+    from metasched.runtime.sandbox.uids import runnable_by_all
+
+    name = "confined gpu command runs CUDA"
+    if not runnable_by_all(sys.executable):
+        check(name, False, f"the sandbox's users cannot run {sys.executable} (a directory "
+              f"above it is closed to others); run from a Python every user may run")
+        return
+    minors = {d.nvml_index: device_minor(d.nvml_index) for d in devices}
+    config = DispatcherConfig(scheduler="elastic_greedy",
+                              sandbox=SandboxConfig(isolation="bwrap"))
+    try:
+        async with Dispatcher(config) as d:
+            def req(kind: str, code: str, turn: int) -> dict:
+                return {"kind": kind, "argv": [sys.executable, "-c", code], "turn": turn,
+                        "timeout_s": 300, "trajectory": "gpu-check"}
+            cpu = await d.submit(req("cpu", "open('note', 'w').write('from-cpu'); "
+                                     + CONFINED_CPU, 0))
+            gpu = await d.submit(req("gpu", CONFINED_GPU, 1))
+    except ConfigError as e:
+        check(name, False, f"cannot confine commands here: {e}")
+        return
+    if not gpu.ok:
+        tail = (gpu.stderr or "").strip().splitlines()[-1:]
+        said = f"; its stderr ends: {tail[0][-300:]}" if tail else ""
+        check(name, False, f"the gpu command failed: {gpu.reason}{said}")
+        return
+    lines = (gpu.stdout.splitlines() + ["", "", ""])[:3]
+    dev = devices[gpu.allocation["device"]]
+    own = f"/dev/nvidia{minors[dev.nvml_index]}"
+    others = {f"/dev/nvidia{m}" for i, m in minors.items() if i != dev.nvml_index}
+    seen = set(lines[1].split())
+    ok_cuda = lines[0] == "1 cuda:0"
+    check(name, ok_cuda, f"device {dev.index} ({dev.name}): child printed {lines[0]!r} "
+          f"(want '1 cuda:0')")
+    check("confined gpu command sees its GPU alone", own in seen and not seen & others,
+          f"/dev/nvidia* in its sandbox: {lines[1] or 'none'} (its own: {own})")
+    check("confined gpu command shares the workspace", lines[2] == "from-cpu",
+          f"read {lines[2]!r} from the file its trajectory's cpu command wrote")
+    check("confined cpu command sees no GPU", cpu.ok and cpu.stdout.strip() == "none",
+          f"{cpu.reason or 'ok'}; /dev/nvidia* in its sandbox: {cpu.stdout.strip()!r}")
 
 
 def child_sees(env_add: dict[str, str]) -> tuple[int, str, str]:
@@ -277,7 +342,7 @@ def main() -> int:
             bare = d.visible_id.lower().removeprefix("gpu-")
             same = name == d.name and (not uuid or uuid.lower().removeprefix("gpu-") == bare)
             check(f"command_env device {d.index}",
-                  env == {"CUDA_VISIBLE_DEVICES": d.visible_id} and n == 1 and same,
+                  env["CUDA_VISIBLE_DEVICES"] == d.visible_id and n == 1 and same,
                   f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']}: child sees {n} "
                   f"({name}, {uuid or 'uuid n/a'})")
         except Exception as e:
@@ -288,6 +353,12 @@ def main() -> int:
         check("command_env stand-in", n == 0, f"CUDA_VISIBLE_DEVICES='': child sees {n}")
     except Exception as e:
         check("command_env stand-in", False, f"{type(e).__name__}: {e}")
+
+    # 6. a confined gpu command -------------------------------------------------------
+    try:
+        asyncio.run(confined_gpu_command(devices))
+    except Exception as e:  # a check's failure, said as one
+        check("confined gpu command runs CUDA", False, f"{type(e).__name__}: {e}")
     return summary()
 
 

@@ -47,7 +47,9 @@ class CommandSpec:
 
     ``env`` is the dispatcher's allow-listed environment, ``request_env`` the request's
     own (over a sandbox's home), ``extra_env`` what the dispatcher marks it with (its
-    action id)."""
+    action id). ``gpu`` is the NVML index, on its node, of the GPU a gpu command was
+    granted (None: a cpu command, or a stand-in device): it runs in its sandbox's
+    sandbox for that GPU (:func:`metasched.runtime.sandbox.launch.gpu_sandbox`)."""
 
     argv: tuple[str, ...]
     timeout_s: float
@@ -58,6 +60,7 @@ class CommandSpec:
     extra_env: Mapping[str, str] | None = None
     request_env: Mapping[str, str] | None = None
     pids_max: int | None = None
+    gpu: int | None = None
 
 
 class Command(Protocol):

@@ -62,7 +62,7 @@ from metasched.runtime.outcome import Outcome
 from metasched.runtime.process import Process, kill_group
 from metasched.runtime.requests import DONE, FAILED, REJECTED, Request, Result, parse_request
 from metasched.runtime.sandbox.config import SandboxConfig, allowed_env
-from metasched.runtime.sandbox.launch import launch, open_confinement
+from metasched.runtime.sandbox.launch import gpu_sandbox, launch, open_confinement
 from metasched.runtime.sandbox.manager import Sandbox, Sandboxes
 from metasched.runtime.sandbox.rundir import RunDirectory
 from metasched.runtime.sandbox.workspace import template_from
@@ -1044,16 +1044,19 @@ class Dispatcher:
         return record
 
     def _start_command(self, job: _Job, cores: list[int],
-                       extra_env: Mapping[str, str] | None = None) -> Process | Exception:
+                       extra_env: Mapping[str, str] | None = None,
+                       sandbox: Sandbox | None = None) -> Process | Exception:
         """Start a command now, not a loop turn later in its task: the time from a freed
-        core to the next start is what leaves the core idle. It runs in the job's
-        sandbox (isolation on) or on the host, in a cgroup slot when there are cgroups.
-        An exception (a bug, not the action's failure) is handed to the task to report."""
+        core to the next start is what leaves the core idle. It runs in ``sandbox``
+        (default: the job's; isolation on) or on the host, in a cgroup slot when there
+        are cgroups. An exception (a bug, not the action's failure) is handed to the task
+        to report."""
         req = job.request
         try:
             proc = launch(
                 req.argv, cores=cores, timeout_s=req.timeout_s, env=self._base_env,
-                request_env=req.env, boxes=self.boxes, sandbox=job.sandbox,
+                request_env=req.env, boxes=self.boxes,
+                sandbox=sandbox if sandbox is not None else job.sandbox,
                 cwd_root=self.run_dir.path,
                 pids_max=req.pids_max or self.config.sandbox.pids_max,
                 mem_limit_mb=req.mem_limit_mb, cpu_time_s=req.cpu_time_s,
@@ -1065,13 +1068,13 @@ class Dispatcher:
         self._commands.add(proc)
         return proc
 
-    def _command_spec(self, req: Request, extra_env: Mapping[str, str] | None = None
-                      ) -> CommandSpec:
+    def _command_spec(self, req: Request, extra_env: Mapping[str, str] | None = None,
+                      gpu: int | None = None) -> CommandSpec:
         # The dispatcher's allow-listed environment, as its own commands get (no secret).
         return CommandSpec(req.argv, req.timeout_s, self._base_env, req.mem_limit_mb,
                            req.cpu_time_s, self.config.tail_bytes,
                            {ACTION_ENV: req.id, **(extra_env or {})}, req.env,
-                           req.pids_max or self.config.sandbox.pids_max)
+                           req.pids_max or self.config.sandbox.pids_max, gpu)
 
     def _start_remote(self, job: _Job, node: int, n_cores: int) -> Command | Exception:
         """Start a cpu action's command on the backend's ``node`` now (see
@@ -1120,7 +1123,16 @@ class Dispatcher:
             if first.service is None:  # a command that needs a device, and cores
                 cores = await self._reserve_cores(first.min_cores)
                 jobs[0].alloc["cores"] = cores
-                proc = self._start_command(jobs[0], cores, extra_env=command_env(dev))
+                try:  # its sandbox with its GPU's device nodes (isolation on)
+                    sandbox = (await gpu_sandbox(self.boxes, jobs[0].sandbox, dev.nvml_index)
+                               if self.boxes is not None else None)
+                except OSError as e:
+                    self._unreserve_cores(cores)
+                    self._complete(jobs[0], Outcome(False, f"cannot start: {e.strerror or e}",
+                                                    detail={"cores": cores}))
+                    return
+                proc = self._start_command(jobs[0], cores, extra_env=command_env(dev),
+                                           sandbox=sandbox)
                 out = await self._wait_command(proc, lambda: self._unreserve_cores(cores))
                 self._complete(jobs[0], out)
                 return
@@ -1169,7 +1181,8 @@ class Dispatcher:
         cmd: Command | None = None
         try:
             cmd = self.backend.start_command(
-                node, req.min_cores, self._command_spec(req, command_env(self.devices[device])),
+                node, req.min_cores, self._command_spec(req, command_env(self.devices[device]),
+                                                        self.devices[device].nvml_index),
                 job.sandbox)
             job.alloc.update(node=self.backend.nodes[node].name, cores=cmd.cores)
             self._commands.add(cmd)

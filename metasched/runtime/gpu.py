@@ -212,6 +212,40 @@ def _discover_nvml() -> tuple[list[LiveDevice], str]:
         _nvml_release()
 
 
+_minors: dict[int, int] = {}  # NVML index -> minor number (fixed while the driver runs)
+
+
+def device_minor(nvml_index: int | None) -> int | None:
+    """The minor number of the GPU of NVML index ``nvml_index`` (its device node is
+    ``/dev/nvidia<minor>``), from NVML's ``nvmlDeviceGetMinorNumber``; None for a
+    stand-in (``nvml_index`` None: no device node). The one place an NVML index becomes
+    a device node: a gpu command's sandbox binds that node alone.
+
+    Raises:
+        OSError: NVML cannot say (the command must not guess: a wrong node is another
+            command's GPU).
+    """
+    if nvml_index is None:
+        return None
+    minor = _minors.get(nvml_index)
+    if minor is not None:
+        return minor
+    try:
+        nv = _nvml_acquire()
+    except Exception as e:  # noqa: BLE001 - ImportError or any NVMLError
+        raise OSError(0, f"GPU {nvml_index}'s device node: NVML unavailable ({_err(e)})"
+                      ) from None
+    try:
+        minor = int(nv.nvmlDeviceGetMinorNumber(nv.nvmlDeviceGetHandleByIndex(nvml_index)))
+    except Exception as e:  # noqa: BLE001
+        raise OSError(0, f"GPU {nvml_index}'s device node: NVML cannot tell its minor "
+                      f"number ({_err(e)})") from None
+    finally:
+        _nvml_release()
+    _minors[nvml_index] = minor
+    return minor
+
+
 # ---------------------------------------------------------------- sampling
 
 class GpuSampler:
@@ -565,5 +599,5 @@ def linear_scorer(dim: int = 64, seed: int = 0) -> LiveService:
 
 __all__ = [
     "GpuSampler", "LiveDevice", "LiveService", "ServiceHost", "command_env",
-    "discover_devices", "linear_scorer",
+    "device_minor", "discover_devices", "linear_scorer",
 ]

@@ -11,8 +11,11 @@ machine (:func:`~metasched.runtime.sandbox.launch.open_confinement`: bwrap names
 an unprivileged user per trajectory, cgroup slots), and starts each command through
 the same call (:func:`~metasched.runtime.sandbox.launch.launch`) in its trajectory's
 sandbox on that node: the workspace persists across the trajectory's commands, wherever
-the dispatcher runs. When the dispatcher's actor dies, Ray ends the agents it owns, and
-with each its sandbox server: every sandbox and command on the node ends too.
+the dispatcher runs. A gpu command (its spec names its GPU's NVML index on this node)
+runs in that sandbox's sandbox for its GPU, which binds that GPU's device node alone
+(:func:`~metasched.runtime.sandbox.launch.gpu_sandbox`). When the dispatcher's actor
+dies, Ray ends the agents it owns, and with each its sandbox server: every sandbox and
+command on the node ends too.
 
 Commands reach an agent one call per command (:meth:`NodeAgent.run`); how a call is
 made, and how it holds its cores in Ray's accounting, is :class:`~.cluster.RayBackend`'s.
@@ -33,7 +36,7 @@ import ray
 from metasched.runtime.backend import CommandSpec
 from metasched.runtime.outcome import Outcome
 from metasched.runtime.sandbox.config import SandboxConfig
-from metasched.runtime.sandbox.launch import launch, open_confinement
+from metasched.runtime.sandbox.launch import gpu_sandbox, launch, open_confinement
 from metasched.runtime.sandbox.workspace import Template
 
 CANCEL_CHECK_S = 0.1  # how soon a task sees its cancellation while its command runs
@@ -118,6 +121,11 @@ class NodeAgent:
                 await sb.ready
             except OSError:
                 pass  # launch fails the command with the reason
+            try:  # a gpu command: its sandbox with its GPU's device nodes
+                sb = await gpu_sandbox(boxes, sb, spec.gpu)
+            except OSError as e:
+                return pickle.dumps(Outcome(False, f"cannot start: {e.strerror or e}",
+                                            detail={"cores": cores}), pickle.HIGHEST_PROTOCOL)
         proc = launch(spec.argv, cores=cores, timeout_s=spec.timeout_s, env=spec.env or {},
                       request_env=spec.request_env, boxes=boxes, sandbox=sb,
                       cwd_root=self.run_dir.path, pids_max=spec.pids_max,

@@ -23,7 +23,7 @@ from metasched.runtime.sandbox.manager import Sandbox, Sandboxes
 from metasched.runtime.sandbox.rundir import RunDirectory, remove_dead_runs
 from metasched.runtime.sandbox.workspace import WORKSPACE
 
-__all__ = ["launch", "open_confinement"]
+__all__ = ["gpu_sandbox", "launch", "open_confinement"]
 
 log = logging.getLogger("metasched.dispatch")
 
@@ -69,6 +69,31 @@ async def open_confinement(workdir: str | None, config: SandboxConfig, *,
             run_dir.remove()
             raise ConfigError("sandbox", f"cannot make a sandbox: {e.strerror or e}") from None
     return run_dir, boxes
+
+
+async def gpu_sandbox(boxes: Sandboxes, sandbox: Sandbox | None,
+                      nvml_index: int | None) -> Sandbox | None:
+    """Where a gpu command granted the GPU of NVML index ``nvml_index`` (on this node;
+    None: a stand-in) runs, given the sandbox its request runs in: that sandbox's
+    sandbox for this GPU (its workspace, plus this GPU's device nodes and no other's:
+    :meth:`~metasched.runtime.sandbox.manager.Sandboxes.gpu_sandbox`), ready or failed
+    (:func:`launch` then fails the command with the reason); ``sandbox`` itself where
+    there is nothing to bind, or without isolation.
+
+    Raises:
+        OSError: the GPU's device node cannot be told (NVML fails).
+    """
+    if sandbox is None or not boxes.isolated or nvml_index is None:
+        return sandbox
+    from metasched.runtime.gpu import device_minor
+
+    box = boxes.gpu_sandbox(sandbox, device_minor(nvml_index))
+    if box is not None and box is not sandbox:
+        try:
+            await box.ready
+        except OSError:
+            pass  # launch fails the command with the reason
+    return box
 
 
 def launch(argv: Sequence[str], *, cores: list[int], timeout_s: float,

@@ -1,6 +1,8 @@
 """The dispatcher's sandboxes: one per trajectory (its workspace persists across the
 trajectory's commands), one shared by trajectory-less commands (each gets a private,
-throwaway workspace in it), the sandbox server that starts commands inside them, the
+throwaway workspace in it), one more per (sandbox, GPU) for the gpu commands of each
+(:meth:`Sandboxes.gpu_sandbox`: the same workspace, plus that GPU's device nodes), the
+sandbox server that starts commands inside them, the
 cgroup slots commands run in, and the user ids they run as.
 
 :class:`Sandboxes` is created by the dispatcher at start; :meth:`Sandboxes.describe`
@@ -17,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from metasched.errors import ConfigError
-from metasched.runtime.sandbox import bwrap, cgroups
+from metasched.runtime.sandbox import bwrap, cgroups, devices
 from metasched.runtime.sandbox.config import SandboxConfig
 from metasched.runtime.sandbox.connection import ServerConnection, ServerGone
 from metasched.runtime.sandbox.uids import UidPool
@@ -42,6 +44,10 @@ class Sandbox:
         ready: done when it can run commands (its exception says why it cannot).
         seeded: how its workspace was filled: ``""``, ``"overlay"``, ``"copy"``, ``"tar"``.
         init_pid: the pid of its namespaces' init (``nsenter -t`` takes it), once ready.
+        parent: for a GPU's sandbox, the sandbox whose workspace it shares (and user).
+        minor: for a GPU's sandbox, its GPU's minor number (``/dev/nvidia<minor>``).
+        devices: the device nodes bound into it (names under ``/dev``).
+        gpus: its GPUs' sandboxes, by the GPU's minor number.
     """
 
     sid: int
@@ -53,9 +59,14 @@ class Sandbox:
     ready: asyncio.Future[None]
     seeded: str = ""
     init_pid: int = -1
+    parent: Sandbox | None = None
+    minor: int | None = None
+    devices: tuple[str, ...] = ()
+    gpus: dict[int, Sandbox] = field(default_factory=dict)
     free_slots: list[Slot] = field(default_factory=list)
     running: int = 0
     closed: bool = False
+    retired: bool = False
 
     @property
     def shared(self) -> bool:
@@ -80,15 +91,19 @@ class Sandboxes:
         config: the dispatcher's sandbox settings.
         hide: host directories commands must not see (the journal's), besides
             ``config.hide``.
+        dev_root: where the host's device nodes are (default
+            :data:`~metasched.runtime.sandbox.devices.DEV_ROOT`, ``/dev``).
 
     Raises:
         ConfigError: ``isolation: bwrap`` was asked for and cannot work here (the
             message says what is missing).
     """
 
-    def __init__(self, config: SandboxConfig, *, hide: Sequence[str] = ()) -> None:
+    def __init__(self, config: SandboxConfig, *, hide: Sequence[str] = (),
+                 dev_root: str | None = None) -> None:
         self.config = config
         self.hide = [*config.hide, *hide]
+        self.dev_root = dev_root if dev_root is not None else devices.DEV_ROOT
         self.warnings: list[str] = []
         self.bwrap_path, self.bwrap_version = self._isolation()
         self.hierarchies = cgroups.discover(config.cgroups, config.cgroup_parent)
@@ -226,23 +241,54 @@ class Sandboxes:
             sb = self._shared[network] = self._new("", self.config.scratch_mb, None, network)
         return sb
 
+    def gpu_sandbox(self, sb: Sandbox | None, minor: int | None) -> Sandbox | None:
+        """Where a gpu command of ``sb`` (ready) runs on the GPU of minor number
+        ``minor``: a sandbox of its own per (``sb``, GPU), made on first use, that binds
+        that GPU's ``/dev/nvidia<minor>`` and the driver's control nodes that exist
+        (:func:`~metasched.runtime.sandbox.devices.gpu_nodes`) and no other GPU's. A
+        trajectory's shares its workspace (the same ``/workspace``, ``/tmp`` and
+        ``/dev/shm``) and user; the shared sandbox's gives each command a private
+        workspace, as it does. It ends with ``sb``. ``sb`` itself where there is nothing
+        to bind (a stand-in device, ``minor`` None, no such node), or where ``sb`` is
+        None or not ready (the command then fails as it would there); await the
+        result's ``ready`` before use."""
+        if sb is None or minor is None or sb.closed or not sb.ready.done():
+            return sb
+        if sb.ready.exception() is not None:
+            return sb
+        nodes = devices.gpu_nodes(minor, self.dev_root)
+        if not nodes:
+            return sb
+        box = sb.gpus.get(minor)
+        if box is None or box.closed:
+            box = sb.gpus[minor] = self._new(sb.key, sb.size_bytes / _MB, None, sb.network,
+                                             parent=sb, minor=minor, nodes=nodes)
+        return box
+
     def _new(self, key: str, size_mb: float, template: Template | None,
-             network: bool) -> Sandbox:
+             network: bool, *, parent: Sandbox | None = None, minor: int | None = None,
+             nodes: Sequence[str] = ()) -> Sandbox:
         assert self._loop is not None and self.server is not None
         sid = self._next_sid
         self._next_sid += 1
-        uid = self.uids.nobody if key == "" else self.uids.take()
+        share = parent is not None and not parent.shared  # a trajectory's workspace
+        uid = (parent.uid if share else self.uids.nobody if key == ""
+               else self.uids.take())
         size = int(size_mb * _MB)
-        sb = Sandbox(sid, key, uid, network, size, template, self._loop.create_future())
+        sb = Sandbox(sid, key, uid, network, size, template, self._loop.create_future(),
+                     parent=parent, minor=minor, devices=tuple(nodes))
         workspace = (template.workspace_request(size, uid, uid) if template is not None
-                     else {"size": size})
+                     else {"share": parent.sid} if share else {"size": size})
+        extra = list(template.bwrap_args()) if template else []
+        for name in nodes:
+            extra += ["--dev-bind", os.path.join(self.dev_root, name), f"/dev/{name}"]
         self.server.on("opened", sid, lambda ev: self._opened(sb, ev))
         try:
             self.server.open({"sid": sid, "uid": uid, "gid": uid, "workspace": workspace,
                               "env": {"PATH": "/usr/bin:/bin"},
                               "bwrap": bwrap.sandbox_argv(
                                   self.bwrap_path, network=network, hide=self.hide,
-                                  extra=template.bwrap_args() if template else ())})
+                                  extra=extra)})
         except ServerGone as e:
             sb.ready.set_exception(OSError(0, str(e)))
         return sb
@@ -260,9 +306,12 @@ class Sandboxes:
             sb.ready.set_result(None)
 
     def close_sandbox(self, sb: Sandbox) -> None:
-        """End ``sb`` and everything running in it; its workspace is gone after this."""
+        """End ``sb`` and everything running in it, its GPUs' sandboxes too; its
+        workspace is gone after this."""
         if sb.closed:
             return
+        for box in list(sb.gpus.values()):
+            self.close_sandbox(box)
         if self.server is not None:
             self.server.close_sandbox(sb.sid)
         if not sb.ready.done():
@@ -277,6 +326,8 @@ class Sandboxes:
 
     def _forget(self, sb: Sandbox) -> None:
         sb.closed = True
+        if sb.parent is not None and sb.parent.gpus.get(sb.minor) is sb:
+            del sb.parent.gpus[sb.minor]
         if self._sandboxes.get(sb.key) is sb:
             del self._sandboxes[sb.key]
         if sb.shared and self._shared.get(sb.network) is sb:
@@ -286,8 +337,11 @@ class Sandboxes:
 
     def _retire(self, sb: Sandbox) -> None:
         """Its processes are gone (the namespace's init took them): free its id and
-        slots."""
-        if not sb.shared:
+        slots (once: two commands' ends may both find it closed and empty)."""
+        if sb.retired:
+            return
+        sb.retired = True
+        if not sb.shared and sb.parent is None:  # a GPU's sandbox has its parent's
             self.uids.give(sb.uid)
         for slot in sb.free_slots:
             self._drop_slot(slot)
@@ -335,6 +389,8 @@ class Sandboxes:
             raise
         if sb is not None:
             sb.running += 1
+            if sb.parent is not None:  # its user is the parent's: kept until this ends
+                sb.parent.running += 1
         return Started(cmd, pid, slot, uid)
 
     def on_exit(self, started: Started, handler: Callable[[dict[str, Any]], None]) -> None:
@@ -357,6 +413,8 @@ class Sandboxes:
             self._release(started.slot, lambda s: s is not None and self._host_slots.append(s))
             return
         sb.running -= 1
+        if sb.parent is not None:
+            sb.parent.running -= 1
         self._release(started.slot, lambda slot: self._done(sb, started, slot))
 
     def _done(self, sb: Sandbox, started: Started, slot: Slot | None) -> None:
@@ -366,6 +424,9 @@ class Sandboxes:
             self._give_slot(sb, slot)
         if sb.closed and sb.running == 0:
             self._retire(sb)
+        parent = sb.parent
+        if parent is not None and parent.closed and parent.running == 0:
+            self._retire(parent)
 
     # --- slots of commands run on the host (isolation off) ------------------------------
 

@@ -24,6 +24,11 @@ its own. The child is therefore confined from its first instruction. A throwaway
 namespace with a fresh tmpfs of its own on ``/workspace``, ``/tmp`` and ``/dev/shm``;
 it disappears with the command's last process.
 
+A GPU's sandbox (its bwrap binds that GPU's device nodes) may share another sandbox's
+workspace: instead of a tmpfs of its own, it gets clones (``open_tree``) of the other's
+``/workspace``, ``/tmp`` and ``/dev/shm`` mounts, taken in that sandbox's mount
+namespace and attached (``move_mount``) in its own: the same files, seen from both.
+
 Every process of a sandbox dies with it: when the server exits, however it exits, the
 stubs' pipes close, the stubs exit and with them each pid namespace's init, which makes
 the kernel kill everything left in the namespace. The server exits when the dispatcher's
@@ -66,6 +71,7 @@ STAGE = "/.sandbox"  # where a sandbox's tmpfs is mounted while its parts are bo
 WORKSPACE = "/workspace"
 _NS = (("mnt", CLONE_NEWNS), ("net", CLONE_NEWNET), ("ipc", CLONE_NEWIPC),
        ("uts", CLONE_NEWUTS), ("pid", CLONE_NEWPID))
+_SHARED_MOUNTS = (WORKSPACE, "/tmp", "/dev/shm")  # what a sandbox's tmpfs holds
 _TAIL = 2048  # bytes of a seeding command's stderr kept for its error message
 
 
@@ -345,6 +351,9 @@ class Server:
             # /proc shows only the caller's own processes.
             syscalls.mount("proc", "/proc", "proc", MS_REMOUNT | MS_NOSUID | MS_NODEV,
                            "hidepid=invisible")
+            if "share" in ws:
+                self._share_mounts(sb, ws["share"])
+                return None
             overlay = ws.get("overlay")
             try:
                 _mount_tmpfs(ws["size"], sb.uid, sb.gid, template=overlay)
@@ -362,6 +371,26 @@ class Server:
             syscalls.setns(self.own["mnt"], CLONE_NEWNS)
             os.chdir(self.home_dir)
         return seed
+
+    def _share_mounts(self, sb: _Sandbox, other: int) -> None:
+        """Attach clones of sandbox ``other``'s workspace mounts in ``sb``'s mount
+        namespace (this thread is in it)."""
+        src = self.sandboxes.get(other)
+        if src is None or not src.ready:
+            raise OSError(0, f"sandbox {other}, whose workspace it shares, is not open")
+        fds: list[int] = []
+        try:
+            syscalls.setns(src.ns["mnt"], CLONE_NEWNS)
+            try:
+                for path in _SHARED_MOUNTS:
+                    fds.append(syscalls.clone_mount(path))
+            finally:
+                syscalls.setns(sb.ns["mnt"], CLONE_NEWNS)
+            for fd, path in zip(fds, _SHARED_MOUNTS, strict=True):
+                syscalls.move_mount(fd, path)
+        finally:
+            for fd in fds:
+                _close(fd)
 
     def _start_seed(self, sb: _Sandbox, seed: dict[str, Any]) -> None:
         err_r, err_w = os.pipe()

@@ -1,9 +1,24 @@
 """The user ids sandboxes run as: one per trajectory, one per trajectory-less command,
-taken from a configured range and given back when everything that ran as it is gone."""
+taken from a configured range and given back when everything that ran as it is gone;
+and whether a program is one such a user may run."""
 
 from __future__ import annotations
 
-__all__ = ["UidPool"]
+import os
+
+__all__ = ["UidPool", "runnable_by_all"]
+
+
+def runnable_by_all(path: str) -> bool:
+    """Whether every user (a sandbox's too) may run ``path``: each directory on the way
+    (the symlinks resolved) searchable by others, the file executable by them."""
+    real = os.path.realpath(path)
+    d = os.path.dirname(real)
+    while d != "/":
+        if not os.stat(d).st_mode & 0o001:
+            return False
+        d = os.path.dirname(d)
+    return os.access(real, os.X_OK) and bool(os.stat(real).st_mode & 0o001)
 
 
 class UidPool:
