@@ -113,24 +113,28 @@ def _specs(types: list[ActionType], rng: np.random.Generator,
     uniform: then each action is drawn on its own, as before.
     """
     n = len(types)
+    # By identity: hashing a type hashes every field of it and of its distributions.
+    kinds = {id(a): a for a in types}
     if not all(_normals_only(a.duration_s) and (a.tokens is None or _normals_only(a.tokens))
-               for a in set(types)):
+               for a in kinds.values()):
         return [_spec(a, rng, est_error, i == n - 1) for i, a in enumerate(types)]
     e = 1 if est_error else 0
-    per_type = {a: (_draws(a.duration_s), 0 if a.tokens is None else _draws(a.tokens))
-                for a in set(types)}
-    n_dur = np.array([per_type[a][0] for a in types], dtype=np.intp)
-    counts = n_dur + e + np.array([per_type[a][1] for a in types], dtype=np.intp)
+    per_kind = {k: (_draws(a.duration_s), 0 if a.tokens is None else _draws(a.tokens))
+                for k, a in kinds.items()}
+    draws = [per_kind[id(a)] for a in types]
+    n_dur = np.array([d for d, _ in draws], dtype=np.intp)
+    counts = n_dur + e + np.array([t for _, t in draws], dtype=np.intp)
     offsets = np.cumsum(counts) - counts  # each action's first normal
     z = rng.standard_normal(int(counts.sum()))
     true_s = np.empty(n)
     tokens = np.zeros(n, dtype=np.int64)
-    by_type: dict[ActionType, list[int]] = {}
+    positions: dict[int, list[int]] = {}
     for i, a in enumerate(types):
-        by_type.setdefault(a, []).append(i)
-    for a, positions in by_type.items():
-        idx = np.array(positions, dtype=np.intp)
-        nd, nt = per_type[a]
+        positions.setdefault(id(a), []).append(i)
+    for k, where in positions.items():
+        a = kinds[k]
+        idx = np.array(where, dtype=np.intp)
+        nd, nt = per_kind[k]
         true_s[idx] = _values(a.duration_s, z[offsets[idx]] if nd else None, len(idx))
         if a.tokens is not None:  # round half to even, as round() of one draw
             tok = _values(a.tokens, z[offsets[idx] + nd + e] if nt else None, len(idx))
