@@ -146,7 +146,10 @@ class ElasticGreedyScheduler(Scheduler):
         pending = state.pending["cpu"]
         # Sandbox nodes first (each uses only its own cores), then actions free to go
         # to the node with the most free cores.
-        for node in sorted(self._cpu_busy, key=lambda n: (n < 0, n)):
+        order = sorted(self._cpu_busy)  # ints compared in C: no key function per node
+        if order and order[0] < 0:  # -1 (any node) sorts first: move it last
+            order.append(order.pop(0))
+        for node in order:
             q = self._cpu_q[node]
             if not q.heap:
                 self._cpu_busy.discard(node)  # its last entries were dropped when met

@@ -35,8 +35,9 @@ SEEDS = (1_000_000, 1_000_001)
 def _case(name: str):
     """(workload, cluster, simulator options) of a named case: each profile at a quarter
     of its trajectories for one step on its own cluster; ``coding-nodes``: coding's 64
-    trajectories spread over 8 nodes (the shipped policy observes at most 8) (sandbox placement and per-node queues across
-    many nodes); ``mixed-guard``: mixed with the starvation guard on."""
+    trajectories spread over 8 nodes, the most the shipped policy observes (sandbox
+    placement and per-node queues across nodes); ``mixed-guard``: mixed with the
+    starvation guard on."""
     if name == "coding-nodes":
         w, c = profile("coding")
         return replace(w, steps=1), replace(c, cpu_nodes=8), {}

@@ -99,7 +99,7 @@ class CpuPool:
             return -1
         # The largest (free memory, free cores, -node) over every node, compared in C:
         # a step opens 10^4-10^5 sandboxes on 10^3-10^4 nodes. Its node fits if any does.
-        mem, _, neg = max(zip(self.mem_free, self.free, range(0, -n, -1)))
+        mem, _, neg = max(zip(self.mem_free, self.free, range(0, -n, -1), strict=True))
         if mem < mem_gb:
             return -1
         best = -neg
