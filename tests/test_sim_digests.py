@@ -34,13 +34,13 @@ SEEDS = (1_000_000, 1_000_001)
 
 def _case(name: str):
     """(workload, cluster, simulator options) of a named case: each profile at a quarter
-    of its trajectories for one step on its own cluster; ``coding-nodes``: coding's 64
-    trajectories spread over 8 nodes, the most the shipped policy observes (sandbox
-    placement and per-node queues across nodes); ``mixed-guard``: mixed with the
-    starvation guard on."""
+    of its trajectories for one step on its own cluster; ``coding-nodes``: half of
+    coding's trajectories spread over 8 nodes, the most the shipped policy observes
+    (sandbox placement and per-node queues across nodes); ``mixed-guard``: mixed with
+    the starvation guard on."""
     if name == "coding-nodes":
         w, c = profile("coding")
-        return replace(w, steps=1), replace(c, cpu_nodes=8), {}
+        return scale_workload(w, load=0.5, steps=1), replace(c, cpu_nodes=8), {}
     if name == "mixed-guard":
         w, c = profile("mixed")
         return scale_workload(w, load=0.25, steps=1), c, {"max_wait_s": 5.0}
