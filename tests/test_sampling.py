@@ -62,3 +62,15 @@ def test_constant_durations_and_tokens_take_no_draw() -> None:
     a, b = np.random.default_rng(5), np.random.default_rng(5)
     assert _specs(consts * 3, a, 0.0) == _one_by_one(consts * 3, b, 0.0)
     assert a.bit_generator.state == b.bit_generator.state
+
+
+def test_token_counts_past_int64_stay_exact() -> None:
+    """Token counts are Python ints, as one draw at a time makes them: no overflow."""
+    w, _ = profile("search")
+    judge = next(t for task in w.tasks for t in (*task.actions, task.reward)
+                 if t.tokens is not None and t.tokens.sigma > 0.0)
+    huge = replace(judge, tokens=replace(judge.tokens, median=1e25, lo=0.0, hi=float("inf")))
+    a, b = np.random.default_rng(9), np.random.default_rng(9)
+    got = _specs([huge] * 50 + [judge], a, 0.5)
+    assert got == _one_by_one([huge] * 50 + [judge], b, 0.5)
+    assert min(s.tokens for s in got[:-1]) > 2**63

@@ -127,7 +127,7 @@ def _specs(types: list[ActionType], rng: np.random.Generator,
     offsets = np.cumsum(counts) - counts  # each action's first normal
     z = rng.standard_normal(int(counts.sum()))
     true_s = np.empty(n)
-    tokens = np.zeros(n, dtype=np.int64)
+    tok_l = [0] * n
     positions: dict[int, list[int]] = {}
     for i, a in enumerate(types):
         positions.setdefault(id(a), []).append(i)
@@ -136,12 +136,12 @@ def _specs(types: list[ActionType], rng: np.random.Generator,
         idx = np.array(where, dtype=np.intp)
         nd, nt = per_kind[k]
         true_s[idx] = _values(a.duration_s, z[offsets[idx]] if nd else None, len(idx))
-        if a.tokens is not None:  # round half to even, as round() of one draw
+        if a.tokens is not None:  # Python ints by round(), as one draw at a time: any size
             tok = _values(a.tokens, z[offsets[idx] + nd + e] if nt else None, len(idx))
-            tokens[idx] = np.rint(tok).astype(np.int64)
+            for i, v in zip(where, tok.tolist(), strict=True):
+                tok_l[i] = int(round(v))
     true_l = true_s.tolist()
     est_l = (true_s * np.exp(est_error * z[offsets + n_dur])).tolist() if e else true_l
-    tok_l = tokens.tolist()
     return [ActionSpec(a.kind, a.name, true_l[i], est_l[i], a.timeout_s, a.min_cores,
                        a.max_cores, a.parallel_fraction, a.service, a.endpoint, tok_l[i],
                        i == n - 1)
