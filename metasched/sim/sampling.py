@@ -110,7 +110,7 @@ def _specs(types: list[ActionType], rng: np.random.Generator,
     estimate's error (when ``est_error``) and one for its tokens (unless constant or
     none); the stream is that of successive single draws, so one ``standard_normal(k)``
     call yields the same numbers. A distribution with a point mass at 0 also takes a
-    uniform: then each action is drawn on its own, as before.
+    uniform: then each action is drawn on its own, by :func:`_spec`.
     """
     n = len(types)
     # By identity: hashing a type hashes every field of it and of its distributions.
