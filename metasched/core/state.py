@@ -124,13 +124,28 @@ class ClusterState:
         if p["cpu"]:
             cpu = self.cpu
             free = cpu.free
-            most = max(free, default=0)
-            if most > 0 or cpu.held > cpu.held_busy:
-                for a in p["cpu"].values():  # cpu_feasible, inlined: queues run long
-                    traj = a.traj
-                    need = a.spec.min_cores - (traj.held_cores if traj is not None else 0)
-                    if need <= (free[a.node] if a.node >= 0 else most):
-                        return True
+            # Nothing can start while no node has a free core and no held core is idle.
+            # The largest free count is found only when an action needs it: it is a pass
+            # over every node (10^3-10^4), and most actions are bound to their sandbox's
+            # node, whose free cores decide alone.
+            held_idle = cpu.held > cpu.held_busy
+            most = -1
+            for a in p["cpu"].values():  # cpu_feasible, inlined: queues run long
+                traj = a.traj
+                need = a.spec.min_cores - (traj.held_cores if traj is not None else 0)
+                if a.node >= 0:
+                    if need > free[a.node]:
+                        continue
+                    if need > 0 or held_idle:
+                        return True  # its node has a free core
+                elif most >= 0 and need > most:
+                    continue
+                if most < 0:
+                    most = max(free, default=0)
+                    if most <= 0 and not held_idle:
+                        break  # no free core anywhere: no cpu action can start
+                if a.node >= 0 or need <= most:
+                    return True
         if p["gpu"] and any(not d.busy for d in self.gpu.devices):
             return True
         if p["api"]:
