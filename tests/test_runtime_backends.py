@@ -67,7 +67,10 @@ def cpu(*argv: str, **kw) -> dict:
 def ray_cluster():
     """One local Ray for the module: 2 CPUs, one logical GPU, bound to 127.0.0.1."""
     ray = pytest.importorskip("ray", reason="needs the ray extra (pip install 'metasched[ray]')")
-    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=RAY_CPUS,
+    # address="local": a Ray of its own, even where another one on the machine is the
+    # default to join (``ray start`` records it for ``ray.init()``).
+    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
+             num_cpus=RAY_CPUS,
              num_gpus=1, log_to_driver=False, logging_level="ERROR")
     try:
         (node,) = ray.nodes()

@@ -23,6 +23,13 @@ is ``submit``:
   dispatcher's cores of their node in Ray's accounting (``num_cpus``) for as long as
   the dispatcher runs, busy or not.
 
+Pipelining: the dispatcher may hand a node commands ahead of its free cores
+(``DispatcherConfig.ahead_per_core``, default :attr:`RayBackend.AHEAD_PER_CORE`). Each
+command goes to its node's agent with a count of cores; the agent gives the node's cores
+to its commands in arrival order and starts the next the moment one exits, so no
+command waits for a round trip through the dispatcher to start. In ``"task"`` mode the
+tasks handed ahead wait in Ray's own queue for their ``num_cpus`` on the node first.
+
 Tasks and calls are not retried by Ray: a command that was lost with its worker or node
 is reported failed, with the reason, and the dispatcher's journal decides what runs
 again.
@@ -129,36 +136,31 @@ async def cluster_view(*, cores_per_node: int | None = None,
 
 
 class RemoteCommand:
-    """A command running as a Ray task (the :class:`~metasched.runtime.backend.Command`
-    of a Ray backend): ``wait()`` awaits the task; cancelling the wait, or ``abandon()``,
-    cancels it (its process group is killed on the node)."""
+    """A command running on a Ray node (the :class:`~metasched.runtime.backend.Command`
+    of a Ray backend): ``wait()`` awaits its task or agent call; cancelling the wait, or
+    ``abandon()``, cancels it (its process group is killed on the node, or it leaves
+    the node's queue). ``cores`` are the node's to choose: empty until its Outcome
+    (``detail["cores"]``) says."""
 
-    __slots__ = ("ref", "cores", "_release")
+    __slots__ = ("ref", "cores")
 
-    def __init__(self, ref: ray.ObjectRef, cores: list[int], release) -> None:
+    def __init__(self, ref: ray.ObjectRef, cores: list[int] | None = None) -> None:
         self.ref = ref
-        self.cores = cores
-        self._release = release
-
-    def _free(self) -> None:
-        release, self._release = self._release, None
-        if release is not None:
-            release()
+        self.cores = list(cores or [])
 
     async def wait(self) -> Outcome:
         try:
-            return pickle.loads(await self.ref)
+            out = pickle.loads(await self.ref)
         except asyncio.CancelledError:
             ray.cancel(self.ref)
             raise
         except ray.exceptions.RayError as e:
             return Outcome(ok=False, reason=lost(e), detail={"cores": self.cores})
-        finally:
-            self._free()
+        self.cores = list(out.detail.get("cores", self.cores))
+        return out
 
     def abandon(self) -> None:
         ray.cancel(self.ref)
-        self._free()
 
 
 def lost(e: BaseException) -> str:
@@ -247,6 +249,9 @@ class RayBackend:
     """
 
     name = "ray"
+    # Commands per core a node holds ahead of its free cores unless the dispatcher's
+    # ahead_per_core says otherwise (measured: benchmarks/ray_throughput.py --ahead).
+    AHEAD_PER_CORE = 1
 
     def __init__(self, nodes: list[Node], gpus: RayGpuHost | None, *, dispatcher: str,
                  workdir: str | None = None, submit: str = "task") -> None:
@@ -260,7 +265,6 @@ class RayBackend:
         self.workdir = workdir
         self.submit = submit
         self.agents: list[Any] = []  # per node, once start_sandboxes has run
-        self._free = [sorted(n.cores) for n in nodes]  # per node: core ids not running
         self._submit: dict[tuple[int, int], Any] = {}  # (node, cores) -> task options
         self._where: dict[str, int] = {}  # trajectory -> the node of its sandbox
 
@@ -294,7 +298,7 @@ class RayBackend:
         agent = ray.remote(NodeAgent)
         self.agents = [agent.options(
             num_cpus=cpus, max_restarts=0, max_concurrency=AGENT_CONCURRENCY,
-            scheduling_strategy=_pinned(n.name)).remote(config, hide, self.workdir)
+            scheduling_strategy=_pinned(n.name)).remote(config, hide, self.workdir, n.cores)
             for n in self.nodes]
         try:
             facts = await asyncio.wait_for(asyncio.gather(
@@ -318,23 +322,20 @@ class RayBackend:
 
     def start_command(self, node: int, n_cores: int, spec: CommandSpec,
                       sandbox: RemoteSandbox | None = None) -> RemoteCommand:
-        free = self._free[node]
-        cores, free[:] = free[:n_cores], free[n_cores:]
+        """Start ``spec`` on ``n_cores`` of ``node``'s cores: the node's agent picks them
+        and starts it in its queue's order (now, when they are free: see the module
+        docstring on pipelining); its Outcome's ``detail["cores"]`` says which."""
         spec = replace(spec, extra_env={**(spec.extra_env or {}),
                                         DISPATCHER_ENV: self.dispatcher})
-
-        def release() -> None:
-            free.extend(cores)
-            free.sort()
         if sandbox is not None and sandbox.key:
             self._where[sandbox.key] = node
-        packed = pack(spec, cores, sandbox.box() if sandbox is not None else None)
+        packed = pack(spec, n_cores, sandbox.box() if sandbox is not None else None)
         agent = self.agents[node]
         if self.submit == "agent":
             ref = agent.run.remote(packed)
         else:
             ref = self._task(node, n_cores).remote(agent, packed)
-        return RemoteCommand(ref, cores, release)
+        return RemoteCommand(ref)
 
     def close_trajectory(self, key: str) -> None:
         """End trajectory ``key``'s sandbox on its node (nothing waits for it)."""

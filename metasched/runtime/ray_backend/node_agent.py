@@ -16,6 +16,11 @@ with each its sandbox server: every sandbox and command on the node ends too.
 
 Commands reach an agent one call per command (:meth:`NodeAgent.run`); how a call is
 made, and how it holds its cores in Ray's accounting, is :class:`~.cluster.RayBackend`'s.
+
+Pipelining: the agent holds the node's granted cores (:class:`CoreQueue`) and starts the
+commands it is given in the order they arrive, each as soon as enough of the cores are
+free, so the dispatcher may hand it commands ahead of free cores: the next one starts the
+moment one exits, not a round trip (agent, dispatcher, agent) later.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import asyncio
 import concurrent.futures
 import os
 import pickle
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -51,10 +57,62 @@ class BoxSpec:
     template: Template | None = None
 
 
-def pack(spec: CommandSpec, cores: list[int], box: BoxSpec | None) -> bytes:
+def pack(spec: CommandSpec, cores: list[int] | int, box: BoxSpec | None) -> bytes:
     """:meth:`NodeAgent.run`'s argument: bytes pass through Ray without its serializer (a
-    dataclass costs it ~10x a pickle of it; this is paid on every action)."""
+    dataclass costs it ~10x a pickle of it; this is paid on every action). ``cores``: the
+    core ids to pin it to, or how many of the agent's cores it takes, in its queue's
+    order (:class:`CoreQueue`)."""
     return pickle.dumps((spec, cores, box), pickle.HIGHEST_PROTOCOL)
+
+
+class CoreQueue:
+    """A node's granted cores, given to commands strictly in the order they ask (a
+    first-in, first-out queue: a command that needs more cores than are free waits, and
+    so do those after it, as the dispatcher's state counts the node's queue)."""
+
+    def __init__(self, cores: Sequence[int]) -> None:
+        self.free = sorted(cores)
+        self.waiting: deque[tuple[int, asyncio.Future[list[int]]]] = deque()
+
+    def take(self, n: int) -> asyncio.Future[list[int]]:
+        """A future of ``n`` core ids, set when they are this command's turn and free."""
+        fut = asyncio.get_running_loop().create_future()
+        self.waiting.append((n, fut))
+        self._serve()
+        return fut
+
+    def give(self, cores: Sequence[int]) -> None:
+        """Cores a command no longer uses; the next in the queue start on them."""
+        self.free.extend(cores)
+        self.free.sort()
+        self._serve()
+
+    def drop(self, fut: asyncio.Future[list[int]]) -> None:
+        """A command left before it ran (its call was cancelled): its place in the queue
+        goes, and cores it was given come back."""
+        if fut.done() and not fut.cancelled():
+            self.give(fut.result())
+        else:
+            fut.cancel()
+            self._serve()
+
+    def _serve(self) -> None:
+        q = self.waiting
+        while q:
+            n, fut = q[0]
+            if fut.done():  # cancelled while waiting
+                q.popleft()
+                continue
+            if len(self.free) < n:
+                return
+            q.popleft()
+            got, self.free = self.free[:n], self.free[n:]
+            fut.set_result(got)
+
+    @property
+    def queued(self) -> int:
+        """Commands waiting for their cores."""
+        return sum(1 for _, f in self.waiting if not f.done())
 
 
 class NodeAgent:
@@ -65,12 +123,17 @@ class NodeAgent:
         config: how commands are confined (the dispatcher's ``sandbox`` settings).
         hide: host paths commands must not see (the journal's, on its node).
         workdir: where the run directory goes (None: ``/dev/shm`` where writable).
+        cores: the core ids the dispatcher grants on this node, which commands given a
+            count of cores take in arrival order (:class:`CoreQueue`); None: commands
+            come with their core ids.
     """
 
-    def __init__(self, config: SandboxConfig, hide: Sequence[str], workdir: str | None) -> None:
+    def __init__(self, config: SandboxConfig, hide: Sequence[str], workdir: str | None,
+                 cores: Sequence[int] | None = None) -> None:
         self.config = config
         self.hide = list(hide)
         self.workdir = workdir
+        self.cores = CoreQueue(cores) if cores is not None else None
         self.run_dir = None
         self.boxes = None
         self._starting: asyncio.Task | None = None
@@ -104,9 +167,31 @@ class NodeAgent:
     async def run(self, packed: bytes) -> bytes:
         """Run the command of :func:`pack` on this node, pinned to its cores, in its
         sandbox (made at its trajectory's first command here); how it ended, pickled.
-        Cancelling the call kills the command (its whole cgroup slot or group)."""
+        Given a count of cores, it waits for them in the node's queue (its place taken
+        on arrival, before anything else), and gives them back the moment it exits.
+        Cancelling the call kills the command (its whole cgroup slot or group), or takes
+        it out of the queue."""
         spec, cores, box = pickle.loads(packed)
+        if isinstance(cores, int):
+            turn = self.cores.take(cores)
+            try:
+                # The sandbox is made (at a trajectory's first command) while it waits.
+                boxes = await self._ready()
+                sb = await self._sandbox(boxes, box)
+                cores = await turn
+            except BaseException:
+                self.cores.drop(turn)
+                raise
+            try:
+                return await self._launch(spec, cores, boxes, sb)
+            finally:
+                self.cores.give(cores)
         boxes = await self._ready()
+        return await self._launch(spec, cores, boxes, await self._sandbox(boxes, box))
+
+    async def _sandbox(self, boxes, box: BoxSpec | None):
+        """The command's sandbox on this node (opened at its trajectory's first command),
+        or None: outside any."""
         sb = None
         if box is not None and boxes.isolated:
             if box.key == "":
@@ -118,6 +203,9 @@ class NodeAgent:
                 await sb.ready
             except OSError:
                 pass  # launch fails the command with the reason
+        return sb
+
+    async def _launch(self, spec: CommandSpec, cores: list[int], boxes, sb) -> bytes:
         proc = launch(spec.argv, cores=cores, timeout_s=spec.timeout_s, env=spec.env or {},
                       request_env=spec.request_env, boxes=boxes, sandbox=sb,
                       cwd_root=self.run_dir.path, pids_max=spec.pids_max,
@@ -125,6 +213,10 @@ class NodeAgent:
                       tail_bytes=spec.tail_bytes, extra_env=spec.extra_env)
         out: Outcome = await proc.wait()  # cancelled: the command is killed first
         return pickle.dumps(out, pickle.HIGHEST_PROTOCOL)
+
+    def queued(self) -> int:
+        """Commands waiting here for their cores (handed ahead of free ones)."""
+        return self.cores.queued if self.cores is not None else 0
 
     def close_trajectory(self, key: str) -> None:
         """End trajectory ``key``'s sandbox here (its workspace, whatever runs in it)."""
@@ -165,4 +257,4 @@ def run_on_agent(agent: Any, packed: bytes) -> bytes:
         raise
 
 
-__all__ = ["BoxSpec", "NodeAgent", "pack", "run_on_agent"]
+__all__ = ["BoxSpec", "CoreQueue", "NodeAgent", "pack", "run_on_agent"]
