@@ -1,7 +1,8 @@
 """Throughput of the dispatcher actor on no-op actions, side by side with raw Ray tasks.
 
-Starts a local Ray (bound to 127.0.0.1; or joins ``--address``), then alternates, R
-rounds:
+Starts a local Ray (bound to 127.0.0.1; or joins ``--address``), then, R rounds, each
+way through the actor side by side with the raw baseline measured just before it (the
+machine's load drifts within a round; each round takes the ways in a rotated order):
 
 - raw: N tasks as a user would write them without a scheduler (``/bin/true`` through
   the CPU executor, pinned to one core, ``num_cpus=1``, node affinity, unconfined),
@@ -20,10 +21,11 @@ rounds:
   core handed to the node ahead of its free cores; 0: none, each started on a free
   core; the default is the backend's).
 
-Prints each rate, the ratio per round (actor ÷ raw, the acceptance figure: >= 0.8) and
-its median, and where the CPU went: the dispatcher actor's CPU seconds per action, and
-so the ceiling of one dispatcher actor on one core (actions/s it could schedule were
-the tasks free), and the rate of empty Ray tasks (no command) here, Ray's own floor.
+Prints each rate, the ratio per round (actor ÷ the raw run just before it, the
+acceptance figure: >= 0.8) and its median, and where the CPU went: the dispatcher
+actor's CPU seconds per action, and so the ceiling of one dispatcher actor on one core
+(actions/s it could schedule were the tasks free), and the rate of empty Ray tasks (no
+command) here, Ray's own floor.
 
     python benchmarks/ray_throughput.py [--n 2000] [--rounds 3] [--cpus 2]
         [--submit task,agent] [--ahead 0,1] [--isolation auto] [--trajectories 0]
@@ -40,11 +42,13 @@ import statistics
 import tempfile
 import time
 
+# Ray resolves 127.0.0.1 to the machine's outward address (and binds every server to all
+# interfaces) unless clusters are off; with them off it binds to 127.0.0.1 only. Read when
+# ray is first imported (this script's own imports of metasched's Ray backend included).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
 
 def _local_ray(cpus: int) -> None:
-    # Ray resolves 127.0.0.1 to the machine's outward address (and binds every server to
-    # all interfaces) unless clusters are off; with them off it binds to 127.0.0.1 only.
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
     # address="local": a Ray of its own, not one a ``ray start`` on the machine made.
@@ -216,27 +220,27 @@ def main() -> None:
         empty = await _raw(args.n, "empty")
         print(f"empty Ray tasks (no command): {empty:,.0f}/s")
         cores = args.cpus
-        cols = "".join(f" {label(m)} /s | {label(m)} ÷ raw | {label(m)} ÷ raw {cores} in "
-                       f"flight | {label(m)} actor CPU ms/action |" for m in runs)
-        print(f"| round | load avg | raw Ray tasks /s | raw, {cores} in flight /s |{cols}")
-        print("|---|---|---|---|" + "---|---|---|---|" * len(runs))
+        print(f"| round | way | load avg | raw Ray tasks /s | through the actor /s | actor ÷ "
+              f"raw | raw, {cores} in flight /s | actor ÷ raw {cores} in flight | actor CPU "
+              f"ms/action |")
+        print("|---|---|---|---|---|---|---|---|---|")
         ratios = {m: [] for m in runs}
         ratios_k = {m: [] for m in runs}
         cpu_per = {m: [] for m in runs}
         stats = {}
         for r in range(args.rounds):
-            load = os.getloadavg()[0]
-            raw = await _raw(args.n, "command")
             raw_k = await _raw(args.n, "command", in_flight=cores)
-            row = f"| {r + 1} | {load:.1f} | {raw:,.0f} | {raw_k:,.0f} |"
-            for m in runs:
+            shift = r % len(runs)
+            for m in runs[shift:] + runs[:shift]:
+                load = os.getloadavg()[0]
+                raw = await _raw(args.n, "command")
                 rate, per, stats[m] = await through(m[0], m[1], tmp, args.n)
                 ratios[m].append(rate / raw)
                 ratios_k[m].append(rate / raw_k)
                 cpu_per[m].append(per)
-                row += (f" {rate:,.0f} | {rate / raw:.2f} | {rate / raw_k:.2f} | "
-                        f"{per * 1e3:.3f} |")
-            print(row, flush=True)
+                print(f"| {r + 1} | {label(m)} | {load:.1f} | {raw:,.0f} | {rate:,.0f} | "
+                      f"{rate / raw:.2f} | {raw_k:,.0f} | {rate / raw_k:.2f} | "
+                      f"{per * 1e3:.2f} |", flush=True)
         print()
         for m in runs:
             med = statistics.median(cpu_per[m])
