@@ -17,6 +17,8 @@ machine's load drifts within a round; each round takes the ways in a rotated ord
   task per action with ``num_cpus`` of its grant that asks the agent; ``agent``, a
   direct call to the agent per action (the agent holds the dispatcher's cores in Ray,
   so its dispatcher runs only for its own measurement, started and stopped each round);
+  ``batch``, as ``agent`` with the commands of one loop turn in one call and results
+  back on one stream per node;
   each once per ``--ahead`` value (the dispatcher's ``ahead_per_core``: commands per
   core handed to the node ahead of its free cores; 0: none, each started on a free
   core; the default is the backend's).

@@ -506,7 +506,7 @@ def test_ray_unknown_submission_mode_is_one_line(ray_cluster):
     from metasched.runtime.ray_backend import start_dispatcher
 
     RaySide().release_shared()
-    with pytest.raises(ConfigError, match="submit: must be one of task, agent"):
+    with pytest.raises(ConfigError, match="submit: must be one of task, agent, batch"):
         start_dispatcher(cfg(), name=f"test-{uuid.uuid4().hex[:8]}", submit="carrier")
 
 
@@ -695,7 +695,7 @@ async def _peak_queued(d, until: asyncio.Future) -> int:
     return peak
 
 
-@pytest.mark.parametrize("submit", ["task", "agent"])
+@pytest.mark.parametrize("submit", ["task", "agent", "batch"])
 def test_ray_commands_handed_ahead_run_once_each_in_their_sandbox_within_the_cores(
         ray_cluster, submit):
     """With commands handed to the node ahead of its free cores, every command runs, once,

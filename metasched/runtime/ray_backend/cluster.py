@@ -22,6 +22,10 @@ is ``submit``:
   less per action (see ``benchmarks/ray_throughput.py``); the agents then hold the
   dispatcher's cores of their node in Ray's accounting (``num_cpus``) for as long as
   the dispatcher runs, busy or not.
+- ``"batch"``: as ``"agent"``, but the commands started in one turn of the dispatcher's
+  loop go to each node's agent in one call, and results come back on one streaming
+  call per node, whatever finished in the last ``RESULT_INTERVAL_S`` in one batch
+  (:class:`NodeLink`).
 
 Pipelining: the dispatcher may hand a node commands ahead of its free cores
 (``DispatcherConfig.ahead_per_core``, default :attr:`RayBackend.AHEAD_PER_CORE`). Each
@@ -65,7 +69,7 @@ from metasched.runtime.sandbox.workspace import Template
 log = logging.getLogger("metasched.dispatch")
 
 DESCRIBE_TIMEOUT_S = 60.0  # how long nodes may take to answer the first look
-SUBMIT_MODES = ("task", "agent")
+SUBMIT_MODES = ("task", "agent", "batch")
 AGENT_CONCURRENCY = 10_000  # commands one node's agent may run at once (async calls)
 
 
@@ -163,6 +167,97 @@ class RemoteCommand:
         ray.cancel(self.ref)
 
 
+class BatchedCommand:
+    """A command sent to its node's agent in a batch (``submit="batch"``): ``wait()``
+    awaits its result from the node's stream; cancelling the wait, or ``abandon()``,
+    cancels it there."""
+
+    __slots__ = ("link", "key", "future", "cores")
+
+    def __init__(self, link: NodeLink, key: int, future: asyncio.Future[Outcome]) -> None:
+        self.link, self.key, self.future = link, key, future
+        self.cores: list[int] = []
+
+    async def wait(self) -> Outcome:
+        try:
+            out = await self.future
+        except asyncio.CancelledError:
+            self.link.cancel(self.key)
+            raise
+        self.cores = list(out.detail.get("cores", self.cores))
+        return out
+
+    def abandon(self) -> None:
+        self.link.cancel(self.key)
+
+
+class NodeLink:
+    """The batched calls to one node's agent (``submit="batch"``): the commands started
+    in one loop turn go in one :meth:`NodeAgent.start_batch` call, their results come
+    from one long-lived :meth:`NodeAgent.results` stream. If the agent is lost, every
+    command waiting on it fails with the reason."""
+
+    def __init__(self, agent: Any) -> None:
+        self.agent = agent
+        self.outgoing: list[tuple[int, bytes]] = []
+        self.waiting: dict[int, asyncio.Future[Outcome]] = {}
+        self.next_key = 0
+        self.reader: asyncio.Task | None = None
+
+    def start(self, packed: bytes) -> BatchedCommand:
+        loop = asyncio.get_running_loop()
+        if self.reader is None:
+            self.reader = loop.create_task(self._read())
+        key = self.next_key
+        self.next_key += 1
+        fut = self.waiting[key] = loop.create_future()
+        if not self.outgoing:
+            loop.call_soon(self._send)
+        self.outgoing.append((key, packed))
+        return BatchedCommand(self, key, fut)
+
+    def _send(self) -> None:
+        batch, self.outgoing = self.outgoing, []
+        if batch:
+            self.agent.start_batch.remote(pickle.dumps(batch, pickle.HIGHEST_PROTOCOL))
+
+    def cancel(self, key: int) -> None:
+        fut = self.waiting.pop(key, None)
+        if fut is not None:
+            fut.cancel()
+            if any(k == key for k, _ in self.outgoing):  # not sent yet: never will be
+                self.outgoing = [(k, p) for k, p in self.outgoing if k != key]
+            else:
+                self.agent.cancel.remote([key])
+
+    async def _read(self) -> None:
+        stream = self.agent.results.options(num_returns="streaming").remote()
+        try:
+            async for ref in stream:
+                for key, data in pickle.loads(await ref):
+                    fut = self.waiting.pop(key, None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(pickle.loads(data))
+        except asyncio.CancelledError:
+            ray.cancel(stream)
+            raise
+        except ray.exceptions.RayError as e:
+            self.fail(lost(e))
+
+    def fail(self, why: str) -> None:
+        """Every command waiting on this node ends failed with ``why``."""
+        waiting, self.waiting = self.waiting, {}
+        for fut in waiting.values():
+            if not fut.done():
+                fut.set_result(Outcome(ok=False, reason=why))
+
+    async def close(self) -> None:
+        if self.reader is not None:
+            self.reader.cancel()
+            await asyncio.gather(self.reader, return_exceptions=True)
+        self.fail("the dispatcher closed")
+
+
 def lost(e: BaseException) -> str:
     """Why a task or actor call failed in Ray, on one line."""
     text = " ".join(str(e).split())
@@ -245,7 +340,8 @@ class RayBackend:
             dispatcher on the same journal finds the commands a dead one left by it).
         workdir: where the agents' run directories go on the nodes (None: ``/dev/shm``
             where writable).
-        submit: how a command reaches its node's agent: ``"task"`` or ``"agent"``.
+        submit: how a command reaches its node's agent: ``"task"``, ``"agent"`` or
+            ``"batch"``.
     """
 
     name = "ray"
@@ -265,6 +361,7 @@ class RayBackend:
         self.workdir = workdir
         self.submit = submit
         self.agents: list[Any] = []  # per node, once start_sandboxes has run
+        self.links: list[NodeLink] = []  # per node, with submit="batch"
         self._submit: dict[tuple[int, int], Any] = {}  # (node, cores) -> task options
         self._where: dict[str, int] = {}  # trajectory -> the node of its sandbox
 
@@ -294,7 +391,7 @@ class RayBackend:
         """
         # The agents end with the actor that starts them (the dispatcher's), and their
         # sandboxes with them. In "agent" mode they hold the dispatcher's cores in Ray.
-        cpus = len(self.nodes[0].cores) if self.submit == "agent" else 0
+        cpus = len(self.nodes[0].cores) if self.submit != "task" else 0
         agent = ray.remote(NodeAgent)
         self.agents = [agent.options(
             num_cpus=cpus, max_restarts=0, max_concurrency=AGENT_CONCURRENCY,
@@ -309,6 +406,8 @@ class RayBackend:
         for node, f in zip(self.nodes, facts, strict=True):
             if "error" in f:
                 raise ConfigError("sandbox", f"node {node.name[:12]}: {f['error']}")
+        if self.submit == "batch":
+            self.links = [NodeLink(a) for a in self.agents]
         return RemoteSandboxes(self, facts, config)
 
     def _task(self, node: int, n_cores: int) -> Any:
@@ -321,7 +420,7 @@ class RayBackend:
         return fn
 
     def start_command(self, node: int, n_cores: int, spec: CommandSpec,
-                      sandbox: RemoteSandbox | None = None) -> RemoteCommand:
+                      sandbox: RemoteSandbox | None = None) -> RemoteCommand | BatchedCommand:
         """Start ``spec`` on ``n_cores`` of ``node``'s cores: the node's agent picks them
         and starts it in its queue's order (now, when they are free: see the module
         docstring on pipelining); its Outcome's ``detail["cores"]`` says which."""
@@ -331,6 +430,8 @@ class RayBackend:
             self._where[sandbox.key] = node
         packed = pack(spec, n_cores, sandbox.box() if sandbox is not None else None)
         agent = self.agents[node]
+        if self.submit == "batch":
+            return self.links[node].start(packed)
         if self.submit == "agent":
             ref = agent.run.remote(packed)
         else:
@@ -364,6 +465,9 @@ class RayBackend:
             log.info("killed %d commands a previous dispatcher left running", sum(killed))
 
     async def close(self) -> None:
+        links, self.links = self.links, []
+        for link in links:
+            await link.close()
         agents, self.agents = self.agents, []
         if agents:
             # Each ends its sandboxes and removes what it made before it goes.
@@ -374,5 +478,6 @@ class RayBackend:
             self.gpus.close()
 
 
-__all__ = ["SUBMIT_MODES", "RayBackend", "RemoteCommand", "RemoteSandbox", "RemoteSandboxes",
-           "alive_nodes", "check_submit", "cluster_view", "lost"]
+__all__ = ["SUBMIT_MODES", "BatchedCommand", "NodeLink", "RayBackend", "RemoteCommand",
+           "RemoteSandbox", "RemoteSandboxes", "alive_nodes", "check_submit", "cluster_view",
+           "lost"]

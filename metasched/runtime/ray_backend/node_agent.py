@@ -110,9 +110,87 @@ class CoreQueue:
             fut.set_result(got)
 
     @property
+    # ---------------------------------------------------------- batched calls
+
+    async def start_batch(self, packed: bytes) -> None:
+        """Start the commands of ``packed`` (a pickled list of ``(key, pack(...))``), each
+        as :meth:`run` does, in the list's order; each one's result goes, with its key,
+        to the stream of :meth:`results` (the batched way of reaching an agent: one
+        call for the commands of a dispatcher's loop turn, not one each)."""
+        if self._outbox is None:
+            self._outbox = ResultBox()
+        for key, item in pickle.loads(packed):
+            # A task's first step (its place in the node's queue) runs in creation order.
+            task = asyncio.ensure_future(self.run(item))
+            self._by_key[key] = task
+            task.add_done_callback(lambda t, key=key: self._batched_done(key, t))
+
+    def _batched_done(self, key: int, task: asyncio.Task) -> None:
+        self._by_key.pop(key, None)
+        if task.cancelled():
+            out = pickle.dumps(Outcome(ok=False, reason="cancelled"), pickle.HIGHEST_PROTOCOL)
+        elif task.exception() is not None:
+            e = task.exception()
+            out = pickle.dumps(Outcome(ok=False, reason=f"node agent: {type(e).__name__}: {e}"),
+                               pickle.HIGHEST_PROTOCOL)
+        else:
+            out = task.result()
+        self._outbox.put((key, out))
+
+    async def results(self):
+        """The results of :meth:`start_batch`'s commands as they finish, in batches (each
+        a pickled list of ``(key, pickled Outcome)``: whatever finished since the last),
+        at most one batch per ``RESULT_INTERVAL_S`` (a streaming call)."""
+        if self._outbox is None:
+            self._outbox = ResultBox()
+        while True:
+            yield pickle.dumps(await self._outbox.take(), pickle.HIGHEST_PROTOCOL)
+
+    def cancel(self, keys: list[int]) -> None:
+        """Cancel batched commands (killed, or taken out of the node's queue)."""
+        for key in keys:
+            task = self._by_key.get(key)
+            if task is not None:
+                task.cancel()
+
     def queued(self) -> int:
         """Commands waiting for their cores."""
         return sum(1 for _, f in self.waiting if not f.done())
+
+
+# The results stream of batched commands yields at most this often: each yield costs
+# both processes an object and an RPC, so results that finish within one interval go in
+# one. Commands handed ahead keep the node busy meanwhile (the dispatcher learns of an
+# exit up to this late, the node does not wait for it).
+RESULT_INTERVAL_S = 0.005
+
+
+class ResultBox:
+    """Finished results waiting for the next yield of a results stream, which yields at
+    most every ``interval_s`` (whatever finished meanwhile, in one batch)."""
+
+    __slots__ = ("items", "ready", "last", "interval_s")
+
+    def __init__(self, interval_s: float = RESULT_INTERVAL_S) -> None:
+        self.items: list[Any] = []
+        self.ready = asyncio.Event()
+        self.last = 0.0  # when the stream last yielded (loop time)
+        self.interval_s = interval_s
+
+    def put(self, item: Any) -> None:
+        self.items.append(item)
+        self.ready.set()
+
+    async def take(self) -> list[Any]:
+        await self.ready.wait()
+        loop = asyncio.get_running_loop()
+        wait = self.last + self.interval_s - loop.time()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        self.ready.clear()
+        self.last = loop.time()
+        out, self.items = self.items, []
+        return out
 
 
 class NodeAgent:
@@ -134,6 +212,8 @@ class NodeAgent:
         self.hide = list(hide)
         self.workdir = workdir
         self.cores = CoreQueue(cores) if cores is not None else None
+        self._by_key: dict[int, asyncio.Task] = {}  # batched commands not finished
+        self._outbox: ResultBox | None = None
         self.run_dir = None
         self.boxes = None
         self._starting: asyncio.Task | None = None
@@ -214,6 +294,49 @@ class NodeAgent:
         out: Outcome = await proc.wait()  # cancelled: the command is killed first
         return pickle.dumps(out, pickle.HIGHEST_PROTOCOL)
 
+    # ---------------------------------------------------------- batched calls
+
+    async def start_batch(self, packed: bytes) -> None:
+        """Start the commands of ``packed`` (a pickled list of ``(key, pack(...))``), each
+        as :meth:`run` does, in the list's order; each one's result goes, with its key,
+        to the stream of :meth:`results` (the batched way of reaching an agent: one
+        call for the commands of a dispatcher's loop turn, not one each)."""
+        if self._outbox is None:
+            self._outbox = ResultBox()
+        for key, item in pickle.loads(packed):
+            # A task's first step (its place in the node's queue) runs in creation order.
+            task = asyncio.ensure_future(self.run(item))
+            self._by_key[key] = task
+            task.add_done_callback(lambda t, key=key: self._batched_done(key, t))
+
+    def _batched_done(self, key: int, task: asyncio.Task) -> None:
+        self._by_key.pop(key, None)
+        if task.cancelled():
+            out = pickle.dumps(Outcome(ok=False, reason="cancelled"), pickle.HIGHEST_PROTOCOL)
+        elif task.exception() is not None:
+            e = task.exception()
+            out = pickle.dumps(Outcome(ok=False, reason=f"node agent: {type(e).__name__}: {e}"),
+                               pickle.HIGHEST_PROTOCOL)
+        else:
+            out = task.result()
+        self._outbox.put((key, out))
+
+    async def results(self):
+        """The results of :meth:`start_batch`'s commands as they finish, in batches (each
+        a pickled list of ``(key, pickled Outcome)``: whatever finished since the last),
+        at most one batch per ``RESULT_INTERVAL_S`` (a streaming call)."""
+        if self._outbox is None:
+            self._outbox = ResultBox()
+        while True:
+            yield pickle.dumps(await self._outbox.take(), pickle.HIGHEST_PROTOCOL)
+
+    def cancel(self, keys: list[int]) -> None:
+        """Cancel batched commands (killed, or taken out of the node's queue)."""
+        for key in keys:
+            task = self._by_key.get(key)
+            if task is not None:
+                task.cancel()
+
     def queued(self) -> int:
         """Commands waiting here for their cores (handed ahead of free ones)."""
         return self.cores.queued if self.cores is not None else 0
@@ -257,4 +380,4 @@ def run_on_agent(agent: Any, packed: bytes) -> bytes:
         raise
 
 
-__all__ = ["BoxSpec", "CoreQueue", "NodeAgent", "pack", "run_on_agent"]
+__all__ = ["BoxSpec", "CoreQueue", "NodeAgent", "ResultBox", "pack", "run_on_agent"]
