@@ -695,7 +695,9 @@ async def _peak_queued(d, until: asyncio.Future) -> int:
     return peak
 
 
-@pytest.mark.parametrize("submit", ["task", "agent", "batch"])
+@pytest.mark.parametrize("submit", [  # the default way in the default suite (~15 s each)
+    "task", pytest.param("agent", marks=pytest.mark.slow),
+    pytest.param("batch", marks=pytest.mark.slow)])
 def test_ray_commands_handed_ahead_run_once_each_in_their_sandbox_within_the_cores(
         ray_cluster, submit):
     """With commands handed to the node ahead of its free cores, every command runs, once,

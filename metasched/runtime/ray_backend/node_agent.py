@@ -110,49 +110,6 @@ class CoreQueue:
             fut.set_result(got)
 
     @property
-    # ---------------------------------------------------------- batched calls
-
-    async def start_batch(self, packed: bytes) -> None:
-        """Start the commands of ``packed`` (a pickled list of ``(key, pack(...))``), each
-        as :meth:`run` does, in the list's order; each one's result goes, with its key,
-        to the stream of :meth:`results` (the batched way of reaching an agent: one
-        call for the commands of a dispatcher's loop turn, not one each)."""
-        if self._outbox is None:
-            self._outbox = ResultBox()
-        for key, item in pickle.loads(packed):
-            # A task's first step (its place in the node's queue) runs in creation order.
-            task = asyncio.ensure_future(self.run(item))
-            self._by_key[key] = task
-            task.add_done_callback(lambda t, key=key: self._batched_done(key, t))
-
-    def _batched_done(self, key: int, task: asyncio.Task) -> None:
-        self._by_key.pop(key, None)
-        if task.cancelled():
-            out = pickle.dumps(Outcome(ok=False, reason="cancelled"), pickle.HIGHEST_PROTOCOL)
-        elif task.exception() is not None:
-            e = task.exception()
-            out = pickle.dumps(Outcome(ok=False, reason=f"node agent: {type(e).__name__}: {e}"),
-                               pickle.HIGHEST_PROTOCOL)
-        else:
-            out = task.result()
-        self._outbox.put((key, out))
-
-    async def results(self):
-        """The results of :meth:`start_batch`'s commands as they finish, in batches (each
-        a pickled list of ``(key, pickled Outcome)``: whatever finished since the last),
-        at most one batch per ``RESULT_INTERVAL_S`` (a streaming call)."""
-        if self._outbox is None:
-            self._outbox = ResultBox()
-        while True:
-            yield pickle.dumps(await self._outbox.take(), pickle.HIGHEST_PROTOCOL)
-
-    def cancel(self, keys: list[int]) -> None:
-        """Cancel batched commands (killed, or taken out of the node's queue)."""
-        for key in keys:
-            task = self._by_key.get(key)
-            if task is not None:
-                task.cancel()
-
     def queued(self) -> int:
         """Commands waiting for their cores."""
         return sum(1 for _, f in self.waiting if not f.done())
