@@ -347,7 +347,7 @@ class RayBackend:
     name = "ray"
     # Commands per core a node holds ahead of its free cores unless the dispatcher's
     # ahead_per_core says otherwise (measured: benchmarks/ray_throughput.py --ahead).
-    AHEAD_PER_CORE = 1
+    AHEAD_PER_CORE = 2
 
     def __init__(self, nodes: list[Node], gpus: RayGpuHost | None, *, dispatcher: str,
                  workdir: str | None = None, submit: str = "task") -> None:
