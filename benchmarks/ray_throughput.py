@@ -67,6 +67,13 @@ async def _raw(n: int, body: str, in_flight: int | None = None) -> float:
 
     from metasched.runtime.ray_backend.cluster import cluster_view
 
+    # A dispatcher stopped just before may still hold CPUs in Ray (its agents end
+    # asynchronously): the raw run starts once every CPU is free again.
+    total = ray.cluster_resources().get("CPU", 0.0)
+    for _ in range(600):
+        if ray.available_resources().get("CPU", 0.0) >= total:
+            break
+        await asyncio.sleep(0.05)
     (node,) = (await cluster_view())[:1]
     strategy = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node.name, False)
     if body == "command":
