@@ -3,6 +3,8 @@ the bearer token, the body limit, trajectory headers."""
 
 from __future__ import annotations
 
+import warnings
+
 import httpx
 import pytest
 from serve_helpers import serving
@@ -186,3 +188,17 @@ def test_bodies_over_the_limit_are_413_declared_or_streamed():
         r = c.post("/v1/actions", content=chunks(), headers={"content-type": "application/json"})
         assert r.status_code == 413 and "over 10485 bytes" in r.json()["detail"]
         assert c.post("/v1/actions", json=ECHO, params={"wait": 10}).status_code == 200
+
+
+
+def test_the_openapi_document_builds_without_warnings():
+    """Every route has its own operation id (the quota proxy serves five methods)."""
+    from metasched.serve.app import create_app
+
+    app = create_app(lambda: None, ServeConfig())  # the factory is called only on start
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        paths = app.openapi()["paths"]
+    proxy = paths["/v1/endpoints/{name}/{path}"]
+    assert {op["operationId"] for op in proxy.values()} == {
+        f"proxy_{m}" for m in ("get", "post", "put", "patch", "delete")}

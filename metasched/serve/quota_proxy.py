@@ -83,7 +83,6 @@ def proxy_router(service: Service) -> APIRouter:
     """The quota proxy's route (see the module docstring)."""
     router = APIRouter()
 
-    @router.api_route("/v1/endpoints/{name}/{path:path}", methods=METHODS)
     async def forward(name: str, path: str, request: Request) -> Response:
         up = service.config.upstreams.get(name)
         if up is None:
@@ -135,6 +134,11 @@ def proxy_router(service: Service) -> APIRouter:
             return Response(status_code=499)
         return _answer(result, last)
 
+    # One route per method, each with its own operation id: one route serving every
+    # method gives them all the same id, which FastAPI warns about and OpenAPI forbids.
+    for method in METHODS:
+        router.add_api_route("/v1/endpoints/{name}/{path:path}", forward, methods=[method],
+                             operation_id=f"proxy_{method.lower()}")
     return router
 
 
