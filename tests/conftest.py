@@ -151,3 +151,25 @@ def visible_dir():
     path.chmod(0o755)
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray for the test session (Ray takes seconds to start): one node bound to
+    127.0.0.1 with 2 CPUs and one logical GPU (a CPU stand-in serves it). A module that
+    starts dispatcher actors stops them before it ends: a dispatcher takes the cluster's
+    GPU. Skipped without the ``ray`` extra."""
+    # With clusters off, every server Ray starts listens on 127.0.0.1 only (read when ray
+    # is imported).
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    ray = pytest.importorskip("ray", reason="needs the ray extra (pip install 'metasched[ray]')")
+    # address="local": a Ray of its own, even where another one on the machine is the
+    # default to join (``ray start`` records it for ``ray.init()``).
+    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
+             num_cpus=2, num_gpus=1, log_to_driver=False, logging_level="ERROR")
+    try:
+        (node,) = ray.nodes()
+        assert node["NodeManagerAddress"] == "127.0.0.1", node["NodeManagerAddress"]
+        yield ray
+    finally:
+        ray.shutdown()

@@ -64,21 +64,14 @@ def cpu(*argv: str, **kw) -> dict:
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    """One local Ray for the module: 2 CPUs, one logical GPU, bound to 127.0.0.1."""
-    ray = pytest.importorskip("ray", reason="needs the ray extra (pip install 'metasched[ray]')")
-    # address="local": a Ray of its own, even where another one on the machine is the
-    # default to join (``ray start`` records it for ``ray.init()``).
-    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
-             num_cpus=RAY_CPUS,
-             num_gpus=1, log_to_driver=False, logging_level="ERROR")
+def ray_cluster(ray_session):
+    """The session's local Ray (conftest: 2 CPUs, one logical GPU, bound to 127.0.0.1);
+    the shared dispatcher actor is stopped when the module ends."""
+    assert int(ray_session.cluster_resources()["CPU"]) == RAY_CPUS
     try:
-        (node,) = ray.nodes()
-        assert node["NodeManagerAddress"] == "127.0.0.1", node["NodeManagerAddress"]
-        yield ray
+        yield ray_session
     finally:
-        RaySide.shared = RaySide.shared_config = None
-        ray.shutdown()
+        RaySide().release_shared()
 
 
 class LocalSide:
@@ -822,3 +815,55 @@ def test_ray_a_killed_dispatcher_with_commands_handed_ahead_loses_nothing(
     assert len(pids()) == RAY_CPUS + n  # the two killed runs, then one run of each
     with Journal(db) as j:
         assert j.counts() == {"queued": 0, "running": 0, "finished": n}
+
+
+def test_a_gpu_command_is_confined_as_cpu_commands_are(boxed, visible_dir):
+    """A gpu request with an argv runs in its trajectory's sandbox (on its GPU's node):
+    it sees the workspace its trajectory's cpu command wrote, cannot reach a server on
+    the host's 127.0.0.1 nor write outside its workspace, runs as the sandbox's user, and
+    sees its device alone (on the stand-in: none)."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    visible_dir.chmod(0o777)
+    traj = f"t-{uuid.uuid4().hex[:8]}"
+    probe = ("import os, socket\n"
+             "print(open('note').read() if os.path.exists('note') else 'absent')\n"
+             "s = socket.socket(); s.settimeout(2)\n"
+             "try:\n"
+             f"    s.connect(('127.0.0.1', {port})); print('reached')\n"
+             "except OSError:\n"
+             "    print('unreachable')\n"
+             "for path in ['/etc/metasched-probe', '" + str(visible_dir / "x") + "']:\n"
+             "    try:\n"
+             "        open(path, 'w').write('x'); print('wrote')\n"
+             "    except OSError:\n"
+             "        print('refused')\n"
+             "print(repr(os.environ.get('CUDA_VISIBLE_DEVICES')),"
+             " repr(os.environ.get('NVIDIA_VISIBLE_DEVICES')))\n"
+             "print(os.getuid(), os.getcwd())")
+
+    async def go():
+        async with boxed.dispatcher(confined()) as d:
+            wrote = await d.submit(cpu(PY, "-c", "open('note', 'w').write('kept')",
+                                       trajectory=traj))
+            gpu = await d.submit({"kind": "gpu", "argv": [PY, "-c", probe], "timeout_s": 30,
+                                  "trajectory": traj, "turn": 1})
+            return wrote, gpu
+    try:
+        wrote, gpu = run(go())
+    finally:
+        listener.close()
+    assert wrote.ok and gpu.ok, (wrote.reason, gpu.reason, gpu.stderr)
+    note, reach, etc, host_dir, devices, ident = gpu.stdout.strip().splitlines()
+    uid, cwd = ident.split()
+    assert (note, reach, etc, host_dir) == ("kept", "unreachable", "refused", "refused")
+    assert devices == "'' ''"
+    assert int(uid) >= SandboxConfig().uid_range[0] and cwd == "/workspace"
+    assert not (visible_dir / "x").exists()
+    assert gpu.allocation["device"] == 0
+    if boxed.name == "ray":
+        assert gpu.allocation["node"] == wrote.allocation["node"]

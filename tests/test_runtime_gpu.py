@@ -110,7 +110,7 @@ def test_standins_only_when_asked(monkeypatch):
     assert all(d.mem_gb == 8.0 and d.torch_device == "cpu" and d.nvml_index is None
                and d.visible_id == "" and d.standin for d in devices)
     assert "NVML" in why and "2 CPU stand-in devices" in why
-    assert command_env(devices[1]) == {"CUDA_VISIBLE_DEVICES": ""}
+    assert command_env(devices[1]) == {"CUDA_VISIBLE_DEVICES": "", "NVIDIA_VISIBLE_DEVICES": ""}
 
 
 def test_discover_maps_nvml_devices(monkeypatch):
@@ -123,7 +123,8 @@ def test_discover_maps_nvml_devices(monkeypatch):
     assert devices[0].name == "NVIDIA H100 80GB HBM3" and devices[2].name == "NVIDIA H200"
     assert devices[0].mem_gb == pytest.approx(80.0) and devices[3].mem_gb == pytest.approx(140)
     assert devices[2].visible_id == "GPU-cccc2222-2222"
-    assert command_env(devices[2]) == {"CUDA_VISIBLE_DEVICES": "GPU-cccc2222-2222"}
+    assert command_env(devices[2]) == {"CUDA_VISIBLE_DEVICES": "GPU-cccc2222-2222",
+                                       "NVIDIA_VISIBLE_DEVICES": "GPU-cccc2222-2222"}
     assert (nv.inits, nv.shutdowns) == (1, 1)
 
 

@@ -5,6 +5,7 @@ Examples::
     metasched-dispatch jobs=jobs.jsonl
     metasched-dispatch jobs=jobs.jsonl scheduler=elastic_greedy 'cores=[0,1]'
     metasched-dispatch jobs=jobs.jsonl journal=outputs/dispatch/<run>/journal.db  # resume
+    metasched-dispatch jobs=jobs.jsonl backend=ray        # the dispatcher actor on Ray
 
 Each line of the job file is one request (see ``metasched.runtime.requests``); a line
 without an ``id`` gets ``line-<n>``, so running the same file against the same journal
@@ -12,6 +13,11 @@ again resumes it instead of repeating finished work. A malformed line fails alon
 file is read as a stream, at most ``read_ahead`` requests ahead of the results, and
 each result is written to ``results.jsonl`` as it comes; then ``results.json`` and
 ``results.md``. SIGTERM and SIGHUP stop it as Ctrl-C does.
+
+With ``backend=ray`` the dispatcher is the named actor on the Ray cluster at
+``ray.address``: attached to if it runs (its settings apply), else started with these
+(and stopped at the end, unless ``ray.keep``); the job file is read, and the results
+written, here, as on one machine.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from metasched.cli.app import STOP_SIGNALS, install_stop_handlers, make_main, stop_signal
+from metasched.cli.backend_settings import open_on_ray, ray_overrides, ray_settings
 from metasched.cli.job_file import count_requests, read_jobs
 from metasched.cli.output import write_report
 from metasched.cli.settings import bool_setting, int_setting, max_wait_setting
@@ -160,8 +167,10 @@ class Stopped(Exception):
 async def dispatch_all(path: str | Path, dcfg, services: dict[str, Any], out: TextIO, *,
                        total: int | None = None, progress: bool = True,
                        read_ahead: int = 4096, compact_s: float | None = None,
-                       ) -> tuple[Tally, Any, dict[str, Any]]:
-    """Stream the job file at ``path`` through one dispatcher, at most ``read_ahead``
+                       dispatcher: Any = None) -> tuple[Tally, Any, dict[str, Any]]:
+    """Stream the job file at ``path`` through one dispatcher (``dispatcher``, e.g. a
+    :class:`~metasched.runtime.ray_backend.remote.RemoteDispatcher`; None: a local one of
+    ``dcfg`` and ``services``), at most ``read_ahead``
     requests accepted and unfinished at a time, writing each result to ``out`` (one JSON
     line) as it comes. Returns the tally, the RunResult and the dispatcher's stats. A
     request the dispatcher rejects gets ``<file>:<line>:`` before its reason.
@@ -186,7 +195,8 @@ async def dispatch_all(path: str | Path, dcfg, services: dict[str, Any], out: Te
             stopped.append(sig)
             main.cancel()
 
-    d = Dispatcher(dcfg, services=services)  # a bad setting fails here: nothing ran yet
+    # A bad setting fails here: nothing ran yet.
+    d = dispatcher if dispatcher is not None else Dispatcher(dcfg, services=services)
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop, sig)
     columns = ("[progress.description]{task.description}", BarColumn(),
@@ -249,7 +259,7 @@ async def dispatch_all(path: str | Path, dcfg, services: dict[str, Any], out: Te
 
 
 def live_table(name: str, jobs_file: str, summary: dict[str, Any], stats: dict[str, Any],
-               tally: Tally) -> str:
+               tally: Tally, where: str = "on this machine", note: str = "") -> str:
     """The results table of a live run (markdown)."""
     from metasched.evaluation.report import fmt
 
@@ -261,7 +271,7 @@ def live_table(name: str, jobs_file: str, summary: dict[str, Any], stats: dict[s
     measured = stats["measured_utilisation"]
     n = sum(tally.status.values())
     lines = [
-        f"Jobs `{jobs_file}`: {n} requests, live on this machine; scheduler "
+        f"Jobs `{jobs_file}`: {n} requests, live {where}; scheduler "
         f"`{name}`{' (fell back: ' + stats['fallback'] + ')' if stats['fallback'] else ''}.",
         "",
         "| scheduler | done | failed | rejected | mean ACT s (95% CI, actions) | p50 | p95 | p99 "
@@ -284,10 +294,12 @@ def live_table(name: str, jobs_file: str, summary: dict[str, Any], stats: dict[s
     if waiting:
         lines += ["", f"Waiting: {waiting} requests recovered from the journal were not "
                   f"resubmitted (their env was not stored); they stay unfinished in it"]
+    if note:
+        lines += ["", note]
     return "\n".join(lines) + "\n"
 
 
-def interrupted(jobs: str, journal, sig: int = signal.SIGINT) -> None:
+def interrupted(jobs: str, journal, sig: int = signal.SIGINT, again: str = "") -> None:
     """Ctrl-C, SIGTERM or SIGHUP: the running commands have been killed; say what is
     left and how to resume, then exit with status 128 + the signal (130, 143, 129)."""
     from metasched.runtime.journal import Journal
@@ -297,7 +309,21 @@ def interrupted(jobs: str, journal, sig: int = signal.SIGINT) -> None:
     left = counts["queued"] + counts["running"]
     print(f"\ninterrupted ({signal.Signals(sig).name}): {counts['finished']} requests "
           f"finished, {left} unfinished; they are kept in {journal}. Resume with:\n  "
-          f"metasched-dispatch jobs={jobs} journal={journal}", file=sys.stderr)
+          f"metasched-dispatch jobs={jobs} journal={journal}{again}", file=sys.stderr)
+    sys.exit(128 + sig)
+
+
+def interrupted_on_ray(jobs: str, remote, settings, sig: int) -> None:
+    """As :func:`interrupted`, for a dispatcher on Ray: one started here was stopped
+    (its journal says what is left); an attached one goes on with what it accepted."""
+    journal = remote.info["settings"]["journal"]
+    again = f" backend=ray{ray_overrides(settings)}"
+    if remote.started and not remote.keep:
+        interrupted(jobs, journal, sig, again)
+    print(f"\ninterrupted ({signal.Signals(sig).name}): dispatcher {remote.name!r} on Ray "
+          f"goes on with what it accepted (journal {journal}). Resume (finished ids are "
+          f"answered from its journal) with:\n  metasched-dispatch jobs={jobs}{again}",
+          file=sys.stderr)
     sys.exit(128 + sig)
 
 
@@ -308,6 +334,7 @@ def run_dispatch(cfg: dict[str, Any], out_dir, progress: bool = True) -> dict[st
     if not cfg.get("jobs"):
         raise ConfigError("jobs", "give the JSONL job file: metasched-dispatch jobs=<file>")
     out = Path(out_dir)
+    on_ray = ray_settings(cfg)
     total = count_requests(cfg["jobs"])
     dcfg = dispatcher_config(cfg, out)
     read_ahead = int_setting(cfg, "read_ahead", 1, default=4096, hi=1_000_000)
@@ -315,15 +342,24 @@ def run_dispatch(cfg: dict[str, Any], out_dir, progress: bool = True) -> dict[st
     services = load_services(cfg.get("services"))
     show = progress and bool_setting(cfg, "progress", True)
     out.mkdir(parents=True, exist_ok=True)
+    remote, where = None, "on this machine"
+    if on_ray is not None:
+        remote = open_on_ray(on_ray, dcfg, services, cfg)
+        print(remote.describe(), file=sys.stderr)
+        where = f"on Ray (dispatcher `{remote.name}`, {remote.info['nodes']} nodes)"
     try:
         with open(out / "results.jsonl", "w") as f:
             tally, run, stats = asyncio.run(dispatch_all(
                 cfg["jobs"], dcfg, services, f, total=total, progress=show,
-                read_ahead=read_ahead, compact_s=compact_s))
-    except Stopped as e:
-        interrupted(cfg["jobs"], dcfg.journal, e.signum)
-    except KeyboardInterrupt as e:
-        interrupted(cfg["jobs"], dcfg.journal, stop_signal(e))
+                read_ahead=read_ahead, compact_s=compact_s, dispatcher=remote))
+    except (Stopped, KeyboardInterrupt) as e:
+        sig = e.signum if isinstance(e, Stopped) else stop_signal(e)
+        if remote is not None:
+            interrupted_on_ray(cfg["jobs"], remote, on_ray, sig)
+        interrupted(cfg["jobs"], dcfg.journal, sig)
+    finally:
+        if remote is not None:
+            remote.discard()  # started here, and left unclosed by a failure
     name = dcfg.scheduler
     doc = aggregate(Path(cfg["jobs"]).name, [0], [summarise_run(run, name, 0)])
     summary = doc["schedulers"][name]
@@ -331,7 +367,16 @@ def run_dispatch(cfg: dict[str, Any], out_dir, progress: bool = True) -> dict[st
     # One live run: the interval is over actions (evaluation's is over seeds).
     summary["ci95"]["mean_act_s"] = tally.act_ci95()
     doc["live"] = stats
-    write_report(out, doc, live_table(name, str(cfg["jobs"]), summary, stats, tally))
+    note = ""
+    if remote is not None and not remote.started:
+        # What the dispatcher measured covers its other clients too; the file's own
+        # mean ACT is the tally's.
+        summary["mean_act_s"] = tally.mean_act
+        note = (f"Attached to a running dispatcher: counts and the mean ACT are this file's; "
+                f"the ACT percentiles, utilisation, decisions and failures are over all it "
+                f"ran since it started ({len(run.end)} actions).")
+    write_report(out, doc, live_table(name, str(cfg["jobs"]), summary, stats, tally, where,
+                                      note))
     return doc
 
 

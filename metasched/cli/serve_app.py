@@ -1,4 +1,5 @@
-"""``metasched-serve``: the HTTP service in front of one live dispatcher on this machine.
+"""``metasched-serve``: the HTTP service in front of one live dispatcher, on this machine
+or (``backend=ray``) the dispatcher actor on a Ray cluster.
 
 Examples::
 
@@ -6,13 +7,15 @@ Examples::
     metasched-serve port=9090 scheduler=elastic_greedy 'languages=[python,cpp]'
     metasched-serve '+endpoints={search: {rpm: 600, max_concurrency: 64, url: "http://..."}}'
     METASCHED_SERVE_TOKEN=... metasched-serve host=0.0.0.0  # any other address needs a token
+    metasched-serve backend=ray ray.name=metasched         # in front of the actor on Ray
 
 Point SandboxFusion clients at it (verl: ``sandbox_fusion_url=http://127.0.0.1:8080/
 run_code``; SkyRL: ``SANDBOX_FUSION_URL=http://127.0.0.1:8080``), native clients at
 ``/v1/actions`` (``metasched.client``), search and judge clients at
 ``/v1/endpoints/<name>/``. SIGINT, SIGTERM and SIGHUP stop it: requests in flight get
 ``graceful_s`` to finish, then running commands are killed and what did not finish
-stays in the journal (a restart on the same journal runs it).
+stays in the journal (a restart on the same journal runs it). On Ray, a dispatcher the
+service started is stopped so too (unless ``ray.keep``); one it attached to goes on.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from metasched.cli.app import Interrupted, make_main
+from metasched.cli.backend_settings import open_on_ray, ray_settings
 from metasched.cli.dispatch_app import dispatcher_config, load_services
 from metasched.errors import ConfigError, one_of
 
@@ -44,6 +48,7 @@ def run_serve(cfg: dict[str, Any], out_dir: Path) -> None:
     from metasched.serve import create_app, serve
     from metasched.serve.config import parse_upstreams
 
+    on_ray = ray_settings(cfg)
     endpoints, upstreams = parse_upstreams(cfg.get("endpoints"), "endpoints")
     out = Path(out_dir)
     dcfg = dispatcher_config(cfg, out, endpoints=endpoints)
@@ -55,10 +60,19 @@ def run_serve(cfg: dict[str, Any], out_dir: Path) -> None:
     one_of(level, _LOG_LEVELS, "log_level")
     services = load_services(cfg.get("services"))
     out.mkdir(parents=True, exist_ok=True)
-    dispatcher = Dispatcher(dcfg, services=services)  # a bad setting fails here
+    if on_ray is None:
+        dispatcher = Dispatcher(dcfg, services=services)  # a bad setting fails here
+        log.info("journal: %s", dcfg.journal)
+    else:  # attached or started here; a bad setting fails here too
+        dispatcher = open_on_ray(on_ray, dcfg, services, cfg, endpoints=sorted(upstreams))
+        log.info("%s", dispatcher.describe())
     app = create_app(dispatcher, scfg)
-    log.info("journal: %s", dcfg.journal)
-    stopped_by = serve(app, scfg.host, scfg.port, graceful_s=float(graceful), log_level=level)
+    try:
+        stopped_by = serve(app, scfg.host, scfg.port, graceful_s=float(graceful),
+                           log_level=level)
+    finally:
+        if on_ray is not None:
+            dispatcher.discard()  # started here and not closed (the server did not start)
     if stopped_by is not None:
         raise Interrupted(stopped_by)
 

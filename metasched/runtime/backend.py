@@ -117,8 +117,10 @@ class Backend(Protocol):
         backend's to choose and free; a failure to start is the Command's Outcome."""
         ...
 
-    async def run_device_command(self, device: int, spec: CommandSpec) -> Outcome:
-        """Run a command that needs ``devices[device]`` (it sees that device alone)."""
+    def device_node(self, device: int) -> int:
+        """The index in ``nodes`` of the node ``devices[device]`` is on (-1: on none of
+        them); the dispatcher starts a command that needs the device there, through
+        :meth:`start_command`, confined as every command."""
         ...
 
     async def kill_orphans(self, keys: Collection[str]) -> None:

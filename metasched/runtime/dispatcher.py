@@ -316,7 +316,8 @@ class Dispatcher:
         # trajectory id -> its jobs, until its sandbox is ready
         self._awaiting_sandbox: dict[int, list[_Job]] = {}
         self._shared_wait: dict[bool, list[_Job]] = {}  # jobs until a shared sandbox opens
-        self._core_waiters: deque[tuple[int, asyncio.Future]] = deque()  # gpu commands
+        # gpu commands waiting for cores: (how many, on which node, the waiter)
+        self._core_waiters: deque[tuple[int, int, asyncio.Future]] = deque()
         # What commands get from this process's environment (no secret is in the list);
         # the rest comes from their request's env.
         self._base_env = allowed_env(cfg.sandbox.env_allow)
@@ -965,7 +966,9 @@ class Dispatcher:
                 self._start(g)
             if forced:
                 self._kick()
-        if state.ahead_per_node and not self._closed:
+        # Not while a gpu command waits for cores: a node's queue, refilled at every
+        # exit, would keep them from it.
+        if state.ahead_per_node and not self._closed and not self._core_waiters:
             for a in state.fill_ahead():
                 self._start_ahead(a)
         self._arm_timers()
@@ -1030,6 +1033,12 @@ class Dispatcher:
         # a backend's commands are found by their id after a crash (kill_orphans).
         if self.journal is not None and (job.request.argv == () or self.backend):
             self._journal_start(job.request.id, None, job.attempts)
+
+    def _note_started(self, promoted: list[Action]) -> None:
+        """Actions a node's queue started on cores just left there (a round trip ago at
+        most, on the node): their results say they started now."""
+        for b in promoted:
+            self._by_action[b.id].started_at = self._wall0 + self.state.t
 
     def _start_ahead(self, a: Action) -> None:
         """Hand an action the state put in its node's queue to the backend now: the node
@@ -1151,8 +1160,7 @@ class Dispatcher:
         first = jobs[0].request
         try:
             if first.service is None and self.backend is not None:
-                out = await self.backend.run_device_command(device, self._command_spec(first))
-                self._complete(jobs[0], out)
+                self._complete(jobs[0], await self._run_device_command(jobs[0], device))
                 return
             if first.service is None:  # a command that needs a device, and cores
                 cores = await self._reserve_cores(first.min_cores)
@@ -1187,14 +1195,47 @@ class Dispatcher:
                 self.state.release_device(device)
                 self._kick()
 
-    async def _reserve_cores(self, k: int) -> list[int]:
-        """``k`` free cores for a gpu command, counted busy in the CPU pool (the
-        scheduler does not grant them meanwhile); waits until that many are free."""
-        if not self.state.reserve_cores(0, k):
+    async def _run_device_command(self, job: _Job, device: int) -> Outcome:
+        """A gpu command on a backend, confined as on one machine: on its device's node,
+        in its trajectory's sandbox there, through the node's launch path (the backend's
+        ``start_command``), with ``min_cores`` cores of that node counted busy, seeing
+        its device alone."""
+        req = job.request
+        node = self.backend.device_node(device)
+        traj = self._trajs.get(req.trajectory) if req.trajectory is not None else None
+        names = [n.name[:12] for n in self.backend.nodes]
+        if node < 0:
+            return Outcome(False, f"GPU {device}'s node has no CPU the dispatcher grants")
+        if job.sandbox is not None and traj is not None and traj.node not in (-1, node):
+            return Outcome(False, f"trajectory {req.trajectory}'s sandbox is on node "
+                           f"{names[traj.node]}, GPU {device} on node {names[node]} (a gpu "
+                           f"command runs on its GPU's node)")
+        await self._reserve_cores(req.min_cores, node)
+        cmd: Command | None = None
+        try:
+            cmd = self.backend.start_command(
+                node, req.min_cores, self._command_spec(req, command_env(self.devices[device])),
+                job.sandbox)
+            job.alloc.update(node=self.backend.nodes[node].name, cores=cmd.cores)
+            self._commands.add(cmd)
+            out = await cmd.wait()
+            if "cores" in out.detail:  # the node chose them (in its queue's order)
+                job.alloc["cores"] = list(out.detail["cores"])
+            return out
+        finally:
+            if cmd is not None:
+                self._commands.discard(cmd)
+            self._unreserve_cores([], node, req.min_cores)
+
+    async def _reserve_cores(self, k: int, node: int = 0) -> list[int]:
+        """``k`` free cores of ``node`` for a gpu command, counted busy in the CPU pool
+        (the scheduler does not grant them meanwhile); waits until that many are free.
+        Their ids on this machine (on a backend's node: [], the backend picks them)."""
+        if not self.state.reserve_cores(node, k):
             waiter = self._loop.create_future()
-            self._core_waiters.append((k, waiter))
+            self._core_waiters.append((k, node, waiter))
             return await waiter  # reserved for it by _serve_core_waiters
-        return self._take_cores(k)
+        return self._take_cores(k) if self.backend is None else []
 
     def _take_cores(self, k: int) -> list[int]:
         cores = self.monitor.least_loaded(self._free_cores, k)
@@ -1202,11 +1243,13 @@ class Dispatcher:
             self._free_cores.remove(c)
         return cores
 
-    def _unreserve_cores(self, cores: list[int]) -> None:
+    def _unreserve_cores(self, cores: list[int], node: int = 0, k: int | None = None) -> None:
+        """Give back a gpu command's reserved cores (``k`` of ``node``; default: the ids
+        ``cores`` of this machine)."""
         self._free_cores.extend(cores)
         if not self._closed:
             self.state.advance(self._now())
-            self.state.unreserve_cores(0, len(cores))  # (no node queue locally)
+            self._note_started(self.state.unreserve_cores(node, len(cores) if k is None else k))
             self._serve_core_waiters()
             self._kick()
 
@@ -1214,14 +1257,14 @@ class Dispatcher:
         """Cores were freed: gpu commands waiting for cores take them first, in order."""
         q = self._core_waiters
         while q:
-            k, waiter = q[0]
+            k, node, waiter = q[0]
             if waiter.done():
                 q.popleft()
                 continue
-            if not self.state.reserve_cores(0, k):
+            if not self.state.reserve_cores(node, k):
                 return
             q.popleft()
-            waiter.set_result(self._take_cores(k))
+            waiter.set_result(self._take_cores(k) if self.backend is None else [])
 
     async def _run_api(self, job: _Job) -> None:
         req = job.request
@@ -1251,9 +1294,7 @@ class Dispatcher:
         state.advance(self._now())
         a = job.action
         was_ahead = a.status == AHEAD  # its result came first: no run time of its own here
-        for b in state.finish(a, out.ok, out.reason):
-            # Its node started it on the cores ``a`` left (a round trip ago at most).
-            self._by_action[b.id].started_at = self._wall0 + state.t
+        self._note_started(state.finish(a, out.ok, out.reason))
         if self.action_log is not None:
             self.action_log.record(a, batch=job.alloc.get("batch", 1),
                                    setup_s=float(out.detail.get("restore_s", 0.0)),

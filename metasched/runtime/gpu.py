@@ -63,8 +63,10 @@ class LiveDevice:
 
 def command_env(device: LiveDevice) -> dict[str, str]:
     """Environment additions for a command action that runs on ``device``: it sees that
-    GPU alone (as its ``cuda:0``); for a stand-in, no GPU at all."""
-    return {"CUDA_VISIBLE_DEVICES": device.visible_id}
+    GPU alone (as its ``cuda:0``); for a stand-in, no GPU at all. ``NVIDIA_VISIBLE_DEVICES``
+    says the same to a container runtime the command starts."""
+    return {"CUDA_VISIBLE_DEVICES": device.visible_id,
+            "NVIDIA_VISIBLE_DEVICES": device.visible_id}
 
 
 # ---------------------------------------------------------------- NVML, shared by users

@@ -9,6 +9,7 @@ elsewhere (e.g. in a Ray actor), which then forwards them.
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
@@ -40,7 +41,8 @@ class DispatcherLike(Protocol):
 
     def status(self) -> dict[str, Any]: ...
 
-    def find(self, rid: str) -> tuple[str, Result | None] | None: ...
+    def find(self, rid: str) -> tuple[str, Result | None] | None:
+        """Where ``rid`` stands (a dispatcher elsewhere returns an awaitable of it)."""
 
     def close_trajectory(self, name: str) -> None: ...
 
@@ -74,7 +76,8 @@ class Submissions:
         while len(self.done) > self.keep:
             self.done.popitem(last=False)
 
-    def lookup(self, rid: str) -> tuple[str, Result | None, asyncio.Future[Result] | None]:
+    async def lookup(self, rid: str
+                     ) -> tuple[str, Result | None, asyncio.Future[Result] | None]:
         """``(state, result, future)``: state ``queued``, ``running`` (result None,
         future set while it is this service's), ``finished`` (the result), or
         ``unknown``."""
@@ -82,6 +85,8 @@ class Submissions:
         if result is not None:
             return "finished", result, None
         found = self._dispatcher().find(rid)
+        if inspect.isawaitable(found):  # asked of a dispatcher elsewhere (a Ray actor)
+            found = await found
         future = self.pending.get(rid)
         if found is None:
             return ("queued", None, future) if future is not None else ("unknown", None, None)

@@ -152,11 +152,11 @@ def native_router(service: Service) -> APIRouter:
 
     @router.get("/v1/actions/{rid}")
     async def lookup(rid: str, wait: float = wait_query) -> Response:
-        state, result, future = service.submissions.lookup(rid)
+        state, result, future = await service.submissions.lookup(rid)
         if result is None and future is not None:
             result = await _wait(future, wait)
             if result is None:
-                state, result, _ = service.submissions.lookup(rid)
+                state, result, _ = await service.submissions.lookup(rid)
         if result is not None:
             return result_response(result)
         if state == "unknown":

@@ -18,12 +18,23 @@ call counts against the endpoint's TPM (default: the endpoint's ``tokens``).
 
 A caller that disconnects before its call starts is not forwarded (the quota it was
 granted is spent unused); one that disconnects later does not stop the upstream call.
+
+In front of a dispatcher on Ray (``backend=ray``), the quotas are the dispatcher
+actor's, and so is the upstream call: the service hands the actor a :class:`Forward`
+(the call as data), which it makes, retries and answers with the upstream's answer, so
+that every service and worker using that dispatcher shares one quota and a call's
+concurrency slot is held exactly while it is in flight. There, a call whose retries run
+out is answered with the upstream's last status and an error body, not its last body,
+and a caller that leaves does not stop its call from being forwarded.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import re
 import uuid
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -70,6 +81,55 @@ class _Upstream:
                         .get("content-type"))
 
 
+@dataclass(frozen=True)
+class Forward:
+    """One proxied call as data: made by the service's process (``attempt``), or, in
+    front of a dispatcher on Ray, by the dispatcher actor (``__call__``, which pickles
+    it there)."""
+
+    method: str
+    url: str
+    headers: dict[str, str]
+    body: bytes
+
+    async def attempt(self, client: httpx.AsyncClient) -> _Upstream:
+        """One attempt: the upstream's answer (a transport failure is retryable)."""
+        try:  # a body over the limit (BadResponse) fails the call, unretried
+            async with client.stream(self.method, self.url, headers=self.headers,
+                                     content=self.body or None) as resp:
+                content = await read_body(resp)
+        except httpx.TransportError as e:
+            raise RetryableError(f"upstream unreachable: {type(e).__name__}: "
+                                 f"{str(e)[:200] or 'no detail'}") from None
+        return _Upstream(resp.status_code, list(resp.headers.multi_items()), content)
+
+    async def __call__(self) -> dict[str, Any]:
+        """The call in the dispatcher actor: retried there; its value is the answer."""
+        up = await self.attempt(_process_client())
+        _raise_if_retryable(up)
+        return {"status": up.status, "headers": up.headers,
+                "body": base64.b64encode(up.body).decode()}
+
+
+_client: httpx.AsyncClient | None = None
+
+
+def _process_client() -> httpx.AsyncClient:
+    """The pooled client of this process's proxied calls (the dispatcher actor's)."""
+    global _client
+    if _client is None:
+        from metasched.runtime.api_calls import make_client
+
+        _client = make_client()
+    return _client
+
+
+def _raise_if_retryable(up: _Upstream) -> None:
+    if up.status == 429 or up.status >= 500:
+        retry_after = dict((k.lower(), v) for k, v in up.headers).get("retry-after")
+        raise RetryableError(f"HTTP {up.status}", parse_retry_after(retry_after))
+
+
 def _tokens(request: Request, default: int) -> int:
     text = request.headers.get("x-tokens")
     if text is None:
@@ -103,35 +163,31 @@ def proxy_router(service: Service) -> APIRouter:
         url = f"{up.url}/{path}"
         if request.url.query:
             url += f"?{request.url.query}"
+        forward = Forward(request.method, url, headers, body)
         last: list[_Upstream] = []
         gone = asyncio.Event()
         client = service.http
         count = service.metrics.upstream
+        remote = getattr(service.dispatcher, "remote", False)
 
         async def call() -> None:
             if gone.is_set():
                 return  # the caller left while the call waited its turn
-            try:  # a body over the limit (BadResponse) fails the call, unretried
-                async with client.stream(request.method, url, headers=headers,
-                                         content=body or None) as resp:
-                    content = await read_body(resp)
-            except httpx.TransportError as e:
-                raise RetryableError(f"upstream unreachable: {type(e).__name__}: "
-                                     f"{str(e)[:200] or 'no detail'}") from None
-            count.labels(name, str(resp.status_code)).inc()
-            last[:] = [_Upstream(resp.status_code, list(resp.headers.multi_items()), content)]
-            if resp.status_code == 429 or resp.status_code >= 500:
-                raise RetryableError(f"HTTP {resp.status_code}",
-                                     parse_retry_after(resp.headers.get("retry-after")))
+            answer = await forward.attempt(client)
+            count.labels(name, str(answer.status)).inc()
+            last[:] = [answer]
+            _raise_if_retryable(answer)
 
         doc: dict[str, Any] = {"kind": "api", "endpoint": name, "tokens": tokens,
                                "timeout_s": up.timeout_s, "id": uuid.uuid4().hex,
                                "name": name, **ctx.fields()}
-        future = service.dispatcher.accept(doc, call=call)
+        future = service.dispatcher.accept(doc, call=forward if remote else call)
         service.track(doc["id"], future, "api")
         result = await _until_done(future, request, gone)
         if result is None:  # the caller left
             return Response(status_code=499)
+        if remote:
+            _received(result, last, count, name)
         return _answer(result, last)
 
     # One route per method, each with its own operation id: one route serving every
@@ -140,6 +196,23 @@ def proxy_router(service: Service) -> APIRouter:
         router.add_api_route("/v1/endpoints/{name}/{path:path}", forward, methods=[method],
                              operation_id=f"proxy_{method.lower()}")
     return router
+
+
+_HTTP_STATUS = re.compile(r"HTTP (\d{3})\b")
+
+
+def _received(result: Result, last: list[_Upstream], count: Any, name: str) -> None:
+    """The upstream's answer to a call the dispatcher actor made, into ``last`` (its
+    value; after the retries ran out, the status its reason names) and counted."""
+    v = result.value
+    if result.ok and isinstance(v, dict):
+        last[:] = [_Upstream(v["status"], [tuple(h) for h in v["headers"]],
+                             base64.b64decode(v["body"]))]
+    elif (m := _HTTP_STATUS.match(result.reason or "")) is not None:
+        last[:] = [_Upstream(int(m.group(1)), [("content-type", "application/json")],
+                             error(int(m.group(1)), f"upstream: {result.reason}").body)]
+    if last:
+        count.labels(name, str(last[0].status)).inc()
 
 
 def _answer(result: Result, last: list[_Upstream]) -> Response:

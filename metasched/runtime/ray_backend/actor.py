@@ -26,6 +26,7 @@ from typing import Any
 
 import ray
 
+from metasched import __version__
 from metasched.core.metrics import RunResult
 from metasched.errors import ConfigError
 from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
@@ -114,7 +115,13 @@ class DispatcherActor:
                 "nodes": c.cpu_nodes, "cores_per_node": c.cores_per_node,
                 "gpus": c.gpu_devices, "endpoints": sorted(c.endpoints),
                 "scheduler": d.scheduler.name if d.scheduler else None,
-                "recovered": d.state.n_submitted}
+                "recovered": d.state.n_submitted,
+                # What a client attaching by name checks it against (metasched-dispatch,
+                # metasched-serve: see metasched.runtime.ray_backend.remote).
+                "version": __version__, "settings": {
+                    "scheduler": self.config.scheduler, "journal": str(self.config.journal)
+                    if self.config.journal is not None else None,
+                    "submit": self.submit, "cores_per_node": self.cores_per_node}}
 
     async def submit(self, request: Any, call: Any = None) -> Result:
         """One request; its result (a rejection for bad input, never an exception)."""
@@ -170,6 +177,19 @@ class DispatcherActor:
         return {**d.stats(), "backend": "ray", "actor_pid": os.getpid(),
                 "nodes": d.cluster.cpu_nodes, "cores_per_node": d.cluster.cores_per_node,
                 "clients": len(self._boxes)}
+
+    async def status(self) -> dict[str, Any]:
+        """The dispatcher's status (as :meth:`Dispatcher.status`: the pools now)."""
+        d = await self._ready()
+        return {**d.status(), "backend": "ray"}
+
+    async def find(self, rid: str) -> tuple[str, Result | None] | None:
+        """Where request ``rid`` stands (as :meth:`Dispatcher.find`)."""
+        return (await self._ready()).find(rid)
+
+    async def close_trajectory(self, name: str) -> None:
+        """End trajectory ``name`` (as :meth:`Dispatcher.close_trajectory`)."""
+        (await self._ready()).close_trajectory(name)
 
     async def run_result(self) -> RunResult:
         """What the dispatcher measured, in the simulator's form."""

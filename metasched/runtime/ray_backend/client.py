@@ -44,15 +44,16 @@ RESTART_WAIT_S = 120.0  # how long a handle waits for a restarted actor
 MAX_CONCURRENCY = 10_000
 
 
-def _ensure_ray(address: str | None) -> None:
+def _ensure_ray(address: str | None, namespace: str = NAMESPACE) -> None:
     if not ray.is_initialized():
-        ray.init(address=address or "auto", namespace=NAMESPACE, log_to_driver=False)
+        ray.init(address=address or "auto", namespace=namespace, log_to_driver=False)
 
 
 def start_dispatcher(config: DispatcherConfig | None = None, *, name: str = DEFAULT_NAME,
                      services: Mapping[str, LiveService] | None = None,
                      cores_per_node: int | None = None, submit: str = "task",
-                     address: str | None = None, timeout_s: float = 300.0) -> DispatcherHandle:
+                     address: str | None = None, timeout_s: float = 300.0,
+                     namespace: str = NAMESPACE) -> DispatcherHandle:
     """Start the dispatcher actor ``name`` on this node (where its journal is), or find
     the running one, and wait until it serves.
 
@@ -68,16 +69,17 @@ def start_dispatcher(config: DispatcherConfig | None = None, *, name: str = DEFA
             loop turn and a results stream per node): see :mod:`.cluster`.
         address: the cluster (default ``"auto"``) when Ray is not initialised yet.
         timeout_s: how long the dispatcher may take to start.
+        namespace: the Ray namespace the actor's name is found in.
 
     Raises:
         ConfigError: the dispatcher cannot start on this cluster (one line, naming the
             setting), e.g. a journal another dispatcher holds.
     """
     check_submit(submit)
-    _ensure_ray(address)
+    _ensure_ray(address, namespace)
     here = ray.get_runtime_context().get_node_id()
     actor = ray.remote(DispatcherActor).options(
-        name=name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+        name=name, namespace=namespace, lifetime="detached", get_if_exists=True,
         num_cpus=0, max_restarts=-1, max_task_retries=0, max_concurrency=MAX_CONCURRENCY,
         scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
     ).remote(config or DispatcherConfig(), dict(services or {}), name, cores_per_node, submit)
@@ -89,15 +91,16 @@ def start_dispatcher(config: DispatcherConfig | None = None, *, name: str = DEFA
     return DispatcherHandle(actor, name)
 
 
-def connect(name: str = DEFAULT_NAME, *, address: str | None = None) -> DispatcherHandle:
+def connect(name: str = DEFAULT_NAME, *, address: str | None = None,
+            namespace: str = NAMESPACE) -> DispatcherHandle:
     """The handle of the running dispatcher actor ``name`` (from any process or node).
 
     Raises:
         ConfigError: no dispatcher of that name runs on the cluster.
     """
-    _ensure_ray(address)
+    _ensure_ray(address, namespace)
     try:
-        actor = ray.get_actor(name, namespace=NAMESPACE)
+        actor = ray.get_actor(name, namespace=namespace)
     except ValueError:
         raise ConfigError("name", f"no dispatcher {name!r} runs on this Ray cluster (start "
                           f"one with metasched.runtime.ray_backend.start_dispatcher)") from None
@@ -105,11 +108,12 @@ def connect(name: str = DEFAULT_NAME, *, address: str | None = None) -> Dispatch
 
 
 def stop_dispatcher(name: str = DEFAULT_NAME, *, drain: bool = True,
-                    timeout_s: float | None = None) -> dict[str, Any] | None:
+                    timeout_s: float | None = None,
+                    namespace: str = NAMESPACE) -> dict[str, Any] | None:
     """Close the dispatcher actor ``name`` (with ``drain``, once everything it accepted
     has finished) and remove it; its final stats, or None if none was running."""
     try:
-        actor = ray.get_actor(name, namespace=NAMESPACE)
+        actor = ray.get_actor(name, namespace=namespace)
     except ValueError:
         return None
     try:

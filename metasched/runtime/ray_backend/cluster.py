@@ -444,13 +444,9 @@ class RayBackend:
         if node is not None and self.agents:
             self.agents[node].close_trajectory.remote(key)
 
-    async def run_device_command(self, device: int, spec: CommandSpec) -> Outcome:
-        spec = replace(spec, extra_env={**(spec.extra_env or {}),
-                                        DISPATCHER_ENV: self.dispatcher})
-        try:
-            return await self.host.run_command(device, spec, self.workdir)
-        except ray.exceptions.RayError as e:
-            return Outcome(ok=False, reason=lost(e))
+    def device_node(self, device: int) -> int:
+        node_id = self.gpus.node_ids[device] if self.gpus is not None else None
+        return next((i for i, n in enumerate(self.nodes) if n.name == node_id), -1)
 
     async def kill_orphans(self, keys: Collection[str]) -> None:
         keys = list(keys)

@@ -24,15 +24,12 @@ import ray
 
 from metasched.core.pools import ServiceSpec
 from metasched.errors import ConfigError
-from metasched.runtime.backend import CommandSpec
 from metasched.runtime.gpu import (
     LiveDevice,
     LiveService,
     ServiceHost,
-    command_env,
     discover_devices,
 )
-from metasched.runtime.machine import default_workdir, usable_cores
 from metasched.runtime.outcome import Outcome
 
 PLACE_TIMEOUT_S = 60.0  # how long the GPU actors may take to be placed and start
@@ -59,17 +56,6 @@ class GpuHostActor:
     async def run_batch(self, service: str, resident_now: list[str], payloads: list[Any]
                         ) -> Outcome:
         return await self.host.run_batch(service, self.device, resident_now, payloads)
-
-    async def run_command(self, spec: CommandSpec, workdir: str | None) -> Outcome:
-        from metasched.runtime.process import run_process
-
-        return await run_process(
-            spec.argv, cores=usable_cores(), timeout_s=spec.timeout_s,
-            env={**(spec.env or {}), **(spec.request_env or {})},
-            mem_limit_mb=spec.mem_limit_mb, cpu_time_s=spec.cpu_time_s,
-            tail_bytes=spec.tail_bytes, extra_env={**(spec.extra_env or {}),
-                                                   **command_env(self.device)},
-            cwd_root=workdir if workdir is not None else default_workdir())
 
     def pid(self) -> int:
         return os.getpid()
@@ -124,10 +110,6 @@ class RayGpuHost:
             return Outcome(ok=False, reason=f"unknown service {service!r} (registered: {names})")
         return await self.actors[device.index].run_batch.remote(
             service, sorted(resident_now), payloads)
-
-    async def run_command(self, device: int, spec: CommandSpec, workdir: str | None
-                          ) -> Outcome:
-        return await self.actors[device].run_command.remote(spec, workdir)
 
     def close(self) -> None:
         for a in self.actors:
