@@ -78,7 +78,14 @@ def test_dispatcher_writes_a_trace_and_appends_after_a_restart(tmp_path: Path) -
     asyncio.run(session("a"))
     asyncio.run(session("b"))
     rows = lines(path)
-    assert [r["type"] for r in rows].count("cluster") == 1  # appended, not restarted
+    # Appended, not restarted; the second service's start is a cluster line of its own
+    # between the sessions' actions, later than the first.
+    kinds = [r["type"] for r in rows]
+    assert kinds.count("cluster") == 2 and kinds[0] == "cluster"
+    second = kinds.index("cluster", 1)
+    assert kinds[1:second] == ["action"] * 4 and kinds[second + 1:] == ["action"] * 4
+    assert rows[second]["started_at"] > rows[0]["started_at"]
+    assert rows[second]["cpu"] == rows[0]["cpu"]
     acts = [r for r in rows if r["type"] == "action"]
     assert len(acts) == 8
     for prefix in ("a", "b"):

@@ -309,18 +309,21 @@ def test_mistakes_are_one_line(make, args, message, tmp_path: Path, capsys) -> N
 # ---------------------------------------------------------------- agent turns
 
 
-def _grouped_trace(path: Path, n_traj: int, seed: int, *, runs: int = 1) -> dict:
+def _grouped_trace(path: Path, n_traj: int, seed: int, *, runs: int = 1,
+                   restarts: bool = False, endpoint: dict | None = None) -> dict:
     """A live-like trace: each agent turn is a request of two steps (``w`` then ``r``,
     the second submitted as the first finishes) with probability 0.6, two programs
     posted at once (``t``, ``t``) with probability 0.25, else one search (``s``); LLM
     generation before each turn. ``runs`` runs appended one after the other, 10 s apart,
-    reusing the trajectories' names (as a client naming them per step does). Returns
-    what was drawn."""
+    reusing the trajectories' names (as a client naming them per step does); with
+    ``restarts`` each run after the first is a service started anew (a cluster line of
+    its own before it, as the dispatcher writes). ``endpoint``: the search quota on the
+    cluster line. Returns what was drawn."""
     rng = np.random.default_rng(seed)
     header = {"type": "cluster", "name": "local",
               "cpu": {"nodes": 1, "cores_per_node": 2, "mem_gb_per_node": 8.0},
               "gpu": {"devices": 0, "mem_gb": 0.0},
-              "api": {"endpoints": {"web": {"rpm": 600.0, "max_concurrency": 4}}},
+              "api": {"endpoints": {"web": endpoint or {"rpm": 600.0, "max_concurrency": 4}}},
               "services": {}, "started_at": 0.0}
     lines, groups, gens, turns = [json.dumps(header)], [], [], []
     start = end = 0.0
@@ -342,7 +345,9 @@ def _grouped_trace(path: Path, n_traj: int, seed: int, *, runs: int = 1) -> dict
         lines.append(json.dumps({"type": "action", "arrival_s": t, "task": "agent",
                                  "action": act, "measured": m}))
 
-    for _ in range(runs):
+    for r in range(runs):
+        if r and restarts:
+            lines.append(json.dumps({**header, "started_at": start - 1.0}))
         for i in range(n_traj):  # a run's trajectories start together
             t = start
             k = int(rng.integers(2, 7))
@@ -430,6 +435,38 @@ def test_trajectory_names_reused_after_their_reward_are_new_trajectories(tmp_pat
 
     gap, n = calibrate(samples, "appended").step_gap
     assert n == 2 and gap == pytest.approx(10.0, abs=1.5)
+
+
+@pytest.mark.parametrize("restarts", [True, False])
+def test_steps_on_restarted_services_start_with_fresh_quotas(tmp_path: Path, restarts: bool
+                                                             ) -> None:
+    # Runs appended one after another, each on its own service: every step after the
+    # first began with its quotas full, and the profile says so; runs of one service
+    # do not (the pause alone refills them).
+    trace = tmp_path / "runs.jsonl"
+    _grouped_trace(trace, 10, seed=7, runs=4, restarts=restarts)
+    out = tmp_path / "o"
+    calibrate_main([str(trace), "--name", "r", "--out", str(out), "--quiet", "--no-plot"])
+    w = parse_workload(yaml.safe_load((out / "workload" / "r.yaml").read_text()))
+    assert w.step_fresh_quotas is restarts and w.steps == 4
+
+
+def test_calibrated_cluster_keeps_the_quota_allowance_of_the_trace(tmp_path: Path) -> None:
+    # The proxy's quota: 6 RPM derated by its 0.25 s margin (6 calls over 60.25 s). A
+    # rounded rate (5.975 RPM) would admit 5 calls a window in the replay, not 6.
+    from metasched.core.pools import EndpointSpec
+    from metasched.serve.config import derated
+
+    spec = derated(EndpointSpec(rpm=6.0, max_concurrency=16), 0.25)
+    trace = tmp_path / "proxied.jsonl"
+    _grouped_trace(trace, 10, seed=8, endpoint={"rpm": spec.rpm, "max_concurrency": 16,
+                                                "window_s": spec.window_s})
+    out = tmp_path / "o"
+    calibrate_main([str(trace), "--name", "p", "--out", str(out), "--quiet", "--no-plot"])
+    c = parse_cluster(yaml.safe_load((out / "cluster" / "p.yaml").read_text()))
+    assert spec.req_capacity == 6.0
+    assert c.endpoints["web"].req_capacity == spec.req_capacity
+    assert c.endpoints["web"] == spec
 
 
 def test_a_point_mass_at_zero() -> None:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from metasched.cli.eval_app import run_eval
@@ -417,10 +418,22 @@ def test_live_calibration_benchmark_replays_a_trace_beside_its_runs(tmp_path):
     for row in ("mean ACT (s)", "step time (s)"):
         assert any(ln.startswith(f"| {row} |") for ln in r.stdout.splitlines())
     assert doc["mean_act_s_ratio"] > 0 and doc["step_s_ratio"] > 0
+    # Both sides measured from a trace each: the replay's steps, and the tables by
+    # searches per step (every live step in one row of counts) and by action type.
+    assert [len(s) for s in doc["simulated_steps"]] == [2, 2]
+    lo, hi = doc["mean_act_s_live_ci95"]
+    assert lo <= np.mean([x["mean_act_s"] for x in doc["live"]]) <= hi
+    rows = [ln.split(" | ") for ln in r.stdout.splitlines() if ln.startswith("| ")]
+    by_k = [c for c in rows if c[0].lstrip("| ").isdigit()]
+    assert sum(int(c[1].split()[0]) for c in by_k) == 2
+    assert sum(int(c[2].split()[0]) for c in by_k) == 4
+    types = {c[0].lstrip("| ") for c in rows if len(c) == 5 and c[0] != "| action type"}
+    assert "reward" in types and len(types) >= 2
 
 
 @pytest.mark.parametrize("args, field", [(["--sim-seeds", "1"], "sim-seeds"),
                                          (["--seeds", "0,x"], "seeds"),
+                                         (["--seeds", "5..2"], "seeds"),
                                          (["--trajectories", "0"], "trajectories"),
                                          (["--pause-s", "-1"], "pause-s"),
                                          (["--trace", "/nonexistent.jsonl"], "trace")])

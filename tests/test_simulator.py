@@ -188,6 +188,21 @@ def test_pause_between_steps(make_workload, make_cluster):
     assert r.step_end.tolist() == [3.0, 11.0, 19.0]
 
 
+@pytest.mark.parametrize("fresh, ends", [
+    (False, [2.0, 12.0, 22.0]),  # each step's calls wait for the last step's to leave
+    (True, [2.0, 4.0, 6.0]),     # every step on a service started anew: its quota full
+])
+def test_fresh_quotas_each_step(make_workload, make_cluster, fresh, ends):
+    # Two trajectories a step, each a 1 s search as its reward after 1 s of generation;
+    # the quota admits 2 calls in any 10 s, so a step's calls use a window's allowance.
+    w = make_workload({"kind": "api", "endpoint": "e", "duration_s": 1.0, "timeout_s": 100.0},
+                      trajectories=2, steps=3)
+    c = make_cluster(endpoints={"e": {"rpm": 12, "max_concurrency": 4, "window_s": 10.0}})
+    r = Simulator(dataclasses.replace(w, step_fresh_quotas=fresh), c, seed=0).run(
+        make_scheduler("fifo"))
+    assert r.step_end.tolist() == pytest.approx(ends, abs=1e-6)
+
+
 @pytest.mark.parametrize("stages, end", [
     ([["a", "a"]], 5.0),   # submitted together at 1 s: both done at 3 s, reward 4-5 s
     (["a", "a"], 7.0),     # one after the other: 1-3 s, 3-5 s, reward 6-7 s

@@ -97,6 +97,14 @@ class Calibration:
     cluster_source: str
     notes: list[str] = field(default_factory=list)
     step_gap: tuple[float, int] = (0.0, 0)  # the pause between steps, and gaps measured
+    # Steps after the first that began on a service started anew, of how many.
+    fresh_steps: tuple[int, int] = (0, 0)
+
+    @property
+    def step_fresh_quotas(self) -> bool:
+        """Every step after the first began on a restarted service (its quotas full)."""
+        k, n = self.fresh_steps
+        return n > 0 and k == n
 
     def workload_yaml(self) -> str:
         return _workload_yaml(self)
@@ -287,7 +295,8 @@ def calibrate(samples: TraceSamples, name: str, base: dict[str, Any] | None = No
                           "cluster to use (e.g. --base coding)")
     return Calibration(name, samples, list(fits.values()), tasks, len(steps),
                        max(1, round(n_traj / len(steps))), est_err, services, cluster,
-                       cluster_source, notes, _step_gap(steps, tasks))
+                       cluster_source, notes, _step_gap(steps, tasks),
+                       _fresh_steps(steps, samples.restarts_s))
 
 
 def _step_gap(steps: list, tasks: list[TaskFit]) -> tuple[float, int]:
@@ -301,6 +310,16 @@ def _step_gap(steps: list, tasks: list[TaskFit]) -> tuple[float, int]:
         return 0.0, 0
     gen = [t.gaps.dist.quantile(0.5) for t in tasks if t.gaps is not None]
     return max(0.0, float(np.median(gaps)) - float(np.mean(gen) if gen else 0.0)), len(gaps)
+
+
+def _fresh_steps(steps: list, restarts_s: list[float]) -> tuple[int, int]:
+    """How many steps after the first began on a service started after the previous
+    step's last finish (a cluster line between them: the live runs of a demonstration,
+    each its own service), of how many steps after the first."""
+    bounds = [(max(t.last_s for t in a), min(t.first_s for t in b))
+              for a, b in zip(steps, steps[1:], strict=False)]
+    fresh = sum(any(lo <= r <= hi for r in restarts_s) for lo, hi in bounds)
+    return fresh, len(bounds)
 
 
 def _turn_groups(seen: dict[tuple[str, ...], dict[tuple[tuple[str, ...], ...], int]]
@@ -409,6 +428,10 @@ def _workload_yaml(c: Calibration) -> str:
                       f"pause between steps: median of {c.step_gap[1]:,} gaps (the next "
                       "step's first submission - the last finish, less a generation)")]
                if c.step_gap[0] > 0 else []),
+             *([_line(0, "step_fresh_quotas", "true",
+                      f"each of the {c.fresh_steps[1]:,} steps after the first began on a "
+                      "service started anew: its quotas full")]
+               if c.step_fresh_quotas else []),
              _line(0, "trace", "null")]
     if c.services:
         lines.append("services:")
@@ -485,7 +508,11 @@ def _cluster_yaml(c: Calibration) -> str:
     else:
         lines.append("  endpoints:")
         for name, e in eps.items():
-            lines.append(f"    {name}: {_flow(e)}")
+            # At the precision recorded: a quota derated by the proxy's margin (5.975
+            # RPM over 60.25 s) admits its whole allowance only unrounded (5.975 over
+            # 60.25 s is 5.9999 requests: 5 a window, not 6).
+            lines.append(f"    {name}: {{" + ", ".join(f"{k}: {v!r}" for k, v in e.items())
+                         + "}")
     return "\n".join(lines) + "\n"
 
 

@@ -83,6 +83,9 @@ class TraceSamples:
     turn_groups: dict[str, dict[tuple[str, ...], dict[tuple[tuple[str, ...], ...], int]]] = \
         field(default_factory=dict)
     turn_gaps: dict[str, list[float]] = field(default_factory=dict)
+    # When a live service started again on this trace (a later cluster line's
+    # ``started_at``, seconds from the first's): from then its API quotas were full.
+    restarts_s: list[float] = field(default_factory=list)
     n_lines: int = 0
     n_actions: int = 0  # action lines with measurements
     n_unmeasured: int = 0  # trajectory lines and action lines without measurements
@@ -154,7 +157,11 @@ def read_samples(path: PathLike, progress: Callable[[int], None] | None = None) 
         if progress is not None and out.n_lines % 10_000 == 0:
             progress(out.n_lines)
         if item.header is not None:
-            out.header = item.header
+            h, first = item.header, out.header
+            if first is None:
+                out.header = h
+            elif h.started_at is not None and first.started_at is not None:
+                out.restarts_s.append(h.started_at - first.started_at)
             continue
         if item.action is None or item.measured is None:
             out.n_unmeasured += 1

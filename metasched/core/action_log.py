@@ -6,8 +6,10 @@ the trajectory and turn it belonged to, its queue wait and run time, how it ende
 allocation (cores, core ids, device, batch, setup time) and the generation gap before it
 (its submission minus the previous action's finish in the same trajectory). A first
 ``{"type": "cluster", ...}`` line records the resources (cluster and GPU services) the
-actions ran on. ``workload.trace=`` replays such a file (the actions arrive at their
-recorded times); ``metasched-calibrate`` fits a workload profile to it.
+actions ran on; a live clock appending to an existing trace writes one again when it
+starts (a service started anew, its quotas full). ``workload.trace=`` replays such a
+file (the actions arrive at their recorded times); ``metasched-calibrate`` fits a
+workload profile to it.
 
 The simulator and the live dispatcher write the same lines through one
 :class:`ActionLog`, so a calibration fitted on a simulated trace is fitted by the code
@@ -97,7 +99,10 @@ class ActionLog:
         self._flushed = time.monotonic()
         self._last_end: dict[int, float] = {}  # live trajectory id -> its last finish
         self.n_written = 0
-        if new:
+        # A new file starts with the resources; a live clock appending to an existing
+        # one (a restarted service) writes them again, with its own start: what ran
+        # after that line ran on a fresh service, whose API quotas started full.
+        if new or started_at is not None:
             head: dict[str, Any] = {"type": "cluster", **cluster_doc(cluster),
                                     "services": services_doc(services or {})}
             if started_at is not None:

@@ -213,6 +213,14 @@ class Endpoint:
         self.req = self.spec.req_capacity - len(log)
         self.tok = self.spec.tok_capacity - self.used_tok
 
+    def restart(self) -> None:
+        """Forget every charge: the window of a service started anew (its quota full;
+        calls in flight stay counted)."""
+        self.log.clear()
+        self.used_tok = 0
+        self.req = self.spec.req_capacity
+        self.tok = self.spec.tok_capacity
+
     def can_start(self, tokens: int, t: float) -> bool:
         self.refill(t)
         return (self.in_flight < self.spec.max_concurrency and self.req >= 1.0

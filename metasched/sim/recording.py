@@ -8,22 +8,25 @@ import os
 from metasched.core.action_log import ActionLog
 from metasched.core.cluster_config import ClusterConfig
 from metasched.core.metrics import RunResult
-from metasched.sim.simulator import Simulator
+from metasched.sim.simulator import Simulator, cost_model_for
 from metasched.sim.workload_config import WorkloadConfig
 
 
 def record_trace(workload: WorkloadConfig, cluster: ClusterConfig, path: str | os.PathLike,
                  scheduler: str = "elastic_greedy", seed: int = 0,
-                 max_wait_s: float | None = 300.0) -> tuple[RunResult, int]:
+                 max_wait_s: float | None = 300.0, estimates: str = "profile"
+                 ) -> tuple[RunResult, int]:
     """Simulate ``workload`` on ``cluster`` under ``scheduler`` (a heuristic's name or a
-    checkpoint directory) for ``seed`` and append every finished action to ``path``.
+    checkpoint directory) for ``seed`` and append every finished action to ``path``;
+    ``estimates``: what the scheduler sees (``online``: the dispatcher's cost model).
 
     Returns the run's result and the number of actions written.
     """
     from metasched.agents import make_scheduler
 
     with ActionLog(path, cluster, workload.services) as log:
-        sim = Simulator(workload, cluster, seed, action_log=log, max_wait_s=max_wait_s)
+        sim = Simulator(workload, cluster, seed, action_log=log, max_wait_s=max_wait_s,
+                        cost_model=cost_model_for(estimates))
         result = sim.run(make_scheduler(scheduler))
     return result, log.n_written
 

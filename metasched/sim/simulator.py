@@ -360,6 +360,9 @@ class Simulator:
         state = self.state
         state.step_index, state.step_start_t = self._step, t
         state.step_total, state.step_done = len(specs), 0
+        if self._step and self.workload.step_fresh_quotas:
+            for ep in state.api.endpoints.values():
+                ep.restart()
         for ts in specs:
             traj = Trajectory(self._next_traj_id, ts.task, self._step, list(ts.turns), ts.sandbox)
             self._next_traj_id += 1

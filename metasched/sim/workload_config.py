@@ -146,6 +146,9 @@ class WorkloadConfig:
     # Between one RL step's end and the next one's start: the trainer's update, while
     # the rollout's resources idle (quotas refill).
     step_gap_s: float = 0.0
+    # Each RL step's rollout runs on a service started for it (a recorded trace of
+    # runs appended one after another): every API quota starts the step full.
+    step_fresh_quotas: bool = False
 
 
 def parse_dist(d: Any, path: str, *, positive: bool = True) -> Dist:
@@ -275,7 +278,7 @@ def parse_workload(d: Mapping, path: str = "workload") -> WorkloadConfig:
     if not isinstance(d, Mapping):
         raise ConfigError(path, f"must be a mapping (got {type(d).__name__})")
     check_keys(d, {"name", "steps", "trajectories_per_step", "estimate_error", "services",
-                    "tasks", "trace", "step_gap_s"}, path)
+                    "tasks", "trace", "step_gap_s", "step_fresh_quotas"}, path)
     name = str(get_key(d, "name", path))
     services = {str(k): parse_service(v, f"{path}.services.{k}")
                 for k, v in mapping_or_empty(d.get("services"), f"{path}.services").items()}
@@ -331,8 +334,11 @@ def parse_workload(d: Mapping, path: str = "workload") -> WorkloadConfig:
                                      services, reward=True),
             turn_groups=groups))
     gap = bounded(d.get("step_gap_s", 0.0), f"{path}.step_gap_s", lo=0.0)
+    fresh = d.get("step_fresh_quotas", False)
+    if not isinstance(fresh, bool):
+        raise ConfigError(f"{path}.step_fresh_quotas", f"must be true or false (got {fresh!r})")
     return WorkloadConfig(name, steps, n_traj, est_err, tuple(tasks), services,
-                          None if trace is None else str(trace), gap)
+                          None if trace is None else str(trace), gap, fresh)
 
 
 def check_compatible(w: WorkloadConfig, c: ClusterConfig, path: str = "workload") -> None:
