@@ -40,6 +40,27 @@ def _quota_s(ep: EndpointSpec, a: Action) -> float:
     return req if ep.tpm is None else max(req, 60.0 * a.spec.tokens / ep.tpm)
 
 
+class _NodeFree(dict):
+    """Free cores of the nodes looked at, read from the pool on first use: a decision
+    touches a few nodes of thousands, so it copies only those."""
+
+    __slots__ = ("pool_free",)
+
+    def __init__(self, pool_free: list[int]) -> None:
+        super().__init__()
+        self.pool_free = pool_free
+
+    def __missing__(self, node: int) -> int:
+        v = self[node] = self.pool_free[node]
+        return v
+
+    def merged_into(self, full: list[int]) -> list[int]:
+        """``full`` (every node's free cores) with the changes made here."""
+        for node, v in self.items():
+            full[node] = v
+        return full
+
+
 class ElasticGreedyScheduler(Scheduler):
     """Elastic, residency- and quota-aware greedy scheduling.
 
@@ -117,12 +138,18 @@ class ElasticGreedyScheduler(Scheduler):
     # ------------------------------------------------------------------ cpu
 
     def _cpu(self, state: ClusterState, led: Ledger, grants: list[Grant]) -> None:
-        free = led.free
         cpu = state.cpu
+        # Free cores after the planned grants, of the nodes visited only (sandbox-bound
+        # actions); the ledger's copy of every node is taken once an action may go to
+        # any node.
+        free: _NodeFree | list[int] = _NodeFree(cpu.free)
         pending = state.pending["cpu"]
         # Sandbox nodes first (each uses only its own cores), then actions free to go
         # to the node with the most free cores.
-        for node in sorted(self._cpu_busy, key=lambda n: (n < 0, n)):
+        order = sorted(self._cpu_busy)  # ints compared in C: no key function per node
+        if order and order[0] < 0:  # -1 (any node) sorts first: move it last
+            order.append(order.pop(0))
+        for node in order:
             q = self._cpu_q[node]
             if not q.heap:
                 self._cpu_busy.discard(node)  # its last entries were dropped when met
@@ -132,6 +159,8 @@ class ElasticGreedyScheduler(Scheduler):
             for _, a in q.scan_keyed(pending):  # shortest job first
                 n = node
                 if n < 0:
+                    if isinstance(free, _NodeFree):
+                        free = free.merged_into(led.free)
                     n = max(range(len(free)), key=free.__getitem__)
                 if free[n] >= a.spec.min_cores:
                     free[n] -= a.spec.min_cores

@@ -1,7 +1,8 @@
 """Throughput of the dispatcher actor on no-op actions, side by side with raw Ray tasks.
 
-Starts a local Ray (bound to 127.0.0.1; or joins ``--address``), then alternates, R
-rounds:
+Starts a local Ray (bound to 127.0.0.1; or joins ``--address``), then, R rounds, each
+way through the actor side by side with the raw baseline measured just before it (the
+machine's load drifts within a round; each round takes the ways in a rotated order):
 
 - raw: N tasks as a user would write them without a scheduler (``/bin/true`` through
   the CPU executor, pinned to one core, ``num_cpus=1``, node affinity, unconfined),
@@ -15,15 +16,22 @@ rounds:
   and cgroup slots where the machine allows, as users get by default): ``task``, a Ray
   task per action with ``num_cpus`` of its grant that asks the agent; ``agent``, a
   direct call to the agent per action (the agent holds the dispatcher's cores in Ray,
-  so its dispatcher runs only for its own measurement, started and stopped each round).
+  so its dispatcher runs only for its own measurement, started and stopped each round);
+  ``batch``, as ``agent`` with the commands of one loop turn in one call and results
+  back on one stream per node;
+  each once per ``--ahead`` value (the dispatcher's ``ahead_per_core``: commands per
+  core handed to the node ahead of its free cores; 0: none, each started on a free
+  core; the default is the backend's).
 
-Prints each rate, the ratio per round (actor ÷ raw, the acceptance figure: >= 0.8) and
-its median, and where the CPU went: the dispatcher actor's CPU seconds per action, and
-so the ceiling of one dispatcher actor on one core (actions/s it could schedule were
-the tasks free), and the rate of empty Ray tasks (no command) here, Ray's own floor.
+Prints each rate, the ratio per round (actor ÷ the raw run just before it, the
+acceptance figure: >= 0.8) and its median, and where the CPU went: the dispatcher
+actor's CPU seconds per action, and so the ceiling of one dispatcher actor on one core
+(actions/s it could schedule were the tasks free), and the rate of empty Ray tasks (no
+command) here, Ray's own floor.
 
     python benchmarks/ray_throughput.py [--n 2000] [--rounds 3] [--cpus 2]
-        [--submit task,agent] [--isolation auto] [--trajectories 0] [--address auto]
+        [--submit task,agent] [--ahead 0,1] [--isolation auto] [--trajectories 0]
+        [--address auto]
 """
 
 from __future__ import annotations
@@ -36,14 +44,18 @@ import statistics
 import tempfile
 import time
 
+# Ray resolves 127.0.0.1 to the machine's outward address (and binds every server to all
+# interfaces) unless clusters are off; with them off it binds to 127.0.0.1 only. Read when
+# ray is first imported (this script's own imports of metasched's Ray backend included).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
 
 def _local_ray(cpus: int) -> None:
-    # Ray resolves 127.0.0.1 to the machine's outward address (and binds every server to
-    # all interfaces) unless clusters are off; with them off it binds to 127.0.0.1 only.
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
-    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=cpus,
+    # address="local": a Ray of its own, not one a ``ray start`` on the machine made.
+    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
+             num_cpus=cpus,
              namespace="metasched", log_to_driver=False, logging_level="ERROR")
 
 
@@ -55,6 +67,13 @@ async def _raw(n: int, body: str, in_flight: int | None = None) -> float:
 
     from metasched.runtime.ray_backend.cluster import cluster_view
 
+    # A dispatcher stopped just before may still hold CPUs in Ray (its agents end
+    # asynchronously): the raw run starts once every CPU is free again.
+    total = ray.cluster_resources().get("CPU", 0.0)
+    for _ in range(600):
+        if ray.available_resources().get("CPU", 0.0) >= total:
+            break
+        await asyncio.sleep(0.05)
     (node,) = (await cluster_view())[:1]
     strategy = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node.name, False)
     if body == "command":
@@ -135,6 +154,9 @@ def main() -> None:
     p.add_argument("--scheduler", default="elastic_greedy")
     p.add_argument("--submit", default="task,agent",
                    help="the dispatcher's ways of reaching its agents, comma-separated")
+    p.add_argument("--ahead", default=None,
+                   help="the dispatcher's ahead_per_core values to run, comma-separated "
+                        "(default: the backend's)")
     p.add_argument("--isolation", default="auto", choices=["auto", "bwrap", "none"],
                    help="the dispatcher's sandbox.isolation")
     p.add_argument("--trajectories", type=int, default=0,
@@ -149,6 +171,19 @@ def main() -> None:
     if bad or not modes:
         raise SystemExit(f"error: submit: one or more of {', '.join(SUBMIT_MODES)} "
                          f"(got {args.submit!r})")
+
+    try:
+        aheads = ([None] if args.ahead is None
+                  else [int(v) for v in args.ahead.split(",") if v.strip()])
+    except ValueError:
+        aheads = []
+    if not aheads or any(v is not None and v < 0 for v in aheads):
+        raise SystemExit(f"error: ahead: whole numbers >= 0, comma-separated (got "
+                         f"{args.ahead!r})")
+    runs = [(m, a) for m in modes for a in aheads]
+
+    def label(run: tuple[str, int | None]) -> str:
+        return run[0] if run[1] is None else f"{run[0]} D={run[1]}"
 
     if args.address is None:
         _local_ray(args.cpus)
@@ -165,13 +200,16 @@ def main() -> None:
     _empty = ray.remote(max_retries=0)(_empty_task)
     _command = ray.remote(max_retries=0)(_command_task)
 
-    async def through(mode: str, tmp: str, n: int) -> tuple[float, float, dict]:
-        """Actions/s of ``n`` actions through a fresh dispatcher in ``mode`` (warmed
-        first), its actor's CPU s per action, its stats."""
+    async def through(mode: str, ahead: int | None, tmp: str, n: int
+                      ) -> tuple[float, float, dict]:
+        """Actions/s of ``n`` actions through a fresh dispatcher in ``mode`` with
+        ``ahead_per_core`` ``ahead`` (warmed first), its actor's CPU s per action, its
+        stats."""
         name = f"bench-{os.getpid()}-{mode}"
         cfg = DispatcherConfig(scheduler=args.scheduler, sample_interval_s=1.0,
                                journal=os.path.join(tmp, f"{name}-{time.time_ns()}.db"),
-                               sandbox=SandboxConfig(isolation=args.isolation))
+                               sandbox=SandboxConfig(isolation=args.isolation),
+                               ahead_per_core=ahead)
         handle = await asyncio.to_thread(start_dispatcher, cfg, name=name, submit=mode)
         try:
             stats = await handle.astats()
@@ -191,37 +229,39 @@ def main() -> None:
         empty = await _raw(args.n, "empty")
         print(f"empty Ray tasks (no command): {empty:,.0f}/s")
         cores = args.cpus
-        cols = "".join(f" {m} /s | {m} ÷ raw | {m} ÷ raw {cores} in flight | {m} actor CPU "
-                       f"ms/action |" for m in modes)
-        print(f"| round | raw Ray tasks /s | raw, {cores} in flight /s |{cols}")
-        print("|---|---|---|" + "---|---|---|---|" * len(modes))
-        ratios = {m: [] for m in modes}
-        ratios_k = {m: [] for m in modes}
-        cpu_per = {m: [] for m in modes}
+        print(f"| round | way | load avg | raw Ray tasks /s | through the actor /s | actor ÷ "
+              f"raw | raw, {cores} in flight /s | actor ÷ raw {cores} in flight | actor CPU "
+              f"ms/action |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        ratios = {m: [] for m in runs}
+        ratios_k = {m: [] for m in runs}
+        cpu_per = {m: [] for m in runs}
         stats = {}
         for r in range(args.rounds):
-            raw = await _raw(args.n, "command")
             raw_k = await _raw(args.n, "command", in_flight=cores)
-            row = f"| {r + 1} | {raw:,.0f} | {raw_k:,.0f} |"
-            for m in modes:
-                rate, per, stats[m] = await through(m, tmp, args.n)
+            shift = r % len(runs)
+            for m in runs[shift:] + runs[:shift]:
+                load = os.getloadavg()[0]
+                raw = await _raw(args.n, "command")
+                rate, per, stats[m] = await through(m[0], m[1], tmp, args.n)
                 ratios[m].append(rate / raw)
                 ratios_k[m].append(rate / raw_k)
                 cpu_per[m].append(per)
-                row += (f" {rate:,.0f} | {rate / raw:.2f} | {rate / raw_k:.2f} | "
-                        f"{per * 1e3:.3f} |")
-            print(row, flush=True)
+                print(f"| {r + 1} | {label(m)} | {load:.1f} | {raw:,.0f} | {rate:,.0f} | "
+                      f"{rate / raw:.2f} | {raw_k:,.0f} | {rate / raw_k:.2f} | "
+                      f"{per * 1e3:.2f} |", flush=True)
         print()
-        for m in modes:
+        for m in runs:
             med = statistics.median(cpu_per[m])
             lat = stats[m]["decision_latency_us"]
-            print(f"{m}: median actor ÷ raw {statistics.median(ratios[m]):.2f} (min "
+            print(f"{label(m)}: median actor ÷ raw {statistics.median(ratios[m]):.2f} (min "
                   f"{min(ratios[m]):.2f}, max {max(ratios[m]):.2f}, {args.rounds} rounds of "
                   f"{args.n:,}); ÷ raw with {cores} in flight "
                   f"{statistics.median(ratios_k[m]):.2f}; actor {med * 1e3:.3f} ms CPU per "
                   f"action (median): ceiling of one actor on one core ~{1 / med:,.0f} "
                   f"actions/s; decision latency µs p50 {lat.get('p50', 0):.0f}, p99 "
-                  f"{lat.get('p99', 0):.0f}; {stats[m]['confinement']}")
+                  f"{lat.get('p99', 0):.0f}; ahead_per_core {stats[m]['ahead_per_core']}; "
+                  f"{stats[m]['confinement']}")
 
     with tempfile.TemporaryDirectory() as tmp:
         asyncio.run(rounds(tmp))

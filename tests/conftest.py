@@ -163,8 +163,10 @@ def ray_session():
     # is imported).
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     ray = pytest.importorskip("ray", reason="needs the ray extra (pip install 'metasched[ray]')")
-    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=2, num_gpus=1,
-             log_to_driver=False, logging_level="ERROR")
+    # address="local": a Ray of its own, even where another one on the machine is the
+    # default to join (``ray start`` records it for ``ray.init()``).
+    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
+             num_cpus=2, num_gpus=1, log_to_driver=False, logging_level="ERROR")
     try:
         (node,) = ray.nodes()
         assert node["NodeManagerAddress"] == "127.0.0.1", node["NodeManagerAddress"]

@@ -425,7 +425,7 @@ class RecordingState(ClusterState):
 
     def finish(self, a, ok, reason=""):
         self.log.append(("finish", a.id, ok, reason))
-        super().finish(a, ok, reason)
+        return super().finish(a, ok, reason)
 
     def release_device(self, device):
         self.log.append(("release", device))

@@ -155,7 +155,7 @@ def test_serve_fronts_the_actor(ray_cluster, tmp_path):
         "rpm": 600, "max_concurrency": 4,
         "url": f"http://127.0.0.1:{upstream.server_address[1]}"}})
     name = f"apps-{uuid.uuid4().hex[:8]}"
-    settings = RaySettings(name=name)
+    settings = RaySettings(name=name, ahead_per_core=1)
     dcfg = DispatcherConfig(scheduler="elastic_greedy", endpoints=endpoints,
                             retry=RetryPolicy(max_attempts=4, backoff_s=0.05),
                             journal=str(tmp_path / "journal.db"))
@@ -188,6 +188,7 @@ def test_serve_fronts_the_actor(ray_cluster, tmp_path):
 
             status = c.get("/v1/status").json()
             assert status["backend"] == "ray" and status["scheduler"] == "elastic_greedy"
+            assert status["ahead_per_core"] == 1  # ray.ahead_per_core reached the actor
             assert status["pools"]["gpu"]["devices"][0]["index"] == 0
             assert "search" in status["pools"]["api"]
             metrics = c.get("/metrics").text
@@ -232,7 +233,10 @@ def _free_port() -> int:
     ({"backend": "ray", "cores": [0, 1]}, "cores", "does not apply with backend=ray"),
     ({"backend": "ray", "gpu_standin": 1}, "gpu_standin", "does not apply with backend=ray"),
     ({"backend": "ray", "compact": 60}, "compact", "does not apply with backend=ray"),
-    ({"backend": "ray", "ray": {"submit": "rpc"}}, "ray.submit", "must be one of task, agent"),
+    ({"backend": "ray", "ray": {"submit": "rpc"}}, "ray.submit",
+     "must be one of task, agent, batch"),
+    ({"backend": "ray", "ray": {"ahead_per_core": -1}}, "ray.ahead_per_core", ">= 0 or null"),
+    ({"backend": "ray", "ray": {"ahead_per_core": "two"}}, "ray.ahead_per_core", ">= 0 or null"),
     ({"backend": "ray", "ray": {"cores_per_node": 0}}, "ray.cores_per_node", ">= 1"),
     ({"backend": "ray", "ray": {"name": ""}}, "ray.name", "non-empty string"),
     ({"backend": "ray", "ray": {"keep": "yes"}}, "ray.keep", "true or false"),
@@ -243,6 +247,13 @@ def test_bad_backend_settings_are_one_line(cfg, field, message):
     with pytest.raises(ConfigError) as e:
         ray_settings(cfg)
     assert e.value.field == field and message in str(e.value)
+
+
+def test_ray_settings_take_submit_and_ahead_per_core():
+    pytest.importorskip("ray", reason="needs the ray extra")
+    s = ray_settings({"backend": "ray", "ray": {"submit": "batch", "ahead_per_core": 0}})
+    assert (s.submit, s.ahead_per_core) == ("batch", 0)
+    assert ray_settings({"backend": "ray"}).ahead_per_core is None  # the backend's default
 
 
 def test_local_backend_needs_no_ray_settings():

@@ -499,7 +499,7 @@ def test_ray_unknown_submission_mode_is_one_line(ray_cluster):
     from metasched.runtime.ray_backend import start_dispatcher
 
     RaySide().release_shared()
-    with pytest.raises(ConfigError, match="submit: must be one of task, agent"):
+    with pytest.raises(ConfigError, match="submit: must be one of task, agent, batch"):
         start_dispatcher(cfg(), name=f"test-{uuid.uuid4().hex[:8]}", submit="carrier")
 
 
@@ -659,6 +659,162 @@ def test_a_trajectorys_workspace_persists_across_its_actions_only(boxed):
     assert again.stdout.strip() == "kept" and other.stdout.strip() == "absent"
     if boxed.name == "ray":
         assert first.allocation["node"] == again.allocation["node"]
+
+
+# ---------------------------------------------------------------------- pipelining
+
+
+def test_the_local_backend_has_no_node_queue_to_hand_ahead_to():
+    with pytest.raises(ConfigError, match="ahead_per_core: the local backend"):
+        Dispatcher(cfg(ahead_per_core=1))
+
+
+def _most_at_once(spans: list[tuple[float, float]]) -> int:
+    """The most of ``spans`` (start, end) that overlap at any instant."""
+    edges = sorted([(s, 1) for s, _ in spans] + [(e, -1) for _, e in spans])
+    most = now = 0
+    for _, step in edges:  # at a tie an end sorts first: touching spans do not overlap
+        now += step
+        most = max(most, now)
+    return most
+
+
+async def _peak_queued(d, until: asyncio.Future) -> int:
+    """The most commands the node held ahead, by the dispatcher's stats, until ``until``."""
+    peak = 0
+    while not until.done():
+        peak = max(peak, *(await d.astats())["queued_at_node"])
+        await asyncio.sleep(0.02)
+    return peak
+
+
+@pytest.mark.parametrize("submit", [  # the default way in the default suite (~15 s each)
+    "task", pytest.param("agent", marks=pytest.mark.slow),
+    pytest.param("batch", marks=pytest.mark.slow)])
+def test_ray_commands_handed_ahead_run_once_each_in_their_sandbox_within_the_cores(
+        ray_cluster, submit):
+    """With commands handed to the node ahead of its free cores, every command runs, once,
+    in its trajectory's sandbox (its workspace's log gets each of its turns once), and no
+    more run at once than the node's granted cores (spans timed by the commands)."""
+    from sandbox_helpers import needs_isolation
+
+    from metasched.runtime.ray_backend import start_dispatcher, stop_dispatcher
+
+    needs_isolation()
+    trajs, turns = 3, 6
+    code = ("import os, sys, time\n"
+            "t0 = time.time()\n"
+            "open('log', 'a').write(sys.argv[1] + '\\n')\n"
+            "time.sleep(0.1)\n"
+            "print(t0, time.time(), os.getcwd())")
+    read = "print(' '.join(sorted(open('log').read().split())))"
+
+    async def go():
+        await asyncio.to_thread(RaySide().release_shared)
+        name = f"test-{uuid.uuid4().hex[:8]}"
+        handle = await asyncio.to_thread(start_dispatcher, confined(ahead_per_core=2),
+                                         name=name, submit=submit)
+        try:
+            futs = [handle.accept(cpu(PY, "-c", code, str(i), trajectory=f"p{t}", turn=i))
+                    for i in range(turns) for t in range(trajs)]
+            everything = asyncio.ensure_future(asyncio.gather(*futs))
+            peak = await _peak_queued(handle, everything)
+            results = await everything
+            logs = await asyncio.gather(*(handle.submit(cpu(PY, "-c", read, trajectory=f"p{t}",
+                                                            turn=turns)) for t in range(trajs)))
+            stats = await handle.astats()
+        finally:
+            await handle.aclose()
+            await asyncio.to_thread(stop_dispatcher, name, drain=False)
+        return results, logs, peak, stats
+    results, logs, peak, stats = run(go())
+    assert all(r.ok for r in results), [r.reason for r in results if not r.ok]
+    assert peak >= 1 and stats["ahead_per_core"] == 2  # commands did wait at the node
+    spans = [tuple(map(float, r.stdout.split()[:2])) for r in results]
+    assert _most_at_once(spans) <= RAY_CPUS
+    assert {r.stdout.split()[2] for r in results} == {"/workspace"}
+    assert all(len(r.allocation["cores"]) == 1 for r in results)
+    expected = " ".join(sorted(str(i) for i in range(turns)))
+    assert [lg.stdout.strip() for lg in logs] == [expected] * trajs
+    assert len({r.allocation["node"] for r in results}) == 1
+
+
+def test_ray_a_drain_with_commands_handed_ahead_finishes_them_all(ray_cluster, visible_dir):
+    """stop_dispatcher(drain=True) while the node holds commands ahead: each runs, once."""
+    from metasched.runtime.ray_backend import start_dispatcher, stop_dispatcher
+
+    log = visible_dir / "runs"
+    n = 8
+
+    async def go():
+        await asyncio.to_thread(RaySide().release_shared)
+        name = f"test-{uuid.uuid4().hex[:8]}"
+        handle = await asyncio.to_thread(start_dispatcher, cfg(ahead_per_core=2), name=name)
+        try:
+            for i in range(n):
+                handle.accept(cpu("/bin/sh", "-c", f"echo {i} >> {log}; sleep 0.2"))
+            for _ in range(200):
+                if (await handle.astats())["queued_at_node"] == [2 * RAY_CPUS]:
+                    break
+                await asyncio.sleep(0.02)
+            queued = (await handle.astats())["queued_at_node"]
+        finally:
+            await handle.aclose()
+            stats = await asyncio.to_thread(stop_dispatcher, name, drain=True)
+        return queued, stats
+    queued, stats = run(go())
+    assert queued == [2 * RAY_CPUS]
+    assert (stats["done"], stats["failed"], stats["queued_at_node"]) == (n, 0, [0])
+    assert sorted(log.read_text().split()) == sorted(str(i) for i in range(n))
+
+
+def test_ray_a_killed_dispatcher_with_commands_handed_ahead_loses_nothing(
+        ray_cluster, tmp_path, visible_dir):
+    """kill -9 of the actor while 2 commands run and 4 wait at the node: the restarted
+    one kills the 2, re-queues all 6 from the journal, and each then runs to its end."""
+    from metasched.runtime.ray_backend import start_dispatcher, stop_dispatcher
+
+    db, gate, log = tmp_path / "j.db", visible_dir / "gate", visible_dir / "runs"
+    n = 3 * RAY_CPUS
+    wait = f'echo $$ >> {log}; while [ ! -e {gate} ]; do sleep 0.05; done'
+
+    def pids() -> list[int]:
+        return [int(p) for p in log.read_text().split()] if log.exists() else []
+
+    async def go():
+        await asyncio.to_thread(RaySide().release_shared)
+        name = f"test-{uuid.uuid4().hex[:8]}"
+        handle = await asyncio.to_thread(start_dispatcher, cfg(journal=db, ahead_per_core=2),
+                                         name=name)
+        try:
+            futs = [handle.accept(cpu("/bin/sh", "-c", wait, id=f"w{i}", timeout_s=120))
+                    for i in range(n)]
+            for _ in range(400):
+                if len(pids()) == RAY_CPUS and (await handle.astats())["queued_at_node"] == [
+                        n - RAY_CPUS]:
+                    break
+                await asyncio.sleep(0.025)
+            first = pids()
+            queued = (await handle.astats())["queued_at_node"]
+            await RaySide().crash(handle)
+            for _ in range(400):  # the orphans killed, the first two of the six run again
+                if len(pids()) == 2 * RAY_CPUS and not any(_alive(p) for p in first):
+                    break
+                await asyncio.sleep(0.025)
+            gate.write_text("")
+            results = await asyncio.wait_for(asyncio.gather(*futs), 60)
+        finally:
+            await handle.aclose()
+            await asyncio.to_thread(stop_dispatcher, name, drain=False)
+        return first, queued, results
+    first, queued, results = run(go())
+    assert len(first) == RAY_CPUS and queued == [n - RAY_CPUS]
+    assert not any(_alive(p) for p in first)
+    assert all(r.ok for r in results), [r.reason for r in results if not r.ok]
+    assert sorted(r.id for r in results) == sorted(f"w{i}" for i in range(n))
+    assert len(pids()) == RAY_CPUS + n  # the two killed runs, then one run of each
+    with Journal(db) as j:
+        assert j.counts() == {"queued": 0, "running": 0, "finished": n}
 
 
 def test_a_gpu_command_is_confined_as_cpu_commands_are(boxed, visible_dir):

@@ -508,3 +508,33 @@ def test_cost_model_learns_gpu_batches_without_the_restore(make_workload, make_c
     assert r.end[0] - r.start[0] == pytest.approx(4.0 + 1.0)  # restore, then the batch
     assert second.est_s == pytest.approx(1.0)
     assert first.est_s == sim.instance.steps[0][0].turns[0].action.est_s
+
+
+@pytest.mark.parametrize("scheduler", ["fifo", "elastic_greedy", "static"])
+def test_pipelined_nodes_account_for_every_action_at_every_event(scheduler):
+    """With ``ahead_per_core`` the same state hands cpu actions to full nodes, which
+    start them as cores free: every action ends once, no node runs more than its cores,
+    and the accounting holds at every event (a scheduler holding cores for trajectories
+    gets no hand-offs: their actions start on the held cores)."""
+    w, c = small("coding", trajectories=64)
+    c = dataclasses.replace(c, cpu_nodes=2, cores_per_node=4)  # busy enough to queue
+    sim = Simulator(w, c, seed=0, check_invariants=True, ahead_per_core=1)
+    state = sim.state
+    builtin = state.check_invariant
+    most_ahead = [0]
+
+    def checked():
+        builtin()
+        assert min(state.cpu.free) >= 0 and state.cpu.busy <= state.cpu.total
+        assert all(len(q) <= state.ahead_per_node for q in state.ahead)
+        most_ahead[0] = max(most_ahead[0], state.n_ahead)
+
+    state.check_invariant = checked
+    r = sim.run(make_scheduler(scheduler))
+    assert r.counters["submitted"] == sim.instance.n_actions == len(r.act)
+    assert r.counters["completed"] + r.counters["failed"] == r.counters["submitted"]
+    assert state.n_ahead == 0 and not any(state.ahead)
+    if scheduler == "static":
+        assert most_ahead[0] == 0
+    else:
+        assert most_ahead[0] >= 1

@@ -4,10 +4,12 @@ busy and held-but-idle resource-seconds."""
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 
 from metasched.core.actions import (
+    AHEAD,
     DONE,
     FAILED,
     PENDING,
@@ -353,3 +355,129 @@ def test_reserved_device_busy_with_other_task_is_not_idle(state):
     assert tot[GPU_BUSY] == pytest.approx(1.0)
     # One device for one second: busy and held-but-idle together cannot exceed 1.
     assert tot[GPU_BUSY] + tot[GPU_HELD] <= 1.0 + 1e-9
+
+
+# ---------------------------------------------------------------------- pipelining
+
+
+@pytest.fixture
+def piped(make_cluster):
+    """Two nodes of 2 cores; each may hold 2 actions ahead of its free cores."""
+    s = ClusterState(make_cluster(nodes=2, cores=2), {})
+    s.ahead_per_node = 2
+    return s
+
+
+def fill(state, n):
+    """Submit ``n`` one-core cpu actions."""
+    return [submit(state, cpu_spec()) for _ in range(n)]
+
+
+def test_handed_ahead_is_neither_queued_nor_running_and_takes_no_free_core(piped):
+    a, b, c = fill(piped, 3)
+    piped.start(Grant(a, cores=1, node=0))
+    assert piped.check_ahead(b, 0, 1) == "node 0 can start it now (a grant, not a hand-off)"
+    piped.start(Grant(b, cores=1, node=0))
+    piped.hand_ahead(c, 0, 1)
+    assert c.status == AHEAD and c.id not in piped.pending["cpu"]
+    assert (piped.n_pending, piped.n_ahead, piped.n_running) == (0, 1, 2)
+    assert list(piped.ahead[0]) == [c] and piped.cpu.free == [0, 2] and piped.cpu.busy == 2
+    piped.check_invariant()
+
+
+def test_a_finish_starts_the_nodes_queue_in_order_on_the_cores_it_leaves(piped):
+    a, b, c, d, e = fill(piped, 5)
+    for x in (a, b):
+        piped.start(Grant(x, cores=1, node=0))
+    piped.hand_ahead(c, 0, 1)
+    piped.hand_ahead(d, 0, 1)
+    assert piped.check_ahead(e, 0, 1) == "node 0 holds 2 actions ahead, its most"
+    piped.advance(1.0)
+    assert piped.finish(a, True) == [c]
+    assert c.status == RUNNING and c.start_t == 1.0 and piped.cpu.free[0] == 0
+    assert piped.finish(b, True) == [d]
+    assert piped.finish(c, True) == [] and piped.cpu.free[0] == 1  # queue empty: free again
+    assert piped.cpu.busy == 1 and (piped.n_ahead, piped.n_running) == (0, 1)
+    piped.check_invariant()
+
+
+def test_a_wide_action_ahead_keeps_the_freed_cores_for_itself(piped):
+    """Strictly in order, as the node runs its queue: a 2-core action waits for both
+    cores, and the one freed first is not granted to anything else meanwhile."""
+    a, b = fill(piped, 2)
+    wide = submit(piped, cpu_spec(cores=(2, 2)))
+    small = submit(piped, cpu_spec())
+    piped.start(Grant(a, cores=1, node=0))
+    piped.hand_ahead(wide, 0, 2)  # one core free, fewer than it needs: kept for it
+    assert piped.cpu.free[0] == 0 and piped.ahead_claim[0] == 1
+    piped.hand_ahead(small, 0, 1)
+    assert piped.check(Grant(b, cores=1, node=0)) is not None  # no core of node 0 is free
+    assert piped.check(Grant(b, cores=1, node=1)) is None  # node 1's are
+    assert piped.finish(a, True) == [wide]
+    assert piped.cpu.busy == 2 and piped.ahead_claim[0] == 0
+    assert piped.finish(wide, True) == [small] and piped.cpu.free[0] == 1
+    piped.check_invariant()
+
+
+def test_a_result_before_its_predecessors_leaves_the_queue_without_cores(piped):
+    """The node started it on cores the state still counts as its predecessor's; its
+    result arrived first (or it never ran): no core is freed twice."""
+    a, b, c = fill(piped, 3)
+    piped.start(Grant(a, cores=1, node=0))
+    piped.start(Grant(b, cores=1, node=0))
+    piped.hand_ahead(c, 0, 1)
+    piped.advance(2.0)
+    assert piped.finish(c, False, "cancelled") == []
+    assert c.status == FAILED and c.start_t == 2.0 and not piped.ahead[0]
+    assert piped.cpu.free[0] == 0 and piped.cpu.busy == 2
+    piped.finish(a, True)
+    piped.finish(b, True)
+    assert piped.cpu.free[0] == 2 and piped.cpu.busy == 0
+    piped.check_invariant()
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("off", "holds 0 actions ahead"),
+    ("node", "node 5 does not exist"),
+    ("cores", "cores 3 outside"),
+    ("pinned", "runs on node 0 (its sandbox's)"),
+    ("held", "trajectories hold cores"),
+])
+def test_hand_ahead_refuses_what_the_node_could_not_hold(piped, case, needle):
+    a, b = fill(piped, 2)
+    piped.start(Grant(a, cores=1, node=0))
+    piped.start(Grant(submit(piped, cpu_spec()), cores=1, node=0))
+    node, cores = 0, 1
+    if case == "off":
+        piped.ahead_per_node = 0
+    elif case == "node":
+        node = 5
+    elif case == "cores":
+        cores = 3
+    elif case == "pinned":
+        b.node, node = 0, 1
+    elif case == "held":
+        traj = make_traj(piped)
+        piped.start(Grant(submit(piped, cpu_spec(), traj=traj), cores=1, node=1, hold=1))
+    with pytest.raises(InvalidGrant, match=re.escape(needle)):
+        piped.hand_ahead(b, node, cores)
+    assert b.status == PENDING and piped.n_ahead == 0
+
+
+def test_fill_ahead_hands_in_submission_order_up_to_each_nodes_limit(piped):
+    acts = fill(piped, 10)
+    for i, a in enumerate(acts[:4]):
+        piped.start(Grant(a, cores=1, node=i // 2))
+    handed = piped.fill_ahead()
+    assert handed == acts[4:8]  # 2 per node, the oldest first
+    assert [len(q) for q in piped.ahead] == [2, 2] and piped.n_pending == 2
+    assert not piped.decision_possible()
+    piped.check_invariant()
+
+
+def test_fill_ahead_leaves_actions_a_free_core_can_take(piped):
+    """The scheduler decides over free cores: only what cannot start now is handed."""
+    acts = fill(piped, 3)
+    assert piped.fill_ahead() == []
+    piped.start(Grant(acts[0], cores=1, node=0))
+    assert piped.fill_ahead() == [] and piped.n_pending == 2

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from metasched.runtime.ray_backend.remote import RaySettings
 
 BACKENDS = ("local", "ray")
-SUBMIT = ("task", "agent")
+SUBMIT = ("task", "agent", "batch")  # ray_backend.cluster.SUBMIT_MODES, without importing ray
 # Settings of the local dispatcher that a dispatcher on Ray does not take, with why;
 # each is refused when given (not its default) with backend=ray.
 NOT_ON_RAY = {
@@ -60,6 +60,10 @@ def ray_settings(cfg: dict[str, Any]) -> RaySettings | None:
     if cpn is not None and (isinstance(cpn, bool) or not isinstance(cpn, int) or cpn < 1):
         raise ConfigError("ray.cores_per_node", f"must be a whole number >= 1 or null "
                           f"(got {cpn!r})")
+    ahead = r.get("ahead_per_core")
+    if ahead is not None and (isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0):
+        raise ConfigError("ray.ahead_per_core", f"must be a whole number >= 0 or null "
+                          f"(got {ahead!r})")
     keep = r.get("keep", False)
     if not isinstance(keep, bool):
         raise ConfigError("ray.keep", f"must be true or false (got {keep!r})")

@@ -12,8 +12,10 @@ from dataclasses import dataclass
 
 KINDS = ("cpu", "gpu", "api")
 
-# Action status values.
+# Action status values. AHEAD: a cpu action handed to its node ahead of free cores (in the
+# node's queue there: neither queued in the dispatcher nor running on a core).
 PENDING, RUNNING, DONE, FAILED = "pending", "running", "done", "failed"
+AHEAD = "ahead"
 
 
 class Immutable:

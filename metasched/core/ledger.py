@@ -15,10 +15,18 @@ class Ledger:
 
     def __init__(self, state: ClusterState) -> None:
         self.state = state
-        self.free = list(state.cpu.free)
+        self._free: list[int] | None = None
         self.idle = [d.index for d in state.gpu.devices if not d.busy]
         self.batched: set[int] = set()
         self._api: dict[str, list[float]] = {}
+
+    @property
+    def free(self) -> list[int]:
+        """Free cores per node after the planned grants. Copied from the pool when first
+        read: a ledger is made at every decision, and a copy is a pass over every node."""
+        if self._free is None:
+            self._free = list(self.state.cpu.free)
+        return self._free
 
     # cpu
     def cpu_room(self, a: Action) -> tuple[int, int]:

@@ -94,15 +94,17 @@ class CpuPool:
 
     def place_sandbox(self, mem_gb: float) -> int:
         """Node for a new sandbox (most free memory, then most free cores); -1 if none fits."""
-        best, key = -1, None
-        for n in range(len(self.cores)):
-            if self.mem_free[n] >= mem_gb:
-                k = (self.mem_free[n], self.free[n], -n)
-                if key is None or k > key:
-                    best, key = n, k
-        if best >= 0:
-            self.mem_free[best] -= mem_gb
-            self.sandboxes[best] += 1
+        n = len(self.cores)
+        if not n:
+            return -1
+        # The largest (free memory, free cores, -node) over every node, compared in C:
+        # a step opens 10^4-10^5 sandboxes on 10^3-10^4 nodes. Its node fits if any does.
+        mem, _, neg = max(zip(self.mem_free, self.free, range(0, -n, -1), strict=True))
+        if mem < mem_gb:
+            return -1
+        best = -neg
+        self.mem_free[best] -= mem_gb
+        self.sandboxes[best] += 1
         return best
 
     def release_sandbox(self, node: int, mem_gb: float) -> None:

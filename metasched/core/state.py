@@ -13,6 +13,7 @@ from collections import defaultdict, deque
 from dataclasses import replace
 
 from metasched.core.actions import (
+    AHEAD,
     DONE,
     FAILED,
     KINDS,
@@ -46,6 +47,10 @@ class ClusterState:
         cpu, gpu, api: the pools.
         pending: per kind, pending actions by id in submission order.
         trajectories: trajectories alive now, by id.
+        ahead: per CPU node, the cpu actions handed to it ahead of free cores, in the
+            order the node starts them (see :meth:`hand_ahead`); empty unless the clock
+            sets ``ahead_per_node``.
+        ahead_per_node: most actions one node may hold ahead (0: none, the default).
         task_demand: per pool kind, each task's expected work in estimate-seconds
             (partitioning schedulers size partitions by it).
         reserved: ``(pool, task) -> units`` that a partitioning scheduler reserved for a
@@ -70,6 +75,13 @@ class ClusterState:
         # (summing a live queue of thousands at every observation would dominate it).
         self.pending_est_s: dict[str, float] = dict.fromkeys(KINDS, 0.0)
         self.trajectories: dict[int, Trajectory] = {}
+        # Pipelining (see hand_ahead): per node, the actions handed there ahead of free
+        # cores, and the freed cores kept for the first of them (idle, not free: another
+        # grant there would start behind the node's queue, not on them).
+        self.ahead_per_node = 0
+        self.ahead: list[deque[Action]] = [deque() for _ in range(cluster.cpu_nodes)]
+        self.ahead_claim = [0] * cluster.cpu_nodes
+        self.n_ahead = 0
         self.reserved: dict[tuple[str, str], int] = {}
         self.device_owner: dict[int, str] = {}
         # Expected work per pool and task (estimate-seconds), for partitioning schedulers.
@@ -124,13 +136,28 @@ class ClusterState:
         if p["cpu"]:
             cpu = self.cpu
             free = cpu.free
-            most = max(free, default=0)
-            if most > 0 or cpu.held > cpu.held_busy:
-                for a in p["cpu"].values():  # cpu_feasible, inlined: queues run long
-                    traj = a.traj
-                    need = a.spec.min_cores - (traj.held_cores if traj is not None else 0)
-                    if need <= (free[a.node] if a.node >= 0 else most):
-                        return True
+            # Nothing can start while no node has a free core and no held core is idle.
+            # The largest free count is found only when an action needs it: it is a pass
+            # over every node (10^3-10^4), and most actions are bound to their sandbox's
+            # node, whose free cores decide alone.
+            held_idle = cpu.held > cpu.held_busy
+            most = -1
+            for a in p["cpu"].values():  # cpu_feasible, inlined: queues run long
+                traj = a.traj
+                need = a.spec.min_cores - (traj.held_cores if traj is not None else 0)
+                if a.node >= 0:
+                    if need > free[a.node]:
+                        continue
+                    if need > 0 or held_idle:
+                        return True  # its node has a free core
+                elif most >= 0 and need > most:
+                    continue
+                if most < 0:
+                    most = max(free, default=0)
+                    if most <= 0 and not held_idle:
+                        break  # no free core anywhere: no cpu action can start
+                if a.node >= 0 or need <= most:
+                    return True
         if p["gpu"] and any(not d.busy for d in self.gpu.devices):
             return True
         if p["api"]:
@@ -181,7 +208,7 @@ class ClusterState:
         if self.device_owner:
             devs = gpu.devices
             held[1] = sum(1 for d in self.device_owner if not devs[d].busy)
-        self.in_system_s += (self.n_pending + self.n_running) * (t - self.t)
+        self.in_system_s += (self.n_pending + self.n_ahead + self.n_running) * (t - self.t)
         self.metrics.integrate(self.t, t, (
             cpu.busy, cpu.held - cpu.held_busy + held[0], gpu.busy, held[1], api.busy, held[2]))
         self.t = t
@@ -325,19 +352,33 @@ class ClusterState:
         self.n_grants += 1
         return started, delay
 
-    def finish(self, a: Action, ok: bool, reason: str = "") -> None:
+    def finish(self, a: Action, ok: bool, reason: str = "") -> list[Action]:
         """Record ``a`` as finished (``ok``) or failed (with ``reason``) at ``t`` and free
-        what it held (a gpu device is freed by :meth:`release_device`)."""
+        what it held (a gpu device is freed by :meth:`release_device`).
+
+        Returns the actions its node started on the cores it freed, from the node's
+        queue of actions handed ahead (:meth:`hand_ahead`; empty without pipelining):
+        they are running from now on, and the clock must see them end."""
         self.version += 1
         kind = a.spec.kind
-        if kind == "cpu":
+        promoted: list[Action] = []
+        if a.status == AHEAD:
+            # Its result came before its predecessor's (its node started it on cores the
+            # state still counts as the predecessor's), or it never ran (cancelled): it
+            # leaves its node's queue without cores of its own.
+            self.ahead[a.node].remove(a)
+            self.n_ahead -= 1
+            self.n_running += 1  # it ran (or ends) now: counted out below with the others
+            a.start_t = self.t
+            promoted = self._promote(a.node)
+        elif kind == "cpu":
             cpu = self.cpu
             traj = a.traj
             from_held = min(a.cores, traj.held_cores) if traj is not None else 0
-            cpu.free[a.node] += a.cores - from_held
             cpu.busy -= a.cores
             cpu.held_busy -= from_held
             self.busy_by_task[("cpu", a.task)] -= a.cores
+            promoted = self._return_cores(a.node, a.cores - from_held)
         elif kind == "api":
             self.api.endpoints[a.spec.endpoint].in_flight -= 1
             self.api.busy -= 1
@@ -354,6 +395,113 @@ class ClusterState:
             a.traj.act_s += self.t - a.submit_t
         self.metrics.action(KIND_INDEX[kind], a.task, a.submit_t, a.start_t, self.t, ok,
                             a.lower_bound_s, reason)
+        return promoted
+
+    # ------------------------------------------------------------------ pipelining
+
+    def check_ahead(self, a: Action, node: int, cores: int) -> str | None:
+        """Why ``a`` cannot be handed to ``node`` ahead with ``cores`` now, or None."""
+        spec = a.spec
+        if spec.kind != "cpu" or self.pending["cpu"].get(a.id) is not a:
+            return f"action {a.id} is not a pending cpu action"
+        if not 0 <= node < self.cpu.n_nodes:
+            return f"node {node} does not exist"
+        if a.node >= 0 and a.node != node:
+            return f"action {a.id} runs on node {a.node} (its sandbox's)"
+        if not spec.min_cores <= cores <= min(spec.max_cores, self.cpu.cores[node]):
+            return f"cores {cores} outside [{spec.min_cores}, {spec.max_cores}] or the node's"
+        if a.traj is not None and a.traj.held_cores:
+            return "its trajectory holds cores (its actions start on them, not in order)"
+        if self.cpu.held:
+            return "trajectories hold cores (a node's queue would wait behind them)"
+        q = self.ahead[node]
+        if len(q) >= self.ahead_per_node:
+            return f"node {node} holds {len(q)} actions ahead, its most"
+        if not q and self.cpu.free[node] >= cores:
+            return f"node {node} can start it now (a grant, not a hand-off)"
+        return None
+
+    def hand_ahead(self, a: Action, node: int, cores: int) -> None:
+        """Hand pending cpu action ``a`` to ``node`` ahead of free cores (pipelining): the
+        node queues it and starts it, with ``cores`` cores, as soon as the actions
+        before it there leave them, without waiting for the scheduler. From now on it is
+        neither pending (no scheduler sees or grants it) nor running: it is ``AHEAD``,
+        in ``ahead[node]`` (counted in ``n_ahead``), until a :meth:`finish` of an action
+        on that node leaves the cores it takes; the node's freed cores are kept for its
+        queue meanwhile (``ahead_claim``), never granted twice. Raises
+        :class:`InvalidGrant` (see :meth:`check_ahead`)."""
+        why = self.check_ahead(a, node, cores)
+        if why is not None:
+            raise InvalidGrant(why)
+        self.version += 1
+        cpu = self.cpu
+        del self.pending["cpu"][a.id]
+        self.pending_est_s["cpu"] -= a.spec.est_s
+        if not self.pending["cpu"]:
+            self.pending_est_s["cpu"] = 0.0
+        a.status, a.node, a.cores = AHEAD, node, cores
+        # The node's free cores (fewer than it needs) wait for the queue with those that
+        # free later.
+        self.ahead_claim[node] += cpu.free[node]
+        cpu.free[node] = 0
+        self.ahead[node].append(a)
+        self.n_ahead += 1
+        self.n_grants += 1
+
+    def fill_ahead(self) -> list[Action]:
+        """Hand pending cpu actions ahead (:meth:`hand_ahead`), in submission order, each
+        with its ``min_cores`` (what surely fits when it starts), to its sandbox's node
+        or the node holding the fewest, until every node holds ``ahead_per_node``. Only
+        actions that cannot start now are handed: the scheduler has had its turn over
+        the free cores. Returns those handed."""
+        limit = self.ahead_per_node
+        if limit <= 0 or not self.pending["cpu"] or self.cpu.held:
+            return []
+        ahead = self.ahead
+        room = sum(limit - len(q) for q in ahead)
+        out: list[Action] = []
+        for a in list(self.pending["cpu"].values()):
+            if room <= 0:
+                break
+            k = a.spec.min_cores
+            nodes = ([a.node] if a.node >= 0
+                     else sorted(range(len(ahead)), key=lambda n: (len(ahead[n]), n)))
+            for node in nodes:
+                if self.check_ahead(a, node, k) is None:
+                    self.hand_ahead(a, node, k)
+                    out.append(a)
+                    room -= 1
+                    break
+        return out
+
+    def _return_cores(self, node: int, k: int) -> list[Action]:
+        """``k`` cores of ``node`` are no longer taken: free, or kept for the node's
+        queue, whose first actions start on them (returned)."""
+        if not self.ahead[node]:
+            self.cpu.free[node] += k
+            return []
+        self.ahead_claim[node] += k
+        return self._promote(node)
+
+    def _promote(self, node: int) -> list[Action]:
+        """Start the first actions of ``node``'s queue that its kept cores fit, in order
+        (as the node does); what is kept when the queue empties is free again."""
+        q = self.ahead[node]
+        started = []
+        cpu = self.cpu
+        while q and q[0].cores <= self.ahead_claim[node]:
+            b = q.popleft()
+            self.ahead_claim[node] -= b.cores
+            cpu.busy += b.cores
+            self.busy_by_task[("cpu", b.task)] += b.cores
+            b.status, b.start_t = RUNNING, self.t
+            self.n_ahead -= 1
+            self.n_running += 1
+            started.append(b)
+        if not q and self.ahead_claim[node]:
+            cpu.free[node] += self.ahead_claim[node]
+            self.ahead_claim[node] = 0
+        return started
 
     def release_device(self, device: int) -> None:
         """The batch on ``device`` has ended; the service stays resident."""
@@ -387,10 +535,12 @@ class ClusterState:
         cpu.busy += cores
         return True
 
-    def unreserve_cores(self, node: int, cores: int) -> None:
+    def unreserve_cores(self, node: int, cores: int) -> list[Action]:
+        """Give back what :meth:`reserve_cores` took; the actions the node's queue
+        starts on them (as :meth:`finish`)."""
         self.version += 1
-        self.cpu.free[node] += cores
         self.cpu.busy -= cores
+        return self._return_cores(node, cores)
 
     def open_sandbox(self, traj: Trajectory, sandbox: SandboxSpec) -> bool:
         """Give an open trajectory without one a sandbox (the live dispatcher makes it at
@@ -409,19 +559,22 @@ class ClusterState:
         self.version += 1
         cpu = self.cpu
         if traj.held_cores:
-            cpu.free[traj.node] += traj.held_cores
             cpu.held -= traj.held_cores
+            # (no action is ever handed ahead on a node where a trajectory holds cores)
+            cpu.free[traj.node] += traj.held_cores
             traj.held_cores = 0
         if traj.sandbox is not None and traj.node >= 0:
             cpu.release_sandbox(traj.node, traj.sandbox.mem_gb)
         del self.trajectories[traj.id]
 
     def check_invariant(self) -> None:
-        """submitted = completed + failed + pending (queued or running)."""
-        if self.n_submitted != self.n_done + self.n_failed + self.n_pending + self.n_running:
+        """submitted = completed + failed + pending (queued, handed ahead or running)."""
+        if self.n_submitted != (self.n_done + self.n_failed + self.n_pending + self.n_ahead
+                                + self.n_running):
             raise AssertionError(
                 f"accounting broken: submitted {self.n_submitted} != done {self.n_done} + "
-                f"failed {self.n_failed} + queued {self.n_pending} + running {self.n_running}")
+                f"failed {self.n_failed} + queued {self.n_pending} + ahead {self.n_ahead} + "
+                f"running {self.n_running}")
 
 
 __all__ = ["ClusterState", "InvalidGrant", "api_key"]

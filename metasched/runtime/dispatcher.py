@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from metasched.core.action_log import ActionLog
-from metasched.core.actions import Action, ActionSpec, Grant, SandboxSpec, Trajectory
+from metasched.core.actions import AHEAD, Action, ActionSpec, Grant, SandboxSpec, Trajectory
 from metasched.core.cluster_config import ClusterConfig
 from metasched.core.cost_model import CostModel
 from metasched.core.guard import WaitGuard
@@ -127,6 +127,12 @@ class DispatcherConfig:
         trace: a JSONL file to append every finished action to, with what was measured
             (``metasched.core.action_log``; ``metasched-calibrate`` fits a workload
             profile to it). None: no trace.
+        ahead_per_core: pipelining on a backend's nodes: each node may hold up to this
+            many cpu commands per core ahead of its free cores, in a queue there that
+            starts the next the moment a command exits, with no round trip to the
+            dispatcher (see ``ClusterState.hand_ahead``). None: the backend's default
+            (``RayBackend.AHEAD_PER_CORE``). The local backend starts every command on
+            its core from this process, so it has no such queue: 0 only.
     """
 
     scheduler: str = "checkpoints/default"
@@ -153,6 +159,7 @@ class DispatcherConfig:
     trajectory_idle_s: float = 3600.0
     task_demand: dict[str, dict[str, float]] = field(default_factory=dict)
     trace: str | Path | None = None
+    ahead_per_core: int | None = None
 
 
 class _Job:
@@ -232,6 +239,16 @@ class Dispatcher:
             gpu_mem_gb=min((d.mem_gb for d in self.devices), default=0.0),
             endpoints=dict(cfg.endpoints))
         self.state = ClusterState(self.cluster, specs)
+        ahead = cfg.ahead_per_core
+        if ahead is None:
+            ahead = getattr(backend, "AHEAD_PER_CORE", 0)
+        if not isinstance(ahead, int) or isinstance(ahead, bool) or ahead < 0:
+            raise ConfigError("ahead_per_core", f"must be a whole number >= 0, got {ahead!r}")
+        if ahead and backend is None:
+            raise ConfigError("ahead_per_core", "the local backend starts each command on its "
+                              "core itself (no node queue to hand commands to): must be 0")
+        self.ahead_per_core = ahead
+        self.state.ahead_per_node = ahead * node_cores
         self.state.task_demand.update({k: dict(v) for k, v in cfg.task_demand.items()})
         self.state.metrics = Recorder(max_actions=cfg.metrics_window)
         self.guard = WaitGuard(cfg.max_wait_s)
@@ -949,6 +966,11 @@ class Dispatcher:
                 self._start(g)
             if forced:
                 self._kick()
+        # Not while a gpu command waits for cores: a node's queue, refilled at every
+        # exit, would keep them from it.
+        if state.ahead_per_node and not self._closed and not self._core_waiters:
+            for a in state.fill_ahead():
+                self._start_ahead(a)
         self._arm_timers()
 
     def _arm_timers(self) -> None:
@@ -982,12 +1004,7 @@ class Dispatcher:
         jobs = [self._by_action[a.id] for a in started]
         kind = g.action.spec.kind
         for job in jobs:
-            job.started_at = now_wall
-            job.attempts += 1
-            # A local command's start is journaled with its pid, once it runs (_on_pid);
-            # a backend's commands are found by their id after a crash (kill_orphans).
-            if self.journal is not None and (job.request.argv == () or self.backend):
-                self._journal_start(job.request.id, None, job.attempts)
+            self._mark_started(job, now_wall)
         if kind == "cpu" and self.backend is not None:
             cmd = self._start_remote(jobs[0], g.action.node, g.cores)
             work = partial(self._run_remote, jobs[0], cmd)
@@ -1002,9 +1019,35 @@ class Dispatcher:
         else:
             jobs[0].alloc = {"endpoint": g.action.spec.endpoint}
             work = partial(self._run_api, jobs[0])
+        self._spawn(work, jobs)
+
+    def _spawn(self, work: Callable[[], Awaitable[None]], jobs: list[_Job]) -> None:
         task = self._loop.create_task(self._guarded(work, jobs))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _mark_started(self, job: _Job, now_wall: float) -> None:
+        job.started_at = now_wall
+        job.attempts += 1
+        # A local command's start is journaled with its pid, once it runs (_on_pid);
+        # a backend's commands are found by their id after a crash (kill_orphans).
+        if self.journal is not None and (job.request.argv == () or self.backend):
+            self._journal_start(job.request.id, None, job.attempts)
+
+    def _note_started(self, promoted: list[Action]) -> None:
+        """Actions a node's queue started on cores just left there (a round trip ago at
+        most, on the node): their results say they started now."""
+        for b in promoted:
+            self._by_action[b.id].started_at = self._wall0 + self.state.t
+
+    def _start_ahead(self, a: Action) -> None:
+        """Hand an action the state put in its node's queue to the backend now: the node
+        starts it when the commands before it there exit. For the journal it has started
+        (a crash re-queues it, and the next dispatcher kills it where it runs)."""
+        job = self._by_action[a.id]
+        self._mark_started(job, self._wall0 + self.state.t)
+        cmd = self._start_remote(job, a.node, a.cores)
+        self._spawn(partial(self._run_remote, job, cmd), [job])
 
     # ------------------------------------------------------------------ executors
 
@@ -1020,7 +1063,7 @@ class Dispatcher:
         except Exception as e:  # noqa: BLE001
             log.exception("executor failed")
             for job in jobs:
-                if job.request.id in self._jobs and job.action.status == "running":
+                if job.request.id in self._jobs and job.action.status in ("running", AHEAD):
                     self._complete(job, Outcome(False, f"internal error: {type(e).__name__}: "
                                                 f"{e}"))
 
@@ -1095,6 +1138,8 @@ class Dispatcher:
             out = await cmd.wait()
         finally:
             self._commands.discard(cmd)
+        if "cores" in out.detail:  # the node chose them (in its queue's order)
+            job.alloc["cores"] = list(out.detail["cores"])
         self._complete(job, out)
 
     async def _run_cpu(self, job: _Job, cores: list[int], proc: Process | Exception) -> None:
@@ -1186,7 +1231,10 @@ class Dispatcher:
                 job.sandbox)
             job.alloc.update(node=self.backend.nodes[node].name, cores=cmd.cores)
             self._commands.add(cmd)
-            return await cmd.wait()
+            out = await cmd.wait()
+            if "cores" in out.detail:  # the node chose them (in its queue's order)
+                job.alloc["cores"] = list(out.detail["cores"])
+            return out
         finally:
             if cmd is not None:
                 self._commands.discard(cmd)
@@ -1214,7 +1262,7 @@ class Dispatcher:
         self._free_cores.extend(cores)
         if not self._closed:
             self.state.advance(self._now())
-            self.state.unreserve_cores(node, len(cores) if k is None else k)
+            self._note_started(self.state.unreserve_cores(node, len(cores) if k is None else k))
             self._serve_core_waiters()
             self._kick()
 
@@ -1258,13 +1306,14 @@ class Dispatcher:
         state = self.state
         state.advance(self._now())
         a = job.action
-        state.finish(a, out.ok, out.reason)
+        was_ahead = a.status == AHEAD  # its result came first: no run time of its own here
+        self._note_started(state.finish(a, out.ok, out.reason))
         if self.action_log is not None:
             self.action_log.record(a, batch=job.alloc.get("batch", 1),
                                    setup_s=float(out.detail.get("restore_s", 0.0)),
                                    exit_code=out.exit_code, core_ids=job.alloc.get("cores"),
                                    trajectory=job.request.trajectory)
-        if out.ok and a.start_t == a.start_t:
+        if out.ok and a.start_t == a.start_t and not was_ahead:
             self.cost.learn(a, state.t - a.start_t - float(out.detail.get("restore_s", 0.0)))
         finished_at = self._wall0 + state.t
         traj = a.traj
@@ -1362,6 +1411,10 @@ class Dispatcher:
                 "fallback": self.fallback_reason, "submitted": s.n_submitted,
                 "done": s.n_done, "failed": s.n_failed, "rejected": self.n_rejected,
                 "queued": s.n_pending, "running": s.n_running,
+                # Pipelining: cpu commands handed to each node ahead of its free cores
+                # (in its queue there: neither queued here nor running).
+                "queued_at_node": [len(q) for q in s.ahead],
+                "ahead_per_core": self.ahead_per_core,
                 "decisions": self.n_decisions, "grants": s.n_grants,
                 "guard_fired": self.guard.fired, "decision_latency_us": pct,
                 "awaiting_resubmission": len(self._held),

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from metasched.core.actions import ActionSpec, Immutable, SandboxSpec, Turn
-from metasched.sim.workload_config import ActionType, TaskConfig, WorkloadConfig
+from metasched.sim.workload_config import ActionType, Dist, TaskConfig, WorkloadConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +91,71 @@ def _spec(a: ActionType, rng: np.random.Generator, est_error: float, reward: boo
                       a.parallel_fraction, a.service, a.endpoint, tokens, reward)
 
 
+def _normals_only(d: Dist) -> bool:
+    """Whether a draw of ``d`` takes at most one standard normal and nothing else."""
+    return d.zero == 0.0
+
+
+def _draws(d: Dist) -> int:
+    """Standard normals one draw of ``d`` takes (a constant takes none)."""
+    return 0 if d.sigma == 0.0 and d.tail_sigma is None else 1
+
+
+def _specs(types: list[ActionType], rng: np.random.Generator,
+           est_error: float) -> list[ActionSpec]:
+    """Draw one action of each of ``types`` in order, the last the reward: the same draws,
+    in the same order, as one :func:`_spec` call each, made in one batch.
+
+    Each action takes, in order, a normal for its duration (unless constant), one for its
+    estimate's error (when ``est_error``) and one for its tokens (unless constant or
+    none); the stream is that of successive single draws, so one ``standard_normal(k)``
+    call yields the same numbers. A distribution with a point mass at 0 also takes a
+    uniform: then each action is drawn on its own, by :func:`_spec`.
+    """
+    n = len(types)
+    # By identity: hashing a type hashes every field of it and of its distributions.
+    kinds = {id(a): a for a in types}
+    if not all(_normals_only(a.duration_s) and (a.tokens is None or _normals_only(a.tokens))
+               for a in kinds.values()):
+        return [_spec(a, rng, est_error, i == n - 1) for i, a in enumerate(types)]
+    e = 1 if est_error else 0
+    per_kind = {k: (_draws(a.duration_s), 0 if a.tokens is None else _draws(a.tokens))
+                for k, a in kinds.items()}
+    draws = [per_kind[id(a)] for a in types]
+    n_dur = np.array([d for d, _ in draws], dtype=np.intp)
+    counts = n_dur + e + np.array([t for _, t in draws], dtype=np.intp)
+    offsets = np.cumsum(counts) - counts  # each action's first normal
+    z = rng.standard_normal(int(counts.sum()))
+    true_s = np.empty(n)
+    tok_l = [0] * n
+    positions: dict[int, list[int]] = {}
+    for i, a in enumerate(types):
+        positions.setdefault(id(a), []).append(i)
+    for k, where in positions.items():
+        a = kinds[k]
+        idx = np.array(where, dtype=np.intp)
+        nd, nt = per_kind[k]
+        true_s[idx] = _values(a.duration_s, z[offsets[idx]] if nd else None, len(idx))
+        if a.tokens is not None:  # Python ints by round(), as one draw at a time: any size
+            tok = _values(a.tokens, z[offsets[idx] + nd + e] if nt else None, len(idx))
+            for i, v in zip(where, tok.tolist(), strict=True):
+                tok_l[i] = int(round(v))
+    true_l = true_s.tolist()
+    est_l = (true_s * np.exp(est_error * z[offsets + n_dur])).tolist() if e else true_l
+    return [ActionSpec(a.kind, a.name, true_l[i], est_l[i], a.timeout_s, a.min_cores,
+                       a.max_cores, a.parallel_fraction, a.service, a.endpoint, tok_l[i],
+                       i == n - 1)
+            for i, a in enumerate(types)]
+
+
+def _values(d: Dist, z: np.ndarray | None, n: int) -> np.ndarray:
+    """``n`` draws of ``d`` from their standard normals ``z`` (None: ``d`` is constant),
+    clipped, as :meth:`Dist.sample` computes one."""
+    if z is None:
+        return np.full(n, min(max(d.median, d.lo), d.hi))
+    return np.clip(d._unclipped(z), d.lo, d.hi)
+
+
 def sample_trajectory(task: TaskConfig, rng: np.random.Generator,
                       est_error: float) -> TrajectorySpec:
     """Draw one trajectory of ``task``."""
@@ -98,12 +163,11 @@ def sample_trajectory(task: TaskConfig, rng: np.random.Generator,
     if task.turn_groups:
         return _sample_grouped(task, n, rng, est_error)
     probs = np.array([a.prob for a in task.actions]) if task.actions else None
-    kinds = rng.choice(len(task.actions), size=n, p=probs) if n else []
-    gens = task.generation_s.sample(rng, n + 1)
-    turns = [Turn(float(gens[i]), _spec(task.actions[k], rng, est_error, False))
-             for i, k in enumerate(kinds)]
-    turns.append(Turn(float(gens[n]), _spec(task.reward, rng, est_error, True)))
-    return TrajectorySpec(task.name, tuple(turns), task.sandbox)
+    kinds = rng.choice(len(task.actions), size=n, p=probs).tolist() if n else []
+    gens = task.generation_s.sample(rng, n + 1).tolist()
+    specs = _specs([task.actions[k] for k in kinds] + [task.reward], rng, est_error)
+    turns = tuple(map(Turn, gens, specs))
+    return TrajectorySpec(task.name, turns, task.sandbox)
 
 
 def _sample_grouped(task: TaskConfig, n: int, rng: np.random.Generator,
@@ -113,19 +177,20 @@ def _sample_grouped(task: TaskConfig, n: int, rng: np.random.Generator,
     a chain's later actions ``chained``), generation before the first stage only; all
     but the group's first action are ``same_turn`` (one agent turn, as live)."""
     groups = task.turn_groups
-    picks = rng.choice(len(groups), size=n, p=[g.prob for g in groups]) if n else []
-    gens = task.generation_s.sample(rng, n + 1)
+    picks = rng.choice(len(groups), size=n, p=[g.prob for g in groups]).tolist() if n else []
+    gens = task.generation_s.sample(rng, n + 1).tolist()
     by_name = {a.name: a for a in task.actions}
-    turns = []
-    for i, k in enumerate(picks):
-        for j, stage in enumerate(groups[k].actions):
-            flat = [(name, m > 0) for chain in stage for m, name in enumerate(chain)]
-            turns += [Turn(float(gens[i]) if j == 0 and m == 0 else 0.0,
-                           _spec(by_name[name], rng, est_error, False),
-                           together=m < len(flat) - 1, chained=chained,
-                           same_turn=j > 0 or m > 0)
-                      for m, (name, chained) in enumerate(flat)]
-    turns.append(Turn(float(gens[n]), _spec(task.reward, rng, est_error, True)))
+    # (generation before it, its type, submitted together with the next, chained to the
+    # one before it, same agent turn as the one before it) per action
+    plan = [(gens[i] if j == 0 and m == 0 else 0.0, by_name[name], m < len(flat) - 1,
+             chained, j > 0 or m > 0)
+            for i, k in enumerate(picks) for j, stage in enumerate(groups[k].actions)
+            for flat in [[(name, c > 0) for chain in stage for c, name in enumerate(chain)]]
+            for m, (name, chained) in enumerate(flat)]
+    specs = _specs([p[1] for p in plan] + [task.reward], rng, est_error)
+    turns = [Turn(g, spec, together=tog, chained=ch, same_turn=same)
+             for (g, _, tog, ch, same), spec in zip(plan, specs[:-1], strict=True)]
+    turns.append(Turn(gens[n], specs[-1]))
     return TrajectorySpec(task.name, tuple(turns), task.sandbox)
 
 

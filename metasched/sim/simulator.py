@@ -86,6 +86,10 @@ class Simulator:
         action_log: where to record every finished action as a trace line, with what
             was measured (queue wait, run time, allocation, generation gap), as the live
             dispatcher records them (``metasched.core.action_log``).
+        ahead_per_core: pipelining, as the live dispatcher's setting of that name: cpu
+            actions each node may hold per core ahead of its free cores (handed after
+            the scheduler's turn, started the moment cores free there; see
+            ``ClusterState.hand_ahead``). 0 (default): none.
 
     A cpu action runs its command's start-up (``cluster.cpu_launch_s``, or a log-normal
     draw around it when ``cluster.cpu_launch_sigma`` > 0, from the run's own generator)
@@ -96,7 +100,7 @@ class Simulator:
                  instance: WorkloadInstance | None = None, timeline_dt: float = 10.0,
                  max_wait_s: float | None = None, serve_stalled: bool = False,
                  cost_model: CostModel | None = None, check_invariants: bool = False,
-                 action_log: ActionLog | None = None) -> None:
+                 action_log: ActionLog | None = None, ahead_per_core: int = 0) -> None:
         self.workload = workload
         self.cluster = cluster
         self.seed = seed
@@ -108,6 +112,7 @@ class Simulator:
         self.instance = instance if instance is not None else sample_workload(
             workload, workload_rng(seed))
         self.state = ClusterState(cluster, workload.services, timeline_dt=timeline_dt)
+        self.state.ahead_per_node = ahead_per_core * cluster.cores_per_node
         self.check_invariants = check_invariants
         self.cost_model = cost_model
         self._restore_s: dict[int, float] = {}  # gpu action id -> its batch's restore
@@ -160,7 +165,8 @@ class Simulator:
 
     @property
     def done(self) -> bool:
-        return not self._heap and self.state.n_pending == 0 and self.state.n_running == 0
+        s = self.state
+        return not self._heap and s.n_pending == 0 and s.n_ahead == 0 and s.n_running == 0
 
     def next_decision(self) -> bool:
         """Advance through events until a decision is possible; False when the run ends."""
@@ -173,6 +179,8 @@ class Simulator:
                 for g in forced:
                     self.apply(g)
                 continue
+            if state.ahead_per_node:  # after the scheduler's turn, as the dispatcher does
+                state.fill_ahead()
             if state.pending["api"]:
                 self._schedule_api_wakeups()
             if not self._heap:
@@ -202,11 +210,7 @@ class Simulator:
         t = state.t
         spec = grant.action.spec
         if spec.kind == "cpu":
-            launch = self._launch_s
-            if self._launch_sigma:
-                launch *= math.exp(self._launch_sigma * self._launch_rng.standard_normal())
-            run = launch + spec.true_s / spec.speedup(grant.cores)
-            self._push_end(grant.action, t, run)
+            self._push_cpu_end(grant.action, t)
         elif spec.kind == "gpu":
             svc = state.gpu.services[spec.service]
             batch_s = svc.batch_s([b.spec.true_s for b in started])
@@ -260,6 +264,13 @@ class Simulator:
     def _push(self, t: float, etype: int, obj: object) -> None:
         self._seq += 1
         heapq.heappush(self._heap, (t, etype, self._seq, obj))
+
+    def _push_cpu_end(self, a: Action, t: float) -> None:
+        """The end of cpu action ``a`` started at ``t`` on its ``a.cores``."""
+        launch = self._launch_s
+        if self._launch_sigma:
+            launch *= math.exp(self._launch_sigma * self._launch_rng.standard_normal())
+        self._push_end(a, t, launch + a.spec.true_s / a.spec.speedup(a.cores))
 
     def _push_end(self, a: Action, t: float, run_s: float) -> None:
         # A run past its timeout is killed at the timeout.
@@ -318,7 +329,8 @@ class Simulator:
 
     def _on_end(self, a: Action) -> None:
         failed = a.reason == "timeout"
-        self.state.finish(a, not failed, a.reason)
+        for b in self.state.finish(a, not failed, a.reason):  # its node's queue starts
+            self._push_cpu_end(b, self.state.t)
         if self.cost_model is not None:
             restore = self._restore_s.pop(a.id, 0.0)
             if not failed:  # live learns from successes only

@@ -32,6 +32,7 @@ from metasched.errors import ConfigError
 from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
 from metasched.runtime.gpu import LiveService
 from metasched.runtime.ray_backend.cluster import RayBackend
+from metasched.runtime.ray_backend.node_agent import ResultBox
 from metasched.runtime.requests import REJECTED, Result
 
 log = logging.getLogger("metasched.dispatch")
@@ -59,32 +60,6 @@ def dumps(obj: Any) -> bytes:
         return cloudpickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
 
 
-class _Outbox:
-    """Results waiting for one client's stream."""
-
-    __slots__ = ("results", "ready", "last")
-
-    def __init__(self) -> None:
-        self.results: list[Result] = []
-        self.ready = asyncio.Event()
-        self.last = 0.0  # when the stream last yielded (loop time)
-
-    def put(self, result: Result) -> None:
-        self.results.append(result)
-        self.ready.set()
-
-    async def take(self) -> list[Result]:
-        await self.ready.wait()
-        loop = asyncio.get_running_loop()
-        wait = self.last + YIELD_INTERVAL_S - loop.time()
-        if wait > 0:
-            await asyncio.sleep(wait)
-        self.ready.clear()
-        self.last = loop.time()
-        out, self.results = self.results, []
-        return out
-
-
 class DispatcherActor:
     """A dispatcher on the Ray cluster (see the module docstring). Started by
     :func:`metasched.runtime.ray_backend.start_dispatcher`, not directly.
@@ -108,7 +83,7 @@ class DispatcherActor:
         self.dispatcher: Dispatcher | None = None
         self.backend: RayBackend | None = None
         self._starting: asyncio.Task | None = None
-        self._boxes: dict[str, _Outbox] = {}
+        self._boxes: dict[str, ResultBox] = {}
 
     async def _ready(self) -> Dispatcher:
         if self.dispatcher is None:
@@ -166,7 +141,7 @@ class DispatcherActor:
         requests: list[Any] = pickle.loads(packed)
         box = self._boxes.get(client)
         if box is None:
-            box = self._boxes[client] = _Outbox()
+            box = self._boxes[client] = ResultBox(YIELD_INTERVAL_S)
         calls = calls or {}
         acks: list[Result | None] = []
         futures = []
@@ -188,12 +163,12 @@ class DispatcherActor:
         (a streaming call)."""
         box = self._boxes.get(client)
         if box is None:
-            box = self._boxes[client] = _Outbox()
+            box = self._boxes[client] = ResultBox(YIELD_INTERVAL_S)
         try:
             while True:
                 yield dumps(await box.take())
         finally:
-            if self._boxes.get(client) is box and not box.results:
+            if self._boxes.get(client) is box and not box.items:
                 del self._boxes[client]
 
     async def stats(self) -> dict[str, Any]:
@@ -235,7 +210,7 @@ class DispatcherActor:
         return stats
 
 
-def _deliver(future: asyncio.Future, box: _Outbox) -> None:
+def _deliver(future: asyncio.Future, box: ResultBox) -> None:
     if future.cancelled():  # the dispatcher closed without draining: it is unfinished
         return
     box.put(future.result())

@@ -64,8 +64,9 @@ def start_dispatcher(config: DispatcherConfig | None = None, *, name: str = DEFA
         services: GPU services by name (each GPU's actor hosts them).
         cores_per_node: grant at most this many cores per node.
         submit: how commands reach their node's agent: ``"task"`` (a Ray task each, with
-            ``num_cpus`` of its grant) or ``"agent"`` (an actor call each; the agents hold
-            the dispatcher's cores in Ray): see :mod:`.cluster`.
+            ``num_cpus`` of its grant), ``"agent"`` (an actor call each; the agents hold
+            the dispatcher's cores in Ray) or ``"batch"`` (as ``"agent"``, one call per
+            loop turn and a results stream per node): see :mod:`.cluster`.
         address: the cluster (default ``"auto"``) when Ray is not initialised yet.
         timeout_s: how long the dispatcher may take to start.
         namespace: the Ray namespace the actor's name is found in.

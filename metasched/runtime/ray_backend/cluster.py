@@ -22,6 +22,17 @@ is ``submit``:
   less per action (see ``benchmarks/ray_throughput.py``); the agents then hold the
   dispatcher's cores of their node in Ray's accounting (``num_cpus``) for as long as
   the dispatcher runs, busy or not.
+- ``"batch"``: as ``"agent"``, but the commands started in one turn of the dispatcher's
+  loop go to each node's agent in one call, and results come back on one streaming
+  call per node, whatever finished in the last ``RESULT_INTERVAL_S`` in one batch
+  (:class:`NodeLink`).
+
+Pipelining: the dispatcher may hand a node commands ahead of its free cores
+(``DispatcherConfig.ahead_per_core``, default :attr:`RayBackend.AHEAD_PER_CORE`). Each
+command goes to its node's agent with a count of cores; the agent gives the node's cores
+to its commands in arrival order and starts the next the moment one exits, so no
+command waits for a round trip through the dispatcher to start. In ``"task"`` mode the
+tasks handed ahead wait in Ray's own queue for their ``num_cpus`` on the node first.
 
 Tasks and calls are not retried by Ray: a command that was lost with its worker or node
 is reported failed, with the reason, and the dispatcher's journal decides what runs
@@ -58,7 +69,7 @@ from metasched.runtime.sandbox.workspace import Template
 log = logging.getLogger("metasched.dispatch")
 
 DESCRIBE_TIMEOUT_S = 60.0  # how long nodes may take to answer the first look
-SUBMIT_MODES = ("task", "agent")
+SUBMIT_MODES = ("task", "agent", "batch")
 AGENT_CONCURRENCY = 10_000  # commands one node's agent may run at once (async calls)
 
 
@@ -129,36 +140,122 @@ async def cluster_view(*, cores_per_node: int | None = None,
 
 
 class RemoteCommand:
-    """A command running as a Ray task (the :class:`~metasched.runtime.backend.Command`
-    of a Ray backend): ``wait()`` awaits the task; cancelling the wait, or ``abandon()``,
-    cancels it (its process group is killed on the node)."""
+    """A command running on a Ray node (the :class:`~metasched.runtime.backend.Command`
+    of a Ray backend): ``wait()`` awaits its task or agent call; cancelling the wait, or
+    ``abandon()``, cancels it (its process group is killed on the node, or it leaves
+    the node's queue). ``cores`` are the node's to choose: empty until its Outcome
+    (``detail["cores"]``) says."""
 
-    __slots__ = ("ref", "cores", "_release")
+    __slots__ = ("ref", "cores")
 
-    def __init__(self, ref: ray.ObjectRef, cores: list[int], release) -> None:
+    def __init__(self, ref: ray.ObjectRef, cores: list[int] | None = None) -> None:
         self.ref = ref
-        self.cores = cores
-        self._release = release
-
-    def _free(self) -> None:
-        release, self._release = self._release, None
-        if release is not None:
-            release()
+        self.cores = list(cores or [])
 
     async def wait(self) -> Outcome:
         try:
-            return pickle.loads(await self.ref)
+            out = pickle.loads(await self.ref)
         except asyncio.CancelledError:
             ray.cancel(self.ref)
             raise
         except ray.exceptions.RayError as e:
             return Outcome(ok=False, reason=lost(e), detail={"cores": self.cores})
-        finally:
-            self._free()
+        self.cores = list(out.detail.get("cores", self.cores))
+        return out
 
     def abandon(self) -> None:
         ray.cancel(self.ref)
-        self._free()
+
+
+class BatchedCommand:
+    """A command sent to its node's agent in a batch (``submit="batch"``): ``wait()``
+    awaits its result from the node's stream; cancelling the wait, or ``abandon()``,
+    cancels it there."""
+
+    __slots__ = ("link", "key", "future", "cores")
+
+    def __init__(self, link: NodeLink, key: int, future: asyncio.Future[Outcome]) -> None:
+        self.link, self.key, self.future = link, key, future
+        self.cores: list[int] = []
+
+    async def wait(self) -> Outcome:
+        try:
+            out = await self.future
+        except asyncio.CancelledError:
+            self.link.cancel(self.key)
+            raise
+        self.cores = list(out.detail.get("cores", self.cores))
+        return out
+
+    def abandon(self) -> None:
+        self.link.cancel(self.key)
+
+
+class NodeLink:
+    """The batched calls to one node's agent (``submit="batch"``): the commands started
+    in one loop turn go in one :meth:`NodeAgent.start_batch` call, their results come
+    from one long-lived :meth:`NodeAgent.results` stream. If the agent is lost, every
+    command waiting on it fails with the reason."""
+
+    def __init__(self, agent: Any) -> None:
+        self.agent = agent
+        self.outgoing: list[tuple[int, bytes]] = []
+        self.waiting: dict[int, asyncio.Future[Outcome]] = {}
+        self.next_key = 0
+        self.reader: asyncio.Task | None = None
+
+    def start(self, packed: bytes) -> BatchedCommand:
+        loop = asyncio.get_running_loop()
+        if self.reader is None:
+            self.reader = loop.create_task(self._read())
+        key = self.next_key
+        self.next_key += 1
+        fut = self.waiting[key] = loop.create_future()
+        if not self.outgoing:
+            loop.call_soon(self._send)
+        self.outgoing.append((key, packed))
+        return BatchedCommand(self, key, fut)
+
+    def _send(self) -> None:
+        batch, self.outgoing = self.outgoing, []
+        if batch:
+            self.agent.start_batch.remote(pickle.dumps(batch, pickle.HIGHEST_PROTOCOL))
+
+    def cancel(self, key: int) -> None:
+        fut = self.waiting.pop(key, None)
+        if fut is not None:
+            fut.cancel()
+            if any(k == key for k, _ in self.outgoing):  # not sent yet: never will be
+                self.outgoing = [(k, p) for k, p in self.outgoing if k != key]
+            else:
+                self.agent.cancel.remote([key])
+
+    async def _read(self) -> None:
+        stream = self.agent.results.options(num_returns="streaming").remote()
+        try:
+            async for ref in stream:
+                for key, data in pickle.loads(await ref):
+                    fut = self.waiting.pop(key, None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(pickle.loads(data))
+        except asyncio.CancelledError:
+            ray.cancel(stream)
+            raise
+        except ray.exceptions.RayError as e:
+            self.fail(lost(e))
+
+    def fail(self, why: str) -> None:
+        """Every command waiting on this node ends failed with ``why``."""
+        waiting, self.waiting = self.waiting, {}
+        for fut in waiting.values():
+            if not fut.done():
+                fut.set_result(Outcome(ok=False, reason=why))
+
+    async def close(self) -> None:
+        if self.reader is not None:
+            self.reader.cancel()
+            await asyncio.gather(self.reader, return_exceptions=True)
+        self.fail("the dispatcher closed")
 
 
 def lost(e: BaseException) -> str:
@@ -243,10 +340,14 @@ class RayBackend:
             dispatcher on the same journal finds the commands a dead one left by it).
         workdir: where the agents' run directories go on the nodes (None: ``/dev/shm``
             where writable).
-        submit: how a command reaches its node's agent: ``"task"`` or ``"agent"``.
+        submit: how a command reaches its node's agent: ``"task"``, ``"agent"`` or
+            ``"batch"``.
     """
 
     name = "ray"
+    # Commands per core a node holds ahead of its free cores unless the dispatcher's
+    # ahead_per_core says otherwise (measured: benchmarks/ray_throughput.py --ahead).
+    AHEAD_PER_CORE = 2
 
     def __init__(self, nodes: list[Node], gpus: RayGpuHost | None, *, dispatcher: str,
                  workdir: str | None = None, submit: str = "task") -> None:
@@ -260,7 +361,7 @@ class RayBackend:
         self.workdir = workdir
         self.submit = submit
         self.agents: list[Any] = []  # per node, once start_sandboxes has run
-        self._free = [sorted(n.cores) for n in nodes]  # per node: core ids not running
+        self.links: list[NodeLink] = []  # per node, with submit="batch"
         self._submit: dict[tuple[int, int], Any] = {}  # (node, cores) -> task options
         self._where: dict[str, int] = {}  # trajectory -> the node of its sandbox
 
@@ -290,11 +391,11 @@ class RayBackend:
         """
         # The agents end with the actor that starts them (the dispatcher's), and their
         # sandboxes with them. In "agent" mode they hold the dispatcher's cores in Ray.
-        cpus = len(self.nodes[0].cores) if self.submit == "agent" else 0
+        cpus = len(self.nodes[0].cores) if self.submit != "task" else 0
         agent = ray.remote(NodeAgent)
         self.agents = [agent.options(
             num_cpus=cpus, max_restarts=0, max_concurrency=AGENT_CONCURRENCY,
-            scheduling_strategy=_pinned(n.name)).remote(config, hide, self.workdir)
+            scheduling_strategy=_pinned(n.name)).remote(config, hide, self.workdir, n.cores)
             for n in self.nodes]
         try:
             facts = await asyncio.wait_for(asyncio.gather(
@@ -305,6 +406,8 @@ class RayBackend:
         for node, f in zip(self.nodes, facts, strict=True):
             if "error" in f:
                 raise ConfigError("sandbox", f"node {node.name[:12]}: {f['error']}")
+        if self.submit == "batch":
+            self.links = [NodeLink(a) for a in self.agents]
         return RemoteSandboxes(self, facts, config)
 
     def _task(self, node: int, n_cores: int) -> Any:
@@ -317,24 +420,23 @@ class RayBackend:
         return fn
 
     def start_command(self, node: int, n_cores: int, spec: CommandSpec,
-                      sandbox: RemoteSandbox | None = None) -> RemoteCommand:
-        free = self._free[node]
-        cores, free[:] = free[:n_cores], free[n_cores:]
+                      sandbox: RemoteSandbox | None = None) -> RemoteCommand | BatchedCommand:
+        """Start ``spec`` on ``n_cores`` of ``node``'s cores: the node's agent picks them
+        and starts it in its queue's order (now, when they are free: see the module
+        docstring on pipelining); its Outcome's ``detail["cores"]`` says which."""
         spec = replace(spec, extra_env={**(spec.extra_env or {}),
                                         DISPATCHER_ENV: self.dispatcher})
-
-        def release() -> None:
-            free.extend(cores)
-            free.sort()
         if sandbox is not None and sandbox.key:
             self._where[sandbox.key] = node
-        packed = pack(spec, cores, sandbox.box() if sandbox is not None else None)
+        packed = pack(spec, n_cores, sandbox.box() if sandbox is not None else None)
         agent = self.agents[node]
+        if self.submit == "batch":
+            return self.links[node].start(packed)
         if self.submit == "agent":
             ref = agent.run.remote(packed)
         else:
             ref = self._task(node, n_cores).remote(agent, packed)
-        return RemoteCommand(ref, cores, release)
+        return RemoteCommand(ref)
 
     def close_trajectory(self, key: str) -> None:
         """End trajectory ``key``'s sandbox on its node (nothing waits for it)."""
@@ -359,6 +461,9 @@ class RayBackend:
             log.info("killed %d commands a previous dispatcher left running", sum(killed))
 
     async def close(self) -> None:
+        links, self.links = self.links, []
+        for link in links:
+            await link.close()
         agents, self.agents = self.agents, []
         if agents:
             # Each ends its sandboxes and removes what it made before it goes.
@@ -369,5 +474,6 @@ class RayBackend:
             self.gpus.close()
 
 
-__all__ = ["SUBMIT_MODES", "RayBackend", "RemoteCommand", "RemoteSandbox", "RemoteSandboxes",
-           "alive_nodes", "check_submit", "cluster_view", "lost"]
+__all__ = ["SUBMIT_MODES", "BatchedCommand", "NodeLink", "RayBackend", "RemoteCommand",
+           "RemoteSandbox", "RemoteSandboxes", "alive_nodes", "check_submit", "cluster_view",
+           "lost"]

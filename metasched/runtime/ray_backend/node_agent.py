@@ -19,6 +19,11 @@ command on the node ends too.
 
 Commands reach an agent one call per command (:meth:`NodeAgent.run`); how a call is
 made, and how it holds its cores in Ray's accounting, is :class:`~.cluster.RayBackend`'s.
+
+Pipelining: the agent holds the node's granted cores (:class:`CoreQueue`) and starts the
+commands it is given in the order they arrive, each as soon as enough of the cores are
+free, so the dispatcher may hand it commands ahead of free cores: the next one starts the
+moment one exits, not a round trip (agent, dispatcher, agent) later.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import asyncio
 import concurrent.futures
 import os
 import pickle
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -54,10 +60,97 @@ class BoxSpec:
     template: Template | None = None
 
 
-def pack(spec: CommandSpec, cores: list[int], box: BoxSpec | None) -> bytes:
+def pack(spec: CommandSpec, cores: list[int] | int, box: BoxSpec | None) -> bytes:
     """:meth:`NodeAgent.run`'s argument: bytes pass through Ray without its serializer (a
-    dataclass costs it ~10x a pickle of it; this is paid on every action)."""
+    dataclass costs it ~10x a pickle of it; this is paid on every action). ``cores``: the
+    core ids to pin it to, or how many of the agent's cores it takes, in its queue's
+    order (:class:`CoreQueue`)."""
     return pickle.dumps((spec, cores, box), pickle.HIGHEST_PROTOCOL)
+
+
+class CoreQueue:
+    """A node's granted cores, given to commands strictly in the order they ask (a
+    first-in, first-out queue: a command that needs more cores than are free waits, and
+    so do those after it, as the dispatcher's state counts the node's queue)."""
+
+    def __init__(self, cores: Sequence[int]) -> None:
+        self.free = sorted(cores)
+        self.waiting: deque[tuple[int, asyncio.Future[list[int]]]] = deque()
+
+    def take(self, n: int) -> asyncio.Future[list[int]]:
+        """A future of ``n`` core ids, set when they are this command's turn and free."""
+        fut = asyncio.get_running_loop().create_future()
+        self.waiting.append((n, fut))
+        self._serve()
+        return fut
+
+    def give(self, cores: Sequence[int]) -> None:
+        """Cores a command no longer uses; the next in the queue start on them."""
+        self.free.extend(cores)
+        self.free.sort()
+        self._serve()
+
+    def drop(self, fut: asyncio.Future[list[int]]) -> None:
+        """A command left before it ran (its call was cancelled): its place in the queue
+        goes, and cores it was given come back."""
+        if fut.done() and not fut.cancelled():
+            self.give(fut.result())
+        else:
+            fut.cancel()
+            self._serve()
+
+    def _serve(self) -> None:
+        q = self.waiting
+        while q:
+            n, fut = q[0]
+            if fut.done():  # cancelled while waiting
+                q.popleft()
+                continue
+            if len(self.free) < n:
+                return
+            q.popleft()
+            got, self.free = self.free[:n], self.free[n:]
+            fut.set_result(got)
+
+    @property
+    def queued(self) -> int:
+        """Commands waiting for their cores."""
+        return sum(1 for _, f in self.waiting if not f.done())
+
+
+# The results stream of batched commands yields at most this often: each yield costs
+# both processes an object and an RPC, so results that finish within one interval go in
+# one. Commands handed ahead keep the node busy meanwhile (the dispatcher learns of an
+# exit up to this late, the node does not wait for it).
+RESULT_INTERVAL_S = 0.005
+
+
+class ResultBox:
+    """Finished results waiting for the next yield of a results stream, which yields at
+    most every ``interval_s`` (whatever finished meanwhile, in one batch)."""
+
+    __slots__ = ("items", "ready", "last", "interval_s")
+
+    def __init__(self, interval_s: float = RESULT_INTERVAL_S) -> None:
+        self.items: list[Any] = []
+        self.ready = asyncio.Event()
+        self.last = 0.0  # when the stream last yielded (loop time)
+        self.interval_s = interval_s
+
+    def put(self, item: Any) -> None:
+        self.items.append(item)
+        self.ready.set()
+
+    async def take(self) -> list[Any]:
+        await self.ready.wait()
+        loop = asyncio.get_running_loop()
+        wait = self.last + self.interval_s - loop.time()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        self.ready.clear()
+        self.last = loop.time()
+        out, self.items = self.items, []
+        return out
 
 
 class NodeAgent:
@@ -68,12 +161,19 @@ class NodeAgent:
         config: how commands are confined (the dispatcher's ``sandbox`` settings).
         hide: host paths commands must not see (the journal's, on its node).
         workdir: where the run directory goes (None: ``/dev/shm`` where writable).
+        cores: the core ids the dispatcher grants on this node, which commands given a
+            count of cores take in arrival order (:class:`CoreQueue`); None: commands
+            come with their core ids.
     """
 
-    def __init__(self, config: SandboxConfig, hide: Sequence[str], workdir: str | None) -> None:
+    def __init__(self, config: SandboxConfig, hide: Sequence[str], workdir: str | None,
+                 cores: Sequence[int] | None = None) -> None:
         self.config = config
         self.hide = list(hide)
         self.workdir = workdir
+        self.cores = CoreQueue(cores) if cores is not None else None
+        self._by_key: dict[int, asyncio.Task] = {}  # batched commands not finished
+        self._outbox: ResultBox | None = None
         self.run_dir = None
         self.boxes = None
         self._starting: asyncio.Task | None = None
@@ -107,9 +207,31 @@ class NodeAgent:
     async def run(self, packed: bytes) -> bytes:
         """Run the command of :func:`pack` on this node, pinned to its cores, in its
         sandbox (made at its trajectory's first command here); how it ended, pickled.
-        Cancelling the call kills the command (its whole cgroup slot or group)."""
+        Given a count of cores, it waits for them in the node's queue (its place taken
+        on arrival, before anything else), and gives them back the moment it exits.
+        Cancelling the call kills the command (its whole cgroup slot or group), or takes
+        it out of the queue."""
         spec, cores, box = pickle.loads(packed)
+        if isinstance(cores, int):
+            turn = self.cores.take(cores)
+            try:
+                # The sandbox is made (at a trajectory's first command) while it waits.
+                boxes = await self._ready()
+                sb = await self._sandbox(boxes, box)
+                cores = await turn
+            except BaseException:
+                self.cores.drop(turn)
+                raise
+            try:
+                return await self._launch(spec, cores, boxes, sb)
+            finally:
+                self.cores.give(cores)
         boxes = await self._ready()
+        return await self._launch(spec, cores, boxes, await self._sandbox(boxes, box))
+
+    async def _sandbox(self, boxes, box: BoxSpec | None):
+        """The command's sandbox on this node (opened at its trajectory's first command),
+        or None: outside any."""
         sb = None
         if box is not None and boxes.isolated:
             if box.key == "":
@@ -121,11 +243,14 @@ class NodeAgent:
                 await sb.ready
             except OSError:
                 pass  # launch fails the command with the reason
-            try:  # a gpu command: its sandbox with its GPU's device nodes
-                sb = await gpu_sandbox(boxes, sb, spec.gpu)
-            except OSError as e:
-                return pickle.dumps(Outcome(False, f"cannot start: {e.strerror or e}",
-                                            detail={"cores": cores}), pickle.HIGHEST_PROTOCOL)
+        return sb
+
+    async def _launch(self, spec: CommandSpec, cores: list[int], boxes, sb) -> bytes:
+        try:  # a gpu command: its sandbox with its GPU's device nodes
+            sb = await gpu_sandbox(boxes, sb, spec.gpu)
+        except OSError as e:
+            return pickle.dumps(Outcome(False, f"cannot start: {e.strerror or e}",
+                                        detail={"cores": cores}), pickle.HIGHEST_PROTOCOL)
         proc = launch(spec.argv, cores=cores, timeout_s=spec.timeout_s, env=spec.env or {},
                       request_env=spec.request_env, boxes=boxes, sandbox=sb,
                       cwd_root=self.run_dir.path, pids_max=spec.pids_max,
@@ -133,6 +258,53 @@ class NodeAgent:
                       tail_bytes=spec.tail_bytes, extra_env=spec.extra_env)
         out: Outcome = await proc.wait()  # cancelled: the command is killed first
         return pickle.dumps(out, pickle.HIGHEST_PROTOCOL)
+
+    # ---------------------------------------------------------- batched calls
+
+    async def start_batch(self, packed: bytes) -> None:
+        """Start the commands of ``packed`` (a pickled list of ``(key, pack(...))``), each
+        as :meth:`run` does, in the list's order; each one's result goes, with its key,
+        to the stream of :meth:`results` (the batched way of reaching an agent: one
+        call for the commands of a dispatcher's loop turn, not one each)."""
+        if self._outbox is None:
+            self._outbox = ResultBox()
+        for key, item in pickle.loads(packed):
+            # A task's first step (its place in the node's queue) runs in creation order.
+            task = asyncio.ensure_future(self.run(item))
+            self._by_key[key] = task
+            task.add_done_callback(lambda t, key=key: self._batched_done(key, t))
+
+    def _batched_done(self, key: int, task: asyncio.Task) -> None:
+        self._by_key.pop(key, None)
+        if task.cancelled():
+            out = pickle.dumps(Outcome(ok=False, reason="cancelled"), pickle.HIGHEST_PROTOCOL)
+        elif task.exception() is not None:
+            e = task.exception()
+            out = pickle.dumps(Outcome(ok=False, reason=f"node agent: {type(e).__name__}: {e}"),
+                               pickle.HIGHEST_PROTOCOL)
+        else:
+            out = task.result()
+        self._outbox.put((key, out))
+
+    async def results(self):
+        """The results of :meth:`start_batch`'s commands as they finish, in batches (each
+        a pickled list of ``(key, pickled Outcome)``: whatever finished since the last),
+        at most one batch per ``RESULT_INTERVAL_S`` (a streaming call)."""
+        if self._outbox is None:
+            self._outbox = ResultBox()
+        while True:
+            yield pickle.dumps(await self._outbox.take(), pickle.HIGHEST_PROTOCOL)
+
+    def cancel(self, keys: list[int]) -> None:
+        """Cancel batched commands (killed, or taken out of the node's queue)."""
+        for key in keys:
+            task = self._by_key.get(key)
+            if task is not None:
+                task.cancel()
+
+    def queued(self) -> int:
+        """Commands waiting here for their cores (handed ahead of free ones)."""
+        return self.cores.queued if self.cores is not None else 0
 
     def close_trajectory(self, key: str) -> None:
         """End trajectory ``key``'s sandbox here (its workspace, whatever runs in it)."""
@@ -173,4 +345,4 @@ def run_on_agent(agent: Any, packed: bytes) -> bytes:
         raise
 
 
-__all__ = ["BoxSpec", "NodeAgent", "pack", "run_on_agent"]
+__all__ = ["BoxSpec", "CoreQueue", "NodeAgent", "ResultBox", "pack", "run_on_agent"]

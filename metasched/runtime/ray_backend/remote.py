@@ -18,6 +18,7 @@ last fetched (every ``POLL_S`` while the dispatcher is open, and at its close).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -53,8 +54,11 @@ class RaySettings:
             machine with ``ray start``, or ``RAY_ADDRESS``).
         name: the actor's name: attached to if it runs, else started.
         namespace: the Ray namespace the name is found in.
-        submit: how a started dispatcher's commands reach their node (``task`` | ``agent``).
+        submit: how a started dispatcher's commands reach their node (``task`` | ``agent``
+            | ``batch``).
         cores_per_node: a started dispatcher grants at most this many cores per node.
+        ahead_per_core: a started dispatcher hands each node up to this many commands per
+            core ahead of its free cores (None: the backend's default; 0: none).
         keep: leave a dispatcher this process started running when it closes.
     """
 
@@ -63,6 +67,7 @@ class RaySettings:
     namespace: str = NAMESPACE
     submit: str = "task"
     cores_per_node: int | None = None
+    ahead_per_core: int | None = None
     keep: bool = False
 
 
@@ -137,6 +142,8 @@ def open_dispatcher(settings: RaySettings, config: DispatcherConfig,
         handle = DispatcherHandle(actor, settings.name)
         started = False
     else:
+        if settings.ahead_per_core is not None:
+            config = dataclasses.replace(config, ahead_per_core=settings.ahead_per_core)
         try:
             handle = start_dispatcher(config, name=settings.name, services=services,
                                       cores_per_node=settings.cores_per_node,
