@@ -15,8 +15,7 @@ Importing this package does not import Ray; its names are loaded on first use.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from metasched.lazy import lazy_exports
 
 _EXPORTS = {
     "DispatcherHandle": "metasched.runtime.ray_backend.client",
@@ -30,9 +29,4 @@ _EXPORTS = {
 
 __all__ = list(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
