@@ -4,7 +4,9 @@ repository, from a temporary directory, with the base dependencies only, then wi
 
 This is what a user of ``pip install metasched`` gets: the Hydra configs and the shipped
 checkpoint must come from the installed package, never from a source checkout. pip's
-cache is reused, so after the first run this costs the install of cached wheels.
+cache is reused, so after the first run this costs the install of cached wheels (not
+compiled to bytecode: that is not what is checked); the install of the ``train`` extra
+(torch) is the slow check, ``-m slow``.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def base_env(tmp_path_factory, wheel) -> Path:
     env_dir = tmp_path_factory.mktemp("venv") / "base"
     venv.EnvBuilder(with_pip=True).create(env_dir)
     _ok(_run([str(env_dir / "bin" / "python"), "-m", "pip", "install", "--quiet",
-              str(wheel)], cwd=env_dir))
+              "--no-compile", str(wheel)], cwd=env_dir))
     return env_dir
 
 
@@ -72,7 +74,8 @@ def test_wheel_holds_the_configs_and_the_shipped_checkpoint(wheel):
     import zipfile
 
     names = set(zipfile.ZipFile(wheel).namelist())
-    for must in ("metasched/configs/eval.yaml", "metasched/configs/workload/rm_math.yaml",
+    for must in ("metasched/configs/eval.yaml", "metasched/configs/train.yaml",
+                 "metasched/configs/workload/rm_math.yaml",
                  "metasched/configs/cluster/rm_math.yaml", "metasched/configs/examples/jobs.jsonl",
                  "metasched/checkpoints/default/policy.npz",
                  "metasched/checkpoints/default/metadata.json",
@@ -119,11 +122,41 @@ def test_base_install_evaluates_and_dispatches_from_anywhere(base_env, tmp_path)
         "sb3_contrib, tensorboard): pip install 'metasched[train]'"]
 
 
+def test_wheel_declares_the_train_extra_that_metasched_train_needs(wheel):
+    """The wheel's ``train`` extra names a distribution for every module metasched-train
+    requires, and admits the torch that constraints.txt pins (what the slow check below
+    installs)."""
+    import zipfile
+
+    from packaging.requirements import Requirement
+
+    from metasched.cli.train_app import TRAIN_MODULES
+
+    with zipfile.ZipFile(wheel) as z:
+        (meta,) = [n for n in z.namelist() if n.endswith(".dist-info/METADATA")]
+        lines = z.read(meta).decode().splitlines()
+    assert "Provides-Extra: train" in lines
+    train = {}
+    for line in lines:
+        if line.startswith("Requires-Dist: "):
+            req = Requirement(line.removeprefix("Requires-Dist: "))
+            if req.marker is not None and req.marker.evaluate({"extra": "train"}) \
+                    and not req.marker.evaluate({"extra": ""}):
+                train[req.name.lower().replace("-", "_")] = req
+    assert set(TRAIN_MODULES) <= set(train), f"train extra lacks {set(TRAIN_MODULES) - set(train)}"
+    pins = dict(ln.split("==") for ln in (ROOT / "constraints.txt").read_text().split()
+                if "==" in ln)
+    for name, version in pins.items():
+        if name in train:
+            assert train[name].specifier.contains(version), (name, version, str(train[name]))
+
+
+@pytest.mark.slow  # installs torch into a fresh venv: ~2 min
 @needs_train  # this interpreter has torch: the constraints' torch is installable for it
 def test_train_extra_trains_a_tiny_policy(base_env, wheel, tmp_path):
     # The local CPU build of torch, as `make install` takes it (constraints.txt).
-    _ok(_run([str(base_env / "bin" / "python"), "-m", "pip", "install", "--quiet", "-c",
-              str(ROOT / "constraints.txt"), f"{wheel}[train]"], cwd=tmp_path))
+    _ok(_run([str(base_env / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-compile",
+              "-c", str(ROOT / "constraints.txt"), f"{wheel}[train]"], cwd=tmp_path))
     assert {"torch", "stable-baselines3", "sb3-contrib", "tensorboard"} <= _installed(base_env)
     _ok(_run([str(base_env / "bin" / "metasched-train"), "workload=rm_math",
               "workload.trajectories_per_step=8", "agent.total_timesteps=256",
