@@ -356,6 +356,11 @@ def test_finished_ids_are_answered_from_the_journal_after_a_restart(side, tmp_pa
     assert other.status == "rejected"
 
 
+# On Ray the same kill is checked, with commands handed ahead besides, by
+# test_ray_a_killed_dispatcher_with_commands_handed_ahead_loses_nothing (the journal's
+# answers after a restart by test_finished_ids_...): this Ray case is the slow one.
+@pytest.mark.parametrize("side", ["local", pytest.param("ray", marks=pytest.mark.slow)],
+                         indirect=True)
 def test_a_killed_dispatcher_loses_nothing_and_kills_what_it_left(side, tmp_path, visible_dir):
     """A command running when its dispatcher dies is killed by the next one on the same
     journal and run again (its id once more); what was queued runs; a finished id is

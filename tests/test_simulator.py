@@ -144,6 +144,7 @@ def run_counting_invariants(w, c, scheduler, min_actions):
     return r
 
 
+@pytest.mark.slow  # ~15 s; the 10k case below checks every event under every heuristic
 def test_accounting_invariant_every_event_100k_actions():
     w, c = profile("mixed")  # every pool kind; ~5,300 actions per step
     r = run_counting_invariants(dataclasses.replace(w, steps=21), c, "elastic_greedy", 100_000)
