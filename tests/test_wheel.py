@@ -98,8 +98,11 @@ def test_base_install_evaluates_and_dispatches_from_anywhere(base_env, tmp_path)
         assert heavy not in installed, f"{heavy} is not a base dependency"
     bin_ = base_env / "bin"
 
+    # A heuristic and the shipped policy (the wheel's checkpoint): every other scheduler
+    # comes from the same installed package.
     p = _ok(_run([str(bin_ / "metasched-eval"), "workload=rm_math", "n_seeds=2",
-                  "hydra.run.dir=eval"], cwd=tmp_path))
+                  "schedulers=[elastic_greedy,checkpoints/default]", "hydra.run.dir=eval"],
+                 cwd=tmp_path))
     doc = json.loads((tmp_path / "eval" / "results.json").read_text())
     assert doc["seeds"] == [1_000_000, 1_000_001]
     learned = doc["schedulers"]["checkpoints/default"]  # the shipped policy, from the wheel
