@@ -4,9 +4,8 @@ repository, from a temporary directory, with the base dependencies only, then wi
 
 This is what a user of ``pip install metasched`` gets: the Hydra configs and the shipped
 checkpoint must come from the installed package, never from a source checkout. pip's
-cache is reused, so after the first run this costs the install of cached wheels (not
-compiled to bytecode: that is not what is checked); the install of the ``train`` extra
-(torch) is the slow check, ``-m slow``.
+cache is reused, so after the first run this costs the install of cached wheels; the
+install of the ``train`` extra (torch) is the slow check, ``-m slow``.
 """
 
 from __future__ import annotations
@@ -60,7 +59,7 @@ def base_env(tmp_path_factory, wheel) -> Path:
     env_dir = tmp_path_factory.mktemp("venv") / "base"
     venv.EnvBuilder(with_pip=True).create(env_dir)
     _ok(_run([str(env_dir / "bin" / "python"), "-m", "pip", "install", "--quiet",
-              "--no-compile", str(wheel)], cwd=env_dir))
+              str(wheel)], cwd=env_dir))
     return env_dir
 
 
@@ -158,8 +157,8 @@ def test_wheel_declares_the_train_extra_that_metasched_train_needs(wheel):
 @needs_train  # this interpreter has torch: the constraints' torch is installable for it
 def test_train_extra_trains_a_tiny_policy(base_env, wheel, tmp_path):
     # The local CPU build of torch, as `make install` takes it (constraints.txt).
-    _ok(_run([str(base_env / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-compile",
-              "-c", str(ROOT / "constraints.txt"), f"{wheel}[train]"], cwd=tmp_path))
+    _ok(_run([str(base_env / "bin" / "python"), "-m", "pip", "install", "--quiet", "-c",
+              str(ROOT / "constraints.txt"), f"{wheel}[train]"], cwd=tmp_path))
     assert {"torch", "stable-baselines3", "sb3-contrib", "tensorboard"} <= _installed(base_env)
     _ok(_run([str(base_env / "bin" / "metasched-train"), "workload=rm_math",
               "workload.trajectories_per_step=8", "agent.total_timesteps=256",
