@@ -13,12 +13,12 @@ machine's load drifts within a round; each round takes the ways in a rotated ord
   handle to the dispatcher actor (journal on, as in production), which queues them,
   schedules them (elastic_greedy) and has each node's agent run them confined as the
   dispatcher's ``sandbox`` settings say (``--isolation``: ``auto`` is bwrap sandboxes
-  and cgroup slots where the machine allows, as users get by default): ``task``, a Ray
-  task per action with ``num_cpus`` of its grant that asks the agent; ``agent``, a
-  direct call to the agent per action (the agent holds the dispatcher's cores in Ray,
-  so its dispatcher runs only for its own measurement, started and stopped each round);
-  ``batch``, as ``agent`` with the commands of one loop turn in one call and results
-  back on one stream per node;
+  and cgroup slots where the machine allows, as users get by default): ``stream`` (the
+  default), commands and results on one direct stream per node; ``agent``, a direct
+  call to the agent per action; ``task``, a Ray task per action with ``num_cpus`` of
+  its grant that asks the agent (with ``stream`` and ``agent`` the agent holds the
+  dispatcher's cores in Ray, so its dispatcher runs only for its own measurement,
+  started and stopped each round);
   each once per ``--ahead`` value (the dispatcher's ``ahead_per_core``: commands per
   core handed to the node ahead of its free cores; 0: none, each started on a free
   core; the default is the backend's).
@@ -30,7 +30,7 @@ actor's CPU seconds per action, and so the ceiling of one dispatcher actor on on
 command) here, Ray's own floor.
 
     python benchmarks/ray_throughput.py [--n 2000] [--rounds 3] [--cpus 2]
-        [--submit task,agent] [--ahead 0,1] [--isolation auto] [--trajectories 0]
+        [--submit stream,agent,task] [--ahead 0,1] [--isolation auto] [--trajectories 0]
         [--address auto]
 """
 
@@ -152,7 +152,7 @@ def main() -> None:
     p.add_argument("--cpus", type=int, default=2, help="CPUs of the local Ray")
     p.add_argument("--address", default=None, help="join this cluster instead ('auto')")
     p.add_argument("--scheduler", default="elastic_greedy")
-    p.add_argument("--submit", default="task,agent",
+    p.add_argument("--submit", default="stream,agent,task",
                    help="the dispatcher's ways of reaching its agents, comma-separated")
     p.add_argument("--ahead", default=None,
                    help="the dispatcher's ahead_per_core values to run, comma-separated "

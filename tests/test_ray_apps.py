@@ -234,7 +234,7 @@ def _free_port() -> int:
     ({"backend": "ray", "gpu_standin": 1}, "gpu_standin", "does not apply with backend=ray"),
     ({"backend": "ray", "compact": 60}, "compact", "does not apply with backend=ray"),
     ({"backend": "ray", "ray": {"submit": "rpc"}}, "ray.submit",
-     "must be one of task, agent, batch"),
+     "must be one of task, agent, stream"),
     ({"backend": "ray", "ray": {"ahead_per_core": -1}}, "ray.ahead_per_core", ">= 0 or null"),
     ({"backend": "ray", "ray": {"ahead_per_core": "two"}}, "ray.ahead_per_core", ">= 0 or null"),
     ({"backend": "ray", "ray": {"cores_per_node": 0}}, "ray.cores_per_node", ">= 1"),
@@ -251,8 +251,8 @@ def test_bad_backend_settings_are_one_line(cfg, field, message):
 
 def test_ray_settings_take_submit_and_ahead_per_core():
     pytest.importorskip("ray", reason="needs the ray extra")
-    s = ray_settings({"backend": "ray", "ray": {"submit": "batch", "ahead_per_core": 0}})
-    assert (s.submit, s.ahead_per_core) == ("batch", 0)
+    s = ray_settings({"backend": "ray", "ray": {"submit": "stream", "ahead_per_core": 0}})
+    assert (s.submit, s.ahead_per_core) == ("stream", 0)
     assert ray_settings({"backend": "ray"}).ahead_per_core is None  # the backend's default
 
 

@@ -65,7 +65,7 @@ class RaySettings:
     address: str = "auto"
     name: str = DEFAULT_NAME
     namespace: str = NAMESPACE
-    submit: str = "task"
+    submit: str = "stream"
     cores_per_node: int | None = None
     ahead_per_core: int | None = None
     keep: bool = False
