@@ -271,6 +271,22 @@ def test_ray_not_installed_is_one_line(monkeypatch):
         ray_settings({"backend": "ray"})
 
 
+def test_no_cluster_at_ray_address_for_auto_is_one_line_at_once(tmp_path):
+    """``ray.address=auto`` (the default) with RAY_ADDRESS where nothing listens: one
+    line naming it, at once (Ray itself retries for a minute)."""
+    pytest.importorskip("ray", reason="needs the ray extra")
+    (tmp_path / "jobs.jsonl").write_text('{"kind": "cpu", "argv": ["true"]}\n')
+    exe = Path(sys.executable).parent / "metasched-dispatch"
+    address = f"127.0.0.1:{_free_port()}"
+    p = subprocess.run([str(exe), "backend=ray", "jobs=jobs.jsonl",
+                        f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True,
+                       timeout=120, cwd=tmp_path, env={**os.environ, "RAY_ADDRESS": address})
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 2 and len(lines) == 1, p.stderr
+    assert lines[0].startswith(f"error: ray.address: no Ray cluster reachable at 'auto' "
+                               f"({address}) (Connection refused)"), lines[0]
+
+
 def test_no_cluster_at_the_address_is_one_line(tmp_path):
     """Nothing listens at ``ray.address``: one line, at once, exit 2 (metasched-serve
     opens the dispatcher through the same call)."""
