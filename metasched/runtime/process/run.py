@@ -137,7 +137,9 @@ def start_process(
     :class:`Process`'s ``wait()`` for the Outcome. Must be called from the thread that
     runs the event loop. Arguments, errors and the Outcome are those of
     :func:`run_process`; a command that cannot start gives a Process whose ``wait()``
-    returns the failure at once.
+    returns the failure at once. A command the sandbox server starts has its request
+    sent before this returns, and its ``pid`` (and ``on_start``) once the server has
+    started it; if the server cannot, ``wait()`` returns why.
 
     A caller that may never await ``wait()`` (e.g. it is shutting down) must call
     :meth:`Process.abandon` instead, which kills the group and cleans up.
