@@ -249,7 +249,7 @@ class NodeLink:
                     if fut is not None and not fut.done():
                         fut.set_result(pickle.loads(data))
         except (channel.ChannelError, ConnectionError) as e:
-            self.fail(f"ray: the node's agent stream ended ({e})")
+            self.fail(f"ray: lost the node's agent ({e})")
 
     def fail(self, why: str) -> None:
         """Every command waiting on this node ends failed with ``why``."""
