@@ -13,24 +13,25 @@ machine's load drifts within a round; each round takes the ways in a rotated ord
   handle to the dispatcher actor (journal on, as in production), which queues them,
   schedules them (elastic_greedy) and has each node's agent run them confined as the
   dispatcher's ``sandbox`` settings say (``--isolation``: ``auto`` is bwrap sandboxes
-  and cgroup slots where the machine allows, as users get by default): ``task``, a Ray
-  task per action with ``num_cpus`` of its grant that asks the agent; ``agent``, a
-  direct call to the agent per action (the agent holds the dispatcher's cores in Ray,
-  so its dispatcher runs only for its own measurement, started and stopped each round);
-  ``batch``, as ``agent`` with the commands of one loop turn in one call and results
-  back on one stream per node;
+  and cgroup slots where the machine allows, as users get by default): ``stream`` (the
+  default), commands and results on one direct stream per node; ``agent``, a direct
+  call to the agent per action; ``task``, a Ray task per action with ``num_cpus`` of
+  its grant that asks the agent (with ``stream`` and ``agent`` the agent holds the
+  dispatcher's cores in Ray, so its dispatcher runs only for its own measurement,
+  started and stopped each round);
   each once per ``--ahead`` value (the dispatcher's ``ahead_per_core``: commands per
   core handed to the node ahead of its free cores; 0: none, each started on a free
   core; the default is the backend's).
 
-Prints each rate, the ratio per round (actor ÷ the raw run just before it, the
-acceptance figure: >= 0.8) and its median, and where the CPU went: the dispatcher
-actor's CPU seconds per action, and so the ceiling of one dispatcher actor on one core
-(actions/s it could schedule were the tasks free), and the rate of empty Ray tasks (no
-command) here, Ray's own floor.
+Prints the cost of one Ray actor call (CPU in the caller and the callee: what
+``submit="stream"`` saves on every action), each rate, the ratio per round (actor ÷ the
+raw run just before it, the acceptance figure: >= 0.8) and its median, and where the CPU
+went: the dispatcher actor's CPU seconds per action, and so the ceiling of one
+dispatcher actor on one core (actions/s it could schedule were the tasks free), and the
+rate of empty Ray tasks (no command) here, Ray's own floor.
 
     python benchmarks/ray_throughput.py [--n 2000] [--rounds 3] [--cpus 2]
-        [--submit task,agent] [--ahead 0,1] [--isolation auto] [--trajectories 0]
+        [--submit stream,agent,task] [--ahead 0,1] [--isolation auto] [--trajectories 0]
         [--address auto]
 """
 
@@ -105,6 +106,34 @@ def _empty_task():
     return None
 
 
+class _Echo:
+    """An async actor whose one method returns its argument: the cost of a Ray call."""
+
+    async def echo(self, data: bytes) -> bytes:
+        return data
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+async def _call_cost(n: int) -> tuple[float, float]:
+    """CPU seconds per Ray actor call (a 200-byte argument, a no-op async method, ``n``
+    calls made at once): in this process (the caller) and in the actor (the callee)."""
+    import psutil
+    import ray
+
+    actor = ray.remote(_Echo).options(max_concurrency=1000).remote()
+    callee = psutil.Process(await actor.pid.remote())
+    await asyncio.gather(*(actor.echo.remote(b"x" * 200) for _ in range(200)))  # warm
+    me = psutil.Process()
+    c0, e0 = sum(me.cpu_times()[:2]), sum(callee.cpu_times()[:2])
+    await asyncio.gather(*(actor.echo.remote(b"x" * 200) for _ in range(n)))
+    caller = (sum(me.cpu_times()[:2]) - c0) / n
+    per_callee = (sum(callee.cpu_times()[:2]) - e0) / n
+    ray.kill(actor)
+    return caller, per_callee
+
+
 _loop = None
 
 
@@ -152,7 +181,7 @@ def main() -> None:
     p.add_argument("--cpus", type=int, default=2, help="CPUs of the local Ray")
     p.add_argument("--address", default=None, help="join this cluster instead ('auto')")
     p.add_argument("--scheduler", default="elastic_greedy")
-    p.add_argument("--submit", default="task,agent",
+    p.add_argument("--submit", default="stream,agent,task",
                    help="the dispatcher's ways of reaching its agents, comma-separated")
     p.add_argument("--ahead", default=None,
                    help="the dispatcher's ahead_per_core values to run, comma-separated "
@@ -228,6 +257,9 @@ def main() -> None:
         await _raw(min(args.n, 200), "command")  # workers started, imports done
         empty = await _raw(args.n, "empty")
         print(f"empty Ray tasks (no command): {empty:,.0f}/s")
+        caller, callee = await _call_cost(args.n)
+        print(f"one Ray actor call (no-op, {args.n:,} at once): {caller * 1e3:.2f} ms of CPU in "
+              f"the caller, {callee * 1e3:.2f} ms in the callee")
         cores = args.cpus
         print(f"| round | way | load avg | raw Ray tasks /s | through the actor /s | actor ÷ "
               f"raw | raw, {cores} in flight /s | actor ÷ raw {cores} in flight | actor CPU "

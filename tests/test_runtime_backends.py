@@ -504,7 +504,7 @@ def test_ray_unknown_submission_mode_is_one_line(ray_cluster):
     from metasched.runtime.ray_backend import start_dispatcher
 
     RaySide().release_shared()
-    with pytest.raises(ConfigError, match="submit: must be one of task, agent, batch"):
+    with pytest.raises(ConfigError, match="submit: must be one of task, agent, stream"):
         start_dispatcher(cfg(), name=f"test-{uuid.uuid4().hex[:8]}", submit="carrier")
 
 
@@ -693,9 +693,8 @@ async def _peak_queued(d, until: asyncio.Future) -> int:
     return peak
 
 
-@pytest.mark.parametrize("submit", [  # the default way in the default suite (~15 s each)
-    "task", pytest.param("agent", marks=pytest.mark.slow),
-    pytest.param("batch", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("submit", [  # the default way, and task's, in the default suite
+    "stream", "task", pytest.param("agent", marks=pytest.mark.slow)])  # (~15 s each)
 def test_ray_commands_handed_ahead_run_once_each_in_their_sandbox_within_the_cores(
         ray_cluster, submit):
     """With commands handed to the node ahead of its free cores, every command runs, once,

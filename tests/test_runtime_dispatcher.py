@@ -8,8 +8,10 @@ import json
 import os
 import sqlite3
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import psutil
 import pytest
 from helpers import COMMAND_PY
 from hypothesis import HealthCheck, given, settings
@@ -674,25 +676,33 @@ def test_enqueue_returns_once_the_request_is_durable(tmp_path):
 
 
 def test_close_without_drain_kills_commands_whose_task_never_ran(tmp_path):
-    """Commands start synchronously when scheduled; one whose waiting task is cancelled
-    before it first runs is still killed and cleaned up by close()."""
+    """Commands start when scheduled, before their task first runs (in a sandbox: the
+    spawn request is on its way to the sandbox server); one whose waiting task is
+    cancelled before it first runs is still killed and cleaned up by close()."""
+    marker = f"{30 + os.getpid() % 1000 / 1000:.3f}"  # this test's own sleep
+
+    def sleeping() -> list[psutil.Process]:
+        return [p for p in psutil.process_iter(["cmdline"])
+                if p.info["cmdline"] == ["sleep", marker]]
+
     async def go():
         d = Dispatcher(cfg(workdir=str(tmp_path)))
         await d.start()
-        d.accept(cpu("sleep", "30", id="long"))
+        d.accept(cpu("sleep", marker, id="long"))
         d._schedule()  # as a completion would: the command starts now
         (proc,) = d._commands
-        pid = proc.pid
-        os.kill(pid, 0)
+        assert not proc.not_started
+        for _ in range(500):  # blocking: no loop turn, so the task does not run
+            if sleeping():
+                break
+            time.sleep(0.01)
+        assert sleeping(), "the command did not start"
         await d.close(drain=False)  # cancels the task before its first step
         for _ in range(200):  # killed (and reaped by whoever started it)
-            await asyncio.sleep(0.01)
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
+            if not sleeping():
                 break
-        return pid, d
-    pid, d = run(go())
-    with pytest.raises(ProcessLookupError):
-        os.kill(pid, 0)
+            await asyncio.sleep(0.01)
+        return d
+    d = run(go())
+    assert sleeping() == []
     assert d._commands == set() and list(tmp_path.iterdir()) == []

@@ -10,6 +10,7 @@ import os
 import subprocess
 import tarfile
 
+import psutil
 import pytest
 from sandbox_helpers import needs_isolation, run_in
 
@@ -176,3 +177,76 @@ def test_commands_die_with_the_server(boxes):
         asyncio.run(asyncio.sleep(0.05))
     else:
         raise AssertionError("the command outlived its sandbox server")
+
+
+# --- spawns pipelined through the server ------------------------------------------------
+
+def _sleeping(marker: str) -> list[psutil.Process]:
+    return [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", marker]]
+
+
+def test_a_sandboxed_start_returns_before_the_server_has_started_it(boxes):
+    """start_process only sends the spawn: the loop goes on while the server starts the
+    command; its pid (and on_start) come with the server's reply."""
+    from metasched.runtime.process.run import start_process
+
+    async def go():
+        boxes.attach(asyncio.get_running_loop())
+        sb = boxes.open("t1", size_mb=64, template=None, network=False)
+        await sb.ready
+        pids: list[int] = []
+        proc = start_process(["/bin/echo", "hi"], cores=[0], timeout_s=30, confinement=boxes,
+                             sandbox=sb, cwd_root="/tmp", on_start=pids.append)
+        at_return = (proc.pid, list(pids), proc.not_started)
+        out = await proc.wait()
+        return at_return, pids, out
+    (pid0, pids0, not_started), pids, out = run(go())
+    assert (pid0, pids0, not_started) == (None, [], False)
+    assert out.ok and out.stdout == "hi\n"
+    assert pids == [out.detail["pid"]]
+
+
+def test_a_program_missing_in_the_sandbox_fails_and_gives_its_user_and_slot_back(boxes):
+    from metasched.runtime.process.run import run_process
+
+    async def go():
+        boxes.attach(asyncio.get_running_loop())
+        sb = boxes.open("t1", size_mb=64, template=None, network=False)
+        shared = boxes.shared(False)
+        await asyncio.gather(sb.ready, shared.ready)
+        in_use = boxes.uids.in_use
+        outs = [await run_process(["/no/such/program"], cores=[0], timeout_s=30,
+                                  confinement=boxes, sandbox=box, cwd_root="/tmp")
+                for box in (sb, shared, sb)]
+        ok = await run_process(["/bin/true"], cores=[0], timeout_s=30, confinement=boxes,
+                               sandbox=sb, cwd_root="/tmp")
+        return outs, ok, sb.running, shared.running, in_use, boxes.uids.in_use
+    outs, ok, running, shared_running, in_use_before, in_use_after = run(go())
+    assert [o.reason for o in outs] == ["cannot start: No such file or directory"] * 3
+    assert all("pid" not in o.detail for o in outs)
+    assert ok.ok and running == shared_running == 0
+    assert in_use_before == in_use_after  # the trajectory-less command's own user is back
+
+
+def test_a_command_killed_before_the_server_started_it_does_not_survive(boxes):
+    """abandon() in the same loop turn as the start: the kill comes before the server's
+    reply, and still ends the command once it runs."""
+    from metasched.runtime.process.run import start_process
+
+    marker = f"{60 + os.getpid() % 1000 / 1000:.3f}"
+
+    async def go():
+        boxes.attach(asyncio.get_running_loop())
+        sb = boxes.open("t1", size_mb=64, template=None, network=False)
+        await sb.ready
+        proc = start_process(["sleep", marker], cores=[0], timeout_s=60, confinement=boxes,
+                             sandbox=sb, cwd_root="/tmp")
+        assert proc.pid is None
+        proc.abandon()
+        for _ in range(100):  # the reply comes, the kill follows it
+            await asyncio.sleep(0.02)
+            if proc.pid is not None and not _sleeping(marker):
+                break
+        return proc.pid, _sleeping(marker), sb.running
+    pid, left, running = run(go())
+    assert pid is not None and left == [] and running == 0

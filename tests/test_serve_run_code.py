@@ -188,6 +188,16 @@ def test_a_body_that_is_not_a_request_is_422_in_one_line(served, body, message):
     assert r.json()["detail"].startswith(message) and "\n" not in r.json()["detail"]
 
 
+def test_a_json_body_sent_as_a_form_is_told_to_say_it_is_json(served):
+    """``curl -d`` sends a form's content type: FastAPI does not read it as JSON; the
+    answer says how to send it, not that the (valid) JSON is not an object."""
+    r = httpx.post(served.url + "/run_code", content=b'{"code": "print(1)"}',
+                   headers={"content-type": "application/x-www-form-urlencoded"}, timeout=30)
+    assert r.status_code == 422
+    assert r.json()["detail"] == ("body: send it as JSON (Content-Type: application/json; "
+                                  "got application/x-www-form-urlencoded)")
+
+
 def test_100_concurrent_requests_on_this_machine_are_all_answered(served):
     """100 at once (more than the cores, and more than sandboxes fit at once): each one
     waits its turn and gets its own answer; none is refused."""

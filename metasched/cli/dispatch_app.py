@@ -268,7 +268,9 @@ def live_table(name: str, jobs_file: str, summary: dict[str, Any], stats: dict[s
     lat = stats["decision_latency_us"]
     ca = s["ci95"]["mean_act_s"]
     u = s["utilisation"]
-    measured = stats["measured_utilisation"]
+    # The machine monitor samples this machine's cores: on Ray it has none to sample.
+    measured = stats["measured_utilisation"].get("cpu")
+    measured_text = f"{measured:.1%}" if measured is not None else "n/a"
     n = sum(tally.status.values())
     lines = [
         f"Jobs `{jobs_file}`: {n} requests, live {where}; scheduler "
@@ -281,7 +283,7 @@ def live_table(name: str, jobs_file: str, summary: dict[str, Any], stats: dict[s
         f"| {name} | {tally.count('done')} | {tally.count('failed')} | {n_rej} "
         f"| {fmt(s['mean_act_s'])} ({fmt(ca[0])}–{fmt(ca[1])}) | {fmt(s['p50_act_s'])} "
         f"| {fmt(s['p95_act_s'])} | {fmt(s['p99_act_s'])} "
-        f"| {u['cpu']:.1%} / {u['gpu']:.1%} / {u['api']:.1%} | {measured.get('cpu', 0.0):.1%} "
+        f"| {u['cpu']:.1%} / {u['gpu']:.1%} / {u['api']:.1%} | {measured_text} "
         f"| {stats['decisions']} | {fmt(lat.get('p50', float('nan')))} | {s['guard_fired']} |",
     ]
     reasons = s.get("failure_reasons") or {}

@@ -195,7 +195,12 @@ def create_app(dispatcher: DispatcherLike | Callable[[], DispatcherLike],
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         # A body a route's model rejects (/run_code's): one line naming the field, as
-        # the dispatcher's own rejections.
+        # the dispatcher's own rejections. FastAPI reads a body as JSON only when it says
+        # it is (curl -d sends a form's type): say that, not that the JSON is no object.
+        kind = request.headers.get("content-type", "")
+        if "json" not in kind and any(e.get("loc") == ("body",) for e in exc.errors()):
+            return error(422, f"body: send it as JSON (Content-Type: application/json; "
+                              f"got {kind or 'none'})")
         return error(422, str(validation_error(exc.errors(), strip=("body",), root="body")))
 
     @app.exception_handler(ConfigError)

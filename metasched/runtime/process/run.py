@@ -137,7 +137,9 @@ def start_process(
     :class:`Process`'s ``wait()`` for the Outcome. Must be called from the thread that
     runs the event loop. Arguments, errors and the Outcome are those of
     :func:`run_process`; a command that cannot start gives a Process whose ``wait()``
-    returns the failure at once.
+    returns the failure at once. A command the sandbox server starts has its request
+    sent before this returns, and its ``pid`` (and ``on_start``) once the server has
+    started it; if the server cannot, ``wait()`` returns why.
 
     A caller that may never await ``wait()`` (e.g. it is shutting down) must call
     :meth:`Process.abandon` instead, which kills the group and cleans up.
@@ -201,7 +203,7 @@ def start_process(
             loop, confinement, None, args, core_list, environ, timeout_s, mem_limit_mb,
             cpu_time_s, pids_max, in_cgroup, watch_memory, tail_bytes, detail,
             launched=launcher is not None, on_start=on_start, cwd=cwd)
-        if proc.pid is None:
+        if proc.not_started:
             remove_tree(cwd)
         return proc
     try:
@@ -220,7 +222,7 @@ def start_process(
         if slot is not None:
             confinement.release_host_slot(slot)
         raise
-    if proc.pid is None:  # it did not start: nothing will use or remove the directory
+    if proc.not_started:  # nothing will use or remove the directory
         remove_tree(cwd)
         if slot is not None:
             confinement.release_host_slot(slot)
@@ -242,6 +244,12 @@ class Process:
     def failed(cls, outcome: Outcome) -> Process:
         """A command that could not start: ``wait()`` returns ``outcome``."""
         return cls(outcome)
+
+    @property
+    def not_started(self) -> bool:
+        """It failed before anything was started (``wait()`` returns why). A command the
+        sandbox server starts may still fail to (its ``pid`` is None until it has)."""
+        return self._child is None
 
     @classmethod
     def _start(cls, loop: asyncio.AbstractEventLoop, args: list[str], cores: list[int],
@@ -282,18 +290,26 @@ class Process:
                          on_start: Callable[[int], None] | None = None,
                          cwd: str | None = None) -> Process:
         """Start the command through the sandbox server: in ``sandbox``, or on the host
-        in ``cwd`` (``sandbox`` None); either way inside its cgroup slot."""
+        in ``cwd`` (``sandbox`` None); either way inside its cgroup slot. The request is
+        sent and this returns (pipelined: the loop goes on while the server starts it);
+        ``pid`` is set, and ``on_start`` called, when the server has started it, and a
+        command that fails to start ends with that reason."""
         from metasched.runtime.sandbox.command import SandboxedChild
 
         result = _with_pipes(detail, lambda out_w, err_w: confinement.start(
             sandbox, argv=args, env=env, cores=cores, mem_limit_mb=in_cgroup["mem"],
-            pids_max=in_cgroup["pids"], out_w=out_w, err_w=err_w, cwd=cwd))
+            pids_max=in_cgroup["pids"], out_w=out_w, err_w=err_w, cwd=cwd, wait=False))
         if isinstance(result, Process):
             return result
         started, out_r, err_r = result
         child = SandboxedChild(loop, confinement, sandbox, started, out_r, err_r, tail_bytes)
-        return cls._watch(loop, started.pid, child, cwd, timeout_s, mem_limit_mb, cpu_time_s,
+        self = cls._watch(loop, started.pid, child, cwd, timeout_s, mem_limit_mb, cpu_time_s,
                           pids_max, watch_memory, None, None, cores, launched, on_start)
+        if started.spawned is not None and started.pid is None:
+            started.spawned.add_done_callback(
+                lambda f: f.cancelled() or f.exception() is not None or self._started(
+                    f.result()))
+        return self
 
     @classmethod
     def _watch(cls, loop: asyncio.AbstractEventLoop, pid: int, child: Any, cwd: str | None,
@@ -303,19 +319,30 @@ class Process:
                on_start: Callable[[int], None] | None) -> Process:
         """The started command's Process: its timeout and memory watch armed."""
         self = cls()
-        self.pid, self._child, self._loop, self._cwd = pid, child, loop, cwd
+        self._child, self._loop, self._cwd = child, loop, cwd
         self._limits = (timeout_s, mem_limit_mb, cpu_time_s, launched)
         self._pids_max = pids_max
-        self._detail = {"pid": pid, "cores": cores}
+        self._detail = {"cores": cores}
         self._confinement, self._slot = confinement, slot
-        if on_start is not None:
-            on_start(pid)
+        self._on_start = on_start
+        self._mem_limit = int(mem_limit_mb * 1024 * 1024) if watch_memory else None
         self._watch = None
-        if watch_memory:
-            self._watch = MemoryWatch.for_loop(loop)
-            self._watch.add(pid, int(mem_limit_mb * 1024 * 1024), lambda: child.kill("memory"))
         self._timer = loop.call_later(timeout_s, self._kill, "timeout")
+        if pid is not None:
+            self._started(pid)
         return self
+
+    def _started(self, pid: int) -> None:
+        """The command runs as ``pid``: what needs its pid (at its start, or once the
+        sandbox server says it has started it)."""
+        self.pid = pid
+        self._detail = {"pid": pid, **self._detail}
+        if self._on_start is not None:
+            self._on_start(pid)
+        if self._mem_limit is not None and not self._child.reaped:
+            child = self._child
+            self._watch = MemoryWatch.for_loop(self._loop)
+            self._watch.add(pid, self._mem_limit, lambda: child.kill("memory"))
 
     def _kill(self, why: str) -> None:
         self._child.kill(why)
@@ -337,6 +364,10 @@ class Process:
                     await child.exited
                 finally:
                     self._stop_watching()
+                start_error = getattr(child, "start_error", None)
+                if start_error is not None:  # the sandbox server could not start it
+                    self._outcome = cannot_start(start_error, self._detail)
+                    return self._outcome
                 # The leader is a zombie (or, in a sandbox, reaped by the server, which
                 # ended its group first): end what is left of it (those processes hold
                 # the granted cores and the pipes), then reap.

@@ -32,7 +32,6 @@ from metasched.errors import ConfigError
 from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
 from metasched.runtime.gpu import LiveService
 from metasched.runtime.ray_backend.cluster import RayBackend
-from metasched.runtime.ray_backend.node_agent import ResultBox
 from metasched.runtime.requests import REJECTED, Result
 
 log = logging.getLogger("metasched.dispatch")
@@ -45,6 +44,34 @@ log = logging.getLogger("metasched.dispatch")
 # while they come slower than this: a result waits at most this long, and only while
 # another was sent within the last interval.
 YIELD_INTERVAL_S = 0.02
+
+
+class ResultBox:
+    """Finished results waiting for the next yield of a results stream, which yields at
+    most every ``interval_s`` (whatever finished meanwhile, in one batch)."""
+
+    __slots__ = ("items", "ready", "last", "interval_s")
+
+    def __init__(self, interval_s: float) -> None:
+        self.items: list[Any] = []
+        self.ready = asyncio.Event()
+        self.last = 0.0  # when the stream last yielded (loop time)
+        self.interval_s = interval_s
+
+    def put(self, item: Any) -> None:
+        self.items.append(item)
+        self.ready.set()
+
+    async def take(self) -> list[Any]:
+        await self.ready.wait()
+        loop = asyncio.get_running_loop()
+        wait = self.last + self.interval_s - loop.time()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        self.ready.clear()
+        self.last = loop.time()
+        out, self.items = self.items, []
+        return out
 
 
 def dumps(obj: Any) -> bytes:
@@ -74,7 +101,7 @@ class DispatcherActor:
     """
 
     def __init__(self, config: DispatcherConfig, services: Mapping[str, LiveService] | None,
-                 name: str, cores_per_node: int | None = None, submit: str = "task") -> None:
+                 name: str, cores_per_node: int | None = None, submit: str = "stream") -> None:
         self.config = config
         self.services = dict(services or {})
         self.name = name

@@ -51,7 +51,7 @@ def _ensure_ray(address: str | None, namespace: str = NAMESPACE) -> None:
 
 def start_dispatcher(config: DispatcherConfig | None = None, *, name: str = DEFAULT_NAME,
                      services: Mapping[str, LiveService] | None = None,
-                     cores_per_node: int | None = None, submit: str = "task",
+                     cores_per_node: int | None = None, submit: str = "stream",
                      address: str | None = None, timeout_s: float = 300.0,
                      namespace: str = NAMESPACE) -> DispatcherHandle:
     """Start the dispatcher actor ``name`` on this node (where its journal is), or find
@@ -63,10 +63,10 @@ def start_dispatcher(config: DispatcherConfig | None = None, *, name: str = DEFA
         name: the actor's name in the ``metasched`` namespace.
         services: GPU services by name (each GPU's actor hosts them).
         cores_per_node: grant at most this many cores per node.
-        submit: how commands reach their node's agent: ``"task"`` (a Ray task each, with
-            ``num_cpus`` of its grant), ``"agent"`` (an actor call each; the agents hold
-            the dispatcher's cores in Ray) or ``"batch"`` (as ``"agent"``, one call per
-            loop turn and a results stream per node): see :mod:`.cluster`.
+        submit: how commands reach their node's agent: ``"stream"`` (one direct stream
+            per node; the agents hold the dispatcher's cores in Ray), ``"agent"`` (an
+            actor call per command) or ``"task"`` (a Ray task each, with ``num_cpus``
+            of its grant): see :mod:`.cluster`.
         address: the cluster (default ``"auto"``) when Ray is not initialised yet.
         timeout_s: how long the dispatcher may take to start.
         namespace: the Ray namespace the actor's name is found in.

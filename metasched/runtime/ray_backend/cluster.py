@@ -14,18 +14,20 @@ trajectory's commands run on the node of its sandbox (the core places the sandbo
 pins the trajectory's actions there, as in simulation). How a command reaches the agent
 is ``submit``:
 
-- ``"task"`` (the default): a Ray task pinned to the node (``NodeAffinitySchedulingStrategy``,
-  not soft) with ``num_cpus`` equal to its granted cores, which asks the node's agent to
-  run it, so Ray's own accounting agrees with the dispatcher's grant by grant and other
-  Ray work on the cluster sees the cores as taken while the command runs;
-- ``"agent"``: one actor call to the node's agent, without a task: a task submission
-  less per action (see ``benchmarks/ray_throughput.py``); the agents then hold the
-  dispatcher's cores of their node in Ray's accounting (``num_cpus``) for as long as
-  the dispatcher runs, busy or not.
-- ``"batch"``: as ``"agent"``, but the commands started in one turn of the dispatcher's
-  loop go to each node's agent in one call, and results come back on one streaming
-  call per node, whatever finished in the last ``RESULT_INTERVAL_S`` in one batch
-  (:class:`NodeLink`).
+- ``"stream"`` (the default): one direct, authenticated TCP stream per node
+  (:mod:`.channel`, :class:`NodeLink`) carries the node's commands and their results,
+  everything one side has in one turn of its loop in one frame, so no Ray call is made
+  per action (each costs the dispatcher and the agent close to a millisecond of CPU).
+  The agents hold the dispatcher's cores of their node in Ray's accounting
+  (``num_cpus``) for as long as the dispatcher runs, busy or not. The dispatcher must
+  reach each node's address on the port its agent's kernel picks, as Ray's own workers
+  do; where it cannot, it does not start, and says so;
+- ``"agent"``: as ``"stream"``, with one actor call to the node's agent per command;
+- ``"task"``: a Ray task pinned to the node (``NodeAffinitySchedulingStrategy``, not
+  soft) with ``num_cpus`` equal to its granted cores, which asks the node's agent to run
+  it, so Ray's own accounting agrees with the dispatcher's grant by grant and other Ray
+  work on the cluster sees the cores as taken only while commands run (the slowest
+  way: a task submission and an actor call per action).
 
 Pipelining: the dispatcher may hand a node commands ahead of its free cores
 (``DispatcherConfig.ahead_per_core``, default :attr:`RayBackend.AHEAD_PER_CORE`). Each
@@ -55,6 +57,7 @@ from metasched.errors import ConfigError
 from metasched.runtime.backend import CommandSpec, Node
 from metasched.runtime.gpu import LiveService
 from metasched.runtime.outcome import Outcome
+from metasched.runtime.ray_backend import channel
 from metasched.runtime.ray_backend.gpu_hosts import RayGpuHost
 from metasched.runtime.ray_backend.node_agent import BoxSpec, NodeAgent, pack, run_on_agent
 from metasched.runtime.ray_backend.node_tasks import (
@@ -69,7 +72,7 @@ from metasched.runtime.sandbox.workspace import Template
 log = logging.getLogger("metasched.dispatch")
 
 DESCRIBE_TIMEOUT_S = 60.0  # how long nodes may take to answer the first look
-SUBMIT_MODES = ("task", "agent", "batch")
+SUBMIT_MODES = ("task", "agent", "stream")
 AGENT_CONCURRENCY = 10_000  # commands one node's agent may run at once (async calls)
 
 
@@ -167,10 +170,9 @@ class RemoteCommand:
         ray.cancel(self.ref)
 
 
-class BatchedCommand:
-    """A command sent to its node's agent in a batch (``submit="batch"``): ``wait()``
-    awaits its result from the node's stream; cancelling the wait, or ``abandon()``,
-    cancels it there."""
+class StreamedCommand:
+    """A command sent on its node's stream (``submit="stream"``): ``wait()`` awaits its
+    result from the stream; cancelling the wait, or ``abandon()``, cancels it there."""
 
     __slots__ = ("link", "key", "future", "cores")
 
@@ -192,69 +194,76 @@ class BatchedCommand:
 
 
 class NodeLink:
-    """The batched calls to one node's agent (``submit="batch"``): the commands started
-    in one loop turn go in one :meth:`NodeAgent.start_batch` call, their results come
-    from one long-lived :meth:`NodeAgent.results` stream. If the agent is lost, every
-    command waiting on it fails with the reason."""
+    """The dispatcher's stream to one node's agent (``submit="stream"``, see
+    :mod:`.channel`): commands go as ``("start", key, pack(...))``, results come back as
+    ``(key, pickled Outcome)``. If the stream breaks (the agent or its node is lost),
+    every command waiting on it fails with the reason."""
 
-    def __init__(self, agent: Any) -> None:
-        self.agent = agent
-        self.outgoing: list[tuple[int, bytes]] = []
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.writer = writer
+        self.out = channel.Outbox(writer)
         self.waiting: dict[int, asyncio.Future[Outcome]] = {}
         self.next_key = 0
-        self.reader: asyncio.Task | None = None
+        self.broken = ""  # why the stream ended ("" while it works)
+        self.reader = asyncio.get_running_loop().create_task(self._read(reader))
 
-    def start(self, packed: bytes) -> BatchedCommand:
-        loop = asyncio.get_running_loop()
-        if self.reader is None:
-            self.reader = loop.create_task(self._read())
+    @classmethod
+    async def connect(cls, agent: Any) -> NodeLink:
+        """Open ``agent``'s stream: the agent listens, this side answers its challenge.
+
+        Raises:
+            ConnectionError: the agent's address cannot be reached (or it refused).
+        """
+        secret = channel.new_secret()
+        host, port = await agent.open_stream.remote(secret)
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            await channel.answer_challenge(reader, writer, secret)
+        except BaseException:
+            writer.close()
+            raise
+        return cls(reader, writer)
+
+    def start(self, packed: bytes) -> StreamedCommand:
         key = self.next_key
         self.next_key += 1
-        fut = self.waiting[key] = loop.create_future()
-        if not self.outgoing:
-            loop.call_soon(self._send)
-        self.outgoing.append((key, packed))
-        return BatchedCommand(self, key, fut)
-
-    def _send(self) -> None:
-        batch, self.outgoing = self.outgoing, []
-        if batch:
-            self.agent.start_batch.remote(pickle.dumps(batch, pickle.HIGHEST_PROTOCOL))
+        fut = asyncio.get_running_loop().create_future()
+        if self.broken:
+            fut.set_result(Outcome(ok=False, reason=self.broken))
+        else:
+            self.waiting[key] = fut
+            self.out.put(("start", key, packed))
+        return StreamedCommand(self, key, fut)
 
     def cancel(self, key: int) -> None:
         fut = self.waiting.pop(key, None)
         if fut is not None:
             fut.cancel()
-            if any(k == key for k, _ in self.outgoing):  # not sent yet: never will be
-                self.outgoing = [(k, p) for k, p in self.outgoing if k != key]
-            else:
-                self.agent.cancel.remote([key])
+            self.out.put(("cancel", key))
 
-    async def _read(self) -> None:
-        stream = self.agent.results.options(num_returns="streaming").remote()
+    async def _read(self, reader: asyncio.StreamReader) -> None:
         try:
-            async for ref in stream:
-                for key, data in pickle.loads(await ref):
+            while True:
+                for key, data in await channel.read_frame(reader):
                     fut = self.waiting.pop(key, None)
                     if fut is not None and not fut.done():
                         fut.set_result(pickle.loads(data))
-        except asyncio.CancelledError:
-            ray.cancel(stream)
-            raise
-        except ray.exceptions.RayError as e:
-            self.fail(lost(e))
+        except (channel.ChannelError, ConnectionError) as e:
+            self.fail(f"ray: lost the node's agent ({e})")
 
     def fail(self, why: str) -> None:
         """Every command waiting on this node ends failed with ``why``."""
+        self.broken = self.broken or why
         waiting, self.waiting = self.waiting, {}
         for fut in waiting.values():
             if not fut.done():
                 fut.set_result(Outcome(ok=False, reason=why))
 
     async def close(self) -> None:
-        if self.reader is not None:
-            self.reader.cancel()
-            await asyncio.gather(self.reader, return_exceptions=True)
+        self.out.flush()
+        self.writer.close()
+        self.reader.cancel()
+        await asyncio.gather(self.reader, return_exceptions=True)
         self.fail("the dispatcher closed")
 
 
@@ -341,7 +350,7 @@ class RayBackend:
         workdir: where the agents' run directories go on the nodes (None: ``/dev/shm``
             where writable).
         submit: how a command reaches its node's agent: ``"task"``, ``"agent"`` or
-            ``"batch"``.
+            ``"stream"``.
     """
 
     name = "ray"
@@ -350,7 +359,7 @@ class RayBackend:
     AHEAD_PER_CORE = 2
 
     def __init__(self, nodes: list[Node], gpus: RayGpuHost | None, *, dispatcher: str,
-                 workdir: str | None = None, submit: str = "task") -> None:
+                 workdir: str | None = None, submit: str = "stream") -> None:
         check_submit(submit)
         self.nodes = nodes
         self.gpus = gpus
@@ -361,14 +370,14 @@ class RayBackend:
         self.workdir = workdir
         self.submit = submit
         self.agents: list[Any] = []  # per node, once start_sandboxes has run
-        self.links: list[NodeLink] = []  # per node, with submit="batch"
+        self.links: list[NodeLink] = []  # per node, with submit="stream"
         self._submit: dict[tuple[int, int], Any] = {}  # (node, cores) -> task options
         self._where: dict[str, int] = {}  # trajectory -> the node of its sandbox
 
     @classmethod
     async def create(cls, *, dispatcher: str, services: Mapping[str, LiveService] | None = None,
                      cores_per_node: int | None = None, standin_mem_gb: float = 16.0,
-                     workdir: str | None = None, submit: str = "task") -> RayBackend:
+                     workdir: str | None = None, submit: str = "stream") -> RayBackend:
         """The backend of the cluster this process is connected to (``ray.init`` first)."""
         nodes = await cluster_view(cores_per_node=cores_per_node)
         n_gpus = int(ray.cluster_resources().get("GPU", 0))
@@ -406,8 +415,14 @@ class RayBackend:
         for node, f in zip(self.nodes, facts, strict=True):
             if "error" in f:
                 raise ConfigError("sandbox", f"node {node.name[:12]}: {f['error']}")
-        if self.submit == "batch":
-            self.links = [NodeLink(a) for a in self.agents]
+        if self.submit == "stream":
+            try:
+                self.links = list(await asyncio.wait_for(asyncio.gather(
+                    *(NodeLink.connect(a) for a in self.agents)), DESCRIBE_TIMEOUT_S))
+            except (OSError, asyncio.TimeoutError) as e:
+                raise ConfigError("submit", f"stream: cannot reach a node's agent "
+                                  f"({e or type(e).__name__}); the nodes' addresses must "
+                                  f"be reachable on any port, or use submit=agent") from None
         return RemoteSandboxes(self, facts, config)
 
     def _task(self, node: int, n_cores: int) -> Any:
@@ -420,7 +435,7 @@ class RayBackend:
         return fn
 
     def start_command(self, node: int, n_cores: int, spec: CommandSpec,
-                      sandbox: RemoteSandbox | None = None) -> RemoteCommand | BatchedCommand:
+                      sandbox: RemoteSandbox | None = None) -> RemoteCommand | StreamedCommand:
         """Start ``spec`` on ``n_cores`` of ``node``'s cores: the node's agent picks them
         and starts it in its queue's order (now, when they are free: see the module
         docstring on pipelining); its Outcome's ``detail["cores"]`` says which."""
@@ -430,7 +445,7 @@ class RayBackend:
             self._where[sandbox.key] = node
         packed = pack(spec, n_cores, sandbox.box() if sandbox is not None else None)
         agent = self.agents[node]
-        if self.submit == "batch":
+        if self.submit == "stream":
             return self.links[node].start(packed)
         if self.submit == "agent":
             ref = agent.run.remote(packed)
@@ -474,6 +489,6 @@ class RayBackend:
             self.gpus.close()
 
 
-__all__ = ["SUBMIT_MODES", "BatchedCommand", "NodeLink", "RayBackend", "RemoteCommand",
+__all__ = ["SUBMIT_MODES", "NodeLink", "StreamedCommand", "RayBackend", "RemoteCommand",
            "RemoteSandbox", "RemoteSandboxes", "alive_nodes", "check_submit", "cluster_view",
            "lost"]

@@ -17,8 +17,9 @@ runs in that sandbox's sandbox for its GPU, which binds that GPU's device node a
 dies, Ray ends the agents it owns, and with each its sandbox server: every sandbox and
 command on the node ends too.
 
-Commands reach an agent one call per command (:meth:`NodeAgent.run`); how a call is
-made, and how it holds its cores in Ray's accounting, is :class:`~.cluster.RayBackend`'s.
+Commands reach an agent one call per command (:meth:`NodeAgent.run`), or on the
+dispatcher's direct stream (:meth:`NodeAgent.open_stream`, :mod:`.channel`); which, and
+how a command holds its cores in Ray's accounting, is :class:`~.cluster.RayBackend`'s.
 
 Pipelining: the agent holds the node's granted cores (:class:`CoreQueue`) and starts the
 commands it is given in the order they arrive, each as soon as enough of the cores are
@@ -41,6 +42,7 @@ import ray
 
 from metasched.runtime.backend import CommandSpec
 from metasched.runtime.outcome import Outcome
+from metasched.runtime.ray_backend import channel
 from metasched.runtime.sandbox.config import SandboxConfig
 from metasched.runtime.sandbox.launch import gpu_sandbox, launch, open_confinement
 from metasched.runtime.sandbox.workspace import Template
@@ -118,41 +120,6 @@ class CoreQueue:
         return sum(1 for _, f in self.waiting if not f.done())
 
 
-# The results stream of batched commands yields at most this often: each yield costs
-# both processes an object and an RPC, so results that finish within one interval go in
-# one. Commands handed ahead keep the node busy meanwhile (the dispatcher learns of an
-# exit up to this late, the node does not wait for it).
-RESULT_INTERVAL_S = 0.005
-
-
-class ResultBox:
-    """Finished results waiting for the next yield of a results stream, which yields at
-    most every ``interval_s`` (whatever finished meanwhile, in one batch)."""
-
-    __slots__ = ("items", "ready", "last", "interval_s")
-
-    def __init__(self, interval_s: float = RESULT_INTERVAL_S) -> None:
-        self.items: list[Any] = []
-        self.ready = asyncio.Event()
-        self.last = 0.0  # when the stream last yielded (loop time)
-        self.interval_s = interval_s
-
-    def put(self, item: Any) -> None:
-        self.items.append(item)
-        self.ready.set()
-
-    async def take(self) -> list[Any]:
-        await self.ready.wait()
-        loop = asyncio.get_running_loop()
-        wait = self.last + self.interval_s - loop.time()
-        if wait > 0:
-            await asyncio.sleep(wait)
-        self.ready.clear()
-        self.last = loop.time()
-        out, self.items = self.items, []
-        return out
-
-
 class NodeAgent:
     """The confinement and commands of one node (see the module docstring); started by
     :class:`~.cluster.RayBackend` as a Ray actor pinned to its node.
@@ -172,8 +139,8 @@ class NodeAgent:
         self.hide = list(hide)
         self.workdir = workdir
         self.cores = CoreQueue(cores) if cores is not None else None
-        self._by_key: dict[int, asyncio.Task] = {}  # batched commands not finished
-        self._outbox: ResultBox | None = None
+        self._stream_secret = b""
+        self._listener: asyncio.Server | None = None
         self.run_dir = None
         self.boxes = None
         self._starting: asyncio.Task | None = None
@@ -259,48 +226,57 @@ class NodeAgent:
         out: Outcome = await proc.wait()  # cancelled: the command is killed first
         return pickle.dumps(out, pickle.HIGHEST_PROTOCOL)
 
-    # ---------------------------------------------------------- batched calls
+    # ---------------------------------------------------------- the direct stream
 
-    async def start_batch(self, packed: bytes) -> None:
-        """Start the commands of ``packed`` (a pickled list of ``(key, pack(...))``), each
-        as :meth:`run` does, in the list's order; each one's result goes, with its key,
-        to the stream of :meth:`results` (the batched way of reaching an agent: one
-        call for the commands of a dispatcher's loop turn, not one each)."""
-        if self._outbox is None:
-            self._outbox = ResultBox()
-        for key, item in pickle.loads(packed):
-            # A task's first step (its place in the node's queue) runs in creation order.
-            task = asyncio.ensure_future(self.run(item))
-            self._by_key[key] = task
-            task.add_done_callback(lambda t, key=key: self._batched_done(key, t))
+    async def open_stream(self, secret: bytes) -> tuple[str, int]:
+        """Listen for the dispatcher's stream (``submit="stream"``, see :mod:`.channel`)
+        on this node's address; the address and port. Only a peer that proves it holds
+        ``secret`` is served."""
+        host = ray.util.get_node_ip_address()
+        self._stream_secret = secret
+        self._listener = await asyncio.start_server(self._serve_stream, host, 0)
+        return host, self._listener.sockets[0].getsockname()[1]
 
-    def _batched_done(self, key: int, task: asyncio.Task) -> None:
-        self._by_key.pop(key, None)
-        if task.cancelled():
-            out = pickle.dumps(Outcome(ok=False, reason="cancelled"), pickle.HIGHEST_PROTOCOL)
-        elif task.exception() is not None:
-            e = task.exception()
-            out = pickle.dumps(Outcome(ok=False, reason=f"node agent: {type(e).__name__}: {e}"),
-                               pickle.HIGHEST_PROTOCOL)
-        else:
-            out = task.result()
-        self._outbox.put((key, out))
+    async def _serve_stream(self, reader: asyncio.StreamReader,
+                            writer: asyncio.StreamWriter) -> None:
+        """One dispatcher's stream: each ``("start", key, pack(...))`` runs as :meth:`run`
+        does, in arrival order, and its result goes back as ``(key, pickled Outcome)``;
+        ``("cancel", key)`` cancels it (killed, or out of the node's queue). When the
+        stream ends, its commands are cancelled."""
+        if not await channel.serve_challenge(reader, writer, self._stream_secret):
+            writer.close()
+            return
+        out = channel.Outbox(writer)
+        running: dict[int, asyncio.Task] = {}
 
-    async def results(self):
-        """The results of :meth:`start_batch`'s commands as they finish, in batches (each
-        a pickled list of ``(key, pickled Outcome)``: whatever finished since the last),
-        at most one batch per ``RESULT_INTERVAL_S`` (a streaming call)."""
-        if self._outbox is None:
-            self._outbox = ResultBox()
-        while True:
-            yield pickle.dumps(await self._outbox.take(), pickle.HIGHEST_PROTOCOL)
+        def done(key: int, task: asyncio.Task) -> None:
+            running.pop(key, None)
+            if task.cancelled():
+                result = Outcome(ok=False, reason="cancelled")
+            elif task.exception() is not None:
+                e = task.exception()
+                result = Outcome(ok=False, reason=f"node agent: {type(e).__name__}: {e}")
+            else:
+                out.put((key, task.result()))
+                return
+            out.put((key, pickle.dumps(result, pickle.HIGHEST_PROTOCOL)))
 
-    def cancel(self, keys: list[int]) -> None:
-        """Cancel batched commands (killed, or taken out of the node's queue)."""
-        for key in keys:
-            task = self._by_key.get(key)
-            if task is not None:
+        try:
+            while True:
+                for op, key, *item in await channel.read_frame(reader):
+                    if op == "start":
+                        # A task's first step (its place in the node's queue) runs in
+                        # creation order: the order the commands came in.
+                        task = running[key] = asyncio.ensure_future(self.run(item[0]))
+                        task.add_done_callback(lambda t, key=key: done(key, t))
+                    elif op == "cancel" and key in running:
+                        running[key].cancel()
+        except (channel.ChannelError, ConnectionError):
+            pass  # the dispatcher closed the stream, or is gone
+        finally:
+            for task in list(running.values()):
                 task.cancel()
+            writer.close()
 
     def queued(self) -> int:
         """Commands waiting here for their cores (handed ahead of free ones)."""
@@ -313,6 +289,9 @@ class NodeAgent:
 
     def close(self) -> None:
         """End every sandbox and command here, remove the run directory and cgroups."""
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
         if self.boxes is not None:
             self.boxes.close()
             self.boxes = None
@@ -345,4 +324,4 @@ def run_on_agent(agent: Any, packed: bytes) -> bytes:
         raise
 
 
-__all__ = ["BoxSpec", "CoreQueue", "NodeAgent", "ResultBox", "pack", "run_on_agent"]
+__all__ = ["BoxSpec", "CoreQueue", "NodeAgent", "pack", "run_on_agent"]

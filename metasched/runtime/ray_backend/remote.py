@@ -20,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -65,10 +67,20 @@ class RaySettings:
     address: str = "auto"
     name: str = DEFAULT_NAME
     namespace: str = NAMESPACE
-    submit: str = "task"
+    submit: str = "stream"
     cores_per_node: int | None = None
     ahead_per_core: int | None = None
     keep: bool = False
+
+
+def _recorded_cluster() -> str | None:
+    """The address ``ray start`` recorded on this machine (Ray's default temp dir), if any."""
+    try:
+        root = os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()
+        with open(os.path.join(root, "ray", "ray_current_cluster")) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
 
 
 def init_ray(address: str, namespace: str) -> None:
@@ -79,9 +91,13 @@ def init_ray(address: str, namespace: str) -> None:
     """
     if ray.is_initialized():
         return
-    host, _, port = address.rpartition(":")
+    # "auto" is RAY_ADDRESS, else the cluster `ray start` recorded: probe that one.
+    probe = address
+    if address == "auto":
+        probe = os.environ.get("RAY_ADDRESS") or _recorded_cluster() or address
+    host, _, port = probe.rpartition(":")
     listens = False
-    if host and port.isdigit() and "://" not in address:
+    if host and port.isdigit() and "://" not in probe:
         # An address where nothing listens: say so at once (Ray retries for a minute).
         import socket
 
@@ -89,7 +105,8 @@ def init_ray(address: str, namespace: str) -> None:
             socket.create_connection((host, int(port)), timeout=5).close()
             listens = True
         except OSError as e:
-            raise ConfigError("ray.address", f"no Ray cluster reachable at {address!r} "
+            shown = repr(address) if probe == address else f"{address!r} ({probe})"
+            raise ConfigError("ray.address", f"no Ray cluster reachable at {shown} "
                               f"({e.strerror or e}); start one with `ray start --head`, or "
                               f"give ray.address=<host>:<port>") from None
     try:

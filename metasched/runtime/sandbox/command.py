@@ -32,7 +32,26 @@ class SandboxedChild(ChildBase):
         self.boxes, self.sandbox, self.started = boxes, sandbox, started
         self._event: dict[str, Any] | None = None
         self._released = False
+        self._kill_when_started = False
+        # Started without waiting: why it did not start, once the server has said so
+        # (then ``exited`` is set without an exit).
+        self.start_error: OSError | None = None
         boxes.on_exit(started, self._on_exit)
+        if started.spawned is not None:
+            started.spawned.add_done_callback(self._on_spawned)
+
+    def _on_spawned(self, fut: asyncio.Future[int]) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            self.start_error = (fut.exception() if not fut.cancelled()
+                                else OSError(0, "cancelled before it started"))
+            self.boxes.server.forget("exit", self.started.cmd)
+            self.reaped = True  # nothing to reap
+            if not self.exited.done():
+                self.exited.set_result(None)
+            return
+        self.pid = self.started.pid = fut.result()
+        if self._kill_when_started:  # a kill came before the server had started it
+            self.boxes.kill(self.started)
 
     def _on_exit(self, event: dict[str, Any]) -> None:
         self._event = event
@@ -51,6 +70,9 @@ class SandboxedChild(ChildBase):
             return
         if self.killed_by is None:
             self.killed_by = why
+        if self.started.pid is None:
+            # Its spawn is on its way to the server: the slot may still be empty.
+            self._kill_when_started = True
         self.boxes.kill(self.started)
 
     def kill_rest(self) -> None:

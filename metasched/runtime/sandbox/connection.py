@@ -2,9 +2,13 @@
 and their replies, and the server's events (a command's exit, a sandbox ready)
 delivered on the event loop.
 
-Spawning is synchronous: :meth:`ServerConnection.spawn` returns once the server has
-started the command (or failed to), so the caller holds a running command, as with a
-local spawn. Replies come in order; an event read while waiting for a reply is kept and
+Spawning is synchronous or pipelined. :meth:`ServerConnection.spawn` returns once the
+server has started the command (or failed to), so the caller holds a running command,
+as with a local spawn. :meth:`ServerConnection.spawn_later` only sends the request: its
+reply (the pid, or why it failed) is delivered on the loop like an event, so the caller's
+loop goes on while the server starts the command (a spawn takes the server about a
+millisecond: see ``benchmarks/ray_throughput.py``). Replies come in order, a command's
+spawn reply before its exit; an event read while waiting for a reply is kept and
 delivered on the loop right after.
 """
 
@@ -89,8 +93,13 @@ class ServerConnection:
 
     def on(self, kind: str, key: int, handler: Callable[[dict[str, Any]], None]) -> None:
         """Call ``handler(event)`` once for the event ``kind`` (``"exit"`` of command
-        ``key``, ``"opened"`` of sandbox ``key``)."""
+        ``key``, ``"opened"`` of sandbox ``key``, ``"spawned"``: the reply to
+        :meth:`spawn_later` for command ``key``)."""
         self.handlers[(kind, key)] = handler
+
+    def forget(self, kind: str, key: int) -> None:
+        """Drop the handler of ``kind`` for ``key`` (its event will not come)."""
+        self.handlers.pop((kind, key), None)
 
     def _next(self) -> dict[str, Any] | None:
         """The next message (None: the server is gone); raises BlockingIOError when a
@@ -121,8 +130,8 @@ class ServerConnection:
     def _deliver(self) -> None:
         while self._events:
             msg = self._events.popleft()
-            ev = msg.get("ev")
-            key = msg.get("cmd") if ev == "exit" else msg.get("sid")
+            ev = msg.get("ev") or ("spawned" if msg.get("re") == "spawn" else None)
+            key = msg.get("sid") if ev == "opened" else msg.get("cmd")
             handler = self.handlers.pop((ev, key), None)
             if handler is not None:
                 handler(msg)
@@ -184,6 +193,23 @@ class ServerConnection:
         if "pid" not in reply:
             raise OSError(reply.get("errno") or 0, reply.get("error", "cannot start"))
         return reply["pid"]
+
+    def spawn_later(self, request: dict[str, Any], fds: Sequence[int],
+                    on_reply: Callable[[dict[str, Any]], None]) -> None:
+        """Send a spawn request without waiting (the connection must be attached to a
+        loop): ``on_reply(reply)`` is called there with its ``pid``, or without one (its
+        ``errno`` and ``error``; the server exited: ``lost``). The descriptors are the
+        server's once this returns; the caller may close its own.
+
+        Raises:
+            ServerGone: the server exited before the request could be sent.
+        """
+        self.on("spawned", request["cmd"], on_reply)
+        try:
+            self._send({"op": "spawn", **request}, fds)
+        except ServerGone:
+            self.forget("spawned", request["cmd"])
+            raise
 
     def open(self, request: dict[str, Any]) -> None:
         """Ask for a sandbox; the ``"opened"`` event for its ``sid`` says when it is ready

@@ -76,12 +76,15 @@ class Sandbox:
 
 @dataclass
 class Started:
-    """A command the server started: its id, host pid and slot (None: no cgroups)."""
+    """A command the server started: its id, host pid and slot (None: no cgroups).
+    Started without waiting (:meth:`Sandboxes.start` with ``wait=False``), ``pid`` is
+    None until ``spawned`` (its future) has it, or the OSError of why it did not start."""
 
     cmd: int
-    pid: int
+    pid: int | None
     slot: Slot | None
     uid: int
+    spawned: asyncio.Future[int] | None = None
 
 
 class Sandboxes:
@@ -351,10 +354,14 @@ class Sandboxes:
 
     def start(self, sb: Sandbox | None, *, argv: Sequence[str], env: dict[bytes, bytes],
               cores: Sequence[int], mem_limit_mb: float | None, pids_max: int | None,
-              out_w: int, err_w: int, cwd: str | None = None) -> Started:
+              out_w: int, err_w: int, cwd: str | None = None, wait: bool = True) -> Started:
         """Start one command in ``sb`` (ready), or on the host (``sb`` None: as this
         process's user, in ``cwd``; only where :attr:`spawns_on_host`), inside a cgroup
         slot configured for it.
+
+        ``wait=False`` (on the attached loop): the request is sent and this returns; the
+        Started's ``spawned`` future then says its pid, or why it did not start (its
+        slot and user are taken back by :meth:`finished`, as after an exit).
 
         Raises:
             OSError: it could not start (the errno and message name why).
@@ -377,8 +384,14 @@ class Sandboxes:
                 "cores": None if "cpuset" in self.controllers else list(cores),
                 "private": sb.size_bytes if sb is not None and sb.shared else None}
             fds = [out_w, err_w, *(slot.procs_fds if slot is not None else ())]
+            started = Started(cmd, None, slot, uid)
             try:
-                pid = self.server.spawn(request, fds)
+                if wait or self._loop is None:
+                    started.pid = self.server.spawn(request, fds)
+                else:
+                    started.spawned = self._loop.create_future()
+                    self.server.spawn_later(request, fds,
+                                            lambda reply: _spawned(started.spawned, reply))
             except ServerGone as e:
                 raise OSError(0, str(e)) from None
         except BaseException:
@@ -391,7 +404,7 @@ class Sandboxes:
             sb.running += 1
             if sb.parent is not None:  # its user is the parent's: kept until this ends
                 sb.parent.running += 1
-        return Started(cmd, pid, slot, uid)
+        return started
 
     def on_exit(self, started: Started, handler: Callable[[dict[str, Any]], None]) -> None:
         """Call ``handler(event)`` when the command exits (``event``: ``status`` (a
@@ -506,6 +519,17 @@ class Sandboxes:
             self.tree.close()
             self._host_slots.clear()
             self._stuck.clear()
+
+
+def _spawned(fut: asyncio.Future[int], reply: dict[str, Any]) -> None:
+    """The server's reply to a spawn sent without waiting, into ``fut``."""
+    if fut.done():
+        return
+    if "pid" in reply:
+        fut.set_result(reply["pid"])
+    else:
+        fut.set_exception(OSError(reply.get("errno") or 0, reply.get("error", "cannot start")))
+        fut.exception()  # retrieved: the command's child reads it from here
 
 
 def _bytes(mb: float | None) -> int | None:
