@@ -106,7 +106,7 @@ def _run_job_file(ray_cluster, tmp_path: Path, name: str) -> dict[str, dict]:
     assert "live on Ray" in p.stdout and "| elastic_greedy | 2 | 1 | 1 |" in p.stdout, p.stdout
     # This machine's cores are not what the actions ran on: no measured figure, not 0 %.
     row = next(ln for ln in p.stdout.splitlines() if ln.startswith("| elastic_greedy |"))
-    assert row.split("|")[9].strip() == "n/a", row
+    assert row.split("|")[10].strip() == "n/a", row
     first = {r["id"]: r for r in map(json.loads, (tmp_path / "first" / "results.jsonl")
                                      .read_text().splitlines())}
     assert {k: r["status"] for k, r in first.items()} == {
