@@ -230,8 +230,9 @@ def test_a_program_missing_in_the_sandbox_fails_and_gives_its_user_and_slot_back
 
 def test_a_command_killed_before_the_server_started_it_does_not_survive(boxes):
     """abandon() in the same loop turn as the start: the kill comes before the server's
-    reply, and still ends the command once it runs."""
-    from metasched.runtime.process.run import start_process
+    reply, and still ends the command once it runs; it never reaches the slot while the
+    server is in it for the spawn (the server, and every sandbox, would die with it)."""
+    from metasched.runtime.process.run import run_process, start_process
 
     marker = f"{60 + os.getpid() % 1000 / 1000:.3f}"
 
@@ -247,6 +248,9 @@ def test_a_command_killed_before_the_server_started_it_does_not_survive(boxes):
             await asyncio.sleep(0.02)
             if proc.pid is not None and not _sleeping(marker):
                 break
-        return proc.pid, _sleeping(marker), sb.running
-    pid, left, running = run(go())
+        after = await run_process(["/bin/echo", "next"], cores=[0], timeout_s=30,
+                                  confinement=boxes, sandbox=sb, cwd_root="/tmp")
+        return proc.pid, _sleeping(marker), sb.running, boxes.server.alive, after
+    pid, left, running, server_alive, after = run(go())
+    assert server_alive and after.ok and after.stdout == "next\n"
     assert pid is not None and left == [] and running == 0

@@ -71,8 +71,12 @@ class SandboxedChild(ChildBase):
         if self.killed_by is None:
             self.killed_by = why
         if self.started.pid is None:
-            # Its spawn is on its way to the server: the slot may still be empty.
+            # Its spawn is on its way to, or in, the server: the slot may still be empty,
+            # and while the server spawns it the server itself is in the slot (it enters
+            # the command's cgroups for that call), where a kill would take the server
+            # and every sandbox with it. The kill follows the server's reply instead.
             self._kill_when_started = True
+            return
         self.boxes.kill(self.started)
 
     def kill_rest(self) -> None:
