@@ -307,8 +307,7 @@ class Process:
                           pids_max, watch_memory, None, None, cores, launched, on_start)
         if started.spawned is not None and started.pid is None:
             started.spawned.add_done_callback(
-                lambda f: f.cancelled() or f.exception() is not None or self._started(
-                    f.result()))
+                lambda f: f.exception() is not None or self._started(f.result()))
         return self
 
     @classmethod

@@ -41,9 +41,8 @@ class SandboxedChild(ChildBase):
             started.spawned.add_done_callback(self._on_spawned)
 
     def _on_spawned(self, fut: asyncio.Future[int]) -> None:
-        if fut.cancelled() or fut.exception() is not None:
-            self.start_error = (fut.exception() if not fut.cancelled()
-                                else OSError(0, "cancelled before it started"))
+        if fut.exception() is not None:  # never cancelled: the manager only sets it
+            self.start_error = fut.exception()
             self.boxes.server.forget("exit", self.started.cmd)
             self.reaped = True  # nothing to reap
             if not self.exited.done():

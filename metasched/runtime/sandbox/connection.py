@@ -25,9 +25,20 @@ from typing import Any
 
 from metasched.runtime.sandbox import protocol
 
-__all__ = ["ServerConnection", "ServerGone"]
+__all__ = ["ServerConnection", "ServerGone", "spawned_pid"]
 
 _START_TIMEOUT_S = 30.0
+
+
+def spawned_pid(reply: dict[str, Any]) -> int:
+    """The pid in the server's reply to a spawn.
+
+    Raises:
+        OSError: it could not start (errno and message of the failure).
+    """
+    if "pid" not in reply:
+        raise OSError(reply.get("errno") or 0, reply.get("error", "cannot start"))
+    return reply["pid"]
 
 
 class ServerGone(RuntimeError):
@@ -189,10 +200,7 @@ class ServerConnection:
             ServerGone: the server exited.
         """
         self._send({"op": "spawn", **request}, fds)
-        reply = self._wait_reply("spawn", request["cmd"])
-        if "pid" not in reply:
-            raise OSError(reply.get("errno") or 0, reply.get("error", "cannot start"))
-        return reply["pid"]
+        return spawned_pid(self._wait_reply("spawn", request["cmd"]))
 
     def spawn_later(self, request: dict[str, Any], fds: Sequence[int],
                     on_reply: Callable[[dict[str, Any]], None]) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 from metasched.errors import ConfigError
 from metasched.runtime.sandbox import bwrap, cgroups, devices
 from metasched.runtime.sandbox.config import SandboxConfig
-from metasched.runtime.sandbox.connection import ServerConnection, ServerGone
+from metasched.runtime.sandbox.connection import ServerConnection, ServerGone, spawned_pid
 from metasched.runtime.sandbox.uids import UidPool
 from metasched.runtime.sandbox.workspace import WORKSPACE, Template
 
@@ -525,10 +525,10 @@ def _spawned(fut: asyncio.Future[int], reply: dict[str, Any]) -> None:
     """The server's reply to a spawn sent without waiting, into ``fut``."""
     if fut.done():
         return
-    if "pid" in reply:
-        fut.set_result(reply["pid"])
-    else:
-        fut.set_exception(OSError(reply.get("errno") or 0, reply.get("error", "cannot start")))
+    try:
+        fut.set_result(spawned_pid(reply))
+    except OSError as e:
+        fut.set_exception(e)
         fut.exception()  # retrieved: the command's child reads it from here
 
 
