@@ -264,6 +264,16 @@ def test_local_backend_needs_no_ray_settings():
     assert ray_settings({}) is None
 
 
+def test_the_settings_know_the_backends_ways_and_default_without_importing_ray():
+    pytest.importorskip("ray", reason="needs the ray extra")
+    from metasched.cli import backend_settings
+    from metasched.runtime.ray_backend import cluster
+
+    assert backend_settings.SUBMIT == cluster.SUBMIT_MODES
+    assert backend_settings.DEFAULT_SUBMIT == cluster.DEFAULT_SUBMIT
+    assert ray_settings({"backend": "ray"}).submit == cluster.DEFAULT_SUBMIT
+
+
 def test_ray_not_installed_is_one_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     with pytest.raises(ConfigError, match="backend: ray is not installed here: pip install "

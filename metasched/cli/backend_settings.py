@@ -14,7 +14,8 @@ if TYPE_CHECKING:
     from metasched.runtime.ray_backend.remote import RaySettings
 
 BACKENDS = ("local", "ray")
-SUBMIT = ("task", "agent", "stream")  # ray_backend.cluster.SUBMIT_MODES, without importing ray
+# ray_backend.cluster's SUBMIT_MODES and DEFAULT_SUBMIT, without importing ray
+SUBMIT, DEFAULT_SUBMIT = ("task", "agent", "stream"), "stream"
 # Settings of the local dispatcher that a dispatcher on Ray does not take, with why;
 # each is refused when given (not its default) with backend=ray.
 NOT_ON_RAY = {
@@ -55,7 +56,7 @@ def ray_settings(cfg: dict[str, Any]) -> RaySettings | None:
         v = r.get(key)
         if v is not None and (not isinstance(v, str) or not v.strip()):
             raise ConfigError(f"ray.{key}", f"must be a non-empty string (got {v!r})")
-    one_of(r.get("submit", "stream"), SUBMIT, "ray.submit")
+    one_of(r.get("submit", DEFAULT_SUBMIT), SUBMIT, "ray.submit")
     cpn = r.get("cores_per_node")
     if cpn is not None and (isinstance(cpn, bool) or not isinstance(cpn, int) or cpn < 1):
         raise ConfigError("ray.cores_per_node", f"must be a whole number >= 1 or null "

@@ -31,7 +31,7 @@ from metasched.core.metrics import RunResult
 from metasched.errors import ConfigError
 from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
 from metasched.runtime.gpu import LiveService
-from metasched.runtime.ray_backend.cluster import RayBackend
+from metasched.runtime.ray_backend.cluster import DEFAULT_SUBMIT, RayBackend
 from metasched.runtime.requests import REJECTED, Result
 
 log = logging.getLogger("metasched.dispatch")
@@ -101,7 +101,8 @@ class DispatcherActor:
     """
 
     def __init__(self, config: DispatcherConfig, services: Mapping[str, LiveService] | None,
-                 name: str, cores_per_node: int | None = None, submit: str = "stream") -> None:
+                 name: str, cores_per_node: int | None = None,
+                 submit: str = DEFAULT_SUBMIT) -> None:
         self.config = config
         self.services = dict(services or {})
         self.name = name

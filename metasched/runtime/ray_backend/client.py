@@ -32,7 +32,7 @@ from metasched.errors import ConfigError
 from metasched.runtime.dispatcher import DispatcherConfig
 from metasched.runtime.gpu import LiveService
 from metasched.runtime.ray_backend.actor import DispatcherActor, dumps
-from metasched.runtime.ray_backend.cluster import check_submit, lost
+from metasched.runtime.ray_backend.cluster import DEFAULT_SUBMIT, check_submit, lost
 from metasched.runtime.requests import REJECTED, Request, Result
 
 log = logging.getLogger("metasched.dispatch")
@@ -51,7 +51,7 @@ def _ensure_ray(address: str | None, namespace: str = NAMESPACE) -> None:
 
 def start_dispatcher(config: DispatcherConfig | None = None, *, name: str = DEFAULT_NAME,
                      services: Mapping[str, LiveService] | None = None,
-                     cores_per_node: int | None = None, submit: str = "stream",
+                     cores_per_node: int | None = None, submit: str = DEFAULT_SUBMIT,
                      address: str | None = None, timeout_s: float = 300.0,
                      namespace: str = NAMESPACE) -> DispatcherHandle:
     """Start the dispatcher actor ``name`` on this node (where its journal is), or find

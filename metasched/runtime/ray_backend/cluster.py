@@ -73,6 +73,7 @@ log = logging.getLogger("metasched.dispatch")
 
 DESCRIBE_TIMEOUT_S = 60.0  # how long nodes may take to answer the first look
 SUBMIT_MODES = ("task", "agent", "stream")
+DEFAULT_SUBMIT = "stream"  # see the module docstring
 AGENT_CONCURRENCY = 10_000  # commands one node's agent may run at once (async calls)
 
 
@@ -359,7 +360,7 @@ class RayBackend:
     AHEAD_PER_CORE = 2
 
     def __init__(self, nodes: list[Node], gpus: RayGpuHost | None, *, dispatcher: str,
-                 workdir: str | None = None, submit: str = "stream") -> None:
+                 workdir: str | None = None, submit: str = DEFAULT_SUBMIT) -> None:
         check_submit(submit)
         self.nodes = nodes
         self.gpus = gpus
@@ -377,7 +378,7 @@ class RayBackend:
     @classmethod
     async def create(cls, *, dispatcher: str, services: Mapping[str, LiveService] | None = None,
                      cores_per_node: int | None = None, standin_mem_gb: float = 16.0,
-                     workdir: str | None = None, submit: str = "stream") -> RayBackend:
+                     workdir: str | None = None, submit: str = DEFAULT_SUBMIT) -> RayBackend:
         """The backend of the cluster this process is connected to (``ray.init`` first)."""
         nodes = await cluster_view(cores_per_node=cores_per_node)
         n_gpus = int(ray.cluster_resources().get("GPU", 0))
@@ -489,6 +490,6 @@ class RayBackend:
             self.gpus.close()
 
 
-__all__ = ["SUBMIT_MODES", "NodeLink", "StreamedCommand", "RayBackend", "RemoteCommand",
-           "RemoteSandbox", "RemoteSandboxes", "alive_nodes", "check_submit", "cluster_view",
-           "lost"]
+__all__ = ["DEFAULT_SUBMIT", "SUBMIT_MODES", "NodeLink", "RayBackend", "RemoteCommand",
+           "RemoteSandbox", "RemoteSandboxes", "StreamedCommand", "alive_nodes",
+           "check_submit", "cluster_view", "lost"]

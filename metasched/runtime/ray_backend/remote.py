@@ -38,7 +38,7 @@ from metasched.runtime.ray_backend.client import (
     DispatcherHandle,
     start_dispatcher,
 )
-from metasched.runtime.ray_backend.cluster import check_submit, lost
+from metasched.runtime.ray_backend.cluster import DEFAULT_SUBMIT, check_submit, lost
 from metasched.runtime.requests import Request, Result
 
 log = logging.getLogger("metasched.dispatch")
@@ -67,7 +67,7 @@ class RaySettings:
     address: str = "auto"
     name: str = DEFAULT_NAME
     namespace: str = NAMESPACE
-    submit: str = "stream"
+    submit: str = DEFAULT_SUBMIT
     cores_per_node: int | None = None
     ahead_per_core: int | None = None
     keep: bool = False
