@@ -38,3 +38,11 @@ def shrunk(name: str, load: float = 0.1, steps: int | None = None
 COMMAND_PY = (sys.executable if runnable_by_all(sys.executable)
               else shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin")
               or sys.executable)
+
+
+def running(argv: list[str]) -> list:
+    """The processes on this machine whose command line is exactly ``argv`` (a test gives
+    its command an argument of its own, e.g. ``sleep 61.234``, to find only its own)."""
+    import psutil
+
+    return [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == argv]

@@ -10,9 +10,10 @@ import os
 import pickle
 import struct
 import time
+from contextlib import asynccontextmanager
 
-import psutil
 import pytest
+from helpers import running
 
 from metasched.runtime.backend import CommandSpec
 from metasched.runtime.ray_backend import channel
@@ -125,8 +126,8 @@ def test_a_stream_cut_mid_frame_is_an_error_not_a_message():
 
 # --- a real node agent on the stream ---------------------------------------------------
 
-def _sleeping(marker: str) -> list[psutil.Process]:
-    return [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", marker]]
+def _sleeping(marker: str) -> list:
+    return running(["sleep", marker])
 
 
 async def _wait_for(predicate, timeout_s: float = 10.0) -> bool:
@@ -144,32 +145,36 @@ def _cmd(*argv: str) -> bytes:
     return pack(CommandSpec(argv=argv, timeout_s=30.0), 1, None)
 
 
+@asynccontextmanager
 async def _agent_and_link(secret: bytes | None = None):
     """A NodeAgent of this process (2 cores, commands unconfined) with a NodeLink on its
     stream, opened as :meth:`NodeLink.connect` opens it (``secret``: the one the link
-    answers with, if not the agent's)."""
+    answers with, if not the agent's); both closed at the end."""
     from metasched.runtime.ray_backend.cluster import NodeLink
     from metasched.runtime.ray_backend.node_agent import NodeAgent
 
     agent = NodeAgent(SandboxConfig(isolation="none"), [], None, cores=[0, 1])
-    assert "error" not in await agent.describe()
-    key = channel.new_secret()
-    host, port = await agent.open_stream(key)
-    assert host == "127.0.0.1"  # the node's address as Ray has it: loopback here
-    reader, writer = await asyncio.open_connection(host, port)
-    await channel.answer_challenge(reader, writer, secret or key)
-    return agent, NodeLink(reader, writer)
+    try:
+        assert "error" not in await agent.describe()
+        key = channel.new_secret()
+        host, port = await agent.open_stream(key)
+        assert host == "127.0.0.1"  # the node's address as Ray has it: loopback here
+        reader, writer = await asyncio.open_connection(host, port)
+        await channel.answer_challenge(reader, writer, secret or key)
+        link = NodeLink(reader, writer)
+        try:
+            yield link
+        finally:
+            await link.close()
+    finally:
+        agent.close()
 
 
 def test_commands_on_the_stream_run_in_order_and_their_results_come_back(ray_session):
     async def go():
-        agent, link = await _agent_and_link()
-        try:
+        async with _agent_and_link() as link:
             cmds = [link.start(_cmd("/bin/echo", str(i))) for i in range(5)]
             return await asyncio.wait_for(asyncio.gather(*(c.wait() for c in cmds)), 30)
-        finally:
-            await link.close()
-            agent.close()
     outs = run(go())
     assert [o.stdout.strip() for o in outs] == [str(i) for i in range(5)]
     assert all(o.ok and len(o.detail["cores"]) == 1 for o in outs)
@@ -179,8 +184,7 @@ def test_a_cancelled_command_is_killed_and_one_behind_it_in_the_queue_runs(ray_s
     marker = f"{40 + os.getpid() % 1000 / 1000:.3f}"
 
     async def go():
-        agent, link = await _agent_and_link()
-        try:
+        async with _agent_and_link() as link:
             long = link.start(_cmd("sleep", marker))
             waiting = asyncio.ensure_future(long.wait())
             assert await _wait_for(lambda: bool(_sleeping(marker)))
@@ -188,9 +192,6 @@ def test_a_cancelled_command_is_killed_and_one_behind_it_in_the_queue_runs(ray_s
             gone = await _wait_for(lambda: not _sleeping(marker))
             after = await asyncio.wait_for(link.start(_cmd("/bin/echo", "next")).wait(), 30)
             return gone, after
-        finally:
-            await link.close()
-            agent.close()
     gone, after = run(go())
     assert gone and after.ok and after.stdout.strip() == "next"
 
@@ -199,15 +200,12 @@ def test_the_end_of_the_stream_kills_its_commands(ray_session):
     marker = f"{50 + os.getpid() % 1000 / 1000:.3f}"
 
     async def go():
-        agent, link = await _agent_and_link()
-        try:
+        async with _agent_and_link() as link:
             cmd = link.start(_cmd("sleep", marker))
             assert await _wait_for(lambda: bool(_sleeping(marker)))
             await link.close()  # the dispatcher went away
             out = await cmd.wait()
             return out, await _wait_for(lambda: not _sleeping(marker))
-        finally:
-            agent.close()
     out, gone = run(go())
     assert not out.ok and out.reason == "the dispatcher closed"
     assert gone
@@ -217,15 +215,11 @@ def test_a_peer_with_the_wrong_secret_runs_nothing(ray_session, tmp_path):
     flag = tmp_path / "ran"
 
     async def go():
-        agent, link = await _agent_and_link(secret=channel.new_secret())
-        try:
+        async with _agent_and_link(secret=channel.new_secret()) as link:
             cmd = link.start(_cmd("/bin/touch", str(flag)))
             out = await asyncio.wait_for(cmd.wait(), 30)  # the agent hung up
             await asyncio.sleep(0.2)
             return out
-        finally:
-            await link.close()
-            agent.close()
     out = run(go())
     assert not out.ok and out.reason.startswith("ray: lost the node's agent (")
     assert not flag.exists()

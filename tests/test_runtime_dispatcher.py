@@ -11,9 +11,8 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import psutil
 import pytest
-from helpers import COMMAND_PY
+from helpers import COMMAND_PY, running
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -681,9 +680,8 @@ def test_close_without_drain_kills_commands_whose_task_never_ran(tmp_path):
     cancelled before it first runs is still killed and cleaned up by close()."""
     marker = f"{30 + os.getpid() % 1000 / 1000:.3f}"  # this test's own sleep
 
-    def sleeping() -> list[psutil.Process]:
-        return [p for p in psutil.process_iter(["cmdline"])
-                if p.info["cmdline"] == ["sleep", marker]]
+    def sleeping() -> list:
+        return running(["sleep", marker])
 
     async def go():
         d = Dispatcher(cfg(workdir=str(tmp_path)))

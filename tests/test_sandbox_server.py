@@ -10,8 +10,8 @@ import os
 import subprocess
 import tarfile
 
-import psutil
 import pytest
+from helpers import running
 from sandbox_helpers import needs_isolation, run_in
 
 from metasched.errors import ConfigError
@@ -181,8 +181,8 @@ def test_commands_die_with_the_server(boxes):
 
 # --- spawns pipelined through the server ------------------------------------------------
 
-def _sleeping(marker: str) -> list[psutil.Process]:
-    return [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", marker]]
+def _sleeping(marker: str) -> list:
+    return running(["sleep", marker])
 
 
 def test_a_sandboxed_start_returns_before_the_server_has_started_it(boxes):
