@@ -14,7 +14,6 @@ takes ``?wait=<seconds>`` (long polling).
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from metasched.errors import ConfigError
 from metasched.runtime.requests import REJECTED, Result
 from metasched.runtime.requests import Request as ActionRequest
+from metasched.serve.bodies import JSONRoute, decode_json
 from metasched.serve.context import context_from
 
 if TYPE_CHECKING:
@@ -41,21 +41,13 @@ def error(status: int, detail: str) -> JSONResponse:
 
 
 async def read_json(request: Request) -> Any:
-    """The request's JSON body.
+    """The request's JSON body (see :func:`~metasched.serve.bodies.decode_json`).
 
     Raises:
-        ConfigError: the body is not JSON (named ``body``).
+        ConfigError: the body is not JSON, nests too deep or holds a lone surrogate
+            (named ``body``).
     """
-    raw = await request.body()
-    try:
-        text = raw.decode("utf-8")  # not json.loads(bytes): it would guess UTF-16 or -32
-    except UnicodeDecodeError as e:
-        raise ConfigError("body", f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at "
-                          f"{e.start})") from None
-    try:
-        return json.loads(text)
-    except ValueError as e:
-        raise ConfigError("body", f"not valid JSON ({e})") from None
+    return decode_json(await request.body())
 
 
 def _inlined(schema: dict[str, Any]) -> dict[str, Any]:
@@ -92,7 +84,7 @@ async def _wait(future: asyncio.Future[Result], wait_s: float) -> Result | None:
 
 def native_router(service: Service) -> APIRouter:
     """The routes of the native API (see the module docstring)."""
-    router = APIRouter()
+    router = APIRouter(route_class=JSONRoute)
     wait_query = Query(0.0, ge=0.0, le=MAX_WAIT_S,
                        description="seconds to wait for the result before answering")
 

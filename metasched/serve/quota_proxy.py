@@ -36,6 +36,7 @@ import re
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote, unquote
 
 import httpx
 from fastapi import APIRouter, Request
@@ -139,6 +140,54 @@ def _tokens(request: Request, default: int) -> int:
     return int(text)
 
 
+# Characters a path segment may not hold once decoded: a separator (an upstream that
+# decodes ``%2F`` or reads ``\\`` as one would see more segments than were checked), NUL
+# and the other control characters.
+_FORBIDDEN = re.compile(r"[/\\\x00-\x1f\x7f]")
+_ENCODED = re.compile(r"%[0-9A-Fa-f]{2}")
+
+
+def confined_path(raw_path: str) -> str:
+    """The path ``raw_path`` (as sent, percent-encoded, after
+    ``/v1/endpoints/<name>/``) to append to the endpoint's base URL: decoded segment by
+    segment, its dot segments resolved, and encoded again, so that it stays below the
+    base, whatever the upstream decodes.
+
+    Raises:
+        ConfigError: a ``..`` climbs above the base, or a segment holds an encoded
+            ``/``, a backslash, a NUL or another control character, or is encoded
+            twice (``%252e``), which an upstream might decode into one of those.
+    """
+    out: list[str] = []
+    segments = raw_path.split("/")
+    for n, raw in enumerate(segments):
+        seg = unquote(raw, errors="strict") if "%" in raw else raw
+        if (m := _FORBIDDEN.search(seg)) is not None:
+            raise ConfigError("path", f"segment {raw[:60]!r} holds {m.group()!r} once "
+                              f"decoded, which no proxied path may")
+        if _ENCODED.search(seg) is not None:
+            raise ConfigError("path", f"segment {raw[:60]!r} is percent-encoded twice")
+        if seg == "..":
+            if not out:
+                raise ConfigError("path", "climbs out of the endpoint's base path ('..')")
+            out.pop()
+        elif seg == "." or (seg == "" and n < len(segments) - 1):
+            continue  # "a/./b" and "a//b" are "a/b"; a trailing "/" is kept
+        else:
+            out.append(quote(seg, safe="!$&'()*+,;=:@~-._"))
+    if segments[-1] in (".", "..") and out:
+        out.append("")  # "a/b/.." is "a/", as a URL resolves it
+    return "/".join(out)
+
+
+def _raw_path(request: Request) -> str:
+    """What follows ``/v1/endpoints/<name>/`` in the request's path as sent (still
+    percent-encoded; a server that does not give it: the decoded path, encoded)."""
+    raw = request.scope.get("raw_path")
+    text = quote(request.url.path) if raw is None else raw.decode("latin-1")
+    return text.split("/", 4)[4]
+
+
 def proxy_router(service: Service) -> APIRouter:
     """The quota proxy's route (see the module docstring)."""
     router = APIRouter()
@@ -148,6 +197,11 @@ def proxy_router(service: Service) -> APIRouter:
         if up is None:
             known = ", ".join(sorted(service.config.upstreams)) or "none"
             return error(404, f"endpoint: {name!r} is not proxied here (proxied: {known})")
+        try:
+            tail = confined_path(_raw_path(request))
+        except (ConfigError, UnicodeDecodeError) as e:
+            return error(400, str(e) if isinstance(e, ConfigError) else
+                         "path: not valid UTF-8 once percent-decoded")
         try:
             tokens = _tokens(request, up.tokens)
             ctx = context_from(request.headers)
@@ -160,7 +214,7 @@ def proxy_router(service: Service) -> APIRouter:
         for k, v in up.headers.items():
             headers.pop(k.lower(), None)
             headers[k] = v
-        url = f"{up.url}/{path}"
+        url = f"{up.url}/{tail}"
         if request.url.query:
             url += f"?{request.url.query}"
         forward = Forward(request.method, url, headers, body)
