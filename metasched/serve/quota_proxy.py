@@ -47,6 +47,7 @@ from metasched.runtime.api_calls import RetryableError, parse_retry_after, read_
 from metasched.runtime.requests import REJECTED, Result
 from metasched.serve.context import HEADERS, context_from
 from metasched.serve.native import error
+from metasched.serve.openapi import GATED, TRAJECTORY_HEADERS, responses
 
 if TYPE_CHECKING:
     from metasched.serve.app import Service
@@ -129,6 +130,11 @@ def _raise_if_retryable(up: _Upstream) -> None:
     if up.status == 429 or up.status >= 500:
         retry_after = dict((k.lower(), v) for k, v in up.headers).get("retry-after")
         raise RetryableError(f"HTTP {up.status}", parse_retry_after(retry_after))
+
+
+X_TOKENS = {"name": "X-Tokens", "in": "header", "required": False,
+            "description": "what the call counts against the endpoint's TPM (default: its "
+                           "tokens)", "schema": {"type": "integer", "minimum": 0}}
 
 
 def _tokens(request: Request, default: int) -> int:
@@ -246,9 +252,16 @@ def proxy_router(service: Service) -> APIRouter:
 
     # One route per method, each with its own operation id: one route serving every
     # method gives them all the same id, which FastAPI warns about and OpenAPI forbids.
+    answers = {**responses(*GATED, 400, 404, 422, 502, 504),
+               200: {"description": "the upstream's answer, passed on",
+                     "content": {"*/*": {"schema": {}}}},
+               "default": {"description": "the upstream's answer, passed on (any status "
+                           "it answers, after the retries)"}}
     for method in METHODS:
         router.add_api_route("/v1/endpoints/{name}/{path:path}", forward, methods=[method],
-                             operation_id=f"proxy_{method.lower()}")
+                             operation_id=f"proxy_{method.lower()}", responses=answers,
+                             response_class=Response,
+                             openapi_extra={"parameters": [*TRAJECTORY_HEADERS, X_TOKENS]})
     return router
 
 

@@ -55,6 +55,7 @@ from metasched.serve.context import context_from
 from metasched.serve.files import decoded_size, fetch_argv, parse_fetched, stdin_argv, write_argvs
 from metasched.serve.languages import LANGUAGES, Language
 from metasched.serve.native import error
+from metasched.serve.openapi import GATED, TRAJECTORY_HEADERS, responses
 
 if TYPE_CHECKING:
     from metasched.serve.app import Service
@@ -297,7 +298,9 @@ def run_code_router(service: Service) -> APIRouter:
     """The ``/run_code`` route (see the module docstring)."""
     router = APIRouter(route_class=JSONRoute)
 
-    @router.post("/run_code", response_model=RunCodeResponse)
+    @router.post("/run_code", response_model=RunCodeResponse,
+                 responses=responses(*GATED, 422),
+                 openapi_extra={"parameters": TRAJECTORY_HEADERS})
     async def run_code_route(req: RunCodeRequest, request: Request):
         try:
             context = context_from(request.headers).fields()
