@@ -182,7 +182,7 @@ def _answer_then_closed(s: socket.socket) -> bytes:
 
 
 def test_clients_that_never_finish_their_headers_are_cut_off_while_others_are_served():
-    timeout_s, clients = 1.5, 300
+    timeout_s, clients = 2.0, 300
     with serving(config=ServeConfig(languages=[], header_timeout_s=timeout_s)) as s:
         # Slow loris: each client sends a header line every 0.25 s and never the end.
         socks = [_connect(s.url) for _ in range(clients)]
@@ -192,7 +192,7 @@ def test_clients_that_never_finish_their_headers_are_cut_off_while_others_are_se
         answers: dict[socket.socket, bytes] = {}
         cut_at: list[float] = []
         served_at = None
-        while time.monotonic() - t0 < timeout_s + 3.0 and len(answers) < clients:
+        while time.monotonic() - t0 < timeout_s + 5.0 and len(answers) < clients:
             waiting = [x for x in socks if x not in answers]
             readable, _, _ = select.select(waiting, [], [], 0)
             for sock in readable:  # the server answered: read to its close
@@ -213,8 +213,8 @@ def test_clients_that_never_finish_their_headers_are_cut_off_while_others_are_se
         assert len(answers) == clients
         assert all(a.startswith(b"HTTP/1.1 408 ") for a in answers.values())
         assert next(iter(answers.values())).endswith(
-            b'{"detail": "headers: not received within 1.5 s"}')
-        assert timeout_s - 0.1 < min(cut_at) and max(cut_at) < timeout_s + 1.5
+            b'{"detail": "headers: not received within 2 s"}')
+        assert timeout_s - 0.1 < min(cut_at) and max(cut_at) < timeout_s + 3.0
         assert httpx.get(s.url + "/v1/ping", timeout=5).status_code == 200
 
 
