@@ -164,6 +164,9 @@ def test_token_is_required_except_for_liveness():
     ({"token": "short"}, "token: must be at least 16"),
     ({"port": 70000}, "port: must be >= 0 and <= 65535"),
     ({"max_body_mb": 0}, "max_body_mb: must be > 0"),
+    ({"header_timeout_s": 0}, "header_timeout_s: must be > 0"),
+    ({"body_timeout_s": -1}, "body_timeout_s: must be > 0"),
+    ({"max_connections": 0}, "max_connections: must be >= 1"),
 ])
 def test_bad_settings_are_one_line(kw, message):
     with pytest.raises(ConfigError, match=message):

@@ -211,6 +211,7 @@ def create_app(dispatcher: DispatcherLike | Callable[[], DispatcherLike],
     app.include_router(proxy_router(service))
     app.include_router(run_code_router(service))
     # The last added is the outermost: requests refused by the gate are counted too.
-    app.add_middleware(Gate, token=config.token, max_body=config.max_body_bytes)
+    app.add_middleware(Gate, token=config.token, max_body=config.max_body_bytes,
+                       body_timeout_s=config.body_timeout_s)
     app.add_middleware(_CountRequests, metrics=service.metrics)
     return app

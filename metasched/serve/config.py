@@ -130,6 +130,14 @@ class ServeConfig:
             carry (``Authorization: Bearer <token>``); None: no authentication, allowed
             on a loopback address only.
         max_body_mb: request bodies larger than this are refused (413).
+        header_timeout_s: a request's headers must arrive within this many seconds of
+            the connection's opening (of its next request's first byte, on a kept-alive
+            connection); later, 408 and the connection is closed.
+        body_timeout_s: a request's body must arrive within this many seconds of its
+            headers; later, 408 and the connection is closed.
+        max_connections: client connections open at once; one more is answered 503 and
+            closed as soon as it is accepted (None: this process's descriptor limit less
+            a reserve, see :func:`~metasched.serve.connections.default_max_connections`).
         upstreams: the quota proxy's endpoints (see :class:`Upstream`); their quotas
             are the dispatcher's endpoints of the same names.
         languages: the ``/run_code`` languages to offer (None: every one whose toolchain
@@ -143,6 +151,9 @@ class ServeConfig:
     port: int = 8080
     token: str | None = None
     max_body_mb: float = 64.0
+    header_timeout_s: float = 30.0
+    body_timeout_s: float = 120.0
+    max_connections: int | None = None
     upstreams: dict[str, Upstream] = field(default_factory=dict)
     languages: list[str] | None = None
     task: str = "run_code"
@@ -168,6 +179,10 @@ class ServeConfig:
         bounded(self.max_body_mb, "max_body_mb", lo=0.0, lo_open=True, hi=math.inf)
         if not math.isfinite(self.max_body_mb):
             raise ConfigError("max_body_mb", f"must be finite (got {self.max_body_mb!r})")
+        for name in ("header_timeout_s", "body_timeout_s"):
+            bounded(getattr(self, name), name, lo=0.0, lo_open=True, hi=24 * 3600.0)
+        if self.max_connections is not None:
+            bounded(self.max_connections, "max_connections", lo=1, integer=True)
         if self.languages is not None and (
                 not isinstance(self.languages, list)
                 or not all(isinstance(x, str) and x for x in self.languages)):

@@ -37,17 +37,23 @@ for i in range(0, len(a), 3):
     with open(path, mode + "b") as f:
         f.write(base64.b64decode(data))
 """
-# argv[1:] are paths; a file that is not there (or not a regular file) is left out, as
-# SandboxFusion does, and named on stderr.
+# argv[1:] are paths; each one that is a regular file it can read goes in "files", every
+# other one in "errors" with one line saying why (a missing file is left out of "files",
+# as SandboxFusion does).
 _FETCH = """import base64, json, os, sys
-out = {}
+files, errors = {}, {}
 for path in sys.argv[1:]:
-    if not os.path.isfile(path):
-        print(f"{path}: not a file", file=sys.stderr)
-        continue
-    with open(path, "rb") as f:
-        out[path] = base64.b64encode(f.read()).decode()
-print(json.dumps(out))
+    try:
+        if not os.path.exists(path):
+            errors[path] = "not found"
+        elif not os.path.isfile(path):
+            errors[path] = "not a regular file"
+        else:
+            with open(path, "rb") as f:
+                files[path] = base64.b64encode(f.read()).decode()
+    except (OSError, ValueError, MemoryError) as e:
+        errors[path] = getattr(e, "strerror", None) or type(e).__name__
+print(json.dumps({"files": files, "errors": errors}))
 """
 
 
@@ -86,12 +92,14 @@ def stdin_argv(path: str, argv: list[str]) -> list[str]:
 
 
 def fetch_argv(paths: list[str], python: str = "python3") -> list[str]:
-    """The command that prints ``paths`` (those that are files) as one JSON object."""
+    """The command that prints ``paths`` as one JSON object: ``files`` (path -> base64
+    of each one it could read) and ``errors`` (path -> why not, for the others)."""
     return [python, "-c", _FETCH, *paths]
 
 
-def parse_fetched(stdout: str) -> dict[str, str]:
-    """What the fetching command printed: path -> base64.
+def parse_fetched(stdout: str) -> tuple[dict[str, str], dict[str, str]]:
+    """What the fetching command printed: the files read (path -> base64) and, for each
+    path that could not be, why (path -> one line).
 
     Raises:
         ValueError: it is not the whole object (cut to the output the dispatcher keeps).
@@ -101,6 +109,8 @@ def parse_fetched(stdout: str) -> dict[str, str]:
     except ValueError:
         raise ValueError(f"the fetched files are more than the {len(stdout)} bytes of "
                          f"output kept per command (the dispatcher's tail_bytes)") from None
-    if not isinstance(doc, dict):
-        raise ValueError("the fetching command printed no JSON object")
-    return {str(k): str(v) for k, v in doc.items()}
+    if not isinstance(doc, dict) or not isinstance(doc.get("files"), dict) \
+            or not isinstance(doc.get("errors"), dict):
+        raise ValueError("the fetching command printed no JSON object of files and errors")
+    return ({str(k): str(v) for k, v in doc["files"].items()},
+            {str(k): str(v) for k, v in doc["errors"].items()})

@@ -14,7 +14,6 @@ takes ``?wait=<seconds>`` (long polling).
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +24,18 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from metasched.errors import ConfigError
 from metasched.runtime.requests import REJECTED, Result
 from metasched.runtime.requests import Request as ActionRequest
+from metasched.serve.bodies import JSONRoute, decode_json
 from metasched.serve.context import context_from
+from metasched.serve.openapi import (
+    GATED,
+    OPEN,
+    TRAJECTORY_HEADERS,
+    ActionPending,
+    ErrorDetail,
+    Health,
+    TrajectoryClosing,
+    responses,
+)
 
 if TYPE_CHECKING:
     from metasched.serve.app import Service
@@ -41,21 +51,13 @@ def error(status: int, detail: str) -> JSONResponse:
 
 
 async def read_json(request: Request) -> Any:
-    """The request's JSON body.
+    """The request's JSON body (see :func:`~metasched.serve.bodies.decode_json`).
 
     Raises:
-        ConfigError: the body is not JSON (named ``body``).
+        ConfigError: the body is not JSON, nests too deep or holds a lone surrogate
+            (named ``body``).
     """
-    raw = await request.body()
-    try:
-        text = raw.decode("utf-8")  # not json.loads(bytes): it would guess UTF-16 or -32
-    except UnicodeDecodeError as e:
-        raise ConfigError("body", f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at "
-                          f"{e.start})") from None
-    try:
-        return json.loads(text)
-    except ValueError as e:
-        raise ConfigError("body", f"not valid JSON ({e})") from None
+    return decode_json(await request.body())
 
 
 def _inlined(schema: dict[str, Any]) -> dict[str, Any]:
@@ -92,16 +94,17 @@ async def _wait(future: asyncio.Future[Result], wait_s: float) -> Result | None:
 
 def native_router(service: Service) -> APIRouter:
     """The routes of the native API (see the module docstring)."""
-    router = APIRouter()
+    router = APIRouter(route_class=JSONRoute)
     wait_query = Query(0.0, ge=0.0, le=MAX_WAIT_S,
                        description="seconds to wait for the result before answering")
 
-    @router.get("/v1/ping")
+    @router.get("/v1/ping", responses=responses(*OPEN))
     async def ping() -> str:
         """Liveness, as SandboxFusion answers it."""
         return "pong"
 
-    @router.get("/v1/health")
+    @router.get("/v1/health", responses=responses(*OPEN, s200=Health,
+                                                  s503=Health | ErrorDetail))
     async def health() -> JSONResponse:
         """200 once the dispatcher runs and the languages are probed; 503 before."""
         if not service.ready:
@@ -109,23 +112,32 @@ def native_router(service: Service) -> APIRouter:
         return JSONResponse({"status": "ok", "scheduler": service.dispatcher.stats()
                              ["scheduler"]})
 
-    @router.get("/v1/status")
+    @router.get("/v1/status", responses=responses(*GATED))
     async def status() -> JSONResponse:
         """Pools, queue, utilisation and the policy in use."""
         return JSONResponse(service.status())
 
-    @router.get("/metrics")
+    @router.get("/metrics", response_class=Response, responses={
+        **responses(*GATED), 200: {"description": "the metrics", "content": {
+            "text/plain": {"schema": {"type": "string"}}}}})
     async def metrics() -> Response:
+        """Prometheus metrics (text exposition format)."""
         return Response(generate_latest(service.metrics.registry),
                         media_type=CONTENT_TYPE_LATEST)
 
     # The body is read as JSON and merged with the trajectory headers before the request
     # schema checks it (in the dispatcher, as every front door's): documented here.
     body_schema = {"requestBody": {"required": True, "content": {"application/json": {
-        "schema": _inlined(ActionRequest.model_json_schema())}}}}
+        "schema": _inlined(ActionRequest.model_json_schema())}}},
+        "parameters": TRAJECTORY_HEADERS}
 
-    @router.post("/v1/actions", openapi_extra=body_schema)
+    @router.post("/v1/actions", openapi_extra=body_schema, responses=responses(
+        *GATED, 422, s200=Result, s202=ActionPending, s422=Result | ErrorDetail))
     async def submit(request: Request, wait: float = wait_query) -> Response:
+        """Submit one request; with ``wait``, its result if it finishes by then (202:
+        queued, not finished yet). A request the dispatcher rejects is 422 with its
+        result (``status: rejected``); a body that is not a request, 422 with one
+        line."""
         try:
             doc = await read_json(request)
             if not isinstance(doc, dict):
@@ -137,21 +149,26 @@ def native_router(service: Service) -> APIRouter:
         doc = {**ctx.fields(), **doc}
         rid = doc.setdefault("id", uuid.uuid4().hex)
         future = await service.dispatcher.enqueue(doc)
-        service.track(rid, future, doc.get("kind"))
+        if isinstance(rid, str):  # any other id is rejected (a result saying so)
+            service.track(rid, future, doc.get("kind"))
         result = await _wait(future, wait)
         if result is None:
             return JSONResponse({"id": rid, "status": "queued"}, status_code=202)
         return result_response(result, 422 if result.status == REJECTED else 200)
 
-    @router.post("/v1/trajectories/{name}/close")
+    @router.post("/v1/trajectories/{name}/close", responses=responses(
+        *GATED, 422, s200=TrajectoryClosing))
     async def close_trajectory(name: str) -> JSONResponse:
         """End trajectory ``name`` as its reward action would: its sandbox and workspace
         go once nothing of it is queued or running."""
         service.dispatcher.close_trajectory(name)
         return JSONResponse({"trajectory": name, "status": "closing"})
 
-    @router.get("/v1/actions/{rid}")
+    @router.get("/v1/actions/{rid}", responses=responses(
+        *GATED, 404, 422, s200=Result | ActionPending))
     async def lookup(rid: str, wait: float = wait_query) -> Response:
+        """A request's result, or that it is queued or running (with ``wait``: once it
+        finishes, if it does by then); 404 for an id not known here."""
         state, result, future = await service.submissions.lookup(rid)
         if result is None and future is not None:
             result = await _wait(future, wait)

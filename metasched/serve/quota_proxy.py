@@ -36,6 +36,7 @@ import re
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote, unquote
 
 import httpx
 from fastapi import APIRouter, Request
@@ -46,6 +47,7 @@ from metasched.runtime.api_calls import RetryableError, parse_retry_after, read_
 from metasched.runtime.requests import REJECTED, Result
 from metasched.serve.context import HEADERS, context_from
 from metasched.serve.native import error
+from metasched.serve.openapi import GATED, TRAJECTORY_HEADERS, responses
 
 if TYPE_CHECKING:
     from metasched.serve.app import Service
@@ -130,6 +132,11 @@ def _raise_if_retryable(up: _Upstream) -> None:
         raise RetryableError(f"HTTP {up.status}", parse_retry_after(retry_after))
 
 
+X_TOKENS = {"name": "X-Tokens", "in": "header", "required": False,
+            "description": "what the call counts against the endpoint's TPM (default: its "
+                           "tokens)", "schema": {"type": "integer", "minimum": 0}}
+
+
 def _tokens(request: Request, default: int) -> int:
     text = request.headers.get("x-tokens")
     if text is None:
@@ -137,6 +144,54 @@ def _tokens(request: Request, default: int) -> int:
     if not text.strip().isdigit():
         raise ConfigError("X-Tokens", f"must be a whole number >= 0 (got {text!r})")
     return int(text)
+
+
+# Characters a path segment may not hold once decoded: a separator (an upstream that
+# decodes ``%2F`` or reads ``\\`` as one would see more segments than were checked), NUL
+# and the other control characters.
+_FORBIDDEN = re.compile(r"[/\\\x00-\x1f\x7f]")
+_ENCODED = re.compile(r"%[0-9A-Fa-f]{2}")
+
+
+def confined_path(raw_path: str) -> str:
+    """The path ``raw_path`` (as sent, percent-encoded, after
+    ``/v1/endpoints/<name>/``) to append to the endpoint's base URL: decoded segment by
+    segment, its dot segments resolved, and encoded again, so that it stays below the
+    base, whatever the upstream decodes.
+
+    Raises:
+        ConfigError: a ``..`` climbs above the base, or a segment holds an encoded
+            ``/``, a backslash, a NUL or another control character, or is encoded
+            twice (``%252e``), which an upstream might decode into one of those.
+    """
+    out: list[str] = []
+    segments = raw_path.split("/")
+    for n, raw in enumerate(segments):
+        seg = unquote(raw, errors="strict") if "%" in raw else raw
+        if (m := _FORBIDDEN.search(seg)) is not None:
+            raise ConfigError("path", f"segment {raw[:60]!r} holds {m.group()!r} once "
+                              f"decoded, which no proxied path may")
+        if _ENCODED.search(seg) is not None:
+            raise ConfigError("path", f"segment {raw[:60]!r} is percent-encoded twice")
+        if seg == "..":
+            if not out:
+                raise ConfigError("path", "climbs out of the endpoint's base path ('..')")
+            out.pop()
+        elif seg == "." or (seg == "" and n < len(segments) - 1):
+            continue  # "a/./b" and "a//b" are "a/b"; a trailing "/" is kept
+        else:
+            out.append(quote(seg, safe="!$&'()*+,;=:@~-._"))
+    if segments[-1] in (".", "..") and out:
+        out.append("")  # "a/b/.." is "a/", as a URL resolves it
+    return "/".join(out)
+
+
+def _raw_path(request: Request) -> str:
+    """What follows ``/v1/endpoints/<name>/`` in the request's path as sent (still
+    percent-encoded; a server that does not give it: the decoded path, encoded)."""
+    raw = request.scope.get("raw_path")
+    text = quote(request.url.path) if raw is None else raw.decode("latin-1")
+    return text.split("/", 4)[4]
 
 
 def proxy_router(service: Service) -> APIRouter:
@@ -149,6 +204,11 @@ def proxy_router(service: Service) -> APIRouter:
             known = ", ".join(sorted(service.config.upstreams)) or "none"
             return error(404, f"endpoint: {name!r} is not proxied here (proxied: {known})")
         try:
+            tail = confined_path(_raw_path(request))
+        except (ConfigError, UnicodeDecodeError) as e:
+            return error(400, str(e) if isinstance(e, ConfigError) else
+                         "path: not valid UTF-8 once percent-decoded")
+        try:
             tokens = _tokens(request, up.tokens)
             ctx = context_from(request.headers)
         except ConfigError as e:
@@ -160,7 +220,7 @@ def proxy_router(service: Service) -> APIRouter:
         for k, v in up.headers.items():
             headers.pop(k.lower(), None)
             headers[k] = v
-        url = f"{up.url}/{path}"
+        url = f"{up.url}/{tail}"
         if request.url.query:
             url += f"?{request.url.query}"
         forward = Forward(request.method, url, headers, body)
@@ -192,9 +252,16 @@ def proxy_router(service: Service) -> APIRouter:
 
     # One route per method, each with its own operation id: one route serving every
     # method gives them all the same id, which FastAPI warns about and OpenAPI forbids.
+    answers = {**responses(*GATED, 400, 404, 422, 502, 504),
+               200: {"description": "the upstream's answer, passed on",
+                     "content": {"*/*": {"schema": {}}}},
+               "default": {"description": "the upstream's answer, passed on (any status "
+                           "it answers, after the retries)"}}
     for method in METHODS:
         router.add_api_route("/v1/endpoints/{name}/{path:path}", forward, methods=[method],
-                             operation_id=f"proxy_{method.lower()}")
+                             operation_id=f"proxy_{method.lower()}", responses=answers,
+                             response_class=Response,
+                             openapi_extra={"parameters": [*TRAJECTORY_HEADERS, X_TOKENS]})
     return router
 
 

@@ -10,7 +10,10 @@ trajectory fields ``trajectory``, ``turn``, ``task``, ``reward`` (or the headers
 Response: ``status`` (``Success``, ``Failed`` or ``SandboxError``), ``message``,
 ``compile_result`` and ``run_result`` (each ``{status: Finished | Error |
 TimeLimitExceeded, execution_time, return_code, stdout, stderr}`` or null), ``files``
-(path -> base64 of each fetched file that exists). ``SandboxError`` is a fault of the
+(path -> base64 of each fetched file that could be read) and, beyond SandboxFusion's
+fields (its clients ignore it), ``fetch_errors`` (path -> why not, one line, for each
+other path of ``fetch_files``: a file that is missing or unreadable does not fail the
+request). ``SandboxError`` is a fault of the
 sandbox (a command that could not start, a request the dispatcher rejected, a language
 not offered here), ``Failed`` a compile error, a non-zero exit or a time limit, and
 ``Success`` everything else. A compile that fails is not followed by a run
@@ -47,10 +50,12 @@ from metasched.runtime.requests import (
     TrajectoryId,
     Turn,
 )
+from metasched.serve.bodies import JSONRoute
 from metasched.serve.context import context_from
 from metasched.serve.files import decoded_size, fetch_argv, parse_fetched, stdin_argv, write_argvs
 from metasched.serve.languages import LANGUAGES, Language
 from metasched.serve.native import error
+from metasched.serve.openapi import GATED, TRAJECTORY_HEADERS, responses
 
 if TYPE_CHECKING:
     from metasched.serve.app import Service
@@ -115,6 +120,9 @@ class RunCodeResponse(BaseModel):
     compile_result: CommandRunResult | None = None
     run_result: CommandRunResult | None = None
     files: dict[str, str] = Field(default_factory=dict)
+    fetch_errors: dict[str, str] = Field(
+        default_factory=dict, description="each path of fetch_files that is not in files: "
+        "why (one line: not found, not a regular file, Permission denied ...)")
 
 
 FILES_TIMEOUT_S = 60.0  # writing a request's files, fetching them back
@@ -190,6 +198,7 @@ async def run_code(service: Service, req: RunCodeRequest, context: dict[str, Any
     compiled: CommandRunResult | None = None
     ran: CommandRunResult | None = None
     fetched: dict[str, str] = {}
+    unfetched: dict[str, str] = {}
 
     async def step(argv: list[str], name: str, timeout_s: float, **extra: Any) -> Result:
         return await service.submit({**common, "argv": argv, "name": f"{lang.name}:{name}",
@@ -219,9 +228,10 @@ async def run_code(service: Service, req: RunCodeRequest, context: dict[str, Any
         if req.fetch_files:
             r = await step(fetch_argv(list(req.fetch_files)), "fetch", FILES_TIMEOUT_S)
             try:
-                if not r.ok:
-                    raise ValueError(f"{r.reason}: {r.stderr.strip()[-300:]}")
-                fetched = parse_fetched(r.stdout)
+                if not r.ok:  # the command's last line only: never a traceback
+                    last = (r.stderr.strip().splitlines() or [""])[-1][-300:]
+                    raise ValueError(f"{r.reason}: {last}" if last else r.reason)
+                fetched, unfetched = parse_fetched(r.stdout)
             except ValueError as e:
                 return RunCodeResponse(status="SandboxError", message=f"fetch_files: {e}",
                                        compile_result=compiled, run_result=ran)
@@ -230,7 +240,7 @@ async def run_code(service: Service, req: RunCodeRequest, context: dict[str, Any
             service.dispatcher.close_trajectory(trajectory)  # its workspace goes with it
     status, message = run_status(compiled, ran)
     return RunCodeResponse(status=status, message=message, compile_result=compiled,
-                           run_result=ran, files=fetched)
+                           run_result=ran, files=fetched, fetch_errors=unfetched)
 
 
 async def probe_languages(service: Service, names: list[str] | None
@@ -286,9 +296,11 @@ async def probe_languages(service: Service, names: list[str] | None
 
 def run_code_router(service: Service) -> APIRouter:
     """The ``/run_code`` route (see the module docstring)."""
-    router = APIRouter()
+    router = APIRouter(route_class=JSONRoute)
 
-    @router.post("/run_code", response_model=RunCodeResponse)
+    @router.post("/run_code", response_model=RunCodeResponse,
+                 responses=responses(*GATED, 422),
+                 openapi_extra={"parameters": TRAJECTORY_HEADERS})
     async def run_code_route(req: RunCodeRequest, request: Request):
         try:
             context = context_from(request.headers).fields()

@@ -1,9 +1,11 @@
 """What every request passes before a route sees it: the bearer token (when the service
-has one) and the body size limit. One ASGI middleware, so that a refused request costs
-no parsing and an oversized body is cut off while it streams in."""
+has one), the body size limit and the body's deadline. One ASGI middleware, so that a
+refused request costs no parsing, an oversized body is cut off while it streams in, and
+a body that does not come in time is answered 408."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -30,7 +32,8 @@ async def _refuse(send: Send, status: int, detail: str,
 
 
 class Gate:
-    """ASGI middleware: bearer-token authentication and a request body limit.
+    """ASGI middleware: bearer-token authentication, a request body limit and a
+    deadline for the body.
 
     Args:
         app: the application behind it.
@@ -38,13 +41,16 @@ class Gate:
             None for none. Compared in constant time.
         max_body: the largest request body, in bytes: a larger one is answered 413,
             whether its ``Content-Length`` says so or it streams past the limit.
+        body_timeout_s: seconds the whole body may take to arrive, from the end of the
+            headers: later, the request is answered 408 and its connection closed.
     """
 
     def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], *,
-                 token: str | None, max_body: int) -> None:
+                 token: str | None, max_body: int, body_timeout_s: float = 60.0) -> None:
         self.app = app
         self.expected = f"Bearer {token}".encode() if token is not None else None
         self.max_body = max_body
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -64,21 +70,16 @@ class Gate:
         # The body is read here, within the limit, and handed on whole: a route then
         # never sees a body over it (FastAPI would turn an error raised while it reads
         # into a 400).
-        chunks: list[bytes] = []
-        seen = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client left
-                return
-            chunk = message.get("body", b"")
-            seen += len(chunk)
-            if seen > self.max_body:
-                await _refuse(send, 413, f"request body over {self.max_body} bytes")
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body: list[bytes] | None = [b"".join(chunks)]
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                whole = await self._read(receive, send)
+        except TimeoutError:
+            await _refuse(send, 408, f"body: not received within {self.body_timeout_s:g} s",
+                          ((b"connection", b"close"),))
+            return
+        if whole is None:
+            return
+        body: list[bytes] | None = [whole]
 
         async def replay() -> Message:
             nonlocal body
@@ -88,3 +89,20 @@ class Gate:
             return await receive()  # after the body: the disconnect, when it comes
 
         await self.app(scope, replay, send)
+
+    async def _read(self, receive: Receive, send: Send) -> bytes | None:
+        """The whole body, within the limit (None: answered 413, or the client left)."""
+        chunks: list[bytes] = []
+        seen = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left
+                return None
+            chunk = message.get("body", b"")
+            seen += len(chunk)
+            if seen > self.max_body:
+                await _refuse(send, 413, f"request body over {self.max_body} bytes")
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)

@@ -10,6 +10,7 @@ it is, before any client connects, and close it after uvicorn has stopped.
 from __future__ import annotations
 
 import asyncio
+import functools
 import signal
 import threading
 from types import TracebackType
@@ -18,19 +19,31 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
+from metasched.serve.config import ServeConfig
+from metasched.serve.connections import GuardedH11Protocol, default_max_connections
+
 __all__ = ["BackgroundServer", "serve", "uvicorn_config"]
 
 
 def uvicorn_config(app: Any, host: str, port: int, *, graceful_s: float | None = 30.0,
                    log_level: str = "info", access_log: bool = False) -> uvicorn.Config:
     """The uvicorn settings the service runs with: the plain asyncio loop (the
-    dispatcher's executors are tested on it), no connection limit (the service queues
-    rather than refusing), a listen backlog for bursts of thousands of clients, and
-    ``graceful_s`` for requests in flight at shutdown. The service is started and
-    closed around uvicorn (its lifespan is not left to uvicorn)."""
+    dispatcher's executors are tested on it), the h11 protocol with a deadline for a
+    request's headers and a cap on open connections (the service's ``header_timeout_s``
+    and ``max_connections``, see :mod:`~metasched.serve.connections`; requests are not
+    limited: the service queues rather than refusing), a listen backlog for bursts of
+    thousands of clients, and ``graceful_s`` for requests in flight at shutdown. The
+    service is started and closed around uvicorn (its lifespan is not left to
+    uvicorn)."""
+    service = getattr(getattr(app, "state", None), "service", None)
+    config = service.config if service is not None else ServeConfig(languages=[])
+    http = functools.partial(
+        GuardedH11Protocol, header_timeout_s=config.header_timeout_s,
+        max_connections=config.max_connections or default_max_connections())
     return uvicorn.Config(app, host=host, port=port, loop="asyncio", lifespan="off",
-                          log_level=log_level, access_log=access_log, backlog=4096,
-                          timeout_graceful_shutdown=graceful_s, timeout_keep_alive=30)
+                          http=http, log_level=log_level, access_log=access_log,
+                          backlog=4096, timeout_graceful_shutdown=graceful_s,
+                          timeout_keep_alive=30)
 
 
 async def _run(app: FastAPI, server: uvicorn.Server) -> None:
