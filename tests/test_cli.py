@@ -445,3 +445,72 @@ def test_live_calibration_bad_arguments_are_one_line(args, field, tmp_path):
     assert r.returncode == 2
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"error: {field}: "), r.stderr
+
+
+def test_plan_default_schedulers_include_rate_greedy():
+    from metasched.cli.plan_app import plan_settings
+
+    names = plan_settings(compose("plan"))["schedulers"]
+    assert "rate_greedy" in names and "random" not in names
+    assert set(names) == set(compose("eval")["schedulers"]) - {"random"}
+
+
+def test_plan_prints_each_probe_as_it_is_measured(tmp_path, capsys):
+    from metasched.evaluation.planning import plan_capacity
+
+    cfg = compose("plan", [*PLAN, "scheduler=elastic_greedy", "per_pool=false"])
+    doc = run_plan(cfg, tmp_path, progress=False)
+    out = capsys.readouterr().out
+    trials = doc["schedulers"]["elastic_greedy"]["trials"]
+    probes = [ln for ln in out.splitlines() if ln.startswith("  scale ")]
+    assert len(probes) == len(trials) >= 2
+    assert out.index("bisecting") < out.index(probes[0]) < out.index("| scheduler |")
+    # Called once per measured trial, in the order they were measured.
+    from metasched.compose import load_profile
+
+    w, c = load_profile(cfg)
+    seen = []
+    plan = plan_capacity(w, c, "elastic_greedy", [1_000_000], target_step_s=doc["target_step_s"],
+                         resolution=0.1, progress=False, on_trial=seen.append)
+    assert seen == plan.trials
+
+
+def _trial(scale, cpu, gpu, meets):
+    from metasched.evaluation.planning import Trial
+
+    return Trial(scale, {"cpu": cpu, "gpu": gpu, "api": 0}, 100.0 if meets else 150.0, meets)
+
+
+def test_plan_names_the_whole_unit_pool_that_limits_the_joint_scale():
+    """rm_math's case: 2 GPUs become 1 below scale 0.75 and one GPU misses, so the joint
+    plan stops at 0.75 (cpu 25% saved) while the cpu alone saves 97%; the table says the
+    gpu limits it, and a note says how to read the joint and per-pool savings."""
+    from metasched.cli.plan_app import TABLE_NOTE, plan_table
+    from metasched.core.cluster_config import parse_cluster
+    from metasched.evaluation.planning import Plan, limiting_pools
+
+    full = {"cpu": 128, "gpu": 2, "api": 0}
+    joint = Plan("x", 100.0, "given", 0.75, full, {"cpu": 96, "gpu": 2, "api": 0},
+                 [_trial(1.0, 128, 2, True), _trial(0.5, 64, 1, False),
+                  _trial(0.75, 96, 2, True), _trial(0.625, 80, 1, False),
+                  _trial(0.6875, 88, 1, False), _trial(0.71875, 92, 1, False)])
+    cpu = Plan("x", 100.0, "given", 0.03, full, {"cpu": 4, "gpu": 2, "api": 0},
+               [_trial(1.0, 128, 2, True), _trial(0.02, 2, 2, False),
+                _trial(0.03, 4, 2, True)])
+    gpu = Plan("x", 100.0, "given", 1.0, full, {"cpu": 128, "gpu": 2, "api": 0},
+               [_trial(1.0, 128, 2, True), _trial(0.01, 128, 1, False)])
+    alone = {"cpu": cpu, "gpu": gpu}
+    assert limiting_pools(joint, alone) == ["gpu"]
+    assert limiting_pools(joint) == ["cpu", "gpu"]  # without per-pool plans: both shrank
+    assert limiting_pools(cpu) == ["cpu"] and limiting_pools(gpu) == ["gpu"]
+    assert limiting_pools(Plan("x", 1.0, "given", None, full, None)) == []
+    cluster = parse_cluster({"name": "c", "cpu": {"nodes": 2, "cores_per_node": 64,
+                                                   "mem_gb_per_node": 256},
+                             "gpu": {"devices": 2, "mem_gb": 80}})
+    table = plan_table({"x": (joint, alone)}, cluster, 100.0, "given", 0.01)
+    head, _, row = table.splitlines()[2:5]
+    cells = dict(zip(head.strip("|").split(" | "), row.strip("|").split(" | "), strict=True))
+    assert cells["limited by"].strip() == "gpu (2 → 1 misses)"
+    assert cells["saved"].strip() == "cpu 25%, gpu 0%"
+    assert cells["cpu alone: saved"].strip() == "97%"
+    assert table.rstrip().endswith(TABLE_NOTE) and "whole units" in TABLE_NOTE
