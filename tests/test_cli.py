@@ -514,3 +514,52 @@ def test_plan_names_the_whole_unit_pool_that_limits_the_joint_scale():
     assert cells["saved"].strip() == "cpu 25%, gpu 0%"
     assert cells["cpu alone: saved"].strip() == "97%"
     assert table.rstrip().endswith(TABLE_NOTE) and "whole units" in TABLE_NOTE
+
+
+@pytest.mark.parametrize("series, groups", [
+    ({"a": ([1.0, 2.0],), "b": ([1.0, 2.0],), "c": ([1.0],)}, [["a", "b"], ["c"]]),
+    ({"a": ([1.0], [0.5]), "b": ([1.0], [0.6]), "c": ([1.0], [0.5])}, [["a", "c"], ["b"]]),
+    ({"a": ([],), "b": ([],)}, [["a", "b"]]),
+    ({"a": ([1.0],), "b": ([1.0, 1.0],)}, [["a"], ["b"]]),
+])
+def test_tied_groups_join_only_identical_series(series, groups):
+    from metasched.evaluation.report import tied_groups
+
+    assert tied_groups(series) == groups
+
+
+def test_plots_draw_identical_series_once_labelled_with_every_name(tmp_path):
+    """Schedulers whose step times (or utilisation, or ACTs) are identical share one box
+    (or line) named after all of them, rather than hiding under each other."""
+    import matplotlib.pyplot as plt
+
+    from metasched.cli.eval_app import eval_settings
+    from metasched.compose import load_profile
+    from metasched.evaluation.report import plot_all, plot_figures
+    from metasched.evaluation.runs import evaluate
+
+    cfg = compose("eval", ["workload=rm_math", "workload.steps=2", "n_seeds=2", "workers=1",
+                           "schedulers=[static,task_isolated,fifo,sjf,random]"])
+    w, c = load_profile(cfg)
+    s = eval_settings(cfg)
+    doc, runs = evaluate(w, c, s["schedulers"], s["seeds"], params=s["params"], workers=1,
+                         timeline_dt=s["timeline_dt"], max_wait_s=s["max_wait_s"],
+                         paths=s["paths"], progress=False)
+    figs = plot_figures(doc, runs)
+    ticks = [t.get_text() for t in figs["step_time"].axes[0].get_xticklabels()]
+    assert ticks == ["static\n= task_isolated", "fifo\n= sjf", "random"]
+    steps = {n: [x for r in runs if r["scheduler"] == n for x in r["step_s"]]
+             for n in doc["schedulers"]}
+    assert steps["static"] == steps["task_isolated"] and steps["fifo"] == steps["sjf"]
+    assert steps["static"] != steps["fifo"]
+    cpu_legend = [t.get_text() for t in figs["utilisation"].axes[0].get_legend().get_texts()]
+    assert "fifo = sjf" in cpu_legend
+    for fig in figs.values():  # every name once in every legend or axis
+        ax = fig.axes[0]
+        labels = ([t.get_text() for t in ax.get_legend().get_texts()] if ax.get_legend()
+                  else [t.get_text() for t in ax.get_xticklabels()])
+        shown = [n for lab in labels for n in lab.replace("\n", " ").split(" = ")]
+        assert sorted(shown) == sorted(doc["schedulers"])
+        plt.close(fig)
+    assert [p.name for p in plot_all(doc, runs, tmp_path)] == [
+        "act_cdf.png", "utilisation.png", "step_time.png"]
