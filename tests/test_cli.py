@@ -563,3 +563,30 @@ def test_plots_draw_identical_series_once_labelled_with_every_name(tmp_path):
         plt.close(fig)
     assert [p.name for p in plot_all(doc, runs, tmp_path)] == [
         "act_cdf.png", "utilisation.png", "step_time.png"]
+
+
+SCRIPTS = sorted(__import__("tomllib").loads(
+    (Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["scripts"])
+
+
+@pytest.mark.parametrize("app", SCRIPTS)
+def test_help_says_what_the_app_does_its_settings_and_an_example(app):
+    """Every app's --help (one template, configs/hydra/help/metasched.yaml): what it does,
+    its main settings and examples, not Hydra's banner and a dump of the config."""
+    import shlex
+
+    r = cli(app, "--help")
+    assert r.returncode == 0, r.stderr
+    text = r.stdout
+    name = app.removeprefix("metasched-")
+    assert text.startswith(f"{app}: ") and "\nMain settings:\n" in text
+    examples = text.split("\nExamples:\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert examples and all(ln.startswith("  metasched-") for ln in examples)
+    assert any(ln.startswith(f"  {app} ") for ln in examples)
+    assert "powered by Hydra" not in text and "== Config ==" not in text
+    dumped = [k for k in compose(name) if re.search(rf"^{re.escape(k)}:", text, re.M)]
+    assert not dumped and len(text.splitlines()) <= 40
+    for ln in examples:  # the examples' settings compose (placeholders and sweeps aside)
+        args = shlex.split(ln.split("  #", 1)[0])
+        if args[0] == app and "<" not in ln and not any(a.startswith("-") for a in args):
+            compose(name, args[1:])
