@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from metasched.cli.calibrate_app import main as calibrate_main
+from metasched.cli.calibrate_app import run_calibrate
 from metasched.compose import profile
 from metasched.core.cluster_config import parse_cluster
 from metasched.sim.recording import record_trace
@@ -82,8 +82,8 @@ def main() -> None:
             _, n = record_trace(truth, cluster, trace, scheduler=args.scheduler, seed=seed)
             t1 = time.perf_counter()
             out = Path(tmp) / f"out-{seed}"
-            calibrate_main([str(trace), "--name", "rec", "--out", str(out), "--quiet",
-                            "--no-plot"])
+            run_calibrate({"trace": str(trace), "name": "rec", "out": str(out),
+                           "quiet": True, "plot": False})
             t2 = time.perf_counter()
             times.append((n, t1 - t0, t2 - t1))
             got = parameters(parse_workload(yaml.safe_load(

@@ -226,9 +226,8 @@ def run(args: argparse.Namespace) -> dict:
         trace = args.trace
     live = step_figures(trace)
     name = "live"
-    cal = run_calibrate(argparse.Namespace(trace=str(trace), name=name,
-                                           out=str(args.out / "profile"), base=None,
-                                           no_plot=True, quiet=True))
+    cal = run_calibrate({"trace": str(trace), "name": name, "out": str(args.out / "profile"),
+                         "base": None, "plot": False, "quiet": True})
     seeds_ = list(range(EVAL_SEED_OFFSET, EVAL_SEED_OFFSET + args.sim_seeds))
     runs = replay(args.out / "profile", name, args.scheduler, seeds_, args.out / "replay")
     # One figure per seed (the mean over its steps), as the live side is one per run.

@@ -20,8 +20,8 @@ from metasched.calibration.fits import (
     fit_amdahl,
     fit_duration,
 )
-from metasched.cli.calibrate_app import main as calibrate_main
-from metasched.compose import profile
+from metasched.cli.calibrate_app import run_calibrate
+from metasched.compose import compose, profile
 from metasched.core.cluster_config import parse_cluster
 from metasched.sim.recording import record_trace
 from metasched.sim.trace import trace_from_workload, write_trace
@@ -39,6 +39,11 @@ AMDAHL_TOL = 0.05
 # Every checked quantile's sampling standard error is at most TOL / SE_MARGIN for the
 # sample the trace holds (checked below): the tolerance is not met by luck of the seed.
 SE_MARGIN = 4.0
+
+
+def calibrate_app(*overrides: str) -> dict:
+    """Calibrate as ``metasched-calibrate <overrides>`` does, in this process."""
+    return run_calibrate(compose("calibrate", list(overrides)))
 
 
 # ---------------------------------------------------------------- fits
@@ -120,7 +125,7 @@ def recovered(tmp_path_factory) -> dict:
     trace = root / "recovery.jsonl"
     truth, n_actions = simulated_trace(trace, seed=424242)
     out = root / "configs"
-    calibrate_main([str(trace), "--name", "rec", "--out", str(out), "--quiet"])
+    calibrate_app(f"trace={trace}", "name=rec", f"out={out}", "quiet=true")
     fitted = parse_workload(yaml.safe_load((out / "workload" / "rec.yaml").read_text()))
     doc = json.loads((out / "calibration.json").read_text())
     return {"truth": truth, "fitted": fitted, "doc": doc, "out": out, "n": n_actions}
@@ -246,15 +251,14 @@ def test_report_and_plot_are_written(recovered: dict) -> None:
 # ---------------------------------------------------------------- the app
 
 
-def _run(args: list[str], capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as e:
-        calibrate_main(args)
-        raise SystemExit(0)
-    out = capsys.readouterr()
-    return e.value.code, out.out, out.err
+def _run(args: list[str], cwd: Path) -> tuple[int, str, str]:
+    """``metasched-calibrate <args>`` in a process of its own, from ``cwd``."""
+    p = subprocess.run([PY, "-m", "metasched.cli.calibrate_app", *args], capture_output=True,
+                       text=True, timeout=300, cwd=cwd)
+    return p.returncode, p.stdout, p.stderr
 
 
-def test_base_profile_supplies_the_cluster_and_sandboxes(tmp_path: Path, capsys) -> None:
+def test_base_profile_supplies_the_cluster_and_sandboxes(tmp_path: Path) -> None:
     w, c = profile("coding")
     w = type(w)(**{**{f: getattr(w, f) for f in w.__dataclass_fields__},
                    "steps": 1, "trajectories_per_step": 4})
@@ -262,11 +266,13 @@ def test_base_profile_supplies_the_cluster_and_sandboxes(tmp_path: Path, capsys)
     record_trace(w, c, trace, seed=1)
     headless = tmp_path / "headless.jsonl"
     headless.write_text("".join(trace.read_text().splitlines(keepends=True)[1:]))
-    code, _, err = _run([str(headless), "--out", str(tmp_path / "o"), "--quiet"], capsys)
+    code, _, err = _run([f"trace={headless}", f"out={tmp_path / 'o'}", "quiet=true"], tmp_path)
     assert code == 2 and err.count("\n") == 1 and err.startswith("error: base: ")
     out = tmp_path / "o"
-    code, stdout, _ = _run([str(headless), "--out", str(out), "--base", "coding"], capsys)
-    assert code == 0 and "| swe/reward |" in stdout
+    code, stdout, err = _run([f"trace={headless}", f"out={out}", "base=coding"], tmp_path)
+    assert code == 0 and "| swe/reward |" in stdout, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(  # nothing of Hydra's
+        ["coding.jsonl", "headless.jsonl", "o"])
     cluster = yaml.safe_load((out / "cluster" / "headless.yaml").read_text())
     assert cluster["defaults"][0] == "coding"
     workload = parse_workload(yaml.safe_load((out / "workload" / "headless.yaml").read_text()))
@@ -279,14 +285,18 @@ def test_base_profile_supplies_the_cluster_and_sandboxes(tmp_path: Path, capsys)
 
 
 @pytest.mark.parametrize(("make", "args", "message"), [
-    (None, ["missing.jsonl"], "error: missing.jsonl: cannot read trace"),
+    (None, ["trace=missing.jsonl"], "error: missing.jsonl: cannot read trace"),
+    (None, [], r"error: trace: required: the trace to calibrate \(metasched-calibrate trace="),
+    (None, ["missing.jsonl"], "error: missing.jsonl: not a setting: settings are key=value"),
     ("plain", [], "no measured actions"),
     ("bad", [], r"error: .*t.jsonl:2: measured.status: must be one of"),
-    ("good", ["--name", "a b"], "error: name: must be letters"),
-    ("good", ["--bogus"], "error: arguments: unrecognized arguments: --bogus"),
-    ("good", ["--base", "nosuch"], "error: overrides: "),
+    ("good", ["name=a b"], "error: name: must be letters"),
+    ("good", ["bogus=1"], "error: bogus: Could not override 'bogus'"),
+    ("good", ["base=nosuch"], "error: base: .*workload/nosuch"),
+    ("good", ["plot=maybe"], "error: plot: must be true or false"),
+    ("good", ["out=[1]"], "error: out: must be a non-empty string"),
 ])
-def test_mistakes_are_one_line(make, args, message, tmp_path: Path, capsys) -> None:
+def test_mistakes_are_one_line(make, args, message, tmp_path: Path) -> None:
     trace = tmp_path / "t.jsonl"
     w, c = profile("coding")
     w = type(w)(**{**{f: getattr(w, f) for f in w.__dataclass_fields__},
@@ -299,9 +309,11 @@ def test_mistakes_are_one_line(make, args, message, tmp_path: Path, capsys) -> N
             rows = trace.read_text().splitlines()
             rows[1] = rows[1].replace('"status":"done"', '"status":"fine"')
             trace.write_text("\n".join(rows) + "\n")
-    argv = [*(args if not make else [str(trace), *args]), "--out", str(tmp_path / "o"),
-            "--quiet"]
-    code, _, err = _run(argv, capsys)
+    argv = [*(args if not make else [f"trace={trace}", *args]), f"out={tmp_path / 'o'}",
+            "quiet=true"]
+    if "out=[1]" in args:
+        argv.remove(f"out={tmp_path / 'o'}")
+    code, _, err = _run(argv, tmp_path)
     assert code == 2 and err.count("\n") == 1, err
     assert re.search(message, err), err
 
@@ -403,7 +415,7 @@ def test_turns_of_several_actions_are_fitted_as_turn_groups(tmp_path: Path) -> N
     trace = tmp_path / "grouped.jsonl"
     drawn = _grouped_trace(trace, 200, seed=5)
     out = tmp_path / "o"
-    calibrate_main([str(trace), "--name", "g", "--out", str(out), "--quiet", "--no-plot"])
+    calibrate_app(f"trace={trace}", "name=g", f"out={out}", "quiet=true", "plot=false")
     w = parse_workload(yaml.safe_load((out / "workload" / "g.yaml").read_text()))
     task = w.tasks[0]
     n = len(drawn["groups"])
@@ -464,7 +476,7 @@ def test_steps_on_restarted_services_start_with_fresh_quotas(tmp_path: Path, res
     trace = tmp_path / "runs.jsonl"
     _grouped_trace(trace, 10, seed=7, runs=4, restarts=restarts)
     out = tmp_path / "o"
-    calibrate_main([str(trace), "--name", "r", "--out", str(out), "--quiet", "--no-plot"])
+    calibrate_app(f"trace={trace}", "name=r", f"out={out}", "quiet=true", "plot=false")
     w = parse_workload(yaml.safe_load((out / "workload" / "r.yaml").read_text()))
     assert w.step_fresh_quotas is restarts and w.steps == 4
 
@@ -480,7 +492,7 @@ def test_calibrated_cluster_keeps_the_quota_allowance_of_the_trace(tmp_path: Pat
     _grouped_trace(trace, 10, seed=8, endpoint={"rpm": spec.rpm, "max_concurrency": 16,
                                                 "window_s": spec.window_s})
     out = tmp_path / "o"
-    calibrate_main([str(trace), "--name", "p", "--out", str(out), "--quiet", "--no-plot"])
+    calibrate_app(f"trace={trace}", "name=p", f"out={out}", "quiet=true", "plot=false")
     c = parse_cluster(yaml.safe_load((out / "cluster" / "p.yaml").read_text()))
     assert spec.req_capacity == 6.0
     assert c.endpoints["web"].req_capacity == spec.req_capacity

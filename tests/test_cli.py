@@ -445,3 +445,148 @@ def test_live_calibration_bad_arguments_are_one_line(args, field, tmp_path):
     assert r.returncode == 2
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"error: {field}: "), r.stderr
+
+
+def test_plan_default_schedulers_include_rate_greedy():
+    from metasched.cli.plan_app import plan_settings
+
+    names = plan_settings(compose("plan"))["schedulers"]
+    assert "rate_greedy" in names and "random" not in names
+    assert set(names) == set(compose("eval")["schedulers"]) - {"random"}
+
+
+def test_plan_prints_each_probe_as_it_is_measured(tmp_path, capsys):
+    from metasched.evaluation.planning import plan_capacity
+
+    cfg = compose("plan", [*PLAN, "scheduler=elastic_greedy", "per_pool=false"])
+    doc = run_plan(cfg, tmp_path, progress=False)
+    out = capsys.readouterr().out
+    trials = doc["schedulers"]["elastic_greedy"]["trials"]
+    probes = [ln for ln in out.splitlines() if ln.startswith("  scale ")]
+    assert len(probes) == len(trials) >= 2
+    assert out.index("bisecting") < out.index(probes[0]) < out.index("| scheduler |")
+    # Called once per measured trial, in the order they were measured.
+    from metasched.compose import load_profile
+
+    w, c = load_profile(cfg)
+    seen = []
+    plan = plan_capacity(w, c, "elastic_greedy", [1_000_000], target_step_s=doc["target_step_s"],
+                         resolution=0.1, progress=False, on_trial=seen.append)
+    assert seen == plan.trials
+
+
+def _trial(scale, cpu, gpu, meets):
+    from metasched.evaluation.planning import Trial
+
+    return Trial(scale, {"cpu": cpu, "gpu": gpu, "api": 0}, 100.0 if meets else 150.0, meets)
+
+
+def test_plan_names_the_whole_unit_pool_that_limits_the_joint_scale():
+    """rm_math's case: 2 GPUs become 1 below scale 0.75 and one GPU misses, so the joint
+    plan stops at 0.75 (cpu 25% saved) while the cpu alone saves 97%; the table says the
+    gpu limits it, and a note says how to read the joint and per-pool savings."""
+    from metasched.cli.plan_app import TABLE_NOTE, plan_table
+    from metasched.core.cluster_config import parse_cluster
+    from metasched.evaluation.planning import Plan, limiting_pools
+
+    full = {"cpu": 128, "gpu": 2, "api": 0}
+    joint = Plan("x", 100.0, "given", 0.75, full, {"cpu": 96, "gpu": 2, "api": 0},
+                 [_trial(1.0, 128, 2, True), _trial(0.5, 64, 1, False),
+                  _trial(0.75, 96, 2, True), _trial(0.625, 80, 1, False),
+                  _trial(0.6875, 88, 1, False), _trial(0.71875, 92, 1, False)])
+    cpu = Plan("x", 100.0, "given", 0.03, full, {"cpu": 4, "gpu": 2, "api": 0},
+               [_trial(1.0, 128, 2, True), _trial(0.02, 2, 2, False),
+                _trial(0.03, 4, 2, True)])
+    gpu = Plan("x", 100.0, "given", 1.0, full, {"cpu": 128, "gpu": 2, "api": 0},
+               [_trial(1.0, 128, 2, True), _trial(0.01, 128, 1, False)])
+    alone = {"cpu": cpu, "gpu": gpu}
+    assert limiting_pools(joint, alone) == ["gpu"]
+    assert limiting_pools(joint) == ["cpu", "gpu"]  # without per-pool plans: both shrank
+    assert limiting_pools(cpu) == ["cpu"] and limiting_pools(gpu) == ["gpu"]
+    assert limiting_pools(Plan("x", 1.0, "given", None, full, None)) == []
+    cluster = parse_cluster({"name": "c", "cpu": {"nodes": 2, "cores_per_node": 64,
+                                                   "mem_gb_per_node": 256},
+                             "gpu": {"devices": 2, "mem_gb": 80}})
+    table = plan_table({"x": (joint, alone)}, cluster, 100.0, "given", 0.01)
+    head, _, row = table.splitlines()[2:5]
+    cells = dict(zip(head.strip("|").split(" | "), row.strip("|").split(" | "), strict=True))
+    assert cells["limited by"].strip() == "gpu (2 → 1 misses)"
+    assert cells["saved"].strip() == "cpu 25%, gpu 0%"
+    assert cells["cpu alone: saved"].strip() == "97%"
+    assert table.rstrip().endswith(TABLE_NOTE) and "whole units" in TABLE_NOTE
+
+
+@pytest.mark.parametrize("series, groups", [
+    ({"a": ([1.0, 2.0],), "b": ([1.0, 2.0],), "c": ([1.0],)}, [["a", "b"], ["c"]]),
+    ({"a": ([1.0], [0.5]), "b": ([1.0], [0.6]), "c": ([1.0], [0.5])}, [["a", "c"], ["b"]]),
+    ({"a": ([],), "b": ([],)}, [["a", "b"]]),
+    ({"a": ([1.0],), "b": ([1.0, 1.0],)}, [["a"], ["b"]]),
+])
+def test_tied_groups_join_only_identical_series(series, groups):
+    from metasched.evaluation.report import tied_groups
+
+    assert tied_groups(series) == groups
+
+
+def test_plots_draw_identical_series_once_labelled_with_every_name(tmp_path):
+    """Schedulers whose step times (or utilisation, or ACTs) are identical share one box
+    (or line) named after all of them, rather than hiding under each other."""
+    import matplotlib.pyplot as plt
+
+    from metasched.cli.eval_app import eval_settings
+    from metasched.compose import load_profile
+    from metasched.evaluation.report import plot_all, plot_figures
+    from metasched.evaluation.runs import evaluate
+
+    cfg = compose("eval", ["workload=rm_math", "workload.steps=2", "n_seeds=2", "workers=1",
+                           "schedulers=[static,task_isolated,fifo,sjf,random]"])
+    w, c = load_profile(cfg)
+    s = eval_settings(cfg)
+    doc, runs = evaluate(w, c, s["schedulers"], s["seeds"], params=s["params"], workers=1,
+                         timeline_dt=s["timeline_dt"], max_wait_s=s["max_wait_s"],
+                         paths=s["paths"], progress=False)
+    figs = plot_figures(doc, runs)
+    ticks = [t.get_text() for t in figs["step_time"].axes[0].get_xticklabels()]
+    assert ticks == ["static\n= task_isolated", "fifo\n= sjf", "random"]
+    steps = {n: [x for r in runs if r["scheduler"] == n for x in r["step_s"]]
+             for n in doc["schedulers"]}
+    assert steps["static"] == steps["task_isolated"] and steps["fifo"] == steps["sjf"]
+    assert steps["static"] != steps["fifo"]
+    cpu_legend = [t.get_text() for t in figs["utilisation"].axes[0].get_legend().get_texts()]
+    assert "fifo = sjf" in cpu_legend
+    for fig in figs.values():  # every name once in every legend or axis
+        ax = fig.axes[0]
+        labels = ([t.get_text() for t in ax.get_legend().get_texts()] if ax.get_legend()
+                  else [t.get_text() for t in ax.get_xticklabels()])
+        shown = [n for lab in labels for n in lab.replace("\n", " ").split(" = ")]
+        assert sorted(shown) == sorted(doc["schedulers"])
+        plt.close(fig)
+    assert [p.name for p in plot_all(doc, runs, tmp_path)] == [
+        "act_cdf.png", "utilisation.png", "step_time.png"]
+
+
+SCRIPTS = sorted(__import__("tomllib").loads(
+    (Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["scripts"])
+
+
+@pytest.mark.parametrize("app", SCRIPTS)
+def test_help_says_what_the_app_does_its_settings_and_an_example(app):
+    """Every app's --help (one template, configs/hydra/help/metasched.yaml): what it does,
+    its main settings and examples, not Hydra's banner and a dump of the config."""
+    import shlex
+
+    r = cli(app, "--help")
+    assert r.returncode == 0, r.stderr
+    text = r.stdout
+    name = app.removeprefix("metasched-")
+    assert text.startswith(f"{app}: ") and "\nMain settings:\n" in text
+    examples = text.split("\nExamples:\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert examples and all(ln.startswith("  metasched-") for ln in examples)
+    assert any(ln.startswith(f"  {app} ") for ln in examples)
+    assert "powered by Hydra" not in text and "== Config ==" not in text
+    dumped = [k for k in compose(name) if re.search(rf"^{re.escape(k)}:", text, re.M)]
+    assert not dumped and len(text.splitlines()) <= 40
+    for ln in examples:  # the examples' settings compose (placeholders and sweeps aside)
+        args = shlex.split(ln.split("  #", 1)[0])
+        if args[0] == app and "<" not in ln and not any(a.startswith("-") for a in args):
+            compose(name, args[1:])

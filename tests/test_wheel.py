@@ -76,6 +76,8 @@ def test_wheel_holds_the_configs_and_the_shipped_checkpoint(wheel):
     for must in ("metasched/configs/eval.yaml", "metasched/configs/train.yaml",
                  "metasched/configs/workload/rm_math.yaml",
                  "metasched/configs/cluster/rm_math.yaml", "metasched/configs/examples/jobs.jsonl",
+                 "metasched/configs/calibrate.yaml",
+                 "metasched/configs/hydra/help/metasched.yaml",  # every app's --help
                  "metasched/checkpoints/default/policy.npz",
                  "metasched/checkpoints/default/metadata.json",
                  "metasched/envs/scheduling.py", "metasched/agents/elastic.py"):

@@ -291,7 +291,7 @@ def calibrate(samples: TraceSamples, name: str, base: dict[str, Any] | None = No
         cluster_source = f"the base profile's cluster ({base['cluster'].get('name')})"
     else:
         raise ConfigError("base", "the trace has no cluster line: give a base profile whose "
-                          "cluster to use (e.g. --base coding)")
+                          "cluster to use (e.g. base=coding)")
     return Calibration(name, samples, list(fits.values()), tasks, len(steps),
                        max(1, round(n_traj / len(steps))), est_err, services, cluster,
                        cluster_source, notes, _step_gap(steps, tasks),

@@ -68,6 +68,11 @@ def preflight(config_name: str, argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if any(a.startswith("-") for a in args):
         return
+    bare = next((a for a in args if "=" not in a and not a.startswith("~")), None)
+    if bare is not None:  # e.g. a trace's path given without trace=
+        print(f"error: {bare}: not a setting: settings are key=value (--help lists the main "
+              "ones)", file=sys.stderr)
+        sys.exit(2)
     import yaml
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException

@@ -1,56 +1,49 @@
-"""``metasched-calibrate TRACE``: fit a workload profile to a recorded trace.
+"""``metasched-calibrate trace=TRACE``: fit a workload profile to a recorded trace.
 
 Writes ``OUT/workload/NAME.yaml`` and ``OUT/cluster/NAME.yaml`` (a Hydra config
 directory: ``metasched-eval --config-dir OUT workload=NAME``, and the same for
 ``metasched-plan`` and ``metasched-train``), ``OUT/fit_report.md`` (printed too),
-``OUT/qq.png`` and ``OUT/calibration.json``.
+``OUT/qq.png`` and ``OUT/calibration.json``. Settings: ``configs/calibrate.yaml``.
 
 Examples::
 
     metasched-dispatch jobs=jobs.jsonl trace=live.jsonl
-    metasched-calibrate live.jsonl                       # -> outputs/calibrate/live/
-    metasched-calibrate live.jsonl --name mine --out my_configs --base coding
+    metasched-calibrate trace=live.jsonl                 # -> outputs/calibrate/live/
+    metasched-calibrate trace=live.jsonl name=mine out=my_configs base=coding
     metasched-eval --config-dir outputs/calibrate/live workload=live
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
-import signal
-import sys
 from pathlib import Path
 from typing import Any
 
-from metasched.cli.app import install_stop_handlers, stop_signal, user_errors
+from metasched.cli.app import make_main
 from metasched.cli.output import json_safe
+from metasched.cli.settings import bool_setting
 from metasched.errors import ConfigError
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, with its errors in the apps' one-line form."""
+def _text(cfg: dict[str, Any], key: str, *, required: bool = False) -> str | None:
+    v = cfg.get(key)
+    if v is None and required:
+        raise ConfigError(key, f"required: the trace to calibrate (metasched-calibrate "
+                          f"{key}=live.jsonl)")
+    if isinstance(v, int) and not isinstance(v, bool):  # name=2024: Hydra reads a number
+        v = str(v)
+    if v is not None and (not isinstance(v, str) or not v):
+        raise ConfigError(key, f"must be a non-empty string (got {v!r})")
+    return v
 
-    def error(self, message: str) -> None:  # type: ignore[override]
-        print(f"error: arguments: {message} (see metasched-calibrate --help)", file=sys.stderr)
-        sys.exit(2)
 
-
-def _parser() -> argparse.ArgumentParser:
-    p = _Parser(
-        prog="metasched-calibrate",
-        description="Fit a workload profile (configs/workload and configs/cluster YAML) to a "
-                    "trace recorded by metasched-dispatch trace=... or the simulator.")
-    p.add_argument("trace", help="the JSONL trace")
-    p.add_argument("--name", help="the profile's name (default: the trace file's stem)")
-    p.add_argument("--out", help="the config directory to write (default: "
-                   "outputs/calibrate/NAME)")
-    p.add_argument("--base", help="a profile whose sandboxes and service sizes fill what the "
-                   "trace cannot say, and whose cluster is used when the trace has no cluster "
-                   "line (e.g. coding)")
-    p.add_argument("--no-plot", action="store_true", help="do not draw qq.png")
-    p.add_argument("--quiet", action="store_true", help="no progress bar, no report on stdout")
-    return p
+def calibrate_settings(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Validated calibration settings from a composed ``calibrate`` config (one-line
+    errors): trace, name, out, base, plot, quiet."""
+    return {"trace": _text(cfg, "trace", required=True), "name": _text(cfg, "name"),
+            "out": _text(cfg, "out"), "base": _text(cfg, "base"),
+            "plot": bool_setting(cfg, "plot", True), "quiet": bool_setting(cfg, "quiet", False)}
 
 
 def _default_name(trace: str) -> str:
@@ -66,26 +59,32 @@ def _count_lines(path: Path) -> int | None:
         return None  # read_samples reports it
 
 
-def run_calibrate(args: argparse.Namespace) -> dict[str, Any]:
-    """Calibrate as the command line says; returns what ``calibration.json`` holds."""
+def run_calibrate(cfg: dict[str, Any], out_dir: str | Path | None = None) -> dict[str, Any]:
+    """Calibrate as a composed ``calibrate`` config says (``out_dir``, Hydra's run
+    directory, is unused: everything goes to ``out``); returns what
+    ``calibration.json`` holds."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     from metasched.calibration.profile import calibrate
     from metasched.calibration.report import fit_table, qq_plot, quantile_rows
     from metasched.calibration.samples import read_samples
 
-    trace = Path(args.trace)
-    name = args.name or _default_name(args.trace)
-    out = Path(args.out) if args.out else Path("outputs/calibrate") / name
+    s = calibrate_settings(cfg)
+    trace = Path(s["trace"])
+    name = s["name"] or _default_name(s["trace"])
+    out = Path(s["out"]) if s["out"] else Path("outputs/calibrate") / name
     base = None
-    if args.base:
+    if s["base"]:
         from metasched.compose import compose
 
-        base = compose("eval", [f"workload={args.base}"])
+        try:
+            base = compose("eval", [f"workload={s['base']}"])
+        except ConfigError as e:
+            raise ConfigError("base", e.problem) from None
     total = _count_lines(trace)
     columns = ("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
-    with Progress(*columns, disable=args.quiet, transient=True) as bar:
+    with Progress(*columns, disable=s["quiet"], transient=True) as bar:
         task = bar.add_task("reading trace lines", total=total)
         samples = read_samples(trace, progress=lambda n: bar.update(task, completed=n))
         bar.update(task, completed=total)
@@ -99,7 +98,7 @@ def run_calibrate(args: argparse.Namespace) -> dict[str, Any]:
         (out / "cluster" / f"{name}.yaml").write_text(cluster_yaml)
         table = fit_table(cal)
         (out / "fit_report.md").write_text(table)
-        if not args.no_plot:
+        if s["plot"]:
             qq_plot(cal, out / "qq.png")
     except OSError as e:
         raise ConfigError("out", f"{out}: cannot write there ({e.strerror or e})") from None
@@ -122,7 +121,7 @@ def run_calibrate(args: argparse.Namespace) -> dict[str, Any]:
                      for t in cal.tasks},
            "report": quantile_rows(cal), "notes": cal.notes}
     (out / "calibration.json").write_text(json.dumps(json_safe(doc), indent=2) + "\n")
-    if not args.quiet:
+    if not s["quiet"]:
         print(table)
         print(f"profile written to {out}/workload/{name}.yaml (cluster: {out}/cluster/"
               f"{name}.yaml)\nuse it: metasched-eval --config-dir {out} workload={name}")
@@ -143,20 +142,7 @@ def _check(workload_yaml: str, cluster_yaml: str, out: Path) -> None:
         check_compatible(w, parse_cluster(c, "calibrated cluster"))
 
 
-@user_errors
-def _main(argv: list[str] | None) -> None:
-    run_calibrate(_parser().parse_args(argv))
-
-
-def main(argv: list[str] | None = None) -> None:
-    """The console entry point."""
-    install_stop_handlers()
-    try:
-        _main(argv)
-    except KeyboardInterrupt as e:
-        sig = stop_signal(e)
-        print(f"\ninterrupted ({signal.Signals(sig).name})", file=sys.stderr)
-        sys.exit(128 + sig)
+main = make_main("calibrate", run_calibrate)
 
 
 if __name__ == "__main__":

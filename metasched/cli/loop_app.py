@@ -24,7 +24,6 @@ Examples::
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import shutil
@@ -181,8 +180,8 @@ def run_loop(cfg: dict[str, Any], out_dir: str | Path, progress: bool = True
     timings: dict[str, float] = {}
 
     t0 = _stage(1, f"calibrate {s['trace']} -> {profile_dir}")
-    cal = run_calibrate(argparse.Namespace(trace=s["trace"], name=name, out=str(profile_dir),
-                                           base=s["base"], no_plot=False, quiet=True))
+    cal = run_calibrate({"trace": s["trace"], "name": name, "out": str(profile_dir),
+                         "base": s["base"], "plot": True, "quiet": True})
     print(f"      {cal['actions']:,} actions, {len(cal['types'])} action types, "
           f"{cal['steps']} steps of {cal['trajectories_per_step']} trajectories; fit report: "
           f"{profile_dir / 'fit_report.md'}")

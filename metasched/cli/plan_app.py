@@ -10,6 +10,7 @@ Examples::
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,7 @@ def plan_settings(cfg: dict[str, Any]) -> dict[str, Any]:
 def run_plan(cfg: dict[str, Any], out_dir, progress: bool = True) -> dict[str, Any]:
     """Plan every scheduler as configured; write plan.json and plan.md into ``out_dir``
     and print each plan's trials, then one table."""
-    from metasched.evaluation.planning import mean_step, plan_capacity
+    from metasched.evaluation.planning import limiting_pools, mean_step, plan_capacity
 
     workload, cluster = load_profile(cfg)
     s = plan_settings(cfg)
@@ -74,6 +75,8 @@ def run_plan(cfg: dict[str, Any], out_dir, progress: bool = True) -> dict[str, A
         raise ConfigError("scale_pools", f"the cluster has none of {list(s['pools'])}")
     target, source = s["target_step_s"], "given"
     if target is None:  # one target for every scheduler
+        print(f"target: {s['baseline']}'s mean step time on the full cluster "
+              f"({len(s['seeds'])} seeds)", flush=True)
         target = mean_step(workload, cluster, s["baseline_path"], s["baseline_params"],
                            s["seeds"], s["workers"], progress, s["max_wait_s"])
         source = f"{s['baseline']} on the full cluster"
@@ -81,20 +84,27 @@ def run_plan(cfg: dict[str, Any], out_dir, progress: bool = True) -> dict[str, A
                            "target_source": source, "tolerance": s["tolerance"],
                            "scale_pools": list(s["pools"]), "schedulers": {}}
     plans = {}
+    probe = functools.partial(_probe, cluster=cluster)
     for name in s["schedulers"]:
-        run = dict(common, params=s["params"][name], target_step_s=target, label=name)
+        run = dict(common, params=s["params"][name], target_step_s=target, label=name,
+                   on_trial=probe)
+        title = f"{name}, all of {', '.join(s['pools'])} scaled together"
+        _start(title, target, source, s["tolerance"])
         plan = plan_capacity(workload, cluster, s["paths"][name], pools=s["pools"], **run)
         plan.target_source = source
-        _report(f"{name}, all of {', '.join(s['pools'])} scaled together", plan, cluster)
+        _conclude(plan)
         alone = {}
         if s["per_pool"] and len(present) > 1:
             for pool in present:
+                _start(f"{name}, {pool} alone scaled, the rest full", target, source,
+                       s["tolerance"])
                 one = plan_capacity(workload, cluster, s["paths"][name], pools=(pool,), **run)
                 one.target_source = source
                 alone[pool] = one
-                _report(f"{name}, {pool} alone scaled, the rest full", one, cluster)
+                _conclude(one)
         plans[name] = (plan, alone)
         doc["schedulers"][name] = {**plan.to_dict(),
+                                   "limited_by": limiting_pools(plan, alone),
                                    "per_pool": {p: one.to_dict() for p, one in alone.items()}}
     table = plan_table(plans, cluster, target, source, s["tolerance"])
     out = Path(out_dir)
@@ -106,48 +116,81 @@ def run_plan(cfg: dict[str, Any], out_dir, progress: bool = True) -> dict[str, A
     return doc
 
 
+# Printed under the table: what the joint columns mean, and why they can be far from
+# the per-pool ones.
+TABLE_NOTE = (
+    "scale, the pools' columns and saved: every scaled pool shrunk by the one factor "
+    "together. limited by: the pool that, one step below that scale, had fewer resources "
+    "than it needs even alone; a pool counted in whole units (GPUs, cores per node, API "
+    "slots) rounds, so one small pool (2 GPUs become 1 below scale 0.75) can hold every "
+    "other pool at its scale. <pool> alone: saved: that pool shrunk alone, the others "
+    "full; these savings do not add up (each assumes the others full).")
+
+
 def plan_table(plans: dict[str, Any], cluster, target: float, source: str,
                tolerance: float) -> str:
-    """One markdown table: per scheduler, the smallest cluster meeting the target."""
+    """One markdown table: per scheduler, the smallest cluster meeting the target, the
+    pool that limits the joint scale, and what each pool alone saves; a note under it
+    says how to read the joint and the per-pool savings side by side."""
+    from metasched.evaluation.planning import limiting_pools
+
     full = cluster.resources()
     present = [p for p in full if full[p]]
     pools_alone = sorted({p for _, alone in plans.values() for p in alone},
                          key=present.index)
     head = ["scheduler", "scale", *(f"{p} (of {full[p]:g})" for p in present),
-            "saved", "mean step s", *(f"{p} alone: saved" for p in pools_alone)]
+            "saved", "limited by", "mean step s", *(f"{p} alone: saved" for p in pools_alone)]
     lines = [f"Target: mean step time {target:,.1f} s ({source}), met within "
              f"{tolerance:.1%}.", "", "| " + " | ".join(head) + " |",
              "|" + "---|" * len(head)]
     for name, (plan, alone) in plans.items():
         if plan.scale is None:
-            cells = ["misses at full size", *("–" for _ in present), "–",
+            cells = ["misses at full size", *("–" for _ in present), "–", "–",
                      f"{plan.trials[0].mean_step_s:,.1f}"]
         else:
             met = next(t for t in plan.trials if t.scale == plan.scale)
             saved = plan.saved()
             cells = [f"{plan.scale:.3f}", *(f"{plan.planned[p]:g}" for p in present),
                      ", ".join(f"{p} {saved[p]:.0%}" for p in present),
+                     _limit_cell(plan, limiting_pools(plan, alone)),
                      f"{met.mean_step_s:,.1f}"]
         for p in pools_alone:
             one = alone.get(p)
             cells.append("–" if one is None or one.scale is None
                          else f"{one.saved()[p]:.0%}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, "", TABLE_NOTE]) + "\n"
 
 
-def _report(title: str, plan, cluster) -> None:
-    print(f"{title}: target mean step time {plan.target_step_s:,.1f} s ({plan.target_source})"
-          f", met within {plan.tolerance:.1%}")
-    for t in sorted(plan.trials, key=lambda t: t.scale):
-        res = ", ".join(f"{k} {v:g}" for k, v in t.resources.items() if cluster.resources()[k])
-        print(f"  scale {t.scale:6.3f}  [{res}]  mean step {t.mean_step_s:,.1f} s  "
-              f"{'meets' if t.meets else 'misses'}")
+def _limit_cell(plan, pools: list[str]) -> str:
+    """``gpu (2 → 1 misses)``: each limiting pool, planned and one step below."""
+    if not pools:
+        return "–"
+    fail = max((t for t in plan.trials if t.scale < plan.scale and not t.meets),
+               key=lambda t: t.scale)
+    return ", ".join(f"{p} ({plan.planned[p]:g} → {fail.resources[p]:g} misses)"
+                     for p in pools)
+
+
+def _start(title: str, target: float, source: str, tolerance: float) -> None:
+    print(f"{title}: target mean step time {target:,.1f} s ({source}), met within "
+          f"{tolerance:.1%}; bisecting", flush=True)
+
+
+def _probe(t, cluster) -> None:
+    """One line per tried scale, as soon as it is measured (a plan takes minutes)."""
+    res = ", ".join(f"{k} {v:g}" for k, v in t.resources.items() if cluster.resources()[k])
+    print(f"  scale {t.scale:6.3f}  [{res}]  mean step {t.mean_step_s:,.1f} s  "
+          f"{'meets' if t.meets else 'misses'}", flush=True)
+
+
+def _conclude(plan) -> None:
     if plan.scale is None:
         print(f"  {plan.scheduler} does not meet the target even on the full cluster")
     else:
         saved = ", ".join(f"{k} {v:.0%}" for k, v in plan.saved().items())
-        print(f"  {plan.scheduler} meets it at scale {plan.scale:.3f}: resources saved: {saved}")
+        print(f"  {plan.scheduler} meets it at scale {plan.scale:.3f}: resources saved: {saved}",
+              flush=True)
 
 
 main = make_main("plan", run_plan)

@@ -11,7 +11,7 @@ so a non-monotone curve is visible.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,7 +74,8 @@ def plan_capacity(workload: WorkloadConfig, cluster: ClusterConfig, scheduler: s
                   pools: tuple[str, ...] = ("cpu", "gpu", "api"), tolerance: float = 0.01,
                   resolution: float = 0.02, min_scale: float = 0.01,
                   max_wait_s: float | None = 300.0, label: str | None = None,
-                  workers: int = 1, progress: bool = True) -> Plan:
+                  workers: int = 1, progress: bool = True,
+                  on_trial: Callable[[Trial], None] | None = None) -> Plan:
     """Bisect the scale factor of ``pools`` for the smallest cluster on which
     ``scheduler``'s mean step time is at most the target (default: ``baseline``'s mean
     step time on the full cluster) times ``1 + tolerance``.
@@ -85,6 +86,7 @@ def plan_capacity(workload: WorkloadConfig, cluster: ClusterConfig, scheduler: s
         resolution: stop bisecting when the bracket of scales is this narrow.
         max_wait_s: the core's starvation guard for every run (as in evaluation).
         label: the scheduler's name in the plan (default: ``scheduler``).
+        on_trial: called with each new trial as soon as it is measured (progress).
     """
     params = params or {}
     source = "given"
@@ -112,6 +114,8 @@ def plan_capacity(workload: WorkloadConfig, cluster: ClusterConfig, scheduler: s
         t = Trial(scale, c.resources(), step, step <= bound)
         seen[key] = t
         plan.trials.append(t)
+        if on_trial is not None:
+            on_trial(t)
         return t
 
     if not trial(1.0).meets:
@@ -130,3 +134,28 @@ def plan_capacity(workload: WorkloadConfig, cluster: ClusterConfig, scheduler: s
     plan.scale = best.scale
     plan.planned = best.resources
     return plan
+
+
+def limiting_pools(plan: Plan, alone: dict[str, Plan] | None = None) -> list[str]:
+    """The pools that stop a plan of several pools scaled together from going lower.
+
+    Below the planned scale the largest tried scale missed the target; of the pools that
+    had fewer resources there, those that need more than that on their own (``alone``:
+    each pool's plan with the others full) are the limit. A pool counted in whole units
+    rounds (2 GPUs become 1 below scale 0.75), so one such pool can hold every other
+    pool at that scale although each alone could shrink much further. Without ``alone``
+    (or when none of them needs more), every pool that had fewer resources is named.
+    Empty when the plan has no answer or met the target at the smallest scale tried.
+    """
+    if plan.scale is None or plan.planned is None:
+        return []
+    below = [t for t in plan.trials if t.scale < plan.scale and not t.meets]
+    if not below:
+        return []
+    fail = max(below, key=lambda t: t.scale)
+    fewer = [p for p, v in plan.planned.items() if plan.full.get(p)
+             and fail.resources[p] < v]
+    alone = alone or {}
+    needs = [p for p in fewer if p in alone and (alone[p].planned is None
+                                                 or alone[p].planned[p] > fail.resources[p])]
+    return needs or fewer

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,8 +66,37 @@ def paired_table(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
+def tied_groups(series: dict[str, Sequence[Any]]) -> list[list[str]]:
+    """The names grouped by identical series (each a sequence of arrays, compared
+    exactly), in the order the names first appear: plots draw one line or box per group,
+    labelled ``fifo = static``, instead of identical ones on top of each other."""
+    groups: list[tuple[Sequence[Any], list[str]]] = []
+    for name, arrays in series.items():
+        for first, group in groups:
+            if len(first) == len(arrays) and all(
+                    np.array_equal(np.asarray(a), np.asarray(b)) for a, b in
+                    zip(first, arrays, strict=True)):
+                group.append(name)
+                break
+        else:
+            groups.append((arrays, [name]))
+    return [g for _, g in groups]
+
+
+def tie_label(group: list[str]) -> str:
+    """A series' label: its scheduler, or every scheduler it stands for."""
+    return " = ".join(group)
+
+
 def plot_all(doc: dict[str, Any], runs: list[dict[str, Any]], out: Path) -> list[Path]:
     """Write act_cdf.png, utilisation.png and step_time.png into ``out``."""
+    return [_save(fig, out / f"{name}.png") for name, fig in plot_figures(doc, runs).items()]
+
+
+def plot_figures(doc: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The evaluation's figures by file stem (act_cdf, utilisation, step_time).
+    Schedulers with identical series share one line or box, labelled with all their
+    names (:func:`tied_groups`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -74,50 +104,56 @@ def plot_all(doc: dict[str, Any], runs: list[dict[str, Any]], out: Path) -> list
 
     names = list(doc["schedulers"])
     by = {n: [r for r in runs if r["scheduler"] == n] for n in names}
-    paths = []
+    figs = {}
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for n in names:
-        act = np.sort(np.concatenate([r["act"] for r in by[n]]))
+    acts = {n: np.sort(np.concatenate([r["act"] for r in by[n]])) for n in names}
+    for group in tied_groups({n: (acts[n],) for n in names}):
+        act = acts[group[0]]
         if act.size:
-            ax.plot(np.maximum(act, 1e-3), np.arange(1, act.size + 1) / act.size, label=n)
+            ax.plot(np.maximum(act, 1e-3), np.arange(1, act.size + 1) / act.size,
+                    label=tie_label(group))
     ax.set_xscale("log")
     ax.set_xlabel("action completion time (s, log)")
     ax.set_ylabel("fraction of actions")
     ax.set_title(f"ACT CDF — {doc['workload']}")
     ax.grid(alpha=0.3)
     ax.legend()
-    paths.append(_save(fig, out / "act_cdf.png"))
+    figs["act_cdf"] = fig
 
     pools = [p for p in ("cpu", "gpu", "api") if any(by[n][0]["timeline"][p] for n in names)]
     fig, axes = plt.subplots(len(pools) or 1, 1, figsize=(8, 2.6 * max(1, len(pools))),
                              squeeze=False)
     for ax, pool in zip(axes[:, 0], pools, strict=False):
-        for n in names:
-            tl = by[n][0]["timeline"]
+        tls = {n: by[n][0]["timeline"] for n in names}
+        series = {n: (tls[n]["t"], tls[n][pool], tls[n].get(f"{pool}_held") or [])
+                  for n in names}
+        for group in tied_groups(series):
+            tl = tls[group[0]]
             if tl[pool]:
-                (line,) = ax.plot(tl["t"], tl[pool], label=n, lw=1)
+                (line,) = ax.plot(tl["t"], tl[pool], label=tie_label(group), lw=1)
                 held = tl.get(f"{pool}_held")
                 if held and any(h > b + 1e-9 for h, b in zip(held, tl[pool], strict=True)):
                     ax.plot(tl["t"], held, ls="--", lw=1, color=line.get_color())
         ax.set_ylabel(f"{pool} utilisation")
         ax.set_ylim(0, 1.05)
         ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, ncol=3)
     axes[-1, 0].set_xlabel(f"time (s), seed {doc['seeds'][0]}")
-    axes[0, 0].legend(fontsize=8, ncol=3)
     axes[0, 0].set_title(f"Utilisation over time — {doc['workload']} "
                          "(dashed: busy or held for a trajectory/task)")
-    paths.append(_save(fig, out / "utilisation.png"))
+    figs["utilisation"] = fig
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    data = [[s for r in by[n] for s in r["step_s"]] for n in names]
-    ax.boxplot(data, showmeans=True)
-    ax.set_xticks(range(1, len(names) + 1), names, rotation=20)
+    steps = {n: [s for r in by[n] for s in r["step_s"]] for n in names}
+    groups = tied_groups({n: (steps[n],) for n in names})
+    ax.boxplot([steps[g[0]] for g in groups], showmeans=True)
+    ax.set_xticks(range(1, len(groups) + 1), ["\n= ".join(g) for g in groups], rotation=20)
     ax.set_ylabel("RL step time (s)")
     ax.set_title(f"Step time — {doc['workload']}")
     ax.grid(alpha=0.3, axis="y")
-    paths.append(_save(fig, out / "step_time.png"))
-    return paths
+    figs["step_time"] = fig
+    return figs
 
 
 def _save(fig, path: Path) -> Path:

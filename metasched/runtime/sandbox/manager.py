@@ -125,12 +125,6 @@ class Sandboxes:
                 "cgroup confinement incomplete: "
                 + "; ".join(f"{c}: {why}" for c, why in missing.items())
                 + " (fallback: " + ", ".join(_FALLBACK[c] for c in missing) + ")")
-        if self.tree is not None and not self.hierarchies.favordynmods:
-            self.warnings.append(
-                "cgroups are mounted without favordynmods: a command started after an "
-                "idle spell may wait for an RCU grace period (milliseconds) to enter its "
-                "cgroup (mount -o remount,favordynmods /sys/fs/cgroup or its cgroup2 "
-                "mount, Linux >= 6.0, to avoid it)")
         first, count = config.uid_range if config.uid_range else (0, 0)
         self.uids = UidPool(first, count, config.nobody_uid)
         # The server starts sandboxed commands, and host commands too where there are
@@ -216,6 +210,11 @@ class Sandboxes:
             if not self.isolated:
                 cg += (", entered before the first instruction" if self.spawns_on_host
                        else ", entered just after the start")
+            if not self.hierarchies.favordynmods:  # harmless: a note, not a warning
+                cg += (" (note: mounted without favordynmods, so a command started after "
+                       "an idle spell may wait milliseconds for an RCU grace period to "
+                       "enter its cgroup; mount -o remount,favordynmods, Linux >= 6.0, "
+                       "avoids it)")
         else:
             cg = "no cgroups (affinity and rlimits)"
         return f"confinement: {iso}; {cg}"
