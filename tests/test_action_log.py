@@ -161,6 +161,7 @@ def test_dispatch_trace_setting_is_checked(value, tmp_path: Path) -> None:
         dispatcher_config({"trace": value}, tmp_path)
 
 
+@pytest.mark.subprocess
 def test_dispatch_app_records_a_trace(tmp_path: Path) -> None:
     import subprocess
 

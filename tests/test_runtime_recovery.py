@@ -21,6 +21,8 @@ from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
 from metasched.runtime.journal import Journal
 from metasched.runtime.sandbox.config import SandboxConfig
 
+pytestmark = pytest.mark.subprocess
+
 N = 1200
 RUNNING = "running"
 
@@ -54,11 +56,9 @@ def requests(gate: str, user_dir: str, isolation: str) -> list[dict]:
             for i in range(N)]
 
 
-@pytest.mark.parametrize("isolation", ["bwrap", "none"])
+@pytest.mark.parametrize("isolation", [pytest.param("bwrap", marks=pytest.mark.isolation),
+                                       "none"])
 def test_kill_9_loses_nothing_and_removes_only_its_own(tmp_path, visible_dir, isolation):
-    if isolation == "bwrap":
-        from sandbox_helpers import needs_isolation
-        needs_isolation()
     db = tmp_path / "journal.db"
     workdir = tmp_path / "shm"  # the dispatcher's run directories go here
     workdir.mkdir()

@@ -147,6 +147,7 @@ def test_proxied_quota_keeps_its_allowance_over_a_window_longer_by_its_margin():
     (600, 6.0, 7.0),  # 60 in any 6 s: the same two bursts in a tenth of the time
     pytest.param(60, 60.0, 62.0, marks=pytest.mark.slow),  # the benchmark's defaults
 ])
+@pytest.mark.subprocess
 def test_an_upstream_quota_holds_in_every_window_from_4_processes(rpm, window_s, seconds):
     """The acceptance check (``benchmarks/quota_proxy.py``, whose defaults are the slow
     case): 4 worker processes (16 callers) send as fast as answers come for a window and
