@@ -26,6 +26,7 @@ from metasched.errors import ConfigError
 from metasched.runtime.requests import REJECTED, Result
 from metasched.runtime.requests import Request as ActionRequest
 from metasched.serve.context import context_from
+from metasched.serve.security import CLIENT
 
 if TYPE_CHECKING:
     from metasched.serve.app import Service
@@ -136,6 +137,13 @@ def native_router(service: Service) -> APIRouter:
             return error(422, str(e))
         doc = {**ctx.fields(), **doc}
         rid = doc.setdefault("id", uuid.uuid4().hex)
+        client = request.scope.get(CLIENT)
+        try:
+            trajectory = doc.get("trajectory")
+            service.owners.claim(None if trajectory is None else str(trajectory), client)
+            service.owners.submitted(str(rid), client)
+        except ConfigError as e:
+            return error(403, str(e))
         future = await service.dispatcher.enqueue(doc)
         service.track(rid, future, doc.get("kind"))
         result = await _wait(future, wait)
@@ -144,14 +152,21 @@ def native_router(service: Service) -> APIRouter:
         return result_response(result, 422 if result.status == REJECTED else 200)
 
     @router.post("/v1/trajectories/{name}/close")
-    async def close_trajectory(name: str) -> JSONResponse:
+    async def close_trajectory(name: str, request: Request) -> JSONResponse:
         """End trajectory ``name`` as its reward action would: its sandbox and workspace
-        go once nothing of it is queued or running."""
+        go once nothing of it is queued or running. With authentication on, only the
+        client that opened it may (403 for another)."""
+        try:
+            service.owners.check_close(name, request.scope.get(CLIENT))
+        except ConfigError as e:
+            return error(403, str(e))
         service.dispatcher.close_trajectory(name)
         return JSONResponse({"trajectory": name, "status": "closing"})
 
     @router.get("/v1/actions/{rid}")
-    async def lookup(rid: str, wait: float = wait_query) -> Response:
+    async def lookup(rid: str, request: Request, wait: float = wait_query) -> Response:
+        if not service.owners.may_read(rid, request.scope.get(CLIENT)):
+            return error(404, f"id: {rid!r} is not known here")
         state, result, future = await service.submissions.lookup(rid)
         if result is None and future is not None:
             result = await _wait(future, wait)

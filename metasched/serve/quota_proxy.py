@@ -46,6 +46,7 @@ from metasched.runtime.api_calls import RetryableError, parse_retry_after, read_
 from metasched.runtime.requests import REJECTED, Result
 from metasched.serve.context import HEADERS, context_from
 from metasched.serve.native import error
+from metasched.serve.security import CLIENT
 
 if TYPE_CHECKING:
     from metasched.serve.app import Service
@@ -153,9 +154,13 @@ def proxy_router(service: Service) -> APIRouter:
             ctx = context_from(request.headers)
         except ConfigError as e:
             return error(422, str(e))
+        try:
+            service.owners.claim(ctx.trajectory, request.scope.get(CLIENT))
+        except ConfigError as e:
+            return error(403, str(e))
         body = await request.body()
         headers = {k: v for k, v in request.headers.items() if k not in _DROP_REQUEST}
-        if service.config.token is not None:
+        if service.config.clients:  # the client's token is not the upstream's
             headers.pop("authorization", None)
         for k, v in up.headers.items():
             headers.pop(k.lower(), None)

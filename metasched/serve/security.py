@@ -1,15 +1,17 @@
 """What every request passes before a route sees it: the bearer token (when the service
 has one) and the body size limit. One ASGI middleware, so that a refused request costs
-no parsing and an oversized body is cut off while it streams in."""
+no parsing and an oversized body is cut off while it streams in. The client a token
+belongs to is left in the request's scope (:data:`CLIENT`) for the routes that check
+who owns a trajectory (:mod:`metasched.serve.ownership`)."""
 
 from __future__ import annotations
 
 import hmac
 import json
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
 
-__all__ = ["OPEN_PATHS", "Gate"]
+__all__ = ["CLIENT", "OPEN_PATHS", "Gate"]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -18,6 +20,7 @@ Send = Callable[[Message], Awaitable[None]]
 
 # Answered without a token: liveness checks carry none.
 OPEN_PATHS = frozenset({"/v1/ping", "/v1/health"})
+CLIENT = "metasched.client"  # scope key: the client's name (None: authentication off)
 
 
 async def _refuse(send: Send, status: int, detail: str,
@@ -34,16 +37,17 @@ class Gate:
 
     Args:
         app: the application behind it.
-        token: the token requests must carry (``Authorization: Bearer <token>``), or
-            None for none. Compared in constant time.
+        clients: the tokens requests may carry (``Authorization: Bearer <token>``),
+            each to the name of its client; empty: no authentication. Compared in
+            constant time, each of them.
         max_body: the largest request body, in bytes: a larger one is answered 413,
             whether its ``Content-Length`` says so or it streams past the limit.
     """
 
     def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], *,
-                 token: str | None, max_body: int) -> None:
+                 clients: Mapping[str, str], max_body: int) -> None:
         self.app = app
-        self.expected = f"Bearer {token}".encode() if token is not None else None
+        self.expected = [(f"Bearer {token}".encode(), name) for token, name in clients.items()]
         self.max_body = max_body
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -51,12 +55,18 @@ class Gate:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        if self.expected is not None and scope["path"] not in OPEN_PATHS:
+        scope[CLIENT] = None
+        if self.expected and scope["path"] not in OPEN_PATHS:
             given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            client = None
+            for expected, name in self.expected:  # all of them: the time tells nothing
+                if hmac.compare_digest(given, expected):
+                    client = name
+            if client is None:
                 await _refuse(send, 401, "missing or wrong bearer token (Authorization: "
                               "Bearer <token>)", ((b"www-authenticate", b"Bearer"),))
                 return
+            scope[CLIENT] = client
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
             await _refuse(send, 413, f"request body over {self.max_body} bytes")
