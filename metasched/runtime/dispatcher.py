@@ -743,7 +743,8 @@ class Dispatcher:
         as in simulation). Returns the request with the defaults of ``limits`` filled in
         (memory, wall time)."""
         limits = self.config.limits
-        defaults = limits.defaults(req.kind, req.__dict__)
+        ram_mb = self.cluster.mem_gb_per_node * 1e9 / 2**20
+        defaults = limits.defaults(req.kind, req.__dict__, ram_mb)
         if defaults:
             req = req.model_copy(update=defaults)
         node = self.cluster.cores_per_node
@@ -751,7 +752,6 @@ class Dispatcher:
             if req.min_cores > node:
                 raise ConfigError("min_cores", f"{req.min_cores} cores asked, this dispatcher "
                                   f"has {node}")
-            ram_mb = self.cluster.mem_gb_per_node * 1e9 / 2**20
             if req.mem_limit_mb is not None and req.mem_limit_mb > ram_mb:
                 raise ConfigError("mem_limit_mb", f"must be <= {ram_mb:.0f} (MiB: this "
                                   f"machine's memory; got {req.mem_limit_mb:g})")

@@ -112,14 +112,15 @@ class RequestLimits:
         self.cap(g("workspace_mb"), "workspace_mb", "max_workspace_mb", " MB")
         self.cap(g("pids_max"), "pids_max", "max_pids", "")
 
-    def defaults(self, kind: str, given: Mapping[str, Any]) -> dict[str, Any]:
+    def defaults(self, kind: str, given: Mapping[str, Any],
+                 ram_mb: float | None = None) -> dict[str, Any]:
         """The fields a request of ``kind`` gets from these defaults (those absent or
-        null in ``given``)."""
+        null in ``given``); the default memory is at most ``ram_mb`` (a node's)."""
         out: dict[str, Any] = {}
         if given.get("timeout_s") is None:
             out["timeout_s"] = self.timeout_s
         if kind == "cpu" and given.get("mem_limit_mb") is None:
-            out["mem_limit_mb"] = self.mem_mb
+            out["mem_limit_mb"] = self.mem_mb if ram_mb is None else min(self.mem_mb, ram_mb)
         return out
 
     def describe(self) -> str:
