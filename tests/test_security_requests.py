@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -103,7 +104,8 @@ def test_template_path_is_refused_at_every_front_door(door, tmp_path):
         subprocess.run([sys.executable, "-m", "metasched.cli.dispatch_app", f"jobs={jobs}",
                         "scheduler=elastic_greedy", "sandbox.isolation=bwrap",
                         "progress=false", f"hydra.run.dir={tmp_path / 'out'}"],
-                       cwd=ROOT, check=True, capture_output=True, timeout=120)
+                       cwd=ROOT, check=True, capture_output=True, timeout=120,
+                       env={**os.environ, "METASCHED_CONFIG_DIR": str(ROOT / "configs")})
         r = json.loads((tmp_path / "out" / "results.jsonl").read_text().splitlines()[0])
     assert r["status"] == "rejected", r
     reason = one_line(r["reason"]).removeprefix("jobs.jsonl:1: ")  # the job file's line

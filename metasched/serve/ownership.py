@@ -65,7 +65,8 @@ class Owners:
         self.trajectories.put(trajectory, client)
 
     def check_close(self, trajectory: str, client: str | None) -> None:
-        """Whether ``client`` may close ``trajectory``; forget its owner if so.
+        """Whether ``client`` may close ``trajectory`` (its owner is kept: a name closed
+        while its last actions still run must not pass to another client).
 
         Raises:
             ConfigError: it belongs to another client.
@@ -75,7 +76,6 @@ class Owners:
         owner = self.trajectories.get(trajectory)
         if owner is not None and owner != client:
             raise ConfigError("trajectory", f"{short(trajectory)} belongs to another client")
-        self.trajectories.pop(trajectory, None)
 
     def submitted(self, rid: str, client: str | None) -> None:
         """Record that ``client`` submitted action ``rid``.
