@@ -95,6 +95,7 @@ class Service:
                  f" (fell back: {stats['fallback']})" if stats["fallback"] else "",
                  ", ".join(sorted(self.languages)) or "none",
                  ", ".join(sorted(self.config.upstreams)) or "none")
+        log.info("request limits: %s", self.limits.describe())
         for name, why in sorted(self.unavailable.items()):
             log.debug("/run_code %s: %s", name, why)
 

@@ -8,7 +8,9 @@ it finishes within that time. A request the dispatcher rejects (bad input) is ``
 with its result (``status: "rejected"``, ``reason`` naming the field). ``GET
 /v1/actions/{id}`` answers ``{"id", "status": "queued" | "running"}`` or the result
 (``status`` ``done``, ``failed`` or ``rejected``), and ``404`` for an unknown id; it too
-takes ``?wait=<seconds>`` (long polling).
+takes ``?wait=<seconds>`` (long polling). With authentication on, a trajectory is its
+opening client's (:mod:`metasched.serve.ownership`): another client's action in it or
+close of it is ``403``, its results ``404``.
 """
 
 from __future__ import annotations
