@@ -1,7 +1,8 @@
 """Attacks through what a request may ask, each refused or confined with a one-line
 answer: a workspace template given as a host path (``/etc``, to read ``/etc/shadow``),
-at every front door; a memory hog without a memory limit; a request above the
-per-request caps; another client's trajectory (its actions, its close, its results).
+at every front door; an api call over HTTP to a host-local address; a memory hog
+without a memory limit; a request above the per-request caps; another client's
+trajectory (its actions, its close, its results).
 Real services on 127.0.0.1, real sandboxes."""
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
 from metasched.runtime.limits import RequestLimits
 from metasched.runtime.sandbox.config import SandboxConfig
 from metasched.serve import ServeConfig
+from metasched.serve.config import parse_upstreams
 
 ROOT = Path(__file__).resolve().parents[1]
 SHADOW = {"kind": "cpu", "trajectory": "t", "workspace_template": "/etc",
@@ -141,6 +143,37 @@ def test_no_request_field_names_a_host_resource(plain, field, value):
     reason = one_line(r.json()["reason"]).removeprefix("request: ")
     assert reason.startswith(f"{field}: "), r.text
     assert "uid=0" not in r.text
+
+
+@pytest.fixture(scope="module")
+def with_endpoints():
+    """A service with two endpoints: ``search`` proxied to a url, ``judge`` without."""
+    specs, upstreams = parse_upstreams({
+        "search": {"rpm": 600, "max_concurrency": 4, "url": "http://127.0.0.1:9/api"},
+        "judge": {"rpm": 600, "max_concurrency": 4}})
+    with serving(DispatcherConfig(scheduler="elastic_greedy", endpoints=specs),
+                 ServeConfig(languages=[], upstreams=upstreams)) as s, \
+            httpx.Client(base_url=s.url, timeout=60) as http:
+        yield s.url, http
+
+
+@pytest.mark.parametrize("endpoint, path, message", [
+    ("judge", "{own}/v1/status", "http.url: over HTTP an api request calls only its "
+     "endpoint's configured url (endpoints.<name>.url); endpoint 'judge' has none"),
+    ("search", "{own}/v1/status", "http.url: must lie under endpoint search's url "
+     "(http://127.0.0.1:9/api/...; no dot segments)"),
+    ("search", "http://127.0.0.1:9/api/../admin", "http.url: must lie under"),
+    ("search", "http://127.0.0.1:9/api/..%2fadmin", "http.url: must lie under"),
+])
+def test_an_api_request_over_http_calls_only_its_endpoints_url(with_endpoints, endpoint,
+                                                               path, message):
+    own, http = with_endpoints
+    r = http.post("/v1/actions", params={"wait": 30}, json={
+        "kind": "api", "endpoint": endpoint, "timeout_s": 5,
+        "http": {"url": path.format(own=own), "method": "GET"}})
+    assert r.status_code == 422, r.text
+    assert r.json()["status"] == "rejected" and r.json()["value"] is None
+    assert one_line(r.json()["reason"]).startswith(message), r.text
 
 
 # ---------------------------------------------------------------- memory and caps

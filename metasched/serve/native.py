@@ -10,13 +10,15 @@ with its result (``status: "rejected"``, ``reason`` naming the field). ``GET
 (``status`` ``done``, ``failed`` or ``rejected``), and ``404`` for an unknown id; it too
 takes ``?wait=<seconds>`` (long polling). With authentication on, a trajectory is its
 opening client's (:mod:`metasched.serve.ownership`): another client's action in it or
-close of it is ``403``, its results ``404``.
+close of it is ``403``, its results ``404``. An ``api`` request's ``http.url`` must lie
+under its endpoint's configured url (:mod:`metasched.serve.targets`; else ``422``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +31,7 @@ from metasched.runtime.requests import REJECTED, Result
 from metasched.runtime.requests import Request as ActionRequest
 from metasched.serve.context import context_from
 from metasched.serve.security import CLIENT
+from metasched.serve.targets import check_http_target
 
 if TYPE_CHECKING:
     from metasched.serve.app import Service
@@ -139,6 +142,12 @@ def native_router(service: Service) -> APIRouter:
             return error(422, str(e))
         doc = {**ctx.fields(), **doc}
         rid = doc.setdefault("id", uuid.uuid4().hex)
+        try:
+            check_http_target(doc, service.config.upstreams)
+        except ConfigError as e:  # rejected as the dispatcher rejects (never accepted)
+            now = time.time()
+            return result_response(Result(str(rid), REJECTED, str(e), queued_at=now,
+                                          finished_at=now), 422)
         client = request.scope.get(CLIENT)
         try:
             trajectory = doc.get("trajectory")
