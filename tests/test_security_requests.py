@@ -226,8 +226,8 @@ def test_a_request_above_the_default_caps_is_refused(plain, fields, message):
 def test_run_code_above_the_default_memory_cap_is_422(plain):
     r = plain.post("/run_code", json={"code": "print(1)", "memory_limit_MB": 20000})
     assert r.status_code == 422, r.text
-    assert one_line(r.json()["detail"]) == ("mem_limit_mb: 20000 MiB asked; a request may "
-                                            "ask at most 16384 (limits.max_mem_mb)")
+    assert one_line(r.json()["detail"]) == ("memory_limit_MB: 20000 MiB asked; a request "
+                                            "may ask at most 16384 (limits.max_mem_mb)")
 
 
 CAPS = RequestLimits(max_cores=1, max_mem_mb=512, max_timeout_s=60, max_cpu_time_s=30,
@@ -255,9 +255,11 @@ def test_a_request_above_the_caps_is_refused(fields, message):
 
 
 @pytest.mark.parametrize("body, message", [
-    ({"memory_limit_MB": 4096}, "mem_limit_mb: 4096 MiB asked; a request may ask at most "
-     "512 (limits.max_mem_mb)"),
-    ({"run_timeout": 3600}, "timeout_s: 3600 s asked"),
+    ({"memory_limit_MB": 4096}, "memory_limit_MB: 4096 MiB asked; a request may ask at "
+     "most 512 (limits.max_mem_mb)"),
+    ({"run_timeout": 3600}, "run_timeout: 3600 s asked; a request may ask at most 60 "
+     "(limits.max_timeout_s)"),
+    ({"compile_timeout": 61}, "compile_timeout: 61 s asked"),
 ])
 def test_run_code_above_the_caps_is_422(body, message):
     with serving(dcfg(limits=CAPS)) as s, httpx.Client(base_url=s.url, timeout=60) as http:

@@ -41,6 +41,7 @@ from fastapi import APIRouter, Request
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from metasched.errors import ConfigError
+from metasched.runtime.limits import RequestLimits
 from metasched.runtime.requests import (
     DONE,
     REJECTED,
@@ -167,15 +168,17 @@ def trajectory_fields(req: RunCodeRequest, context: dict[str, Any]) -> dict[str,
                                             ("reward", req.reward)) if v is not None}}
 
 
-def asked(req: RunCodeRequest) -> dict[str, Any]:
-    """What the request asks of the dispatcher, as request fields (for the caps)."""
-    out: dict[str, Any] = {}
+def check_caps(limits: RequestLimits, req: RunCodeRequest) -> None:
+    """Refuse a request asking more than the dispatcher's caps, naming its own field.
+
+    Raises:
+        ConfigError: e.g. ``memory_limit_MB: 20000 MiB asked; a request may ask at most
+            16384 (limits.max_mem_mb)``.
+    """
     if req.memory_limit_MB > 0:
-        out["mem_limit_mb"] = req.memory_limit_MB
-    timeouts = [t for t in (req.compile_timeout, req.run_timeout) if t is not None]
-    if timeouts:
-        out["timeout_s"] = max(timeouts)
-    return out
+        limits.cap(req.memory_limit_MB, "memory_limit_MB", "max_mem_mb", " MiB")
+    limits.cap(req.compile_timeout, "compile_timeout", "max_timeout_s", " s")
+    limits.cap(req.run_timeout, "run_timeout", "max_timeout_s", " s")
 
 
 async def run_code(service: Service, req: RunCodeRequest, context: dict[str, Any], *,
@@ -317,7 +320,7 @@ def run_code_router(service: Service) -> APIRouter:
     async def run_code_route(req: RunCodeRequest, request: Request):
         try:
             context = context_from(request.headers).fields()
-            service.limits.check(asked(req))
+            check_caps(service.limits, req)
         except ConfigError as e:
             return error(422, str(e))
         try:
