@@ -52,6 +52,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if marker is not None and marker.kwargs.get("bwrap", True):
         needs_isolation()
 
+
 # One GPU service, one API endpoint: enough for every action kind.
 SERVICES = {"rm": {"mem_gb": 30, "restore_s": 4.0, "max_batch": 8, "batch_marginal": 0.05}}
 

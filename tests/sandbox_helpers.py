@@ -39,10 +39,11 @@ def needs_controllers(*names: str, mode: str = "auto") -> cgroups.Hierarchies:
     return h
 
 
-def sandboxed_config(cgroups: str = "auto", **kw) -> DispatcherConfig:
-    """Dispatcher settings whose commands run in bwrap sandboxes (``sandbox``: more of
-    their settings), ``elastic_greedy``, sampled every 0.05 s unless given."""
-    return dispatcher_config(sandbox=SandboxConfig(isolation="bwrap", cgroups=cgroups,
+def sandboxed_config(mode: str = "auto", **kw) -> DispatcherConfig:
+    """Dispatcher settings whose commands run in bwrap sandboxes with cgroups ``mode``
+    (``sandbox``: more of their settings), ``elastic_greedy``, sampled every 0.05 s
+    unless given."""
+    return dispatcher_config(sandbox=SandboxConfig(isolation="bwrap", cgroups=mode,
                                                    **kw.pop("sandbox", {})), **kw)
 
 
