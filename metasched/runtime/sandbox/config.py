@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from metasched.errors import ConfigError, one_of
+from metasched.runtime.sandbox.bwrap import NOT_SYSTEM_PATHS, OWN_MOUNTS, within
 
 __all__ = ["ENV_ALLOW", "ISOLATION_MODES", "CGROUP_MODES", "SandboxConfig", "allowed_env"]
 
@@ -39,7 +40,12 @@ class SandboxConfig:
         nobody_uid: the user (and group) id when no range is given.
         network: whether commands may reach the network when their request does not say.
         env_allow: variables passed from the dispatcher's environment.
-        hide: more host paths commands must not see (the journal's files always are).
+        hide: more host paths commands must not see (the journal's files always are),
+            where they lie under a path sandboxes see.
+        system_paths: more host paths (absolute) a sandbox sees, read-only, at the same
+            place, besides the system's programs and libraries (``/usr``, ``/bin``,
+            ``/lib*``...) and the files of ``/etc`` programs need: e.g. a toolchain in
+            ``/opt``. Nothing else of the host is in a sandbox.
         workspace_mb: size of a trajectory's workspace (a tmpfs holding ``/workspace``,
             ``/tmp`` and ``/dev/shm``): the sandbox memory the scheduler accounts for
             the trajectory; a request's ``workspace_mb`` overrides it.
@@ -56,6 +62,7 @@ class SandboxConfig:
     network: bool = False
     env_allow: tuple[str, ...] = ENV_ALLOW
     hide: tuple[str, ...] = ()
+    system_paths: tuple[str, ...] = ()
     workspace_mb: float = 1024.0
     scratch_mb: float = 512.0
     pids_max: int = 1024
@@ -90,6 +97,7 @@ class SandboxConfig:
                               f"(got {self.pids_max!r})")
         self.env_allow = tuple(str(x) for x in self.env_allow)
         self.hide = tuple(os.path.abspath(str(p)) for p in self.hide)
+        self.system_paths = tuple(_system_path(p) for p in self.system_paths)
         self.network = bool(self.network)
 
     @classmethod
@@ -101,7 +109,7 @@ class SandboxConfig:
             if key not in known:
                 raise ConfigError(f"sandbox.{key}", f"unknown setting (known: "
                                   f"{', '.join(sorted(known))})")
-        for key in ("uid_range", "env_allow", "hide"):
+        for key in ("uid_range", "env_allow", "hide", "system_paths"):
             v = d.get(key)
             if v is None:
                 if key != "uid_range":
@@ -111,6 +119,20 @@ class SandboxConfig:
                 raise ConfigError(f"sandbox.{key}", f"must be a list (got {v!r})")
             d[key] = tuple(v)
         return cls(**d)
+
+
+def _system_path(path: Any) -> str:
+    """A configured system path, normalised; ConfigError where it is not one."""
+    field = "sandbox.system_paths"
+    if not isinstance(path, str) or not path.startswith("/"):
+        raise ConfigError(field, f"must be absolute host paths (got {path!r})")
+    norm = os.path.normpath(path)
+    if norm in NOT_SYSTEM_PATHS or within(norm, OWN_MOUNTS):
+        raise ConfigError(field, f"{path!r} would expose the host or cover the sandbox's "
+                          f"own {', '.join(OWN_MOUNTS)}")
+    if not os.path.lexists(norm):
+        raise ConfigError(field, f"{path!r} does not exist")
+    return norm
 
 
 def allowed_env(allow: tuple[str, ...], environ: Mapping[str, str] | None = None

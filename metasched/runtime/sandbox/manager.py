@@ -139,7 +139,8 @@ class Sandboxes:
         self.server: ServerConnection | None = None
         if self.bwrap_path is not None or (self.tree is not None and os.geteuid() == 0):
             try:
-                self.server = ServerConnection(self._home_cgroups())
+                self.server = ServerConnection(self._home_cgroups(),
+                                               refuse_userns=self.bwrap_path is not None)
             except ServerGone as e:
                 if config.isolation == "bwrap":
                     self.close()
@@ -208,7 +209,10 @@ class Sandboxes:
             ns = "pid, mount, ipc, uts, net (unless allowed)"
             uid = (f"uids {self.uids.first}-{self.uids.first + self.uids.count - 1} (one per "
                    "sandbox)" if not self.uids.shared else f"uid {self.uids.nobody}")
-            iso = f"{self.bwrap_version} namespaces ({ns}), {uid}"
+            iso = f"{self.bwrap_version} namespaces ({ns}), {uid}, minimal root"
+            assert self.server is not None
+            iso += (", no user namespaces" if self.server.userns == "refused" else
+                    f", user namespaces NOT disabled: {self.server.userns}")
         else:
             iso = f"no isolation (host, uid {os.geteuid()})"
         if self.tree is not None:
@@ -289,9 +293,11 @@ class Sandboxes:
         try:
             self.server.open({"sid": sid, "uid": uid, "gid": uid, "workspace": workspace,
                               "env": {"PATH": "/usr/bin:/bin"},
+                              "files": bwrap.identity_files(uid, uid),
                               "bwrap": bwrap.sandbox_argv(
                                   self.bwrap_path, network=network, hide=self.hide,
-                                  extra=extra)})
+                                  extra=extra,
+                                  system_paths=self.config.system_paths)})
         except ServerGone as e:
             sb.ready.set_exception(OSError(0, str(e)))
         return sb
