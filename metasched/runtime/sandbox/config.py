@@ -127,9 +127,12 @@ def _system_path(path: Any) -> str:
     if not isinstance(path, str) or not path.startswith("/"):
         raise ConfigError(field, f"must be absolute host paths (got {path!r})")
     norm = os.path.normpath(path)
-    if norm in NOT_SYSTEM_PATHS or within(norm, OWN_MOUNTS):
-        raise ConfigError(field, f"{path!r} would expose the host or cover the sandbox's "
-                          f"own {', '.join(OWN_MOUNTS)}")
+    if norm in NOT_SYSTEM_PATHS:
+        raise ConfigError(field, f"{path!r} would expose the host (name the paths a "
+                          "toolchain needs)")
+    if within(norm, OWN_MOUNTS):
+        raise ConfigError(field, f"{path!r} would cover the sandbox's own "
+                          f"{', '.join(OWN_MOUNTS)}")
     if not os.path.lexists(norm):
         raise ConfigError(field, f"{path!r} does not exist")
     return norm
