@@ -3,7 +3,8 @@ check that bubblewrap is here and works.
 
 The sandbox's root is bwrap's own tmpfs holding only what programs need of the host,
 read-only: the system's programs and libraries (:data:`SYSTEM_PATHS`: ``/usr``, and
-``/bin``, ``/sbin``, ``/lib*`` as the symlinks or directories they are here), the few
+``/bin``, ``/sbin``, ``/lib*`` as the symlinks or directories they are here; the CPU and
+NUMA topology of ``/sys``, which runtimes read to size their thread pools), the few
 files of ``/etc`` that programs read (:data:`ETC_PATHS`: the dynamic linker's cache,
 alternatives, certificates, time zone, name service switch, locale and MIME tables,
 language runtimes' settings; ``/etc/resolv.conf`` only with network), and the extra host
@@ -37,7 +38,8 @@ __all__ = ["ETC_PATHS", "STUB", "SYSTEM_PATHS", "find_bwrap", "identity_files",
 STUB = ("/bin/sh", "-c", "echo; exec cat")
 _MOUNT_POINTS = ("/workspace", "/tmp", "/.sandbox")
 # Bound read-only where they exist (a symlink is made as the same symlink).
-SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32",
+                "/sys/devices/system/cpu", "/sys/devices/system/node")  # CPU, NUMA topology
 # What of /etc programs read (glob patterns; bound read-only where they exist). No
 # credentials: neither shadow files nor package managers' or tools' settings (pip.conf,
 # npmrc, gitconfig), which may hold tokens.

@@ -297,7 +297,8 @@ class Sandboxes:
                               "bwrap": bwrap.sandbox_argv(
                                   self.bwrap_path, network=network, hide=self.hide,
                                   extra=extra,
-                                  system_paths=self.config.system_paths)})
+                                  system_paths=[*self.config.system_paths,
+                                                *(devices.gpu_sys_paths() if nodes else [])])})
         except ServerGone as e:
             sb.ready.set_exception(OSError(0, str(e)))
         return sb
