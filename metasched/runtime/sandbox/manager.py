@@ -210,9 +210,9 @@ class Sandboxes:
             uid = (f"uids {self.uids.first}-{self.uids.first + self.uids.count - 1} (one per "
                    "sandbox)" if not self.uids.shared else f"uid {self.uids.nobody}")
             iso = f"{self.bwrap_version} namespaces ({ns}), {uid}, minimal root"
-            assert self.server is not None
-            iso += (", no user namespaces" if self.server.userns == "refused" else
-                    f", user namespaces NOT disabled: {self.server.userns}")
+            userns = self.server.userns if self.server is not None else "open"
+            iso += (", no user namespaces" if userns == "refused" else
+                    f", user namespaces NOT disabled: {userns}")
         else:
             iso = f"no isolation (host, uid {os.geteuid()})"
         if self.tree is not None:

@@ -19,7 +19,9 @@ server has, for the duration of that one call, moved itself into the command's c
 the command's ids as its real ids (``setresuid(uid, 0, 0)``, and ``POSIX_SPAWN_RESETIDS``
 makes them the child's effective ones: after ``execve`` all three are the unprivileged
 ones and no capability is left) and changed to its working directory; then it returns to
-its own. The child is therefore confined from its first instruction. A throwaway
+its own. The child is therefore confined from its first instruction. A sandboxed
+command's ``PATH`` keeps only the absolute directories its user may search there (so
+that a missing program reads as missing, not as a refused directory). A throwaway
 (trajectory-less) command gets, in addition, a private copy of the sandbox's mount
 namespace with a fresh tmpfs of its own on ``/workspace``, ``/tmp`` and ``/dev/shm``;
 it disappears with the command's last process.
@@ -294,7 +296,8 @@ class Server:
 
     def _open(self, msg: dict[str, Any]) -> None:
         """Start a sandbox's bwrap; it is ready (and the reply sent) once its stub runs
-        and its workspace is mounted (and seeded)."""
+        and its workspace is mounted (and seeded). ``msg["files"]`` (path: text) are
+        files made for it, bound read-only (``/etc/passwd``...)."""
         sid = msg["sid"]
         sb = _Sandbox(sid, msg["uid"], msg["gid"], workspace=msg["workspace"])
         self.sandboxes[sid] = sb
