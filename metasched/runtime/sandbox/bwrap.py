@@ -146,8 +146,10 @@ def sandbox_argv(bwrap: str, *, network: bool, hide: Sequence[str],
         _bind(path, args, made, bound)
     args += ["--perms", "0755", "--dir", "/etc"]
     etc = sorted({p for pattern in ETC_PATHS for p in glob.glob(os.path.join("/etc", pattern))})
-    for path in [*etc, *([RESOLV_CONF] if network else [])]:
+    for path in etc:
         _bind(path, args, made, bound)
+    if network and os.path.isfile(RESOLV_CONF):  # its target (often under /run) bound
+        args += ["--ro-bind", os.path.realpath(RESOLV_CONF), RESOLV_CONF]
     for path in system_paths:
         _bind(path, args, made, bound)
     args += ["--dev", "/dev", "--proc", "/proc"]
