@@ -33,9 +33,10 @@ CHILD = textwrap.dedent("""
     from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
     from metasched.runtime.sandbox.config import SandboxConfig
 
-    async def main(db, workdir, isolation, requests):
+    async def main(db, workdir, isolation, requests, seen):
+        sandbox = SandboxConfig(isolation=isolation, system_paths=(seen,))
         cfg = DispatcherConfig(scheduler="elastic_greedy", journal=db, sample_interval_s=0.1,
-                               workdir=workdir, sandbox=SandboxConfig(isolation=isolation))
+                               workdir=workdir, sandbox=sandbox)
         async with Dispatcher(cfg) as d:
             for r in json.loads(open(requests).read()):
                 d.accept(r)
@@ -73,7 +74,8 @@ def test_kill_9_loses_nothing_and_removes_only_its_own(tmp_path, visible_dir, is
     (tmp_path / "requests.json").write_text(json.dumps(reqs))
     child = subprocess.Popen(
         [sys.executable, "-c", CHILD, str(db), str(workdir), isolation,
-         str(tmp_path / "requests.json")], stdout=subprocess.PIPE, text=True)
+         str(tmp_path / "requests.json"), str(visible_dir)], stdout=subprocess.PIPE,
+        text=True)
     try:
         word, dead_run = child.stdout.readline().split()
         assert word == "accepted"
@@ -108,7 +110,8 @@ def test_kill_9_loses_nothing_and_removes_only_its_own(tmp_path, visible_dir, is
     async def restart():
         cfg = DispatcherConfig(scheduler="elastic_greedy", journal=db, workdir=str(workdir),
                                sample_interval_s=0.1,
-                               sandbox=SandboxConfig(isolation=isolation))
+                               sandbox=SandboxConfig(isolation=isolation,
+                                                     system_paths=(str(visible_dir),)))
         async with Dispatcher(cfg) as d:
             futs = [d.accept(r) for r in reqs]  # resubmitted: deduplicated by id
             return await asyncio.gather(*futs), d.state.n_submitted

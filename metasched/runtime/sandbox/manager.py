@@ -133,7 +133,8 @@ class Sandboxes:
         self.server: ServerConnection | None = None
         if self.bwrap_path is not None or (self.tree is not None and os.geteuid() == 0):
             try:
-                self.server = ServerConnection(self._home_cgroups())
+                self.server = ServerConnection(self._home_cgroups(),
+                                               refuse_userns=self.bwrap_path is not None)
             except ServerGone as e:
                 if config.isolation == "bwrap":
                     self.close()
@@ -202,7 +203,10 @@ class Sandboxes:
             ns = "pid, mount, ipc, uts, net (unless allowed)"
             uid = (f"uids {self.uids.first}-{self.uids.first + self.uids.count - 1} (one per "
                    "sandbox)" if not self.uids.shared else f"uid {self.uids.nobody}")
-            iso = f"{self.bwrap_version} namespaces ({ns}), {uid}"
+            iso = f"{self.bwrap_version} namespaces ({ns}), {uid}, minimal root"
+            userns = self.server.userns if self.server is not None else "open"
+            iso += (", no user namespaces" if userns == "refused" else
+                    f", user namespaces NOT disabled: {userns}")
         else:
             iso = f"no isolation (host, uid {os.geteuid()})"
         if self.tree is not None:
@@ -288,9 +292,12 @@ class Sandboxes:
         try:
             self.server.open({"sid": sid, "uid": uid, "gid": uid, "workspace": workspace,
                               "env": {"PATH": "/usr/bin:/bin"},
+                              "files": bwrap.identity_files(uid, uid),
                               "bwrap": bwrap.sandbox_argv(
                                   self.bwrap_path, network=network, hide=self.hide,
-                                  extra=extra)})
+                                  extra=extra,
+                                  system_paths=[*self.config.system_paths,
+                                                *(devices.gpu_sys_paths() if nodes else [])])})
         except ServerGone as e:
             sb.ready.set_exception(OSError(0, str(e)))
         return sb
