@@ -19,9 +19,9 @@ instant and the lifeline kills, then exits:
   to ``cgroup.kill`` (the kernel kills the subtree, forks included); on v1 forks are
   stopped (``pids.max`` 0) and the members killed until none is left;
 - the process groups the dispatcher registered (the commands it spawned itself), with
-  every descendant of their members (a process that left its group with ``setsid``):
-  all stopped first (SIGSTOP, so that none can fork away while the tree is walked),
-  then killed.
+  every descendant of their leaders (a process that left its group with ``setsid``):
+  all stopped first (SIGSTOP, so that none can fork away while the tree is walked,
+  through ``/proc/PID/task/TID/children``), then killed.
 
 The dispatcher registers a command's group (``+pgid``) when it spawns it and withdraws
 it (``-pgid``) before it reaps the command's leader, after which the id could be
@@ -153,54 +153,53 @@ def kill_cgroup(top: str) -> None:
         time.sleep(0.001)
 
 
-def _processes() -> dict[int, tuple[int, int]]:
-    """pid -> (parent pid, process group) of every process (from ``/proc``)."""
-    out: dict[int, tuple[int, int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
+def _children(pid: int) -> list[int]:
+    """The children of ``pid`` (of each of its threads), from ``/proc``."""
+    out: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tasks:
         try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                out += [int(x) for x in f.read().split()]
         except OSError:
-            continue
-        fields = stat[stat.rfind(b")") + 2:].split()  # after "pid (comm) "
-        out[int(name)] = (int(fields[1]), int(fields[2]))
+            pass
     return out
 
 
 def kill_groups(groups: Iterable[int]) -> None:
-    """Stop, then kill, every member of ``groups`` and every descendant of one."""
+    """Stop, then kill, every member of ``groups`` and every descendant of their
+    leaders (those that left the group with ``setsid`` too)."""
     groups = {g for g in groups if g > 1}
     if not groups:
         return
-    me = os.getpid()
-    stopped: set[int] = set()
+    for g in groups:  # from here on no member runs, so none forks
+        _signal_group(g, signal.SIGSTOP)
+    # Each process found is stopped before its children are read; passes repeat until
+    # one finds nothing new (a child forked just before its parent stopped shows then).
+    found: set[int] = set(groups)
+    for pid in groups:
+        _kill(pid, signal.SIGSTOP)
     for _ in range(_ROUNDS):
-        procs = _processes()
-        children: dict[int, list[int]] = {}
-        for pid, (ppid, _) in procs.items():
-            children.setdefault(ppid, []).append(pid)
-        found = {pid for pid, (_, pgrp) in procs.items() if pgrp in groups}
-        todo = list(found)
-        while todo:
-            for child in children.get(todo.pop(), ()):
-                if child not in found:
-                    found.add(child)
-                    todo.append(child)
-        new = found - stopped - {me}
+        new = [c for pid in list(found) for c in _children(pid) if c not in found]
         if not new:
             break
         for pid in new:
             _kill(pid, signal.SIGSTOP)
-        stopped |= new
-    for pid in stopped:
+        found.update(new)
+    for pid in found:
         _kill(pid, signal.SIGKILL)
     for g in groups:
-        try:
-            os.killpg(g, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        _signal_group(g, signal.SIGKILL)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def main(argv: list[str]) -> None:
