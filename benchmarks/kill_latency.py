@@ -190,6 +190,8 @@ def main() -> None:
     print(f"  every process it started gone: p50 {statistics.median(all_ms):.1f} ms, "
           f"p95 {_pct(all_ms, 95):.1f} ms, max {max(all_ms):.1f} ms")
     print(f"  side effect after {args.delay:g} s: {effects} of {args.kills}")
+    if float("inf") in cmd_ms:
+        print("  (inf: still running 5 s after the kill; they were killed then)")
 
 
 if __name__ == "__main__":

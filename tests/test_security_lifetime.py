@@ -170,7 +170,8 @@ def _stop_during_start_up(tmp_path: Path, delay_s: float) -> subprocess.Complete
     p = subprocess.Popen([PY, "-m", "metasched.cli.dispatch_app", f"jobs={jobs}",
                           "scheduler=fifo", "progress=false", f"hydra.run.dir={out}"],
                          cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env={**os.environ, "PYTHONPATH": ROOT})
+                         text=True, env={**os.environ, "PYTHONPATH": ROOT,
+                                         "METASCHED_CONFIG_DIR": f"{ROOT}/configs"})
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and p.poll() is None:
