@@ -179,9 +179,7 @@ def kill_groups(groups: Iterable[int]) -> None:
         _signal_group(g, signal.SIGSTOP)
     # Each process found is stopped before its children are read; passes repeat until
     # one finds nothing new (a child forked just before its parent stopped shows then).
-    found: set[int] = set(groups)
-    for pid in groups:
-        _kill(pid, signal.SIGSTOP)
+    found: set[int] = set(groups)  # the leaders (a group's id is its leader's pid)
     for _ in range(_ROUNDS):
         new = [c for pid in list(found) for c in _children(pid) if c not in found]
         if not new:
