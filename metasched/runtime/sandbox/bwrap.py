@@ -13,6 +13,11 @@ The namespaces' long-lived process is a stub: ``sh -c 'echo; exec cat'`` prints 
 newline once the sandbox is fully set up (bwrap's ``--info-fd`` is written earlier,
 before its mounts are done), then reads its stdin, a pipe only the sandbox server
 writes to, until that closes.
+
+Every sandbox has a network namespace of its own, whatever its network setting: the
+host's is never shared. One granted network is connected by the sandbox server (a
+user-mode stack and a rule set: :mod:`.egress`) and gets :data:`.egress.RESOLV_CONF`
+as its ``/etc/resolv.conf``.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import os
 import shutil
 import subprocess
 from collections.abc import Sequence
+
+from metasched.runtime.sandbox.egress import RESOLV_CONF
 
 __all__ = ["STUB", "find_bwrap", "sandbox_argv"]
 
@@ -57,16 +64,15 @@ def sandbox_argv(bwrap: str, *, network: bool, hide: Sequence[str],
 
     Args:
         bwrap: the bwrap executable.
-        network: keep the host's network namespace (else a new one: loopback only).
+        network: granted network (its resolver is :mod:`.egress`'s); the sandbox has a
+            network namespace of its own either way.
         hide: host paths to make invisible (an existing directory gets an empty tmpfs
             over it, an existing file ``/dev/null``).
         extra: more bwrap options, after the hiding ones (e.g. a template's bind).
         root: the host directory whose entries are bound (``/``; tests may differ).
     """
     args = [bwrap, "--die-with-parent", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
-            "--hostname", "sandbox"]
-    if not network:
-        args.append("--unshare-net")
+            "--unshare-net", "--hostname", "sandbox"]
     for name in sorted(os.listdir(root)):
         if name in _OWN or name.startswith("."):
             continue
@@ -85,5 +91,7 @@ def sandbox_argv(bwrap: str, *, network: bool, hide: Sequence[str],
             args += ["--tmpfs", os.path.realpath(path)]
         elif os.path.exists(path):
             args += ["--ro-bind", "/dev/null", os.path.realpath(path)]
+    if network and os.path.isfile(os.path.join(root, "etc/resolv.conf")):
+        args += ["--ro-bind", RESOLV_CONF, "/etc/resolv.conf"]
     args += [*extra, "--chdir", "/", "--", *STUB]
     return args

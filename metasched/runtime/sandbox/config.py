@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from metasched.errors import ConfigError, one_of
+from metasched.runtime.sandbox.egress import DEFAULT_EGRESS, parse_egress
 
 __all__ = ["ENV_ALLOW", "ISOLATION_MODES", "CGROUP_MODES", "SandboxConfig", "allowed_env"]
 
@@ -38,6 +39,11 @@ class SandboxConfig:
             None: every command runs as ``nobody_uid``.
         nobody_uid: the user (and group) id when no range is given.
         network: whether commands may reach the network when their request does not say.
+            A sandbox granted network reaches what ``egress`` allows, never the host.
+        egress: where a sandbox granted network may connect (see
+            :mod:`~metasched.runtime.sandbox.egress`): ``"public"`` (IPv4 outside the
+            private and special ranges; the default) and CIDRs, each optionally with
+            ``:port`` or ``:port-port``. Host-local addresses are never reachable.
         env_allow: variables passed from the dispatcher's environment.
         hide: more host paths commands must not see (the journal's files always are).
         workspace_mb: size of a trajectory's workspace (a tmpfs holding ``/workspace``,
@@ -54,6 +60,7 @@ class SandboxConfig:
     uid_range: tuple[int, int] | None = (1_500_000_000, 65_536)
     nobody_uid: int = 65534
     network: bool = False
+    egress: tuple[str, ...] = DEFAULT_EGRESS
     env_allow: tuple[str, ...] = ENV_ALLOW
     hide: tuple[str, ...] = ()
     workspace_mb: float = 1024.0
@@ -91,6 +98,7 @@ class SandboxConfig:
         self.env_allow = tuple(str(x) for x in self.env_allow)
         self.hide = tuple(os.path.abspath(str(p)) for p in self.hide)
         self.network = bool(self.network)
+        self.egress = tuple(str(a) for a in parse_egress(self.egress))
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> SandboxConfig:
@@ -101,7 +109,7 @@ class SandboxConfig:
             if key not in known:
                 raise ConfigError(f"sandbox.{key}", f"unknown setting (known: "
                                   f"{', '.join(sorted(known))})")
-        for key in ("uid_range", "env_allow", "hide"):
+        for key in ("uid_range", "env_allow", "hide", "egress"):
             v = d.get(key)
             if v is None:
                 if key != "uid_range":
