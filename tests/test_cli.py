@@ -401,7 +401,7 @@ def test_live_calibration_benchmark_replays_a_trace_beside_its_runs(tmp_path):
     from dataclasses import replace
 
     from metasched.compose import profile
-    from metasched.sim.recording import record_trace
+    from metasched.evaluation.recording import record_trace
 
     w, c = profile("rm_math")
     trace = tmp_path / "runs.jsonl"
