@@ -52,12 +52,13 @@ class ServiceError(Exception):
         self.status, self.detail = status, detail
 
 
-def _request(fields: Mapping[str, Any], default_timeout_s: float,
+def _request(fields: Mapping[str, Any], default_timeout_s: float | None,
              context: Mapping[str, Any]) -> dict[str, Any]:
     doc = {**context, **fields}
     if "kind" not in doc and "argv" in doc:
         doc["kind"] = "cpu"
-    doc.setdefault("timeout_s", default_timeout_s)
+    if default_timeout_s is not None:
+        doc.setdefault("timeout_s", default_timeout_s)
     doc.setdefault("id", uuid.uuid4().hex)
     return doc
 
@@ -101,12 +102,14 @@ class Client:
     Args:
         url: the service's base URL, e.g. ``http://127.0.0.1:8080``.
         token: its bearer token (None: none).
-        default_timeout_s: ``timeout_s`` of a request that does not give one.
+        default_timeout_s: ``timeout_s`` of a request that does not give one (None:
+            the service's default, its ``limits.timeout_s``; at most its
+            ``limits.max_timeout_s`` either way).
         transport: an httpx transport (tests).
     """
 
     def __init__(self, url: str, *, token: str | None = None,
-                 default_timeout_s: float = 600.0,
+                 default_timeout_s: float | None = 600.0,
                  transport: httpx.BaseTransport | None = None) -> None:
         self.default_timeout_s = default_timeout_s
         self._http = httpx.Client(base_url=url, headers=_headers(token), transport=transport,
@@ -245,7 +248,7 @@ class AsyncClient:
     """:class:`Client` for asyncio: the same methods, awaited."""
 
     def __init__(self, url: str, *, token: str | None = None,
-                 default_timeout_s: float = 600.0,
+                 default_timeout_s: float | None = 600.0,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.default_timeout_s = default_timeout_s
         self._http = httpx.AsyncClient(base_url=url, headers=_headers(token),

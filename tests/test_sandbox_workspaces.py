@@ -95,11 +95,12 @@ def test_template_seeds_each_trajectory_separately(tmp_path):
         t.add(repo, arcname=".")
 
     async def go():
-        async with Dispatcher(cfg()) as d:
+        templates = {"repo": str(repo), "archive": str(archive)}
+        async with Dispatcher(cfg(sandbox={"templates": templates})) as d:
             a = await d.submit(sh("ls; echo changed > test_x.py", trajectory="a",
-                                  workspace_template=str(repo)))
+                                  workspace_template="repo"))
             b = await d.submit(sh("cat test_x.py", trajectory="b",
-                                  workspace_template=str(archive)))
+                                  workspace_template="archive"))
             a2 = await d.submit(sh("cat test_x.py", trajectory="a"))
             return a, b, a2
     a, b, a2 = run(go())
@@ -112,15 +113,15 @@ def test_template_seeds_each_trajectory_separately(tmp_path):
 @pytest.mark.parametrize("first, later, message", [
     ({}, {"network": True}, "network: trajectory t's sandbox was made with network=false"),
     ({}, {"workspace_mb": 64}, "workspace_mb: trajectory t's workspace was made with 1024 MB"),
-    ({}, {"workspace_template": "/etc"}, "workspace_template: trajectory t's workspace was "
+    ({}, {"workspace_template": "repo"}, "workspace_template: trajectory t's workspace was "
      "made from nothing"),
-    (None, {"workspace_template": "/nonexistent"}, "workspace_template: /nonexistent: no such "
-     "file or directory"),
+    (None, {"workspace_template": "/nonexistent"}, "workspace_template: unknown template "
+     "'/nonexistent' (configured: repo)"),
     (None, {"workspace_mb": 1e9}, "workspace_mb: 1e+09 MB exceeds this node's memory"),
 ])
-def test_workspace_requests_are_checked(first, later, message):
+def test_workspace_requests_are_checked(first, later, message, tmp_path):
     async def go():
-        async with Dispatcher(cfg()) as d:
+        async with Dispatcher(cfg(sandbox={"templates": {"repo": str(tmp_path)}})) as d:
             if first is not None:
                 await d.submit(sh("true", trajectory="t", **first))
             return await d.submit(sh("true", trajectory="t", **later))
@@ -135,8 +136,8 @@ def test_a_failed_sandbox_fails_its_commands_with_the_reason(tmp_path):
     bad.write_bytes(b"not gzip at all" * 10)
 
     async def go():
-        async with Dispatcher(cfg()) as d:
-            r = await d.submit(sh("true", trajectory="t", workspace_template=str(bad)))
+        async with Dispatcher(cfg(sandbox={"templates": {"bad": str(bad)}})) as d:
+            r = await d.submit(sh("true", trajectory="t", workspace_template="bad"))
             ok = await d.submit(sh("echo fine", trajectory="u"))
             return r, ok
     r, ok = run(go())

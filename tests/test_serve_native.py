@@ -88,7 +88,7 @@ def test_the_openapi_document_shows_the_request_schema(http):
     post = http.get("/openapi.json").json()["paths"]["/v1/actions"]["post"]
     schema = post["requestBody"]["content"]["application/json"]["schema"]
     assert set(schema["properties"]) == set(Request.model_fields) - {"call"}
-    assert schema["required"] == ["kind", "timeout_s"]
+    assert schema["required"] == ["kind"]  # timeout_s: the dispatcher's default
     http_spec = next(s for s in schema["properties"]["http"]["anyOf"] if "properties" in s)
     assert set(http_spec["properties"]) == {"url", "method", "headers", "json", "body"}
     assert "$defs" not in str(schema)

@@ -67,6 +67,7 @@ def dispatcher_config(cfg: dict[str, Any], run_dir: Path, endpoints: dict | None
     """A validated ``DispatcherConfig`` from the composed config (``endpoints``: the
     parsed endpoint quotas, where the app reads more than quotas from its settings)."""
     from metasched.runtime.dispatcher import DispatcherConfig
+    from metasched.runtime.limits import RequestLimits
     from metasched.runtime.sandbox.config import SandboxConfig
 
     cores = cfg.get("cores")
@@ -108,7 +109,8 @@ def dispatcher_config(cfg: dict[str, Any], run_dir: Path, endpoints: dict | None
         journal=journal, fsync=bool_setting(cfg, "fsync", False),
         journal_env=bool_setting(cfg, "journal_env", False),
         max_wait_s=max_wait_setting(cfg), workdir=workdir,
-        sandbox=SandboxConfig.from_dict(cfg.get("sandbox")))
+        sandbox=SandboxConfig.from_dict(cfg.get("sandbox")),
+        limits=RequestLimits.from_dict(cfg.get("limits")))
 
 
 def compact_setting(cfg: dict[str, Any]) -> float | None:

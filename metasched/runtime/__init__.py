@@ -16,6 +16,7 @@ _EXPORTS = {
     "DispatcherConfig": "metasched.runtime.dispatcher",
     "LiveService": "metasched.runtime.gpu",
     "Request": "metasched.runtime.requests",
+    "RequestLimits": "metasched.runtime.limits",
     "Result": "metasched.runtime.requests",
     "parse_request": "metasched.runtime.requests",
 }

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 import sqlite3
 import time
 from collections import deque
@@ -52,6 +51,7 @@ from metasched.runtime.gpu import (
 from metasched.runtime.journal import Journal
 from metasched.runtime.journal_docs import StoredRequest, compacted, store
 from metasched.runtime.launch import gpu_sandbox, launch, open_confinement
+from metasched.runtime.limits import RequestLimits
 from metasched.runtime.machine import (
     MachineMonitor,
     check_workdir,
@@ -65,7 +65,6 @@ from metasched.runtime.requests import DONE, FAILED, REJECTED, Request, Result, 
 from metasched.runtime.sandbox.config import SandboxConfig, allowed_env
 from metasched.runtime.sandbox.manager import Sandbox, Sandboxes
 from metasched.runtime.sandbox.rundir import RunDirectory
-from metasched.runtime.sandbox.workspace import template_from
 
 log = logging.getLogger("metasched.dispatch")
 
@@ -104,7 +103,10 @@ class DispatcherConfig:
             has one, as a profile's or a trace's per-action estimates in simulation).
         retry: API retry policy (429 / 5xx / connection errors).
         sandbox: how commands are confined: isolation (namespaces, unprivileged users,
-            workspaces), cgroups, environment (see :class:`SandboxConfig`).
+            workspaces), cgroups, environment, the workspace templates requests may name
+            (see :class:`SandboxConfig`).
+        limits: what a request gets when it does not say (memory, wall time) and the
+            most it may ask (see :class:`~metasched.runtime.limits.RequestLimits`).
         workdir: where the dispatcher's run directory goes (None: the tmpfs
             ``/dev/shm`` when writable, else the system temporary directory): it records
             what this dispatcher made, for the next one to remove after a crash, and
@@ -152,6 +154,7 @@ class DispatcherConfig:
     estimates: str = "online"
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    limits: RequestLimits = field(default_factory=RequestLimits)
     workdir: str | None = None
     tail_bytes: int = 4096
     sample_interval_s: float = 1.0
@@ -736,14 +739,20 @@ class Dispatcher:
 
     def _check(self, req: Request) -> Request:
         """What the request asks of this dispatcher's resources (ConfigError if it can
-        never run here); cpu ``max_cores`` above the node is capped to the node when it
-        is queued (``ClusterState.submit``, as in simulation)."""
+        never run here, or if it asks more than ``limits`` allow); cpu ``max_cores``
+        above the node is capped to the node when it is queued (``ClusterState.submit``,
+        as in simulation). Returns the request with the defaults of ``limits`` filled in
+        (memory, wall time)."""
+        limits = self.config.limits
+        ram_mb = self.cluster.mem_gb_per_node * 1e9 / 2**20
+        defaults = limits.defaults(req.kind, req.__dict__, ram_mb)
+        if defaults:
+            req = req.model_copy(update=defaults)
         node = self.cluster.cores_per_node
         if req.kind == "cpu":
             if req.min_cores > node:
                 raise ConfigError("min_cores", f"{req.min_cores} cores asked, this dispatcher "
                                   f"has {node}")
-            ram_mb = self.cluster.mem_gb_per_node * 1e9 / 2**20
             if req.mem_limit_mb is not None and req.mem_limit_mb > ram_mb:
                 raise ConfigError("mem_limit_mb", f"must be <= {ram_mb:.0f} (MiB: this "
                                   f"machine's memory; got {req.mem_limit_mb:g})")
@@ -769,13 +778,15 @@ class Dispatcher:
                                   f"{req.endpoint} allows at once ({ep.spec.tok_capacity:g})")
         if req.argv:
             self._check_sandbox(req)
+        limits.check(req.__dict__ if req.kind == "cpu" or req.argv
+                     else {"timeout_s": req.timeout_s})
         return req
 
     def _check_sandbox(self, req: Request) -> None:
         """What a command asks of its sandbox, against this machine and against the
         sandbox its trajectory already has (the first command decides)."""
         if req.workspace_template is not None:
-            template_from(req.workspace_template)
+            self.config.sandbox.template(req.workspace_template)
         mb = req.workspace_mb
         if mb is not None and mb / 1024 > self.cluster.mem_gb_per_node:
             raise ConfigError("workspace_mb", f"{mb:g} MB exceeds this node's memory "
@@ -788,9 +799,8 @@ class Dispatcher:
         if network != sb.network:
             raise ConfigError("network", f"trajectory {req.trajectory}'s sandbox was made "
                               f"with network={str(sb.network).lower()}")
-        template = sb.template.path if sb.template is not None else None
-        if (req.workspace_template is not None
-                and os.path.abspath(req.workspace_template) != template):
+        template = sb.template.name if sb.template is not None else None
+        if req.workspace_template is not None and req.workspace_template != template:
             raise ConfigError("workspace_template", f"trajectory {req.trajectory}'s workspace "
                               f"was made from {template or 'nothing'}")
         if mb is not None and int(mb * (1 << 20)) != sb.size_bytes:
@@ -856,7 +866,7 @@ class Dispatcher:
     def _open_sandbox(self, traj: Trajectory, req: Request) -> None:
         """Make the trajectory's sandbox; its held jobs are submitted when it is ready."""
         network = req.network if req.network is not None else self.config.sandbox.network
-        template = (template_from(req.workspace_template)
+        template = (self.config.sandbox.template(req.workspace_template)
                     if req.workspace_template is not None else None)
         sb = self.boxes.open(req.trajectory, size_mb=traj.sandbox.mem_gb * 1024,
                              template=template, network=network)
@@ -1465,6 +1475,7 @@ class Dispatcher:
                           "gpu": {"devices": devices, "reason": self.no_gpu_reason},
                           "api": endpoints},
                 "granted_utilisation": {k: float(v) for k, v in granted.items()},
+                "limits": self.config.limits.to_dict(),
                 "uptime_s": s.t}
 
     def find(self, rid: str) -> tuple[str, Result | None] | None:

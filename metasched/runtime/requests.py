@@ -13,7 +13,8 @@ A request is one action. Fields every kind has:
 
 - ``kind``: ``"cpu"``, ``"gpu"`` or ``"api"``; ``timeout_s`` (> 0, at most 30 days): the
   action is killed (cpu), reported failed (gpu) or abandoned (api) this long after it
-  starts.
+  starts; when not given, the dispatcher's default (``limits.timeout_s``, see
+  :mod:`metasched.runtime.limits`, which also caps what a request may ask).
 - ``id``: idempotency key (default: a fresh one). Submitting a key again with the same
   request returns the first submission's result instead of running it twice; with a
   different request it is rejected.
@@ -33,11 +34,17 @@ Per kind:
   ``sandbox.env_allow``), ``min_cores`` / ``max_cores``, ``parallel_fraction``
   (Amdahl p, what the scheduler assumes about extra cores), ``mem_limit_mb`` (MiB of
   memory the command may add to its sandbox: its processes and the files it writes;
-  the dispatcher rejects more than the machine's memory), ``cpu_time_s`` (at most 30
-  days), ``pids_max`` (processes and threads at once), ``network`` (may it reach the
+  the dispatcher rejects more than the machine's memory; when not given, the
+  dispatcher's default ``limits.mem_mb``), ``cpu_time_s`` (at most 30 days),
+  ``pids_max`` (processes and threads at once), ``network`` (may it reach the
   network), and for a trajectory's workspace (its first request decides):
-  ``workspace_template`` (a directory or tar archive it starts from) and
-  ``workspace_mb`` (its size: the sandbox memory the scheduler accounts for it).
+  ``workspace_template`` (the name of a template the operator configured,
+  ``sandbox.templates``: a directory or tar archive it starts from; never a host path)
+  and ``workspace_mb`` (its size: the sandbox memory the scheduler accounts for it).
+
+No field names a host resource: paths, devices, cgroups, user ids and cores are the
+dispatcher's to choose; a request names only what the operator configured (a template,
+a service, an endpoint) and asks for amounts, within ``limits``.
 - gpu: ``service`` and ``payload`` (a registered service scores the payload), or
   ``argv`` (+ ``env`` and the command fields above): a command that needs a device (it
   sees only its device through ``CUDA_VISIBLE_DEVICES``) and ``min_cores`` cores (1 by
@@ -160,7 +167,7 @@ class Request(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     kind: Literal[KINDS]  # type: ignore[valid-type]  # the core's kinds: cpu, gpu, api
-    timeout_s: Seconds
+    timeout_s: Seconds | None = None  # the dispatcher's default (limits.timeout_s)
     id: Text = ""  # a fresh key when not given (the validator makes it)
     task: Text = "default"
     name: Text = ""  # the command's basename, the service or the endpoint when not given
@@ -177,7 +184,7 @@ class Request(BaseModel):
     cpu_time_s: Seconds | None = None
     pids_max: Count(1, 4_194_304) | None = None
     network: Flag | None = None
-    workspace_template: Annotated[Text, AfterValidator(_no_nul)] | None = None
+    workspace_template: Annotated[Text, AfterValidator(_no_nul)] | None = None  # a name
     workspace_mb: _positive(2.0**40, 1.0, open_lo=False) | None = None
     service: Text | None = None
     payload: Any = None
@@ -221,7 +228,7 @@ class Request(BaseModel):
                 if d.get(key) is not None:
                     raise ConfigError(key, "only a trajectory has a workspace to set up "
                                       "(a request without one gets a fresh, empty one)")
-        for key in ("env", "mem_limit_mb", "cpu_time_s", "pids_max", "network",
+        for key in ("timeout_s", "env", "mem_limit_mb", "cpu_time_s", "pids_max", "network",
                     "workspace_template", "workspace_mb"):
             if key in d and d[key] is None:
                 del d[key]  # null: the default

@@ -23,12 +23,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from metasched.errors import ConfigError, validation_error
+from metasched.runtime.limits import RequestLimits
 from metasched.runtime.requests import Result
 from metasched.serve.config import ServeConfig
 from metasched.serve.frontend import DispatcherLike, Submissions
 from metasched.serve.languages import Language
 from metasched.serve.metrics import ServiceMetrics
 from metasched.serve.native import error, native_router
+from metasched.serve.ownership import Owners
 from metasched.serve.quota_proxy import proxy_router
 from metasched.serve.sandbox_fusion import probe_languages, run_code_router
 from metasched.serve.security import Gate
@@ -61,6 +63,8 @@ class Service:
         self.http: httpx.AsyncClient | None = None
         self.languages: dict[str, Language] = {}  # /run_code's, once probed
         self.unavailable: dict[str, str] = {}  # the others: why not
+        self.owners = Owners(set(config.clients.values()))
+        self.limits = RequestLimits()  # the dispatcher's, once started
         self.ready = False
 
     async def start(self) -> None:
@@ -74,6 +78,9 @@ class Service:
             self.dispatcher = self._make()
         if self.owns:
             await self.dispatcher.start()
+        limits = self.dispatcher.status().get("limits")
+        if limits is not None:
+            self.limits = RequestLimits.from_dict(limits)
         if self.config.upstreams:
             concurrency = self.dispatcher.status()["pools"]["api"]
             self.http = make_client(max_keepalive=max(1, sum(
@@ -88,6 +95,7 @@ class Service:
                  f" (fell back: {stats['fallback']})" if stats["fallback"] else "",
                  ", ".join(sorted(self.languages)) or "none",
                  ", ".join(sorted(self.config.upstreams)) or "none")
+        log.info("request limits: %s", self.limits.describe())
         for name, why in sorted(self.unavailable.items()):
             log.debug("/run_code %s: %s", name, why)
 
@@ -211,7 +219,7 @@ def create_app(dispatcher: DispatcherLike | Callable[[], DispatcherLike],
     app.include_router(proxy_router(service))
     app.include_router(run_code_router(service))
     # The last added is the outermost: requests refused by the gate are counted too.
-    app.add_middleware(Gate, token=config.token, max_body=config.max_body_bytes,
+    app.add_middleware(Gate, clients=config.clients, max_body=config.max_body_bytes,
                        body_timeout_s=config.body_timeout_s)
     app.add_middleware(_CountRequests, metrics=service.metrics)
     return app

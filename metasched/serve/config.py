@@ -17,7 +17,8 @@ from metasched.core.pools import EndpointSpec
 from metasched.core.validate import bounded, check_keys, get_key, mapping_or_empty
 from metasched.errors import ConfigError, validation_error
 
-__all__ = ["LOOPBACK", "ServeConfig", "Upstream", "derated", "is_loopback", "parse_upstreams"]
+__all__ = ["DEFAULT_CLIENT", "LOOPBACK", "ServeConfig", "Upstream", "derated", "is_loopback",
+           "parse_upstreams"]
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 # The keys of one proxied endpoint: its quota (EndpointSpec) and where it forwards to.
@@ -120,6 +121,17 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+DEFAULT_CLIENT = "default"  # the client holding ``token``
+
+
+def _check_token(token: Any, name: str) -> None:
+    if not isinstance(token, str) or len(token) < 16 or not token.isprintable() \
+            or " " in token:
+        raise ConfigError(name, "must be at least 16 printable characters without spaces "
+                          "(e.g. from: python -c 'import secrets; "
+                          "print(secrets.token_urlsafe())')")
+
+
 @dataclass
 class ServeConfig:
     """How the service runs (the dispatcher behind it is configured on its own).
@@ -128,7 +140,11 @@ class ServeConfig:
         host, port: where it listens. Any address but a loopback one needs ``token``.
         token: the bearer token every request but ``/v1/ping`` and ``/v1/health`` must
             carry (``Authorization: Bearer <token>``); None: no authentication, allowed
-            on a loopback address only.
+            on a loopback address only. Its holder is the client named ``default``.
+        tokens: more clients, by name: name -> its token. With authentication on
+            (``token`` or ``tokens``), each token is one client: a trajectory belongs to
+            the client that opened it, and only that client may act on it, close it or
+            read its actions' results. Without it, every client is the same, trusted.
         max_body_mb: request bodies larger than this are refused (413).
         header_timeout_s: a request's headers must arrive within this many seconds of
             the connection's opening (of its next request's first byte, on a kept-alive
@@ -150,6 +166,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     token: str | None = None
+    tokens: dict[str, str] = field(default_factory=dict)
     max_body_mb: float = 64.0
     header_timeout_s: float = 30.0
     body_timeout_s: float = 120.0
@@ -167,12 +184,21 @@ class ServeConfig:
         if not isinstance(self.host, str) or not self.host:
             raise ConfigError("host", f"must be an address to listen on (got {self.host!r})")
         bounded(self.port, "port", lo=0, hi=65535, integer=True)
-        if self.token is not None and (not isinstance(self.token, str) or len(self.token) < 16
-                                       or not self.token.isprintable() or " " in self.token):
-            raise ConfigError("token", "must be at least 16 printable characters without "
-                              "spaces (e.g. from: python -c 'import secrets; "
-                              "print(secrets.token_urlsafe())')")
-        if self.token is None and not is_loopback(self.host):
+        if self.token is not None:
+            _check_token(self.token, "token")
+        if not isinstance(self.tokens, Mapping):
+            raise ConfigError("tokens", f"must be a mapping of client name to token (got "
+                              f"{type(self.tokens).__name__})")
+        self.tokens = {str(k): v for k, v in self.tokens.items()}
+        for name, token in self.tokens.items():
+            if not name or name == DEFAULT_CLIENT and self.token is not None:
+                raise ConfigError("tokens", f"{name!r}: a client name must be non-empty and "
+                                  f"not {DEFAULT_CLIENT!r} (the holder of token)")
+            _check_token(token, f"tokens.{name}")
+        given = [t for t in [self.token, *self.tokens.values()] if t is not None]
+        if len(set(given)) != len(given):
+            raise ConfigError("tokens", "two clients have the same token: each needs its own")
+        if not given and not is_loopback(self.host):
             raise ConfigError("token", f"listening on {self.host} needs a token (set "
                               f"METASCHED_SERVE_TOKEN, or token=...): only a loopback "
                               f"address may go without")
@@ -191,6 +217,15 @@ class ServeConfig:
         if not isinstance(self.task, str) or not self.task:
             raise ConfigError("task", f"must be a non-empty string (got {self.task!r})")
         bounded(self.keep_results, "keep_results", lo=0, integer=True)
+
+    @property
+    def clients(self) -> dict[str, str]:
+        """Token -> client name, for every configured token (empty: authentication
+        off)."""
+        out = {token: name for name, token in self.tokens.items()}
+        if self.token is not None:
+            out[self.token] = DEFAULT_CLIENT
+        return out
 
     @property
     def max_body_bytes(self) -> int:

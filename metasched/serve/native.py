@@ -8,12 +8,16 @@ it finishes within that time. A request the dispatcher rejects (bad input) is ``
 with its result (``status: "rejected"``, ``reason`` naming the field). ``GET
 /v1/actions/{id}`` answers ``{"id", "status": "queued" | "running"}`` or the result
 (``status`` ``done``, ``failed`` or ``rejected``), and ``404`` for an unknown id; it too
-takes ``?wait=<seconds>`` (long polling).
+takes ``?wait=<seconds>`` (long polling). With authentication on, a trajectory is its
+opening client's (:mod:`metasched.serve.ownership`): another client's action in it or
+close of it is ``403``, its results ``404``. An ``api`` request's ``http.url`` must lie
+under its endpoint's configured url (:mod:`metasched.serve.targets`; else ``422``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +40,8 @@ from metasched.serve.openapi import (
     TrajectoryClosing,
     responses,
 )
+from metasched.serve.security import CLIENT
+from metasched.serve.targets import check_http_target
 
 if TYPE_CHECKING:
     from metasched.serve.app import Service
@@ -132,7 +138,7 @@ def native_router(service: Service) -> APIRouter:
         "parameters": TRAJECTORY_HEADERS}
 
     @router.post("/v1/actions", openapi_extra=body_schema, responses=responses(
-        *GATED, 422, s200=Result, s202=ActionPending, s422=Result | ErrorDetail))
+        *GATED, 403, 422, s200=Result, s202=ActionPending, s422=Result | ErrorDetail))
     async def submit(request: Request, wait: float = wait_query) -> Response:
         """Submit one request; with ``wait``, its result if it finishes by then (202:
         queued, not finished yet). A request the dispatcher rejects is 422 with its
@@ -148,6 +154,19 @@ def native_router(service: Service) -> APIRouter:
             return error(422, str(e))
         doc = {**ctx.fields(), **doc}
         rid = doc.setdefault("id", uuid.uuid4().hex)
+        try:
+            check_http_target(doc, service.config.upstreams)
+        except ConfigError as e:  # rejected as the dispatcher rejects (never accepted)
+            now = time.time()
+            return result_response(Result(str(rid), REJECTED, str(e), queued_at=now,
+                                          finished_at=now), 422)
+        client = request.scope.get(CLIENT)
+        try:
+            trajectory = doc.get("trajectory")
+            service.owners.claim(None if trajectory is None else str(trajectory), client)
+            service.owners.submitted(str(rid), client)
+        except ConfigError as e:
+            return error(403, str(e))
         future = await service.dispatcher.enqueue(doc)
         if isinstance(rid, str):  # any other id is rejected (a result saying so)
             service.track(rid, future, doc.get("kind"))
@@ -157,18 +176,26 @@ def native_router(service: Service) -> APIRouter:
         return result_response(result, 422 if result.status == REJECTED else 200)
 
     @router.post("/v1/trajectories/{name}/close", responses=responses(
-        *GATED, 422, s200=TrajectoryClosing))
-    async def close_trajectory(name: str) -> JSONResponse:
+        *GATED, 403, 422, s200=TrajectoryClosing))
+    async def close_trajectory(name: str, request: Request) -> JSONResponse:
         """End trajectory ``name`` as its reward action would: its sandbox and workspace
-        go once nothing of it is queued or running."""
+        go once nothing of it is queued or running. With authentication on, only the
+        client that opened it may (403 for another)."""
+        try:
+            service.owners.check_close(name, request.scope.get(CLIENT))
+        except ConfigError as e:
+            return error(403, str(e))
         service.dispatcher.close_trajectory(name)
         return JSONResponse({"trajectory": name, "status": "closing"})
 
     @router.get("/v1/actions/{rid}", responses=responses(
         *GATED, 404, 422, s200=Result | ActionPending))
-    async def lookup(rid: str, wait: float = wait_query) -> Response:
+    async def lookup(rid: str, request: Request, wait: float = wait_query) -> Response:
         """A request's result, or that it is queued or running (with ``wait``: once it
-        finishes, if it does by then); 404 for an id not known here."""
+        finishes, if it does by then); 404 for an id not known here (or, with
+        authentication on, another client's)."""
+        if not service.owners.may_read(rid, request.scope.get(CLIENT)):
+            return error(404, f"id: {rid!r} is not known here")
         state, result, future = await service.submissions.lookup(rid)
         if result is None and future is not None:
             result = await _wait(future, wait)

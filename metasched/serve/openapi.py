@@ -51,6 +51,8 @@ class TrajectoryClosing(BaseModel):
 _WHY = {
     400: "a bad request line (a proxied path that leaves the endpoint's base path)",
     401: "a missing or wrong bearer token (when the service has one)",
+    403: "another client's trajectory or action (with authentication on, only the "
+         "client that opened a trajectory may act on it)",
     404: "not known here",
     408: "the request's headers or body did not arrive in time (header_timeout_s, "
          "body_timeout_s); the connection is closed",

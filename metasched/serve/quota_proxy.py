@@ -48,6 +48,7 @@ from metasched.runtime.requests import REJECTED, Result
 from metasched.serve.context import HEADERS, context_from
 from metasched.serve.native import error
 from metasched.serve.openapi import GATED, TRAJECTORY_HEADERS, responses
+from metasched.serve.security import CLIENT
 
 if TYPE_CHECKING:
     from metasched.serve.app import Service
@@ -213,9 +214,13 @@ def proxy_router(service: Service) -> APIRouter:
             ctx = context_from(request.headers)
         except ConfigError as e:
             return error(422, str(e))
+        try:
+            service.owners.claim(ctx.trajectory, request.scope.get(CLIENT))
+        except ConfigError as e:
+            return error(403, str(e))
         body = await request.body()
         headers = {k: v for k, v in request.headers.items() if k not in _DROP_REQUEST}
-        if service.config.token is not None:
+        if service.config.clients:  # the client's token is not the upstream's
             headers.pop("authorization", None)
         for k, v in up.headers.items():
             headers.pop(k.lower(), None)
@@ -252,7 +257,7 @@ def proxy_router(service: Service) -> APIRouter:
 
     # One route per method, each with its own operation id: one route serving every
     # method gives them all the same id, which FastAPI warns about and OpenAPI forbids.
-    answers = {**responses(*GATED, 400, 404, 422, 502, 504),
+    answers = {**responses(*GATED, 400, 403, 404, 422, 502, 504),
                200: {"description": "the upstream's answer, passed on",
                      "content": {"*/*": {"schema": {}}}},
                "default": {"description": "the upstream's answer, passed on (any status "

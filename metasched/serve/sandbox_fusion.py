@@ -1,7 +1,9 @@
 """``POST /run_code``: SandboxFusion's contract, run as the dispatcher's actions.
 
 Request (JSON): ``code`` (required), ``language`` (``python``), ``compile_timeout`` and
-``run_timeout`` (seconds, 10 each), ``memory_limit_MB`` (-1: none), ``stdin``,
+``run_timeout`` (seconds; not given: the dispatcher's ``limits.timeout_s``, 10 as in
+SandboxFusion), ``memory_limit_MB`` (MiB; -1 or not given: the dispatcher's default
+``limits.mem_mb``, never unlimited), ``stdin``,
 ``files`` (path -> base64, written beside the code), ``fetch_files`` (paths read back
 after the run). Fields it does not know are ignored, as SandboxFusion does; the
 trajectory fields ``trajectory``, ``turn``, ``task``, ``reward`` (or the headers
@@ -17,8 +19,10 @@ request). ``SandboxError`` is a fault of the
 sandbox (a command that could not start, a request the dispatcher rejected, a language
 not offered here), ``Failed`` a compile error, a non-zero exit or a time limit, and
 ``Success`` everything else. A compile that fails is not followed by a run
-(``run_result`` null). Every answer is ``200`` but for a body that is not a request
-(``422``): under load the request waits its turn, it is never refused.
+(``run_result`` null). Every answer is ``200`` but for a body that is not a request or
+asks more than the dispatcher's ``limits`` allow (``422``, one line), and a trajectory
+of another client (``403``, with authentication on): under load the request waits its
+turn, it is never refused.
 
 Each step is one ``cpu`` action of one core in the request's trajectory (a fresh one,
 closed at the end, unless the request names one: then its workspace and files persist
@@ -40,6 +44,7 @@ from fastapi import APIRouter, Request
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from metasched.errors import ConfigError
+from metasched.runtime.limits import RequestLimits
 from metasched.runtime.requests import (
     DONE,
     REJECTED,
@@ -56,6 +61,7 @@ from metasched.serve.files import decoded_size, fetch_argv, parse_fetched, stdin
 from metasched.serve.languages import LANGUAGES, Language
 from metasched.serve.native import error
 from metasched.serve.openapi import GATED, TRAJECTORY_HEADERS, responses
+from metasched.serve.security import CLIENT
 
 if TYPE_CHECKING:
     from metasched.serve.app import Service
@@ -89,8 +95,8 @@ class RunCodeRequest(BaseModel):
 
     code: str
     language: str = "python"
-    compile_timeout: Seconds = 10.0
-    run_timeout: Seconds = 10.0
+    compile_timeout: Seconds | None = None  # the dispatcher's default: limits.timeout_s
+    run_timeout: Seconds | None = None
     memory_limit_MB: int = Field(-1, ge=-1)  # noqa: N815 - SandboxFusion's name
     stdin: str | None = None
     files: dict[Text, Annotated[str | None, AfterValidator(_base64)]] = Field(
@@ -162,6 +168,27 @@ def run_status(*steps: CommandRunResult | None) -> tuple[RunStatus, str]:
     return "Success", ""
 
 
+def trajectory_fields(req: RunCodeRequest, context: dict[str, Any]) -> dict[str, Any]:
+    """The trajectory fields of a request: the headers' (``context``), overridden by
+    the body's."""
+    return {**context, **{k: v for k, v in (("trajectory", req.trajectory),
+                                            ("turn", req.turn), ("task", req.task),
+                                            ("reward", req.reward)) if v is not None}}
+
+
+def check_caps(limits: RequestLimits, req: RunCodeRequest) -> None:
+    """Refuse a request asking more than the dispatcher's caps, naming its own field.
+
+    Raises:
+        ConfigError: e.g. ``memory_limit_MB: 20000 MiB asked; a request may ask at most
+            16384 (limits.max_mem_mb)``.
+    """
+    if req.memory_limit_MB > 0:
+        limits.cap(req.memory_limit_MB, "memory_limit_MB", "max_mem_mb", " MiB")
+    limits.cap(req.compile_timeout, "compile_timeout", "max_timeout_s", " s")
+    limits.cap(req.run_timeout, "run_timeout", "max_timeout_s", " s")
+
+
 async def run_code(service: Service, req: RunCodeRequest, context: dict[str, Any], *,
                    language: Language | None = None) -> RunCodeResponse:
     """Run one ``/run_code`` request through the service's dispatcher: its files
@@ -181,9 +208,7 @@ async def run_code(service: Service, req: RunCodeRequest, context: dict[str, Any
         return RunCodeResponse(status="SandboxError", message=(
             f"language: {req.language!r} is not offered here"
             + (f" ({why})" if why else "") + f" (offered: {offered})"))
-    given = {**context, **{k: v for k, v in (("trajectory", req.trajectory),
-                                             ("turn", req.turn), ("task", req.task),
-                                             ("reward", req.reward)) if v is not None}}
+    given = trajectory_fields(req, context)
     trajectory = given.get("trajectory") or f"run-{uuid.uuid4().hex}"
     layout = lang.layout(uuid.uuid4().hex[:12])
     inputs = {path: content for path, content in req.files.items() if content is not None}
@@ -193,8 +218,9 @@ async def run_code(service: Service, req: RunCodeRequest, context: dict[str, Any
     common: dict[str, Any] = {
         "kind": "cpu", "trajectory": trajectory, "turn": given.get("turn", 0),
         "task": given.get("task") or service.config.task}
-    if req.memory_limit_MB > 0:
+    if req.memory_limit_MB > 0:  # else the dispatcher's default (limits.mem_mb)
         common["mem_limit_mb"] = req.memory_limit_MB
+    files_s = min(FILES_TIMEOUT_S, service.limits.max_timeout_s)
     compiled: CommandRunResult | None = None
     ran: CommandRunResult | None = None
     fetched: dict[str, str] = {}
@@ -206,7 +232,7 @@ async def run_code(service: Service, req: RunCodeRequest, context: dict[str, Any
 
     try:
         for argv in write_argvs(inputs):
-            r = await step(argv, "write", FILES_TIMEOUT_S)
+            r = await step(argv, "write", files_s)
             if not r.ok:
                 return RunCodeResponse(status="SandboxError", message=(
                     f"files: could not be written: {r.reason}: {r.stderr.strip()[-300:]}"
@@ -226,7 +252,7 @@ async def run_code(service: Service, req: RunCodeRequest, context: dict[str, Any
                                        compile_result=compiled)
             ran = command_result(r)
         if req.fetch_files:
-            r = await step(fetch_argv(list(req.fetch_files)), "fetch", FILES_TIMEOUT_S)
+            r = await step(fetch_argv(list(req.fetch_files)), "fetch", files_s)
             try:
                 if not r.ok:  # the command's last line only: never a traceback
                     last = (r.stderr.strip().splitlines() or [""])[-1][-300:]
@@ -276,7 +302,9 @@ async def probe_languages(service: Service, names: list[str] | None
 
     async def probe(lang: Language) -> None:
         resp = await run_code(service, RunCodeRequest(
-            code=lang.probe, language=lang.name, compile_timeout=120, run_timeout=60,
+            code=lang.probe, language=lang.name,
+            compile_timeout=min(120.0, service.limits.max_timeout_s),
+            run_timeout=min(60.0, service.limits.max_timeout_s),
             task="probe"), {}, language=lang)
         out = (resp.run_result.stdout or "") if resp.run_result is not None else ""
         if resp.status == "Success" and "ok" in out:
@@ -299,13 +327,19 @@ def run_code_router(service: Service) -> APIRouter:
     router = APIRouter(route_class=JSONRoute)
 
     @router.post("/run_code", response_model=RunCodeResponse,
-                 responses=responses(*GATED, 422),
+                 responses=responses(*GATED, 403, 422),
                  openapi_extra={"parameters": TRAJECTORY_HEADERS})
     async def run_code_route(req: RunCodeRequest, request: Request):
         try:
             context = context_from(request.headers).fields()
+            check_caps(service.limits, req)
         except ConfigError as e:
             return error(422, str(e))
+        try:
+            service.owners.claim(trajectory_fields(req, context).get("trajectory"),
+                                 request.scope.get(CLIENT))
+        except ConfigError as e:
+            return error(403, str(e))
         resp = await run_code(service, req, context)
         service.metrics.run_code.labels(req.language if req.language in LANGUAGES
                                         else "other", resp.status).inc()

@@ -1,17 +1,19 @@
 """What every request passes before a route sees it: the bearer token (when the service
 has one), the body size limit and the body's deadline. One ASGI middleware, so that a
 refused request costs no parsing, an oversized body is cut off while it streams in, and
-a body that does not come in time is answered 408."""
+a body that does not come in time is answered 408. The client a token belongs to is left
+in the request's scope (:data:`CLIENT`) for the routes that check who owns a trajectory
+(:mod:`metasched.serve.ownership`)."""
 
 from __future__ import annotations
 
 import asyncio
 import hmac
 import json
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
 
-__all__ = ["OPEN_PATHS", "Gate"]
+__all__ = ["CLIENT", "OPEN_PATHS", "Gate"]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -20,6 +22,7 @@ Send = Callable[[Message], Awaitable[None]]
 
 # Answered without a token: liveness checks carry none.
 OPEN_PATHS = frozenset({"/v1/ping", "/v1/health"})
+CLIENT = "metasched.client"  # scope key: the client's name (None: authentication off)
 
 
 async def _refuse(send: Send, status: int, detail: str,
@@ -37,8 +40,9 @@ class Gate:
 
     Args:
         app: the application behind it.
-        token: the token requests must carry (``Authorization: Bearer <token>``), or
-            None for none. Compared in constant time.
+        clients: the tokens requests may carry (``Authorization: Bearer <token>``),
+            each to the name of its client; empty: no authentication. Compared in
+            constant time, each of them.
         max_body: the largest request body, in bytes: a larger one is answered 413,
             whether its ``Content-Length`` says so or it streams past the limit.
         body_timeout_s: seconds the whole body may take to arrive, from the end of the
@@ -46,9 +50,10 @@ class Gate:
     """
 
     def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], *,
-                 token: str | None, max_body: int, body_timeout_s: float = 60.0) -> None:
+                 clients: Mapping[str, str], max_body: int,
+                 body_timeout_s: float = 60.0) -> None:
         self.app = app
-        self.expected = f"Bearer {token}".encode() if token is not None else None
+        self.expected = [(f"Bearer {token}".encode(), name) for token, name in clients.items()]
         self.max_body = max_body
         self.body_timeout_s = body_timeout_s
 
@@ -57,12 +62,18 @@ class Gate:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        if self.expected is not None and scope["path"] not in OPEN_PATHS:
+        scope[CLIENT] = None
+        if self.expected and scope["path"] not in OPEN_PATHS:
             given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            client = None
+            for expected, name in self.expected:  # all of them: the time tells nothing
+                if hmac.compare_digest(given, expected):
+                    client = name
+            if client is None:
                 await _refuse(send, 401, "missing or wrong bearer token (Authorization: "
                               "Bearer <token>)", ((b"www-authenticate", b"Bearer"),))
                 return
+            scope[CLIENT] = client
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
             await _refuse(send, 413, f"request body over {self.max_body} bytes")

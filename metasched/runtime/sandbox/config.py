@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from metasched.errors import ConfigError, one_of
+from metasched.errors import ConfigError, one_of, short
+from metasched.runtime.sandbox.workspace import Template, template_from
 
 __all__ = ["ENV_ALLOW", "ISOLATION_MODES", "CGROUP_MODES", "SandboxConfig", "allowed_env"]
 
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 ISOLATION_MODES = ("auto", "bwrap", "none")
 CGROUP_MODES = ("auto", "v2", "v1", "none")
 
@@ -46,6 +49,9 @@ class SandboxConfig:
         scratch_mb: size of a trajectory-less command's private workspace.
         pids_max: processes (and threads) one command may have at once; a request's
             ``pids_max`` overrides it.
+        templates: the workspace templates requests may name (``workspace_template``):
+            name -> a directory or tar archive on this host, checked at construction.
+            A request names one of these; it never gives a path.
     """
 
     isolation: str = "auto"
@@ -59,6 +65,7 @@ class SandboxConfig:
     workspace_mb: float = 1024.0
     scratch_mb: float = 512.0
     pids_max: int = 1024
+    templates: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.check()
@@ -88,9 +95,25 @@ class SandboxConfig:
                 or not 1 <= self.pids_max <= 4_194_304):
             raise ConfigError("sandbox.pids_max", f"must be an integer in [1, 4194304] "
                               f"(got {self.pids_max!r})")
+        self.templates = _checked_templates(self.templates)
         self.env_allow = tuple(str(x) for x in self.env_allow)
         self.hide = tuple(os.path.abspath(str(p)) for p in self.hide)
         self.network = bool(self.network)
+
+    def template(self, name: str, field_: str = "workspace_template") -> Template:
+        """The configured template called ``name``, checked again (it may have gone since
+        the start).
+
+        Raises:
+            ConfigError: one line naming ``field_``: an unknown name (listing the known
+                ones), or a template that is no longer readable.
+        """
+        path = self.templates.get(name)
+        if path is None:
+            known = ", ".join(sorted(self.templates)) or "none: sandbox.templates is empty"
+            raise ConfigError(field_, f"unknown template {short(name)} (configured: {known})")
+        t = template_from(path, f"sandbox.templates.{name}")
+        return Template(t.kind, t.path, name)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> SandboxConfig:
@@ -111,6 +134,26 @@ class SandboxConfig:
                 raise ConfigError(f"sandbox.{key}", f"must be a list (got {v!r})")
             d[key] = tuple(v)
         return cls(**d)
+
+
+def _checked_templates(value: Any) -> dict[str, str]:
+    """``sandbox.templates``: names (letters, digits, ``.``, ``_``, ``-``) to the
+    absolute paths of existing directories or tar archives."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ConfigError("sandbox.templates", f"must be a mapping of name to a directory "
+                          f"or tar archive (got {short(value)})")
+    out = {}
+    for name, path in value.items():
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise ConfigError("sandbox.templates", f"{short(name)}: a name is letters, "
+                              "digits, '.', '_' and '-'")
+        if not isinstance(path, str) or not path:
+            raise ConfigError(f"sandbox.templates.{name}", f"must be a path (got "
+                              f"{short(path)})")
+        out[name] = template_from(path, f"sandbox.templates.{name}").path
+    return out
 
 
 def allowed_env(allow: tuple[str, ...], environ: Mapping[str, str] | None = None

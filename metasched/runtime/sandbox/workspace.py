@@ -26,10 +26,11 @@ MOUNT_POINT = "/.template"  # where the template is bound (read-only) inside the
 @dataclass(frozen=True)
 class Template:
     """A checked workspace template: ``kind`` is ``"dir"`` or ``"tar"``, ``path``
-    absolute."""
+    absolute, ``name`` what requests call it (``sandbox.templates``)."""
 
     kind: str
     path: str
+    name: str = ""
 
     def bwrap_args(self) -> list[str]:
         """Bind the template into the sandbox (it may lie where commands cannot see,
@@ -55,8 +56,9 @@ class Template:
 
 
 def template_from(value: str, field: str = "workspace_template") -> Template:
-    """Check a request's template path: an existing directory, or a readable regular
-    file named like a tar archive.
+    """Check a configured template's path (``sandbox.templates``; requests name
+    templates, never paths): an existing directory, or a readable regular file named
+    like a tar archive.
 
     Raises:
         ConfigError: one line naming ``field``.
