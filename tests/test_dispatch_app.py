@@ -153,14 +153,15 @@ def test_a_stop_signal_kills_running_commands_and_says_how_to_resume(tmp_path, v
 
     from metasched.runtime.journal import Journal
 
-    # Commands run in sandboxes: the gate lies where they can see it, and the quick one
-    # shows each run by a new token (they cannot write here).
+    # Commands run in sandboxes: the gate lies where they can see it (a system path of
+    # theirs), and the quick one shows each run by a new token (they cannot write here).
     gate = visible_dir / "gate"
+    seen = f"sandbox.system_paths=[{visible_dir}]"
     quick = job(CMD_PY, "-c", "import uuid; print(uuid.uuid4())", id="quick")
     slow = [job("/bin/sh", "-c", 'test -e "$0" || sleep 30', str(gate), id=f"s{i}")
             for i in range(4)]
     jobs = write_jobs(tmp_path / "jobs.jsonl", [quick] + slow)
-    p, pids = start_dispatch(tmp_path, jobs, finished=1)
+    p, pids = start_dispatch(tmp_path, jobs, seen, finished=1)
     try:
         p.send_signal(getattr(signal, sig))
         _, err = p.communicate(timeout=60)
@@ -180,7 +181,8 @@ def test_a_stop_signal_kills_running_commands_and_says_how_to_resume(tmp_path, v
     edited = write_jobs(tmp_path / "jobs.jsonl",
                         [quick, job("true", id="s0"), job("false", id="s1"), *slow[2:]])
     run_dispatch({"jobs": edited, "scheduler": "fifo", "progress": False,
-                  "journal": str(db)}, tmp_path / "resumed")
+                  "journal": str(db), "sandbox": {"system_paths": [str(visible_dir)]}},
+                 tmp_path / "resumed")
     again = results(tmp_path / "resumed")
     assert again["quick"]["status"] == "done"
     assert again["quick"]["stdout"] == first["quick"]["stdout"]  # not re-run

@@ -22,6 +22,7 @@ from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
 from metasched.runtime.journal import Journal, JournalLocked
 from metasched.runtime.journal_docs import StoredRequest
 from metasched.runtime.requests import MAX_SECONDS
+from metasched.runtime.sandbox.config import SandboxConfig
 
 PY = sys.executable  # runs dispatcher processes
 CMD_PY = COMMAND_PY  # what commands run: a sandbox's user can (see helpers)
@@ -166,8 +167,9 @@ def test_env_values_stay_out_of_the_journal_unless_asked(tmp_path, visible_dir, 
     assert stored.env_withheld == (() if keep_env else ("PATH", "SECRET"))
     gate.write_text("")
 
-    async def restart(resubmit):
-        async with Dispatcher(cfg(journal=db)) as d:
+    async def restart(resubmit):  # the gate lies where sandboxed commands see it
+        seen = SandboxConfig(system_paths=(str(visible_dir),))
+        async with Dispatcher(cfg(journal=db, sandbox=seen)) as d:
             waiting = d.awaiting_resubmission
             return waiting, await asyncio.gather(*(d.accept(r) for r in resubmit))
 

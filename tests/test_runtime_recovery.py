@@ -33,9 +33,10 @@ CHILD = textwrap.dedent("""
     from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
     from metasched.runtime.sandbox.config import SandboxConfig
 
-    async def main(db, workdir, isolation, requests):
+    async def main(db, workdir, isolation, requests, seen):
+        sandbox = SandboxConfig(isolation=isolation, system_paths=(seen,))
         cfg = DispatcherConfig(scheduler="elastic_greedy", journal=db, sample_interval_s=0.1,
-                               workdir=workdir, sandbox=SandboxConfig(isolation=isolation))
+                               workdir=workdir, sandbox=sandbox)
         async with Dispatcher(cfg) as d:
             for r in json.loads(open(requests).read()):
                 d.accept(r)
@@ -73,7 +74,8 @@ def test_kill_9_loses_nothing_and_removes_only_its_own(tmp_path, visible_dir, is
     (tmp_path / "requests.json").write_text(json.dumps(reqs))
     child = subprocess.Popen(
         [sys.executable, "-c", CHILD, str(db), str(workdir), isolation,
-         str(tmp_path / "requests.json")], stdout=subprocess.PIPE, text=True)
+         str(tmp_path / "requests.json"), str(visible_dir)], stdout=subprocess.PIPE,
+        text=True)
     try:
         word, dead_run = child.stdout.readline().split()
         assert word == "accepted"
@@ -95,12 +97,9 @@ def test_kill_9_loses_nothing_and_removes_only_its_own(tmp_path, visible_dir, is
     assert orphans, "the killed dispatcher left running commands in its journal"
     in_flight = {k for k, s in state.items() if s == RUNNING}
     assert 1 <= len(in_flight) <= len(os.sched_getaffinity(0))
-    if isolation == "bwrap":
-        # Its sandbox server saw the dispatcher's end close and took every command
-        # down with the sandboxes, before any restart.
-        _wait_gone([pid for _, pid in orphans])
-    else:
-        assert any(psutil.pid_exists(pid) for _, pid in orphans)  # still sleeping
+    # Its commands died with it, before any restart: sandboxed ones with their pid
+    # namespaces, host ones by its lifeline.
+    _wait_gone([pid for _, pid in orphans])
     assert os.path.isdir(dead_run)
 
     open(gate, "w").close()
@@ -108,7 +107,8 @@ def test_kill_9_loses_nothing_and_removes_only_its_own(tmp_path, visible_dir, is
     async def restart():
         cfg = DispatcherConfig(scheduler="elastic_greedy", journal=db, workdir=str(workdir),
                                sample_interval_s=0.1,
-                               sandbox=SandboxConfig(isolation=isolation))
+                               sandbox=SandboxConfig(isolation=isolation,
+                                                     system_paths=(str(visible_dir),)))
         async with Dispatcher(cfg) as d:
             futs = [d.accept(r) for r in reqs]  # resubmitted: deduplicated by id
             return await asyncio.gather(*futs), d.state.n_submitted

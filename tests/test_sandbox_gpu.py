@@ -248,3 +248,24 @@ def test_a_ray_node_agent_runs_a_gpu_command_with_its_gpu_alone(dev, monkeypatch
     assert gpu.stdout.split("\n")[:4] == ["nvidiactl open", "nvidia0 absent", "nvidia1 open",
                                           "c"]
     assert during - after == 2
+
+
+def test_a_gpu_command_sees_the_pci_devices_and_a_cpu_command_does_not(boxes):
+    if not os.path.isdir("/sys/bus/pci/devices") or not os.listdir("/sys/bus/pci/devices"):
+        pytest.skip("no PCI device in /sys here")
+    first = sorted(os.listdir("/sys/bus/pci/devices"))[0]
+    probe = ["sh", "-c", f"cat /sys/bus/pci/devices/{first}/vendor || echo none; "
+             "test -e /sys/class/net && echo net || echo no-net"]
+
+    async def go():
+        boxes.attach(asyncio.get_running_loop())
+        sb = boxes.open("t1", size_mb=64, template=None, network=False)
+        await sb.ready
+        gpu = await run_in(boxes, boxes.gpu_sandbox(sb, 0), probe)
+        cpu = await run_in(boxes, sb, probe)
+        boxes.close_trajectory("t1")
+        return gpu, cpu
+    gpu, cpu = run(go())
+    vendor = open(f"/sys/bus/pci/devices/{first}/vendor").read().strip()
+    assert gpu.stdout.split() == [vendor, "no-net"], gpu.stderr
+    assert cpu.stdout.split() == ["none", "no-net"]

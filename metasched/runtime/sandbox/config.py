@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from metasched.errors import ConfigError, one_of, short
+from metasched.runtime.sandbox.bwrap import NOT_SYSTEM_PATHS, OWN_MOUNTS, within
 from metasched.runtime.sandbox.workspace import Template, template_from
 
 __all__ = ["ENV_ALLOW", "ISOLATION_MODES", "CGROUP_MODES", "SandboxConfig", "allowed_env"]
@@ -42,7 +43,12 @@ class SandboxConfig:
         nobody_uid: the user (and group) id when no range is given.
         network: whether commands may reach the network when their request does not say.
         env_allow: variables passed from the dispatcher's environment.
-        hide: more host paths commands must not see (the journal's files always are).
+        hide: more host paths commands must not see (the journal's files always are),
+            where they lie under a path sandboxes see.
+        system_paths: more host paths (absolute) a sandbox sees, read-only, at the same
+            place, besides the system's programs and libraries (``/usr``, ``/bin``,
+            ``/lib*``...) and the files of ``/etc`` programs need: e.g. a toolchain in
+            ``/opt``. Nothing else of the host is in a sandbox.
         workspace_mb: size of a trajectory's workspace (a tmpfs holding ``/workspace``,
             ``/tmp`` and ``/dev/shm``): the sandbox memory the scheduler accounts for
             the trajectory; a request's ``workspace_mb`` overrides it.
@@ -62,6 +68,7 @@ class SandboxConfig:
     network: bool = False
     env_allow: tuple[str, ...] = ENV_ALLOW
     hide: tuple[str, ...] = ()
+    system_paths: tuple[str, ...] = ()
     workspace_mb: float = 1024.0
     scratch_mb: float = 512.0
     pids_max: int = 1024
@@ -98,6 +105,7 @@ class SandboxConfig:
         self.templates = _checked_templates(self.templates)
         self.env_allow = tuple(str(x) for x in self.env_allow)
         self.hide = tuple(os.path.abspath(str(p)) for p in self.hide)
+        self.system_paths = tuple(_system_path(p) for p in self.system_paths)
         self.network = bool(self.network)
 
     def template(self, name: str, field_: str = "workspace_template") -> Template:
@@ -124,7 +132,7 @@ class SandboxConfig:
             if key not in known:
                 raise ConfigError(f"sandbox.{key}", f"unknown setting (known: "
                                   f"{', '.join(sorted(known))})")
-        for key in ("uid_range", "env_allow", "hide"):
+        for key in ("uid_range", "env_allow", "hide", "system_paths"):
             v = d.get(key)
             if v is None:
                 if key != "uid_range":
@@ -154,6 +162,23 @@ def _checked_templates(value: Any) -> dict[str, str]:
                               f"{short(path)})")
         out[name] = template_from(path, f"sandbox.templates.{name}").path
     return out
+
+
+def _system_path(path: Any) -> str:
+    """A configured system path, normalised; ConfigError where it is not one."""
+    field = "sandbox.system_paths"
+    if not isinstance(path, str) or not path.startswith("/"):
+        raise ConfigError(field, f"must be absolute host paths (got {path!r})")
+    norm = os.path.normpath(path)
+    if norm in NOT_SYSTEM_PATHS:
+        raise ConfigError(field, f"{path!r} would expose the host (name the paths a "
+                          "toolchain needs)")
+    if within(norm, OWN_MOUNTS):
+        raise ConfigError(field, f"{path!r} would cover the sandbox's own "
+                          f"{', '.join(OWN_MOUNTS)}")
+    if not os.path.lexists(norm):
+        raise ConfigError(field, f"{path!r} does not exist")
+    return norm
 
 
 def allowed_env(allow: tuple[str, ...], environ: Mapping[str, str] | None = None

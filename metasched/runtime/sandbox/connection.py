@@ -52,12 +52,15 @@ class ServerConnection:
         home_cgroups: descriptors of this process's own ``cgroup.procs`` files in the
             hierarchies slots use (the server returns there after each spawn); sent to
             the server and closed here.
+        refuse_userns: have the server refuse new user namespaces to everything it
+            starts (:mod:`.userns`); :attr:`userns` says whether it could.
 
     Raises:
         ServerGone: the server did not start.
     """
 
-    def __init__(self, home_cgroups: Sequence[int] = ()) -> None:
+    def __init__(self, home_cgroups: Sequence[int] = (), *,
+                 refuse_userns: bool = False) -> None:
         mine, theirs = protocol.socket_pair()
         self.sock = mine
         package_root = str(Path(__file__).resolve().parents[3])
@@ -65,7 +68,7 @@ class ServerConnection:
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "metasched.runtime.sandbox.server",
-                 str(theirs.fileno())],
+                 str(theirs.fileno()), *(["--refuse-userns"] if refuse_userns else [])],
                 pass_fds=(theirs.fileno(),), env=env, cwd="/", stdin=subprocess.DEVNULL,
                 start_new_session=True)
         finally:
@@ -78,7 +81,7 @@ class ServerConnection:
         self.sock.settimeout(_START_TIMEOUT_S)
         try:
             self._send({"op": "hello"}, home_cgroups)
-            self._wait_reply("hello", None)
+            hello = self._wait_reply("hello", None)
         except (OSError, ServerGone) as e:
             self.close()
             raise ServerGone(f"the sandbox server did not start: {e}") from None
@@ -86,6 +89,8 @@ class ServerConnection:
             for fd in home_cgroups:
                 os.close(fd)
         self.sock.settimeout(None)
+        # "refused", or why new user namespaces are open to what the server starts.
+        self.userns: str = hello.get("userns", "open")
 
     # --- delivery on the event loop -----------------------------------------------------
 

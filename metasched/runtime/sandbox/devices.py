@@ -11,13 +11,18 @@ granted GPU's node is what keeps a command from opening another GPU, whatever it
 
 from __future__ import annotations
 
+import glob
 import os
 import stat
 
-__all__ = ["CONTROL_NODES", "DEV_ROOT", "gpu_nodes"]
+__all__ = ["CONTROL_NODES", "DEV_ROOT", "GPU_SYS_PATHS", "gpu_nodes", "gpu_sys_paths"]
 
 DEV_ROOT = "/dev"
 CONTROL_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")
+# What of /sys a gpu command's sandbox also sees, read-only (glob patterns): the PCI
+# devices (the driver and NVML read a GPU's PCI attributes and NUMA node) and the
+# NVIDIA modules' parameters. Other sandboxes see no PCI device.
+GPU_SYS_PATHS = ("/sys/bus/pci", "/sys/devices/pci*", "/sys/module/nvidia*")
 
 
 def _is_char_device(path: str) -> bool:
@@ -37,3 +42,8 @@ def gpu_nodes(minor: int, dev_root: str | None = None) -> list[str]:
     if not _is_char_device(os.path.join(root, own)):
         return []
     return [*(n for n in CONTROL_NODES if _is_char_device(os.path.join(root, n))), own]
+
+
+def gpu_sys_paths() -> list[str]:
+    """The host paths of :data:`GPU_SYS_PATHS` that exist here."""
+    return sorted({p for pattern in GPU_SYS_PATHS for p in glob.glob(pattern)})

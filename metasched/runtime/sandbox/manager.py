@@ -22,6 +22,7 @@ from metasched.errors import ConfigError
 from metasched.runtime.sandbox import bwrap, cgroups, devices
 from metasched.runtime.sandbox.config import SandboxConfig
 from metasched.runtime.sandbox.connection import ServerConnection, ServerGone, spawned_pid
+from metasched.runtime.sandbox.lifeline import Lifeline
 from metasched.runtime.sandbox.uids import UidPool
 from metasched.runtime.sandbox.workspace import WORKSPACE, Template
 
@@ -133,7 +134,8 @@ class Sandboxes:
         self.server: ServerConnection | None = None
         if self.bwrap_path is not None or (self.tree is not None and os.geteuid() == 0):
             try:
-                self.server = ServerConnection(self._home_cgroups())
+                self.server = ServerConnection(self._home_cgroups(),
+                                               refuse_userns=self.bwrap_path is not None)
             except ServerGone as e:
                 if config.isolation == "bwrap":
                     self.close()
@@ -147,6 +149,16 @@ class Sandboxes:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._host_slots: list[Slot] = []  # free slots of commands run without isolation
         self._stuck: list[Slot] = []  # slots that would not empty: removed at close
+        # Commands on the host end with this process through the lifeline (sandboxed
+        # ones through the kernel: see metasched.runtime.sandbox.lifeline).
+        self.lifeline: Lifeline | None = None
+        if self.bwrap_path is None:
+            try:
+                self.lifeline = Lifeline(self.directories())
+            except OSError as e:
+                self.close()
+                raise ConfigError("sandbox", f"cannot start the process that ends "
+                                  f"commands with the dispatcher: {e.strerror or e}") from None
 
     # --- setup --------------------------------------------------------------------------
 
@@ -202,7 +214,10 @@ class Sandboxes:
             ns = "pid, mount, ipc, uts, net (unless allowed)"
             uid = (f"uids {self.uids.first}-{self.uids.first + self.uids.count - 1} (one per "
                    "sandbox)" if not self.uids.shared else f"uid {self.uids.nobody}")
-            iso = f"{self.bwrap_version} namespaces ({ns}), {uid}"
+            iso = f"{self.bwrap_version} namespaces ({ns}), {uid}, minimal root"
+            userns = self.server.userns if self.server is not None else "open"
+            iso += (", no user namespaces" if userns == "refused" else
+                    f", user namespaces NOT disabled: {userns}")
         else:
             iso = f"no isolation (host, uid {os.geteuid()})"
         if self.tree is not None:
@@ -288,9 +303,12 @@ class Sandboxes:
         try:
             self.server.open({"sid": sid, "uid": uid, "gid": uid, "workspace": workspace,
                               "env": {"PATH": "/usr/bin:/bin"},
+                              "files": bwrap.identity_files(uid, uid),
                               "bwrap": bwrap.sandbox_argv(
                                   self.bwrap_path, network=network, hide=self.hide,
-                                  extra=extra)})
+                                  extra=extra,
+                                  system_paths=[*self.config.system_paths,
+                                                *(devices.gpu_sys_paths() if nodes else [])])})
         except ServerGone as e:
             sb.ready.set_exception(OSError(0, str(e)))
         return sb
@@ -518,6 +536,9 @@ class Sandboxes:
             self.tree.close()
             self._host_slots.clear()
             self._stuck.clear()
+        if getattr(self, "lifeline", None) is not None:  # (made last in __init__)
+            self.lifeline.close()
+            self.lifeline = None
 
 
 def _spawned(fut: asyncio.Future[int], reply: dict[str, Any]) -> None:

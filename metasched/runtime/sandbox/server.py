@@ -19,7 +19,9 @@ server has, for the duration of that one call, moved itself into the command's c
 the command's ids as its real ids (``setresuid(uid, 0, 0)``, and ``POSIX_SPAWN_RESETIDS``
 makes them the child's effective ones: after ``execve`` all three are the unprivileged
 ones and no capability is left) and changed to its working directory; then it returns to
-its own. The child is therefore confined from its first instruction. A throwaway
+its own. The child is therefore confined from its first instruction. A sandboxed
+command's ``PATH`` keeps only the absolute directories its user may search there (so
+that a missing program reads as missing, not as a refused directory). A throwaway
 (trajectory-less) command gets, in addition, a private copy of the sandbox's mount
 namespace with a fresh tmpfs of its own on ``/workspace``, ``/tmp`` and ``/dev/shm``;
 it disappears with the command's last process.
@@ -35,9 +37,14 @@ the kernel kill everything left in the namespace. The server exits when the disp
 end of the socket closes (the dispatcher exited, or was killed), and when its parent
 dies (``PR_SET_PDEATHSIG``).
 
-Run as ``python -m metasched.runtime.sandbox.server FD`` with ``FD`` its end of a
-``SOCK_SEQPACKET`` pair (see :mod:`.protocol` for the messages); only the standard
-library and this package's :mod:`.syscalls` and :mod:`.protocol` are imported.
+With ``--refuse-userns`` the server first loads a seccomp filter into itself that
+refuses new user namespaces (:mod:`.userns`), which every process it starts inherits;
+its reply to ``hello`` says whether that worked (``userns``: ``"refused"``, or why not).
+
+Run as ``python -m metasched.runtime.sandbox.server FD [--refuse-userns]`` with ``FD``
+its end of a ``SOCK_SEQPACKET`` pair (see :mod:`.protocol` for the messages); only the
+standard library and this package's :mod:`.syscalls`, :mod:`.protocol` and
+:mod:`.userns` are imported.
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from metasched.runtime.sandbox import protocol, syscalls
+from metasched.runtime.sandbox import protocol, syscalls, userns
 from metasched.runtime.sandbox.syscalls import (
     CLONE_NEWIPC,
     CLONE_NEWNET,
@@ -73,6 +80,7 @@ _NS = (("mnt", CLONE_NEWNS), ("net", CLONE_NEWNET), ("ipc", CLONE_NEWIPC),
        ("uts", CLONE_NEWUTS), ("pid", CLONE_NEWPID))
 _SHARED_MOUNTS = (WORKSPACE, "/tmp", "/dev/shm")  # what a sandbox's tmpfs holds
 _TAIL = 2048  # bytes of a seeding command's stderr kept for its error message
+_DATA_MAX = 60_000  # bytes of a file given to bwrap through a pipe (its buffer: 64 KiB)
 
 
 @dataclass
@@ -106,8 +114,9 @@ class _Command:
 class Server:
     """The server's state and event loop (see the module docstring)."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, userns_state: str = "open") -> None:
         self.sock = sock
+        self.userns = userns_state  # "refused", or why new user namespaces are open
         self.sel = selectors.DefaultSelector()
         self.sandboxes: dict[int, _Sandbox] = {}
         self.commands: dict[int, _Command] = {}
@@ -163,7 +172,7 @@ class Server:
                 elif op == "hello":
                     self.home_cgroups = fds
                     fds = []
-                    self._reply({"re": "hello", "pid": os.getpid()})
+                    self._reply({"re": "hello", "pid": os.getpid(), "userns": self.userns})
                 else:
                     self._reply({"re": op, "error": f"unknown request {op!r}"})
             finally:
@@ -224,6 +233,8 @@ class Server:
             try:
                 path = msg["env"].get(b"PATH")
                 if path is not None:  # posix_spawnp searches this process's PATH
+                    if sandbox is not None:
+                        path = msg["env"][b"PATH"] = _searchable(path)
                     os.environb[b"PATH"] = path
                 return os.posix_spawnp(
                     msg["argv"][0], msg["argv"], msg["env"],
@@ -285,7 +296,8 @@ class Server:
 
     def _open(self, msg: dict[str, Any]) -> None:
         """Start a sandbox's bwrap; it is ready (and the reply sent) once its stub runs
-        and its workspace is mounted (and seeded)."""
+        and its workspace is mounted (and seeded). ``msg["files"]`` (path: text) are
+        files made for it, bound read-only (``/etc/passwd``...)."""
         sid = msg["sid"]
         sb = _Sandbox(sid, msg["uid"], msg["gid"], workspace=msg["workspace"])
         self.sandboxes[sid] = sb
@@ -294,7 +306,13 @@ class Server:
             sb.ready_fd, ready_w = os.pipe()
             sb.info_fd, info_w = os.pipe()
             os.set_inheritable(info_w, True)
-            argv = [*msg["bwrap"][:1], "--info-fd", str(info_w), *msg["bwrap"][1:]]
+            data = self._data_files(msg.get("files") or {})
+            given = msg["bwrap"]
+            end = len(given) - 1 - given[::-1].index("--")  # the options' end
+            argv = [given[0], "--info-fd", str(info_w), *given[1:end],
+                    *(a for fd, dest in data
+                      for a in ("--perms", "0444", "--ro-bind-data", str(fd), dest)),
+                    *given[end:]]
             try:
                 sb.bwrap_pid = os.posix_spawn(
                     argv[0], argv, msg["env"],
@@ -302,13 +320,33 @@ class Server:
                                   (os.POSIX_SPAWN_DUP2, ready_w, 1)],
                     setsid=True)
             finally:
-                for fd in (block_r, ready_w, info_w):
+                for fd in (block_r, ready_w, info_w, *(fd for fd, _ in data)):
                     _close(fd)
             sb.bwrap_fd = os.pidfd_open(sb.bwrap_pid)
         except OSError as e:
             self._fail_open(sb, f"cannot start bwrap: {e.strerror or e}")
             return
         self.sel.register(sb.ready_fd, selectors.EVENT_READ, lambda _: self._on_ready(sid))
+
+    @staticmethod
+    def _data_files(files: dict[str, str]) -> list[tuple[int, str]]:
+        """A pipe holding each file's text (small: it fits the pipe's buffer), its read
+        end inheritable, for bwrap's ``--ro-bind-data FD DEST``."""
+        data: list[tuple[int, str]] = []
+        try:
+            for dest, text in files.items():
+                r, w = os.pipe()
+                data.append((r, dest))
+                try:
+                    os.write(w, text.encode()[:_DATA_MAX])
+                finally:
+                    _close(w)
+                os.set_inheritable(r, True)
+        except OSError:
+            for fd, _ in data:
+                _close(fd)
+            raise
+        return data
 
     def _on_ready(self, sid: int) -> None:
         sb = self.sandboxes.get(sid)
@@ -552,6 +590,14 @@ def _mount_tmpfs(size: int, uid: int, gid: int, template: str | None) -> None:
         syscalls.umount(STAGE, MNT_DETACH)
 
 
+def _searchable(path: bytes) -> bytes:
+    """The entries of a ``PATH`` that are directories this process's real user (the
+    command's) may search, here (in the sandbox); ``/usr/bin:/bin`` where none is."""
+    kept = [d for d in path.split(b":")
+            if d.startswith(b"/") and os.access(d, os.X_OK) and os.path.isdir(d)]
+    return b":".join(kept) or b"/usr/bin:/bin"
+
+
 def _read_all(fd: int, limit: int = 1 << 16) -> bytes:
     out = bytearray()
     os.set_blocking(fd, False)
@@ -574,7 +620,7 @@ def _close(fd: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """Entry point: ``server FD``."""
+    """Entry point: ``server FD [--refuse-userns]``."""
     fd = int(argv[1])
     # End with the dispatcher even if its end of the socket outlives it somehow.
     syscalls.parent_death_signal(signal.SIGKILL)
@@ -582,12 +628,19 @@ def main(argv: list[str]) -> None:
         sys.exit(0)
     syscalls.no_new_privs()  # no command can regain privileges through setuid binaries
     os.setgroups([])  # commands must not inherit root's supplementary groups
+    state = "open (not asked)"
+    if "--refuse-userns" in argv[2:]:
+        try:
+            userns.refuse_user_namespaces()
+            state = "refused"
+        except OSError as e:
+            state = f"open ({e.strerror or e})"
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the dispatcher's to handle
     # Inherited (that is how it came), it would be inherited by every command too, and a
     # command holding it could ask this root process for anything.
     os.set_inheritable(fd, False)
     sock = socket.socket(fileno=fd)
-    Server(sock).serve()
+    Server(sock, state).serve()
 
 
 if __name__ == "__main__":
