@@ -211,7 +211,7 @@ def test_plan_runs_under_the_guard(tmp_path, monkeypatch, max_wait_s):
     import metasched.agents as agents
     from metasched.errors import ConfigError
 
-    monkeypatch.setitem(agents._REGISTRY, "waits", _WaitsUnlessServed)
+    monkeypatch.setitem(agents.REGISTRY, "waits", _WaitsUnlessServed)
     cfg = compose("plan", [*PLAN, "scheduler=waits", "baseline=fifo", "n_seeds=1",
                            f"max_wait_s={'null' if max_wait_s is None else max_wait_s}"])
     if max_wait_s is None:
