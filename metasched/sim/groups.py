@@ -9,13 +9,16 @@ score
     z = a * D + p * U + s * E,    a^2 + p^2 + s^2 = 1,
 
 (``U``: the trajectory's latent, ``E``: the draw's own noise, all standard normal and
-independent), so every marginal is the profile's distribution, unchanged. The profile
-gives shares of variance, as a one-way random-effects ANOVA measures them on real runs:
-``share`` is the fraction of the variance of the log of a draw that the prompt explains
-(``Var E[log x | D] / Var log x``), ``persistence`` the further fraction the trajectory
-explains. The loadings ``a`` and ``p`` that give them are solved numerically through the
-distribution's shape (its two-slope tail, its clipping, the rounding of turn counts),
-where a plain log-normal would have ``a^2 = share``.
+independent; for turn counts ``D`` is ``c D + sqrt(1 - c^2) D'``, ``c`` the
+``turns_coupling`` and ``D'`` a second per-prompt normal), so every marginal is the
+profile's distribution, unchanged.
+
+The profile gives shares of variance, as a one-way random-effects ANOVA measures them on
+real runs: ``share`` is the fraction of the variance of the log of a draw that the
+prompt explains (``Var E[log x | D] / Var log x``), ``persistence`` the further fraction
+the trajectory explains. The loadings ``a`` and ``p`` that give them are solved
+numerically through the distribution's shape (its two-slope tail, its clipping, the
+rounding of turn counts), where a plain log-normal would have ``a^2 = share``.
 
 ``size: 1`` with no share is the default: independent trajectories, drawn exactly as
 before (the same random stream). Turn counts have no persistence (one per trajectory);
@@ -37,7 +40,7 @@ from metasched.errors import ConfigError
 
 MAX_SHARE = 0.99  # share + persistence: some noise of its own is left to every draw
 _KEYS = {"size", "turns", "generation_s", "duration_s", "actions", "persistence",
-         "generation_persistence"}
+         "generation_persistence", "turns_coupling"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +56,9 @@ class GroupConfig:
         actions: per action name (``reward``: the reward action), its own share.
         persistence: the trajectory's further share of an action's log duration.
         generation_persistence: the trajectory's further share of a gap's log.
+        turns_coupling: the correlation of the prompt's latent for turns with its latent
+            for durations and gaps (1: one latent; below 1, a second per-prompt normal
+            ``D'`` enters turns: ``c D + sqrt(1 - c^2) D'``).
     """
 
     size: int = 1
@@ -62,6 +68,7 @@ class GroupConfig:
     actions: tuple[tuple[str, float], ...] = ()
     persistence: float = 0.0
     generation_persistence: float = 0.0
+    turns_coupling: float = 1.0
 
     @property
     def on(self) -> bool:
@@ -77,8 +84,8 @@ class GroupConfig:
 
 def parse_groups(d: Any, path: str, action_names: set[str] | None = None) -> GroupConfig:
     """``{size, turns, generation_s, duration_s, actions: {name: share}, persistence,
-    generation_persistence}`` (absent or null: off); ``action_names``, when given, the
-    names ``actions`` may use (``reward`` always)."""
+    generation_persistence, turns_coupling}`` (absent or null: off); ``action_names``,
+    when given, the names ``actions`` may use (``reward`` always)."""
     if d is None:
         return GroupConfig()
     if not isinstance(d, Mapping):
@@ -103,7 +110,10 @@ def parse_groups(d: Any, path: str, action_names: set[str] | None = None) -> Gro
                     turns=share("turns"), generation_s=share("generation_s"),
                     duration_s=share("duration_s"), actions=tuple(actions),
                     persistence=share("persistence"),
-                    generation_persistence=share("generation_persistence"))
+                    generation_persistence=share("generation_persistence"),
+                    turns_coupling=bounded(1.0 if d.get("turns_coupling") is None
+                                           else d["turns_coupling"], f"{path}.turns_coupling",
+                                           lo=0.0, hi=1.0))
     for key, total in (("persistence", max([g.duration_s, *(s for _, s in actions)])
                         + g.persistence),
                        ("generation_persistence", g.generation_s + g.generation_persistence)):
@@ -238,5 +248,37 @@ def anova_share(values: np.ndarray, groups: np.ndarray) -> float:
     return between / (between + msw) if between + msw > 0 else math.nan
 
 
+def nested_shares(values: np.ndarray, prompts: np.ndarray, trajs: np.ndarray
+                  ) -> tuple[float, float]:
+    """Draws nested in trajectories nested in prompts (a trajectory's actions): the
+    prompt's share of the variance of ``values`` and the trajectory's (the prompt's
+    included), as moment estimates: the mean product of deviations over pairs of draws
+    from different trajectories of one prompt, and over pairs of distinct draws of one
+    trajectory, each over the variance. A one-way ANOVA by prompt would count the
+    trajectory's persistence in the prompt's share where trajectories make several draws.
+    nan where no such pair exists."""
+    v = np.asarray(values, float)
+    dev = v - v.mean()
+    var = float(dev @ dev) / len(v) if len(v) else 0.0
+    _, pi = np.unique(np.asarray(prompts), return_inverse=True)
+    _, ti = np.unique(np.asarray(trajs), return_inverse=True)
+    s_p = np.bincount(pi, weights=dev)
+    n_p = np.bincount(pi).astype(float)
+    s_t = np.bincount(ti, weights=dev)
+    n_t = np.bincount(ti).astype(float)
+    t_prompt = np.zeros(len(s_t), dtype=np.intp)
+    t_prompt[ti] = pi
+    sq_t = np.bincount(t_prompt, weights=s_t * s_t, minlength=len(s_p))
+    nn_t = np.bincount(t_prompt, weights=n_t * n_t, minlength=len(s_p))
+    pairs_p = float((n_p * n_p - nn_t).sum())
+    pairs_t = float((n_t * n_t - n_t).sum())
+    if var <= 0.0:
+        return math.nan, math.nan
+    between = float((s_p * s_p - sq_t).sum()) / pairs_p / var if pairs_p else math.nan
+    within = (float((s_t * s_t).sum()) - float(dev @ dev)) / pairs_t / var if pairs_t \
+        else math.nan
+    return between, within
+
+
 __all__ = ["GroupConfig", "Loadings", "TaskLoadings", "anova_share", "explained",
-           "loading_for", "parse_groups"]
+           "loading_for", "nested_shares", "parse_groups"]

@@ -7,6 +7,7 @@ estimates (common random numbers): differences between schedulers are theirs alo
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -222,9 +223,10 @@ def sample_prompts(w: WorkloadConfig, rng: np.random.Generator) -> WorkloadInsta
     """Draw ``w.steps`` RL steps in prompt groups (``w.groups``; ``metasched.sim.groups``):
     each task's trajectories of a step split into prompts of ``groups.size`` responses
     (the last one smaller where they do not divide), siblings one after another. Per
-    prompt, its latent difficulty; per trajectory, its persistence latents; then the
-    trajectory, every draw at its combined normal score. Prompt ids count the instance's
-    prompts, ``"0"``, ``"1"``, ...: every step's prompts are new ones."""
+    prompt, its latent difficulty (and the one its turn counts see); per trajectory, its
+    persistence latents; then the trajectory, every draw at its combined normal score.
+    Prompt ids count the instance's prompts, ``"0"``, ``"1"``, ...: every step's prompts
+    are new ones."""
     counts = split_counts([t.share for t in w.tasks], w.trajectories_per_step)
     g = w.groups
     loads = {t.name: TaskLoadings.of(t, g) for t in w.tasks}
@@ -233,9 +235,10 @@ def sample_prompts(w: WorkloadConfig, rng: np.random.Generator) -> WorkloadInsta
         step: list[TrajectorySpec] = []
         for task, c in zip(w.tasks, counts, strict=True):
             for first in range(0, c, g.size):
-                d = float(rng.standard_normal())
+                d, d2 = rng.standard_normal(2).tolist()
+                dt = g.turns_coupling * d + math.sqrt(1.0 - g.turns_coupling ** 2) * d2
                 step.extend(_sample_sibling(task, rng, w.estimate_error, loads[task.name], d,
-                                            str(prompts))
+                                            dt, str(prompts))
                             for _ in range(min(g.size, c - first)))
                 prompts += 1
         steps.append(step)
@@ -295,12 +298,12 @@ class _Draws:
 
 
 def _sample_sibling(task: TaskConfig, rng: np.random.Generator, est_error: float,
-                    loads: TaskLoadings, d: float, prompt: str) -> TrajectorySpec:
-    """One response to a prompt of latent difficulty ``d``."""
+                    loads: TaskLoadings, d: float, dt: float, prompt: str) -> TrajectorySpec:
+    """One response to a prompt of latent difficulty ``d`` (``dt``: for turn counts)."""
     u, v = rng.standard_normal(2).tolist()
     draw = _Draws(rng, loads, task, est_error, prompt, d, u, v)
     t = loads.turns
-    n = int(round(float(_scored(task.turns, np.array([t.a * d + t.s * rng.standard_normal()]),
+    n = int(round(float(_scored(task.turns, np.array([t.a * dt + t.s * rng.standard_normal()]),
                                 rng)[0])))
     if task.turn_groups:
         return _sample_grouped(task, n, rng, est_error, draw)
