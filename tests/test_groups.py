@@ -6,8 +6,8 @@ Tolerances come from sampling error: each grouped profile is sampled in independ
 batches (seeds), and a figure's standard error is the spread of its batch values over
 sqrt(batches). A configured share must come back within K standard errors of the
 batches' mean, K = 4.3: the t quantile (9 degrees of freedom) that leaves a 0.1% chance
-each, for some 25 shares checked together. A measured figure (mini-swe-agent on 30 SWE-bench instances) is itself an
-estimate from 30 prompts: its standard error is the batch spread scaled to 30 prompts
+each, for some 25 shares checked together. A measured figure (mini-swe-agent on 30
+SWE-bench instances) is itself an estimate from 30 prompts: its standard error is the batch spread scaled to 30 prompts
 (sd x sqrt(prompts per batch / 30)), and the profile's figure must lie within 2
 combined standard errors of it.
 """
@@ -27,8 +27,8 @@ from metasched.calibration.groups import group_figures, records_of
 from metasched.cli.calibrate_app import run_calibrate
 from metasched.compose import PROFILES, compose, profile
 from metasched.errors import ConfigError
+from metasched.evaluation.recording import record_trace
 from metasched.sim.groups import anova_share, explained, loading_for, nested_shares, parse_groups
-from metasched.sim.recording import record_trace
 from metasched.sim.sampling import sample_workload
 from metasched.sim.trace import read_trace, trace_from_workload, write_trace
 from metasched.sim.workload_config import parse_dist, parse_workload
