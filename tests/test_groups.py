@@ -7,9 +7,9 @@ batches (seeds), and a figure's standard error is the spread of its batch values
 sqrt(batches). A configured share must come back within K standard errors of the
 batches' mean, K = 4.3: the t quantile (9 degrees of freedom) that leaves a 0.1% chance
 each, for some 25 shares checked together. A measured figure (mini-swe-agent on 30
-SWE-bench instances) is itself an estimate from 30 prompts: its standard error is the batch spread scaled to 30 prompts
-(sd x sqrt(prompts per batch / 30)), and the profile's figure must lie within 2
-combined standard errors of it.
+SWE-bench instances) is itself an estimate from 30 prompts: its standard error is the
+batch spread scaled to 30 prompts (sd x sqrt(prompts per batch / 30)), and the
+profile's figure must lie within 2 combined standard errors of it.
 """
 
 from __future__ import annotations
