@@ -253,3 +253,27 @@ def test_calibrate_recovers_the_group_structure(tmp_path: Path) -> None:
         assert abs(got - want) <= 3 * sd[key], f"{key}: {got} for {want} (sd {sd[key]:.3f})"
     report = (out / "fit_report.md").read_text()
     assert "Prompt groups: 144 prompts of 16 responses" in report
+
+
+def test_the_simulated_state_knows_each_trajectorys_prompt() -> None:
+    """Schedulers and features read a trajectory's prompt and its siblings: the state's
+    ``prompts`` holds the current step's groups, running and finished."""
+    from metasched.agents import make_scheduler
+    from metasched.sim.simulator import Simulator
+
+    w, c = profile("retool_grouped")
+    sim = Simulator(replace(w, steps=2, trajectories_per_step=64), c, 3)
+    assert sim.next_decision()
+    groups = sim.state.prompts
+    assert len(groups) == 4 and all(len(g) == 16 for g in groups.values())
+    assert all(t.prompt == p for p, g in groups.items() for t in g)
+    fifo = make_scheduler("fifo")
+    fifo.reset(sim.state, sim.scheduler_rng())
+    while sim.state.step_index == 0 and sim.next_decision():  # on to the second step
+        grants = fifo.decide(sim.state)
+        for g in grants:
+            sim.apply(g)
+        if not grants:
+            sim.wait()
+    assert sim.state.step_index == 1
+    assert len(sim.state.prompts) == 4 and set(sim.state.prompts).isdisjoint(groups)
