@@ -244,7 +244,8 @@ def groups_yaml(g: GroupFit, line) -> list[str]:
     """The ``groups:`` block of a calibrated profile (``line``: the profile writer's)."""
     fig = g.figures
     out = ["groups:".ljust(33) + f" # prompt groups: {g.prompts:,} prompts, "
-           f"{g.trajectories:,} trajectories; shares: one-way ANOVA of the log by prompt",
+           f"{g.trajectories:,} trajectories; shares of the log's variance (turns: one-way "
+           "ANOVA; actions, gaps: nested estimates)",
            line(2, "size", str(g.size), "the most common number of responses per prompt"),
            line(2, "turns", repr(g.turns), "share of log(turns + 1)"),
            line(2, "generation_s", repr(g.generation_s), f"share of a gap's log; total "
@@ -254,7 +255,8 @@ def groups_yaml(g: GroupFit, line) -> list[str]:
            line(2, "duration_s", repr(g.duration_s), f"tool actions pooled; total tool time: "
                 f"{fig.get('tool_s', math.nan):.3f}"),
            "  actions:"]
-    out += [line(4, name, repr(a), f"{n:,} runs; by trajectory {b:.3f}")
+    out += [line(4, name, repr(a), f"{n:,} runs; " + (f"by trajectory {b:.3f}" if b == b
+                                                      else "one a trajectory"))
             for name, (a, b, n) in g.actions.items()]
     out.append(line(2, "persistence", repr(g.persistence), "by trajectory, less the "
                     "prompt's (tool actions pooled)"))
@@ -277,7 +279,8 @@ def groups_report(g: GroupFit) -> list[str]:
     if gen:
         lines.append(f"| generation gap | {gen['n']:,} | {gen['share']:.3f} | "
                      f"{gen['trajectory_share']:.3f} |")
-    lines += [f"| {name} | {n:,} | {a:.3f} | {b:.3f} |" for name, (a, b, n) in g.actions.items()]
+    lines += [f"| {name} | {n:,} | {a:.3f} | {b:.3f} |" if b == b else
+              f"| {name} | {n:,} | {a:.3f} | — |" for name, (a, b, n) in g.actions.items()]
     return lines
 
 
