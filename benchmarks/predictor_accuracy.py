@@ -2,14 +2,16 @@
 type-level estimate, on held-out seeds of the grouped profiles.
 
     python benchmarks/predictor_accuracy.py
-    python benchmarks/predictor_accuracy.py --profiles swe_grouped --train-steps 20
+    python benchmarks/predictor_accuracy.py --profiles swe_grouped --oracle
 
-Trains each design on ``--train-steps`` RL steps sampled with seed ``--train-seed`` and
-tests on ``--test-steps`` steps of seed ``--test-seed``, replaying both on an uncontended
-clock (every decision point: a trajectory queueing a turn's action). Prints per profile
-and design: remaining-time mean |log error| (predictor, static, ratio), the share of true
-remaining times inside [p10, p90], and the queued action's duration mean |log error|
-(predictor, static, ratio). ``--trace`` adds a recorded trace's trajectories as a test set.
+Trains each design on ``--train-trajectories`` (whole RL steps) sampled with seed
+``--train-seed`` and tests on ``--test-trajectories`` of seed ``--test-seed``, replaying
+both on an uncontended clock (every decision point: a trajectory queueing a turn's
+action). Prints per profile and design: remaining-time mean |log error| (predictor,
+static, ratio), the share of true remaining times inside [p10, p90], and the queued
+action's duration mean |log error| (predictor, static, ratio). ``--trace`` adds a
+recorded trace's trajectories as a test set; ``--oracle`` the bound of a predictor that
+knows the siblings' true totals.
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ from metasched.sim.trace import scan_trace
 PROFILES = ("retool_grouped", "retool_grouped_c10", "swe_grouped")
 
 
-def sample(name: str, steps: int, seed: int) -> list[TrajRecord]:
-    """Training/test records of ``steps`` steps of profile ``name`` (seed ``seed``)."""
+def sample(name: str, trajectories: int, seed: int) -> list[TrajRecord]:
+    """Training/test records of at least ``trajectories`` trajectories (whole RL steps)
+    of profile ``name``, sampled with seed ``seed``."""
     w, _ = profile(name, [])
+    steps = -(-trajectories // w.trajectories_per_step)
     return records_of(sample_workload(replace(w, steps=steps),
                                       np.random.default_rng(seed)).steps)
 
@@ -81,12 +85,13 @@ def _oracle_rows(p: Predictor, records: list[TrajRecord]) -> tuple[np.ndarray, .
     the log remaining time and the turn bucket."""
     tot: dict[object, list[tuple[float, float]]] = {}
     for i, r in enumerate(records):
-        tot.setdefault(r.group, []).append((i, math.log(sum(g + d for _, g, d in r.turns))))
+        tot.setdefault(r.group, []).append((i, math.log(sum(g + d for _, g, d in r.turns[1:])
+                                                        + r.turns[0][2])))
     lt = {i: math.log(len(r.turns) + 1.0) for i, r in enumerate(records)}
     x, y, k = [], [], []
     for d, f in replay(p, records):
         sib = [(j, v) for j, v in tot[records[d.key].group] if j != d.key]
-        x.append([1.0, f[0], f[6], f[10], np.mean([v for _, v in sib]),
+        x.append([1.0, f[0], f[1], f[6], f[7], np.mean([v for _, v in sib]),
                   np.mean([lt[j] for j, _ in sib])])
         y.append(math.log(d.remaining_s))
         k.append(min(d.turn, 8))
@@ -95,8 +100,8 @@ def _oracle_rows(p: Predictor, records: list[TrajRecord]) -> tuple[np.ndarray, .
 
 def prompt_oracle(train: list[TrajRecord], test: list[TrajRecord]) -> float:
     """Mean |log error| of remaining time for a least-squares predictor (per turn bucket,
-    median-corrected) that knows the siblings' true totals and turn counts: what the
-    prompt's latent can explain at best, beside the trajectory's own history."""
+    median-corrected) that knows the siblings' true totals and turn counts (the future)
+    beside the trajectory's own history: about what knowing the prompt's latent buys."""
     p = Predictor.fit(train, "shrinkage")
     xa, ya, ka = _oracle_rows(p, train)
     xb, yb, kb = _oracle_rows(p, test)
@@ -112,8 +117,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profiles", nargs="*", default=list(PROFILES))
     ap.add_argument("--designs", nargs="*", default=list(DESIGNS))
-    ap.add_argument("--train-steps", type=int, default=6)
-    ap.add_argument("--test-steps", type=int, default=3)
+    ap.add_argument("--train-trajectories", type=int, default=3456)
+    ap.add_argument("--test-trajectories", type=int, default=1728)
     ap.add_argument("--train-seed", type=int, default=0)
     ap.add_argument("--test-seed", type=int, default=1)
     ap.add_argument("--trace", help="a recorded trace to test on as well (trained on the "
@@ -124,8 +129,8 @@ def main() -> None:
     print("| profile | design | decisions | remaining: pred / static (ratio) | p10-p90 cover "
           "| action: pred / static (ratio) |\n|---|---|---|---|---|---|")
     for name in a.profiles:
-        train = sample(name, a.train_steps, a.train_seed)
-        test = sample(name, a.test_steps, a.test_seed)
+        train = sample(name, a.train_trajectories, a.train_seed)
+        test = sample(name, a.test_trajectories, a.test_seed)
         for design in a.designs:
             f = evaluate(Predictor.fit(train, design), test)
             print(f"| {name} | {design} | {f['n']:,} | {f['rem']:.3f} / {f['rem_static']:.3f} "
@@ -137,7 +142,7 @@ def main() -> None:
             print(f"| {name} | siblings' true totals (bound) | | {o:.3f} / {f['rem_static']:.3f} "
                   f"({o / f['rem_static']:.2f}) | | |")
     if a.trace:
-        train = sample(a.profiles[0], a.train_steps, a.train_seed)
+        train = sample(a.profiles[0], a.train_trajectories, a.train_seed)
         for design in a.designs:
             f = evaluate(Predictor.fit(train, design), trace_records(a.trace))
             print(f"| {a.trace} | {design} | {f['n']:,} | {f['rem']:.3f} / "

@@ -6,25 +6,25 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 import pytest
 
 from metasched.compose import profile
 from metasched.core.cost_model import CostModel
-from metasched.core.predictor import DESIGNS, Predictor, TrajRecord, records_of, replay
+from metasched.core.predictor import DESIGNS, GEN, Predictor, TrajRecord, records_of, replay
 from metasched.sim.sampling import sample_workload
 
 
-@lru_cache(maxsize=None)
+@cache
 def _records(name: str, steps: int, seed: int, per_step: int) -> tuple[TrajRecord, ...]:
     w, _ = profile(name)
     w = replace(w, steps=steps, trajectories_per_step=per_step)
     return tuple(records_of(sample_workload(w, np.random.default_rng(seed)).steps))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _fitted(design: str) -> Predictor:
     return Predictor.fit(list(_records("retool_grouped", 3, 0, 576)), design)
 
@@ -58,23 +58,22 @@ def test_quantiles_are_ordered_and_cover_the_truth() -> None:
 
 @pytest.mark.parametrize("who", ["own", "sibling"])
 def test_online_updates_move_predictions_toward_what_was_measured(who: str) -> None:
-    """Long measured durations of the trajectory's own actions, or of a sibling's, raise
-    its predicted action duration and remaining time; short ones lower them."""
+    """After the same turns measured short, typical or long (the trajectory's own or a
+    sibling's), its predicted action duration and remaining time rise in that order."""
     p = _fitted("linear")
     name = "code_interpreter"
-    before = {}
-    for scale in (20.0, 0.05):
+    seen = []
+    for scale in (0.05, 1.0, 20.0):
         p.reset()
         p.remaining(0, "retool_math", "g")
         p.remaining(1, "retool_math", "g")
-        before[scale] = (p.duration(0, name), p.remaining(0).p50)
         src = 0 if who == "own" else 1
-        for _ in range(4):
+        for _ in range(3):
+            p.observe(src, "retool_math", "g", GEN, math.exp(p.mu[GEN]), new_turn=True)
             p.observe(src, "retool_math", "g", name, p.static_duration(name) * scale)
-        after = (p.duration(0, name), p.remaining(0).p50)
-        for b, a in zip(before[scale], after, strict=True):
-            assert (a > b) if scale > 1 else (a < b)
-    assert before[20.0] == before[0.05]  # reset forgets the online state
+        seen.append((p.duration(0, name), p.remaining(0).p50))
+    for i in range(2):
+        assert seen[0][i] < seen[1][i] < seen[2][i]
 
 
 def test_a_prediction_does_not_see_the_trajectorys_future() -> None:

@@ -21,13 +21,16 @@ Remaining trajectory time has two designs (``design``):
 * ``"shrinkage"``: the static estimate (mean log remaining time of the task at this
   turn index) shifted by ``sd_bar * effect``, ``sd_bar`` the types' duration-weighted sd;
   nothing is fitted beyond the type statistics and the variance components.
-* ``"linear"``: least squares of log remaining time on the static estimate, the
+* ``"linear"``: ridge regression, per turn index, of log remaining time on the static
+  estimate, the
   posterior effects, the finished siblings' totals and turn counts and log turn index.
 
 Quantiles (p10, p50, p90) add the design's training residual quantiles at the turn
 index (bucketed). Both designs are fitted by replaying training trajectories through
 the same online code that serves predictions (:func:`replay`), on an uncontended clock
-(a turn's action starts when its generation gap ends).
+(a turn's action starts when its generation gap ends). A trajectory's clock starts
+when its first action is queued: the first generation gap (overlapping the sandbox's
+start-up, and absent from recorded traces) is neither evidence nor remaining time.
 """
 
 from __future__ import annotations
@@ -44,8 +47,9 @@ DESIGNS = ("shrinkage", "linear")
 _K_CAP = 64  # turn indices above this share the last bucket
 _MIN_BUCKET = 30  # fewest training points a turn-index bucket of the tables needs
 _FEATURES = ("static", "effect", "prompt_effect", "sib_total", "sib_turns", "sib_done",
-             "log_turn", "own_n", "sib_turns_all", "sib_total_all", "own_elapsed")
+             "log_turn", "own_n", "sib_turns_all")
 _MIN_FIT = 200  # fewest training points a turn-index bucket needs for coefficients of its own
+_RIDGE = 0.01  # L2 penalty per training point on the linear design's standardised features
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +171,9 @@ class Predictor:
     def observe_gap(self, traj, gap_s: float) -> None:
         """Learn a generation gap of ``traj`` (a
         :class:`~metasched.core.actions.Trajectory`) that has just ended."""
-        self.observe(traj.id, traj.task, _group(traj), GEN, gap_s)
+        # The first gap overlaps the sandbox's start-up, and recorded traces lack it: a
+        # trajectory's clock starts when its first action is queued.
+        self.observe(traj.id, traj.task, _group(traj), GEN, gap_s if traj.turn else 0.0)
         self.trajs[traj.id].turn = traj.turn
 
     def finish(self, key: object, turns: int | None = None) -> None:
@@ -226,23 +232,21 @@ class Predictor:
         sib_total = sum(f[0] for f in fin) / (n_f + 1.0)  # shrunk toward the task mean
         sib_turns = sum(f[1] for f in fin) / (n_f + 1.0)
         sibs = [s for s in self.groups.get(tr.group, ()) if s != key] if tr.group else []
-        # Every sibling's total imputed: a finished one's as measured, a running one's as
-        # what it has done plus the static expectation of the rest (a censored mean).
-        it = ie = 0.0
-        mt, mk = self.task_total.get(tr.task, (0.0, 0.0))
+        # Every sibling's turn count imputed: a finished one's as counted, a running
+        # one's as the static expectation given the turns it has done (a censored mean).
+        # (Running siblings' measured seconds so far are left out: they add nothing on
+        # held-out seeds and make the weights unstable.)
+        it = 0.0
+        mk = self.task_total.get(tr.task, (0.0, 0.0))[1]
         for sk in sibs:
             s = self.trajs[sk]
             tt = self.turns_tab.get(s.task)
             if s.done or tt is None:
                 it += math.log(s.turn + 1.0) - mk
-                ie += math.log(max(s.elapsed_s, 1e-3)) - mt
             else:
                 it += float(tt[min(s.turn, len(tt) - 1)]) - mk
-                ie += math.log(s.elapsed_s + self.static_remaining(s.task, s.turn)) - mt
-        n_s = len(sibs) + 1.0
         return np.array([static, eff, m_p, sib_total, sib_turns, n_f / max(1, len(sibs)),
-                         math.log1p(tr.turn), math.log1p(tr.n), it / n_s, ie / n_s,
-                         math.log1p(tr.elapsed_s)])
+                         math.log1p(tr.turn), math.log1p(tr.n), it / (len(sibs) + 1.0)])
 
     def _log_median(self, x: np.ndarray) -> float:
         if self.design == "shrinkage":
@@ -307,8 +311,8 @@ class Predictor:
             raise ValueError("no training trajectories")
         logs: dict[str, list[float]] = {}
         for r in records:
-            for name, gen, dur in r.turns:
-                if gen > 0:
+            for k, (name, gen, dur) in enumerate(r.turns):
+                if gen > 0 and k:
                     logs.setdefault(GEN, []).append(math.log(gen))
                 if dur > 0:
                     logs.setdefault(name, []).append(math.log(dur))
@@ -321,11 +325,11 @@ class Predictor:
         rem: dict[str, dict[int, list[float]]] = {}
         turns_by_k: dict[str, dict[int, list[float]]] = {}
         for r in records:
-            tot = sum(g + d for _, g, d in r.turns)
+            tot = sum(g + d for _, g, d in r.turns) - r.turns[0][1]
             prev = task_total.setdefault(r.task, (0.0, 0.0, 0))
             task_total[r.task] = (prev[0] + math.log(max(tot, 1e-3)),
                                   prev[1] + math.log(len(r.turns) + 1.0), prev[2] + 1)
-            done = 0.0
+            done = -r.turns[0][1]
             for k, (_, g, d) in enumerate(r.turns):
                 done += g
                 rem.setdefault(r.task, {}).setdefault(min(k, _K_CAP), []).append(
@@ -346,13 +350,13 @@ class Predictor:
         if design == "linear":
             a = np.column_stack([np.ones(len(x)), x])
             kk = np.minimum(np.rint(np.expm1(x[:, 6])).astype(int), _K_CAP)
-            pooled = np.linalg.lstsq(a, y, rcond=None)[0]
+            pooled = _ridge(a, y)
             rows = []
             for b in range(int(kk.max()) + 1):
                 m = kk == b
                 if m.sum() < _MIN_FIT:
                     break
-                rows.append(np.linalg.lstsq(a[m], y[m], rcond=None)[0])
+                rows.append(_ridge(a[m], y[m]))
             p.coef = np.array(rows + [pooled])
             resid = y - np.einsum("ij,ij->i", a, p.coef[np.minimum(kk, len(rows))])
         else:
@@ -362,6 +366,22 @@ class Predictor:
         return p
 
 
+def _ridge(a: np.ndarray, y: np.ndarray, lam: float = _RIDGE) -> np.ndarray:
+    """Least squares of ``y`` on ``a`` (first column: the intercept) with an L2 penalty
+    of ``lam`` per point on the standardised other columns: features that barely vary
+    at a turn index (siblings not yet measured) get small, stable weights."""
+    mean, sd = a[:, 1:].mean(0), a[:, 1:].std(0)
+    sd[sd < 1e-9] = 1.0
+    z = np.column_stack([np.ones(len(a)), (a[:, 1:] - mean) / sd])
+    pen = np.full(z.shape[1], lam * len(a))
+    pen[0] = 0.0
+    w = np.linalg.solve(z.T @ z + np.diag(pen), z.T @ y)
+    coef = np.empty_like(w)
+    coef[1:] = w[1:] / sd
+    coef[0] = w[0] - coef[1:] @ mean
+    return coef
+
+
 def _components(records: list[TrajRecord], mu: dict, sd: dict) -> tuple[float, float]:
     """Prompt and trajectory variance components of the standardised residuals (method
     of moments: the mean product of two residuals of one trajectory estimates
@@ -369,7 +389,7 @@ def _components(records: list[TrajRecord], mu: dict, sd: dict) -> tuple[float, f
     within_num = within_n = 0.0
     by_group: dict[object, list[tuple[float, float]]] = {}
     for r in records:
-        res = [(math.log(g) - mu[GEN]) / sd[GEN] for _, g, _ in r.turns if g > 0]
+        res = [(math.log(g) - mu[GEN]) / sd[GEN] for _, g, _ in r.turns[1:] if g > 0]
         res += [(math.log(d) - mu[n]) / sd[n] for n, _, d in r.turns if d > 0]
         s, s2, n = sum(res), sum(v * v for v in res), len(res)
         within_num += (s * s - s2) / 2
@@ -429,7 +449,7 @@ def replay(p: Predictor, records: list[TrajRecord]) -> Iterator[tuple[Decision, 
         r = records[i]
         name, g, d = r.turns[k]
         if kind == 1:
-            p.observe(i, r.task, r.group, GEN, g, new_turn=k > 0)
+            p.observe(i, r.task, r.group, GEN, g if k else 0.0, new_turn=k > 0)
             p.trajs[i].turn = k
             rem = d + sum(gg + dd for _, gg, dd in r.turns[k + 1:])
             yield (Decision(i, r.task, k, name, 0.0, rem, d), p.features(i))
