@@ -133,3 +133,28 @@ def test_fit_rejects_bad_input() -> None:
         Predictor.fit(list(_records("retool_grouped", 1, 0, 16)), "forest")
     with pytest.raises(ValueError, match="no training trajectories"):
         Predictor.fit([], "linear")
+
+
+def test_it_trains_on_a_recorded_trace(tmp_path) -> None:
+    """A recorded trace gives back each trajectory's turns (types, gaps) and prompt group,
+    and a predictor fitted on it predicts."""
+    import importlib.util
+    from pathlib import Path
+
+    from metasched.evaluation.recording import record_trace
+
+    bench = Path(__file__).resolve().parent.parent / "benchmarks" / "predictor_accuracy.py"
+    spec = importlib.util.spec_from_file_location("predictor_accuracy", bench)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    w, c = profile("retool_grouped")
+    w = replace(w, steps=1, trajectories_per_step=64)
+    path = tmp_path / "trace.jsonl"
+    record_trace(w, c, path, "fifo", seed=5)
+    got = mod.trace_records(str(path))
+    assert len(got) == 64 and len({r.group for r in got}) == 4
+    assert all(r.turns[-1][0] == "reward" and r.turns[0][1] == 0.0 for r in got)
+    assert all(g > 0 for r in got for _, g, _ in r.turns[1:])
+    p = Predictor.fit(got, "linear")
+    q = p.remaining(0, got[0].task, got[0].group)
+    assert 0 < q.p10 <= q.p50 <= q.p90 < math.inf
