@@ -165,7 +165,7 @@ def test_the_dispatcher_runs_a_trajectorys_gpu_command_with_its_gpu_alone(dev, m
     minor number (what NVML would say) is 0."""
     needs_isolation()
     from metasched.runtime import dispatcher as dispatch_mod
-    from metasched.runtime import gpu as gpu_mod
+    from metasched.runtime.gpu import devices as gpu_mod
     from metasched.runtime.gpu import GpuSampler, LiveDevice
     from metasched.runtime.sandbox import devices as devices_mod
 
@@ -217,7 +217,7 @@ def test_a_ray_node_agent_runs_a_gpu_command_with_its_gpu_alone(dev, monkeypatch
     pytest.importorskip("ray")
     import pickle
 
-    from metasched.runtime import gpu as gpu_mod
+    from metasched.runtime.gpu import devices as gpu_mod
     from metasched.runtime.backend import CommandSpec
     from metasched.runtime.ray_backend.node_agent import BoxSpec, NodeAgent, pack
     from metasched.runtime.sandbox import devices as devices_mod
