@@ -2,7 +2,8 @@
 kernel-enforced isolation (namespaces made by bubblewrap, entered by a small root
 server) and per-command cgroups (cpuset, memory, pids; v2, v1 or both).
 
-Modules: :mod:`.config` (the settings), :mod:`.manager` (the dispatcher's sandboxes),
+Modules: :mod:`.config` (the settings), :mod:`.manager` (the dispatcher's sandboxes;
+:mod:`.handles`: a sandbox and a started command; :mod:`.slots`: the commands' slots),
 :mod:`.server` and :mod:`.connection` (the process that starts commands inside them,
 and the dispatcher's end of it; the server's parts: :mod:`.server_open`,
 :mod:`.server_network`, :mod:`.server_records`), :mod:`.protocol` (their messages), :mod:`.bwrap`
