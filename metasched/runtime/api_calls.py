@@ -51,7 +51,6 @@ from metasched.runtime.api_retry import RetryableError, RetryPolicy
 from metasched.runtime.api_spec import HttpSpec
 from metasched.runtime.outcome import Outcome
 
-
 # --- the retry loop ----------------------------------------------------------------
 
 
