@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("metasched.runtime.gpu")  # the package's one logger
 
 GIB = float(1 << 30)
 

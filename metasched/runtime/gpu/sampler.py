@@ -10,7 +10,7 @@ from metasched.runtime.gpu.devices import GIB, LiveDevice, _nvml_acquire, _nvml_
 if TYPE_CHECKING:
     from metasched.runtime.gpu.services import ServiceHost
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("metasched.runtime.gpu")  # the package's one logger
 
 
 class GpuSampler:

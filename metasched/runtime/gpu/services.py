@@ -23,7 +23,7 @@ from metasched.core.pools import ServiceSpec
 from metasched.runtime.gpu.devices import GIB, LiveDevice, _err
 from metasched.runtime.outcome import Outcome
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("metasched.runtime.gpu")  # the package's one logger
 
 
 @dataclass
