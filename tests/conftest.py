@@ -1,5 +1,9 @@
-"""Shared fixtures: tiny workloads and clusters built from plain dicts, and the
-Hypothesis profile (no deadline: the machine running the suite is shared)."""
+"""Shared fixtures: tiny workloads and clusters built from plain dicts, sandboxes, the
+local Ray, and the Hypothesis profile (no deadline: the machine running the suite is
+shared). The markers of pyproject.toml: a test that uses the local Ray is marked ``ray``
+here, one that uses ``boxes`` ``isolation``; an ``isolation`` test is skipped, with the
+reason, where bwrap sandboxes cannot run (``isolation(bwrap=False)``: it needs root and
+cgroups only, and says so itself)."""
 
 from __future__ import annotations
 
@@ -9,8 +13,11 @@ import os
 import pytest
 from helpers import HAS_TRAIN_EXTRA
 from hypothesis import settings
+from sandbox_helpers import needs_isolation
 
 from metasched.core.cluster_config import parse_cluster
+from metasched.runtime.sandbox.config import SandboxConfig
+from metasched.runtime.sandbox.manager import Sandboxes
 from metasched.sim.workload_config import parse_workload
 
 settings.register_profile("metasched", deadline=None, print_blob=True)
@@ -26,6 +33,25 @@ def pytest_report_header(config) -> str | None:
     if not HAS_TRAIN_EXTRA:
         return f"train extra not installed: {', '.join(TRAIN_ONLY)} not collected"
     return None
+
+
+# Fixtures whose tests take the marker (before -m selects).
+MARKED_BY_FIXTURE = {"ray_session": "ray", "boxes": "isolation"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        for fixture, marker in MARKED_BY_FIXTURE.items():
+            if fixture in getattr(item, "fixturenames", ()):
+                item.add_marker(marker)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    marker = item.get_closest_marker("isolation")
+    if marker is not None and marker.kwargs.get("bwrap", True):
+        needs_isolation()
+
 
 # One GPU service, one API endpoint: enough for every action kind.
 SERVICES = {"rm": {"mem_gb": 30, "restore_s": 4.0, "max_batch": 8, "batch_marginal": 0.05}}
@@ -153,6 +179,20 @@ def visible_dir():
     shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.fixture
+def sandbox_dev_root() -> str | None:
+    """Where ``boxes`` finds device nodes (None: /dev); a module may override it."""
+    return None
+
+
+@pytest.fixture
+def boxes(sandbox_dev_root):
+    """Real bwrap sandboxes (``Sandboxes``), closed after the test."""
+    b = Sandboxes(SandboxConfig(isolation="bwrap"), dev_root=sandbox_dev_root)
+    yield b
+    b.close()
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """One local Ray for the test session (Ray takes seconds to start): one node bound to
@@ -173,3 +213,10 @@ def ray_session():
         yield ray
     finally:
         ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(ray_session):
+    """The session's local Ray for one module (a module may extend it to stop what it
+    started there before the next module runs)."""
+    return ray_session
