@@ -11,8 +11,9 @@
 ``docs/apps/serve.md``.
 """
 
-from metasched.serve.app import Service, create_app
+from metasched.serve.app import create_app
 from metasched.serve.config import ServeConfig, Upstream
 from metasched.serve.server import BackgroundServer, serve
+from metasched.serve.service import Service
 
 __all__ = ["BackgroundServer", "ServeConfig", "Service", "Upstream", "create_app", "serve"]
