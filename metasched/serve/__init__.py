@@ -7,8 +7,8 @@
 - the API-quota proxy (``/v1/endpoints/<name>/...``), which holds each endpoint's RPM,
   TPM and concurrency across every worker that uses the service.
 
-``create_app(dispatcher, ServeConfig(...))`` builds the ASGI application; see the
-README's "HTTP service" section.
+``create_app(dispatcher, ServeConfig(...))`` builds the ASGI application; see
+``docs/apps/serve.md``.
 """
 
 from metasched.serve.app import create_app
