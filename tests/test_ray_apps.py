@@ -27,7 +27,7 @@ from helpers import COMMAND_PY
 from metasched.cli.backend_settings import ray_settings
 from metasched.errors import ConfigError
 from metasched.runtime.api_calls import RetryPolicy
-from metasched.runtime.dispatcher import DispatcherConfig
+from metasched.runtime.dispatch import DispatcherConfig
 
 PY = COMMAND_PY
 

@@ -20,7 +20,7 @@ from metasched.core.pools import EndpointSpec
 from metasched.core.scheduler import Scheduler
 from metasched.errors import ConfigError
 from metasched.runtime.api_calls import RetryPolicy
-from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
+from metasched.runtime.dispatch import Dispatcher, DispatcherConfig
 from metasched.runtime.gpu import linear_scorer
 from metasched.runtime.journal import Journal
 from metasched.runtime.requests import Result
@@ -93,7 +93,7 @@ def test_faults_are_reported_and_cores_come_back(req, reason):
     assert bad.status == "failed" and reason in bad.reason
     assert good.ok
     assert d.state.cpu.free == [len(CORES)] and d.state.cpu.busy == 0
-    assert sorted(d._free_cores) == CORES
+    assert sorted(d.backend.free_cores) == CORES
     assert d.stats()["failed"] == 1
 
 
@@ -455,7 +455,7 @@ def test_standin_gpu_utilisation_is_sampled():
             await asyncio.sleep(0.12)
             return d
     d = run(go())
-    assert len(d.monitor.last_gpu) == 2 and "gpu" in d.stats()["measured_utilisation"]
+    assert len(d.backend.monitor.last_gpu) == 2 and "gpu" in d.stats()["measured_utilisation"]
 
 
 def test_restart_fails_what_cannot_run_here_and_runs_the_rest(tmp_path):
@@ -547,11 +547,11 @@ def test_held_cores_are_the_trajectorys_own_and_its_parallel_actions_share_them(
             first = await asyncio.gather(*(d.submit(cpu(
                 PY, "-c", "import time; time.sleep(0.2)", trajectory="t", turn=0))
                 for _ in range(parallel)))
-            free_while_held = sorted(d._free_cores)
+            free_while_held = sorted(d.backend.free_cores)
             other = await d.submit(cpu("/bin/true", trajectory="u", turn=0))
             last = await d.submit(cpu("/bin/true", trajectory="t", turn=1, reward=True))
             await d.submit(cpu("/bin/true", trajectory="u", turn=1, reward=True))
-            return first, other, last, free_while_held, sorted(d._free_cores)
+            return first, other, last, free_while_held, sorted(d.backend.free_cores)
     first, other, last, free_while_held, free_after = run(go())
     assert all(r.status == "done" for r in [*first, other, last])
     held = {tuple(r.allocation["cores"]) for r in first}
@@ -574,7 +574,7 @@ class _BrokenWait:
 
 @pytest.mark.parametrize("where", ["start", "wait"])
 def test_an_executor_bug_fails_its_action_instead_of_hanging(monkeypatch, where):
-    import metasched.runtime.dispatcher as mod
+    import metasched.runtime.dispatch.executors.local as mod
 
     def broken(*args, **kwargs):
         if where == "start":
@@ -584,7 +584,7 @@ def test_an_executor_bug_fails_its_action_instead_of_hanging(monkeypatch, where)
     monkeypatch.setattr(mod, "launch", broken)  # where the dispatcher starts commands
     (r, s), d = run(dispatch([cpu("/bin/true"), cpu("/bin/true")]))
     assert r.status == s.status == "failed" and r.reason == "internal error: RuntimeError: bug"
-    assert d.state.cpu.busy == 0 and sorted(d._free_cores) == CORES
+    assert d.state.cpu.busy == 0 and sorted(d.backend.free_cores) == CORES
 
 
 class _Recorder(_JsonHandler):
@@ -688,7 +688,7 @@ def test_close_without_drain_kills_commands_whose_task_never_ran(tmp_path):
         await d.start()
         d.accept(cpu("sleep", marker, id="long"))
         d._schedule()  # as a completion would: the command starts now
-        (proc,) = d._commands
+        (proc,) = d.executors.commands
         assert not proc.not_started
         for _ in range(500):  # blocking: no loop turn, so the task does not run
             if sleeping():
@@ -703,7 +703,7 @@ def test_close_without_drain_kills_commands_whose_task_never_ran(tmp_path):
         return d
     d = run(go())
     assert sleeping() == []
-    assert d._commands == set() and list(tmp_path.iterdir()) == []
+    assert d.executors.commands == set() and list(tmp_path.iterdir()) == []
 
 
 def test_cgroups_without_favordynmods_are_a_note_on_the_confinement_line(caplog):

@@ -18,7 +18,7 @@ import pytest
 from helpers import COMMAND_PY
 
 from metasched.errors import ConfigError
-from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
+from metasched.runtime.dispatch import Dispatcher, DispatcherConfig
 from metasched.runtime.journal import Journal, JournalLocked
 from metasched.runtime.journal_docs import StoredRequest
 from metasched.runtime.requests import MAX_SECONDS
@@ -47,7 +47,7 @@ def run(coro):
 # A dispatcher in its own process that starts a long command, then serves until killed.
 FIRST = textwrap.dedent("""
     import asyncio, sys
-    from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
+    from metasched.runtime.dispatch import Dispatcher, DispatcherConfig
 
     async def main(db):
         cfg = DispatcherConfig(scheduler="elastic_greedy", journal=db)
@@ -133,7 +133,7 @@ def test_a_resubmission_must_match_the_stored_request(tmp_path):
 
 KILLED = textwrap.dedent("""
     import asyncio, json, os, signal, sys
-    from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
+    from metasched.runtime.dispatch import Dispatcher, DispatcherConfig
 
     async def main(db, keep_env, reqs):
         cfg = DispatcherConfig(scheduler="elastic_greedy", journal=db,

@@ -26,7 +26,7 @@ import pytest
 from helpers import COMMAND_PY
 from sandbox_helpers import needs_controllers, needs_isolation
 
-from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
+from metasched.runtime.dispatch import Dispatcher, DispatcherConfig
 from metasched.runtime.sandbox.config import SandboxConfig
 
 PY = COMMAND_PY  # what a sandbox's user can run (see helpers)
@@ -168,7 +168,7 @@ def test_cannot_signal_another_job_or_the_dispatcher():
                        asyncio.ensure_future(d.submit(sh("sleep 4", id="w")))]
             for _ in range(200):
                 await asyncio.sleep(0.02)
-                for proc in d._commands:
+                for proc in d.executors.commands:
                     if proc.pid:
                         pids.setdefault(str(len(pids)), proc.pid)
                 if len(pids) >= 2:
@@ -342,7 +342,7 @@ def test_fork_bomb_is_bounded(mode):
 
 SECRETS_CHILD = textwrap.dedent("""
     import asyncio, json, sys
-    from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
+    from metasched.runtime.dispatch import Dispatcher, DispatcherConfig
     from metasched.runtime.sandbox.config import SandboxConfig
 
     async def main():

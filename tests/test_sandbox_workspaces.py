@@ -11,7 +11,7 @@ import tarfile
 import pytest
 from sandbox_helpers import needs_isolation
 
-from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
+from metasched.runtime.dispatch import Dispatcher, DispatcherConfig
 from metasched.runtime.sandbox.config import SandboxConfig
 
 
