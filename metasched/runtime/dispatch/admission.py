@@ -1,17 +1,21 @@
 """Admission: what a dispatcher accepts. A request is checked against the machines and
 the limits (with their defaults filled in), its id against those accepted before (ids
 are idempotency keys), and a request recovered from the journal is queued again or, if
-its env was not stored, held until it is resubmitted."""
+its env was not stored, held until it is resubmitted. An accepted request is queued
+(:func:`enqueue`) once durable, and handed to the core's state (:func:`submit`) once its
+sandbox is ready."""
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from metasched.core.actions import Action, ActionSpec, Trajectory
 from metasched.errors import ConfigError
-from metasched.runtime.dispatch.jobs import Job
+from metasched.runtime.dispatch.jobs import COMMAND_SERVICE, Job
 from metasched.runtime.journal_docs import StoredRequest, store
 from metasched.runtime.requests import FAILED, REJECTED, Request, Result, parse_request
 
@@ -159,6 +163,46 @@ class Admission:
         return req
 
 
+def enqueue(d: Dispatcher, job: Job) -> None:
+    """An accepted job, durable: its trajectory lives on, and it is queued once its
+    sandbox is ready (see :mod:`.sandbox_gate`)."""
+    req = job.request
+    t = d._now()
+    d.state.advance(t)
+    d._jobs[req.id] = job
+    traj = d.trajectories.arrived(req, t)
+    if req.argv and d.boxes is not None and d.boxes.isolated:
+        if not d.gate.ready_for(job, traj):
+            return  # held until its sandbox is ready (it waits for memory or starts)
+    d._submit(job, traj)
+
+
+def submit(d: Dispatcher, job: Job, traj: Trajectory | None) -> None:
+    """Queue an accepted job in the state: the scheduler sees it from now on."""
+    req = job.request
+    state = d.state
+    t = d._now()
+    state.advance(t)
+    if d._request_estimates and req.est_s is not None:
+        est = req.est_s
+    else:
+        est = d.cost.estimate(req.signature, req.est_s)
+    spec = ActionSpec(
+        kind=req.kind, name=req.name, true_s=math.nan, est_s=est, timeout_s=req.timeout_s,
+        min_cores=req.min_cores, max_cores=req.max_cores,
+        parallel_fraction=req.parallel_fraction,
+        service=(req.service or COMMAND_SERVICE) if req.kind == "gpu" else None,
+        endpoint=req.endpoint, tokens=req.tokens, reward=req.reward)
+    # Submitted when it was first accepted (a re-queued request keeps its age).
+    submit_t = min(t, job.queued_at - d._wall0)
+    a = Action(d._next_action, spec, req.task, traj, req.turn, submit_t)
+    d._next_action += 1
+    job.action = a
+    d._by_action[a.id] = job
+    state.submit(a)
+    d._kick()
+
+
 def taken(rid: str) -> str:
     """Why a request is rejected whose id belongs to another request."""
     return (f"{rid!r} was accepted before with a different request; give this one another "
@@ -174,4 +218,4 @@ def same_request(a: Request, b: Request) -> bool:
         return True
 
 
-__all__ = ["Admission", "same_request", "taken"]
+__all__ = ["Admission", "enqueue", "same_request", "submit", "taken"]

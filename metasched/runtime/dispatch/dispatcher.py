@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import sqlite3
 import time
 from collections.abc import Callable, Mapping
@@ -28,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from metasched.core.action_log import ActionLog
-from metasched.core.actions import Action, ActionSpec, Trajectory
+from metasched.core.actions import Action
 from metasched.core.cluster_config import ClusterConfig
 from metasched.core.cost_model import CostModel
 from metasched.core.guard import WaitGuard
@@ -40,8 +39,7 @@ from metasched.core.state import ClusterState, InvalidGrant
 from metasched.errors import ConfigError, one_of
 from metasched.runtime.api_calls import make_client, warm_up
 from metasched.runtime.backend import Backend
-from metasched.runtime.dispatch import completion, status
-from metasched.runtime.dispatch.admission import Admission
+from metasched.runtime.dispatch import admission, completion, status
 from metasched.runtime.dispatch.config import DispatcherConfig
 from metasched.runtime.dispatch.jobs import COMMAND_SERVICE, Job
 from metasched.runtime.dispatch.journal_writer import JournalWriter
@@ -147,7 +145,7 @@ class Dispatcher:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
         self.writer = JournalWriter(self, self.journal) if self.journal is not None else None
-        self.admission = Admission(self)
+        self.admission = admission.Admission(self)
         self.trajectories = Trajectories(self)
         self.gate = SandboxGate(self)
         self.boxes: Any = None  # the backend's sandboxes, made at start
@@ -322,43 +320,8 @@ class Dispatcher:
         if self.writer is not None:
             self.writer.flush()
 
-    def _enqueue(self, job: Job) -> None:
-        """An accepted job, durable: its trajectory lives on, and it is queued once its
-        sandbox is ready (see :mod:`.sandbox_gate`)."""
-        req = job.request
-        t = self._now()
-        self.state.advance(t)
-        self._jobs[req.id] = job
-        traj = self.trajectories.arrived(req, t)
-        if req.argv and self.boxes is not None and self.boxes.isolated:
-            if not self.gate.ready_for(job, traj):
-                return  # held until its sandbox is ready (it waits for memory or starts)
-        self._submit(job, traj)
-
-    def _submit(self, job: Job, traj: Trajectory | None) -> None:
-        """Queue an accepted job in the state: the scheduler sees it from now on."""
-        req = job.request
-        state = self.state
-        t = self._now()
-        state.advance(t)
-        if self._request_estimates and req.est_s is not None:
-            est = req.est_s
-        else:
-            est = self.cost.estimate(req.signature, req.est_s)
-        spec = ActionSpec(
-            kind=req.kind, name=req.name, true_s=math.nan, est_s=est, timeout_s=req.timeout_s,
-            min_cores=req.min_cores, max_cores=req.max_cores,
-            parallel_fraction=req.parallel_fraction,
-            service=(req.service or COMMAND_SERVICE) if req.kind == "gpu" else None,
-            endpoint=req.endpoint, tokens=req.tokens, reward=req.reward)
-        # Submitted when it was first accepted (a re-queued request keeps its age).
-        submit_t = min(t, job.queued_at - self._wall0)
-        a = Action(self._next_action, spec, req.task, traj, req.turn, submit_t)
-        self._next_action += 1
-        job.action = a
-        self._by_action[a.id] = job
-        state.submit(a)
-        self._kick()
+    _enqueue = admission.enqueue
+    _submit = admission.submit
 
     # ------------------------------------------------------------------ scheduling
 
