@@ -172,11 +172,20 @@ class Dispatcher:
 
     async def start(self) -> None:
         """Load the scheduler, set up confinement, recover the journal, start sampling.
+        A start that fails or is interrupted (cancelled, Ctrl-C) closes what it had
+        opened, the journal's lock included, before the error goes on.
 
         Raises:
             ConfigError: the configured isolation cannot work here (the message says
                 what is missing).
         """
+        try:
+            await self._start_up()
+        except BaseException:
+            await self.close(drain=False)
+            raise
+
+    async def _start_up(self) -> None:
         self._loop = asyncio.get_running_loop()
         self.scheduler = load_scheduler(self, self._scheduler_given)
         endpoints = self.state.api.endpoints.values()
@@ -198,17 +207,13 @@ class Dispatcher:
             try:
                 self.admission.recover()
             except sqlite3.DatabaseError as e:
-                self.boxes.close()
-                if self._owns_backend:
-                    await self.backend.close()
                 self._unreadable(e)
         self._ticker = asyncio.create_task(self._tick())
         self._kick()
 
     def _unreadable(self, e: sqlite3.DatabaseError) -> None:
         """The journal is damaged in a way the open-time checks cannot see: a one-line
-        ConfigError."""
-        self.journal.close()
+        ConfigError (start() closes what was opened)."""
         raise ConfigError("journal", f"{self.journal.path}: unreadable ({e}); "
                           f"restore it from a copy, or move it aside to start a "
                           f"new journal") from None
