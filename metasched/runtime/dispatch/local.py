@@ -17,10 +17,10 @@ from metasched.runtime.dispatch.executors.local import LocalExecutors
 from metasched.runtime.dispatch.jobs import ACTION_ENV
 from metasched.runtime.gpu import GpuSampler, LiveService, ServiceHost, discover_devices
 from metasched.runtime.journal import Journal
+from metasched.runtime.launch import open_confinement
 from metasched.runtime.machine import MachineMonitor, memory_gb, usable_cores
 from metasched.runtime.process import kill_group
 from metasched.runtime.sandbox.config import SandboxConfig
-from metasched.runtime.sandbox.launch import open_confinement
 from metasched.runtime.sandbox.manager import Sandboxes
 from metasched.runtime.sandbox.rundir import RunDirectory
 
@@ -80,7 +80,7 @@ class LocalBackend:
 
     async def start_sandboxes(self, config: SandboxConfig, hide: list[str]) -> Sandboxes:
         """Set up this machine's confinement (see
-        :func:`metasched.runtime.sandbox.launch.open_confinement`): the run directory in
+        :func:`metasched.runtime.launch.open_confinement`): the run directory in
         ``workdir`` and the sandboxes."""
         self.run_dir, boxes = await open_confinement(self.workdir, config, hide=hide)
         return boxes

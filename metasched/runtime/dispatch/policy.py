@@ -23,7 +23,7 @@ FALLBACK = "elastic_greedy"
 def load_scheduler(d: Dispatcher, given: Scheduler | None) -> Scheduler:
     """``given``, or the scheduler ``d.config`` names, reset on ``d``'s state, and the
     observation encoder (``d.encoder``; None if the machine exceeds its sizes)."""
-    from metasched.agents import make_scheduler
+    from metasched.agents import make_advisor, make_scheduler
     from metasched.agents.checkpoint import resolve_scheduler
 
     sched = given
@@ -40,7 +40,7 @@ def load_scheduler(d: Dispatcher, given: Scheduler | None) -> Scheduler:
     obs_cfg = getattr(sched, "obs_config", None) or ObsConfig()
     try:
         d.encoder = (getattr(sched, "encoder", None)
-                     or ObservationEncoder(d.state, obs_cfg))
+                     or ObservationEncoder(d.state, obs_cfg, make_advisor(obs_cfg)))
     except ValueError:
         d.encoder = None  # the machine exceeds the observation's sizes
     return sched
@@ -48,7 +48,7 @@ def load_scheduler(d: Dispatcher, given: Scheduler | None) -> Scheduler:
 
 def fall_back(d: Dispatcher, why: str) -> Scheduler:
     """Switch ``d`` to the elastic_greedy heuristic, logging the reason once."""
-    from metasched.agents import make_scheduler
+    from metasched.agents import make_advisor, make_scheduler
 
     if not d.fallback_reason:
         d.fallback_reason = why
@@ -58,7 +58,8 @@ def fall_back(d: Dispatcher, why: str) -> Scheduler:
     d.scheduler = sched
     if d.encoder is None:
         try:
-            d.encoder = ObservationEncoder(d.state, ObsConfig())
+            obs_cfg = ObsConfig()
+            d.encoder = ObservationEncoder(d.state, obs_cfg, make_advisor(obs_cfg))
         except ValueError:
             d.encoder = None
     return sched

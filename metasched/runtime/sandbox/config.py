@@ -10,6 +10,7 @@ from typing import Any
 
 from metasched.errors import ConfigError, one_of, short
 from metasched.runtime.sandbox.bwrap import NOT_SYSTEM_PATHS, OWN_MOUNTS, within
+from metasched.runtime.sandbox.egress import DEFAULT_EGRESS, parse_egress
 from metasched.runtime.sandbox.workspace import Template, template_from
 
 __all__ = ["ENV_ALLOW", "ISOLATION_MODES", "CGROUP_MODES", "SandboxConfig", "allowed_env"]
@@ -42,6 +43,11 @@ class SandboxConfig:
             None: every command runs as ``nobody_uid``.
         nobody_uid: the user (and group) id when no range is given.
         network: whether commands may reach the network when their request does not say.
+            A sandbox granted network reaches what ``egress`` allows, never the host.
+        egress: where a sandbox granted network may connect (see
+            :mod:`~metasched.runtime.sandbox.egress`): ``"public"`` (IPv4 outside the
+            private and special ranges; the default) and CIDRs, each optionally with
+            ``:port`` or ``:port-port``. Host-local addresses are never reachable.
         env_allow: variables passed from the dispatcher's environment.
         hide: more host paths commands must not see (the journal's files always are),
             where they lie under a path sandboxes see.
@@ -66,6 +72,7 @@ class SandboxConfig:
     uid_range: tuple[int, int] | None = (1_500_000_000, 65_536)
     nobody_uid: int = 65534
     network: bool = False
+    egress: tuple[str, ...] = DEFAULT_EGRESS
     env_allow: tuple[str, ...] = ENV_ALLOW
     hide: tuple[str, ...] = ()
     system_paths: tuple[str, ...] = ()
@@ -107,6 +114,7 @@ class SandboxConfig:
         self.hide = tuple(os.path.abspath(str(p)) for p in self.hide)
         self.system_paths = tuple(_system_path(p) for p in self.system_paths)
         self.network = bool(self.network)
+        self.egress = tuple(str(a) for a in parse_egress(self.egress))
 
     def template(self, name: str, field_: str = "workspace_template") -> Template:
         """The configured template called ``name``, checked again (it may have gone since
@@ -132,7 +140,7 @@ class SandboxConfig:
             if key not in known:
                 raise ConfigError(f"sandbox.{key}", f"unknown setting (known: "
                                   f"{', '.join(sorted(known))})")
-        for key in ("uid_range", "env_allow", "hide", "system_paths"):
+        for key in ("uid_range", "env_allow", "hide", "system_paths", "egress"):
             v = d.get(key)
             if v is None:
                 if key != "uid_range":

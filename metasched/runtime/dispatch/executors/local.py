@@ -14,9 +14,9 @@ from metasched.errors import ConfigError
 from metasched.runtime.dispatch.executors.base import Executors
 from metasched.runtime.dispatch.jobs import ACTION_ENV, Job
 from metasched.runtime.gpu import command_env
+from metasched.runtime.launch import gpu_sandbox, launch
 from metasched.runtime.outcome import Outcome
 from metasched.runtime.process import Process
-from metasched.runtime.sandbox.launch import gpu_sandbox, launch
 from metasched.runtime.sandbox.manager import Sandbox
 
 if TYPE_CHECKING:
