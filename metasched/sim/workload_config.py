@@ -19,6 +19,7 @@ from metasched.core.cluster_config import ClusterConfig
 from metasched.core.pools import ServiceSpec
 from metasched.core.validate import bounded, check_keys, get_key, mapping_or_empty
 from metasched.errors import ConfigError, one_of
+from metasched.sim.groups import GroupConfig, parse_groups
 
 Z90, Z99 = 1.2815515655446004, 2.3263478740408408  # standard normal quantiles
 
@@ -151,6 +152,9 @@ class WorkloadConfig:
     # Each RL step's rollout runs on a service started for it (a recorded trace of
     # runs appended one after another): every API quota starts the step full.
     step_fresh_quotas: bool = False
+    # Prompt groups (GRPO's n responses per prompt) and their latent difficulty
+    # (``metasched.sim.groups``); the default, off, draws independent trajectories.
+    groups: GroupConfig = GroupConfig()
 
 
 def parse_dist(d: Any, path: str, *, positive: bool = True) -> Dist:
@@ -289,7 +293,7 @@ def parse_workload(d: Mapping, path: str = "workload") -> WorkloadConfig:
     if not isinstance(d, Mapping):
         raise ConfigError(path, f"must be a mapping (got {type(d).__name__})")
     check_keys(d, {"name", "steps", "trajectories_per_step", "estimate_error", "services",
-                    "tasks", "trace", "step_gap_s", "step_fresh_quotas"}, path)
+                    "tasks", "trace", "step_gap_s", "step_fresh_quotas", "groups"}, path)
     name = str(get_key(d, "name", path))
     services = {str(k): parse_service(v, f"{path}.services.{k}")
                 for k, v in mapping_or_empty(d.get("services"), f"{path}.services").items()}
@@ -348,8 +352,10 @@ def parse_workload(d: Mapping, path: str = "workload") -> WorkloadConfig:
     fresh = d.get("step_fresh_quotas", False)
     if not isinstance(fresh, bool):
         raise ConfigError(f"{path}.step_fresh_quotas", f"must be true or false (got {fresh!r})")
+    groups = parse_groups(d.get("groups"), f"{path}.groups",
+                          {a.name for t in tasks for a in t.actions})
     return WorkloadConfig(name, steps, n_traj, est_err, tuple(tasks), services,
-                          None if trace is None else str(trace), gap, fresh)
+                          None if trace is None else str(trace), gap, fresh, groups)
 
 
 def check_compatible(w: WorkloadConfig, c: ClusterConfig, path: str = "workload") -> None:
