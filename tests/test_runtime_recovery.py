@@ -44,7 +44,7 @@ CHILD = textwrap.dedent("""
             for r in json.loads(open(requests).read()):
                 d.accept(r)
             d.flush()  # durable now (otherwise at the end of this loop turn)
-            print("accepted", d.backend.backend.run_dir.path, flush=True)
+            print("accepted", d.backend.run_dir.path, flush=True)
             await asyncio.sleep(3600)
 
     asyncio.run(main(*sys.argv[1:]))
