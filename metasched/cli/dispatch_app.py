@@ -197,10 +197,19 @@ async def dispatch_all(path: str | Path, dcfg, services: dict[str, Any], out: Te
             stopped.append(sig)
             main.cancel()
 
-    # A bad setting fails here: nothing ran yet.
-    d = dispatcher if dispatcher is not None else Dispatcher(dcfg, services=services)
+    # The loop's handlers first: a stop signal from here on cancels this task at its
+    # next await, which a dispatcher being made or started cleans up after (the journal's
+    # lock is released before interrupted() reads the journal).
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop, sig)
+    try:
+        # A bad setting fails here: nothing ran yet.
+        d = dispatcher if dispatcher is not None else Dispatcher(dcfg, services=services)
+    except BaseException:
+        for sig in STOP_SIGNALS:
+            loop.remove_signal_handler(sig)
+        install_stop_handlers()
+        raise
     columns = ("[progress.description]{task.description}", BarColumn(),
                MofNCompleteColumn(), TimeElapsedColumn())
     in_flight = 0

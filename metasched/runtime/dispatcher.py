@@ -341,11 +341,20 @@ class Dispatcher:
 
     async def start(self) -> None:
         """Load the scheduler, set up confinement, recover the journal, start sampling.
+        A start that fails or is interrupted (cancelled, Ctrl-C) closes what it had
+        opened, the journal's lock included, before the error goes on.
 
         Raises:
             ConfigError: the configured isolation cannot work here (the message says
                 what is missing).
         """
+        try:
+            await self._start_up()
+        except BaseException:
+            await self.close(drain=False)
+            raise
+
+    async def _start_up(self) -> None:
         self._loop = asyncio.get_running_loop()
         self.scheduler = self._load_scheduler()
         endpoints = self.state.api.endpoints.values()
@@ -467,11 +476,7 @@ class Dispatcher:
         one-line ConfigError."""
         try:
             read()
-        except sqlite3.DatabaseError as e:
-            self.journal.close()
-            if self.boxes is not None:
-                self.boxes.close()
-                self.run_dir.remove()
+        except sqlite3.DatabaseError as e:  # start() closes what was opened
             raise ConfigError("journal", f"{self.journal.path}: unreadable ({e}); "
                               f"restore it from a copy, or move it aside to start a "
                               f"new journal") from None

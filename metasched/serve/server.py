@@ -48,11 +48,14 @@ def uvicorn_config(app: Any, host: str, port: int, *, graceful_s: float | None =
 
 async def _run(app: FastAPI, server: uvicorn.Server) -> None:
     service = app.state.service
-    await service.start()
     try:
+        await service.start()
         await server.serve()
     finally:
-        await service.close()
+        # Also after a start that failed or was interrupted part way (a stop signal
+        # during start-up): what it had started closes.
+        if service.dispatcher is not None:
+            await service.close()
 
 
 def serve(app: FastAPI, host: str, port: int, **kwargs: Any) -> int | None:

@@ -15,8 +15,12 @@ import os
 import signal
 import subprocess
 import threading
+from typing import TYPE_CHECKING
 
 from metasched.runtime.process.fd_watch import FdWatch
+
+if TYPE_CHECKING:
+    from metasched.runtime.sandbox.lifeline import Lifeline
 
 __all__ = ["Child", "ChildBase", "Stream", "Tail", "close_fds", "kill_group"]
 
@@ -168,8 +172,10 @@ class Child(ChildBase):
     """A started child: exit notification, reaping, killing, and its two output pipes."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, proc: subprocess.Popen,
-                 out_fd: int, err_fd: int, tail_bytes: int) -> None:
+                 out_fd: int, err_fd: int, tail_bytes: int, *,
+                 lifeline: Lifeline | None = None) -> None:
         self.proc = proc  # reaped here, not by Popen (see reap())
+        self.lifeline = lifeline  # told before the reap: the group id is then free
         self.pidfd = -1
         self.watch = FdWatch.for_loop(loop)
         super().__init__(loop, proc.pid, out_fd, err_fd, tail_bytes)
@@ -219,6 +225,8 @@ class Child(ChildBase):
 
     def reap(self) -> None:
         """Collect the exited leader's status and resource usage (does not block)."""
+        if self.lifeline is not None:
+            self.lifeline.forget(self.pid)
         try:
             _, status, usage = os.wait4(self.pid, 0)
         except ChildProcessError:

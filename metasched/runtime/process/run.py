@@ -264,10 +264,16 @@ class Process:
             return started
         proc, out_r, err_r = started
         pid = proc.pid
+        # Killed with its group if this process dies (withdrawn before the reap).
+        lifeline = confinement.lifeline if confinement is not None else None
+        if lifeline is not None:
+            lifeline.track(pid)
         try:
-            child = Child(loop, proc, out_r, err_r, tail_bytes)
+            child = Child(loop, proc, out_r, err_r, tail_bytes, lifeline=lifeline)
         except BaseException:  # e.g. the loop is closing: do not leave the child behind
             kill_group(pid)
+            if lifeline is not None:
+                lifeline.forget(pid)
             proc.wait()
             close_fds(out_r, err_r)
             raise

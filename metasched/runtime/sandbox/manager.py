@@ -22,6 +22,7 @@ from metasched.errors import ConfigError
 from metasched.runtime.sandbox import bwrap, cgroups, devices
 from metasched.runtime.sandbox.config import SandboxConfig
 from metasched.runtime.sandbox.connection import ServerConnection, ServerGone, spawned_pid
+from metasched.runtime.sandbox.lifeline import Lifeline
 from metasched.runtime.sandbox.uids import UidPool
 from metasched.runtime.sandbox.workspace import WORKSPACE, Template
 
@@ -148,6 +149,16 @@ class Sandboxes:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._host_slots: list[Slot] = []  # free slots of commands run without isolation
         self._stuck: list[Slot] = []  # slots that would not empty: removed at close
+        # Commands on the host end with this process through the lifeline (sandboxed
+        # ones through the kernel: see metasched.runtime.sandbox.lifeline).
+        self.lifeline: Lifeline | None = None
+        if self.bwrap_path is None:
+            try:
+                self.lifeline = Lifeline(self.directories())
+            except OSError as e:
+                self.close()
+                raise ConfigError("sandbox", f"cannot start the process that ends "
+                                  f"commands with the dispatcher: {e.strerror or e}") from None
 
     # --- setup --------------------------------------------------------------------------
 
@@ -525,6 +536,9 @@ class Sandboxes:
             self.tree.close()
             self._host_slots.clear()
             self._stuck.clear()
+        if getattr(self, "lifeline", None) is not None:  # (made last in __init__)
+            self.lifeline.close()
+            self.lifeline = None
 
 
 def _spawned(fut: asyncio.Future[int], reply: dict[str, Any]) -> None:
