@@ -12,6 +12,7 @@ config or a request is read, never per simulated action.
 from __future__ import annotations
 
 import math
+from functools import cache
 from typing import Annotated, Any
 
 from pydantic import (
@@ -35,12 +36,14 @@ def _whole(value: Any) -> Any:
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
+@cache
 def Count(lo: int, hi: int | None = None) -> Any:  # noqa: N802 - a type, named as one
     """A whole number in ``[lo, hi]`` (JSON's ``2.0`` included; ``true`` and ``"2"``
-    not)."""
+    not). The same bounds give the same type (a cached validator)."""
     return Annotated[int, BeforeValidator(_whole), Field(strict=True, ge=lo, le=hi)]
 
 
+@cache
 def Number(*, gt: float | None = None, ge: float | None = None,  # noqa: N802 - a type
            le: float | None = None) -> Any:
     """A finite number (an int is taken as a float) within the bounds given."""
@@ -104,6 +107,22 @@ DEMAND_FIELDS = tuple(Demand.model_fields)
 _ADAPTERS: dict[Any, TypeAdapter] = {}
 
 
+def valid(schema: Any, value: Any) -> bool:
+    """Whether ``value`` passes ``schema`` (for a setting whose message is its own)."""
+    try:
+        _adapter(schema).validate_python(value)
+    except ValidationError:
+        return False
+    return True
+
+
+def _adapter(schema: Any) -> TypeAdapter:
+    adapter = _ADAPTERS.get(schema)
+    if adapter is None:
+        adapter = _ADAPTERS[schema] = TypeAdapter(schema)
+    return adapter
+
+
 def parse(schema: Any, value: Any, field: str = "", *, context: Any = None) -> Any:
     """``value`` validated against ``schema`` (a pydantic model or any type pydantic
     knows), or a one-line :class:`ConfigError` naming ``field`` and the path within it.
@@ -114,10 +133,7 @@ def parse(schema: Any, value: Any, field: str = "", *, context: Any = None) -> A
     try:
         if isinstance(schema, type) and issubclass(schema, BaseModel):
             return schema.model_validate(value, context=context)
-        adapter = _ADAPTERS.get(schema)
-        if adapter is None:
-            adapter = _ADAPTERS[schema] = TypeAdapter(schema)
-        return adapter.validate_python(value, context=context)
+        return _adapter(schema).validate_python(value, context=context)
     except ValidationError as e:
         err = validation_error(e.errors(), model=schema, root="")
         raise ConfigError(join(field, err.field), err.problem) from None
@@ -131,4 +147,4 @@ def join(field: str, sub: str) -> str:
 
 
 __all__ = ["DEMAND_FIELDS", "Count", "Demand", "Flag", "Fraction", "Number", "Strict",
-           "Text", "join", "parse"]
+           "Text", "join", "parse", "valid"]
