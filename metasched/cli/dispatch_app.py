@@ -32,7 +32,7 @@ from functools import partial
 from pathlib import Path
 from typing import Annotated, Any, TextIO
 
-from pydantic import Field
+from pydantic import BeforeValidator, Field
 
 from metasched.cli.app import STOP_SIGNALS, install_stop_handlers, make_main, stop_signal
 from metasched.cli.backend_settings import open_on_ray, ray_overrides, ray_settings
@@ -73,7 +73,8 @@ class _Paths(Strict):
     cores: Annotated[list[Count(0)], Field(min_length=1)] | None = None
     scheduler_params: dict[str, Any] | None = None
     workdir: Text | None = None
-    journal: Text | Path | None = None
+    journal: Annotated[Text, BeforeValidator(lambda v: str(v) if isinstance(v, Path) else v)
+                       ] | None = None
     trace: Text | None = None
 
 
