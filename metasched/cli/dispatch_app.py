@@ -30,9 +30,7 @@ import sys
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Annotated, Any, TextIO
-
-from pydantic import BeforeValidator, Field
+from typing import Any, TextIO
 
 from metasched.cli.app import STOP_SIGNALS, install_stop_handlers, make_main, stop_signal
 from metasched.cli.backend_settings import open_on_ray, ray_overrides, ray_settings
@@ -40,7 +38,7 @@ from metasched.cli.job_file import count_requests, read_jobs
 from metasched.cli.output import write_report
 from metasched.cli.settings import bool_setting, int_setting, max_wait_setting
 from metasched.core.cluster_config import parse_endpoints
-from metasched.core.schema import Count, Number, Strict, Text, parse, valid
+from metasched.core.schema import Number, valid
 from metasched.errors import ConfigError
 from metasched.evaluation.statistics import ci95_of
 from metasched.runtime.requests import REJECTED, Result
@@ -66,18 +64,6 @@ def load_services(spec: Any) -> dict[str, Any]:
     return out
 
 
-class _Paths(Strict):
-    """The dispatcher settings the app checks as they are given: cores, paths and the
-    scheduler's parameters (the rest have their own readers)."""
-
-    cores: Annotated[list[Count(0)], Field(min_length=1)] | None = None
-    scheduler_params: dict[str, Any] | None = None
-    workdir: Text | None = None
-    journal: Annotated[Text, BeforeValidator(lambda v: str(v) if isinstance(v, Path) else v)
-                       ] | None = None
-    trace: Text | None = None
-
-
 def dispatcher_config(cfg: dict[str, Any], run_dir: Path, endpoints: dict | None = None):
     """A validated ``DispatcherConfig`` from the composed config (``endpoints``: the
     parsed endpoint quotas, where the app reads more than quotas from its settings)."""
@@ -85,8 +71,6 @@ def dispatcher_config(cfg: dict[str, Any], run_dir: Path, endpoints: dict | None
     from metasched.runtime.limits import RequestLimits
     from metasched.runtime.sandbox.config import SandboxConfig
 
-    given = parse(_Paths, {k: cfg.get(k) for k in _Paths.model_fields})
-    cores = given.cores
     scheduler = str(cfg.get("scheduler") or "checkpoints/default")
     from metasched.agents import BASELINES, make_scheduler
     from metasched.agents.checkpoint import resolve_scheduler
@@ -96,25 +80,26 @@ def dispatcher_config(cfg: dict[str, Any], run_dir: Path, endpoints: dict | None
     if scheduler not in BASELINES and not Path(resolve_scheduler(scheduler)).exists():
         raise ConfigError("scheduler", f"unknown scheduler {scheduler!r} (known: "
                           f"{', '.join(BASELINES)}, or a checkpoint directory)")
-    params = given.scheduler_params or {}
+    config = DispatcherConfig(
+        trace=cfg.get("trace"), scheduler=scheduler,
+        scheduler_params=cfg.get("scheduler_params") or {}, cores=cfg.get("cores"),
+        gpu_standin=int_setting(cfg, "gpu_standin", 0, default=0, hi=64),
+        endpoints=(parse_endpoints(cfg.get("endpoints"), "endpoints") if endpoints is None
+                   else endpoints),
+        tail_bytes=int_setting(cfg, "tail_bytes", 0, default=4096, hi=64 * 2**20),
+        journal=cfg.get("journal") or run_dir / "journal.db",
+        fsync=bool_setting(cfg, "fsync", False),
+        journal_env=bool_setting(cfg, "journal_env", False),
+        max_wait_s=max_wait_setting(cfg), workdir=cfg.get("workdir"),
+        sandbox=SandboxConfig.from_dict(cfg.get("sandbox")),
+        limits=RequestLimits.from_dict(cfg.get("limits")))
+    params = config.scheduler_params
     if scheduler in BASELINES:  # a heuristic's parameters can be checked now
         try:
             make_scheduler(scheduler, **params)
         except (TypeError, ValueError) as e:
             raise ConfigError("scheduler_params", f"{scheduler}: {e}") from None
-    workdir, trace = given.workdir, given.trace
-    journal = given.journal or run_dir / "journal.db"
-    return DispatcherConfig(
-        trace=trace, scheduler=scheduler, scheduler_params=dict(params), cores=cores,
-        gpu_standin=int_setting(cfg, "gpu_standin", 0, default=0, hi=64),
-        endpoints=(parse_endpoints(cfg.get("endpoints"), "endpoints") if endpoints is None
-                   else endpoints),
-        tail_bytes=int_setting(cfg, "tail_bytes", 0, default=4096, hi=64 * 2**20),
-        journal=journal, fsync=bool_setting(cfg, "fsync", False),
-        journal_env=bool_setting(cfg, "journal_env", False),
-        max_wait_s=max_wait_setting(cfg), workdir=workdir,
-        sandbox=SandboxConfig.from_dict(cfg.get("sandbox")),
-        limits=RequestLimits.from_dict(cfg.get("limits")))
+    return config
 
 
 def compact_setting(cfg: dict[str, Any]) -> float | None:

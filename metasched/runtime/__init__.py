@@ -13,7 +13,7 @@ from metasched.lazy import lazy_exports
 
 _EXPORTS = {
     "Dispatcher": "metasched.runtime.dispatcher",
-    "DispatcherConfig": "metasched.runtime.dispatcher",
+    "DispatcherConfig": "metasched.runtime.dispatcher_config",
     "LiveService": "metasched.runtime.gpu",
     "Request": "metasched.runtime.requests",
     "RequestLimits": "metasched.runtime.limits",

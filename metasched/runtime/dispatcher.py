@@ -21,9 +21,7 @@ import sqlite3
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -35,12 +33,13 @@ from metasched.core.cost_model import CostModel
 from metasched.core.guard import WaitGuard
 from metasched.core.metrics import Recorder, Ring, RunResult
 from metasched.core.observation import ObsConfig, ObservationEncoder
-from metasched.core.pools import EndpointSpec, ServiceSpec
+from metasched.core.pools import ServiceSpec
 from metasched.core.scheduler import Scheduler
 from metasched.core.state import ClusterState, InvalidGrant
-from metasched.errors import ConfigError, one_of
-from metasched.runtime.api_calls import RetryPolicy, call_api, make_client, warm_up
+from metasched.errors import ConfigError
+from metasched.runtime.api_calls import call_api, make_client, warm_up
 from metasched.runtime.backend import Backend, Command, CommandSpec
+from metasched.runtime.dispatcher_config import DispatcherConfig
 from metasched.runtime.gpu import (
     GpuSampler,
     LiveService,
@@ -50,7 +49,6 @@ from metasched.runtime.gpu import (
 )
 from metasched.runtime.journal import Journal
 from metasched.runtime.journal_docs import StoredRequest, compacted, store
-from metasched.runtime.limits import RequestLimits
 from metasched.runtime.machine import (
     MachineMonitor,
     check_workdir,
@@ -61,7 +59,7 @@ from metasched.runtime.machine import (
 from metasched.runtime.outcome import Outcome
 from metasched.runtime.process import Process, kill_group
 from metasched.runtime.requests import DONE, FAILED, REJECTED, Request, Result, parse_request
-from metasched.runtime.sandbox.config import SandboxConfig, allowed_env
+from metasched.runtime.sandbox.config import allowed_env
 from metasched.runtime.sandbox.launch import gpu_sandbox, launch, open_confinement
 from metasched.runtime.sandbox.manager import Sandbox, Sandboxes
 from metasched.runtime.sandbox.rundir import RunDirectory
@@ -71,98 +69,6 @@ log = logging.getLogger("metasched.dispatch")
 COMMAND_SERVICE = "@command"  # the core's service for gpu commands (no model to load)
 FALLBACK = "elastic_greedy"
 ACTION_ENV = "METASCHED_ACTION_ID"  # set in every command's environment (orphan check)
-
-
-@dataclass
-class DispatcherConfig:
-    """How a dispatcher runs.
-
-    Attributes:
-        scheduler: a checkpoint directory (the shipped ``checkpoints/default``) or a
-            heuristic's name from ``metasched.agents.BASELINES``.
-        scheduler_params: keyword arguments for a heuristic.
-        cores: CPU ids actions may use (default: all this process may run on).
-        mem_gb: memory of the node (default: the machine's).
-        gpu_standin: CPU stand-in GPU devices (tests only; real GPUs come from NVML).
-        gpu_standin_mem_gb: memory of each stand-in.
-        endpoints: API endpoint quotas by name.
-        journal: SQLite journal path (None: no durability, for tests and experiments).
-        fsync: make the journal durable against power loss too (slower).
-        journal_delay_s: how long starts and results may wait to be journaled with
-            others (one commit for many); accepted requests are journaled at the end of
-            the loop turn that accepted them, before they are queued.
-        journal_env: also store requests' ``env`` values in the journal (default: only
-            their names, and a digest of the request). A request recovered after a
-            restart whose env was not stored waits for its resubmission (same id, same
-            request), which brings the values back, instead of running without them.
-        max_wait_s: the core's starvation guard (None: off).
-        cost_alpha, default_est_s: the online cost model (see ``CostModel``).
-        estimates: what the scheduler sees as an action's estimate: ``"online"`` (the
-            cost model's, learned from measured durations; the request's ``est_s`` only
-            until its signature has run) or ``"request"`` (the request's ``est_s`` when it
-            has one, as a profile's or a trace's per-action estimates in simulation).
-        retry: API retry policy (429 / 5xx / connection errors).
-        sandbox: how commands are confined: isolation (namespaces, unprivileged users,
-            workspaces), cgroups, environment, the workspace templates requests may name
-            (see :class:`SandboxConfig`).
-        limits: what a request gets when it does not say (memory, wall time) and the
-            most it may ask (see :class:`~metasched.runtime.limits.RequestLimits`).
-        workdir: where the dispatcher's run directory goes (None: the tmpfs
-            ``/dev/shm`` when writable, else the system temporary directory): it records
-            what this dispatcher made, for the next one to remove after a crash, and
-            holds the scratch directories of commands run without isolation (a directory
-            costs ~10 µs to make and remove on tmpfs, ~100-800 µs on a disk; files
-            written there use memory). A directory that is missing or not writable is a
-            ConfigError at construction.
-        tail_bytes: how much of a command's stdout / stderr results keep.
-        sample_interval_s: how often psutil / NVML are sampled.
-        metrics_window: per-action measurements kept for the results (ACT percentiles):
-            the most recent this many (about 45 bytes each); counts, utilisation and
-            failure reasons always cover every action. None: keep all (memory grows
-            with every action).
-        trajectory_idle_s: a trajectory with nothing queued or running for this long is
-            closed (its held cores return), in case its reward action never comes.
-        task_demand: expected work per pool and task, in estimate-seconds, in the form
-            of ``WorkloadInstance.demand_by_task()``: what the partitioning baselines
-            (``static``, ``task_isolated``) size their partitions by; the simulator
-            takes it from the workload. Empty (default): unknown.
-        trace: a JSONL file to append every finished action to, with what was measured
-            (``metasched.core.action_log``; ``metasched-calibrate`` fits a workload
-            profile to it). None: no trace.
-        ahead_per_core: pipelining on a backend's nodes: each node may hold up to this
-            many cpu commands per core ahead of its free cores, in a queue there that
-            starts the next the moment a command exits, with no round trip to the
-            dispatcher (see ``ClusterState.hand_ahead``). None: the backend's default
-            (``RayBackend.AHEAD_PER_CORE``). The local backend starts every command on
-            its core from this process, so it has no such queue: 0 only.
-    """
-
-    scheduler: str = "checkpoints/default"
-    scheduler_params: dict[str, Any] = field(default_factory=dict)
-    cores: list[int] | None = None
-    mem_gb: float | None = None
-    gpu_standin: int = 0
-    gpu_standin_mem_gb: float = 16.0
-    endpoints: dict[str, EndpointSpec] = field(default_factory=dict)
-    journal: str | Path | None = None
-    fsync: bool = False
-    journal_delay_s: float = 0.005
-    journal_env: bool = False
-    max_wait_s: float | None = 300.0
-    cost_alpha: float = 0.3
-    default_est_s: float = 1.0
-    estimates: str = "online"
-    retry: RetryPolicy = field(default_factory=RetryPolicy)
-    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
-    limits: RequestLimits = field(default_factory=RequestLimits)
-    workdir: str | None = None
-    tail_bytes: int = 4096
-    sample_interval_s: float = 1.0
-    metrics_window: int | None = 100_000
-    trajectory_idle_s: float = 3600.0
-    task_demand: dict[str, dict[str, float]] = field(default_factory=dict)
-    trace: str | Path | None = None
-    ahead_per_core: int | None = None
 
 
 class _Job:
@@ -245,8 +151,6 @@ class Dispatcher:
         ahead = cfg.ahead_per_core
         if ahead is None:
             ahead = getattr(backend, "AHEAD_PER_CORE", 0)
-        if not isinstance(ahead, int) or isinstance(ahead, bool) or ahead < 0:
-            raise ConfigError("ahead_per_core", f"must be a whole number >= 0, got {ahead!r}")
         if ahead and backend is None:
             raise ConfigError("ahead_per_core", "the local backend starts each command on its "
                               "core itself (no node queue to hand commands to): must be 0")
@@ -256,7 +160,6 @@ class Dispatcher:
         self.state.metrics = Recorder(max_actions=cfg.metrics_window)
         self.guard = WaitGuard(cfg.max_wait_s)
         self.cost = CostModel(cfg.cost_alpha, cfg.default_est_s)
-        one_of(cfg.estimates, ("online", "request"), "estimates")
         self._request_estimates = cfg.estimates == "request"
         self.workdir = (check_workdir(cfg.workdir) if cfg.workdir is not None
                         else default_workdir())
