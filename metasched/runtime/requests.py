@@ -145,8 +145,9 @@ class Request(Demand):
 
     Built from its JSON form by :func:`parse_request` (job files, ``POST /v1/actions``,
     the journal, dicts given to ``Dispatcher.submit``), or directly (``Request(kind=
-    "cpu", argv=[...], timeout_s=5)``: the same checks, a pydantic ``ValidationError``
-    if one fails).
+    "cpu", argv=[...], timeout_s=5)``: the same checks, the same one-line
+    :class:`~metasched.errors.ConfigError` if one fails). Its resource fields are the
+    shared :class:`~metasched.core.schema.Demand`'s.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
