@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, PlainValidator, model_validator
+from pydantic import BeforeValidator, PlainValidator, model_validator
 
 from metasched.core.actions import KINDS, SandboxSpec
 from metasched.core.cluster_config import ClusterConfig
@@ -317,7 +317,8 @@ class _TurnGroup(Strict):
     one before it finishes)."""
 
     prob: Fraction
-    actions: Annotated[list[Any], Field(min_length=1)]
+    actions: Annotated[list[Any], BeforeValidator(
+        lambda v: _non_empty_list(v, "a non-empty list of action names"))]
 
     def stages(self, names: set[str]) -> tuple[tuple[tuple[str, ...], ...], ...]:
         """The stages as chains of names, each name one of ``names``."""
@@ -341,6 +342,12 @@ class _TurnGroup(Strict):
                 chains.append(tuple(chain))
             stages.append(tuple(chains))
         return tuple(stages)
+
+
+def _non_empty_list(value: Any, what: str) -> Any:
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ConfigError("", f"must be {what} (got {short(value)})")
+    return value
 
 
 def _named(actions: Any) -> Any:
@@ -375,7 +382,8 @@ class _Task(Strict):
     sandbox: _Sandbox | None = None
     actions: Annotated[dict[str, ActionType], BeforeValidator(_named)]
     reward: ActionType
-    turn_groups: Annotated[list[_TurnGroup], Field(min_length=1)] | None = None
+    turn_groups: Annotated[list[_TurnGroup], BeforeValidator(
+        lambda v: _non_empty_list(v, "a non-empty list of {prob, actions}"))] | None = None
 
     _nulls = _default_if_null("share")
 
