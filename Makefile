@@ -17,19 +17,27 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@$(MAKE) --no-print-directory sandbox-tools
 	touch $(STAMP)
 
-# bubblewrap makes the live dispatcher's sandboxes (namespaces). Installed where this can
-# (root and apt-get); elsewhere the dispatcher says what is missing and runs commands
-# without isolation.
+# bubblewrap makes the live dispatcher's sandboxes (namespaces); slirp4netns and nftables
+# give a sandbox granted network its own link and the rules confining it. Installed where
+# this can (root and apt-get); elsewhere the dispatcher says what is missing, runs commands
+# without isolation (no bubblewrap) and refuses granted network (no slirp4netns/nftables).
+SANDBOX_PACKAGES = bwrap:bubblewrap slirp4netns:slirp4netns nft:nftables
 sandbox-tools:
-	@if command -v bwrap >/dev/null 2>&1; then \
+	@missing=""; for pair in $(SANDBOX_PACKAGES); do \
+		command -v $${pair%%:*} >/dev/null 2>&1 || [ -x /usr/sbin/$${pair%%:*} ] \
+			|| missing="$$missing $${pair#*:}"; \
+	done; \
+	if [ -z "$$missing" ]; then \
 		:; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-		echo "installing bubblewrap (sandboxes for the live dispatcher's commands)"; \
-		{ apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null; } \
-			|| echo "warning: bubblewrap could not be installed: commands will run without isolation"; \
+		echo "installing$$missing (sandboxes for the live dispatcher's commands)"; \
+		{ apt-get update -qq && apt-get install -y -qq $$missing >/dev/null; } \
+			|| echo "warning:$$missing could not be installed: without bubblewrap commands run" \
+				"without isolation; without slirp4netns or nftables granted network is refused"; \
 	else \
-		echo "note: bubblewrap (bwrap) is missing and cannot be installed here (needs root and" \
-			"apt-get): the live dispatcher will run commands without isolation"; \
+		echo "note:$$missing missing and cannot be installed here (needs root and apt-get):" \
+			"without bubblewrap commands run without isolation; without slirp4netns or" \
+			"nftables granted network is refused"; \
 	fi
 
 install: $(STAMP)

@@ -1,13 +1,15 @@
 """Schedulers: heuristic baselines (and, later, learned policies) behind one interface.
 
 ``make_scheduler(name, **params)`` builds a scheduler by name; ``BASELINES`` lists the
-heuristic names.
+heuristic names (:mod:`.baselines`); ``make_advisor(obs_config)`` builds the heuristic an
+observation encoder asks.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from metasched.agents.baselines import BASELINES, REGISTRY, make_advisor
 from metasched.agents.checkpoint import is_checkpoint
 from metasched.agents.elastic import ElasticGreedyScheduler
 from metasched.agents.partitioned import StaticScheduler, TaskIsolatedScheduler
@@ -16,30 +18,23 @@ from metasched.agents.rate_greedy import RateGreedyScheduler
 from metasched.core.scheduler import Scheduler
 from metasched.errors import ConfigError
 
-_REGISTRY: dict[str, type[Scheduler]] = {
-    cls.name: cls for cls in (StaticScheduler, TaskIsolatedScheduler, FifoScheduler,
-                              SjfScheduler, ElasticGreedyScheduler, RateGreedyScheduler,
-                              RandomScheduler)
-}
-BASELINES: tuple[str, ...] = tuple(_REGISTRY)
-
 
 def make_scheduler(name: str, **params: Any) -> Scheduler:
     """A fresh scheduler by name (one of ``BASELINES``) with optional parameters, or the
     learned scheduler of a checkpoint directory when ``name`` is its path."""
-    if name not in _REGISTRY and is_checkpoint(name):
+    if name not in REGISTRY and is_checkpoint(name):
         from metasched.agents.learned import LearnedScheduler
 
         return LearnedScheduler(name, **params)
-    if name not in _REGISTRY:
+    if name not in REGISTRY:
         raise ConfigError("schedulers", f"unknown scheduler {name!r} (known: "
                           f"{', '.join(BASELINES)}, or a checkpoint directory)")
     try:
-        return _REGISTRY[name](**params)
+        return REGISTRY[name](**params)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"scheduler_params.{name}", str(e)) from None
 
 
 __all__ = ["BASELINES", "ElasticGreedyScheduler", "FifoScheduler", "RandomScheduler",
            "RateGreedyScheduler", "SjfScheduler", "StaticScheduler", "TaskIsolatedScheduler",
-           "make_scheduler"]
+           "make_advisor", "make_scheduler"]

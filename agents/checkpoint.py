@@ -39,7 +39,7 @@ def resolve_scheduler(name: str) -> str:
     from the working directory first, then among the shipped checkpoints (the package data
     ``metasched.checkpoints``), as ``checkpoints/<name>`` or ``<name>``: so
     ``checkpoints/default`` names the shipped policy from any directory."""
-    from metasched.agents import BASELINES
+    from metasched.agents.baselines import BASELINES
     from metasched.compose import package_dir
 
     if name in BASELINES:

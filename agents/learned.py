@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from metasched.agents.baselines import make_advisor
 from metasched.agents.checkpoint import WEIGHTS, load_metadata
 from metasched.agents.numpy_policy import NumpyPolicy
 from metasched.core.actions import Grant
@@ -26,7 +27,8 @@ class PolicyScheduler(Scheduler):
 
     def reset(self, state: ClusterState, rng: np.random.Generator) -> None:
         try:
-            self.encoder = ObservationEncoder(state, self.obs_config)
+            self.encoder = ObservationEncoder(state, self.obs_config,
+                                              make_advisor(self.obs_config))
         except ValueError as e:
             raise ConfigError("checkpoint", f"{self.name}: {e}") from None
 

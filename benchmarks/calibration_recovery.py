@@ -28,7 +28,7 @@ import yaml
 from metasched.cli.calibrate_app import run_calibrate
 from metasched.compose import profile
 from metasched.core.cluster_config import parse_cluster
-from metasched.sim.recording import record_trace
+from metasched.evaluation.recording import record_trace
 from metasched.sim.workload_config import parse_workload
 
 ROOT = Path(__file__).resolve().parent.parent

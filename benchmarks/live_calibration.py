@@ -99,7 +99,7 @@ def replay(profile_dir: Path, name: str, scheduler: str, seeds: list[int], out: 
     runs are (:func:`step_figures`): per seed, its steps."""
     from metasched.agents.checkpoint import resolve_scheduler
     from metasched.compose import compose, load_profile
-    from metasched.sim.recording import record_trace
+    from metasched.evaluation.recording import record_trace
 
     w, c = load_profile(compose("eval", [f"hydra.searchpath=[file://{profile_dir.resolve()}]",
                                          f"workload={name}"]))

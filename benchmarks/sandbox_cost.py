@@ -19,13 +19,16 @@ Designs:
   configured for it (cpuset, memory, pids) and killed and emptied after it;
 - ``server-private``: the same for a trajectory-less command (its own mount namespace
   and a fresh tmpfs workspace each time);
+- ``server-net``: ``server`` in a trajectory's sandbox granted network (its own
+  network namespace with slirp4netns and the egress rules; before them, the host's);
 - ``executor``, ``executor-isolated``: the CPU executor the dispatcher calls
   (``run_process``: pinning, pipes, output tails, timeout) without confinement and in a
   trajectory's sandbox with its cgroup slot: the end-to-end figure;
   ``executor-private``: in the trajectory-less sandbox (a private workspace each time).
 
-It also times making a trajectory's sandbox (``--opens`` of them: from the request to
-the server's "ready"; bwrap's namespaces and mounts, the workspace tmpfs), and the
+It also times making a trajectory's sandbox (``--opens`` of them without network and as
+many with, alternately: from the request to the server's "ready"; bwrap's namespaces
+and mounts, the workspace tmpfs, and for a networked one its stack and rules), and the
 executor with and without isolation after an idle spell (``--idle-ms`` before each of
 ``--idle-n`` commands): entering a cgroup after some idle time can wait for an RCU grace
 period where cgroups are mounted without ``favordynmods``.
@@ -67,6 +70,7 @@ class Bench:
         self.loop = asyncio.get_running_loop()
         self.boxes.attach(self.loop)
         self.traj = self.boxes.open("bench", size_mb=64, template=None, network=False)
+        self.traj_net = self.boxes.open("bench-net", size_mb=64, template=None, network=True)
         self.shared = self.boxes.shared(network=False)
         self.bwrap = self.boxes.bwrap_path
         self.unshare = shutil.which("unshare")
@@ -74,6 +78,7 @@ class Bench:
 
     async def ready(self) -> None:
         await self.traj.ready
+        await self.traj_net.ready
         await self.shared.ready
         self.target = str(self.traj.init_pid)  # nsenter's target
 
@@ -114,6 +119,9 @@ class Bench:
     async def server_private(self) -> None:
         await self._server(self.shared)
 
+    async def server_net(self) -> None:
+        await self._server(self.traj_net)
+
     async def executor(self) -> None:
         from metasched.runtime.process import run_process
 
@@ -137,15 +145,18 @@ class Bench:
         if not out.ok:
             raise SystemExit(out.reason)
 
-    async def open_times(self, n: int) -> list[float]:
-        """Milliseconds to make ``n`` trajectory sandboxes, one after the other."""
-        out = []
+    async def open_times(self, n: int) -> dict[bool, list[float]]:
+        """Milliseconds to make ``n`` trajectory sandboxes without network and ``n``
+        with, alternately, one after the other (by network granted)."""
+        out: dict[bool, list[float]] = {False: [], True: []}
         for i in range(n):
-            t0 = time.perf_counter()
-            sb = self.boxes.open(f"open-{i}", size_mb=64, template=None, network=False)
-            await sb.ready
-            out.append((time.perf_counter() - t0) * 1e3)
-            self.boxes.close_sandbox(sb)
+            for network in (False, True):
+                t0 = time.perf_counter()
+                sb = self.boxes.open(f"open-{i}-{network}", size_mb=64, template=None,
+                                     network=network)
+                await sb.ready
+                out[network].append((time.perf_counter() - t0) * 1e3)
+                self.boxes.close_sandbox(sb)
         return out
 
     def close(self) -> None:
@@ -154,18 +165,19 @@ class Bench:
 
 DESIGNS = {"bare": Bench.bare, "unshare": Bench.unshare_fresh, "bwrap": Bench.bwrap_fresh,
            "nsenter": Bench.nsenter_live, "server": Bench.server,
-           "server-private": Bench.server_private, "executor": Bench.executor,
+           "server-private": Bench.server_private, "server-net": Bench.server_net,
+           "executor": Bench.executor,
            "executor-isolated": Bench.executor_isolated,
            "executor-private": Bench.executor_private}
 
 
 async def measure(n: int, block: int, names: list[str], opens: int, idle_ms: float,
-                  idle_n: int) -> tuple[dict[str, list[float]], list[float],
+                  idle_n: int) -> tuple[dict[str, list[float]], dict[bool, list[float]],
                                         dict[str, list[float]]]:
     bench = Bench()
     try:
         await bench.ready()
-        open_ms = await bench.open_times(opens) if opens else []
+        open_ms = await bench.open_times(opens) if opens else {False: [], True: []}
         idle: dict[str, list[float]] = {"executor": [], "executor-isolated": []}
         for _ in range(idle_n if idle_ms > 0 else 0):
             for name in idle:
@@ -232,9 +244,12 @@ def main() -> None:
         add99 = pct(times["executor-isolated"], 99) - pct(times["executor"], 99)
         print(f"\nisolation added to the executor: {add:+.2f} ms p50, {add99:+.2f} ms p99 "
               f"(goal: <= 5 ms p50)")
-    if open_ms:
-        print(f"making a trajectory's sandbox ({len(open_ms)}): p50 {pct(open_ms, 50):.1f} ms, "
-              f"max {max(open_ms):.1f} ms")
+    if open_ms[False]:
+        print(f"making a trajectory's sandbox ({len(open_ms[False])} each, alternately), ms:")
+        print("| network | p50 | p99 | max |\n|---|---|---|---|")
+        for network, xs in open_ms.items():
+            print(f"| {'granted' if network else 'none'} | {pct(xs, 50):.1f} | "
+                  f"{pct(xs, 99):.1f} | {max(xs):.1f} |")
     if idle["executor"]:
         print(f"after {args.idle_ms:g} ms idle ({args.idle_n} each): executor p50 "
               f"{pct(idle['executor'], 50):.2f} ms, executor-isolated p50 "

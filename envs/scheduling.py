@@ -21,6 +21,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
+from metasched.agents.baselines import make_advisor
 from metasched.core.cluster_config import ClusterConfig
 from metasched.core.metrics import API_HELD, CPU_HELD, GPU_HELD
 from metasched.core.observation import OBS_HIGH, F, ObsConfig, ObservationEncoder
@@ -126,7 +127,7 @@ class ActionSchedulingEnv(gym.Env):
         cfg = self.obs_config
         # Build once to validate sizes against the observation caps.
         self.sim = Simulator(scale_workload(workload, steps=1), cluster, seed_range[0])
-        self.encoder = ObservationEncoder(self.sim.state, cfg)
+        self.encoder = ObservationEncoder(self.sim.state, cfg, make_advisor(cfg))
         self.observation_space = spaces.Dict({
             "slots": spaces.Box(0.0, OBS_HIGH, (cfg.k_slots * F,), np.float32),
             "backlog": spaces.Box(0.0, OBS_HIGH, (9,), np.float32),
@@ -165,7 +166,8 @@ class ActionSchedulingEnv(gym.Env):
         workload = scale_workload(self.base_workload, load, est, gen, self.episode_steps)
         self.sim = Simulator(workload, cluster, self.sim_seed, max_wait_s=self.max_wait_s,
                              serve_stalled=True, cost_model=cost_model_for(self.estimates))
-        self.encoder = ObservationEncoder(self.sim.state, self.obs_config)
+        self.encoder = ObservationEncoder(self.sim.state, self.obs_config,
+                                          make_advisor(self.obs_config))
         self._horizon = (rng.exponential(self.horizon_mean_s) if self.horizon_mean_s
                          else np.inf)
         self._done = not self.sim.next_decision()

@@ -23,7 +23,7 @@ from metasched.calibration.fits import (
 from metasched.cli.calibrate_app import run_calibrate
 from metasched.compose import compose, profile
 from metasched.core.cluster_config import parse_cluster
-from metasched.sim.recording import record_trace
+from metasched.evaluation.recording import record_trace
 from metasched.sim.trace import trace_from_workload, write_trace
 from metasched.sim.workload_config import Z90, Dist, parse_dist, parse_workload
 

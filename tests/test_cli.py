@@ -211,7 +211,7 @@ def test_plan_runs_under_the_guard(tmp_path, monkeypatch, max_wait_s):
     import metasched.agents as agents
     from metasched.errors import ConfigError
 
-    monkeypatch.setitem(agents._REGISTRY, "waits", _WaitsUnlessServed)
+    monkeypatch.setitem(agents.REGISTRY, "waits", _WaitsUnlessServed)
     cfg = compose("plan", [*PLAN, "scheduler=waits", "baseline=fifo", "n_seeds=1",
                            f"max_wait_s={'null' if max_wait_s is None else max_wait_s}"])
     if max_wait_s is None:
@@ -401,7 +401,7 @@ def test_live_calibration_benchmark_replays_a_trace_beside_its_runs(tmp_path):
     from dataclasses import replace
 
     from metasched.compose import profile
-    from metasched.sim.recording import record_trace
+    from metasched.evaluation.recording import record_trace
 
     w, c = profile("rm_math")
     trace = tmp_path / "runs.jsonl"

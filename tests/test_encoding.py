@@ -11,7 +11,7 @@ import pytest
 from helpers import shrunk
 
 import metasched.sim.simulator as simulator_module
-from metasched.agents import make_scheduler
+from metasched.agents import make_advisor, make_scheduler
 from metasched.compose import PROFILES
 from metasched.core.actions import Action, ActionSpec, Grant, Trajectory
 from metasched.core.observation import (
@@ -72,7 +72,8 @@ def decision_states(name: str, n: int, seed: int = 0, wait_prob: float = 0.6,
     ``elastic_greedy``'s first grant (the guard serves actions past 120 s)."""
     w, c = shrunk(name, load)
     sim = Simulator(w, c, seed, max_wait_s=120.0)
-    enc = ObservationEncoder(sim.state, cfg or ObsConfig())
+    cfg = cfg or ObsConfig()
+    enc = ObservationEncoder(sim.state, cfg, make_advisor(cfg))
     sched = make_scheduler("elastic_greedy")
     sched.reset(sim.state, sim.scheduler_rng())
     rng = np.random.default_rng(seed)
@@ -94,7 +95,7 @@ def decision_states(name: str, n: int, seed: int = 0, wait_prob: float = 0.6,
                          ids=["default", "small", "k3l2"])
 def test_layout_sizes(make_cluster, cfg):
     st = ClusterState(make_cluster(nodes=2, cores=8, gpus=2), SERVICES)
-    obs = ObservationEncoder(st, cfg).observe(st)
+    obs = ObservationEncoder(st, cfg, make_advisor(cfg)).observe(st)
     assert F == len(SLOT_FEATURES) and SLOT_FEATURES[-1] == "present"
     assert obs["slots"].shape == (cfg.k_slots * F,) and obs["slots"].dtype == np.float32
     assert obs["backlog"].shape == (9,) and obs["backlog"].dtype == np.float32
@@ -107,7 +108,7 @@ def test_layout_sizes(make_cluster, cfg):
 
 
 def test_features_land_where_documented(state):
-    enc = ObservationEncoder(state, SMALL)
+    enc = ObservationEncoder(state, SMALL, make_advisor(SMALL))
     names = pool_features(SMALL)
     c = submit_at(state, 0.0, cpu_spec(est=2.0, cores=(2, 8), p=0.5))
     g = submit_at(state, 1.0, gpu_spec())
@@ -156,7 +157,7 @@ def test_features_land_where_documented(state):
 
 
 def test_slot_order_advised_first_then_feasible_then_blocked(state):
-    enc = ObservationEncoder(state, SMALL)
+    enc = ObservationEncoder(state, SMALL, make_advisor(SMALL))
     old = submit_at(state, 0.0, cpu_spec())
     young = submit_at(state, 1.0, cpu_spec())
     state.advance(2.0)
@@ -172,7 +173,7 @@ def test_slot_order_advised_first_then_feasible_then_blocked(state):
 
 
 def test_slot_order_feasible_first_oldest_first(state):
-    enc = ObservationEncoder(state, SMALL)
+    enc = ObservationEncoder(state, SMALL, make_advisor(SMALL))
     big = submit_at(state, 0.0, cpu_spec(cores=(9, 9)))  # never fits the 8-core node
     a1 = submit_at(state, 1.0, cpu_spec())
     blocked_big = submit_at(state, 2.0, cpu_spec(cores=(12, 16)))
@@ -219,7 +220,7 @@ def test_slot_order_on_simulated_states(name):
 
 
 def test_backlog_counts_everything_beyond_k(state):
-    enc = ObservationEncoder(state, SMALL)  # K = 4
+    enc = ObservationEncoder(state, SMALL, make_advisor(SMALL))  # K = 4
     order = ["cpu", "gpu", "api", "cpu_big", "cpu", "gpu", "api", "cpu"]
     specs = {"cpu": lambda i: cpu_spec(est=1.0 + i), "cpu_big": lambda i: cpu_spec(
         est=1.0 + i, cores=(9, 9)), "gpu": lambda i: gpu_spec(est=0.5 + i),
@@ -347,7 +348,7 @@ def test_action_for_maps_elastic_greedy_back(name):
 def test_action_for_reproduces_the_gpu_batch_it_maps(state, queued):
     # max_batch 8 and L = 4: caps 1, 2, 4, 8. A batch of every queued request maps to the
     # level whose grant runs exactly that batch (5 queued: cap 8, not the nearer cap 4).
-    enc = ObservationEncoder(state, SMALL)
+    enc = ObservationEncoder(state, SMALL, make_advisor(SMALL))
     reqs = [submit_at(state, 0.0, gpu_spec()) for _ in range(queued)]
     state.advance(1.0)
     g = Grant(reqs[0], device=0, batch=tuple(reqs[1:]))
@@ -394,7 +395,7 @@ def test_encoder_rejects_clusters_beyond_caps(name, cfg):
     w, c = shrunk(name)
     st = ClusterState(c, w.services)
     with pytest.raises(ValueError):
-        ObservationEncoder(st, cfg)
+        ObservationEncoder(st, cfg, make_advisor(cfg))
     with pytest.raises(ValueError):
         ActionSchedulingEnv(w, c, obs_config=cfg)
 
@@ -497,7 +498,8 @@ def test_sim_and_hand_driven_states_encode_identically(name, monkeypatch):
     while not done:
         if n % 13 == 0:
             live = replay(env.sim.state.log, env.sim)
-            live_obs = ObservationEncoder(live, env.obs_config).observe(live)
+            enc = ObservationEncoder(live, env.obs_config, make_advisor(env.obs_config))
+            live_obs = enc.observe(live)
             for k in obs:
                 assert obs[k].tobytes() == live_obs[k].tobytes(), (n, k)
             compared += 1
@@ -509,7 +511,7 @@ def test_sim_and_hand_driven_states_encode_identically(name, monkeypatch):
 def test_two_simulators_same_seed_same_observations():
     w, c = shrunk("mixed")
     sims = [Simulator(w, c, 11, max_wait_s=300.0) for _ in range(2)]
-    encs = [ObservationEncoder(s.state, ObsConfig()) for s in sims]
+    encs = [ObservationEncoder(s.state, ObsConfig(), make_advisor(ObsConfig())) for s in sims]
     rng = np.random.default_rng(0)
     steps = 0
     while all([s.next_decision() for s in sims]):
@@ -531,7 +533,7 @@ class Observing(Scheduler):
 
     def reset(self, state, rng):
         self.inner.reset(state, rng)
-        self.enc = ObservationEncoder(state, ObsConfig())
+        self.enc = ObservationEncoder(state, ObsConfig(), make_advisor(ObsConfig()))
 
     def decide(self, state):
         self.enc.observe(state)
@@ -579,7 +581,7 @@ class FollowsAdvisor(Scheduler):
     name = "follows_advisor"
 
     def reset(self, state, rng):
-        self.enc = ObservationEncoder(state, ObsConfig())
+        self.enc = ObservationEncoder(state, ObsConfig(), make_advisor(ObsConfig()))
 
     def decide(self, state):
         slots = self.enc.slots(state)

@@ -13,6 +13,7 @@ from gymnasium.utils.env_checker import check_env as gym_check_env
 from helpers import needs_train, shrunk
 
 import metasched.envs  # noqa: F401  (registers the env id)
+from metasched.agents import make_advisor
 from metasched.compose import PROFILES
 from metasched.core.observation import ObservationEncoder
 from metasched.envs import ENV_ID
@@ -308,7 +309,8 @@ def test_sim_seed_option_fixes_the_simulation():
     # Exactly a Simulator with that seed on the episode's workload.
     sim = Simulator(scale_workload(w, steps=env1.episode_steps), c, 4242)
     assert sim.next_decision()
-    assert obs_equal(o1, ObservationEncoder(sim.state, env1.obs_config).observe(sim.state))
+    assert obs_equal(o1, ObservationEncoder(sim.state, env1.obs_config,
+                                                     make_advisor(env1.obs_config)).observe(sim.state))
     for _ in range(30):  # and it stays the same under the same actions
         a = int(np.flatnonzero(o1["action_mask"])[0])
         o1, r1, *_ = env1.step(a)

@@ -17,7 +17,7 @@ import torch
 from metasched.cli.loop_app import RETRAINED, SHIPPED, recommend, run_loop
 from metasched.compose import compose, profile
 from metasched.errors import ConfigError
-from metasched.sim.recording import record_trace
+from metasched.evaluation.recording import record_trace
 
 # A budget and a trainer small enough for the default suite; the loop's own stages.
 TINY_TRAIN = ['train_overrides=["eval.cluster_scale=1.0","eval.seeds=1","eval.freq=128",'

@@ -9,9 +9,10 @@ import os
 import numpy as np
 import pytest
 
+from metasched.agents import make_advisor
 from metasched.core.actions import ActionSpec
 from metasched.core.cluster_config import ClusterConfig
-from metasched.core.observation import ObservationEncoder
+from metasched.core.observation import ObsConfig, ObservationEncoder
 from metasched.core.pools import EndpointSpec
 from metasched.core.scheduler import Scheduler
 from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
@@ -51,7 +52,7 @@ class Recording(Scheduler):
 
     def reset(self, state, rng) -> None:
         self.inner.reset(state, rng)
-        self.encoder = ObservationEncoder(state)
+        self.encoder = ObservationEncoder(state, ObsConfig(), make_advisor(ObsConfig()))
 
     def decide(self, state):
         if state.t < LONG / 2:

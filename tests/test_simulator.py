@@ -413,7 +413,8 @@ class SeenSpecs(Scheduler):
 def test_max_cores_above_the_node_is_capped_as_live(make_workload, make_cluster):
     """A 1-16 core action on a 4-core node is a 1-4 core action (the dispatcher caps
     requests the same way): its estimates, observation and lower bound say 4 cores."""
-    from metasched.core.observation import SLOT_FEATURES, ObservationEncoder
+    from metasched.agents import make_advisor
+    from metasched.core.observation import SLOT_FEATURES, ObsConfig, ObservationEncoder
 
     w = make_workload({"kind": "cpu", "duration_s": 10.0, "timeout_s": 100.0,
                        "cores": [1, 16], "parallel_fraction": 0.9})
@@ -422,7 +423,8 @@ def test_max_cores_above_the_node_is_capped_as_live(make_workload, make_cluster)
     (a,) = sim.state.pending["cpu"].values()
     assert (a.spec.min_cores, a.spec.max_cores) == (1, 4)
     assert a.lower_bound_s == pytest.approx(10.0 * (0.1 + 0.9 / 4))
-    row = ObservationEncoder(sim.state).observe(sim.state)["slots"][:len(SLOT_FEATURES)]
+    enc = ObservationEncoder(sim.state, ObsConfig(), make_advisor(ObsConfig()))
+    row = enc.observe(sim.state)["slots"][:len(SLOT_FEATURES)]
     assert row[SLOT_FEATURES.index("max_cores_frac")] == 1.0
 
 

@@ -94,13 +94,16 @@ def check_train_settings(cfg: dict[str, Any]) -> None:
 
 def run_train(cfg: dict[str, Any], out_dir: str | Path, progress: bool = True) -> dict[str, Any]:
     """Train as configured into ``out_dir``; returns the training summary."""
+    from metasched.agents import make_advisor
     from metasched.core.observation import ObsConfig, ObservationEncoder
     from metasched.core.state import ClusterState
 
     workload, cluster = load_profile(cfg)
     check_train_settings(cfg)
+    obs_cfg = ObsConfig(**cfg["obs"])
     try:
-        ObservationEncoder(ClusterState(cluster, workload.services), ObsConfig(**cfg["obs"]))
+        ObservationEncoder(ClusterState(cluster, workload.services), obs_cfg,
+                           make_advisor(obs_cfg))
     except ValueError as e:
         raise ConfigError("obs", str(e)) from None
     require_train_extra()  # after the settings: their errors need no torch

@@ -19,7 +19,9 @@ Observation (a dict of float32 arrays):
 The advisor (``ObsConfig.advisor``, ``elastic_greedy`` by default) is asked what it
 would start now; its proposal enters as the slot features ``advised`` /
 ``advised_size_frac`` and the pool feature ``advisor_waits``. The policy learns when
-to follow it and when to do better.
+to follow it and when to do better. The core only names the advisor: whoever builds
+the encoder builds that heuristic and hands it over
+(:func:`metasched.agents.make_advisor`).
 
 Action ``i = slot * L + level`` grants the action in ``slot`` at allocation ``level``;
 ``i = K * L`` waits until the next event (always legal). Levels: cpu, cores spaced
@@ -45,6 +47,7 @@ import numpy as np
 
 from metasched.core.actions import Action, Grant
 from metasched.core.ledger import Ledger
+from metasched.core.scheduler import Scheduler
 from metasched.core.state import ClusterState
 
 OBS_SCHEMA_VERSION = 3  # 2: advisor features; advised actions fill the first slots
@@ -140,10 +143,14 @@ def batch_levels(max_batch: int, levels: int) -> tuple[int, ...]:
 class ObservationEncoder:
     """Turns a ``ClusterState`` into the observation, mask and grants of the policy.
 
+    ``advisor`` is the scheduler ``cfg.advisor`` names, built by the caller
+    (:func:`metasched.agents.make_advisor`); given exactly when ``cfg.advisor`` is set.
+
     Raises ``ValueError`` if the cluster exceeds the observation's sizes.
     """
 
-    def __init__(self, state: ClusterState, cfg: ObsConfig | None = None) -> None:
+    def __init__(self, state: ClusterState, cfg: ObsConfig | None = None,
+                 advisor: Scheduler | None = None) -> None:
         self.cfg = cfg = cfg or ObsConfig()
         if cfg.levels < 1 or cfg.k_slots < 1:
             raise ValueError("k_slots and levels must be >= 1")
@@ -153,12 +160,12 @@ class ObservationEncoder:
                              ("API endpoints", len(state.api.endpoints), cfg.max_endpoints)):
             if n > cap:
                 raise ValueError(f"{what}: {n} exceed the observation's {cap}")
-        self.advisor = None
-        if cfg.advisor is not None:
-            from metasched.agents import make_scheduler  # the core only names the advisor
-
-            self.advisor = make_scheduler(cfg.advisor)
-            self.advisor.reset(state, np.random.default_rng(0))
+        if (advisor is None) != (cfg.advisor is None):
+            raise TypeError(f"ObsConfig.advisor is {cfg.advisor!r}: pass the advisor it names "
+                            "(metasched.agents.make_advisor(cfg)), and only then")
+        self.advisor = advisor
+        if advisor is not None:
+            advisor.reset(state, np.random.default_rng(0))
         self._cache_key: tuple[int, int] | None = None
         self._cache: tuple[list[Action], dict[int, float], dict[int, Grant]] = ([], {}, {})
         self.service_index = {s: i for i, s in enumerate(sorted(state.gpu.services))}

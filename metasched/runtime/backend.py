@@ -43,13 +43,13 @@ class Node:
 @dataclass(frozen=True)
 class CommandSpec:
     """What a granted command needs, wherever it runs (the arguments of
-    :func:`metasched.runtime.sandbox.launch.launch`, less its cores and sandbox).
+    :func:`metasched.runtime.launch.launch`, less its cores and sandbox).
 
     ``env`` is the dispatcher's allow-listed environment, ``request_env`` the request's
     own (over a sandbox's home), ``extra_env`` what the dispatcher marks it with (its
     action id). ``gpu`` is the NVML index, on its node, of the GPU a gpu command was
     granted (None: a cpu command, or a stand-in device): it runs in its sandbox's
-    sandbox for that GPU (:func:`metasched.runtime.sandbox.launch.gpu_sandbox`)."""
+    sandbox for that GPU (:func:`metasched.runtime.launch.gpu_sandbox`)."""
 
     argv: tuple[str, ...]
     timeout_s: float

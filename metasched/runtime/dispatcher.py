@@ -49,6 +49,7 @@ from metasched.runtime.gpu import (
 )
 from metasched.runtime.journal import Journal
 from metasched.runtime.journal_docs import StoredRequest, compacted, store
+from metasched.runtime.launch import gpu_sandbox, launch, open_confinement
 from metasched.runtime.machine import (
     MachineMonitor,
     check_workdir,
@@ -60,7 +61,6 @@ from metasched.runtime.outcome import Outcome
 from metasched.runtime.process import Process, kill_group
 from metasched.runtime.requests import DONE, FAILED, REJECTED, Request, Result, parse_request
 from metasched.runtime.sandbox.config import allowed_env
-from metasched.runtime.sandbox.launch import gpu_sandbox, launch, open_confinement
 from metasched.runtime.sandbox.manager import Sandbox, Sandboxes
 from metasched.runtime.sandbox.rundir import RunDirectory
 
@@ -335,7 +335,7 @@ class Dispatcher:
                         "unfinished, for their resubmission", len(self._held))
 
     def _load_scheduler(self) -> Scheduler:
-        from metasched.agents import make_scheduler
+        from metasched.agents import make_advisor, make_scheduler
         from metasched.agents.checkpoint import resolve_scheduler
 
         sched = self._scheduler_given
@@ -352,14 +352,14 @@ class Dispatcher:
         obs_cfg = getattr(sched, "obs_config", None) or ObsConfig()
         try:
             self.encoder = (getattr(sched, "encoder", None)
-                            or ObservationEncoder(self.state, obs_cfg))
+                            or ObservationEncoder(self.state, obs_cfg, make_advisor(obs_cfg)))
         except ValueError:
             self.encoder = None  # the machine exceeds the observation's sizes
         return sched
 
     def _fall_back(self, why: str) -> Scheduler:
         """Switch to the elastic_greedy heuristic, logging the reason once."""
-        from metasched.agents import make_scheduler
+        from metasched.agents import make_advisor, make_scheduler
 
         if not self.fallback_reason:
             self.fallback_reason = why
@@ -369,7 +369,8 @@ class Dispatcher:
         self.scheduler = sched
         if self.encoder is None:
             try:
-                self.encoder = ObservationEncoder(self.state, ObsConfig())
+                obs_cfg = ObsConfig()
+                self.encoder = ObservationEncoder(self.state, obs_cfg, make_advisor(obs_cfg))
             except ValueError:
                 self.encoder = None
         return sched
@@ -410,7 +411,7 @@ class Dispatcher:
 
     async def _start_sandboxes(self) -> None:
         """Set up this machine's confinement (see
-        :func:`metasched.runtime.sandbox.launch.open_confinement`)."""
+        :func:`metasched.runtime.launch.open_confinement`)."""
         self.run_dir, self.boxes = await open_confinement(
             self.workdir, self.config.sandbox, hide=self._hidden())
 

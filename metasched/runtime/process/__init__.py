@@ -20,14 +20,16 @@ Where each part lives (each module's docstring says why it is done that way):
   command's first instruction, and the executable lookup it needs;
 - :mod:`.child`: the running child: its pipes and output tails, exit watching on a
   pidfd, killing and reaping (:func:`kill_group`);
+- :mod:`.sandboxed`: the child the sandbox server started, behind the same interface;
 - :mod:`.fd_watch`: the per-event-loop epoll set that watches every child's pipes and
   pidfds as one reader;
 - :mod:`.memory_watch`: the watchdog on a group's resident memory;
 - :mod:`.failures`: naming how a command ended;
 - :mod:`.workdir`: the scratch directories.
 
-Confinement (sandboxes, cgroup slots) is :mod:`metasched.runtime.sandbox`'s; ``run.py``
-starts a command there when it is given one.
+Confinement (sandboxes, cgroup slots) is :mod:`metasched.runtime.sandbox`'s, a layer
+below this one (it never imports this package); ``run.py`` starts a command there when it
+is given one, and :mod:`metasched.runtime.launch` ties the two together for a node.
 
 Only the names below are the package's API; the modules are its internals.
 """

@@ -121,7 +121,7 @@ class Stream:
 
 class ChildBase:
     """What the executor uses of a started command, whoever started it (this process:
-    :class:`Child`; the sandbox server: ``metasched.runtime.sandbox.command``): its
+    :class:`Child`; the sandbox server: ``metasched.runtime.process.sandboxed``): its
     ``exited`` future, its two output :class:`Stream` s, ``kill``, ``kill_rest`` and
     ``reap`` (the subclass's), and the waiting below."""
 

@@ -300,7 +300,7 @@ class Process:
         sent and this returns (pipelined: the loop goes on while the server starts it);
         ``pid`` is set, and ``on_start`` called, when the server has started it, and a
         command that fails to start ends with that reason."""
-        from metasched.runtime.sandbox.command import SandboxedChild
+        from metasched.runtime.process.sandboxed import SandboxedChild
 
         result = _with_pipes(detail, lambda out_w, err_w: confinement.start(
             sandbox, argv=args, env=env, cores=cores, mem_limit_mb=in_cgroup["mem"],

@@ -7,13 +7,13 @@ function returns, cannot be. So each node of a Ray-backed dispatcher has one
 :class:`NodeAgent` (an async actor pinned to it, started by the dispatcher and ending
 with it): it makes the node's run directory and
 :class:`~metasched.runtime.sandbox.manager.Sandboxes` as the dispatcher does on one
-machine (:func:`~metasched.runtime.sandbox.launch.open_confinement`: bwrap namespaces,
+machine (:func:`~metasched.runtime.launch.open_confinement`: bwrap namespaces,
 an unprivileged user per trajectory, cgroup slots), and starts each command through
-the same call (:func:`~metasched.runtime.sandbox.launch.launch`) in its trajectory's
+the same call (:func:`~metasched.runtime.launch.launch`) in its trajectory's
 sandbox on that node: the workspace persists across the trajectory's commands, wherever
 the dispatcher runs. A gpu command (its spec names its GPU's NVML index on this node)
 runs in that sandbox's sandbox for its GPU, which binds that GPU's device node alone
-(:func:`~metasched.runtime.sandbox.launch.gpu_sandbox`). When the dispatcher's actor
+(:func:`~metasched.runtime.launch.gpu_sandbox`). When the dispatcher's actor
 dies, Ray ends the agents it owns, and with each its sandbox server: every sandbox and
 command on the node ends too.
 
@@ -41,10 +41,10 @@ from typing import Any
 import ray
 
 from metasched.runtime.backend import CommandSpec
+from metasched.runtime.launch import gpu_sandbox, launch, open_confinement
 from metasched.runtime.outcome import Outcome
 from metasched.runtime.ray_backend import channel
 from metasched.runtime.sandbox.config import SandboxConfig
-from metasched.runtime.sandbox.launch import gpu_sandbox, launch, open_confinement
 from metasched.runtime.sandbox.workspace import Template
 
 CANCEL_CHECK_S = 0.1  # how soon a task sees its cancellation while its command runs

@@ -9,4 +9,9 @@ and the dispatcher's end of it), :mod:`.protocol` (their messages), :mod:`.bwrap
 (templates), :mod:`.uids`, :mod:`.rundir` (what a dispatcher made, for recovery) and
 :mod:`.syscalls`. Importing this package loads none of them (the server imports only
 what it needs).
+
+This package stands below :mod:`metasched.runtime.process`: it never imports it. A
+command the sandbox server starts is :mod:`metasched.runtime.process.sandboxed`'s, and
+opening a node's sandboxes and starting a command in them is
+:mod:`metasched.runtime.launch`'s.
 """

@@ -22,6 +22,11 @@ The namespaces' long-lived process is a stub: ``sh -c 'echo; exec cat'`` prints 
 newline once the sandbox is fully set up (bwrap's ``--info-fd`` is written earlier,
 before its mounts are done), then reads its stdin, a pipe only the sandbox server
 writes to, until that closes.
+
+Every sandbox has a network namespace of its own, whatever its network setting: the
+host's is never shared. One granted network is connected by the sandbox server (a
+user-mode stack and a rule set: :mod:`.egress`) and gets :data:`.egress.RESOLV_CONF`
+as its ``/etc/resolv.conf``.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ import os
 import shutil
 import subprocess
 from collections.abc import Sequence
+
+from metasched.runtime.sandbox import egress
 
 __all__ = ["ETC_PATHS", "STUB", "SYSTEM_PATHS", "find_bwrap", "identity_files",
            "sandbox_argv"]
@@ -50,7 +57,6 @@ ETC_PATHS = (
     "magic", "magic.mime", "locale.alias", "locale.conf", "default/locale", "os-release",
     "debian_version", "profile", "bash.bashrc", "inputrc", "terminfo", "fonts",
     "java-*", "python3*", "perl", "R", "ghc", "dotnet", "mono")
-RESOLV_CONF = "/etc/resolv.conf"  # bound with network only
 # What a configured system path may not be: the whole host, or all of /etc ...
 NOT_SYSTEM_PATHS = ("/", "/etc")
 # ... or at or under the sandbox's own mount points.
@@ -128,7 +134,8 @@ def sandbox_argv(bwrap: str, *, network: bool, hide: Sequence[str],
 
     Args:
         bwrap: the bwrap executable.
-        network: keep the host's network namespace (else a new one: loopback only).
+        network: granted network (its resolver is :mod:`.egress`'s); the sandbox has a
+            network namespace of its own either way.
         hide: host paths to make invisible where they lie under a bound path (an
             existing directory gets an empty tmpfs over it, an existing file
             ``/dev/null``).
@@ -137,9 +144,7 @@ def sandbox_argv(bwrap: str, *, network: bool, hide: Sequence[str],
             :class:`~metasched.runtime.sandbox.config.SandboxConfig`).
     """
     args = [bwrap, "--die-with-parent", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
-            "--hostname", "sandbox"]
-    if not network:
-        args.append("--unshare-net")
+            "--unshare-net", "--hostname", "sandbox"]
     bound: list[str] = []
     made = {"/", "/etc"}
     for path in SYSTEM_PATHS:
@@ -148,8 +153,8 @@ def sandbox_argv(bwrap: str, *, network: bool, hide: Sequence[str],
     etc = sorted({p for pattern in ETC_PATHS for p in glob.glob(os.path.join("/etc", pattern))})
     for path in etc:
         _bind(path, args, made, bound)
-    if network and os.path.isfile(RESOLV_CONF):  # its target (often under /run) bound
-        args += ["--ro-bind", os.path.realpath(RESOLV_CONF), RESOLV_CONF]
+    if network:  # names the user-mode stack's resolver (see .egress)
+        args += ["--ro-bind", egress.RESOLV_CONF, "/etc/resolv.conf"]
     for path in system_paths:
         _bind(path, args, made, bound)
     args += ["--dev", "/dev", "--proc", "/proc"]

@@ -12,6 +12,7 @@ from pydantic import AfterValidator, BeforeValidator, ValidationError
 from metasched.core.schema import Count, Flag, Number, Strict, parse
 from metasched.errors import ConfigError, short, validation_error
 from metasched.runtime.sandbox.bwrap import NOT_SYSTEM_PATHS, OWN_MOUNTS, within
+from metasched.runtime.sandbox.egress import DEFAULT_EGRESS, parse_egress
 from metasched.runtime.sandbox.workspace import Template, template_from
 
 __all__ = ["ENV_ALLOW", "ISOLATION_MODES", "CGROUP_MODES", "SandboxConfig", "allowed_env"]
@@ -24,6 +25,13 @@ CGROUP_MODES = ("auto", "v2", "v1", "none")
 # given comes from its request's ``env``. None of these is a credential.
 ENV_ALLOW = ("PATH", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "LC_NUMERIC", "LC_TIME",
              "LC_COLLATE", "LC_MONETARY", "LC_MESSAGES", "TZ", "TERM")
+
+
+def _egress(entries: tuple[Any, ...]) -> tuple[str, ...]:
+    try:
+        return tuple(str(a) for a in parse_egress(entries))
+    except ConfigError as e:  # named by the validator (sandbox.egress)
+        raise ConfigError("", e.problem) from None
 
 
 def _uid_range(r: tuple[int, int]) -> tuple[int, int]:
@@ -84,6 +92,11 @@ class SandboxConfig(Strict):
             None: every command runs as ``nobody_uid``.
         nobody_uid: the user (and group) id when no range is given.
         network: whether commands may reach the network when their request does not say.
+            A sandbox granted network reaches what ``egress`` allows, never the host.
+        egress: where a sandbox granted network may connect (see
+            :mod:`~metasched.runtime.sandbox.egress`): ``"public"`` (IPv4 outside the
+            private and special ranges; the default) and CIDRs, each optionally with
+            ``:port`` or ``:port-port``. Host-local addresses are never reachable.
         env_allow: variables passed from the dispatcher's environment.
         hide: more host paths commands must not see (the journal's files always are),
             where they lie under a path sandboxes see.
@@ -109,6 +122,7 @@ class SandboxConfig(Strict):
         1_500_000_000, 65_536)
     nobody_uid: Count(1, 2**32 - 2) = 65534
     network: Flag = False
+    egress: Annotated[tuple[Any, ...], AfterValidator(_egress)] = DEFAULT_EGRESS
     env_allow: tuple[Annotated[str, BeforeValidator(str)], ...] = ENV_ALLOW
     hide: tuple[Annotated[str, BeforeValidator(lambda p: os.path.abspath(str(p)))], ...] = ()
     system_paths: Annotated[tuple[str, ...], AfterValidator(

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from metasched.errors import ConfigError
-from metasched.runtime.sandbox import bwrap, cgroups, devices
+from metasched.runtime.sandbox import bwrap, cgroups, devices, egress
 from metasched.runtime.sandbox.config import SandboxConfig
 from metasched.runtime.sandbox.connection import ServerConnection, ServerGone, spawned_pid
 from metasched.runtime.sandbox.lifeline import Lifeline
@@ -110,6 +110,14 @@ class Sandboxes:
         self.dev_root = dev_root if dev_root is not None else devices.DEV_ROOT
         self.warnings: list[str] = []
         self.bwrap_path, self.bwrap_version = self._isolation()
+        self.egress = egress.parse_egress(config.egress)
+        # Granted network needs these; without them it is refused, never the host's.
+        self.net_tools, self.net_missing = (egress.find_tools() if self.bwrap_path
+                                            else (None, ""))
+        if self.bwrap_path is not None and self.net_tools is None:
+            if config.network:
+                raise ConfigError("sandbox.network", self.net_missing)
+            self.warnings.append(f"{self.net_missing}: commands granted network fail")
         self.hierarchies = cgroups.discover(config.cgroups, config.cgroup_parent)
         self.tree: cgroups.CgroupTree | None = None
         if self.hierarchies.v2 is not None or self.hierarchies.v1:
@@ -211,7 +219,9 @@ class Sandboxes:
     def describe(self) -> str:
         """One line: how commands are confined."""
         if self.isolated:
-            ns = "pid, mount, ipc, uts, net (unless allowed)"
+            net = (f"network granted: egress {', '.join(self.config.egress) or 'none'} "
+                   "through slirp4netns" if self.net_tools else "network refused")
+            ns = f"pid, mount, ipc, uts, net ({net})"
             uid = (f"uids {self.uids.first}-{self.uids.first + self.uids.count - 1} (one per "
                    "sandbox)" if not self.uids.shared else f"uid {self.uids.nobody}")
             iso = f"{self.bwrap_version} namespaces ({ns}), {uid}, minimal root"
@@ -299,6 +309,9 @@ class Sandboxes:
         extra = list(template.bwrap_args()) if template else []
         for name in nodes:
             extra += ["--dev-bind", os.path.join(self.dev_root, name), f"/dev/{name}"]
+        if network and self.net_tools is None:
+            self._loop.call_soon(self._opened, sb, {"error": self.net_missing})
+            return sb
         self.server.on("opened", sid, lambda ev: self._opened(sb, ev))
         try:
             self.server.open({"sid": sid, "uid": uid, "gid": uid, "workspace": workspace,
@@ -308,10 +321,19 @@ class Sandboxes:
                                   self.bwrap_path, network=network, hide=self.hide,
                                   extra=extra,
                                   system_paths=[*self.config.system_paths,
-                                                *(devices.gpu_sys_paths() if nodes else [])])})
+                                                *(devices.gpu_sys_paths() if nodes else [])]),
+                              "net": self._net_spec() if network else None})
         except ServerGone as e:
             sb.ready.set_exception(OSError(0, str(e)))
         return sb
+
+    def _net_spec(self) -> dict[str, Any]:
+        """What the server needs to give a sandbox network (:mod:`.egress`); the host's
+        addresses are read now, so an address added since the last sandbox counts."""
+        assert self.net_tools is not None
+        slirp, nft = self.net_tools
+        return {"slirp": egress.slirp_argv(slirp), "nft": nft,
+                "rules": egress.ruleset(self.egress, egress.host_addresses())}
 
     def _opened(self, sb: Sandbox, ev: dict[str, Any]) -> None:
         if sb.ready.done():

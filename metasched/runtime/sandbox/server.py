@@ -7,9 +7,12 @@ changes them in all; the dispatcher has threads. Why not a fresh ``bwrap`` or
 ``unshare`` per command: making namespaces costs 4-8 ms per command here (see
 ``benchmarks/sandbox_cost.py``), entering existing ones costs tens of µs.
 
-A sandbox is made once, by ``bwrap`` (the mounts, and new pid, ipc, uts and, unless the
-network is allowed, net namespaces), running a stub (``cat`` on a pipe only this server
-writes to) as the namespaces' long-lived process. Then the server mounts the sandbox's
+A sandbox is made once, by ``bwrap`` (the mounts, and new pid, ipc, uts and net
+namespaces), running a stub (``cat`` on a pipe only this server writes to) as the
+namespaces' long-lived process. A sandbox granted network then gets its rule set
+(``nft``, run as root in its net namespace) and its user-mode network stack
+(``slirp4netns``, ended with it), both started here (see :mod:`.egress`); it is ready
+once both are. Then the server mounts the sandbox's
 tmpfs: ``/workspace``, ``/tmp`` and ``/dev/shm`` all live on it, so its size is the
 sandbox's memory; a template is laid over it with overlayfs (copy-on-write) or copied.
 
@@ -101,6 +104,14 @@ class _Sandbox:
     method: str = ""  # how the workspace was seeded: "", "overlay", "copy" or "tar"
     init_pid: int = -1  # the namespaces' init (bwrap's pid 1), in this server's pid space
     ready: bool = False
+    net: dict[str, Any] | None = None  # granted network: {"slirp": argv, "nft": path, ...}
+    net_pending: set[str] = field(default_factory=set)  # "rules", "slirp" still starting
+    mounted: bool = False  # workspace mounted and seeded (ready once net_pending is empty)
+    nft_err_fd: int = -1
+    slirp_pid: int = -1
+    slirp_fd: int = -1  # pidfd
+    slirp_ready_fd: int = -1
+    slirp_exit_fd: int = -1  # closing it ends slirp4netns
 
 
 @dataclass
@@ -299,7 +310,8 @@ class Server:
         and its workspace is mounted (and seeded). ``msg["files"]`` (path: text) are
         files made for it, bound read-only (``/etc/passwd``...)."""
         sid = msg["sid"]
-        sb = _Sandbox(sid, msg["uid"], msg["gid"], workspace=msg["workspace"])
+        sb = _Sandbox(sid, msg["uid"], msg["gid"], workspace=msg["workspace"],
+                      net=msg.get("net"))
         self.sandboxes[sid] = sb
         try:
             block_r, sb.block_fd = os.pipe()
@@ -369,6 +381,12 @@ class Server:
             return
         _close(sb.info_fd)
         sb.info_fd = -1
+        if sb.net is not None:
+            try:
+                self._start_network(sb)
+            except OSError as e:
+                self._fail_open(sb, f"cannot give the sandbox network: {e.strerror or e}")
+                return
         try:
             seed = self._setup_mounts(sb)
         except OSError as e:
@@ -489,7 +507,7 @@ class Server:
 
     def _ready(self, sb: _Sandbox) -> None:
         """The workspace is seeded: detach the template's bind (an overlay keeps its own
-        reference to it) and say so."""
+        reference to it) and say so (once its network, if granted, is up too)."""
         template = sb.workspace.get("template")
         if template:
             try:
@@ -502,8 +520,113 @@ class Server:
             except OSError as e:
                 self._fail_open(sb, f"cannot detach the template: {e.strerror or e}")
                 return
+        sb.mounted = True
+        if not sb.net_pending:
+            self._opened(sb)
+
+    def _opened(self, sb: _Sandbox) -> None:
         sb.ready = True
         self._reply({"ev": "opened", "sid": sb.sid, "seeded": sb.method, "init": sb.init_pid})
+
+    # --- network (see egress.py) ------------------------------------------------------
+
+    def _start_network(self, sb: _Sandbox) -> None:
+        """Load the sandbox's rule set (``nft -f -`` in its net namespace) and start its
+        slirp4netns; each reports when done (:meth:`_rules_loaded`, :meth:`_slirp_up`)."""
+        net = sb.net
+        assert net is not None
+        if os.fstat(sb.ns["net"]).st_ino == os.fstat(self.own["net"]).st_ino:
+            # never load a sandbox's rules into (or attach its stack to) the host's
+            raise OSError(0, "its network namespace is the host's")
+        rules_r, rules_w = os.pipe()
+        err_r, err_w = os.pipe()
+        try:
+            os.write(rules_w, net["rules"].encode())  # a few hundred bytes: fits the pipe
+            _close(rules_w)
+            syscalls.setns(sb.ns["net"], CLONE_NEWNET)
+            try:
+                pid = os.posix_spawn(net["nft"], [net["nft"], "-f", "-"],
+                                     {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
+                                     file_actions=[(os.POSIX_SPAWN_DUP2, rules_r, 0),
+                                                   (os.POSIX_SPAWN_DUP2, err_w, 1),
+                                                   (os.POSIX_SPAWN_DUP2, err_w, 2)])
+            finally:
+                try:
+                    syscalls.setns(self.own["net"], CLONE_NEWNET)
+                except OSError as e:  # as in _spawn: not safe to go on
+                    print(f"sandbox server: cannot return to its own state: {e}",
+                          file=sys.stderr)
+                    os._exit(1)
+        except BaseException:
+            _close(err_r)
+            raise
+        finally:
+            for fd in (rules_r, rules_w, err_w):
+                _close(fd)
+        sb.nft_err_fd = err_r
+        sb.net_pending.add("rules")
+        pidfd = os.pidfd_open(pid)
+        self.sel.register(pidfd, selectors.EVENT_READ,
+                          lambda _: self._rules_loaded(sb, pid, pidfd))
+        ready_r, ready_w = os.pipe()
+        exit_r, sb.slirp_exit_fd = os.pipe()
+        try:
+            os.set_inheritable(ready_w, True)
+            os.set_inheritable(exit_r, True)
+            argv = [*net["slirp"], f"--ready-fd={ready_w}", f"--exit-fd={exit_r}",
+                    str(sb.init_pid), "tap0"]
+            sb.slirp_pid = os.posix_spawn(
+                argv[0], argv, {"PATH": "/usr/bin:/bin"},
+                file_actions=[(os.POSIX_SPAWN_DUP2, self.devnull, 0),
+                              (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
+                              (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0)],
+                setsid=True)
+        except BaseException:
+            _close(ready_r)
+            raise
+        finally:
+            _close(ready_w)
+            _close(exit_r)
+        sb.slirp_fd = os.pidfd_open(sb.slirp_pid)
+        sb.slirp_ready_fd = ready_r
+        sb.net_pending.add("slirp")
+        self.sel.register(ready_r, selectors.EVENT_READ, lambda _: self._slirp_up(sb))
+
+    def _rules_loaded(self, sb: _Sandbox, pid: int, pidfd: int) -> None:
+        self.sel.unregister(pidfd)
+        _close(pidfd)
+        try:
+            _, status = os.waitpid(pid, 0)
+        except ChildProcessError:
+            status = -1
+        err = _read_all(sb.nft_err_fd, limit=_TAIL).decode(errors="replace").strip()
+        _close(sb.nft_err_fd)
+        sb.nft_err_fd = -1
+        if self.sandboxes.get(sb.sid) is not sb:
+            return  # closed meanwhile
+        if status != 0:
+            line = err.splitlines()[-1] if err else f"wait status {status}"
+            self._fail_open(sb, f"cannot load its network rules: nft: {line}")
+            return
+        self._net_done(sb, "rules")
+
+    def _slirp_up(self, sb: _Sandbox) -> None:
+        self.sel.unregister(sb.slirp_ready_fd)
+        try:
+            data = os.read(sb.slirp_ready_fd, 16)
+        except OSError:
+            data = b""
+        _close(sb.slirp_ready_fd)
+        sb.slirp_ready_fd = -1
+        if not data:
+            self._fail_open(sb, "cannot give the sandbox network: slirp4netns exited")
+            return
+        self._net_done(sb, "slirp")
+
+    def _net_done(self, sb: _Sandbox, part: str) -> None:
+        sb.net_pending.discard(part)
+        if not sb.net_pending and sb.mounted and not sb.ready:
+            self._opened(sb)
 
     def _bwrap_error(self, sb: _Sandbox) -> str:
         try:
@@ -523,15 +646,19 @@ class Server:
         sb = self.sandboxes.pop(sid, None)
         if sb is None:
             return
-        for fd in (sb.ready_fd, sb.seed_err_fd):
+        for fd in (sb.ready_fd, sb.seed_err_fd, sb.slirp_ready_fd):
             if fd >= 0:
                 try:
                     self.sel.unregister(fd)
                 except KeyError:  # failed before it was watched
                     pass
-        for fd in (sb.ready_fd, sb.info_fd, sb.seed_err_fd):
+        for fd in (sb.ready_fd, sb.info_fd, sb.seed_err_fd, sb.slirp_ready_fd,
+                   sb.slirp_exit_fd):  # the last ends its slirp4netns
             if fd >= 0:
                 _close(fd)
+        if sb.slirp_fd >= 0:
+            self.sel.register(sb.slirp_fd, selectors.EVENT_READ,
+                              lambda _, s=sb: self._reap_slirp(s))
         for fd in sb.ns.values():
             _close(fd)
         _close(sb.block_fd)
@@ -546,6 +673,14 @@ class Server:
         try:
             if sb.bwrap_pid > 0:
                 os.waitpid(sb.bwrap_pid, 0)
+        except ChildProcessError:
+            pass
+
+    def _reap_slirp(self, sb: _Sandbox) -> None:
+        self.sel.unregister(sb.slirp_fd)
+        _close(sb.slirp_fd)
+        try:
+            os.waitpid(sb.slirp_pid, 0)
         except ChildProcessError:
             pass
 

@@ -1,10 +1,15 @@
 """Recording a simulated run as a trace of finished actions, with what was measured
-(the same lines the live dispatcher writes: ``metasched.core.action_log``)."""
+(the same lines the live dispatcher writes: ``metasched.core.action_log``).
+
+It lives here, beside the other runs of a named scheduler, because it builds that
+scheduler (:func:`metasched.agents.make_scheduler`): the simulator itself takes a
+scheduler, never a name."""
 
 from __future__ import annotations
 
 import os
 
+from metasched.agents import make_scheduler
 from metasched.core.action_log import ActionLog
 from metasched.core.cluster_config import ClusterConfig
 from metasched.core.metrics import RunResult
@@ -22,8 +27,6 @@ def record_trace(workload: WorkloadConfig, cluster: ClusterConfig, path: str | o
 
     Returns the run's result and the number of actions written.
     """
-    from metasched.agents import make_scheduler
-
     with ActionLog(path, cluster, workload.services) as log:
         sim = Simulator(workload, cluster, seed, action_log=log, max_wait_s=max_wait_s,
                         cost_model=cost_model_for(estimates))

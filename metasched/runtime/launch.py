@@ -3,9 +3,11 @@ confinement (its run directory and :class:`~metasched.runtime.sandbox.manager.Sa
 made by :func:`open_confinement`) and the one call that starts a command in it
 (:func:`launch`).
 
-The dispatcher on one machine holds these in its own process; on a Ray cluster each
-node's agent (:mod:`metasched.runtime.ray_backend.node_agent`) holds its node's, so a
-command is confined the same way on either backend.
+It stands above both :mod:`metasched.runtime.process` (how a command is started and
+watched) and :mod:`metasched.runtime.sandbox` (where it is confined), which it ties
+together. The dispatcher on one machine holds these in its own process; on a Ray cluster
+each node's agent (:mod:`metasched.runtime.ray_backend.node_agent`) holds its node's, so
+a command is confined the same way on either backend.
 """
 
 from __future__ import annotations

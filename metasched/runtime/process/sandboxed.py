@@ -8,6 +8,9 @@ resource usage, so "reaping" here only reads that report. Killing goes through t
 command's cgroup slot (every process in it, including any that left its session) or,
 without cgroups, through the server (its process group). A memory or process limit hit
 inside the slot is read from the slot's counters when the command ends.
+
+The process package holds it (not :mod:`metasched.runtime.sandbox`): the sandbox layer
+knows nothing of how a command is started and watched, the process layer uses it.
 """
 
 from __future__ import annotations

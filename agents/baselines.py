@@ -1,0 +1,41 @@
+"""The heuristic baselines by name, and the advisor an observation encoder asks.
+
+Below everything that builds an encoder (the learned scheduler, the Gymnasium env, the
+dispatcher): the core's encoder only names its advisor (``ObsConfig.advisor``), and the
+heuristic is built here.
+"""
+
+from __future__ import annotations
+
+from metasched.agents.elastic import ElasticGreedyScheduler
+from metasched.agents.partitioned import StaticScheduler, TaskIsolatedScheduler
+from metasched.agents.queue import FifoScheduler, RandomScheduler, SjfScheduler
+from metasched.agents.rate_greedy import RateGreedyScheduler
+from metasched.core.observation import ObsConfig
+from metasched.core.scheduler import Scheduler
+from metasched.errors import ConfigError
+
+REGISTRY: dict[str, type[Scheduler]] = {
+    cls.name: cls for cls in (StaticScheduler, TaskIsolatedScheduler, FifoScheduler,
+                              SjfScheduler, ElasticGreedyScheduler, RateGreedyScheduler,
+                              RandomScheduler)
+}
+BASELINES: tuple[str, ...] = tuple(REGISTRY)
+
+
+def make_advisor(cfg: ObsConfig) -> Scheduler | None:
+    """A fresh instance of the heuristic ``cfg.advisor`` names (None: no advisor), to
+    hand to :class:`~metasched.core.observation.ObservationEncoder`.
+
+    Raises:
+        ConfigError: ``cfg.advisor`` is no heuristic's name.
+    """
+    if cfg.advisor is None:
+        return None
+    if cfg.advisor not in REGISTRY:
+        raise ConfigError("obs.advisor", f"unknown heuristic {cfg.advisor!r} (known: "
+                          f"{', '.join(BASELINES)})")
+    return REGISTRY[cfg.advisor]()
+
+
+__all__ = ["BASELINES", "REGISTRY", "make_advisor"]
