@@ -1,17 +1,35 @@
-"""Shared fixtures: tiny workloads and clusters built from plain dicts, and the
-Hypothesis profile (no deadline: the machine running the suite is shared)."""
+"""Shared fixtures: tiny workloads and clusters built from plain dicts, sandboxes, the
+local Ray, and the Hypothesis profile (no deadline: the machine running the suite is
+shared). The markers of pyproject.toml: a test that uses the local Ray is marked ``ray``
+here, one that uses ``boxes`` ``isolation``; an ``isolation`` test is skipped, with the
+reason, where bwrap sandboxes cannot run (``isolation(bwrap=False)``: it needs root and
+cgroups only, and says so itself)."""
 
 from __future__ import annotations
 
-import copy
 import os
+import sys
 
-import pytest
-from helpers import HAS_TRAIN_EXTRA
-from hypothesis import settings
+# numpy picks its exp/log kernels by CPU: the AVX-512 ones round some results differently
+# in the last bit from the AVX2 ones, which the stored simulator digests
+# (tests/data/sim_digests.json) and other exact figures were made with. The suite runs on
+# the AVX2 kernels wherever it runs; the variable is read once, when numpy is imported.
+os.environ.setdefault("NPY_DISABLE_CPU_FEATURES", "X86_V4 AVX512_ICL AVX512_SPR")
+if "numpy" in sys.modules:  # too late for the setting: say so rather than fail obscurely
+    sys.stderr.write("conftest: numpy was imported before the suite set "
+                     "NPY_DISABLE_CPU_FEATURES; exact digests may differ on AVX-512 CPUs\n")
 
-from metasched.core.cluster_config import parse_cluster
-from metasched.sim.workload_config import parse_workload
+import copy  # noqa: E402
+
+import pytest  # noqa: E402
+from helpers import HAS_TRAIN_EXTRA  # noqa: E402
+from hypothesis import settings  # noqa: E402
+from sandbox_helpers import needs_isolation  # noqa: E402
+
+from metasched.core.cluster_config import parse_cluster  # noqa: E402
+from metasched.runtime.sandbox.config import SandboxConfig  # noqa: E402
+from metasched.runtime.sandbox.manager import Sandboxes  # noqa: E402
+from metasched.sim.workload_config import parse_workload  # noqa: E402
 
 settings.register_profile("metasched", deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "metasched"))
@@ -26,6 +44,25 @@ def pytest_report_header(config) -> str | None:
     if not HAS_TRAIN_EXTRA:
         return f"train extra not installed: {', '.join(TRAIN_ONLY)} not collected"
     return None
+
+
+# Fixtures whose tests take the marker (before -m selects).
+MARKED_BY_FIXTURE = {"ray_session": "ray", "boxes": "isolation"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        for fixture, marker in MARKED_BY_FIXTURE.items():
+            if fixture in getattr(item, "fixturenames", ()):
+                item.add_marker(marker)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    marker = item.get_closest_marker("isolation")
+    if marker is not None and marker.kwargs.get("bwrap", True):
+        needs_isolation()
+
 
 # One GPU service, one API endpoint: enough for every action kind.
 SERVICES = {"rm": {"mem_gb": 30, "restore_s": 4.0, "max_batch": 8, "batch_marginal": 0.05}}
@@ -153,6 +190,20 @@ def visible_dir():
     shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.fixture
+def sandbox_dev_root() -> str | None:
+    """Where ``boxes`` finds device nodes (None: /dev); a module may override it."""
+    return None
+
+
+@pytest.fixture
+def boxes(sandbox_dev_root):
+    """Real bwrap sandboxes (``Sandboxes``), closed after the test."""
+    b = Sandboxes(SandboxConfig(isolation="bwrap"), dev_root=sandbox_dev_root)
+    yield b
+    b.close()
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """One local Ray for the test session (Ray takes seconds to start): one node bound to
@@ -173,3 +224,10 @@ def ray_session():
         yield ray
     finally:
         ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(ray_session):
+    """The session's local Ray for one module (a module may extend it to stop what it
+    started there before the next module runs)."""
+    return ray_session

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import shutil
+import socket
 import sys
 from functools import cache
 
@@ -13,6 +14,7 @@ from metasched.cli.train_app import TRAIN_MODULES
 from metasched.compose import profile
 from metasched.core.cluster_config import ClusterConfig
 from metasched.envs.scheduling import scale_workload
+from metasched.runtime.dispatcher import DispatcherConfig
 from metasched.runtime.sandbox.uids import runnable_by_all
 from metasched.sim.workload_config import WorkloadConfig
 
@@ -46,3 +48,23 @@ def running(argv: list[str]) -> list:
     import psutil
 
     return [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == argv]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def dispatcher_config(**kw) -> DispatcherConfig:
+    """Dispatcher settings for a test: ``elastic_greedy``, sampled every 0.05 s, unless
+    given."""
+    kw.setdefault("scheduler", "elastic_greedy")
+    kw.setdefault("sample_interval_s", 0.05)
+    return DispatcherConfig(**kw)
+
+
+def cpu(*argv: str, **kw) -> dict:
+    """A cpu request running ``argv`` (timeout 30 s unless given)."""
+    return {"kind": "cpu", "argv": list(argv), "timeout_s": kw.pop("timeout_s", 30), **kw}

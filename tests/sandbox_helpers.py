@@ -8,8 +8,11 @@ import os
 from dataclasses import dataclass
 
 import pytest
+from helpers import dispatcher_config
 
+from metasched.runtime.dispatcher import DispatcherConfig
 from metasched.runtime.sandbox import bwrap, cgroups
+from metasched.runtime.sandbox.config import SandboxConfig
 from metasched.runtime.sandbox.manager import Sandbox, Sandboxes
 
 
@@ -34,6 +37,14 @@ def needs_controllers(*names: str, mode: str = "auto") -> cgroups.Hierarchies:
         pytest.skip("cgroup controllers unavailable: "
                     + "; ".join(f"{c}: {why}" for c, why in missing.items()))
     return h
+
+
+def sandboxed_config(mode: str = "auto", **kw) -> DispatcherConfig:
+    """Dispatcher settings whose commands run in bwrap sandboxes with cgroups ``mode``
+    (``sandbox``: more of their settings), ``elastic_greedy``, sampled every 0.05 s
+    unless given."""
+    return dispatcher_config(sandbox=SandboxConfig(isolation="bwrap", cgroups=mode,
+                                                   **kw.pop("sandbox", {})), **kw)
 
 
 @dataclass

@@ -59,7 +59,7 @@ def test_simulator_records_every_finished_action(name: str, tmp_path: Path) -> N
     assert again.counters["completed"] + again.counters["failed"] == len(actions)
 
 
-def test_dispatcher_writes_a_trace_and_appends_after_a_restart(tmp_path: Path) -> None:
+async def test_dispatcher_writes_a_trace_and_appends_after_a_restart(tmp_path: Path) -> None:
     path = tmp_path / "live.jsonl"
 
     async def session(prefix: str) -> None:
@@ -75,8 +75,8 @@ def test_dispatcher_writes_a_trace_and_appends_after_a_restart(tmp_path: Path) -
                                 "task": "swe", "name": "hang"})
             assert r.status == "failed"
 
-    asyncio.run(session("a"))
-    asyncio.run(session("b"))
+    await session("a")
+    await session("b")
     rows = lines(path)
     # Appended, not restarted; the second service's start is a cluster line of its own
     # between the sessions' actions, later than the first.
@@ -161,6 +161,7 @@ def test_dispatch_trace_setting_is_checked(value, tmp_path: Path) -> None:
         dispatcher_config({"trace": value}, tmp_path)
 
 
+@pytest.mark.subprocess
 def test_dispatch_app_records_a_trace(tmp_path: Path) -> None:
     import subprocess
 

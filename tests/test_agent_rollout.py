@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.subprocess
+
 SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "agent_rollout.py"
 
 

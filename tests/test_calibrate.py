@@ -212,6 +212,7 @@ def test_recovery_timeouts_estimates_steps_and_services(recovered: dict) -> None
     assert _types(fitted)["judge/search"].endpoint == "web"
 
 
+@pytest.mark.subprocess
 def test_calibrated_profile_runs_in_metasched_eval(recovered: dict, tmp_path: Path) -> None:
     out = recovered["out"]
     p = subprocess.run([PY, "-m", "metasched.cli.eval_app", "--config-dir", str(out),
@@ -224,6 +225,7 @@ def test_calibrated_profile_runs_in_metasched_eval(recovered: dict, tmp_path: Pa
     assert res["workload"] == "rec" and res["schedulers"]["fifo"]["actions"] > 0
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("app", ["metasched.cli.plan_app", "metasched.cli.train_app"])
 def test_calibrated_profile_composes_for_plan_and_train(recovered: dict, app: str) -> None:
     p = subprocess.run([PY, "-m", app, "--config-dir", str(recovered["out"]), "workload=rec",
@@ -258,6 +260,7 @@ def _run(args: list[str], cwd: Path) -> tuple[int, str, str]:
     return p.returncode, p.stdout, p.stderr
 
 
+@pytest.mark.subprocess
 def test_base_profile_supplies_the_cluster_and_sandboxes(tmp_path: Path) -> None:
     w, c = profile("coding")
     w = type(w)(**{**{f: getattr(w, f) for f in w.__dataclass_fields__},
@@ -296,6 +299,7 @@ def test_base_profile_supplies_the_cluster_and_sandboxes(tmp_path: Path) -> None
     ("good", ["plot=maybe"], "error: plot: must be true or false"),
     ("good", ["out=[1]"], "error: out: must be a non-empty string"),
 ])
+@pytest.mark.subprocess
 def test_mistakes_are_one_line(make, args, message, tmp_path: Path) -> None:
     trace = tmp_path / "t.jsonl"
     w, c = profile("coding")

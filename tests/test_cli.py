@@ -80,6 +80,7 @@ def test_eval_reference_override(tmp_path):
     assert "best heuristic: `rate_greedy`" in (tmp_path / "results.md").read_text()
 
 
+@pytest.mark.subprocess
 def test_grid_benchmark_writes_one_table_with_paired_ratios(tmp_path):
     root = Path(__file__).resolve().parent.parent
     r = subprocess.run([sys.executable, str(root / "benchmarks" / "grid.py"), "--seeds", "2",
@@ -100,6 +101,7 @@ def test_grid_benchmark_writes_one_table_with_paired_ratios(tmp_path):
     assert "paired by seed against fifo" in table
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("args, field", [(["--points", "nope"], "points"),
                                          (["--seeds", "0"], "seeds"),
                                          (["--reference", "sjf", "--schedulers", "fifo"],
@@ -224,6 +226,7 @@ def test_plan_runs_under_the_guard(tmp_path, monkeypatch, max_wait_s):
         assert plan["trials"][0]["mean_step_s"] > 0
 
 
+@pytest.mark.subprocess
 def test_plan_learned_checkpoint_from_any_directory(tmp_path):
     r = cli("metasched-plan", *PLAN, "scheduler=checkpoints/default", "workload.steps=1",
             f"hydra.run.dir={tmp_path}")
@@ -261,6 +264,7 @@ def cli(app: str, *args: str, env: dict | None = None) -> subprocess.CompletedPr
     ("metasched-plan", ["scale_pools=[gpu]"], "scale_pools"),  # coding has no GPU
     ("metasched-train", ["obs.levels=1"], "obs.levels"),
 ])
+@pytest.mark.subprocess
 def test_bad_input_is_one_line_without_traceback(app, args, field):
     r = cli(app, *args, "hydra.run.dir=/tmp/metasched-test-bad-input")
     assert r.returncode == 2, r.stderr
@@ -270,6 +274,7 @@ def test_bad_input_is_one_line_without_traceback(app, args, field):
     assert "Traceback" not in r.stderr + r.stdout
 
 
+@pytest.mark.subprocess
 def test_invalid_yaml_profile_is_one_line(tmp_path):
     configs = tmp_path / "configs"
     shutil.copytree(config_dir(), configs)
@@ -299,6 +304,7 @@ def test_default_schedulers_including_the_shipped_checkpoint_load_and_run():
         assert r.counters["completed"] + r.counters["failed"] == r.counters["submitted"] > 0
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("sig, status", [("SIGTERM", 143), ("SIGHUP", 129)])
 def test_a_stop_signal_ends_an_evaluation_and_its_workers_at_once(tmp_path, sig, status):
     """SIGTERM or SIGHUP sent to the app alone (as a service manager sends it): its
@@ -341,6 +347,7 @@ def test_a_stop_signal_ends_an_evaluation_and_its_workers_at_once(tmp_path, sig,
     assert not (tmp_path / "results.json").exists()
 
 
+@pytest.mark.subprocess
 def test_live_replay_benchmark_prints_sim_and_live_side_by_side():
     """One tiny step (one trajectory, durations x 0.005) simulated and replayed live, two
     rounds of a heuristic and the shipped policy: the table, and the policy's paired
@@ -377,6 +384,7 @@ def test_live_replay_benchmark_prints_sim_and_live_side_by_side():
     assert lo <= ratio <= hi
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("args, field", [(["--isolation", "docker"], "isolation"),
                                          (["--scale", "0"], "scale"),
                                          (["--estimates", "exact"], "estimates"),
@@ -395,6 +403,7 @@ def test_live_replay_bad_arguments_are_one_line(args, field):
     assert len(lines) == 1 and lines[0].startswith(f"error: {field}: "), r.stderr
 
 
+@pytest.mark.subprocess
 def test_live_calibration_benchmark_replays_a_trace_beside_its_runs(tmp_path):
     """On a recorded trace (the simulator's, standing in for the live runs' trace): the
     runs it holds against the replay of its calibrated profile."""
@@ -431,6 +440,7 @@ def test_live_calibration_benchmark_replays_a_trace_beside_its_runs(tmp_path):
     assert "reward" in types and len(types) >= 2
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("args, field", [(["--sim-seeds", "1"], "sim-seeds"),
                                          (["--seeds", "0,x"], "seeds"),
                                          (["--seeds", "5..2"], "seeds"),
@@ -569,6 +579,7 @@ SCRIPTS = sorted(__import__("tomllib").loads(
     (Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["scripts"])
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("app", SCRIPTS)
 def test_help_says_what_the_app_does_its_settings_and_an_example(app):
     """Every app's --help (one template, configs/hydra/help/metasched.yaml): what it does,

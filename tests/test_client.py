@@ -63,13 +63,11 @@ def test_token_is_sent_and_a_refusal_raises():
         assert e.value.status == 401 and "bearer token" in e.value.detail
 
 
-def test_async_client_runs_concurrently(served):
-    async def main():
-        async with AsyncClient(served.url) as c:
-            results = await asyncio.gather(*(c.run(argv=["echo", str(i)]) for i in range(8)))
-            assert [r.stdout for r in results] == [f"{i}\n" for i in range(8)]
-            async with c.trajectory(task="async") as t:
-                assert (await t.run(argv=["true"])).ok
-                assert t.name.startswith("traj-") and t.turn == 1
-            assert (await c.status())["queue"] == {"cpu": 0, "gpu": 0, "api": 0}
-    asyncio.run(main())
+async def test_async_client_runs_concurrently(served):
+    async with AsyncClient(served.url) as c:
+        results = await asyncio.gather(*(c.run(argv=["echo", str(i)]) for i in range(8)))
+        assert [r.stdout for r in results] == [f"{i}\n" for i in range(8)]
+        async with c.trajectory(task="async") as t:
+            assert (await t.run(argv=["true"])).ok
+            assert t.name.startswith("traj-") and t.turn == 1
+        assert (await c.status())["queue"] == {"cpu": 0, "gpu": 0, "api": 0}

@@ -98,6 +98,7 @@ def test_an_empty_job_file_is_an_error(tmp_path):
      "error: endpoints.e.rpm: must be > 0"),
     (["jobs=JOBS", "+services.x=nomodule:f"], "error: services.x: nomodule:f failed"),
 ])
+@pytest.mark.subprocess
 def test_cli_bad_settings_are_one_line_errors(tmp_path, args, message):
     jobs = write_jobs(tmp_path / "jobs.jsonl", [job("true")])
     args = [a.replace("JOBS", jobs) for a in args]
@@ -143,6 +144,7 @@ def start_dispatch(tmp_path, jobs, *args, finished: int = 0):
     return p, pids
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("sig, status", [("SIGINT", 130), ("SIGTERM", 143), ("SIGHUP", 129)])
 def test_a_stop_signal_kills_running_commands_and_says_how_to_resume(tmp_path, visible_dir,
                                                                      sig, status):
@@ -281,6 +283,7 @@ def test_job_lines_are_read_as_a_stream(tmp_path):
     ("", ["+scheduler_params.headroom=2", "scheduler=elastic_greedy"],
      "error: scheduler_params: elastic_greedy: "),
 ])
+@pytest.mark.subprocess
 def test_unusable_settings_stop_before_any_job_runs(tmp_path, setup, args, message):
     marker = tmp_path / "ran"
     jobs = write_jobs(tmp_path / "jobs.jsonl", [job("touch", str(marker))])
@@ -303,6 +306,7 @@ def test_unusable_settings_stop_before_any_job_runs(tmp_path, setup, args, messa
         assert journal.read_bytes() == (b"" if setup == "empty" else b"hello\n")  # untouched
 
 
+@pytest.mark.subprocess
 def test_a_second_dispatch_on_a_live_journal_is_refused(tmp_path):
     jobs = write_jobs(tmp_path / "jobs.jsonl", [job("sleep", "30")])
     first, pids = start_dispatch(tmp_path, jobs)

@@ -133,6 +133,7 @@ def _app(*args: str) -> subprocess.CompletedProcess:
     ("missing", "error: trace: /nonexistent/live.jsonl: no such file"),
     ("empty", "no measured actions"),
 ])
+@pytest.mark.subprocess
 def test_a_bad_trace_is_one_line_exit_2(tmp_path, make, message) -> None:
     path = "/nonexistent/live.jsonl"
     if make == "empty":

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import COMMAND_PY
+from helpers import COMMAND_PY, free_port
 
 from metasched.cli.backend_settings import ray_settings
 from metasched.errors import ConfigError
@@ -30,12 +29,6 @@ from metasched.runtime.api_calls import RetryPolicy
 from metasched.runtime.dispatcher import DispatcherConfig
 
 PY = COMMAND_PY
-
-
-@pytest.fixture(scope="module")
-def ray_cluster(ray_session):
-    """The session's local Ray (conftest: 2 CPUs, one logical GPU, bound to 127.0.0.1)."""
-    return ray_session
 
 
 def _gone(ray, name: str) -> bool:
@@ -56,6 +49,8 @@ def _dispatch(tmp_path: Path, ray, run: str, *args: str) -> subprocess.Completed
                           text=True, timeout=240, env=env, cwd=tmp_path)
 
 
+@pytest.mark.isolation
+@pytest.mark.subprocess
 def test_dispatch_runs_a_job_file_through_the_actor(ray_cluster, tmp_path):
     """A job file through the actor: results, table and files as on one machine (a
     trajectory's workspace kept across its actions, a bad line rejected alone); the
@@ -63,6 +58,8 @@ def test_dispatch_runs_a_job_file_through_the_actor(ray_cluster, tmp_path):
     _run_job_file(ray_cluster, tmp_path, f"apps-{uuid.uuid4().hex[:8]}")
 
 
+@pytest.mark.isolation
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_dispatch_on_ray_resumes_from_its_journal(ray_cluster, tmp_path):
     """Run again on the same journal, the finished ids are answered from it, not run
@@ -82,10 +79,7 @@ def test_dispatch_on_ray_resumes_from_its_journal(ray_cluster, tmp_path):
 
 def _run_job_file(ray_cluster, tmp_path: Path, name: str) -> dict[str, dict]:
     """Run a small job file through actor ``name`` (started and stopped by the run);
-    its results by id, checked."""
-    from sandbox_helpers import needs_isolation
-
-    needs_isolation()
+    its results by id, checked (its callers are marked ``isolation``)."""
     lines = [
         {"kind": "cpu", "argv": [PY, "-c", "open('note', 'w').write('kept')"],
          "timeout_s": 30, "trajectory": "t1"},
@@ -138,6 +132,7 @@ class _Upstream(BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.isolation
 def test_serve_fronts_the_actor(ray_cluster, tmp_path):
     """The service in front of the dispatcher actor, over HTTP on 127.0.0.1: /run_code
     (stdin, files in and out, a failure), /v1/actions and /v1/actions/{id} (asked of the
@@ -145,13 +140,10 @@ def test_serve_fronts_the_actor(ray_cluster, tmp_path):
     proxy, whose call the actor makes and retries past the upstream's 429. A second
     client asking for other settings under the name, or a name held by another actor,
     is refused in one line."""
-    from sandbox_helpers import needs_isolation
-
     from metasched.runtime.ray_backend.remote import RaySettings, open_dispatcher
     from metasched.serve import BackgroundServer, ServeConfig, create_app
     from metasched.serve.config import parse_upstreams
 
-    needs_isolation()
     upstream = ThreadingHTTPServer(("127.0.0.1", 0), _Upstream)
     threading.Thread(target=upstream.serve_forever, daemon=True).start()
     endpoints, upstreams = parse_upstreams({"search": {
@@ -223,14 +215,6 @@ def test_serve_fronts_the_actor(ray_cluster, tmp_path):
 # ---------------------------------------------------------------------- settings
 
 
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 @pytest.mark.parametrize("cfg, field, message", [
     ({"backend": "k8s"}, "backend", "must be one of local, ray"),
     ({"backend": "ray", "cores": [0, 1]}, "cores", "does not apply with backend=ray"),
@@ -281,13 +265,14 @@ def test_ray_not_installed_is_one_line(monkeypatch):
         ray_settings({"backend": "ray"})
 
 
+@pytest.mark.subprocess
 def test_no_cluster_at_ray_address_for_auto_is_one_line_at_once(tmp_path):
     """``ray.address=auto`` (the default) with RAY_ADDRESS where nothing listens: one
     line naming it, at once (Ray itself retries for a minute)."""
     pytest.importorskip("ray", reason="needs the ray extra")
     (tmp_path / "jobs.jsonl").write_text('{"kind": "cpu", "argv": ["true"]}\n')
     exe = Path(sys.executable).parent / "metasched-dispatch"
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     p = subprocess.run([str(exe), "backend=ray", "jobs=jobs.jsonl",
                         f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True,
                        timeout=120, cwd=tmp_path, env={**os.environ, "RAY_ADDRESS": address})
@@ -297,13 +282,14 @@ def test_no_cluster_at_ray_address_for_auto_is_one_line_at_once(tmp_path):
                                f"({address}) (Connection refused)"), lines[0]
 
 
+@pytest.mark.subprocess
 def test_no_cluster_at_the_address_is_one_line(tmp_path):
     """Nothing listens at ``ray.address``: one line, at once, exit 2 (metasched-serve
     opens the dispatcher through the same call)."""
     pytest.importorskip("ray", reason="needs the ray extra")
     (tmp_path / "jobs.jsonl").write_text('{"kind": "cpu", "argv": ["true"]}\n')
     exe = Path(sys.executable).parent / "metasched-dispatch"
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     p = subprocess.run([str(exe), "backend=ray", f"ray.address={address}", "jobs=jobs.jsonl",
                         f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True,
                        timeout=120, cwd=tmp_path)

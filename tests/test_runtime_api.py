@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from helpers import free_port
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -133,16 +134,12 @@ def _unique(base: str, route: str) -> str:
     return f"{base}/{route}/{next(_ids)}"
 
 
-def _run(coro):
-    return asyncio.run(coro)
-
-
 # --- HTTP --------------------------------------------------------------------------
 
 
-def test_post_json_round_trip(server: str) -> None:
+async def test_post_json_round_trip(server: str) -> None:
     spec = HttpSpec(f"{server}/json?q=1", headers={"X-Test": "yes"}, json={"k": [1, "é"]})
-    out = _run(call_api(spec, timeout_s=5))
+    out = await call_api(spec, timeout_s=5)
     assert out.ok and out.attempts == 1 and out.reason == ""
     assert out.detail == {"status": 200, "http_version": "HTTP/1.1"}
     assert out.value["method"] == "POST" and out.value["path"] == "/json?q=1"
@@ -151,78 +148,78 @@ def test_post_json_round_trip(server: str) -> None:
 
 
 @pytest.mark.parametrize("method", ["GET", "PUT", "PATCH", "DELETE"])
-def test_methods_and_raw_body(server: str, method: str) -> None:
+async def test_methods_and_raw_body(server: str, method: str) -> None:
     body = None if method in ("GET", "DELETE") else "raw text"
-    out = _run(call_api(HttpSpec(f"{server}/json", method=method, body=body), timeout_s=5))
+    out = await call_api(HttpSpec(f"{server}/json", method=method, body=body), timeout_s=5)
     assert out.ok and out.value["method"] == method
     assert out.value["body"] == (body or "")
 
 
-def test_text_chunked_and_eof_bodies(server: str) -> None:
-    text = _run(call_api(HttpSpec(f"{server}/text", method="GET"), timeout_s=5))
+async def test_text_chunked_and_eof_bodies(server: str) -> None:
+    text = await call_api(HttpSpec(f"{server}/text", method="GET"), timeout_s=5)
     assert text.ok and text.value == "héllo"
-    chunked = _run(call_api(HttpSpec(f"{server}/chunked", method="GET"), timeout_s=5))
+    chunked = await call_api(HttpSpec(f"{server}/chunked", method="GET"), timeout_s=5)
     assert chunked.ok and chunked.value == {"a": [1, 2, 3]}
-    eof = _run(call_api(HttpSpec(f"{server}/eof", method="GET"), timeout_s=5))
+    eof = await call_api(HttpSpec(f"{server}/eof", method="GET"), timeout_s=5)
     assert eof.ok and eof.value == "until close"
-    bad = _run(call_api(HttpSpec(f"{server}/badjson", method="GET"), timeout_s=5))
+    bad = await call_api(HttpSpec(f"{server}/badjson", method="GET"), timeout_s=5)
     assert bad.ok and bad.value == "{not json"  # labelled JSON but is not: the text
 
 
-def test_429_twice_then_ok_awaits_before_retry(server: str) -> None:
+async def test_429_twice_then_ok_awaits_before_retry(server: str) -> None:
     calls = 0
 
     async def before_retry() -> None:
         nonlocal calls
         calls += 1
 
-    out = _run(call_api(HttpSpec(_unique(server, "flaky429")), timeout_s=5, retry=FAST,
-                        before_retry=before_retry))
+    out = await call_api(HttpSpec(_unique(server, "flaky429")), timeout_s=5, retry=FAST,
+                         before_retry=before_retry)
     assert out.ok and out.attempts == 3 and out.value == {"n": 3}
     assert calls == out.attempts - 1
 
 
-def test_503_always_gives_up_after_max_attempts(server: str) -> None:
+async def test_503_always_gives_up_after_max_attempts(server: str) -> None:
     calls = 0
 
     async def before_retry() -> None:
         nonlocal calls
         calls += 1
 
-    out = _run(call_api(HttpSpec(f"{server}/503"), timeout_s=5, retry=FAST,
-                        before_retry=before_retry))
+    out = await call_api(HttpSpec(f"{server}/503"), timeout_s=5, retry=FAST,
+                         before_retry=before_retry)
     assert not out.ok and out.reason == "HTTP 503 after 4 attempts" and out.attempts == 4
     assert out.detail["status"] == 503 and out.detail["body"] == "x" * 500
     assert calls == 3
 
 
-def test_single_attempt_reason(server: str) -> None:
-    out = _run(call_api(HttpSpec(f"{server}/503"), timeout_s=5,
-                        retry=RetryPolicy(max_attempts=1)))
+async def test_single_attempt_reason(server: str) -> None:
+    out = await call_api(HttpSpec(f"{server}/503"), timeout_s=5,
+                         retry=RetryPolicy(max_attempts=1))
     assert out.reason == "HTTP 503 after 1 attempt" and out.attempts == 1
 
 
-def test_404_fails_at_once(server: str) -> None:
+async def test_404_fails_at_once(server: str) -> None:
     calls = 0
 
     async def before_retry() -> None:
         nonlocal calls
         calls += 1
 
-    out = _run(call_api(HttpSpec(f"{server}/404", method="GET"), timeout_s=5, retry=FAST,
-                        before_retry=before_retry))
+    out = await call_api(HttpSpec(f"{server}/404", method="GET"), timeout_s=5, retry=FAST,
+                         before_retry=before_retry)
     assert not out.ok and out.reason == "HTTP 404" and out.attempts == 1 and calls == 0
     assert out.detail == {"status": 404, "body": "no such thing"}
 
 
-def test_backoff_waits_follow_the_seeded_jitter(server: str) -> None:
+async def test_backoff_waits_follow_the_seeded_jitter(server: str) -> None:
     policy = RetryPolicy(max_attempts=4, backoff_s=0.1, max_backoff_s=0.15)
     rng = random.Random(7)
     expected = [policy.delay(k, rng) for k in (1, 2, 3)]
     assert expected[2] <= 0.15  # capped: 0.1 * 2**2 = 0.4 > max_backoff_s
     t0 = time.monotonic()
-    out = _run(call_api(HttpSpec(f"{server}/503"), timeout_s=10, retry=policy,
-                        rng=random.Random(7)))
+    out = await call_api(HttpSpec(f"{server}/503"), timeout_s=10, retry=policy,
+                         rng=random.Random(7))
     elapsed = time.monotonic() - t0
     assert out.attempts == 4
     assert elapsed >= sum(expected) - 0.005  # lower bound only: the waits happened
@@ -244,60 +241,58 @@ def test_delay_is_exponential_full_jitter_capped() -> None:
     assert policy.delay(1, rng, retry_after_s=-5) == 0.0
 
 
-def test_retry_after_header_is_honoured(server: str) -> None:
+async def test_retry_after_header_is_honoured(server: str) -> None:
     slow_backoff = RetryPolicy(max_attempts=3, backoff_s=0.0, max_backoff_s=5.0)
     t0 = time.monotonic()
-    out = _run(call_api(HttpSpec(_unique(server, "retryafter") + "/0.4"), timeout_s=5,
-                        retry=slow_backoff))
+    out = await call_api(HttpSpec(_unique(server, "retryafter") + "/0.4"), timeout_s=5,
+                         retry=slow_backoff)
     assert out.ok and out.value == "done" and out.attempts == 2
     assert time.monotonic() - t0 >= 0.39  # backoff_s is 0: only Retry-After waited
 
 
-def test_retry_after_integer_and_cap(server: str) -> None:
+async def test_retry_after_integer_and_cap(server: str) -> None:
     t0 = time.monotonic()
-    out = _run(call_api(HttpSpec(_unique(server, "retryafter") + "/1"), timeout_s=5,
-                        retry=RetryPolicy(backoff_s=0.0)))
+    out = await call_api(HttpSpec(_unique(server, "retryafter") + "/1"), timeout_s=5,
+                         retry=RetryPolicy(backoff_s=0.0))
     assert out.ok and time.monotonic() - t0 >= 0.99
     capped = RetryPolicy(backoff_s=0.0, max_backoff_s=0.2)
     t0 = time.monotonic()
-    out = _run(call_api(HttpSpec(_unique(server, "retryafter") + "/3600"), timeout_s=5,
-                        retry=capped))
+    out = await call_api(HttpSpec(_unique(server, "retryafter") + "/3600"), timeout_s=5,
+                         retry=capped)
     elapsed = time.monotonic() - t0
     assert out.ok and elapsed >= 0.19
     assert elapsed < 3  # loose: the hour-long Retry-After was capped to 0.2 s
 
 
-def test_connection_refused_is_retried() -> None:
-    with socket.socket() as s:  # a port nobody listens on (bound, then released)
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+async def test_connection_refused_is_retried() -> None:
+    port = free_port()  # a port nobody listens on (bound, then released)
     calls = 0
 
     async def before_retry() -> None:
         nonlocal calls
         calls += 1
 
-    out = _run(call_api(HttpSpec(f"http://127.0.0.1:{port}/x"), timeout_s=5,
-                        retry=RetryPolicy(max_attempts=3, backoff_s=0.001),
-                        before_retry=before_retry))
+    out = await call_api(HttpSpec(f"http://127.0.0.1:{port}/x"), timeout_s=5,
+                         retry=RetryPolicy(max_attempts=3, backoff_s=0.001),
+                         before_retry=before_retry)
     assert not out.ok and out.reason == "connection refused after 3 attempts"
     assert out.attempts == 3 and calls == 2
 
 
-def test_hangup_is_retried(server: str) -> None:
-    out = _run(call_api(HttpSpec(_unique(server, "hangup")), timeout_s=5, retry=FAST))
+async def test_hangup_is_retried(server: str) -> None:
+    out = await call_api(HttpSpec(_unique(server, "hangup")), timeout_s=5, retry=FAST)
     assert out.ok and out.value == "back" and out.attempts == 2
 
 
-def test_timeout_bounds_a_slow_response(server: str) -> None:
+async def test_timeout_bounds_a_slow_response(server: str) -> None:
     t0 = time.monotonic()
-    out = _run(call_api(HttpSpec(f"{server}/slow"), timeout_s=0.3))
+    out = await call_api(HttpSpec(f"{server}/slow"), timeout_s=0.3)
     elapsed = time.monotonic() - t0
     assert not out.ok and out.reason == "timeout after 0.3 s" and out.attempts == 1
     assert 0.29 <= elapsed < 1.2  # loose upper bound: the server takes 1.5 s
 
 
-def test_timeout_bounds_retries_and_backoff(server: str) -> None:
+async def test_timeout_bounds_retries_and_backoff(server: str) -> None:
     policy = RetryPolicy(max_attempts=1000, backoff_s=0.05, max_backoff_s=0.1)
     calls = 0
 
@@ -306,8 +301,8 @@ def test_timeout_bounds_retries_and_backoff(server: str) -> None:
         calls += 1
 
     t0 = time.monotonic()
-    out = _run(call_api(HttpSpec(f"{server}/503"), timeout_s=0.5, retry=policy,
-                        before_retry=before_retry))
+    out = await call_api(HttpSpec(f"{server}/503"), timeout_s=0.5, retry=policy,
+                         before_retry=before_retry)
     elapsed = time.monotonic() - t0
     assert not out.ok and out.reason == "timeout after 0.5 s"
     assert out.attempts >= 2 and calls in (out.attempts - 1, out.attempts)
@@ -315,16 +310,16 @@ def test_timeout_bounds_retries_and_backoff(server: str) -> None:
     assert 0.49 <= elapsed < 3
 
 
-def test_timeout_covers_before_retry(server: str) -> None:
+async def test_timeout_covers_before_retry(server: str) -> None:
     async def quota_never_refills() -> None:
         await asyncio.sleep(3600)
 
-    out = _run(call_api(HttpSpec(f"{server}/503"), timeout_s=0.3, retry=FAST,
-                        before_retry=quota_never_refills))
+    out = await call_api(HttpSpec(f"{server}/503"), timeout_s=0.3, retry=FAST,
+                         before_retry=quota_never_refills)
     assert out.reason == "timeout after 0.3 s" and out.attempts == 1
 
 
-def test_cancellation_propagates(server: str) -> None:
+async def test_cancellation_propagates(server: str) -> None:
     async def main() -> None:
         task = asyncio.create_task(call_api(HttpSpec(f"{server}/slow"), timeout_s=30))
         await asyncio.sleep(0.1)
@@ -333,7 +328,7 @@ def test_cancellation_propagates(server: str) -> None:
 
     t0 = time.monotonic()
     with pytest.raises(asyncio.CancelledError):
-        _run(main())
+        await main()
     assert time.monotonic() - t0 < 1.2  # did not wait for the 1.5 s response
 
 
@@ -350,7 +345,7 @@ needs_openssl = pytest.mark.skipif(shutil.which("openssl") is None,
 
 
 @needs_openssl
-def test_https(tmp_path) -> None:
+async def test_https(tmp_path) -> None:
     """A self-signed server: refused by the default (verifying) context without retry;
     accepted by a client that trusts its certificate."""
     cert, key = _self_signed(tmp_path)
@@ -361,21 +356,21 @@ def test_https(tmp_path) -> None:
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
         spec = HttpSpec(f"https://127.0.0.1:{httpd.server_address[1]}/json", json=[1])
-        out = _run(call_api(spec, timeout_s=5, retry=FAST))
+        out = await call_api(spec, timeout_s=5, retry=FAST)
         assert not out.ok and out.reason.startswith("TLS error") and out.attempts == 1
         assert "certificate verify failed" in out.reason
 
         async def trusting():
             async with make_client(verify=ssl.create_default_context(cafile=cert)) as c:
                 return await call_api(spec, timeout_s=5, retry=FAST, client=c)
-        out = _run(trusting())
+        out = await trusting()
         assert out.ok and out.value["body"] == "[1]"
     finally:
         httpd.shutdown()
         httpd.server_close()
 
 
-def test_one_client_reuses_its_connection(server: str) -> None:
+async def test_one_client_reuses_its_connection(server: str) -> None:
     """Calls through one pooled client share a kept-alive connection (the server sees
     them come from one client port); calls without one each open their own."""
     async def pooled():
@@ -385,8 +380,8 @@ def test_one_client_reuses_its_connection(server: str) -> None:
 
     async def unpooled():
         return [await call_api(HttpSpec(f"{server}/json"), timeout_s=5) for _ in range(3)]
-    assert len({r.value["port"] for r in _run(pooled())}) == 1
-    assert len({r.value["port"] for r in _run(unpooled())}) == 3
+    assert len({r.value["port"] for r in await pooled()}) == 1
+    assert len({r.value["port"] for r in await unpooled()}) == 3
 
 
 class _Proxy(BaseHTTPRequestHandler):
@@ -406,7 +401,7 @@ class _Proxy(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
 
-def test_proxies_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_proxies_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     proxy = ThreadingHTTPServer(("127.0.0.1", 0), _Proxy)
     threading.Thread(target=proxy.serve_forever, daemon=True).start()
     try:
@@ -415,10 +410,10 @@ def test_proxies_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> N
         monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{proxy.server_address[1]}")
         # A host that does not resolve: only the proxy can answer for it.
         spec = HttpSpec("http://upstream.invalid/v1/search?q=x", method="GET")
-        out = _run(call_api(spec, timeout_s=5, retry=FAST))
+        out = await call_api(spec, timeout_s=5, retry=FAST)
         assert out.ok and out.value == {"proxied": "http://upstream.invalid/v1/search?q=x"}
         monkeypatch.setenv("NO_PROXY", "upstream.invalid")  # ... unless it is excluded
-        out = _run(call_api(spec, timeout_s=5, retry=RetryPolicy(max_attempts=1)))
+        out = await call_api(spec, timeout_s=5, retry=RetryPolicy(max_attempts=1))
         assert not out.ok and out.reason.startswith("connection error")
     finally:
         proxy.shutdown()
@@ -439,7 +434,7 @@ async def _h2_app(scope, receive, send) -> None:
 
 
 @needs_openssl
-def test_http2_through_a_real_h2_server(tmp_path) -> None:
+async def test_http2_through_a_real_h2_server(tmp_path) -> None:
     """Against hypercorn over TLS (ALPN h2): the calls speak HTTP/2, and calls made at
     once through one client share one connection (multiplexed streams)."""
     hypercorn = pytest.importorskip("hypercorn")
@@ -475,7 +470,7 @@ def test_http2_through_a_real_h2_server(tmp_path) -> None:
                                                        timeout_s=10, client=c)
                                               for i in range(8)))
                 return [first, *rest]
-        out = _run(calls())
+        out = await calls()
         assert all(r.ok for r in out), [r.reason for r in out]
         assert {r.detail["http_version"] for r in out} == {"HTTP/2"}
         assert {r.value["http_version"] for r in out} == {"2"}
@@ -487,27 +482,27 @@ def test_http2_through_a_real_h2_server(tmp_path) -> None:
         loop.close()
 
 
-def test_bad_timeout_is_a_usage_error() -> None:
+async def test_bad_timeout_is_a_usage_error() -> None:
     async def f() -> int:
         return 1
 
     for bad in (0, -1, float("nan")):
         with pytest.raises(ValueError, match="timeout_s"):
-            _run(call_api(f, timeout_s=bad))
+            await call_api(f, timeout_s=bad)
 
 
 # --- callables ---------------------------------------------------------------------
 
 
-def test_callable_value() -> None:
+async def test_callable_value() -> None:
     async def f() -> dict:
         return {"answer": 42}
 
-    out = _run(call_api(f, timeout_s=1))
+    out = await call_api(f, timeout_s=1)
     assert out.ok and out.value == {"answer": 42} and out.attempts == 1
 
 
-def test_callable_retryable_then_ok_uses_retry_after() -> None:
+async def test_callable_retryable_then_ok_uses_retry_after() -> None:
     n = 0
 
     async def f() -> str:
@@ -524,46 +519,46 @@ def test_callable_retryable_then_ok_uses_retry_after() -> None:
         calls += 1
 
     t0 = time.monotonic()
-    out = _run(call_api(f, timeout_s=5, retry=RetryPolicy(backoff_s=0.0),
-                        before_retry=before_retry))
+    out = await call_api(f, timeout_s=5, retry=RetryPolicy(backoff_s=0.0),
+                         before_retry=before_retry)
     assert out.ok and out.value == "ok" and out.attempts == 2 and calls == 1
     assert time.monotonic() - t0 >= 0.19
 
 
-def test_callable_retryable_exhausted() -> None:
+async def test_callable_retryable_exhausted() -> None:
     async def f() -> None:
         raise RetryableError("judge overloaded")
 
-    out = _run(call_api(f, timeout_s=5, retry=RetryPolicy(max_attempts=3, backoff_s=0.001)))
+    out = await call_api(f, timeout_s=5, retry=RetryPolicy(max_attempts=3, backoff_s=0.001))
     assert not out.ok and out.reason == "judge overloaded after 3 attempts"
     assert out.attempts == 3
 
 
-def test_callable_other_exception_is_one_line_failure() -> None:
+async def test_callable_other_exception_is_one_line_failure() -> None:
     async def f() -> None:
         raise ValueError("bad\ninput")
 
     async def g() -> None:
         raise KeyError
 
-    out = _run(call_api(f, timeout_s=1, retry=FAST))
+    out = await call_api(f, timeout_s=1, retry=FAST)
     assert not out.ok and out.reason == "ValueError: bad input" and out.attempts == 1
-    assert _run(call_api(g, timeout_s=1)).reason == "KeyError"
+    assert (await call_api(g, timeout_s=1)).reason == "KeyError"
 
 
-def test_callable_raising_timeout_error_is_its_own_failure() -> None:
+async def test_callable_raising_timeout_error_is_its_own_failure() -> None:
     async def f() -> None:
         raise TimeoutError("upstream")
 
-    out = _run(call_api(f, timeout_s=5))
+    out = await call_api(f, timeout_s=5)
     assert out.reason == "TimeoutError: upstream"
 
 
-def test_callable_timeout() -> None:
+async def test_callable_timeout() -> None:
     async def f() -> None:
         await asyncio.sleep(3600)
 
-    out = _run(call_api(f, timeout_s=0.2))
+    out = await call_api(f, timeout_s=0.2)
     assert out.reason == "timeout after 0.2 s" and out.attempts == 1 and out.detail == {}
 
 

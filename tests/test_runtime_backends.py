@@ -25,7 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import psutil
 import pytest
-from helpers import COMMAND_PY
+from helpers import COMMAND_PY, cpu, dispatcher_config
 
 from metasched.core.pools import EndpointSpec
 from metasched.errors import ConfigError
@@ -41,17 +41,15 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 PY = COMMAND_PY  # commands run as other users in sandboxes (locally): one they can run
 RAY_CPUS = 2
-BACKENDS = ["local", "ray"]
+BACKENDS = ["local", pytest.param("ray", marks=pytest.mark.ray)]
 
 
 def cfg(**kw) -> DispatcherConfig:
-    kw.setdefault("scheduler", "elastic_greedy")
     # Commands unconfined (cgroup slots only) unless a test asks for sandboxes: these
     # tests write gate files where a sandboxed command could not (see confined()).
     kw.setdefault("sandbox", SandboxConfig(isolation="none"))
-    kw.setdefault("sample_interval_s", 0.05)
     kw.setdefault("gpu_standin", 1)  # local; on Ray the cluster's logical GPU is a stand-in
-    return DispatcherConfig(**kw)
+    return dispatcher_config(**kw)
 
 
 def confined(**kw) -> DispatcherConfig:
@@ -59,17 +57,13 @@ def confined(**kw) -> DispatcherConfig:
     return cfg(sandbox=SandboxConfig(isolation="bwrap"), **kw)
 
 
-def cpu(*argv: str, **kw) -> dict:
-    return {"kind": "cpu", "argv": list(argv), "timeout_s": kw.pop("timeout_s", 30), **kw}
-
-
 @pytest.fixture(scope="module")
-def ray_cluster(ray_session):
+def ray_cluster(ray_cluster):
     """The session's local Ray (conftest: 2 CPUs, one logical GPU, bound to 127.0.0.1);
     the shared dispatcher actor is stopped when the module ends."""
-    assert int(ray_session.cluster_resources()["CPU"]) == RAY_CPUS
+    assert int(ray_cluster.cluster_resources()["CPU"]) == RAY_CPUS
     try:
-        yield ray_session
+        yield ray_cluster
     finally:
         RaySide().release_shared()
 
@@ -170,10 +164,6 @@ def side(request):
     return LocalSide()
 
 
-def run(coro):
-    return asyncio.run(coro)
-
-
 async def stats_of(d) -> dict:
     """A dispatcher's stats: read in place, or asked of the actor."""
     return await d.astats() if hasattr(d, "astats") else d.stats()
@@ -182,14 +172,12 @@ async def stats_of(d) -> dict:
 # ---------------------------------------------------------------------- actions
 
 
-def test_cpu_action_runs_pinned_to_its_grant(side):
+async def test_cpu_action_runs_pinned_to_its_grant(side):
     code = "import os; print(sorted(os.sched_getaffinity(0)), os.environ['OMP_NUM_THREADS'])"
 
-    async def go():
-        async with side.dispatcher(cfg()) as d:
-            return await d.submit(cpu(PY, "-c", code, id="a", max_cores=2,
-                                      parallel_fraction=0.95))
-    r = run(go())
+    async with side.dispatcher(cfg()) as d:
+        r = await d.submit(cpu(PY, "-c", code, id="a", max_cores=2,
+                               parallel_fraction=0.95))
     assert r.status == "done" and r.id == "a" and r.exit_code == 0, r.reason
     cores, omp = r.stdout.rsplit(" ", 1)
     assert json.loads(cores) == sorted(r.allocation["cores"])
@@ -205,14 +193,12 @@ def test_cpu_action_runs_pinned_to_its_grant(side):
     (cpu(PY, "-c", "import time; time.sleep(30)", timeout_s=0.5), "timeout after 0.5 s"),
     (cpu("/nonexistent/program"), "cannot start"),
 ])
-def test_faults_are_reported_and_the_next_action_runs(side, req, reason):
-    async def go():
-        async with side.dispatcher(cfg()) as d:
-            before = await stats_of(d)
-            bad = await d.submit(req)
-            good = await d.submit(cpu(PY, "-c", "print(1)"))
-            return bad, good, before, await stats_of(d)
-    bad, good, before, stats = run(go())
+async def test_faults_are_reported_and_the_next_action_runs(side, req, reason):
+    async with side.dispatcher(cfg()) as d:
+        before = await stats_of(d)
+        bad = await d.submit(req)
+        good = await d.submit(cpu(PY, "-c", "print(1)"))
+        stats = await stats_of(d)
     assert bad.status == "failed" and reason in bad.reason, bad.reason
     assert good.ok and good.stdout.strip() == "1"
     assert stats["failed"] - before["failed"] == 1 and stats["running"] == 0
@@ -226,40 +212,34 @@ def test_faults_are_reported_and_the_next_action_runs(side, req, reason):
     ({"kind": "api", "endpoint": "nope", "timeout_s": 1, "http": {"url": "http://127.0.0.1:9"}},
      "unknown endpoint 'nope'"),
 ])
-def test_bad_input_is_rejected_alone(side, req, reason):
-    async def go():
-        async with side.dispatcher(cfg()) as d:
-            return await asyncio.gather(d.submit(req), d.submit(cpu("/bin/true")))
-    bad, good = run(go())
+async def test_bad_input_is_rejected_alone(side, req, reason):
+    async with side.dispatcher(cfg()) as d:
+        bad, good = await asyncio.gather(d.submit(req), d.submit(cpu("/bin/true")))
     assert bad.status == "rejected" and "\n" not in bad.reason
     assert reason in bad.reason, bad.reason
     assert good.ok
 
 
-def test_gpu_service_batches_on_its_device_and_scores_correctly(side):
+async def test_gpu_service_batches_on_its_device_and_scores_correctly(side):
     pytest.importorskip("torch", reason="the example scorer is a torch module")
     svc = linear_scorer(4, seed=1)
     payloads = [[1.0, 2.0], [0.5, 0.0, 1.0], [3.0], [0.0, 0.0, 0.0, 1.0]]
 
-    async def go():
-        async with side.dispatcher(cfg(), services={"scorer": svc}) as d:
-            return await asyncio.gather(*(d.submit({"kind": "gpu", "service": "scorer",
-                                                    "payload": p, "timeout_s": 60})
-                                          for p in payloads))
-    results = run(go())
+    async with side.dispatcher(cfg(), services={"scorer": svc}) as d:
+        results = await asyncio.gather(*(d.submit({"kind": "gpu", "service": "scorer",
+                                                   "payload": p, "timeout_s": 60})
+                                         for p in payloads))
     want = svc.infer(svc.load(), payloads)
     assert [r.status for r in results] == ["done"] * 4, [r.reason for r in results]
     assert [r.value for r in results] == pytest.approx(want, abs=1e-6)
     assert all(r.allocation["device"] == 0 for r in results)
 
 
-def test_gpu_command_sees_only_its_device(side):
+async def test_gpu_command_sees_only_its_device(side):
     code = "import os; print(repr(os.environ.get('CUDA_VISIBLE_DEVICES')))"
 
-    async def go():
-        async with side.dispatcher(cfg()) as d:
-            return await d.submit({"kind": "gpu", "argv": [PY, "-c", code], "timeout_s": 30})
-    r = run(go())
+    async with side.dispatcher(cfg()) as d:
+        r = await d.submit({"kind": "gpu", "argv": [PY, "-c", code], "timeout_s": 30})
     assert r.ok and r.stdout.strip() == "''", r  # a stand-in: no GPU visible
 
 
@@ -285,7 +265,7 @@ class _Counting(BaseHTTPRequestHandler):
         pass
 
 
-def test_api_call_is_retried_within_the_dispatchers_quota(side):
+async def test_api_call_is_retried_within_the_dispatchers_quota(side):
     """The dispatcher makes API calls itself (its ApiPool holds the quota for every
     caller of the cluster): 429s retried, each attempt charged."""
     from metasched.runtime.api_calls import RetryPolicy
@@ -296,49 +276,43 @@ def test_api_call_is_retried_within_the_dispatchers_quota(side):
     url = f"http://127.0.0.1:{server.server_address[1]}/q"
     ep = {"e": EndpointSpec(rpm=6000, max_concurrency=2, window_s=1.0)}
 
-    async def go():
-        async with side.dispatcher(cfg(endpoints=ep, retry=RetryPolicy(4, 0.01, 0.05))) as d:
-            return await d.submit({"kind": "api", "endpoint": "e", "timeout_s": 20,
-                                   "http": {"url": url, "json": {"q": 1}}})
     try:
-        r = run(go())
+        async with side.dispatcher(cfg(endpoints=ep, retry=RetryPolicy(4, 0.01, 0.05))) as d:
+            r = await d.submit({"kind": "api", "endpoint": "e", "timeout_s": 20,
+                                "http": {"url": url, "json": {"q": 1}}})
     finally:
         server.shutdown()
     assert r.ok and r.value == {"n": 3} and r.attempts == 3, r
 
 
-def test_an_id_runs_once_and_another_request_under_it_is_rejected(side, visible_dir):
+async def test_an_id_runs_once_and_another_request_under_it_is_rejected(side, visible_dir):
     """While an id is known (accepted and unfinished; with a journal, ever), the same
     request under it gets its result and another request is rejected."""
     log = visible_dir / "runs"
     req = cpu("/bin/sh", "-c", f"echo x >> {log}; sleep 0.3", id="same")
 
-    async def go():
-        async with side.dispatcher(cfg()) as d:
-            return await asyncio.gather(d.submit(req), d.submit(dict(req)),
-                                        d.submit(dict(req, argv=["/bin/true"])))
-    first, again, other = run(go())
+    async with side.dispatcher(cfg()) as d:
+        first, again, other = await asyncio.gather(d.submit(req), d.submit(dict(req)),
+                                                   d.submit(dict(req, argv=["/bin/true"])))
     assert first.ok and again.ok and first.started_at == again.started_at
     assert log.read_text() == "x\n"  # ran once
     assert other.status == "rejected" and "accepted before with a different request" in \
         other.reason
 
 
-def test_enqueue_returns_once_durable_and_results_follow(side, tmp_path):
+async def test_enqueue_returns_once_durable_and_results_follow(side, tmp_path):
     db = tmp_path / "j.db"
 
-    async def go():
-        async with side.dispatcher(cfg(journal=db)) as d:
-            fut = await d.enqueue(cpu("/bin/sleep", "0.2", id="e1"))
-            with Journal(db, lock=False) as j:
-                status = j.status("e1")
-            bad = await d.enqueue({"kind": "tpu", "timeout_s": 1})
-            return status, bad.result(), await fut
-    status, bad, r = run(go())
+    async with side.dispatcher(cfg(journal=db)) as d:
+        fut = await d.enqueue(cpu("/bin/sleep", "0.2", id="e1"))
+        with Journal(db, lock=False) as j:
+            status = j.status("e1")
+        bad = await d.enqueue({"kind": "tpu", "timeout_s": 1})
+        bad, r = bad.result(), await fut
     assert status in ("queued", "running") and bad.status == "rejected" and r.ok
 
 
-def test_finished_ids_are_answered_from_the_journal_after_a_restart(side, tmp_path,
+async def test_finished_ids_are_answered_from_the_journal_after_a_restart(side, tmp_path,
                                                                    visible_dir):
     db, log = tmp_path / "j.db", visible_dir / "runs"
     req = cpu("/bin/sh", "-c", f"echo x >> {log}", id="done-once")
@@ -350,8 +324,8 @@ def test_finished_ids_are_answered_from_the_journal_after_a_restart(side, tmp_pa
     async def second():
         async with side.dispatcher(cfg(journal=db)) as d:
             return await d.submit(req), await d.submit(dict(req, argv=["/bin/true"]))
-    a = run(first())
-    b, other = run(second())
+    a = await first()
+    b, other = await second()
     assert a.ok and b.ok and b.finished_at == a.finished_at and log.read_text() == "x\n"
     assert other.status == "rejected"
 
@@ -361,7 +335,8 @@ def test_finished_ids_are_answered_from_the_journal_after_a_restart(side, tmp_pa
 # answers after a restart by test_finished_ids_...): this Ray case is the slow one.
 @pytest.mark.parametrize("side", ["local", pytest.param("ray", marks=pytest.mark.slow)],
                          indirect=True)
-def test_a_killed_dispatcher_loses_nothing_and_kills_what_it_left(side, tmp_path, visible_dir):
+async def test_a_killed_dispatcher_loses_nothing_and_kills_what_it_left(side, tmp_path,
+                                                                     visible_dir):
     """A command running when its dispatcher dies is killed by the next one on the same
     journal and run again (its id once more); what was queued runs; a finished id is
     answered from the journal, not run again."""
@@ -373,34 +348,32 @@ def test_a_killed_dispatcher_loses_nothing_and_kills_what_it_left(side, tmp_path
     def first_pids() -> list[int]:
         return [int(p) for p in log.read_text().split()] if log.exists() else []
 
-    async def go():
-        config = cfg(journal=db)
-        async with side.dispatcher(config) as d:
-            done = await d.submit(quick)
+    config = cfg(journal=db)
+    async with side.dispatcher(config) as d:
+        done = await d.submit(quick)
+        long = d.accept(wait)
+        for _ in range(400):  # until the command runs
+            if first_pids():
+                break
+            await asyncio.sleep(0.025)
+        (orphan,) = first_pids()
+        await side.crash(d)
+        if side.name == "local":  # a new dispatcher, and the workers resubmit
+            d = await side.restarted(d, config)
+            await d.start()
             long = d.accept(wait)
-            for _ in range(400):  # until the command runs
-                if first_pids():
-                    break
-                await asyncio.sleep(0.025)
-            (orphan,) = first_pids()
-            await side.crash(d)
-            if side.name == "local":  # a new dispatcher, and the workers resubmit
-                d = await side.restarted(d, config)
-                await d.start()
-                long = d.accept(wait)
-                again = d.accept(quick)
-            else:  # Ray restarts the actor; the handle resubmits what was unanswered
-                again = d.accept(quick)
-            for _ in range(400):  # the orphan is killed, the command runs again
-                if len(first_pids()) == 2 and not _alive(orphan):
-                    break
-                await asyncio.sleep(0.025)
-            gate.write_text("")
-            out = await asyncio.wait_for(asyncio.gather(long, again), 60)
-            if side.name == "local":
-                await d.close()
-            return done, orphan, out
-    done, orphan, (long, again) = run(go())
+            again = d.accept(quick)
+        else:  # Ray restarts the actor; the handle resubmits what was unanswered
+            again = d.accept(quick)
+        for _ in range(400):  # the orphan is killed, the command runs again
+            if len(first_pids()) == 2 and not _alive(orphan):
+                break
+            await asyncio.sleep(0.025)
+        gate.write_text("")
+        out = await asyncio.wait_for(asyncio.gather(long, again), 60)
+        if side.name == "local":
+            await d.close()
+        long, again = out
     assert not _alive(orphan)
     assert len(first_pids()) == 2  # the killed run, then the one that finished
     assert long.ok and long.attempts == 2, long
@@ -419,17 +392,18 @@ def _alive(pid: int) -> bool:
 # ---------------------------------------------------------------------- Ray only
 
 
-def test_ray_cluster_view_is_what_ray_reports(ray_cluster):
+async def test_ray_cluster_view_is_what_ray_reports(ray_cluster):
     from metasched.runtime.ray_backend import cluster_view
 
-    nodes = run(cluster_view())
+    nodes = await cluster_view()
     assert [n.name for n in nodes] == [n["NodeID"] for n in ray_cluster.nodes()]
     assert [len(n.cores) for n in nodes] == [RAY_CPUS]
     assert nodes[0].mem_gb == pytest.approx(psutil.virtual_memory().total / 1e9)
     with pytest.raises(ConfigError, match="cores_per_node: 3 exceeds"):
-        run(cluster_view(cores_per_node=3))
+        await cluster_view(cores_per_node=3)
 
 
+@pytest.mark.subprocess
 def test_ray_dispatcher_is_found_by_name_from_another_process(ray_cluster, tmp_path):
     """A worker in another process (a Ray driver of its own) connects by name, submits
     through the sync handle, and its command runs as a task of the cluster."""
@@ -460,19 +434,16 @@ def test_ray_connect_to_a_missing_dispatcher_is_one_line(ray_cluster):
         connect("nobody")
 
 
-def test_ray_commands_hold_their_cores_in_rays_accounting(ray_cluster):
+async def test_ray_commands_hold_their_cores_in_rays_accounting(ray_cluster):
     """While a 2-core command runs, Ray counts the node's 2 CPUs as taken."""
-    async def go():
-        async with RaySide().dispatcher(cfg()) as d:
-            fut = d.accept(cpu("/bin/sleep", "1.5", min_cores=2, max_cores=2))
-            for _ in range(100):
-                await asyncio.sleep(0.05)
-                if ray_cluster.available_resources().get("CPU", 0.0) == 0:
-                    break
-            during = ray_cluster.available_resources().get("CPU", 0.0)
-            r = await fut
-            return r, during
-    r, during = run(go())
+    async with RaySide().dispatcher(cfg()) as d:
+        fut = d.accept(cpu("/bin/sleep", "1.5", min_cores=2, max_cores=2))
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if ray_cluster.available_resources().get("CPU", 0.0) == 0:
+                break
+        during = ray_cluster.available_resources().get("CPU", 0.0)
+        r = await fut
     assert r.ok and len(r.allocation["cores"]) == 2 and during == 0.0
 
 
@@ -508,30 +479,29 @@ def test_ray_unknown_submission_mode_is_one_line(ray_cluster):
         start_dispatcher(cfg(), name=f"test-{uuid.uuid4().hex[:8]}", submit="carrier")
 
 
-def test_ray_command_of_a_stopped_dispatcher_is_killed_with_its_task(ray_cluster, visible_dir):
+async def test_ray_command_of_a_stopped_dispatcher_is_killed_with_its_task(ray_cluster,
+                                                                         visible_dir):
     """Closing without draining cancels the running task; its command's group dies."""
     log = visible_dir / "pid"
 
-    async def go():
-        from metasched.runtime.ray_backend import start_dispatcher, stop_dispatcher
+    from metasched.runtime.ray_backend import start_dispatcher, stop_dispatcher
 
-        await asyncio.to_thread(RaySide().release_shared)
-        name = f"test-{uuid.uuid4().hex[:8]}"
-        handle = await asyncio.to_thread(start_dispatcher, cfg(), name=name)
-        handle.accept(cpu("/bin/sh", "-c", f"echo $$ > {log}; exec sleep 60"))
-        for _ in range(200):
-            if log.exists() and log.read_text().strip():
-                break
-            await asyncio.sleep(0.025)
-        pid = int(log.read_text())
-        await asyncio.to_thread(stop_dispatcher, name, drain=False)
-        await handle.aclose()
-        for _ in range(200):
-            if not _alive(pid):
-                break
-            await asyncio.sleep(0.025)
-        return pid
-    pid = run(go())
+    await asyncio.to_thread(RaySide().release_shared)
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    handle = await asyncio.to_thread(start_dispatcher, cfg(), name=name)
+    handle.accept(cpu("/bin/sh", "-c", f"echo $$ > {log}; exec sleep 60"))
+    for _ in range(200):
+        if log.exists() and log.read_text().strip():
+            break
+        await asyncio.sleep(0.025)
+    pid = int(log.read_text())
+    await asyncio.to_thread(stop_dispatcher, name, drain=False)
+    await handle.aclose()
+    for _ in range(200):
+        if not _alive(pid):
+            break
+        await asyncio.sleep(0.025)
+    pid = pid
     assert not _alive(pid)
 
 
@@ -544,14 +514,12 @@ def test_base_install_does_not_import_ray():
     assert out.stdout.strip() == "False"
 
 
-def test_commands_carry_their_action_id(side):
+async def test_commands_carry_their_action_id(side):
     """How a next dispatcher finds what a dead one left: every command's environment
     names its action."""
-    async def go():
-        async with side.dispatcher(cfg()) as d:
-            return await d.submit(cpu(PY, "-c", f"import os; print(os.environ['{ACTION_ENV}'])",
-                                      id="who"))
-    r = run(go())
+    async with side.dispatcher(cfg()) as d:
+        r = await d.submit(cpu(PY, "-c", f"import os; print(os.environ['{ACTION_ENV}'])",
+                               id="who"))
     assert r.ok and r.stdout.strip() == "who"
 
 
@@ -560,15 +528,13 @@ def test_commands_carry_their_action_id(side):
 
 @pytest.fixture
 def boxed(side):
-    """``side``, for a test of commands in bwrap sandboxes (skipped where bwrap cannot
-    run: it needs root and bubblewrap)."""
-    from sandbox_helpers import needs_isolation
-
-    needs_isolation()
+    """``side``, for a test of commands in bwrap sandboxes (marked ``isolation``: skipped
+    where bwrap cannot run, it needs root and bubblewrap)."""
     return side
 
 
-def test_a_sandboxed_command_runs_unprivileged_without_network(boxed):
+@pytest.mark.isolation
+async def test_a_sandboxed_command_runs_unprivileged_without_network(boxed):
     """No network unless asked (a server on the host's 127.0.0.1 is out of reach), a
     user id of the sandbox range, the workspace as its working directory."""
     import socket
@@ -585,11 +551,9 @@ def test_a_sandboxed_command_runs_unprivileged_without_network(boxed):
             "    print('unreachable')\n"
             "print(os.getuid(), os.getcwd())")
 
-    async def go():
-        async with boxed.dispatcher(confined()) as d:
-            return await d.submit(cpu(PY, "-c", code))
     try:
-        r = run(go())
+        async with boxed.dispatcher(confined()) as d:
+            r = await d.submit(cpu(PY, "-c", code))
     finally:
         listener.close()
     assert r.ok, r.reason
@@ -599,7 +563,8 @@ def test_a_sandboxed_command_runs_unprivileged_without_network(boxed):
     assert int(uid) >= SandboxConfig().uid_range[0] and cwd == "/workspace"
 
 
-def test_a_sandboxed_command_writes_only_in_its_workspace(boxed, visible_dir):
+@pytest.mark.isolation
+async def test_a_sandboxed_command_writes_only_in_its_workspace(boxed, visible_dir):
     """The system and the host's directories are read-only in the sandbox (a directory
     it can see, world-writable on the host, included); its workspace is writable."""
     visible_dir.chmod(0o777)
@@ -611,10 +576,8 @@ def test_a_sandboxed_command_writes_only_in_its_workspace(boxed, visible_dir):
             "        print('refused', e.errno)\n"
             "open('/workspace/ok', 'w').write('y'); print(open('/workspace/ok').read())")
 
-    async def go():
-        async with boxed.dispatcher(confined()) as d:
-            return await d.submit(cpu(PY, "-c", code))
-    r = run(go())
+    async with boxed.dispatcher(confined()) as d:
+        r = await d.submit(cpu(PY, "-c", code))
     assert r.ok, r.reason
     lines = r.stdout.strip().splitlines()
     assert [ln.split()[0] for ln in lines[:2]] == ["refused", "refused"], lines
@@ -622,7 +585,8 @@ def test_a_sandboxed_command_writes_only_in_its_workspace(boxed, visible_dir):
     assert not (visible_dir / "x").exists() and not os.path.exists("/etc/metasched-probe")
 
 
-def test_a_sandboxed_command_is_held_to_its_cores_and_memory(boxed):
+@pytest.mark.isolation
+async def test_a_sandboxed_command_is_held_to_its_cores_and_memory(boxed):
     """Its cgroup's cpuset is its grant (asking for every core does not widen it), and
     its memory limit holds (an allocation past it is killed, and said so)."""
     widen = ("import os\n"
@@ -633,19 +597,18 @@ def test_a_sandboxed_command_is_held_to_its_cores_and_memory(boxed):
              "print(sorted(os.sched_getaffinity(0)))")
     hog = "b = bytearray(512 << 20); b[::4096] = b'x' * len(b[::4096]); print('kept')"
 
-    async def go():
-        async with boxed.dispatcher(confined()) as d:
-            return await asyncio.gather(
-                d.submit(cpu(PY, "-c", widen, min_cores=1, max_cores=1)),
-                d.submit(cpu(PY, "-c", hog, mem_limit_mb=128)))
-    pinned, hogged = run(go())
+    async with boxed.dispatcher(confined()) as d:
+        pinned, hogged = await asyncio.gather(
+                      d.submit(cpu(PY, "-c", widen, min_cores=1, max_cores=1)),
+                      d.submit(cpu(PY, "-c", hog, mem_limit_mb=128)))
     assert pinned.ok, pinned.reason
     assert json.loads(pinned.stdout) == pinned.allocation["cores"]
     assert len(pinned.allocation["cores"]) == 1
     assert hogged.status == "failed" and "memory limit exceeded" in hogged.reason, hogged
 
 
-def test_a_trajectorys_workspace_persists_across_its_actions_only(boxed):
+@pytest.mark.isolation
+async def test_a_trajectorys_workspace_persists_across_its_actions_only(boxed):
     """A trajectory's actions share its sandbox's workspace (on its node: the same one
     for each of them); another trajectory's is out of sight."""
     t1, t2 = f"t-{uuid.uuid4().hex[:8]}", f"t-{uuid.uuid4().hex[:8]}"
@@ -653,13 +616,10 @@ def test_a_trajectorys_workspace_persists_across_its_actions_only(boxed):
     read = ("import os\n"
             "print(open('note').read() if os.path.exists('note') else 'absent')")
 
-    async def go():
-        async with boxed.dispatcher(confined()) as d:
-            first = await d.submit(cpu(PY, "-c", write, trajectory=t1))
-            again = await d.submit(cpu(PY, "-c", read, trajectory=t1, turn=1))
-            other = await d.submit(cpu(PY, "-c", read, trajectory=t2))
-            return first, again, other
-    first, again, other = run(go())
+    async with boxed.dispatcher(confined()) as d:
+        first = await d.submit(cpu(PY, "-c", write, trajectory=t1))
+        again = await d.submit(cpu(PY, "-c", read, trajectory=t1, turn=1))
+        other = await d.submit(cpu(PY, "-c", read, trajectory=t2))
     assert first.ok and again.ok and other.ok, (first.reason, again.reason, other.reason)
     assert again.stdout.strip() == "kept" and other.stdout.strip() == "absent"
     if boxed.name == "ray":
@@ -693,18 +653,16 @@ async def _peak_queued(d, until: asyncio.Future) -> int:
     return peak
 
 
+@pytest.mark.isolation
 @pytest.mark.parametrize("submit", [  # the default way, and task's, in the default suite
     "stream", "task", pytest.param("agent", marks=pytest.mark.slow)])  # (~15 s each)
-def test_ray_commands_handed_ahead_run_once_each_in_their_sandbox_within_the_cores(
+async def test_ray_commands_handed_ahead_run_once_each_in_their_sandbox_within_the_cores(
         ray_cluster, submit):
     """With commands handed to the node ahead of its free cores, every command runs, once,
     in its trajectory's sandbox (its workspace's log gets each of its turns once), and no
     more run at once than the node's granted cores (spans timed by the commands)."""
-    from sandbox_helpers import needs_isolation
-
     from metasched.runtime.ray_backend import start_dispatcher, stop_dispatcher
 
-    needs_isolation()
     trajs, turns = 3, 6
     code = ("import os, sys, time\n"
             "t0 = time.time()\n"
@@ -713,25 +671,22 @@ def test_ray_commands_handed_ahead_run_once_each_in_their_sandbox_within_the_cor
             "print(t0, time.time(), os.getcwd())")
     read = "print(' '.join(sorted(open('log').read().split())))"
 
-    async def go():
-        await asyncio.to_thread(RaySide().release_shared)
-        name = f"test-{uuid.uuid4().hex[:8]}"
-        handle = await asyncio.to_thread(start_dispatcher, confined(ahead_per_core=2),
-                                         name=name, submit=submit)
-        try:
-            futs = [handle.accept(cpu(PY, "-c", code, str(i), trajectory=f"p{t}", turn=i))
-                    for i in range(turns) for t in range(trajs)]
-            everything = asyncio.ensure_future(asyncio.gather(*futs))
-            peak = await _peak_queued(handle, everything)
-            results = await everything
-            logs = await asyncio.gather(*(handle.submit(cpu(PY, "-c", read, trajectory=f"p{t}",
-                                                            turn=turns)) for t in range(trajs)))
-            stats = await handle.astats()
-        finally:
-            await handle.aclose()
-            await asyncio.to_thread(stop_dispatcher, name, drain=False)
-        return results, logs, peak, stats
-    results, logs, peak, stats = run(go())
+    await asyncio.to_thread(RaySide().release_shared)
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    handle = await asyncio.to_thread(start_dispatcher, confined(ahead_per_core=2),
+                                     name=name, submit=submit)
+    try:
+        futs = [handle.accept(cpu(PY, "-c", code, str(i), trajectory=f"p{t}", turn=i))
+                for i in range(turns) for t in range(trajs)]
+        everything = asyncio.ensure_future(asyncio.gather(*futs))
+        peak = await _peak_queued(handle, everything)
+        results = await everything
+        logs = await asyncio.gather(*(handle.submit(cpu(PY, "-c", read, trajectory=f"p{t}",
+                                                        turn=turns)) for t in range(trajs)))
+        stats = await handle.astats()
+    finally:
+        await handle.aclose()
+        await asyncio.to_thread(stop_dispatcher, name, drain=False)
     assert all(r.ok for r in results), [r.reason for r in results if not r.ok]
     assert peak >= 1 and stats["ahead_per_core"] == 2  # commands did wait at the node
     spans = [tuple(map(float, r.stdout.split()[:2])) for r in results]
@@ -743,36 +698,33 @@ def test_ray_commands_handed_ahead_run_once_each_in_their_sandbox_within_the_cor
     assert len({r.allocation["node"] for r in results}) == 1
 
 
-def test_ray_a_drain_with_commands_handed_ahead_finishes_them_all(ray_cluster, visible_dir):
+async def test_ray_a_drain_with_commands_handed_ahead_finishes_them_all(ray_cluster, visible_dir):
     """stop_dispatcher(drain=True) while the node holds commands ahead: each runs, once."""
     from metasched.runtime.ray_backend import start_dispatcher, stop_dispatcher
 
     log = visible_dir / "runs"
     n = 8
 
-    async def go():
-        await asyncio.to_thread(RaySide().release_shared)
-        name = f"test-{uuid.uuid4().hex[:8]}"
-        handle = await asyncio.to_thread(start_dispatcher, cfg(ahead_per_core=2), name=name)
-        try:
-            for i in range(n):
-                handle.accept(cpu("/bin/sh", "-c", f"echo {i} >> {log}; sleep 0.2"))
-            for _ in range(200):
-                if (await handle.astats())["queued_at_node"] == [2 * RAY_CPUS]:
-                    break
-                await asyncio.sleep(0.02)
-            queued = (await handle.astats())["queued_at_node"]
-        finally:
-            await handle.aclose()
-            stats = await asyncio.to_thread(stop_dispatcher, name, drain=True)
-        return queued, stats
-    queued, stats = run(go())
+    await asyncio.to_thread(RaySide().release_shared)
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    handle = await asyncio.to_thread(start_dispatcher, cfg(ahead_per_core=2), name=name)
+    try:
+        for i in range(n):
+            handle.accept(cpu("/bin/sh", "-c", f"echo {i} >> {log}; sleep 0.2"))
+        for _ in range(200):
+            if (await handle.astats())["queued_at_node"] == [2 * RAY_CPUS]:
+                break
+            await asyncio.sleep(0.02)
+        queued = (await handle.astats())["queued_at_node"]
+    finally:
+        await handle.aclose()
+        stats = await asyncio.to_thread(stop_dispatcher, name, drain=True)
     assert queued == [2 * RAY_CPUS]
     assert (stats["done"], stats["failed"], stats["queued_at_node"]) == (n, 0, [0])
     assert sorted(log.read_text().split()) == sorted(str(i) for i in range(n))
 
 
-def test_ray_a_killed_dispatcher_with_commands_handed_ahead_loses_nothing(
+async def test_ray_a_killed_dispatcher_with_commands_handed_ahead_loses_nothing(
         ray_cluster, tmp_path, visible_dir):
     """kill -9 of the actor while 2 commands run and 4 wait at the node: the restarted
     one kills the 2, re-queues all 6 from the journal, and each then runs to its end."""
@@ -785,33 +737,30 @@ def test_ray_a_killed_dispatcher_with_commands_handed_ahead_loses_nothing(
     def pids() -> list[int]:
         return [int(p) for p in log.read_text().split()] if log.exists() else []
 
-    async def go():
-        await asyncio.to_thread(RaySide().release_shared)
-        name = f"test-{uuid.uuid4().hex[:8]}"
-        handle = await asyncio.to_thread(start_dispatcher, cfg(journal=db, ahead_per_core=2),
-                                         name=name)
-        try:
-            futs = [handle.accept(cpu("/bin/sh", "-c", wait, id=f"w{i}", timeout_s=120))
-                    for i in range(n)]
-            for _ in range(400):
-                if len(pids()) == RAY_CPUS and (await handle.astats())["queued_at_node"] == [
-                        n - RAY_CPUS]:
-                    break
-                await asyncio.sleep(0.025)
-            first = pids()
-            queued = (await handle.astats())["queued_at_node"]
-            await RaySide().crash(handle)
-            for _ in range(400):  # the orphans killed, the first two of the six run again
-                if len(pids()) == 2 * RAY_CPUS and not any(_alive(p) for p in first):
-                    break
-                await asyncio.sleep(0.025)
-            gate.write_text("")
-            results = await asyncio.wait_for(asyncio.gather(*futs), 60)
-        finally:
-            await handle.aclose()
-            await asyncio.to_thread(stop_dispatcher, name, drain=False)
-        return first, queued, results
-    first, queued, results = run(go())
+    await asyncio.to_thread(RaySide().release_shared)
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    handle = await asyncio.to_thread(start_dispatcher, cfg(journal=db, ahead_per_core=2),
+                                     name=name)
+    try:
+        futs = [handle.accept(cpu("/bin/sh", "-c", wait, id=f"w{i}", timeout_s=120))
+                for i in range(n)]
+        for _ in range(400):
+            if len(pids()) == RAY_CPUS and (await handle.astats())["queued_at_node"] == [
+                    n - RAY_CPUS]:
+                break
+            await asyncio.sleep(0.025)
+        first = pids()
+        queued = (await handle.astats())["queued_at_node"]
+        await RaySide().crash(handle)
+        for _ in range(400):  # the orphans killed, the first two of the six run again
+            if len(pids()) == 2 * RAY_CPUS and not any(_alive(p) for p in first):
+                break
+            await asyncio.sleep(0.025)
+        gate.write_text("")
+        results = await asyncio.wait_for(asyncio.gather(*futs), 60)
+    finally:
+        await handle.aclose()
+        await asyncio.to_thread(stop_dispatcher, name, drain=False)
     assert len(first) == RAY_CPUS and queued == [n - RAY_CPUS]
     assert not any(_alive(p) for p in first)
     assert all(r.ok for r in results), [r.reason for r in results if not r.ok]
@@ -821,7 +770,8 @@ def test_ray_a_killed_dispatcher_with_commands_handed_ahead_loses_nothing(
         assert j.counts() == {"queued": 0, "running": 0, "finished": n}
 
 
-def test_a_gpu_command_is_confined_as_cpu_commands_are(boxed, visible_dir):
+@pytest.mark.isolation
+async def test_a_gpu_command_is_confined_as_cpu_commands_are(boxed, visible_dir):
     """A gpu request with an argv runs in its trajectory's sandbox (on its GPU's node):
     it sees the workspace its trajectory's cpu command wrote, cannot reach a server on
     the host's 127.0.0.1 nor write outside its workspace, runs as the sandbox's user, and
@@ -850,15 +800,12 @@ def test_a_gpu_command_is_confined_as_cpu_commands_are(boxed, visible_dir):
              " repr(os.environ.get('NVIDIA_VISIBLE_DEVICES')))\n"
              "print(os.getuid(), os.getcwd())")
 
-    async def go():
+    try:
         async with boxed.dispatcher(confined()) as d:
             wrote = await d.submit(cpu(PY, "-c", "open('note', 'w').write('kept')",
                                        trajectory=traj))
             gpu = await d.submit({"kind": "gpu", "argv": [PY, "-c", probe], "timeout_s": 30,
                                   "trajectory": traj, "turn": 1})
-            return wrote, gpu
-    try:
-        wrote, gpu = run(go())
     finally:
         listener.close()
     assert wrote.ok and gpu.ok, (wrote.reason, gpu.reason, gpu.stderr)

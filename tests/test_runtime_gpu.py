@@ -239,7 +239,7 @@ def fake_devices(n: int) -> list[LiveDevice]:
     return [LiveDevice(i, f"fake-{i}", 10.0, f"fake:{i}", i, f"GPU-{i}") for i in range(n)]
 
 
-def test_host_mirrors_gpu_pool_residency():
+async def test_host_mirrors_gpu_pool_residency():
     loads: dict[str, int] = {}
     host = ServiceHost(fake_devices(1))
     for name, mem in (("a", 6.0), ("b", 6.0), ("c", 3.0)):  # a and b never fit together
@@ -247,31 +247,27 @@ def test_host_mirrors_gpu_pool_residency():
     pool = GpuPool(n_devices=1, mem_gb=10.0, services=host.specs)
     dev = host.devices[0]
 
-    async def go():
-        expect = [  # service, resident after, restored, evicted
-            ("a", {"a"}, True, []),
-            ("c", {"a", "c"}, True, []),
-            ("a", {"a", "c"}, False, []),
-            ("b", {"b"}, True, ["a", "c"]),  # evicts c (LRU) then a
-            ("a", {"a"}, True, ["b"]),  # restored from host memory: no second load
-            ("a", {"a"}, False, []),
-        ]
-        for t, (svc, resident, restored, evicted) in enumerate(expect):
-            paid = pool.make_resident(svc, 0, float(t))
-            assert set(pool.devices[0].resident) == resident
-            out = await host.run_batch(svc, dev, pool.devices[0].resident, [t, "x"])
-            assert out.ok, out.reason
-            assert out.value == [(svc, t), (svc, "x")]
-            assert out.detail["restored"] is restored is (paid > 0)
-            assert out.detail["evicted"] == evicted
-            assert out.detail["batch"] == 2 and out.detail["device"] == 0
-            assert (out.detail["restore_s"] > 0) is restored
-            assert host.resident(dev) == resident
-            for s in resident:
-                assert host.module(s, dev).device == "fake:0"
-        return out
-
-    asyncio.run(go())
+    expect = [  # service, resident after, restored, evicted
+        ("a", {"a"}, True, []),
+        ("c", {"a", "c"}, True, []),
+        ("a", {"a", "c"}, False, []),
+        ("b", {"b"}, True, ["a", "c"]),  # evicts c (LRU) then a
+        ("a", {"a"}, True, ["b"]),  # restored from host memory: no second load
+        ("a", {"a"}, False, []),
+    ]
+    for t, (svc, resident, restored, evicted) in enumerate(expect):
+        paid = pool.make_resident(svc, 0, float(t))
+        assert set(pool.devices[0].resident) == resident
+        out = await host.run_batch(svc, dev, pool.devices[0].resident, [t, "x"])
+        assert out.ok, out.reason
+        assert out.value == [(svc, t), (svc, "x")]
+        assert out.detail["restored"] is restored is (paid > 0)
+        assert out.detail["evicted"] == evicted
+        assert out.detail["batch"] == 2 and out.detail["device"] == 0
+        assert (out.detail["restore_s"] > 0) is restored
+        assert host.resident(dev) == resident
+        for s in resident:
+            assert host.module(s, dev).device == "fake:0"
     assert loads == {"a": 1, "b": 1, "c": 1}  # load() once per service, ever
     assert (host.restores, host.evictions) == (pool.restores, pool.evictions) == (4, 3)
     # evicted copies went back to host memory, and were restored from there
@@ -281,7 +277,7 @@ def test_host_mirrors_gpu_pool_residency():
     assert host.mem_used_gb(dev) == 6.0  # spec size (not a torch module)
 
 
-def test_host_places_a_copy_per_device():
+async def test_host_places_a_copy_per_device():
     loads: dict[str, int] = {}
     host = ServiceHost(fake_devices(2))
     host.register("a", fake_service("a", 4.0, loads))
@@ -294,62 +290,59 @@ def test_host_places_a_copy_per_device():
                                         lambda f, ps: [f(p) for p in ps]))
     d0, d1 = host.devices
 
-    async def go():
-        for d in (d0, d1, d0):
-            out = await host.run_batch("a", d, {"a"}, [1])
-            assert out.ok and out.value == [("a", 1)]
-            out = await host.run_batch("shared", d, {"a", "shared"}, [1, 2])
-            assert out.ok and out.value == [2, 4]
-
-    asyncio.run(go())
+    for d in (d0, d1, d0):
+        out = await host.run_batch("a", d, {"a"}, [1])
+        assert out.ok and out.value == [("a", 1)]
+        out = await host.run_batch("shared", d, {"a", "shared"}, [1, 2])
+        assert out.ok and out.value == [2, 4]
     assert host.module("a", d0) is not host.module("a", d1)
     assert host.module("a", d0).device == "fake:0" and host.module("a", d1).device == "fake:1"
     assert host.module("shared", d0) is host.module("shared", d1)  # no .to: one object
     assert loads == {"a": 2, "shared": 1}
 
 
-def test_infer_error_is_a_failed_outcome():
+async def test_infer_error_is_a_failed_outcome():
     def boom(m, payloads):
         raise ValueError("bad input\nsecond line")
 
     host = ServiceHost(fake_devices(1))
     host.register("a", fake_service("a", 1.0, {}, infer=boom))
-    out = asyncio.run(host.run_batch("a", host.devices[0], {"a"}, [1, 2]))
+    out = await host.run_batch("a", host.devices[0], {"a"}, [1, 2])
     assert not out.ok
     assert out.reason == "service a failed: ValueError: bad input second line"
     assert host.resident(host.devices[0]) == {"a"}  # restored all the same
     assert not host.busy(host.devices[0])
 
 
-def test_wrong_result_count_fails():
+async def test_wrong_result_count_fails():
     host = ServiceHost(fake_devices(1))
     host.register("a", fake_service("a", 1.0, {}, infer=lambda m, ps: ps[:1]))
-    out = asyncio.run(host.run_batch("a", host.devices[0], {"a"}, [1, 2, 3]))
+    out = await host.run_batch("a", host.devices[0], {"a"}, [1, 2, 3])
     assert not out.ok and out.reason == "service a failed: returned 1 results for 3 payloads"
     host.register("b", fake_service("b", 1.0, {}, infer=lambda m, ps: 42))
-    out = asyncio.run(host.run_batch("b", host.devices[0], {"a", "b"}, [1]))
+    out = await host.run_batch("b", host.devices[0], {"a", "b"}, [1])
     assert not out.ok and out.reason.startswith("service b failed: TypeError:")
 
 
-def test_load_error_is_a_failed_outcome():
+async def test_load_error_is_a_failed_outcome():
     def load():
         raise OSError("weights not found")
 
     host = ServiceHost(fake_devices(1))
     host.register("a", LiveService(ServiceSpec(1.0, 1.0), load, lambda m, ps: ps))
-    out = asyncio.run(host.run_batch("a", host.devices[0], {"a"}, [1]))
+    out = await host.run_batch("a", host.devices[0], {"a"}, [1])
     assert not out.ok
     assert out.reason == "service a failed to restore on device 0: OSError: weights not found"
     assert host.resident(host.devices[0]) == set()
 
 
-def test_unknown_service_and_duplicates():
+async def test_unknown_service_and_duplicates():
     host = ServiceHost(fake_devices(1))
-    out = asyncio.run(host.run_batch("x", host.devices[0], set(), [1]))
+    out = await host.run_batch("x", host.devices[0], set(), [1])
     assert out == type(out)(ok=False, reason="unknown service 'x' (registered: none)")
     host.register("b", fake_service("b", 1.0, {}))
     host.register("a", fake_service("a", 1.0, {}))
-    out = asyncio.run(host.run_batch("x", host.devices[0], {"x"}, [1]))
+    out = await host.run_batch("x", host.devices[0], {"x"}, [1])
     assert not out.ok and out.reason == "unknown service 'x' (registered: a, b)"
     with pytest.raises(ValueError, match="already registered"):
         host.register("a", fake_service("a", 1.0, {}))
@@ -358,7 +351,7 @@ def test_unknown_service_and_duplicates():
         ServiceHost([fake_devices(2)[1]])
 
 
-def test_batches_run_off_the_loop_one_per_device():
+async def test_batches_run_off_the_loop_one_per_device():
     gate = threading.Event()
     seen: dict[str, int] = {}
 
@@ -372,34 +365,31 @@ def test_batches_run_off_the_loop_one_per_device():
     host.register("b", fake_service("b", 1.0, {}))
     d0, d1 = host.devices
 
-    async def go():
-        first = asyncio.create_task(host.run_batch("a", d0, {"a"}, [1]))
-        await asyncio.sleep(0.05)  # the loop runs while infer blocks its thread
-        assert host.busy(d0) and not host.busy(d1)
-        with pytest.raises(RuntimeError, match="already running"):
-            await host.run_batch("b", d0, {"a", "b"}, [1])
-        other = await host.run_batch("b", d1, {"b"}, [7])  # another device is free
-        assert other.ok and other.value == [("b", 7)]
-        first.cancel()  # the action timed out: the thread still runs, the device stays busy
-        await asyncio.sleep(0.05)
-        assert first.cancelled() and host.busy(d0)
-        gate.set()
-        for _ in range(200):
-            if not host.busy(d0):
-                break
-            await asyncio.sleep(0.01)
-        assert not host.busy(d0)
-        again = await host.run_batch("a", d0, {"a"}, [2])
-        assert again.ok and again.value == [2] and not again.detail["restored"]
-
-    asyncio.run(go())
+    first = asyncio.create_task(host.run_batch("a", d0, {"a"}, [1]))
+    await asyncio.sleep(0.05)  # the loop runs while infer blocks its thread
+    assert host.busy(d0) and not host.busy(d1)
+    with pytest.raises(RuntimeError, match="already running"):
+        await host.run_batch("b", d0, {"a", "b"}, [1])
+    other = await host.run_batch("b", d1, {"b"}, [7])  # another device is free
+    assert other.ok and other.value == [("b", 7)]
+    first.cancel()  # the action timed out: the thread still runs, the device stays busy
+    await asyncio.sleep(0.05)
+    assert first.cancelled() and host.busy(d0)
+    gate.set()
+    for _ in range(200):
+        if not host.busy(d0):
+            break
+        await asyncio.sleep(0.01)
+    assert not host.busy(d0)
+    again = await host.run_batch("a", d0, {"a"}, [2])
+    assert again.ok and again.value == [2] and not again.detail["restored"]
     assert seen["thread"] != threading.get_ident()
 
 
 # ---------------------------------------------------------------- torch example service
 
 
-def test_linear_scorer_on_standin(monkeypatch):
+async def test_linear_scorer_on_standin(monkeypatch):
     torch = pytest.importorskip("torch", reason="the example scorer is a torch module")
 
     _no_nvml(monkeypatch)
@@ -408,7 +398,7 @@ def test_linear_scorer_on_standin(monkeypatch):
     host.register("rm", linear_scorer(dim=8, seed=3))
     dev = devices[0]
     payloads = [[1.0] * 8, [0.5, -2.0], [], list(range(8))]
-    out = asyncio.run(host.run_batch("rm", dev, {"rm"}, payloads))
+    out = await host.run_batch("rm", dev, {"rm"}, payloads)
     assert out.ok, out.reason
     ref = linear_scorer(dim=8, seed=3).load()  # same seed, same weights
     w, b = ref.weight.detach()[0].tolist(), float(ref.bias.detach())
@@ -424,12 +414,12 @@ def test_linear_scorer_on_standin(monkeypatch):
         ((util, used),) = s.sample()
     assert util == 0.0 and used == pytest.approx((8 + 1) * 4 / GIB)
     # too long a payload fails the batch, not the caller
-    bad = asyncio.run(host.run_batch("rm", dev, {"rm"}, [[0.0] * 9]))
+    bad = await host.run_batch("rm", dev, {"rm"}, [[0.0] * 9])
     assert not bad.ok and bad.reason == "service rm failed: ValueError: payload 0 has 9 values; " \
         "at most 8"
 
 
-def test_infer_runs_under_inference_mode():
+async def test_infer_runs_under_inference_mode():
     torch = pytest.importorskip("torch")
 
     modes = []
@@ -440,5 +430,5 @@ def test_infer_runs_under_inference_mode():
 
     host = ServiceHost(fake_devices(1))
     host.register("a", fake_service("a", 1.0, {}, infer=infer))
-    assert asyncio.run(host.run_batch("a", host.devices[0], {"a"}, [1])).ok
+    assert (await host.run_batch("a", host.devices[0], {"a"}, [1])).ok
     assert modes == [True] and not torch.is_inference_mode_enabled()

@@ -15,10 +15,11 @@ import time
 
 import psutil
 import pytest
-from helpers import COMMAND_PY
+from helpers import COMMAND_PY, cpu
+from helpers import dispatcher_config as cfg
 
 from metasched.errors import ConfigError
-from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
+from metasched.runtime.dispatcher import Dispatcher
 from metasched.runtime.journal import Journal, JournalLocked
 from metasched.runtime.journal_docs import StoredRequest
 from metasched.runtime.requests import MAX_SECONDS
@@ -26,20 +27,6 @@ from metasched.runtime.sandbox.config import SandboxConfig
 
 PY = sys.executable  # runs dispatcher processes
 CMD_PY = COMMAND_PY  # what commands run: a sandbox's user can (see helpers)
-
-
-def cfg(**kw) -> DispatcherConfig:
-    kw.setdefault("scheduler", "elastic_greedy")
-    kw.setdefault("sample_interval_s", 0.05)
-    return DispatcherConfig(**kw)
-
-
-def cpu(*argv: str, **kw) -> dict:
-    return {"kind": "cpu", "argv": list(argv), "timeout_s": kw.pop("timeout_s", 30), **kw}
-
-
-def run(coro):
-    return asyncio.run(coro)
 
 
 # ------------------------------------------------------------------ one dispatcher per journal
@@ -62,6 +49,7 @@ FIRST = textwrap.dedent("""
 """)
 
 
+@pytest.mark.subprocess
 def test_a_second_dispatcher_on_a_live_journal_fails_and_leaves_the_first_alone(tmp_path):
     db = tmp_path / "journal.db"
     first = subprocess.Popen([PY, "-c", FIRST, str(db)], stdout=subprocess.PIPE, text=True)
@@ -89,14 +77,12 @@ def test_a_second_dispatcher_on_a_live_journal_fails_and_leaves_the_first_alone(
 # ------------------------------------------------------------------ resubmissions
 
 
-def test_the_same_id_with_another_request_is_rejected_while_it_runs():
-    async def go():
-        async with Dispatcher(cfg()) as d:
-            a = d.accept(cpu(CMD_PY, "-c", "import time; time.sleep(0.3); print('a')", id="x"))
-            same = d.accept(cpu(CMD_PY, "-c", "import time; time.sleep(0.3); print('a')", id="x"))
-            other = d.accept(cpu(CMD_PY, "-c", "print('b')", id="x"))
-            return a, same, await other, await a
-    a, same, other, first = run(go())
+async def test_the_same_id_with_another_request_is_rejected_while_it_runs():
+    async with Dispatcher(cfg()) as d:
+        a = d.accept(cpu(CMD_PY, "-c", "import time; time.sleep(0.3); print('a')", id="x"))
+        same = d.accept(cpu(CMD_PY, "-c", "import time; time.sleep(0.3); print('a')", id="x"))
+        other = d.accept(cpu(CMD_PY, "-c", "print('b')", id="x"))
+        other, first = await other, await a
     assert same is a  # deduplicated: the first's future
     assert other.status == "rejected" and other.reason == (
         "id: 'x' was accepted before with a different request; give this one another id "
@@ -104,7 +90,7 @@ def test_the_same_id_with_another_request_is_rejected_while_it_runs():
     assert first.ok and first.stdout == "a\n"
 
 
-def test_a_resubmission_must_match_the_stored_request(tmp_path):
+async def test_a_resubmission_must_match_the_stored_request(tmp_path):
     db = tmp_path / "j.db"
     req = cpu(CMD_PY, "-c", "print('first')", id="k", env={"A": "1"})
 
@@ -116,11 +102,11 @@ def test_a_resubmission_must_match_the_stored_request(tmp_path):
         async with Dispatcher(cfg(journal=db)) as d:
             return [await d.submit(r) for r in requests]
 
-    r = run(first())
+    r = await first()
     assert r.ok and r.stdout == "first\n"
     reordered = {k: req[k] for k in reversed(list(req))}  # field order does not matter
-    same, other_env, other_argv = run(again(
-        reordered, {**req, "env": {"A": "2"}}, {**req, "argv": [CMD_PY, "-c", "print('x')"]}))
+    same, other_env, other_argv = await again(
+          reordered, {**req, "env": {"A": "2"}}, {**req, "argv": [CMD_PY, "-c", "print('x')"]})
     assert same.ok and same.stdout == "first\n" and same.finished_at == r.finished_at
     for out in (other_env, other_argv):
         assert out.status == "rejected" and out.reason == (
@@ -148,8 +134,9 @@ KILLED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("keep_env", [False, True])
-def test_env_values_stay_out_of_the_journal_unless_asked(tmp_path, visible_dir, keep_env):
+async def test_env_values_stay_out_of_the_journal_unless_asked(tmp_path, visible_dir, keep_env):
     db = tmp_path / "j.db"
     secret = "s3cr3t-value"
     gate = visible_dir / "gate"
@@ -173,20 +160,21 @@ def test_env_values_stay_out_of_the_journal_unless_asked(tmp_path, visible_dir, 
             waiting = d.awaiting_resubmission
             return waiting, await asyncio.gather(*(d.accept(r) for r in resubmit))
 
-    waiting, _ = run(restart([]))  # closing drains what was recovered and could run
+    waiting, _ = await restart([])  # closing drains what was recovered and could run
     # Without its env the request cannot run as given: it waits for its resubmission.
     assert waiting == ([] if keep_env else ["env"])
     with Journal(db) as j:
         assert j.status("plain") == "finished"
         assert j.status("env") == ("finished" if keep_env else "queued")
-    waiting, (out,) = run(restart([with_env]))
+    waiting, (out,) = await restart([with_env])
     assert out.ok and out.stdout == f"{secret}\n" and out.attempts == 1
     wrong = {**with_env, "env": {"SECRET": "other", "PATH": os.environ["PATH"]}}
-    (rejected,) = run(restart([wrong]))[1]
+    (rejected,) = (await restart([wrong]))[1]
     assert rejected.status == "rejected" and "different request" in rejected.reason
 
 
-def test_a_withheld_env_resubmitted_with_other_values_is_rejected(tmp_path):
+@pytest.mark.subprocess
+async def test_a_withheld_env_resubmitted_with_other_values_is_rejected(tmp_path):
     db = tmp_path / "j.db"
     req = cpu("/bin/echo", "x", id="e", env={"TOKEN": "right"})
     p = subprocess.run([PY, "-c", KILLED, str(db), "0", json.dumps([req])],
@@ -197,17 +185,17 @@ def test_a_withheld_env_resubmitted_with_other_values_is_rejected(tmp_path):
         async with Dispatcher(cfg(journal=db)) as d:
             out = await d.accept(r)
             return out, d.awaiting_resubmission
-    out, waiting = run(restart({**req, "env": {"TOKEN": "wrong"}}))
+    out, waiting = await restart({**req, "env": {"TOKEN": "wrong"}})
     assert out.status == "rejected" and "accepted before with a different request" in out.reason
     assert waiting == ["e"]  # still waiting for the real one
-    out, waiting = run(restart(req))
+    out, waiting = await restart(req)
     assert out.ok and out.stdout == "x\n" and waiting == []
 
 
 # ------------------------------------------------------------------ compaction
 
 
-def test_compacted_rows_keep_their_ids_and_outcomes(tmp_path):
+async def test_compacted_rows_keep_their_ids_and_outcomes(tmp_path):
     db = tmp_path / "j.db"
     reqs = [cpu(CMD_PY, "-c", f"print('{'y' * 500}')", id=f"r{i}") for i in range(20)]
 
@@ -217,13 +205,13 @@ def test_compacted_rows_keep_their_ids_and_outcomes(tmp_path):
             n = d.compact_journal(0) if compact else None
             return out, n, d.state.n_submitted
 
-    first, n, _ = run(go(reqs, True))
+    first, n, _ = await go(reqs, True)
     assert all(r.ok and len(r.stdout) == 501 for r in first) and n == 20
     with Journal(db) as j:
         request, state, result = j.row("r3")
     assert state == "finished" and "yyy" not in request + result
     assert json.loads(request)["compacted"] is True
-    again, n, submitted = run(go(reqs[:3] + [{**reqs[3], "argv": ["true"]}], True))
+    again, n, submitted = await go(reqs[:3] + [{**reqs[3], "argv": ["true"]}], True)
     assert submitted == 0 and n == 0  # answered from the journal; nothing left to compact
     assert [r.status for r in again] == ["done"] * 3 + ["rejected"]
     assert again[0].exit_code == 0 and again[0].stdout == ""  # the outcome, not the output
@@ -233,7 +221,7 @@ def test_compacted_rows_keep_their_ids_and_outcomes(tmp_path):
 # ------------------------------------------------------------------ bad settings and numbers
 
 
-def test_a_journal_damaged_inside_is_a_config_error_at_start(tmp_path):
+async def test_a_journal_damaged_inside_is_a_config_error_at_start(tmp_path):
     """Header intact, table pages overwritten: the open-time checks pass, recovery's
     read of the unfinished requests finds the damage, and says so in one line."""
     db = tmp_path / "j.db"
@@ -246,11 +234,9 @@ def test_a_journal_damaged_inside_is_a_config_error_at_start(tmp_path):
     data[2 * page:] = b"\xff" * (len(data) - 2 * page)  # every page after the second
     db.write_bytes(bytes(data))
 
-    async def go():
+    with pytest.raises(ConfigError) as info:
         async with Dispatcher(cfg(journal=db)):
             pass
-    with pytest.raises(ConfigError) as info:
-        run(go())
     msg = str(info.value)
     assert msg.startswith(f"journal: {db}: unreadable (") and "\n" not in msg, msg
     Journal(db, lock=True).close()  # the failed start released the lock
@@ -276,9 +262,7 @@ def test_an_unusable_workdir_is_a_config_error_before_anything_runs(workdir, why
     ("est_s", 1e9, "est_s: must be <= 2592000"),
     ("turn", 1e300, "turn: must be <= 1000000"),
 ])
-def test_absurd_numbers_are_rejected_naming_the_field(field, value, message):
-    async def go():
-        async with Dispatcher(cfg()) as d:
-            return await d.submit(cpu("true", **{field: value}))
-    r = run(go())
+async def test_absurd_numbers_are_rejected_naming_the_field(field, value, message):
+    async with Dispatcher(cfg()) as d:
+        r = await d.submit(cpu("true", **{field: value}))
     assert r.status == "rejected" and message in r.reason and "\n" not in r.reason, r.reason

@@ -114,9 +114,9 @@ async def live() -> list:
 
 
 @pytest.mark.skipif(len(CORES) < 2, reason="needs 2 cores")
-def test_same_state_gives_identical_observations(make_workload):
+async def test_same_state_gives_identical_observations(make_workload):
     sim_seen = simulated(make_workload)
-    live_seen, _ = asyncio.run(live())
+    live_seen, _ = await live()
     assert len(sim_seen) >= 5
     assert [t for t, _ in live_seen] == [t for t, _ in sim_seen]
     for (t, a), (_, b) in zip(sim_seen, live_seen, strict=True):

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import psutil
 import pytest
@@ -20,6 +21,8 @@ import pytest
 from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
 from metasched.runtime.journal import Journal
 from metasched.runtime.sandbox.config import SandboxConfig
+
+pytestmark = pytest.mark.subprocess
 
 N = 1200
 RUNNING = "running"
@@ -55,11 +58,9 @@ def requests(gate: str, user_dir: str, isolation: str) -> list[dict]:
             for i in range(N)]
 
 
-@pytest.mark.parametrize("isolation", ["bwrap", "none"])
-def test_kill_9_loses_nothing_and_removes_only_its_own(tmp_path, visible_dir, isolation):
-    if isolation == "bwrap":
-        from sandbox_helpers import needs_isolation
-        needs_isolation()
+@pytest.mark.parametrize("isolation", [pytest.param("bwrap", marks=pytest.mark.isolation),
+                                       "none"])
+async def test_kill_9_loses_nothing_and_removes_only_its_own(tmp_path, visible_dir, isolation):
     db = tmp_path / "journal.db"
     workdir = tmp_path / "shm"  # the dispatcher's run directories go here
     workdir.mkdir()
@@ -85,7 +86,7 @@ def test_kill_9_loses_nothing_and_removes_only_its_own(tmp_path, visible_dir, is
             for _ in range(400):
                 if len(j.orphans()) >= 1:
                     break
-                asyncio.run(asyncio.sleep(0.05))
+                await asyncio.sleep(0.05)
             orphans = j.orphans()
             counts = j.counts()
             state = {f"r{i}": j.status(f"r{i}") for i in range(N)}
@@ -104,15 +105,13 @@ def test_kill_9_loses_nothing_and_removes_only_its_own(tmp_path, visible_dir, is
 
     open(gate, "w").close()
 
-    async def restart():
-        cfg = DispatcherConfig(scheduler="elastic_greedy", journal=db, workdir=str(workdir),
-                               sample_interval_s=0.1,
-                               sandbox=SandboxConfig(isolation=isolation,
-                                                     system_paths=(str(visible_dir),)))
-        async with Dispatcher(cfg) as d:
-            futs = [d.accept(r) for r in reqs]  # resubmitted: deduplicated by id
-            return await asyncio.gather(*futs), d.state.n_submitted
-    results, submitted = asyncio.run(restart())
+    cfg = DispatcherConfig(scheduler="elastic_greedy", journal=db, workdir=str(workdir),
+                           sample_interval_s=0.1,
+                           sandbox=SandboxConfig(isolation=isolation,
+                                                 system_paths=(str(visible_dir),)))
+    async with Dispatcher(cfg) as d:
+        futs = [d.accept(r) for r in reqs]  # resubmitted: deduplicated by id
+        results, submitted = await asyncio.gather(*futs), d.state.n_submitted
     assert submitted == N  # re-queued from the journal; the resubmissions were deduplicated
     assert [r.status for r in results] == ["done"] * N, {r.reason for r in results}
     assert {r.id for r in results} == {f"r{i}" for i in range(N)}
@@ -141,5 +140,5 @@ def _wait_gone(pids: list[int]) -> None:
                 pass
         if not alive:
             return
-        asyncio.run(asyncio.sleep(0.05))
+        time.sleep(0.05)
     raise AssertionError(f"processes {alive} are still running")

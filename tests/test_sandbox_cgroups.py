@@ -17,6 +17,8 @@ from sandbox_helpers import needs_controllers
 
 from metasched.runtime.sandbox import cgroups
 
+pytestmark = pytest.mark.isolation(bwrap=False)  # root and cgroups; no sandbox
+
 MODES = ["auto", "v1"]
 
 

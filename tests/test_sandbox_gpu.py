@@ -16,7 +16,7 @@ import stat
 
 import psutil
 import pytest
-from sandbox_helpers import needs_isolation, run_in
+from sandbox_helpers import run_in
 
 from metasched.runtime.gpu import device_minor
 from metasched.runtime.sandbox.config import SandboxConfig
@@ -68,15 +68,9 @@ def test_device_minor_of_a_standin_is_none_and_nvml_failure_is_an_error():
 
 
 @pytest.fixture
-def boxes(dev):
-    needs_isolation()
-    b = Sandboxes(SandboxConfig(isolation="bwrap"), dev_root=str(dev))
-    yield b
-    b.close()
-
-
-def run(coro):
-    return asyncio.run(coro)
+def sandbox_dev_root(dev) -> str:
+    """``boxes`` with the fake device nodes of ``dev``."""
+    return str(dev)
 
 
 # What a command sees of the NVIDIA nodes: each opened for reading and writing, as CUDA
@@ -98,24 +92,22 @@ def slot_dirs(boxes: Sandboxes) -> list[str]:
                   if e.is_dir()) if boxes.tree is not None else []
 
 
-def test_a_gpu_command_sees_its_gpu_alone_and_its_trajectorys_workspace(boxes, dev):
-    async def go():
-        boxes.attach(asyncio.get_running_loop())
-        sb = boxes.open("t1", size_mb=64, template=None, network=False)
-        await sb.ready
-        wrote = await run_in(boxes, sb, ["sh", "-c", "echo from-cpu > note; echo t > /tmp/t"])
-        g0 = boxes.gpu_sandbox(sb, 0)
-        assert boxes.gpu_sandbox(sb, 0) is g0 and g0 is not sb  # one per (sandbox, GPU)
-        g1 = boxes.gpu_sandbox(sb, 1)
-        gpu = await run_in(boxes, g0, ["sh", "-c", PROBE + "; cat note /tmp/t; "
-                                       "echo from-gpu > back; id -u; pwd"])
-        other = await run_in(boxes, g1, ["sh", "-c", PROBE])
-        cpu = await run_in(boxes, sb, ["sh", "-c", PROBE + "; cat back; id -u"])
-        open_boxes, used, slots = bwraps(boxes), set(boxes.uids._used), slot_dirs(boxes)
-        boxes.close_trajectory("t1")
-        await asyncio.sleep(0.3)  # the sandboxes' processes exit
-        return sb, wrote, gpu, other, cpu, open_boxes, used, slots, bwraps(boxes), g0, g1
-    sb, wrote, gpu, other, cpu, open_boxes, used, slots, left, g0, g1 = run(go())
+async def test_a_gpu_command_sees_its_gpu_alone_and_its_trajectorys_workspace(boxes, dev):
+    boxes.attach(asyncio.get_running_loop())
+    sb = boxes.open("t1", size_mb=64, template=None, network=False)
+    await sb.ready
+    wrote = await run_in(boxes, sb, ["sh", "-c", "echo from-cpu > note; echo t > /tmp/t"])
+    g0 = boxes.gpu_sandbox(sb, 0)
+    assert boxes.gpu_sandbox(sb, 0) is g0 and g0 is not sb  # one per (sandbox, GPU)
+    g1 = boxes.gpu_sandbox(sb, 1)
+    gpu = await run_in(boxes, g0, ["sh", "-c", PROBE + "; cat note /tmp/t; "
+                                   "echo from-gpu > back; id -u; pwd"])
+    other = await run_in(boxes, g1, ["sh", "-c", PROBE])
+    cpu = await run_in(boxes, sb, ["sh", "-c", PROBE + "; cat back; id -u"])
+    open_boxes, used, slots = bwraps(boxes), set(boxes.uids._used), slot_dirs(boxes)
+    boxes.close_trajectory("t1")
+    await asyncio.sleep(0.3)  # the sandboxes' processes exit
+    left = bwraps(boxes)
     assert wrote.code == 0 and gpu.code == 0 and cpu.code == 0, (gpu.stderr, cpu.stderr)
     assert gpu.stdout.split("\n")[:3] == ["nvidiactl open", "nvidia0 open", "nvidia1 absent"]
     assert gpu.stdout.split("\n")[3:7] == ["from-cpu", "t", str(sb.uid), "/workspace"]
@@ -130,40 +122,35 @@ def test_a_gpu_command_sees_its_gpu_alone_and_its_trajectorys_workspace(boxes, d
     assert slot_dirs(boxes) == []  # ...removed with their sandboxes
 
 
-def test_without_a_device_node_a_gpu_command_runs_in_its_own_sandbox(boxes):
-    async def go():
-        boxes.attach(asyncio.get_running_loop())
-        sb = boxes.open("t1", size_mb=64, template=None, network=False)
-        await sb.ready
-        return sb, boxes.gpu_sandbox(sb, None), boxes.gpu_sandbox(sb, 5)
-    sb, standin, missing = run(go())
+async def test_without_a_device_node_a_gpu_command_runs_in_its_own_sandbox(boxes):
+    boxes.attach(asyncio.get_running_loop())
+    sb = boxes.open("t1", size_mb=64, template=None, network=False)
+    await sb.ready
+    standin, missing = boxes.gpu_sandbox(sb, None), boxes.gpu_sandbox(sb, 5)
     assert standin is sb and missing is sb and not sb.gpus
 
 
-def test_trajectory_less_gpu_commands_get_private_workspaces_and_their_gpu(boxes):
-    async def go():
-        boxes.attach(asyncio.get_running_loop())
-        sb = boxes.shared(network=False)
-        await sb.ready
-        g = boxes.gpu_sandbox(sb, 1)
-        a = await run_in(boxes, g, ["sh", "-c", PROBE + "; echo a > mine; id -u"])
-        b = await run_in(boxes, g, ["sh", "-c", "ls -A /workspace; id -u"])
-        return a, b
-    a, b = run(go())
+async def test_trajectory_less_gpu_commands_get_private_workspaces_and_their_gpu(boxes):
+    boxes.attach(asyncio.get_running_loop())
+    sb = boxes.shared(network=False)
+    await sb.ready
+    g = boxes.gpu_sandbox(sb, 1)
+    a = await run_in(boxes, g, ["sh", "-c", PROBE + "; echo a > mine; id -u"])
+    b = await run_in(boxes, g, ["sh", "-c", "ls -A /workspace; id -u"])
     assert a.code == 0 and b.code == 0, (a.stderr, b.stderr)
     assert a.stdout.split("\n")[:3] == ["nvidiactl open", "nvidia0 absent", "nvidia1 open"]
     assert "mine" not in b.stdout
     assert a.stdout.split()[-1] != b.stdout.split()[-1]  # a user id each
 
 
-def test_the_dispatcher_runs_a_trajectorys_gpu_command_with_its_gpu_alone(dev, monkeypatch):
+@pytest.mark.isolation
+async def test_the_dispatcher_runs_a_trajectorys_gpu_command_with_its_gpu_alone(dev, monkeypatch):
     """Through the dispatcher: a gpu request granted device 0 (NVML index 0, minor 0)
     sees ``/dev/nvidia0`` and the control node, not ``/dev/nvidia1``; the cpu commands
     of its trajectory see none of them; all share the workspace; when the trajectory
     closes, its GPU's sandbox goes with it (no bwrap, cgroup slot or run-directory entry
     left). NVML is the one thing not here: the device says it is NVML's GPU 0, whose
     minor number (what NVML would say) is 0."""
-    needs_isolation()
     from metasched.runtime import dispatcher as dispatch_mod
     from metasched.runtime import gpu as gpu_mod
     from metasched.runtime.gpu import GpuSampler, LiveDevice
@@ -183,19 +170,17 @@ def test_the_dispatcher_runs_a_trajectorys_gpu_command_with_its_gpu_alone(dev, m
         return {"kind": kind, "argv": ["sh", "-c", script], "timeout_s": 30,
                 "trajectory": "t1", "turn": turn}
 
-    async def go():
-        async with dispatch_mod.Dispatcher(config) as d:
-            before = sorted(os.listdir(d.run_dir.path)), bwraps(d.boxes)
-            first = await d.submit(cmd("cpu", PROBE + "; echo from-cpu > note", 0))
-            gpu = await d.submit(cmd("gpu", PROBE + "; cat note; echo $CUDA_VISIBLE_DEVICES;"
-                                     " echo from-gpu > back", 1))
-            last = await d.submit(cmd("cpu", PROBE + "; cat back", 2))
-            during = bwraps(d.boxes)
-            d.close_trajectory("t1")
-            await asyncio.sleep(0.3)  # the sandboxes' processes exit
-            after = sorted(os.listdir(d.run_dir.path)), bwraps(d.boxes)
-            return first, gpu, last, before, during, after, slot_dirs(d.boxes)
-    first, gpu, last, before, during, after, slots = run(go())
+    async with dispatch_mod.Dispatcher(config) as d:
+        before = sorted(os.listdir(d.run_dir.path)), bwraps(d.boxes)
+        first = await d.submit(cmd("cpu", PROBE + "; echo from-cpu > note", 0))
+        gpu = await d.submit(cmd("gpu", PROBE + "; cat note; echo $CUDA_VISIBLE_DEVICES;"
+                                 " echo from-gpu > back", 1))
+        last = await d.submit(cmd("cpu", PROBE + "; cat back", 2))
+        during = bwraps(d.boxes)
+        d.close_trajectory("t1")
+        await asyncio.sleep(0.3)  # the sandboxes' processes exit
+        after = sorted(os.listdir(d.run_dir.path)), bwraps(d.boxes)
+        slots = slot_dirs(d.boxes)
     assert first.ok and gpu.ok and last.ok, (first.reason, gpu.reason, gpu.stderr)
     assert gpu.allocation["device"] == 0
     assert gpu.stdout.split("\n")[:5] == ["nvidiactl open", "nvidia0 open", "nvidia1 absent",
@@ -207,13 +192,14 @@ def test_the_dispatcher_runs_a_trajectorys_gpu_command_with_its_gpu_alone(dev, m
     assert after == before and slots == []
 
 
-def test_a_ray_node_agent_runs_a_gpu_command_with_its_gpu_alone(dev, monkeypatch, tmp_path):
+@pytest.mark.isolation
+async def test_a_ray_node_agent_runs_a_gpu_command_with_its_gpu_alone(dev, monkeypatch,
+                                                                     tmp_path):
     """The node agent's launch path (what a Ray node runs for a granted command, called
     here in this process: Ray's transport is not what is checked): a gpu command's spec
     names its GPU's NVML index, and the agent runs it in its trajectory's sandbox for
     that GPU; the trajectory's cpu command sees no GPU node; both share the workspace;
     closing the trajectory ends both sandboxes."""
-    needs_isolation()
     pytest.importorskip("ray")
     import pickle
 
@@ -229,19 +215,17 @@ def test_a_ray_node_agent_runs_a_gpu_command_with_its_gpu_alone(dev, monkeypatch
     def spec(script, gpu=None):
         return CommandSpec(("sh", "-c", script), 30.0, {"PATH": "/usr/bin:/bin"}, gpu=gpu)
 
-    async def go():
-        agent = NodeAgent(SandboxConfig(isolation="bwrap"), [], str(tmp_path))
-        try:
-            cpu = pickle.loads(await agent.run(pack(spec(PROBE + "; echo c > note"), [0], box)))
-            gpu = pickle.loads(await agent.run(pack(spec(PROBE + "; cat note", gpu=3), [0],
-                                                    box)))
-            during = bwraps(agent.boxes)
-            agent.close_trajectory("t1")
-            await asyncio.sleep(0.3)
-            return cpu, gpu, during, bwraps(agent.boxes)
-        finally:
-            agent.close()
-    cpu, gpu, during, after = run(go())
+    agent = NodeAgent(SandboxConfig(isolation="bwrap"), [], str(tmp_path))
+    try:
+        cpu = pickle.loads(await agent.run(pack(spec(PROBE + "; echo c > note"), [0], box)))
+        gpu = pickle.loads(await agent.run(pack(spec(PROBE + "; cat note", gpu=3), [0],
+                                                box)))
+        during = bwraps(agent.boxes)
+        agent.close_trajectory("t1")
+        await asyncio.sleep(0.3)
+        after = bwraps(agent.boxes)
+    finally:
+        agent.close()
     assert cpu.ok and gpu.ok, (cpu.reason, gpu.reason)
     assert cpu.stdout.split("\n")[:3] == ["nvidiactl absent", "nvidia0 absent",
                                           "nvidia1 absent"]
@@ -250,22 +234,19 @@ def test_a_ray_node_agent_runs_a_gpu_command_with_its_gpu_alone(dev, monkeypatch
     assert during - after == 2
 
 
-def test_a_gpu_command_sees_the_pci_devices_and_a_cpu_command_does_not(boxes):
+async def test_a_gpu_command_sees_the_pci_devices_and_a_cpu_command_does_not(boxes):
     if not os.path.isdir("/sys/bus/pci/devices") or not os.listdir("/sys/bus/pci/devices"):
         pytest.skip("no PCI device in /sys here")
     first = sorted(os.listdir("/sys/bus/pci/devices"))[0]
     probe = ["sh", "-c", f"cat /sys/bus/pci/devices/{first}/vendor || echo none; "
              "test -e /sys/class/net && echo net || echo no-net"]
 
-    async def go():
-        boxes.attach(asyncio.get_running_loop())
-        sb = boxes.open("t1", size_mb=64, template=None, network=False)
-        await sb.ready
-        gpu = await run_in(boxes, boxes.gpu_sandbox(sb, 0), probe)
-        cpu = await run_in(boxes, sb, probe)
-        boxes.close_trajectory("t1")
-        return gpu, cpu
-    gpu, cpu = run(go())
+    boxes.attach(asyncio.get_running_loop())
+    sb = boxes.open("t1", size_mb=64, template=None, network=False)
+    await sb.ready
+    gpu = await run_in(boxes, boxes.gpu_sandbox(sb, 0), probe)
+    cpu = await run_in(boxes, sb, probe)
+    boxes.close_trajectory("t1")
     vendor = open(f"/sys/bus/pci/devices/{first}/vendor").read().strip()
     assert gpu.stdout.split() == [vendor, "no-net"], gpu.stderr
     assert cpu.stdout.split() == ["none", "no-net"]

@@ -23,6 +23,8 @@ from sandbox_helpers import isolation_missing
 from metasched.runtime.journal import Journal
 from metasched.runtime.sandbox import cgroups
 
+pytestmark = pytest.mark.subprocess
+
 PY = sys.executable
 ROOT = str(Path(__file__).resolve().parents[1])
 GONE_WITHIN_S = 1.0  # generous: the measured p95 is a few ms (benchmarks/kill_latency.py)
@@ -65,8 +67,11 @@ def _modes() -> list:
                 why = f"no writable cgroup {mode} here"
             elif isolation == "bwrap" and isolation_missing():
                 why = isolation_missing()
+            marks = [pytest.mark.skipif(why is not None, reason=str(why))]
+            if isolation == "bwrap":
+                marks.append(pytest.mark.isolation)
             out.append(pytest.param(isolation, mode, None, id=f"{isolation}-cgroups-{mode}",
-                                    marks=[pytest.mark.skipif(why is not None, reason=str(why))]))
+                                    marks=marks))
     out.append(pytest.param("none", "none", 65534, id="unprivileged-process-groups",
                             marks=[pytest.mark.skipif(os.geteuid() != 0,
                                                       reason="needs root to switch users")]))

@@ -7,7 +7,6 @@ Real services on 127.0.0.1, real sandboxes."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
@@ -35,9 +34,7 @@ ECHO = {"kind": "cpu", "argv": ["echo", "hi"], "timeout_s": 10}
 ALICE, BOB = "alice-token-0123456789", "bob-token-9876543210xx"
 
 
-@pytest.fixture(autouse=True)
-def _isolation():
-    needs_isolation()
+pytestmark = pytest.mark.isolation
 
 
 def dcfg(templates: dict | None = None, **kw) -> DispatcherConfig:
@@ -90,13 +87,12 @@ def test_a_configured_template_is_named(tmp_path):
     assert reason.endswith(" (configured: other, repo)"), reason
 
 
-@pytest.mark.parametrize("door", ["python", "job_file", "client"])
-def test_template_path_is_refused_at_every_front_door(door, tmp_path):
+@pytest.mark.parametrize("door", [
+    "python", pytest.param("job_file", marks=pytest.mark.subprocess), "client"])
+async def test_template_path_is_refused_at_every_front_door(door, tmp_path):
     if door == "python":
-        async def go():
-            async with Dispatcher(dcfg()) as d:
-                return (await d.submit(SHADOW)).to_dict()
-        r = asyncio.run(go())
+        async with Dispatcher(dcfg()) as d:
+            r = (await d.submit(SHADOW)).to_dict()
     elif door == "client":
         with serving(dcfg()) as s, Client(s.url) as c:
             r = c.run(SHADOW).__dict__
@@ -268,11 +264,9 @@ def test_run_code_above_the_caps_is_422(body, message):
     assert one_line(r.json()["detail"]).startswith(message), r.text
 
 
-def test_python_api_above_the_caps_is_rejected():
-    async def go():
-        async with Dispatcher(dcfg(limits=CAPS)) as d:
-            return await d.submit({**ECHO, "mem_limit_mb": 4096})
-    r = asyncio.run(go())
+async def test_python_api_above_the_caps_is_rejected():
+    async with Dispatcher(dcfg(limits=CAPS)) as d:
+        r = await d.submit({**ECHO, "mem_limit_mb": 4096})
     assert r.status == "rejected" and one_line(r.reason).startswith("mem_limit_mb: 4096")
 
 

@@ -28,7 +28,6 @@ import httpx
 import psutil
 import pytest
 from helpers import COMMAND_PY
-from sandbox_helpers import needs_isolation
 from serve_helpers import serving
 
 from metasched.errors import ConfigError
@@ -41,9 +40,11 @@ TOOLS = "/usr/bin:/bin:/usr/sbin:/sbin:/usr/local/bin:/usr/local/sbin"
 GATEWAY = "10.0.2.2"  # the user-mode stack's gateway: the host, seen from the sandbox
 
 
+pytestmark = pytest.mark.isolation
+
+
 @pytest.fixture(autouse=True)
-def _isolation():
-    needs_isolation()
+def _network_tools():
     missing = [t for t in ("slirp4netns", "nft") if shutil.which(t, path=TOOLS) is None]
     if missing:
         pytest.skip(f"network for sandboxes needs {', '.join(missing)} (make sandbox-tools)")
@@ -125,16 +126,14 @@ def http_servers():
 
 
 @pytest.mark.parametrize("kind", ["trajectory", "trajectory-less"])
-def test_granted_network_reaches_no_host_server(http_servers, kind):
+async def test_granted_network_reaches_no_host_server(http_servers, kind):
     targets = [f"{a}:{p}" for a, p, _ in http_servers.values()]
     port = http_servers["loopback"][1]
     targets.append(f"{GATEWAY}:{port}")  # the stack's way to the host
     extra = {"trajectory": "t"} if kind == "trajectory" else {}
 
-    async def go():
-        async with Dispatcher(cfg()) as d:
-            return await d.submit(probe(*targets, network=True, **extra))
-    r = asyncio.run(go())
+    async with Dispatcher(cfg()) as d:
+        r = await d.submit(probe(*targets, network=True, **extra))
     assert r.status == "done", r.reason
     lines = r.stdout.splitlines()
     assert len(lines) == len(targets), r.stdout
@@ -143,7 +142,7 @@ def test_granted_network_reaches_no_host_server(http_servers, kind):
     assert all(not hits for _, _, hits in http_servers.values())
 
 
-def test_granted_network_reaches_no_abstract_socket_of_the_host():
+async def test_granted_network_reaches_no_abstract_socket_of_the_host():
     name = f"\0metasched-test-{uuid.uuid4().hex}"
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(name)
@@ -158,17 +157,15 @@ def test_granted_network_reaches_no_abstract_socket_of_the_host():
             print("refused", e.errno)
     """
 
-    async def go():
-        async with Dispatcher(cfg(network=True)) as d:
-            return await asyncio.gather(d.submit(cpu(code)), d.submit(cpu(code, trajectory="t")))
     try:
-        rs = asyncio.run(go())
+        async with Dispatcher(cfg(network=True)) as d:
+            rs = await asyncio.gather(d.submit(cpu(code)), d.submit(cpu(code, trajectory="t")))
     finally:
         srv.close()
     assert [r.stdout.split()[0] for r in rs] == ["refused", "refused"], [r.stdout for r in rs]
 
 
-def test_the_sandbox_cannot_lift_its_rules(http_servers):
+async def test_the_sandbox_cannot_lift_its_rules(http_servers):
     """It has no capability in its network namespace: the rule set, its addresses and
     routes stay as they are, and the host stays out of reach."""
     a, port, hits = http_servers["loopback"]
@@ -177,11 +174,9 @@ def test_the_sandbox_cannot_lift_its_rules(http_servers):
               "ip route replace default dev lo; echo route=$?; "
               f"exec {PY} -c '{textwrap.dedent(PROBE)}' {target} {GATEWAY}:{port}")
 
-    async def go():
-        async with Dispatcher(cfg()) as d:
-            return await d.submit({"kind": "cpu", "argv": ["/bin/sh", "-c", script],
-                                   "timeout_s": 60, "network": True, "trajectory": "t"})
-    r = asyncio.run(go())
+    async with Dispatcher(cfg()) as d:
+        r = await d.submit({"kind": "cpu", "argv": ["/bin/sh", "-c", script],
+                            "timeout_s": 60, "network": True, "trajectory": "t"})
     lines = r.stdout.splitlines()
     assert [x for x in lines if "=" in x] == ["nft=1", "addr=2", "route=2"], r.stdout
     assert [x.split()[0] for x in lines if "=" not in x] == ["refused", "refused"], r.stdout
@@ -211,19 +206,17 @@ def test_run_code_with_network_cannot_reach_the_service():
     assert native["stdout"].startswith("refused"), native
 
 
-def test_the_network_stack_ends_with_its_sandbox():
-    async def go():
-        async with Dispatcher(cfg()) as d:
-            r = await d.submit(probe(network=True, trajectory="t"))
-            init = d.boxes.get("t").init_pid
-            stacks = _stacks(init)
-            d.close_trajectory("t")
-            for _ in range(100):
-                if not _stacks(init):
-                    break
-                await asyncio.sleep(0.02)
-            return r, stacks, _stacks(init)
-    r, before, after = asyncio.run(go())
+async def test_the_network_stack_ends_with_its_sandbox():
+    async with Dispatcher(cfg()) as d:
+        r = await d.submit(probe(network=True, trajectory="t"))
+        init = d.boxes.get("t").init_pid
+        stacks = _stacks(init)
+        d.close_trajectory("t")
+        for _ in range(100):
+            if not _stacks(init):
+                break
+            await asyncio.sleep(0.02)
+        before, after = stacks, _stacks(init)
     assert r.status == "done" and len(before) == 1 and after == [], (before, after)
 
 
@@ -237,15 +230,13 @@ def _stacks(init: int) -> list[int]:
     return out
 
 
-def test_a_networked_sandbox_resolves_through_the_stack():
-    async def go():
-        async with Dispatcher(cfg()) as d:
-            return await asyncio.gather(
-                d.submit({"kind": "cpu", "argv": ["cat", "/etc/resolv.conf"], "timeout_s": 30,
-                          "network": True}),
-                d.submit({"kind": "cpu", "argv": ["ip", "-4", "-o", "addr"], "timeout_s": 30,
-                          "network": True, "trajectory": "t"}))
-    resolv, addrs = asyncio.run(go())
+async def test_a_networked_sandbox_resolves_through_the_stack():
+    async with Dispatcher(cfg()) as d:
+        resolv, addrs = await asyncio.gather(
+                     d.submit({"kind": "cpu", "argv": ["cat", "/etc/resolv.conf"], "timeout_s": 30,
+                               "network": True}),
+                     d.submit({"kind": "cpu", "argv": ["ip", "-4", "-o", "addr"], "timeout_s": 30,
+                               "network": True, "trajectory": "t"}))
     assert [x for x in resolv.stdout.splitlines() if not x.startswith("#")] == [
         "nameserver 10.0.2.3"], resolv.stdout
     assert "tap0" in addrs.stdout and "10.0.2.100/24" in addrs.stdout, addrs.stdout
@@ -322,16 +313,13 @@ def test_the_test_host_answers_from_here(test_host):
             assert s.recv(64) == b"hello-8080\r\n"
 
 
-def _egress(test_host, egress):
+async def _egress(test_host, egress):
     near, far, other = test_host
     targets = [f"{far}:8080", f"{far}:8081", f"{other}:8080", f"{near}:22"]
 
-    async def go():
-        async with Dispatcher(cfg(egress=egress)) as d:
-            return await asyncio.gather(d.submit(probe(*targets, network=True)),
-                                        d.submit(probe(*targets, network=True,
-                                                       trajectory="t")))
-    rs = asyncio.run(go())
+    async with Dispatcher(cfg(egress=egress)) as d:
+        rs = await asyncio.gather(d.submit(probe(*targets, network=True)),
+                                  d.submit(probe(*targets, network=True, trajectory="t")))
     return [[line.split()[0] + (" " + line.split()[1] if line.startswith("connected") else "")
              for line in r.stdout.splitlines()] for r in rs]
 
@@ -347,22 +335,20 @@ def _egress(test_host, egress):
     # the default: public addresses only; the test host's are private
     ("public", ["refused", "refused", "refused", "refused"]),
 ])
-def test_egress_reaches_what_is_allowed_and_nothing_else(test_host, allow, expected):
+async def test_egress_reaches_what_is_allowed_and_nothing_else(test_host, allow, expected):
     near, far, other = test_host
     net = str(ipaddress.ip_network(f"{near}/30", strict=False))
     egress = allow.format(far=far, net=net, other=other).split(",")
-    traj_less, traj = _egress(test_host, egress)
+    traj_less, traj = await _egress(test_host, egress)
     assert traj_less == traj == expected, (egress, traj_less, traj)
 
 
-def test_allowing_everything_still_leaves_the_host_out(test_host, http_servers):
+async def test_allowing_everything_still_leaves_the_host_out(test_host, http_servers):
     near, far, _ = test_host
     targets = [f"{a}:{p}" for a, p, _ in http_servers.values()] + [f"{far}:8080"]
 
-    async def go():
-        async with Dispatcher(cfg(egress=["0.0.0.0/0"])) as d:
-            return await d.submit(probe(*targets, network=True))
-    r = asyncio.run(go())
+    async with Dispatcher(cfg(egress=["0.0.0.0/0"])) as d:
+        r = await d.submit(probe(*targets, network=True))
     lines = r.stdout.splitlines()
     assert [x.split()[0] for x in lines] == ["refused"] * (len(targets) - 1) + ["connected"]
     assert all(not hits for _, _, hits in http_servers.values())
@@ -393,16 +379,14 @@ def no_tools(monkeypatch, tmp_path):
     monkeypatch.setattr(egress, "_TOOL_PATH", str(tmp_path))
 
 
-def test_without_the_tools_network_is_refused_in_one_line(no_tools, http_servers):
+async def test_without_the_tools_network_is_refused_in_one_line(no_tools, http_servers):
     a, port, hits = http_servers["loopback"]
 
-    async def go():
-        async with Dispatcher(cfg()) as d:
-            return await asyncio.gather(d.submit(probe(f"{a}:{port}", network=True)),
-                                        d.submit(probe(f"{a}:{port}", network=True,
-                                                       trajectory="t")),
-                                        d.submit(probe(f"{a}:{port}")))
-    shared, traj, offline = asyncio.run(go())
+    async with Dispatcher(cfg()) as d:
+        shared, traj, offline = await asyncio.gather(d.submit(probe(f"{a}:{port}", network=True)),
+                                                     d.submit(probe(f"{a}:{port}", network=True,
+                                                                    trajectory="t")),
+                                                     d.submit(probe(f"{a}:{port}")))
     for r in (shared, traj):
         assert r.status == "failed" and "\n" not in r.reason, r
         assert "network for sandboxes needs slirp4netns and nftables" in r.reason, r.reason
@@ -410,12 +394,10 @@ def test_without_the_tools_network_is_refused_in_one_line(no_tools, http_servers
     assert not hits
 
 
-def test_without_the_tools_a_network_default_stops_the_start(no_tools):
-    async def go():
-        async with Dispatcher(cfg(network=True)):
-            pass
+async def test_without_the_tools_a_network_default_stops_the_start(no_tools):
     started = time.monotonic()
     with pytest.raises(ConfigError) as e:
-        asyncio.run(go())
+        async with Dispatcher(cfg(network=True)):
+            pass
     assert str(e.value).startswith("sandbox.network: network for sandboxes needs slirp4netns")
     assert time.monotonic() - started < 60

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from helpers import free_port
 from sandbox_helpers import needs_isolation
 
 from metasched.errors import ConfigError
@@ -37,11 +38,8 @@ ROOT_ONLY = [f for f in ("/etc/shadow", "/etc/gshadow", "/etc/sudoers", "/etc/ss
                          "/etc/ssl/private") if os.path.lexists(f)]
 
 
-@pytest.fixture(autouse=True)
-def _isolation():
-    needs_isolation()
-    if not os.path.exists(PY):
-        pytest.skip(f"{PY} is not installed")
+pytestmark = [pytest.mark.isolation,
+              pytest.mark.skipif(not os.path.exists(PY), reason=f"{PY} is not installed")]
 
 
 def cfg(**sandbox) -> DispatcherConfig:
@@ -54,11 +52,9 @@ def py(code: str, **kw) -> dict:
             "timeout_s": kw.pop("timeout_s", 60), **kw}
 
 
-def run_all(requests: list[dict], config: DispatcherConfig | None = None) -> list:
-    async def go():
-        async with Dispatcher(config or cfg()) as d:
-            return await asyncio.gather(*(d.submit(r) for r in requests))
-    return asyncio.run(go())
+async def run_all(requests: list[dict], config: DispatcherConfig | None = None) -> list:
+    async with Dispatcher(config or cfg()) as d:
+        return await asyncio.gather(*(d.submit(r) for r in requests))
 
 
 SEES = """
@@ -68,9 +64,10 @@ SEES = """
 """
 
 
-def seen(paths: list[str], **kw) -> dict[str, bool]:
+async def seen(paths: list[str], **kw) -> dict[str, bool]:
     """Which of ``paths`` exist for a sandboxed command."""
-    (r,) = run_all([{**py(SEES, **kw), "argv": [PY, "-c", textwrap.dedent(SEES), *paths]}])
+    (r,) = await run_all([{**py(SEES, **kw),
+                           "argv": [PY, "-c", textwrap.dedent(SEES), *paths]}])
     assert r.ok, r.stderr
     return {p: v == "True" for p, v in (line.rsplit(" ", 1) for line in r.stdout.splitlines())}
 
@@ -78,27 +75,27 @@ def seen(paths: list[str], **kw) -> dict[str, bool]:
 # ---------------------------------------------------------------- the host's files
 
 
-def test_root_only_host_files_are_not_in_the_sandbox():
+async def test_root_only_host_files_are_not_in_the_sandbox():
     if not ROOT_ONLY:
         pytest.skip("no root-only file of /etc here")
-    assert seen(ROOT_ONLY) == dict.fromkeys(ROOT_ONLY, False)
+    assert await seen(ROOT_ONLY) == dict.fromkeys(ROOT_ONLY, False)
 
 
 @pytest.mark.parametrize("network", [False, True])
-def test_home_root_var_and_the_rest_of_the_host_are_not_in_the_sandbox(network):
+async def test_home_root_var_and_the_rest_of_the_host_are_not_in_the_sandbox(network):
     # A world-readable file in a world-searchable directory: readable before, by anyone.
     planted = Path("/var/tmp") / f"metasched-test-{uuid.uuid4().hex}"
     planted.write_text("secret")
     planted.chmod(0o644)
     try:
         paths = [*HOST_DIRS, str(planted)]
-        assert seen(paths, network=network) == dict.fromkeys(paths, False)
+        assert await seen(paths, network=network) == dict.fromkeys(paths, False)
     finally:
         planted.unlink()
 
 
-def test_etc_holds_only_what_programs_read_and_a_passwd_of_its_own():
-    (r,) = run_all([py("""
+async def test_etc_holds_only_what_programs_read_and_a_passwd_of_its_own():
+    (r,) = await run_all([py("""
         import getpass, os
         print(sorted(os.listdir("/etc")))
         print(open("/etc/passwd").read())
@@ -117,8 +114,8 @@ def test_etc_holds_only_what_programs_read_and_a_passwd_of_its_own():
     assert user == "sandbox" and int(uid) >= SandboxConfig().uid_range[0]
 
 
-def test_the_system_python_and_its_standard_library_work():
-    (r,) = run_all([py("""
+async def test_the_system_python_and_its_standard_library_work():
+    (r,) = await run_all([py("""
         import ctypes, decimal, hashlib, json, sqlite3, ssl, subprocess, threading, zlib
         ssl.create_default_context()
         out = []
@@ -132,12 +129,12 @@ def test_the_system_python_and_its_standard_library_work():
     assert r.stdout.split() == ["thread", "child", "42"]
 
 
-def test_configured_system_paths_are_seen_read_only(visible_dir):
+async def test_configured_system_paths_are_seen_read_only(visible_dir):
     (visible_dir / "tool").write_text("#!/bin/sh\necho toolchain\n")
     (visible_dir / "tool").chmod(0o755)
-    (r,) = run_all([{"kind": "cpu", "argv": ["/bin/sh", "-c", f"{visible_dir}/tool; "
-                                             f"touch {visible_dir}/x || echo read-only"],
-                     "timeout_s": 30}], cfg(system_paths=(str(visible_dir),)))
+    (r,) = await run_all([{"kind": "cpu", "argv": ["/bin/sh", "-c", f"{visible_dir}/tool; "
+                                                   f"touch {visible_dir}/x || echo read-only"],
+                           "timeout_s": 30}], cfg(system_paths=(str(visible_dir),)))
     assert r.ok, r.stderr
     assert r.stdout.split() == ["toolchain", "read-only"]
 
@@ -158,12 +155,6 @@ def test_bad_system_paths_are_one_line_errors(paths, message):
 
 
 # ---------------------------------------------------------------- the service's run directory
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Upstream(http.server.BaseHTTPRequestHandler):
@@ -194,7 +185,7 @@ def served_with_keys():
     threading.Thread(target=upstream.serve_forever, daemon=True).start()
     up = f"http://127.0.0.1:{upstream.server_address[1]}"
     on_line, in_env = uuid.uuid4().hex, uuid.uuid4().hex
-    port = _free_port()
+    port = free_port()
     endpoints = (f"+endpoints={{inline: {{rpm: 600, max_concurrency: 4, url: '{up}', "
                  f"headers: {{Authorization: 'Bearer {on_line}'}}}}, "
                  f"search: {{rpm: 600, max_concurrency: 4, url: '{up}', "
@@ -300,7 +291,7 @@ def host_sockets(visible_dir):
             os.unlink(where)
 
 
-def test_host_unix_sockets_are_out_of_reach(host_sockets):
+async def test_host_unix_sockets_are_out_of_reach(host_sockets):
     where, accepted = host_sockets
     probe = """
         import socket, sys
@@ -317,8 +308,9 @@ def test_host_unix_sockets_are_out_of_reach(host_sockets):
     # Abstract sockets belong to a network namespace: without network the sandbox has
     # its own; a sandbox granted the network shares the host's (then the abstract one is
     # reachable, as any host port is), so that one is tried without network only.
-    r1, r2 = run_all([{"kind": "cpu", "argv": argv, "timeout_s": 60},
-                      {"kind": "cpu", "argv": argv[:-1], "timeout_s": 60, "network": True}])
+    r1, r2 = await run_all([
+        {"kind": "cpu", "argv": argv, "timeout_s": 60},
+        {"kind": "cpu", "argv": argv[:-1], "timeout_s": 60, "network": True}])
     assert r1.ok and r2.ok, r1.stderr + r2.stderr
     assert all(line.startswith("refused") for line in r1.stdout.splitlines() +
                r2.stdout.splitlines()), (r1.stdout, r2.stdout)
@@ -336,8 +328,8 @@ def test_host_unix_sockets_are_out_of_reach(host_sockets):
                "r = libc.unshare(0x10000000); print(r, os.strerror(ctypes.get_errno()));"
                "raise SystemExit(0 if r == 0 else 1)"],
 ], ids=["unshare-Ur", "unshare-mount", "python-unshare"])
-def test_user_namespaces_are_refused(argv):
-    (r,) = run_all([{"kind": "cpu", "argv": argv, "timeout_s": 30}])
+async def test_user_namespaces_are_refused(argv):
+    (r,) = await run_all([{"kind": "cpu", "argv": argv, "timeout_s": 30}])
     assert not r.ok and "uid=0" not in r.stdout
     assert "Operation not permitted" in r.stdout + r.stderr
 
@@ -354,14 +346,14 @@ def test_the_startup_line_says_user_namespaces_are_refused():
 # ---------------------------------------------------------------- PATH
 
 
-def test_a_missing_program_is_not_found_not_a_refused_path_directory():
+async def test_a_missing_program_is_not_found_not_a_refused_path_directory():
     # A directory the dispatcher's PATH may name that the sandbox's user cannot search
     # (a virtual environment below /root), then a missing program.
     private = Path("/root") / f".metasched-test-{uuid.uuid4().hex}" / "bin"
     private.mkdir(parents=True)
     try:
         path = f"{private}:/usr/bin:/bin"
-        missing, shown = run_all([
+        missing, shown = await run_all([
             {"kind": "cpu", "argv": ["no-such-program-here"], "timeout_s": 30,
              "env": {"PATH": path}},
             {"kind": "cpu", "argv": ["/bin/sh", "-c", "echo $PATH"], "timeout_s": 30,

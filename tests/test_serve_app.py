@@ -4,13 +4,15 @@ anything listens; a good one serves until SIGTERM, then exits 128 + 15."""
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
 import pytest
+from helpers import free_port
+
+pytestmark = pytest.mark.subprocess
 
 PY = sys.executable
 
@@ -36,14 +38,8 @@ def test_bad_settings_are_one_line_errors(tmp_path, args, message):
     assert p.stderr.startswith(message) and p.stderr.count("\n") == 1, p.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serves_until_sigterm(tmp_path):
-    port = _free_port()
+    port = free_port()
     p = subprocess.Popen(_serve(tmp_path, f"port={port}", "languages=[python]",
                                 "scheduler=elastic_greedy"),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -17,9 +17,12 @@ import os
 import subprocess
 import sys
 
+import pytest
 from serve_helpers import serving
 
 from metasched.serve import ServeConfig
+
+pytestmark = pytest.mark.subprocess
 
 DURATION_S = int(os.environ.get("METASCHED_SCHEMATHESIS_S", "120"))
 CHECKS = "not_a_server_error,status_code_conformance,content_type_conformance," \

@@ -147,6 +147,7 @@ def test_proxied_quota_keeps_its_allowance_over_a_window_longer_by_its_margin():
     (600, 6.0, 7.0),  # 60 in any 6 s: the same two bursts in a tenth of the time
     pytest.param(60, 60.0, 62.0, marks=pytest.mark.slow),  # the benchmark's defaults
 ])
+@pytest.mark.subprocess
 def test_an_upstream_quota_holds_in_every_window_from_4_processes(rpm, window_s, seconds):
     """The acceptance check (``benchmarks/quota_proxy.py``, whose defaults are the slow
     case): 4 worker processes (16 callers) send as fast as answers come for a window and
@@ -177,7 +178,7 @@ def test_an_upstream_quota_holds_in_every_window_from_4_processes(rpm, window_s,
 WINDOW_ARRIVALS = [0.0, 0.0, 0.0, 0.4, 0.8, 1.8, 3.0, 4.4, 4.4, 5.2, 6.0]
 
 
-def test_proxy_and_simulator_admit_the_same_arrivals_at_the_same_times():
+async def test_proxy_and_simulator_admit_the_same_arrivals_at_the_same_times():
     """One sliding window on both clocks: calls arriving at the same times start at the
     same times through the live proxy (to an upstream that answers 429 past its quota)
     as in the simulator on the proxy's derated quota, and the upstream answers none
@@ -198,18 +199,15 @@ def test_proxy_and_simulator_admit_the_same_arrivals_at_the_same_times():
         dcfg, scfg = _proxied(api.url, rpm=90, window_s=2.0, concurrency=16, margin_s=0.1)
         with serving(dcfg, scfg) as s:
 
-            async def calls() -> tuple[float, list[int]]:
-                async with httpx.AsyncClient(timeout=60) as c:
-                    await c.get(f"{s.url}/v1/status")  # connected before the clock starts
-                    t0 = time.monotonic()
+            async with httpx.AsyncClient(timeout=60) as c:
+                await c.get(f"{s.url}/v1/status")  # connected before the clock starts
+                t0 = time.monotonic()
 
-                    async def one(at: float) -> int:
-                        await asyncio.sleep(max(0.0, at - (time.monotonic() - t0)))
-                        return (await c.get(f"{s.url}/v1/endpoints/search/q")).status_code
+                async def one(at: float) -> int:
+                    await asyncio.sleep(max(0.0, at - (time.monotonic() - t0)))
+                    return (await c.get(f"{s.url}/v1/endpoints/search/q")).status_code
 
-                    return t0, await asyncio.gather(*(one(a) for a in WINDOW_ARRIVALS))
-
-            t0, codes = asyncio.run(calls())
+                codes = await asyncio.gather(*(one(a) for a in WINDOW_ARRIVALS))
         live = sorted(a - t0 for a in api.arrivals)
     assert codes == [200] * len(WINDOW_ARRIVALS) and api.rejected == 0
 

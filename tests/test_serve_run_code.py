@@ -198,7 +198,7 @@ def test_a_json_body_sent_as_a_form_is_told_to_say_it_is_json(served):
                                   "got application/x-www-form-urlencoded)")
 
 
-def test_100_concurrent_requests_on_this_machine_are_all_answered(served):
+async def test_100_concurrent_requests_on_this_machine_are_all_answered(served):
     """100 at once (more than the cores, and more than sandboxes fit at once): each one
     waits its turn and gets its own answer; none is refused."""
     async def one(c: httpx.AsyncClient, i: int) -> tuple[int, dict]:
@@ -207,12 +207,9 @@ def test_100_concurrent_requests_on_this_machine_are_all_answered(served):
             "stdin": str(i), "run_timeout": 30})
         return r.status_code, r.json()
 
-    async def burst() -> list[tuple[int, dict]]:
-        limits = httpx.Limits(max_connections=100)
-        async with httpx.AsyncClient(base_url=served.url, timeout=600, limits=limits) as c:
-            return await asyncio.gather(*(one(c, i) for i in range(100)))
-
-    answers = asyncio.run(burst())
+    limits = httpx.Limits(max_connections=100)
+    async with httpx.AsyncClient(base_url=served.url, timeout=600, limits=limits) as c:
+        answers = await asyncio.gather(*(one(c, i) for i in range(100)))
     assert [code for code, _ in answers] == [200] * 100
     assert [doc["status"] for _, doc in answers] == ["Success"] * 100
     assert [doc["run_result"]["stdout"] for _, doc in answers] == [

@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 from helpers import needs_train
 
+pytestmark = pytest.mark.subprocess
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_JOBS = ROOT / "configs" / "examples" / "jobs.jsonl"
 

@@ -33,6 +33,7 @@ from metasched.calibration.fits import (
     fit_duration,
     fit_gaps,
 )
+from metasched.calibration.groups import GroupFit, fit_groups, groups_yaml
 from metasched.calibration.samples import Stages, TraceSamples, TypeSamples
 from metasched.errors import ConfigError
 
@@ -98,6 +99,7 @@ class Calibration:
     step_gap: tuple[float, int] = (0.0, 0)  # the pause between steps, and gaps measured
     # Steps after the first that began on a service started anew, of how many.
     fresh_steps: tuple[int, int] = (0, 0)
+    groups: GroupFit | None = None  # prompt groups, where the trace has prompt ids
 
     @property
     def step_fresh_quotas(self) -> bool:
@@ -295,7 +297,8 @@ def calibrate(samples: TraceSamples, name: str, base: dict[str, Any] | None = No
     return Calibration(name, samples, list(fits.values()), tasks, len(steps),
                        max(1, round(n_traj / len(steps))), est_err, services, cluster,
                        cluster_source, notes, _step_gap(steps, tasks),
-                       _fresh_steps(steps, samples.restarts_s))
+                       _fresh_steps(steps, samples.restarts_s),
+                       fit_groups(samples, list(fits.values()), steps))
 
 
 def _step_gap(steps: list, tasks: list[TaskFit]) -> tuple[float, int]:
@@ -444,6 +447,8 @@ def _workload_yaml(c: Calibration) -> str:
         for name, spec in c.services.items():
             lines.append(f"  {name}:")
             lines += [_line(4, k, _num(v), why) for k, (v, why) in spec.items()]
+    if c.groups is not None and c.groups.size > 1:
+        lines += groups_yaml(c.groups, _line)
     lines.append("tasks:")
     for t in c.tasks:
         lines.append(f"  {t.name}:")

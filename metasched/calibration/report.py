@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from metasched.calibration.fits import censored_quantile
+from metasched.calibration.groups import groups_report
 from metasched.calibration.profile import Calibration
 
 REPORT_QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99)
@@ -78,6 +79,8 @@ def fit_table(cal: Calibration) -> str:
                      f"{p if f.samples.kind == 'cpu' else '—'} | "
                      f"{counts if f.samples.kind == 'cpu' else '—'} | {_fmt(f.est_sigma)} | "
                      f"{_fmt(f.duration.ks)} |")
+    if cal.groups is not None:
+        lines += groups_report(cal.groups)
     if cal.notes:
         lines += [""] + [f"Note: {n}" for n in cal.notes]
     return "\n".join(lines) + "\n"

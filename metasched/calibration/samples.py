@@ -43,6 +43,7 @@ class TypeSamples:
     services: dict[str, int] = field(default_factory=dict)
     endpoints: dict[str, int] = field(default_factory=dict)
     tokens: list[int] = field(default_factory=list)
+    traj: list[str | None] = field(default_factory=list)  # per run: its trajectory's key
 
     @property
     def n(self) -> int:
@@ -64,6 +65,9 @@ class TrajectoryRecord:
     last_s: float = 0.0  # last finish
     step: int | None = None
     groups: int = 0  # agent turns: groups of tool actions with one turn number
+    prompt: str | None = None  # the prompt it answered (GRPO siblings share it)
+    tool_s: float = 0.0  # its tool actions' run time, summed
+    gap_s: list[float] = field(default_factory=list)  # its generation gaps
     # The turn being read: its number and its actions as (submission, name, gap, finish).
     turn: int | None = None
     pending: list[tuple[float, str, float | None, float]] = field(default_factory=list)
@@ -214,6 +218,7 @@ def read_samples(path: PathLike, progress: Callable[[int], None] | None = None) 
             ts.tokens.append(spec.tokens)
         if m.trajectory is None:
             out.n_loose += 1
+            ts.traj.append(None)
             continue
         key, uses = latest.get(m.trajectory, (m.trajectory, 0))
         tr = out.trajectories.get(key)
@@ -221,6 +226,13 @@ def read_samples(path: PathLike, progress: Callable[[int], None] | None = None) 
             key = m.trajectory if uses == 0 else f"{m.trajectory}#{uses}"
             latest[m.trajectory] = (key, uses + 1)
             tr = out.trajectories[key] = TrajectoryRecord(ia.task)
+        ts.traj.append(key)
+        if m.prompt is not None:
+            tr.prompt = m.prompt
+        if m.gap_s is not None:
+            tr.gap_s.append(m.gap_s)
+        if not spec.reward:
+            tr.tool_s += m.run_s
         tr.first_s = min(tr.first_s, ia.arrival_s)
         tr.last_s = max(tr.last_s, ia.arrival_s + m.queue_s + m.run_s)
         if m.step is not None:

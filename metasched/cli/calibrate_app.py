@@ -119,6 +119,9 @@ def run_calibrate(cfg: dict[str, Any], out_dir: str | Path | None = None) -> dic
                               {str(k): v for k, v in t.gaps.quantiles.items()},
                               "generation_zero": None if t.gaps is None else t.gaps.zero}
                      for t in cal.tasks},
+           "groups": None if cal.groups is None else {**cal.groups.config(),
+                                                      "prompts": cal.groups.prompts,
+                                                      "figures": cal.groups.figures},
            "report": quantile_rows(cal), "notes": cal.notes}
     (out / "calibration.json").write_text(json.dumps(json_safe(doc), indent=2) + "\n")
     if not s["quiet"]:

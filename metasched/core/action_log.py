@@ -111,7 +111,8 @@ class ActionLog:
 
     def record(self, a: Action, *, step: int | None = None, batch: int = 1, setup_s: float = 0.0,
                exit_code: int | None = None, core_ids: list[int] | None = None,
-               trajectory: str | None = None, duration_s: float | None = None) -> None:
+               trajectory: str | None = None, duration_s: float | None = None,
+               prompt: str | None = None) -> None:
         """Write ``a``, which has just finished (``end_t``, ``status`` and ``reason`` set).
 
         Args:
@@ -123,6 +124,8 @@ class ActionLog:
             trajectory: the trajectory's name (default: its id in the state).
             duration_s: its true base duration where the clock knows it (the simulator);
                 otherwise it is derived from what was measured (below).
+            prompt: the prompt its trajectory answers (GRPO siblings share one), where
+                the clock knows it.
         """
         spec = a.spec
         start = a.start_t if a.start_t == a.start_t else a.end_t
@@ -161,6 +164,8 @@ class ActionLog:
         if traj is not None:
             m["trajectory"] = trajectory if trajectory is not None else str(traj.id)
             m["turn"] = int(a.turn)
+            if prompt is not None:
+                m["prompt"] = str(prompt)
             if step is not None:
                 m["step"] = int(step)
             prev = self._last_end.get(traj.id)

@@ -125,18 +125,20 @@ class Trajectory:
     """A sequence of turns; its last action is the reward action.
 
     The scheduler may read ``task``, ``step``, ``turn`` (turns submitted so far),
-    ``start_t``, ``node`` and ``held_cores``; the number of turns left is unknown to it
-    (``n_turns`` is for the simulator and accounting).
+    ``start_t``, ``node``, ``held_cores`` and ``prompt`` (the prompt it answers, shared
+    with its siblings in a GRPO group; None where unknown); the number of turns left is
+    unknown to it (``n_turns`` is for the simulator and accounting).
     """
 
     __slots__ = (
         "id", "task", "step", "turns", "sandbox", "node", "start_t", "end_t",
-        "turn", "held_cores", "act_s",
+        "turn", "held_cores", "act_s", "prompt",
     )
 
     def __init__(self, id: int, task: str, step: int, turns: list[Turn],
-                 sandbox: SandboxSpec | None) -> None:
+                 sandbox: SandboxSpec | None, prompt: str | None = None) -> None:
         self.id = id
+        self.prompt = prompt
         self.task = task
         self.step = step
         self.turns = turns

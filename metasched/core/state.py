@@ -75,6 +75,9 @@ class ClusterState:
         # (summing a live queue of thousands at every observation would dominate it).
         self.pending_est_s: dict[str, float] = dict.fromkeys(KINDS, 0.0)
         self.trajectories: dict[int, Trajectory] = {}
+        # The current RL step's prompt groups: prompt id -> its trajectories (siblings),
+        # running and finished, as the clock knows them (none where prompts are unknown).
+        self.prompts: dict[str, list[Trajectory]] = {}
         # Pipelining (see hand_ahead): per node, the actions handed there ahead of free
         # cores, and the freed cores kept for the first of them (idle, not free: another
         # grant there would start behind the node's queue, not on them).

@@ -7,21 +7,25 @@ estimates (common random numbers): differences between schedulers are theirs alo
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from metasched.core.actions import ActionSpec, Immutable, SandboxSpec, Turn
+from metasched.sim.groups import TaskLoadings
 from metasched.sim.workload_config import ActionType, Dist, TaskConfig, WorkloadConfig
 
 
 @dataclass(frozen=True, slots=True)
 class TrajectorySpec(Immutable):
-    """A trajectory to run: its task, its turns (generation gap + action), its sandbox."""
+    """A trajectory to run: its task, its turns (generation gap + action), its sandbox,
+    and the prompt it answers (None: unknown; siblings share one)."""
 
     task: str
     turns: tuple[Turn, ...]
     sandbox: SandboxSpec | None
+    prompt: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,14 +175,15 @@ def sample_trajectory(task: TaskConfig, rng: np.random.Generator,
 
 
 def _sample_grouped(task: TaskConfig, n: int, rng: np.random.Generator,
-                    est_error: float) -> TrajectorySpec:
+                    est_error: float, draw: _Draws | None = None) -> TrajectorySpec:
     """A trajectory of ``n`` agent turns, each a turn group drawn by its probability:
     its stages in order, a stage's chains submitted together (one turn after another,
     a chain's later actions ``chained``), generation before the first stage only; all
-    but the group's first action are ``same_turn`` (one agent turn, as live)."""
+    but the group's first action are ``same_turn`` (one agent turn, as live). ``draw``:
+    a prompt's sibling's draws (:func:`_sample_sibling`)."""
     groups = task.turn_groups
     picks = rng.choice(len(groups), size=n, p=[g.prob for g in groups]).tolist() if n else []
-    gens = task.generation_s.sample(rng, n + 1).tolist()
+    gens = (task.generation_s.sample(rng, n + 1) if draw is None else draw.gens(n + 1)).tolist()
     by_name = {a.name: a for a in task.actions}
     # (generation before it, its type, submitted together with the next, chained to the
     # one before it, same agent turn as the one before it) per action
@@ -187,15 +192,20 @@ def _sample_grouped(task: TaskConfig, n: int, rng: np.random.Generator,
             for i, k in enumerate(picks) for j, stage in enumerate(groups[k].actions)
             for flat in [[(name, c > 0) for chain in stage for c, name in enumerate(chain)]]
             for m, (name, chained) in enumerate(flat)]
-    specs = _specs([p[1] for p in plan] + [task.reward], rng, est_error)
+    types = [p[1] for p in plan] + [task.reward]
+    specs = _specs(types, rng, est_error) if draw is None else draw.specs(types)
     turns = [Turn(g, spec, together=tog, chained=ch, same_turn=same)
              for (g, _, tog, ch, same), spec in zip(plan, specs[:-1], strict=True)]
     turns.append(Turn(gens[n], specs[-1]))
-    return TrajectorySpec(task.name, tuple(turns), task.sandbox)
+    return TrajectorySpec(task.name, tuple(turns), task.sandbox,
+                          None if draw is None else draw.prompt)
 
 
 def sample_workload(w: WorkloadConfig, rng: np.random.Generator) -> WorkloadInstance:
-    """Draw ``w.steps`` RL steps of ``w.trajectories_per_step`` trajectories each."""
+    """Draw ``w.steps`` RL steps of ``w.trajectories_per_step`` trajectories each (in
+    prompt groups where the profile has them: :func:`sample_prompts`)."""
+    if w.groups.on:
+        return sample_prompts(w, rng)
     counts = split_counts([t.share for t in w.tasks], w.trajectories_per_step)
     steps = []
     for _ in range(w.steps):
@@ -204,3 +214,101 @@ def sample_workload(w: WorkloadConfig, rng: np.random.Generator) -> WorkloadInst
             step.extend(sample_trajectory(task, rng, w.estimate_error) for _ in range(c))
         steps.append(step)
     return WorkloadInstance(steps=steps)
+
+
+# ---------------------------------------------------------------- prompt groups
+
+
+def sample_prompts(w: WorkloadConfig, rng: np.random.Generator) -> WorkloadInstance:
+    """Draw ``w.steps`` RL steps in prompt groups (``w.groups``; ``metasched.sim.groups``):
+    each task's trajectories of a step split into prompts of ``groups.size`` responses
+    (the last one smaller where they do not divide), siblings one after another. Per
+    prompt, its latent difficulty (and the one its turn counts see); per trajectory, its
+    persistence latents; then the trajectory, every draw at its combined normal score.
+    Prompt ids count the instance's prompts, ``"0"``, ``"1"``, ...: every step's prompts
+    are new ones."""
+    counts = split_counts([t.share for t in w.tasks], w.trajectories_per_step)
+    g = w.groups
+    loads = {t.name: TaskLoadings.of(t, g) for t in w.tasks}
+    steps, prompts = [], 0
+    for _ in range(w.steps):
+        step: list[TrajectorySpec] = []
+        for task, c in zip(w.tasks, counts, strict=True):
+            for first in range(0, c, g.size):
+                d, d2 = rng.standard_normal(2).tolist()
+                dt = g.turns_coupling * d + math.sqrt(1.0 - g.turns_coupling ** 2) * d2
+                step.extend(_sample_sibling(task, rng, w.estimate_error, loads[task.name], d,
+                                            dt, str(prompts))
+                            for _ in range(min(g.size, c - first)))
+                prompts += 1
+        steps.append(step)
+    return WorkloadInstance(steps=steps)
+
+
+def _scored(d: Dist, z: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Draws of ``d`` at normal scores ``z`` (its point mass at 0 drawn apart), clipped."""
+    x = _values(d, None if d.sigma == 0.0 and d.tail_sigma is None else z, len(z))
+    if d.zero > 0.0:
+        x = np.where(rng.random(len(z)) < d.zero, 0.0, x)
+    return x
+
+
+@dataclass(frozen=True)
+class _Draws:
+    """One sibling's draws: its prompt's latent ``d``, its own ``u`` (durations) and
+    ``v`` (generation)."""
+
+    rng: np.random.Generator
+    loads: TaskLoadings
+    task: TaskConfig
+    est_error: float
+    prompt: str
+    d: float
+    u: float
+    v: float
+
+    def gens(self, m: int) -> np.ndarray:
+        g = self.loads.generation
+        z = g.a * self.d + g.p * self.v + g.s * self.rng.standard_normal(m)
+        return _scored(self.task.generation_s, z, self.rng)
+
+    def specs(self, types: list[ActionType]) -> list[ActionSpec]:
+        """Actions of ``types`` in order, the last the reward."""
+        rng, m = self.rng, len(types)
+        acts = self.loads.actions
+        ls = [acts[a.name] for a in types[:-1]] + [acts["reward"]]
+        z = (np.array([x.a for x in ls]) * self.d + np.array([x.p for x in ls]) * self.u
+             + np.array([x.s for x in ls]) * rng.standard_normal(m))
+        err = np.exp(self.est_error * rng.standard_normal(m)) if self.est_error else None
+        true_s = np.empty(m)
+        positions: dict[int, list[int]] = {}
+        for i, a in enumerate(types):
+            positions.setdefault(id(a), []).append(i)
+        by_id = {id(a): a for a in types}
+        for k, where in positions.items():
+            idx = np.array(where, dtype=np.intp)
+            true_s[idx] = _scored(by_id[k].duration_s, z[idx], rng)
+        true_l = true_s.tolist()
+        est_l = (true_s * err).tolist() if err is not None else true_l
+        return [ActionSpec(a.kind, a.name, true_l[i], est_l[i], a.timeout_s, a.min_cores,
+                           a.max_cores, a.parallel_fraction, a.service, a.endpoint,
+                           int(round(a.tokens.sample(rng))) if a.tokens is not None else 0,
+                           i == m - 1)
+                for i, a in enumerate(types)]
+
+
+def _sample_sibling(task: TaskConfig, rng: np.random.Generator, est_error: float,
+                    loads: TaskLoadings, d: float, dt: float, prompt: str) -> TrajectorySpec:
+    """One response to a prompt of latent difficulty ``d`` (``dt``: for turn counts)."""
+    u, v = rng.standard_normal(2).tolist()
+    draw = _Draws(rng, loads, task, est_error, prompt, d, u, v)
+    t = loads.turns
+    n = int(round(float(_scored(task.turns, np.array([t.a * dt + t.s * rng.standard_normal()]),
+                                rng)[0])))
+    if task.turn_groups:
+        return _sample_grouped(task, n, rng, est_error, draw)
+    probs = np.array([a.prob for a in task.actions]) if task.actions else None
+    kinds = rng.choice(len(task.actions), size=n, p=probs).tolist() if n else []
+    gens = draw.gens(n + 1).tolist()
+    specs = draw.specs([task.actions[k] for k in kinds] + [task.reward])
+    return TrajectorySpec(task.name, tuple(map(Turn, gens, specs)), task.sandbox, prompt)

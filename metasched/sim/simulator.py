@@ -339,7 +339,8 @@ class Simulator:
         if self.action_log is not None:
             batch, setup = self._gpu_runs.pop(a.id, (1, 0.0))
             self.action_log.record(a, step=None if traj is None else traj.step, batch=batch,
-                                   setup_s=setup, duration_s=a.spec.true_s)
+                                   setup_s=setup, duration_s=a.spec.true_s,
+                                   prompt=None if traj is None else traj.prompt)
         if traj is None:
             return
         nxt = a.turn + 1
@@ -378,10 +379,14 @@ class Simulator:
         if self._step and self.workload.step_fresh_quotas:
             for ep in state.api.endpoints.values():
                 ep.restart()
+        state.prompts = {}
         for ts in specs:
-            traj = Trajectory(self._next_traj_id, ts.task, self._step, list(ts.turns), ts.sandbox)
+            traj = Trajectory(self._next_traj_id, ts.task, self._step, list(ts.turns), ts.sandbox,
+                              ts.prompt)
             self._next_traj_id += 1
             traj.start_t = t
+            if ts.prompt is not None:
+                state.prompts.setdefault(ts.prompt, []).append(traj)
             self._sandbox_queue.append(traj)
         self._open_waiting_sandboxes()
 

@@ -41,10 +41,10 @@ _KIND_FIELDS = {"cpu": ("min_cores", "max_cores", "parallel_fraction"),
                 "gpu": ("service",), "api": ("endpoint", "tokens")}
 _OWNER = {f: kind for kind, fs in _KIND_FIELDS.items() for f in fs}
 _ACTION_KEYS = {"kind", "name", "duration_s", "est_s", "timeout_s", "reward", *_OWNER}
-_TRAJECTORY_KEYS = {"type", "task", "step", "sandbox", "turns"}
+_TRAJECTORY_KEYS = {"type", "task", "step", "sandbox", "turns", "prompt"}
 _INDEPENDENT_KEYS = {"type", "arrival_s", "task", "action", "measured"}
 _MEASURED_KEYS = {"queue_s", "run_s", "status", "reason", "exit_code", "cores", "core_ids",
-                  "device", "batch", "setup_s", "trajectory", "turn", "step", "gap_s"}
+                  "device", "batch", "setup_s", "trajectory", "turn", "step", "gap_s", "prompt"}
 _CLUSTER_KEYS = {"type", "name", "scale", "cpu", "gpu", "api", "services", "started_at"}
 STATUSES = ("done", "failed", "timeout")
 
@@ -69,6 +69,7 @@ class Measured:
     turn: int = 0
     step: int | None = None
     gap_s: float | None = None
+    prompt: str | None = None  # the prompt its trajectory answers (GRPO siblings share it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +164,10 @@ def _parse_trajectory(d: dict[str, Any], at: Field) -> tuple[int, TrajectorySpec
                               'the last turn\'s action must have "reward": true' if last
                               else "only the last turn's action may be the reward")
         turns.append(Turn(gen_s, action, together, chained, same_turn))
-    return step, TrajectorySpec(task, tuple(turns), sandbox)
+    prompt = d.get("prompt")
+    if prompt is not None:
+        prompt = string(prompt, at["prompt"])
+    return step, TrajectorySpec(task, tuple(turns), sandbox, prompt)
 
 
 def _parse_independent(d: dict[str, Any], at: Field
@@ -203,6 +207,9 @@ def _parse_measured(value: Any, at: Field) -> Measured:
     if exit_code is not None:
         exit_code = number(exit_code, at["exit_code"], lo=-(2 ** 31), integer=True)
     gap = d.get("gap_s")
+    prompt = d.get("prompt")
+    if prompt is not None:
+        prompt = string(prompt, at["prompt"])
     return Measured(
         queue_s=number(required(d, "queue_s", at), at["queue_s"], lo=0.0),
         run_s=number(required(d, "run_s", at), at["run_s"], lo=0.0),
@@ -213,7 +220,7 @@ def _parse_measured(value: Any, at: Field) -> Measured:
         setup_s=number(d.get("setup_s", 0.0), at["setup_s"], lo=0.0),
         trajectory=traj, turn=number(d.get("turn", 0), at["turn"], lo=0, integer=True),
         step=_opt_int(d, "step", at), gap_s=None if gap is None else number(
-            gap, at["gap_s"], lo=0.0))
+            gap, at["gap_s"], lo=0.0), prompt=prompt)
 
 
 def _parse_header(d: dict[str, Any], at: Field) -> TraceHeader:
@@ -333,6 +340,8 @@ def _trace_lines(instance: WorkloadInstance) -> list[dict[str, Any]]:
     for step, trajs in enumerate(instance.steps):
         for ts in trajs:
             obj: dict[str, Any] = {"type": "trajectory", "task": ts.task, "step": step}
+            if ts.prompt is not None:
+                obj["prompt"] = ts.prompt
             if ts.sandbox is not None:
                 obj["sandbox"] = {"mem_gb": float(ts.sandbox.mem_gb),
                                   "startup_s": float(ts.sandbox.startup_s)}

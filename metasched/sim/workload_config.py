@@ -21,6 +21,7 @@ from metasched.core.cluster_config import ClusterConfig
 from metasched.core.pools import ServiceSpec
 from metasched.core.schema import Count, Demand, Flag, Fraction, Number, Strict, join, parse
 from metasched.errors import ConfigError, short
+from metasched.sim.groups import GroupConfig, parse_groups
 
 Z90, Z99 = 1.2815515655446004, 2.3263478740408408  # standard normal quantiles
 
@@ -287,6 +288,9 @@ class WorkloadConfig:
     # Each RL step's rollout runs on a service started for it (a recorded trace of
     # runs appended one after another): every API quota starts the step full.
     step_fresh_quotas: bool = False
+    # Prompt groups (GRPO's n responses per prompt) and their latent difficulty
+    # (``metasched.sim.groups``); the default, off, draws independent trajectories.
+    groups: GroupConfig = GroupConfig()
 
 
 class _Service(Strict):
@@ -438,6 +442,7 @@ class _Workload(Strict):
     trace: Any = None
     step_gap_s: Number(ge=0.0) = 0.0
     step_fresh_quotas: Flag = False
+    groups: Any = None  # checked by metasched.sim.groups.parse_groups
 
     _nulls = _default_if_null("steps", "trajectories_per_step", "estimate_error")
 
@@ -455,19 +460,21 @@ class _Workload(Strict):
                                       f"{', '.join(sorted(services)) or 'none'})")
         return self
 
-    def config(self) -> WorkloadConfig:
+    def config(self, groups: GroupConfig) -> WorkloadConfig:
         tasks = self.tasks or {}
         return WorkloadConfig(
             self.name, self.steps, self.trajectories_per_step, self.estimate_error,
             tuple(tasks[t].config(str(t)) for t in sorted(tasks, key=str)),
             {str(k): s.spec() for k, s in (self.services or {}).items()},
             None if self.trace is None else str(self.trace), self.step_gap_s,
-            self.step_fresh_quotas)
+            self.step_fresh_quotas, groups)
 
 
 def parse_workload(d: Mapping, path: str = "workload") -> WorkloadConfig:
     """Validate a workload profile dict (see ``configs/workload/*.yaml``)."""
-    return parse(_Workload, d, path).config()
+    w = parse(_Workload, d, path)
+    return w.config(parse_groups(w.groups, f"{path}.groups",
+                                 {a for t in (w.tasks or {}).values() for a in t.actions}))
 
 
 def check_compatible(w: WorkloadConfig, c: ClusterConfig, path: str = "workload") -> None:
