@@ -225,7 +225,8 @@ class ActionType(Demand):
             if d["service"] is None:
                 raise ConfigError("service", "is required")
         elif kind == "api":
-            d.setdefault("tokens", 0)
+            if d.get("tokens") is None:  # absent or null: none
+                d["tokens"] = 0
             if d.get("endpoint") is None:
                 raise ConfigError("endpoint", "is required")
         return d
