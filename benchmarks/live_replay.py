@@ -49,7 +49,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import fields, replace
+from dataclasses import replace
 
 import numpy as np
 from tqdm import tqdm
@@ -103,7 +103,7 @@ def amdahl_sleep(base_s: float, p: float) -> list[str]:
 
 def dispatcher_cost_model() -> CostModel:
     """A cost model with the dispatcher's default settings."""
-    d = {f.name: f.default for f in fields(DispatcherConfig)}
+    d = {n: f.default for n, f in DispatcherConfig.model_fields.items()}
     return CostModel(d["cost_alpha"], d["default_est_s"])
 
 

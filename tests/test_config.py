@@ -535,3 +535,25 @@ def test_profile_composes_inside_a_running_hydra_app():
     with initialize_config_dir(str(config_dir()), version_base="1.3"):
         inside = profile("retool")
     assert inside == outside and inside[0].name == "retool"
+
+
+def test_an_action_spec_holds_the_shared_demand_fields():
+    """A simulated action's resource fields are the shared Demand's, with its defaults:
+    the action type it is drawn from and a request are Demands."""
+    import dataclasses
+
+    from metasched.core.actions import ActionSpec
+    from metasched.core.schema import DEMAND_FIELDS, Demand
+    from metasched.runtime.requests import Request
+    from metasched.sim.workload_config import ActionType
+
+    spec_defaults = {f.name: f.default for f in dataclasses.fields(ActionSpec)}
+    for name in DEMAND_FIELDS:
+        assert spec_defaults[name] == Demand.model_fields[name].default, name
+    assert issubclass(ActionType, Demand) and issubclass(Request, Demand)
+    w, _ = profile("coding")
+    t = w.tasks[0]
+    for turn in sample_trajectory(t, np.random.default_rng(0), 0.0).turns:
+        spec = turn.action
+        typ = next(a for a in (*t.actions, t.reward) if a.name == spec.name)
+        assert spec.demand == Demand(**{f: getattr(typ, f) for f in DEMAND_FIELDS})

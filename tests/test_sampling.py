@@ -45,7 +45,8 @@ def test_a_point_mass_at_zero_draws_one_by_one() -> None:
     """A duration with a mass at 0 takes a uniform as well as a normal: still the same."""
     w, _ = profile("coding")
     task = w.tasks[0]
-    odd = replace(task.actions[0], duration_s=replace(task.actions[0].duration_s, zero=0.3))
+    odd = task.actions[0].model_copy(
+        update={"duration_s": replace(task.actions[0].duration_s, zero=0.3)})
     types = [odd, task.actions[1], odd, task.reward]
     a, b = np.random.default_rng(3), np.random.default_rng(3)
     got = _specs(types, a, 0.5)
@@ -69,7 +70,8 @@ def test_token_counts_past_int64_stay_exact() -> None:
     w, _ = profile("search")
     judge = next(t for task in w.tasks for t in (*task.actions, task.reward)
                  if t.tokens is not None and t.tokens.sigma > 0.0)
-    huge = replace(judge, tokens=replace(judge.tokens, median=1e25, lo=0.0, hi=float("inf")))
+    huge = judge.model_copy(
+        update={"tokens": replace(judge.tokens, median=1e25, lo=0.0, hi=float("inf"))})
     a, b = np.random.default_rng(9), np.random.default_rng(9)
     got = _specs([huge] * 50 + [judge], a, 0.5)
     assert got == _one_by_one([huge] * 50 + [judge], b, 0.5)

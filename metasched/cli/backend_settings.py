@@ -89,8 +89,8 @@ def on_this_node(dcfg):
     process's directory (it is pinned to this node, so the paths mean the same there)."""
     def absolute(p: Any) -> Any:
         return None if p is None else str(Path(p).resolve())
-    return dataclasses.replace(dcfg, journal=absolute(dcfg.journal), trace=absolute(dcfg.trace),
-                               workdir=absolute(dcfg.workdir))
+    return dcfg.replace(journal=absolute(dcfg.journal), trace=absolute(dcfg.trace),
+                        workdir=absolute(dcfg.workdir))
 
 
 def open_on_ray(settings: RaySettings, dcfg, services: dict[str, Any], cfg: dict[str, Any],

@@ -38,6 +38,7 @@ from metasched.cli.job_file import count_requests, read_jobs
 from metasched.cli.output import write_report
 from metasched.cli.settings import bool_setting, int_setting, max_wait_setting
 from metasched.core.cluster_config import parse_endpoints
+from metasched.core.schema import Number, valid
 from metasched.errors import ConfigError
 from metasched.evaluation.statistics import ci95_of
 from metasched.runtime.requests import REJECTED, Result
@@ -70,10 +71,6 @@ def dispatcher_config(cfg: dict[str, Any], run_dir: Path, endpoints: dict | None
     from metasched.runtime.limits import RequestLimits
     from metasched.runtime.sandbox.config import SandboxConfig
 
-    cores = cfg.get("cores")
-    if cores is not None and (not isinstance(cores, list) or not cores or not all(
-            isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in cores)):
-        raise ConfigError("cores", f"must be a list of CPU ids or null (got {cores!r})")
     scheduler = str(cfg.get("scheduler") or "checkpoints/default")
     from metasched.agents import BASELINES, make_scheduler
     from metasched.agents.checkpoint import resolve_scheduler
@@ -83,42 +80,33 @@ def dispatcher_config(cfg: dict[str, Any], run_dir: Path, endpoints: dict | None
     if scheduler not in BASELINES and not Path(resolve_scheduler(scheduler)).exists():
         raise ConfigError("scheduler", f"unknown scheduler {scheduler!r} (known: "
                           f"{', '.join(BASELINES)}, or a checkpoint directory)")
-    params = cfg.get("scheduler_params") or {}
-    if not isinstance(params, dict):
-        raise ConfigError("scheduler_params", f"must be a mapping (got {params!r})")
+    config = DispatcherConfig(
+        trace=cfg.get("trace"), scheduler=scheduler,
+        scheduler_params=cfg.get("scheduler_params") or {}, cores=cfg.get("cores"),
+        gpu_standin=int_setting(cfg, "gpu_standin", 0, default=0, hi=64),
+        endpoints=(parse_endpoints(cfg.get("endpoints"), "endpoints") if endpoints is None
+                   else endpoints),
+        tail_bytes=int_setting(cfg, "tail_bytes", 0, default=4096, hi=64 * 2**20),
+        journal=cfg.get("journal") or run_dir / "journal.db",
+        fsync=bool_setting(cfg, "fsync", False),
+        journal_env=bool_setting(cfg, "journal_env", False),
+        max_wait_s=max_wait_setting(cfg), workdir=cfg.get("workdir"),
+        sandbox=SandboxConfig.from_dict(cfg.get("sandbox")),
+        limits=RequestLimits.from_dict(cfg.get("limits")))
+    params = config.scheduler_params
     if scheduler in BASELINES:  # a heuristic's parameters can be checked now
         try:
             make_scheduler(scheduler, **params)
         except (TypeError, ValueError) as e:
             raise ConfigError("scheduler_params", f"{scheduler}: {e}") from None
-    workdir = cfg.get("workdir")
-    if workdir is not None and (not isinstance(workdir, str) or not workdir):
-        raise ConfigError("workdir", f"must be a directory path or null (got {workdir!r})")
-    journal = cfg.get("journal") or run_dir / "journal.db"
-    if not isinstance(journal, (str, Path)):
-        raise ConfigError("journal", f"must be a file path or null (got {journal!r})")
-    trace = cfg.get("trace")
-    if trace is not None and (not isinstance(trace, str) or not trace):
-        raise ConfigError("trace", f"must be a file path or null (got {trace!r})")
-    return DispatcherConfig(
-        trace=trace, scheduler=scheduler, scheduler_params=dict(params), cores=cores,
-        gpu_standin=int_setting(cfg, "gpu_standin", 0, default=0, hi=64),
-        endpoints=(parse_endpoints(cfg.get("endpoints"), "endpoints") if endpoints is None
-                   else endpoints),
-        tail_bytes=int_setting(cfg, "tail_bytes", 0, default=4096, hi=64 * 2**20),
-        journal=journal, fsync=bool_setting(cfg, "fsync", False),
-        journal_env=bool_setting(cfg, "journal_env", False),
-        max_wait_s=max_wait_setting(cfg), workdir=workdir,
-        sandbox=SandboxConfig.from_dict(cfg.get("sandbox")),
-        limits=RequestLimits.from_dict(cfg.get("limits")))
+    return config
 
 
 def compact_setting(cfg: dict[str, Any]) -> float | None:
     """``compact``: compact journal rows finished this many seconds ago or more (null:
     leave the journal as it is)."""
     v = cfg.get("compact")
-    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
-                          or not 0 <= v < math.inf):
+    if not valid(Number(ge=0.0) | None, v):
         raise ConfigError("compact", f"must be a number of seconds >= 0 or null (got {v!r})")
     return None if v is None else float(v)
 

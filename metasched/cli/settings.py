@@ -2,38 +2,34 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from metasched.errors import ConfigError
+from metasched.core.schema import Count, Flag, Number, parse, valid
+from metasched.errors import ConfigError, short
 
 
 def int_setting(cfg: dict[str, Any], key: str, lo: int, default: int | None = None,
                 hi: int | None = None) -> int:
     """A whole number in ``[lo, hi]`` (``hi`` None: no upper bound)."""
     v = cfg.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+    if not valid(Count(lo, hi), v):
         bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ConfigError(key, f"must be a whole number {bounds} (got {v!r})")
-    return v
+        raise ConfigError(key, f"must be a whole number {bounds} (got {short(v)})")
+    return int(v)
 
 
 def bool_setting(cfg: dict[str, Any], key: str, default: bool) -> bool:
     """A switch: true or false (absent or null: ``default``); nothing else passes for one."""
     v = cfg.get(key)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise ConfigError(key, f"must be true or false (got {v!r})")
-    return v
+    return default if v is None else parse(Flag, v, key)
 
 
 def max_wait_setting(cfg: dict[str, Any]) -> float | None:
     """``max_wait_s``: the core's starvation guard, a finite number > 0 or null (off)."""
     wait = cfg.get("max_wait_s")
-    if wait is not None and (isinstance(wait, bool) or not isinstance(wait, (int, float))
-                             or not 0 < wait < math.inf):
-        raise ConfigError("max_wait_s", f"must be a number > 0, finite, or null (got {wait!r})")
+    if not valid(Number(gt=0.0) | None, wait):
+        raise ConfigError("max_wait_s", f"must be a number > 0, finite, or null (got "
+                          f"{short(wait)})")
     return None if wait is None else float(wait)
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from metasched.core.schema import DEMAND_FIELDS, Demand
+
 KINDS = ("cpu", "gpu", "api")
 
 # Action status values. AHEAD: a cpu action handed to its node ahead of free cores (in the
@@ -34,6 +36,11 @@ class Immutable:
 @dataclass(frozen=True, slots=True)
 class ActionSpec(Immutable):
     """What an action is, independent of when it runs.
+
+    Its resource fields (``min_cores`` to ``endpoint``) are the values of a
+    :class:`~metasched.core.schema.Demand` (``spec.demand``): the action type it was
+    drawn from, or the request it stands for. They are slots of the spec itself, not a
+    nested model, because schedulers read them at every decision.
 
     Attributes:
         kind: ``"cpu"``, ``"gpu"`` or ``"api"``.
@@ -62,6 +69,11 @@ class ActionSpec(Immutable):
     endpoint: str | None = None
     tokens: int = 0
     reward: bool = False
+
+    @property
+    def demand(self) -> Demand:
+        """Its resource demand, as the shared model."""
+        return Demand.model_construct(**{f: getattr(self, f) for f in DEMAND_FIELDS})
 
     def speedup(self, cores: int) -> float:
         """Amdahl speedup on ``cores`` cores relative to one core."""

@@ -11,10 +11,12 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from statistics import NormalDist
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator, model_validator
 
 from metasched.core.pools import EndpointSpec
-from metasched.core.validate import bounded, check_keys, get_key, mapping_or_empty
+from metasched.core.schema import Count, Number, Strict, parse
 from metasched.errors import ConfigError
 
 
@@ -65,30 +67,83 @@ class ClusterConfig:
                 "api": sum(e.max_concurrency for e in self.endpoints.values())}
 
 
+class _Endpoint(Strict):
+    """One API endpoint's quota (:class:`~metasched.core.pools.EndpointSpec`)."""
+
+    rpm: Number(gt=0.0)
+    max_concurrency: Count(1)
+    tpm: Number(gt=0.0) | None = None
+    window_s: Number(gt=0.0, le=86400.0) = 60.0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_burst(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and "burst_s" in data:  # the token bucket this replaced
+            raise ConfigError("burst_s", "quotas are counted over a sliding window: set "
+                              "window_s (seconds; 60 by default) instead")
+        return data
+
+    def spec(self) -> EndpointSpec:
+        return EndpointSpec(rpm=self.rpm, max_concurrency=self.max_concurrency, tpm=self.tpm,
+                            window_s=self.window_s)
+
+
 # The keys of one API endpoint's quota (EndpointSpec).
-ENDPOINT_KEYS = frozenset({"rpm", "tpm", "max_concurrency", "window_s"})
+ENDPOINT_KEYS = frozenset(_Endpoint.model_fields)
+
+_Endpoints = dict[str, _Endpoint] | None
 
 
 def parse_endpoints(d: Any, path: str) -> dict[str, EndpointSpec]:
     """Validate a mapping of API endpoint name -> ``{rpm, tpm, max_concurrency, window_s}``."""
-    endpoints = {}
-    for ename, e in mapping_or_empty(d, path).items():
-        ep = f"{path}.{ename}"
-        if not isinstance(e, Mapping):
-            raise ConfigError(ep, f"must be a mapping (got {e!r})")
-        if "burst_s" in e:  # the token bucket this replaced
-            raise ConfigError(f"{ep}.burst_s", "quotas are counted over a sliding window: "
-                              "set window_s (seconds; 60 by default) instead")
-        check_keys(e, ENDPOINT_KEYS, ep)
-        tpm = e.get("tpm")
-        endpoints[str(ename)] = EndpointSpec(
-            rpm=bounded(get_key(e, "rpm", ep), f"{ep}.rpm", lo=0.0, lo_open=True),
-            max_concurrency=bounded(get_key(e, "max_concurrency", ep), f"{ep}.max_concurrency",
-                                    lo=1, integer=True),
-            tpm=None if tpm is None else bounded(tpm, f"{ep}.tpm", lo=0.0, lo_open=True),
-            window_s=bounded(e.get("window_s", 60.0), f"{ep}.window_s", lo=0.0, lo_open=True,
-                             hi=86400.0))
-    return endpoints
+    return {str(k): e.spec() for k, e in (parse(_Endpoints, d, path) or {}).items()}
+
+
+class _Cpu(Strict):
+    nodes: Count(0) = 0
+    cores_per_node: Count(0) = 0
+    mem_gb_per_node: Number(ge=0.0) = 0.0
+    launch_s: Number(ge=0.0) = 0.0
+    launch_p90_s: Number(ge=0.0) | None = None
+
+    @model_validator(mode="after")
+    def _p90(self) -> _Cpu:
+        if self.launch_p90_s is not None and self.launch_p90_s < self.launch_s:
+            raise ConfigError("launch_p90_s", f"must be >= {self.launch_s:g} (launch_s; got "
+                              f"{self.launch_p90_s:g})")
+        return self
+
+
+class _Gpu(Strict):
+    devices: Count(0) = 0
+    mem_gb: Number(ge=0.0) = 0.0
+
+
+class _Api(Strict):
+    endpoints: _Endpoints = None
+
+
+class _Cluster(Strict):
+    """A cluster as ``configs/cluster/*.yaml`` gives it (:class:`ClusterConfig`)."""
+
+    name: Annotated[str, BeforeValidator(str)] = "cluster"
+    scale: Number(gt=0.0) = 1.0
+    cpu: _Cpu | None = None
+    gpu: _Gpu | None = None
+    api: _Api | None = None
+
+    def config(self) -> ClusterConfig:
+        cpu, gpu, api = self.cpu or _Cpu(), self.gpu or _Gpu(), self.api or _Api()
+        c = ClusterConfig(
+            name=self.name, cpu_nodes=cpu.nodes, cores_per_node=cpu.cores_per_node,
+            mem_gb_per_node=cpu.mem_gb_per_node, gpu_devices=gpu.devices,
+            gpu_mem_gb=gpu.mem_gb,
+            endpoints={str(k): e.spec() for k, e in (api.endpoints or {}).items()},
+            cpu_launch_s=cpu.launch_s,
+            cpu_launch_sigma=(0.0 if cpu.launch_p90_s is None
+                              else launch_sigma(cpu.launch_s, cpu.launch_p90_s)))
+        # One knob for a contended regime: every pool scaled as metasched-plan scales them.
+        return c if self.scale == 1.0 else c.scaled(self.scale, ("cpu", "gpu", "api"))
 
 
 def parse_cluster(d: Mapping, path: str = "cluster") -> ClusterConfig:
@@ -98,36 +153,7 @@ def parse_cluster(d: Mapping, path: str = "cluster") -> ClusterConfig:
     gpu and api: cores per node, GPU devices, API RPM/TPM and concurrency) after the rest
     is read, so ``cluster.scale=0.25`` is the profile's cluster at a quarter of its size.
     """
-    if not isinstance(d, Mapping):
-        raise ConfigError(path, f"must be a mapping (got {type(d).__name__})")
-    check_keys(d, {"name", "scale", "cpu", "gpu", "api"}, path)
-    cpu = mapping_or_empty(d.get("cpu"), f"{path}.cpu")
-    gpu = mapping_or_empty(d.get("gpu"), f"{path}.gpu")
-    api = mapping_or_empty(d.get("api"), f"{path}.api")
-    for sub, keys in (("cpu", {"nodes", "cores_per_node", "mem_gb_per_node", "launch_s",
-                               "launch_p90_s"}),
-                      ("gpu", {"devices", "mem_gb"}), ("api", {"endpoints"})):
-        check_keys(locals()[sub], keys, f"{path}.{sub}")
-    endpoints = parse_endpoints(api.get("endpoints"), f"{path}.api.endpoints")
-    launch = bounded(cpu.get("launch_s", 0.0), f"{path}.cpu.launch_s", lo=0.0)
-    p90 = cpu.get("launch_p90_s")
-    sigma = 0.0
-    if p90 is not None:
-        p90 = bounded(p90, f"{path}.cpu.launch_p90_s", lo=launch)
-        sigma = launch_sigma(launch, p90)
-    scale = bounded(d.get("scale", 1.0), f"{path}.scale", lo=0.0, lo_open=True)
-    c = ClusterConfig(
-        name=str(d.get("name", "cluster")),
-        cpu_nodes=bounded(cpu.get("nodes", 0), f"{path}.cpu.nodes", lo=0, integer=True),
-        cores_per_node=bounded(cpu.get("cores_per_node", 0), f"{path}.cpu.cores_per_node", lo=0,
-                               integer=True),
-        mem_gb_per_node=bounded(cpu.get("mem_gb_per_node", 0.0), f"{path}.cpu.mem_gb_per_node",
-                                lo=0.0),
-        gpu_devices=bounded(gpu.get("devices", 0), f"{path}.gpu.devices", lo=0, integer=True),
-        gpu_mem_gb=bounded(gpu.get("mem_gb", 0.0), f"{path}.gpu.mem_gb", lo=0.0),
-        endpoints=endpoints, cpu_launch_s=launch, cpu_launch_sigma=sigma)
-    # One knob for a contended regime: every pool scaled as metasched-plan scales them.
-    return c if scale == 1.0 else c.scaled(scale, ("cpu", "gpu", "api"))
+    return parse(_Cluster, d, path).config()
 
 
 def launch_sigma(median_s: float, p90_s: float) -> float:

@@ -1,6 +1,11 @@
-"""Checks of user-given values (config dicts, trace lines) that
-fail with a one-line :class:`~metasched.errors.ConfigError` naming the field, and for JSON
-the file and line too, e.g. ``jobs.jsonl:12: timeout_s: must be > 0 (got -1)``."""
+"""Checks of the fields of a recorded trace's lines (:mod:`metasched.sim.trace`) and of
+the prompt-group settings (:mod:`metasched.sim.groups`), which
+fail with a one-line :class:`~metasched.errors.ConfigError` naming the file, the line and
+the field, e.g. ``run.jsonl:12: actions[3].timeout_s: must be > 0 (got -1)``.
+
+A trace is recorded data, not a setting: its parser reads it field by field, naming a
+field only when one fails. Configs, profiles and requests are pydantic schemas
+(:mod:`metasched.core.schema`)."""
 
 from __future__ import annotations
 
@@ -11,17 +16,7 @@ from typing import Any
 from metasched.errors import ConfigError, short
 
 # ---------------------------------------------------------------- config dicts
-
-
-def get_key(d: Mapping, key: str, path: str, default: Any = ...) -> Any:
-    """``d[key]``; ``default`` when it is absent or null, else an error if no default."""
-    if not isinstance(d, Mapping):
-        raise ConfigError(path, f"must be a mapping (got {type(d).__name__})")
-    if key not in d or d[key] is None and default is not ...:
-        if default is ...:
-            raise ConfigError(f"{path}.{key}", "is required")
-        return default
-    return d[key]
+# (metasched.sim.groups' prompt-group settings; every other config is a schema)
 
 
 def bounded(value: Any, path: object, *, lo: float = -math.inf, hi: float = math.inf,
@@ -46,15 +41,6 @@ def bounded(value: Any, path: object, *, lo: float = -math.inf, hi: float = math
             bound += f" and <= {hi:g}"
         raise ConfigError(path, f"must be {bound} (got {value!r})")
     return int(v) if integer else v
-
-
-def mapping_or_empty(value: Any, path: str) -> Mapping:
-    """``value`` if it is a mapping, {} if it is absent (None); otherwise an error."""
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise ConfigError(path, f"must be a mapping (got {type(value).__name__})")
-    return value
 
 
 def check_keys(d: Mapping, allowed: set[str], path: str) -> None:
@@ -109,17 +95,26 @@ class Field:
         return f"{self.loc}: {path}" if path else self.loc
 
 
-def number(value: Any, at: Field, **bounds: Any) -> Any:
-    """:func:`bounded` plus the checks it leaves out: finite values only, no giant ints."""
+def number(value: Any, at: Field, *, lo: float = -math.inf, hi: float = math.inf,
+           lo_open: bool = False, integer: bool = False) -> Any:
+    """``value`` as a finite number within the bounds (an int if ``integer``), or an
+    error naming ``at``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(str(at), f"must be a number (got {short(value)})")
     try:
-        finite = math.isfinite(value)
+        v = float(value)
     except OverflowError:  # an int too large for a float
-        finite = False
-    if not finite:
+        v = math.inf
+    if not math.isfinite(v):
         raise ConfigError(str(at), f"must be a finite number (got {short(value)})")
-    return bounded(value, at, **bounds)
+    if integer and v != int(v):
+        raise ConfigError(str(at), f"must be a whole number (got {short(value)})")
+    if (lo_open and v <= lo) or (not lo_open and v < lo) or v > hi:
+        bound = f"> {lo:g}" if lo_open else f">= {lo:g}"
+        if hi < math.inf:
+            bound += f" and <= {hi:g}"
+        raise ConfigError(str(at), f"must be {bound} (got {short(value)})")
+    return int(v) if integer else v
 
 
 def string(value: Any, at: Field) -> str:
@@ -145,5 +140,5 @@ def required(d: dict[str, Any], key: str, at: Field) -> Any:
     return d[key]
 
 
-__all__ = ["Field", "bounded", "check_keys", "get_key", "json_object", "mapping_or_empty",
-           "number", "required", "short", "string"]
+__all__ = ["Field", "bounded", "check_keys", "json_object", "number", "required", "short",
+           "string"]

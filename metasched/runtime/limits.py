@@ -16,19 +16,19 @@ steps) goes through the dispatcher, which applies them to each request it accept
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from metasched.core.validate import bounded
-from metasched.errors import ConfigError
+from pydantic import ValidationError, model_validator
+
+from metasched.core.schema import Count, Number, Strict, parse
+from metasched.errors import ConfigError, validation_error
 
 __all__ = ["RequestLimits"]
 
 _DAY = 24 * 3600.0
 
 
-@dataclass(frozen=True)
-class RequestLimits:
+class RequestLimits(Strict):
     """Defaults and caps of one request (see the module docstring).
 
     Attributes:
@@ -46,48 +46,45 @@ class RequestLimits:
         max_pids: the most ``pids_max``.
     """
 
-    mem_mb: float = 2048.0
-    timeout_s: float = 10.0
-    max_cores: int | None = None
-    max_mem_mb: float = 16384.0
-    max_timeout_s: float = _DAY
-    max_cpu_time_s: float = _DAY
-    max_workspace_mb: float = 8192.0
-    max_pids: int = 16384
+    mem_mb: Number(ge=1.0, le=2.0**40) = 2048.0
+    timeout_s: Number(gt=0.0, le=30 * _DAY) = 10.0
+    max_cores: Count(1) | None = None
+    max_mem_mb: Number(ge=1.0, le=2.0**40) = 16384.0
+    max_timeout_s: Number(gt=0.0, le=30 * _DAY) = _DAY
+    max_cpu_time_s: Number(gt=0.0, le=30 * _DAY) = _DAY
+    max_workspace_mb: Number(ge=1.0, le=2.0**40) = 8192.0
+    max_pids: Count(1, 4_194_304) = 16384
 
-    def __post_init__(self) -> None:
-        for name in ("mem_mb", "max_mem_mb", "max_workspace_mb"):
-            bounded(getattr(self, name), f"limits.{name}", lo=1.0, hi=2.0**40)
-        for name in ("timeout_s", "max_timeout_s", "max_cpu_time_s"):
-            bounded(getattr(self, name), f"limits.{name}", lo=0.0, lo_open=True,
-                    hi=30 * _DAY)
-        if self.max_cores is not None:
-            bounded(self.max_cores, "limits.max_cores", lo=1, integer=True)
-        bounded(self.max_pids, "limits.max_pids", lo=1, hi=4_194_304, integer=True)
+    def __init__(self, **data: Any) -> None:
+        # Built in Python: a bad value is the same one line as from the settings.
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise validation_error(e.errors(), model=RequestLimits, at=("limits",)) from None
+
+    __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
+
+    @model_validator(mode="after")
+    def _defaults_within_caps(self) -> RequestLimits:
         if self.mem_mb > self.max_mem_mb:
-            raise ConfigError("limits.mem_mb", f"must be <= limits.max_mem_mb "
+            raise ConfigError("mem_mb", f"must be <= limits.max_mem_mb "
                               f"({self.max_mem_mb:g}; got {self.mem_mb:g})")
         if self.timeout_s > self.max_timeout_s:
-            raise ConfigError("limits.timeout_s", f"must be <= limits.max_timeout_s "
+            raise ConfigError("timeout_s", f"must be <= limits.max_timeout_s "
                               f"({self.max_timeout_s:g}; got {self.timeout_s:g})")
+        return self
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> RequestLimits:
         """From the ``limits:`` settings group (unknown keys are an error; null: the
-        default)."""
-        if d is not None and not isinstance(d, Mapping):
-            raise ConfigError("limits", f"must be a mapping (got {d!r})")
-        known = {f.name for f in fields(cls)}
-        for key in d or {}:
-            if key not in known:
-                raise ConfigError(f"limits.{key}", f"unknown setting (known: "
-                                  f"{', '.join(sorted(known))})")
-        given = {k: v for k, v in (d or {}).items() if v is not None or k == "max_cores"}
-        return cls(**given)
+        default, but for ``max_cores``, whose null is "a node's")."""
+        if isinstance(d, Mapping):
+            d = {k: v for k, v in d.items() if v is not None or k == "max_cores"}
+        return parse(cls, {} if d is None else d, "limits")
 
     def to_dict(self) -> dict[str, Any]:
         """The settings, as ``GET /v1/status`` shows them (``from_dict`` reads them)."""
-        return asdict(self)
+        return self.model_dump()
 
     def cap(self, value: float | None, name: str, setting: str, unit: str = "") -> None:
         """Refuse ``value`` of request field ``name`` above setting ``setting``."""

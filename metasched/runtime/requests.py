@@ -65,7 +65,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
-    BaseModel,
     BeforeValidator,
     ConfigDict,
     Field,
@@ -77,6 +76,7 @@ from pydantic.json_schema import SkipJsonSchema
 
 from metasched.core.actions import KINDS
 from metasched.core.cost_model import signature
+from metasched.core.schema import Count, Demand, Flag, Text
 from metasched.errors import ConfigError, short, validation_error
 from metasched.runtime.api_calls import HttpSpec
 
@@ -101,12 +101,6 @@ MAX_TURN = 1_000_000
 # Shared with the HTTP routes' models (``/run_code``'s timeouts and trajectory fields).
 
 
-def _whole(value: Any) -> Any:
-    """A float that is a whole number as that int (JSON has one number type: ``2.0``
-    is 2 cores); anything else as it is, for the strict int check."""
-    return int(value) if isinstance(value, float) and value.is_integer() else value
-
-
 def _no_nul(value: str) -> str:
     if "\0" in value:
         raise ValueError("must not contain NUL characters")
@@ -124,15 +118,6 @@ def _trajectory(value: Any) -> Any:
     return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
-def Count(lo: int, hi: int | None = None) -> Any:  # noqa: N802 - a type, named as one
-    """A whole number in ``[lo, hi]`` (JSON's ``2.0`` included; ``true`` and ``"2"``
-    not)."""
-    return Annotated[int, BeforeValidator(_whole), Field(strict=True, ge=lo, le=hi)]
-
-
-Text = Annotated[str, Field(strict=True, min_length=1)]
-"""A non-empty string."""
-Flag = Annotated[bool, Field(strict=True)]
 def _at_most_30_days(value: float) -> float:
     if value > MAX_SECONDS:
         raise ConfigError("", f"must be <= {MAX_SECONDS:.0f} (30 days; got {short(value)})")
@@ -155,13 +140,14 @@ def _positive(hi: float = math.inf, lo: float = 0.0, open_lo: bool = True) -> An
                                   le=None if hi == math.inf else hi, **bound)]
 
 
-class Request(BaseModel):
+class Request(Demand):
     """One action submitted to the dispatcher (see the module docstring).
 
     Built from its JSON form by :func:`parse_request` (job files, ``POST /v1/actions``,
     the journal, dicts given to ``Dispatcher.submit``), or directly (``Request(kind=
-    "cpu", argv=[...], timeout_s=5)``: the same checks, a pydantic ``ValidationError``
-    if one fails).
+    "cpu", argv=[...], timeout_s=5)``: the same checks, the same one-line
+    :class:`~metasched.errors.ConfigError` if one fails). Its resource fields are the
+    shared :class:`~metasched.core.schema.Demand`'s.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -177,18 +163,13 @@ class Request(BaseModel):
     est_s: Seconds | None = None
     argv: Annotated[tuple[_Arg, ...], Field(min_length=1)] = ()
     env: _Env | None = None
-    min_cores: Count(1) = 1
-    max_cores: Count(1) = 1
-    parallel_fraction: _positive(1.0, open_lo=False) = 0.0
     mem_limit_mb: _positive() | None = None
     cpu_time_s: Seconds | None = None
     pids_max: Count(1, 4_194_304) | None = None
     network: Flag | None = None
     workspace_template: Annotated[Text, AfterValidator(_no_nul)] | None = None  # a name
     workspace_mb: _positive(2.0**40, 1.0, open_lo=False) | None = None
-    service: Text | None = None
     payload: Any = None
-    endpoint: Text | None = None
     tokens: Count(0) = 0
     http: HttpSpec | None = None
     # From Python only: not in the JSON form, nor in its schema.
@@ -270,10 +251,18 @@ class Request(BaseModel):
                               "argv (a command that needs a device), not both")
         if self.kind == "api" and self.endpoint is None:
             raise ConfigError("endpoint", "must not be empty (got None)")
-        if self.max_cores < self.min_cores:
-            raise ConfigError("max_cores", f"must be >= {self.min_cores} (min_cores; got "
-                              f"{self.max_cores})")
         return self
+
+    def __init__(self, **data: Any) -> None:
+        # Built in Python: a failed check is the same one line as from JSON.
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise validation_error(e.errors(), model=Request) from None
+
+    # Validation from JSON (model_validate) does not go through __init__ (it passes a
+    # context, which __init__ cannot).
+    __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
 
     def __eq__(self, other: object) -> bool:
         # The same request whatever callable it carries (a resubmission from Python

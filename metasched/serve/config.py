@@ -5,29 +5,24 @@
 from __future__ import annotations
 
 import ipaddress
-import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import replace
+from typing import Annotated, Any
 
-from pydantic import ValidationError
+from pydantic import AfterValidator, BeforeValidator, Field, ValidationError, model_validator
 
-from metasched.core.cluster_config import ENDPOINT_KEYS
+from metasched.core.cluster_config import _Endpoint
 from metasched.core.pools import EndpointSpec
-from metasched.core.validate import bounded, check_keys, get_key, mapping_or_empty
-from metasched.errors import ConfigError, validation_error
+from metasched.core.schema import Count, Number, Strict, Text, parse
+from metasched.errors import ConfigError, short, validation_error
 
 __all__ = ["DEFAULT_CLIENT", "LOOPBACK", "ServeConfig", "Upstream", "derated", "is_loopback",
            "parse_upstreams"]
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
-# The keys of one proxied endpoint: its quota (EndpointSpec) and where it forwards to.
-_QUOTA_KEYS = ENDPOINT_KEYS
-_UPSTREAM_KEYS = {"url", "headers", "tokens", "timeout_s", "margin_s"}
 
 
-@dataclass(frozen=True)
-class Upstream:
+class Upstream(Strict):
     """Where the quota proxy forwards ``/v1/endpoints/<name>/<path>``.
 
     Attributes:
@@ -45,11 +40,28 @@ class Upstream:
             that the upstream still counts at most ``rpm`` in any 60 s window.
     """
 
-    url: str
-    headers: Mapping[str, str] = field(default_factory=dict)
-    tokens: int = 0
-    timeout_s: float = 300.0
-    margin_s: float = 0.25
+    url: Text
+    headers: dict[str, str] = {}
+    tokens: Count(0) = 0
+    timeout_s: Number(gt=0.0, le=30 * 24 * 3600.0) = 300.0
+    margin_s: Number(ge=0.0, le=60.0) = 0.25
+
+    @model_validator(mode="before")
+    @classmethod
+    def _http(cls, data: Any) -> Any:
+        """The url and headers as an api request's (``http://`` or ``https://``, header
+        names and values a request may carry); the url without its trailing ``/``."""
+        from metasched.runtime.api_calls import HttpSpec
+
+        if not isinstance(data, Mapping) or data.get("url") is None:
+            return data
+        headers = data.get("headers") or {}
+        if not isinstance(headers, Mapping):
+            raise ConfigError("headers", f"must be a mapping (got {short(headers)})")
+        headers = {str(k): v for k, v in headers.items()}
+        parse(HttpSpec, {"url": str(data["url"]), "headers": headers})
+        return {**data, "url": str(data["url"]).rstrip("/"),
+                "headers": {k: str(v) for k, v in headers.items()}}
 
 
 def derated(spec: EndpointSpec, margin_s: float) -> EndpointSpec:
@@ -64,6 +76,35 @@ def derated(spec: EndpointSpec, margin_s: float) -> EndpointSpec:
                    window_s=w)
 
 
+class _ProxiedEndpoint(_Endpoint):
+    """An ``endpoints`` entry of the service: a quota and, for an endpoint the proxy
+    forwards to, its upstream (``url`` and the rest of :class:`Upstream`)."""
+
+    url: Any = None
+    headers: Any = None
+    tokens: Any = None
+    timeout_s: Any = None
+    margin_s: Any = None
+
+    @model_validator(mode="after")
+    def _upstream_fields(self) -> _ProxiedEndpoint:
+        if self.url is None:
+            for key in _UPSTREAM_KEYS - {"url"}:
+                if getattr(self, key) is not None:
+                    raise ConfigError(key, "only an endpoint with a url (one the proxy "
+                                      "forwards to) has it")
+        else:
+            self.upstream()
+        return self
+
+    def upstream(self) -> Upstream:
+        return parse(Upstream, {k: getattr(self, k) for k in _UPSTREAM_KEYS
+                                if getattr(self, k) is not None})
+
+
+_UPSTREAM_KEYS = frozenset(Upstream.model_fields)
+
+
 def parse_upstreams(d: Any, path: str = "endpoints"
                     ) -> tuple[dict[str, EndpointSpec], dict[str, Upstream]]:
     """Split ``endpoints`` settings into the dispatcher's quotas and the proxy's
@@ -75,37 +116,9 @@ def parse_upstreams(d: Any, path: str = "endpoints"
     Raises:
         ConfigError: one line naming the setting.
     """
-    from metasched.core.cluster_config import parse_endpoints
-    from metasched.runtime.api_calls import HttpSpec
-
-    quotas: dict[str, Any] = {}
-    upstreams: dict[str, Upstream] = {}
-    for name, e in mapping_or_empty(d, path).items():
-        at = f"{path}.{name}"
-        if not isinstance(e, Mapping):
-            raise ConfigError(at, f"must be a mapping (got {e!r})")
-        check_keys(e, _QUOTA_KEYS | _UPSTREAM_KEYS, at)
-        quotas[name] = {k: v for k, v in e.items() if k in _QUOTA_KEYS}
-        if e.get("url") is None:
-            for key in _UPSTREAM_KEYS - {"url"}:
-                if e.get(key) is not None:
-                    raise ConfigError(f"{at}.{key}", "only an endpoint with a url (one the "
-                                      "proxy forwards to) has it")
-            continue
-        url = get_key(e, "url", at)
-        headers = mapping_or_empty(e.get("headers"), f"{at}.headers")
-        try:
-            HttpSpec.model_validate({"url": str(url),
-                                     "headers": {str(k): v for k, v in headers.items()}})
-        except ValidationError as err:
-            raise validation_error(err.errors(), model=HttpSpec, at=(at,)) from None
-        upstreams[str(name)] = Upstream(
-            url=str(url).rstrip("/"), headers={str(k): str(v) for k, v in headers.items()},
-            tokens=bounded(e.get("tokens", 0), f"{at}.tokens", lo=0, integer=True),
-            timeout_s=bounded(e.get("timeout_s", 300.0), f"{at}.timeout_s", lo=0.0,
-                              lo_open=True, hi=30 * 24 * 3600.0),
-            margin_s=bounded(e.get("margin_s", 0.25), f"{at}.margin_s", lo=0.0, hi=60.0))
-    specs = parse_endpoints(quotas, path)
+    given = parse(dict[str, _ProxiedEndpoint] | None, d, path) or {}
+    specs = {str(k): e.spec() for k, e in given.items()}
+    upstreams = {str(k): e.upstream() for k, e in given.items() if e.url is not None}
     for name, up in upstreams.items():
         specs[name] = derated(specs[name], up.margin_s)
     return specs, upstreams
@@ -124,17 +137,29 @@ def is_loopback(host: str) -> bool:
 DEFAULT_CLIENT = "default"  # the client holding ``token``
 
 
-def _check_token(token: Any, name: str) -> None:
-    if not isinstance(token, str) or len(token) < 16 or not token.isprintable() \
-            or " " in token:
-        raise ConfigError(name, "must be at least 16 printable characters without spaces "
+def _token(token: str) -> str:
+    if len(token) < 16 or not token.isprintable() or " " in token:
+        raise ConfigError("", "must be at least 16 printable characters without spaces "
                           "(e.g. from: python -c 'import secrets; "
                           "print(secrets.token_urlsafe())')")
+    return token
 
 
-@dataclass
-class ServeConfig:
+def _port(port: int) -> int:
+    if not 0 <= port <= 65535:
+        raise ConfigError("", f"must be >= 0 and <= 65535 (got {port})")
+    return port
+
+
+Token = Annotated[str, Field(strict=True), AfterValidator(_token)]
+"""A bearer token: at least 16 printable characters, no spaces."""
+
+
+class ServeConfig(Strict):
     """How the service runs (the dispatcher behind it is configured on its own).
+
+    Built by keyword (``ServeConfig(port=8080, token=...)``); a bad value is a
+    :class:`ConfigError`, one line naming the setting.
 
     Attributes:
         host, port: where it listens. Any address but a loopback one needs ``token``.
@@ -163,38 +188,34 @@ class ServeConfig:
             (older ones are answered from the dispatcher's journal, where it has one).
     """
 
-    host: str = "127.0.0.1"
-    port: int = 8080
-    token: str | None = None
-    tokens: dict[str, str] = field(default_factory=dict)
-    max_body_mb: float = 64.0
-    header_timeout_s: float = 30.0
-    body_timeout_s: float = 120.0
-    max_connections: int | None = None
-    upstreams: dict[str, Upstream] = field(default_factory=dict)
-    languages: list[str] | None = None
-    task: str = "run_code"
-    keep_results: int = 100_000
+    host: Text = "127.0.0.1"
+    port: Annotated[Count(0), AfterValidator(_port)] = 8080
+    token: Token | None = None
+    tokens: dict[Annotated[str, BeforeValidator(str)], Token] = {}
+    max_body_mb: Number(gt=0.0) = 64.0
+    header_timeout_s: Number(gt=0.0, le=24 * 3600.0) = 30.0
+    body_timeout_s: Number(gt=0.0, le=24 * 3600.0) = 120.0
+    max_connections: Count(1) | None = None
+    upstreams: dict[str, Upstream] = {}
+    languages: list[Text] | None = None
+    task: Text = "run_code"
+    keep_results: Count(0) = 100_000
 
-    def __post_init__(self) -> None:
-        self.check()
+    def __init__(self, **data: Any) -> None:
+        # A bad setting is one line naming it (the app prints it and exits).
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise validation_error(e.errors(), model=ServeConfig, root="settings") from None
 
-    def check(self) -> None:
-        """Raise :class:`ConfigError` (one line, naming the setting) on a bad value."""
-        if not isinstance(self.host, str) or not self.host:
-            raise ConfigError("host", f"must be an address to listen on (got {self.host!r})")
-        bounded(self.port, "port", lo=0, hi=65535, integer=True)
-        if self.token is not None:
-            _check_token(self.token, "token")
-        if not isinstance(self.tokens, Mapping):
-            raise ConfigError("tokens", f"must be a mapping of client name to token (got "
-                              f"{type(self.tokens).__name__})")
-        self.tokens = {str(k): v for k, v in self.tokens.items()}
-        for name, token in self.tokens.items():
+    __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
+
+    @model_validator(mode="after")
+    def _clients(self) -> ServeConfig:
+        for name in self.tokens:
             if not name or name == DEFAULT_CLIENT and self.token is not None:
                 raise ConfigError("tokens", f"{name!r}: a client name must be non-empty and "
                                   f"not {DEFAULT_CLIENT!r} (the holder of token)")
-            _check_token(token, f"tokens.{name}")
         given = [t for t in [self.token, *self.tokens.values()] if t is not None]
         if len(set(given)) != len(given):
             raise ConfigError("tokens", "two clients have the same token: each needs its own")
@@ -202,21 +223,7 @@ class ServeConfig:
             raise ConfigError("token", f"listening on {self.host} needs a token (set "
                               f"METASCHED_SERVE_TOKEN, or token=...): only a loopback "
                               f"address may go without")
-        bounded(self.max_body_mb, "max_body_mb", lo=0.0, lo_open=True, hi=math.inf)
-        if not math.isfinite(self.max_body_mb):
-            raise ConfigError("max_body_mb", f"must be finite (got {self.max_body_mb!r})")
-        for name in ("header_timeout_s", "body_timeout_s"):
-            bounded(getattr(self, name), name, lo=0.0, lo_open=True, hi=24 * 3600.0)
-        if self.max_connections is not None:
-            bounded(self.max_connections, "max_connections", lo=1, integer=True)
-        if self.languages is not None and (
-                not isinstance(self.languages, list)
-                or not all(isinstance(x, str) and x for x in self.languages)):
-            raise ConfigError("languages", f"must be a list of language names or null "
-                              f"(got {self.languages!r})")
-        if not isinstance(self.task, str) or not self.task:
-            raise ConfigError("task", f"must be a non-empty string (got {self.task!r})")
-        bounded(self.keep_results, "keep_results", lo=0, integer=True)
+        return self
 
     @property
     def clients(self) -> dict[str, str]:

@@ -12,13 +12,15 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator, PlainValidator, model_validator
 
 from metasched.core.actions import KINDS, SandboxSpec
 from metasched.core.cluster_config import ClusterConfig
 from metasched.core.pools import ServiceSpec
-from metasched.core.validate import bounded, check_keys, get_key, mapping_or_empty
-from metasched.errors import ConfigError, one_of
+from metasched.core.schema import Count, Demand, Flag, Fraction, Number, Strict, join, parse
+from metasched.errors import ConfigError, short
 from metasched.sim.groups import GroupConfig, parse_groups
 
 Z90, Z99 = 1.2815515655446004, 2.3263478740408408  # standard normal quantiles
@@ -84,21 +86,156 @@ class Dist:
         return np.clip(self._unclipped(norm.ppf(p)), self.lo, self.hi)
 
 
-@dataclass(frozen=True, slots=True)
-class ActionType:
-    """One kind of action a task issues, with the distribution of its durations."""
+_Kind = Literal[KINDS]  # type: ignore[valid-type]
+_Cores = Count(1, 2**53)  # a profile's core counts: any a float holds exactly
+
+
+class _DistForm(Strict):
+    """A distribution as a profile gives it: ``{median, p90, p99, min, max}`` (p90, p99
+    or both), and where values may be 0, ``zero``: the fraction of draws that are 0."""
+
+    median: Number(ge=0.0)
+    p90: Number(ge=0.0) | None = None
+    p99: Number(ge=0.0) | None = None
+    min: Number(ge=0.0) = 0.0
+    max: Number(ge=0.0) | None = None
+    zero: Number(ge=0.0, le=1.0) = 0.0
+
+    @model_validator(mode="after")
+    def _ordered(self) -> _DistForm:
+        for q, lo, what in (("p90", self.median, "median"),
+                            ("p99", self.median if self.p90 is None else self.p90,
+                             "median" if self.p90 is None else "p90")):
+            v = getattr(self, q)
+            if v is not None and v < lo:
+                raise ConfigError(q, f"must be >= {lo:g} ({what}; got {v:g})")
+        if self.max is not None and self.max < self.min:
+            raise ConfigError("max", f"must be >= {self.min:g} (min; got {self.max:g})")
+        hi = math.inf if self.max is None else self.max
+        if not self.min <= self.median <= hi:
+            raise ConfigError("", f"median {self.median:g} must lie within [min, max] = "
+                              f"[{self.min:g}, {hi:g}]")
+        if self.zero == 1.0:
+            raise ConfigError("zero", "must be < 1 (a distribution of zeros: give 0)")
+        return self
+
+    def dist(self) -> Dist:
+        median, sigma, tail_sigma = self.median, 0.0, None
+        if self.p90 is not None and self.p99 is not None:  # a body, its own tail
+            if median > 0:
+                sigma = math.log(self.p90 / median) / Z90
+                tail_sigma = math.log(self.p99 / self.p90) / (Z99 - Z90)
+        else:
+            for v, z in ((self.p90, Z90), (self.p99, Z99)):
+                if v is not None:
+                    sigma = math.log(v / median) / z if median > 0 else 0.0
+        return Dist(median, sigma, self.min, math.inf if self.max is None else self.max,
+                    tail_sigma, self.zero)
+
+
+class _PositiveDistForm(_DistForm):
+    """A distribution of durations: no point mass at 0, a median > 0."""
+
+    median: Number(gt=0.0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_zero(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and "zero" in data:
+            raise ConfigError("zero", "unknown field (durations are never 0)")
+        return data
+
+
+def _dist(d: Any, positive: bool) -> Dist:
+    """A :class:`Dist` from a profile's mapping or a plain number (a constant)."""
+    if isinstance(d, (int, float)) and not isinstance(d, bool):
+        v = parse(Number(gt=0.0) if positive else Number(ge=0.0), d)
+        return Dist(v, 0.0, v, v)
+    if not isinstance(d, Mapping):
+        raise ConfigError("", f"must be a number or a mapping with median/p90/p99 "
+                          f"(got {short(d)})")
+    return parse(_PositiveDistForm if positive else _DistForm, d).dist()
+
+
+def parse_dist(d: Any, path: str, *, positive: bool = True) -> Dist:
+    """``{median: m, p90: q, p99: q, min: lo, max: hi}`` (p90, p99 or both) or a plain
+    number (a constant); where values may be 0 (``positive`` false), also ``zero: f``,
+    the fraction of draws that are 0 (the quantiles are then those of the others)."""
+    try:
+        return _dist(d, positive)
+    except ConfigError as e:
+        raise ConfigError(join(path, e.field), e.problem) from None
+
+
+PositiveDist = Annotated[Dist, PlainValidator(lambda v: _dist(v, True))]
+"""A duration's distribution (a :class:`Dist` from a profile's form)."""
+AnyDist = Annotated[Dist, PlainValidator(lambda v: _dist(v, False))]
+"""A distribution whose draws may be 0 (turns, generation gaps, tokens)."""
+
+
+class ActionType(Demand):
+    """One kind of action a task issues, with the distribution of its durations; its
+    resource fields are the shared :class:`~metasched.core.schema.Demand`'s.
+
+    In a profile its cores are ``cores: [min, max]`` (or one number); the fields that
+    another kind has (a gpu action's ``cores``, a cpu action's ``service``) are ignored.
+    """
 
     name: str
-    kind: str
-    prob: float
-    duration_s: Dist
-    timeout_s: float
-    min_cores: int = 1
-    max_cores: int = 1
-    parallel_fraction: float = 0.0
-    service: str | None = None
-    endpoint: str | None = None
-    tokens: Dist | None = None
+    kind: Literal[KINDS]  # type: ignore[valid-type]  # cpu, gpu, api
+    prob: Fraction
+    duration_s: PositiveDist
+    timeout_s: Number(gt=0.0)
+    tokens: AnyDist | None = None
+
+    def __copy__(self) -> ActionType:  # frozen: copies (a simulator's fork) share it
+        return self
+
+    def __deepcopy__(self, memo: dict) -> ActionType:
+        return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _profile_form(cls, data: Any) -> Any:
+        """A profile's form: ``cores: [min, max]``; only the kind's own fields kept."""
+        if not isinstance(data, Mapping):
+            return data
+        kind = data.get("kind")
+        other = _NOT_OF_KIND.get(kind, ()) if isinstance(kind, str) else ()
+        d = {k: v for k, v in data.items() if k not in other}
+        for key in ("min_cores", "max_cores"):
+            if key in d:
+                raise ConfigError(key, "unknown field (a profile gives cores: [min, max])")
+        if "kind" not in d or d["kind"] is None:
+            raise ConfigError("kind", "is required")
+        kind = parse(_Kind, d["kind"], "kind")
+        if kind == "cpu":
+            cores = d.pop("cores", [1, 1])
+            if isinstance(cores, int) and not isinstance(cores, bool):
+                cores = [cores, cores]
+            if not isinstance(cores, (list, tuple)) or len(cores) != 2:
+                raise ConfigError("cores", f"must be [min, max] (got {short(cores)})")
+            d["min_cores"] = parse(_Cores, cores[0], "cores[0]")
+            d["max_cores"] = parse(_Cores, cores[1], "cores[1]")
+            if d["max_cores"] < d["min_cores"]:
+                raise ConfigError("cores[1]", f"must be >= {d['min_cores']} (the minimum; "
+                                  f"got {short(cores[1])})")
+        elif kind == "gpu":
+            d.setdefault("service", None)
+            if d["service"] is None:
+                raise ConfigError("service", "is required")
+        elif kind == "api":
+            if d.get("tokens") is None:  # absent or null: none
+                d["tokens"] = 0
+            if d.get("endpoint") is None:
+                raise ConfigError("endpoint", "is required")
+        return d
+
+
+# The fields a profile's action may give that another kind's use (ignored for it).
+_NOT_OF_KIND = {"cpu": ("service", "endpoint", "tokens"),
+                "gpu": ("cores", "parallel_fraction", "endpoint", "tokens"),
+                "api": ("cores", "parallel_fraction", "service")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,205 +294,188 @@ class WorkloadConfig:
     groups: GroupConfig = GroupConfig()
 
 
-def parse_dist(d: Any, path: str, *, positive: bool = True) -> Dist:
-    """``{median: m, p90: q, p99: q, min: lo, max: hi}`` (p90, p99 or both) or a plain
-    number (a constant); where values may be 0 (``positive`` false), also ``zero: f``,
-    the fraction of draws that are 0 (the quantiles are then those of the others)."""
-    if isinstance(d, (int, float)) and not isinstance(d, bool):
-        v = bounded(d, path, lo=0.0, lo_open=positive)
-        return Dist(v, 0.0, v, v)
-    if not isinstance(d, Mapping):
-        raise ConfigError(path, f"must be a number or a mapping with median/p90/p99 (got {d!r})")
-    check_keys(d, {"median", "p90", "p99", "min", "max"} | (set() if positive else {"zero"}),
-               path)
-    median = bounded(get_key(d, "median", path), f"{path}.median", lo=0.0, lo_open=positive)
-    zero = bounded(d.get("zero", 0.0), f"{path}.zero", lo=0.0, hi=1.0)
-    if zero == 1.0:
-        raise ConfigError(f"{path}.zero", "must be < 1 (a distribution of zeros: give 0)")
-    sigma = 0.0
-    tail_sigma = None
-    if "p90" in d and "p99" in d:  # a body through the p90, its own tail to the p99
-        p90 = bounded(d["p90"], f"{path}.p90", lo=median)
-        p99 = bounded(d["p99"], f"{path}.p99", lo=p90)
-        if median > 0:
-            sigma = math.log(p90 / median) / Z90
-            tail_sigma = math.log(p99 / p90) / (Z99 - Z90)
-    else:
-        for q, z in (("p90", Z90), ("p99", Z99)):
-            if q in d:
-                v = bounded(d[q], f"{path}.{q}", lo=median)
-                sigma = math.log(v / median) / z if median > 0 else 0.0
-    lo = bounded(d.get("min", 0.0), f"{path}.min", lo=0.0)
-    hi = bounded(d["max"], f"{path}.max", lo=max(lo, 0.0)) if "max" in d else math.inf
-    if not lo <= median <= hi:
-        raise ConfigError(path, f"median {median:g} must lie within [min, max] = [{lo:g}, {hi:g}]")
-    return Dist(median, sigma, lo, hi, tail_sigma, zero)
+class _Service(Strict):
+    """A GPU service (:class:`~metasched.core.pools.ServiceSpec`)."""
+
+    mem_gb: Number(gt=0.0)
+    restore_s: Number(ge=0.0)
+    max_batch: Count(1) = 1
+    batch_marginal: Number(ge=0.0) = 0.0
+
+    def spec(self) -> ServiceSpec:
+        return ServiceSpec(**self.model_dump())
 
 
-def parse_action_type(name: str, d: Any, path: str, services: Mapping, *,
-                      reward: bool = False) -> ActionType:
-    if not isinstance(d, Mapping):
-        raise ConfigError(path, f"must be a mapping (got {d!r})")
-    check_keys(d, {"kind", "prob", "duration_s", "timeout_s", "cores", "parallel_fraction",
-                    "service", "endpoint", "tokens"}, path)
-    kind = get_key(d, "kind", path)
-    one_of(kind, KINDS, f"{path}.kind")
-    prob = 1.0 if reward else bounded(get_key(d, "prob", path), f"{path}.prob", lo=0.0, hi=1.0)
-    duration = parse_dist(get_key(d, "duration_s", path), f"{path}.duration_s")
-    timeout = bounded(get_key(d, "timeout_s", path), f"{path}.timeout_s", lo=0.0, lo_open=True)
-    min_c = max_c = 1
-    pf = 0.0
-    service = endpoint = None
-    tokens = None
-    if kind == "cpu":
-        cores = d.get("cores", [1, 1])
-        if isinstance(cores, int) and not isinstance(cores, bool):
-            cores = [cores, cores]
-        if not isinstance(cores, (list, tuple)) or len(cores) != 2:
-            raise ConfigError(f"{path}.cores", f"must be [min, max] (got {cores!r})")
-        min_c = bounded(cores[0], f"{path}.cores[0]", lo=1, integer=True)
-        max_c = bounded(cores[1], f"{path}.cores[1]", lo=min_c, integer=True)
-        pf = bounded(d.get("parallel_fraction", 0.0), f"{path}.parallel_fraction", lo=0.0, hi=1.0)
-    elif kind == "gpu":
-        service = get_key(d, "service", path)
-        if not isinstance(service, str) or service not in services:
-            raise ConfigError(f"{path}.service", f"unknown service {service!r} (defined: "
-                              f"{', '.join(sorted(services)) or 'none'})")
-    else:
-        endpoint = get_key(d, "endpoint", path)
-        if not isinstance(endpoint, str) or not endpoint:
-            raise ConfigError(f"{path}.endpoint", f"must be an endpoint name (got {endpoint!r})")
-        tokens = parse_dist(d.get("tokens", 0), f"{path}.tokens", positive=False)
-    return ActionType(name, kind, prob, duration, timeout, min_c, max_c, pf, service,
-                      endpoint, tokens)
+def parse_service(d: Any, path: str) -> ServiceSpec:
+    """A GPU service: ``{mem_gb, restore_s, max_batch, batch_marginal}``."""
+    return parse(_Service, d, path).spec()
 
 
-def parse_turn_groups(d: Any, path: str, names: set[str]) -> tuple[TurnGroup, ...]:
-    """``[{prob: p, actions: [stage, ...]}, ...]`` (absent or null: none): what one turn
-    submits, a stage being an action name or a list submitted together of names and
-    chains (a chain: a list of names, each submitted when the one before it finishes);
-    the groups' probabilities summing to 1, every name one of the task's action types."""
-    if d is None:
-        return ()
-    if not isinstance(d, (list, tuple)) or not d:
-        raise ConfigError(path, f"must be a non-empty list of {{prob, actions}} (got {d!r})")
-    out = []
-    for i, g in enumerate(d):
-        gp = f"{path}[{i}]"
-        if not isinstance(g, Mapping):
-            raise ConfigError(gp, f"must be a mapping {{prob, actions}} (got {g!r})")
-        check_keys(g, {"prob", "actions"}, gp)
-        prob = bounded(get_key(g, "prob", gp), f"{gp}.prob", lo=0.0, hi=1.0)
-        acts = get_key(g, "actions", gp)
-        if not isinstance(acts, (list, tuple)) or not acts:
-            raise ConfigError(f"{gp}.actions", f"must be a non-empty list of action names "
-                              f"(got {acts!r})")
+class _Sandbox(Strict):
+    mem_gb: Number(ge=0.0)
+    startup_s: Number(ge=0.0)
+
+
+class _TurnGroup(Strict):
+    """``{prob, actions: [stage, ...]}``: a stage is an action name or a list, submitted
+    together, of names and chains (a chain: a list of names, each submitted when the
+    one before it finishes)."""
+
+    prob: Fraction
+    actions: Annotated[list[Any], BeforeValidator(
+        lambda v: _non_empty_list(v, "a non-empty list of action names"))]
+
+    def stages(self, names: set[str]) -> tuple[tuple[tuple[str, ...], ...], ...]:
+        """The stages as chains of names, each name one of ``names``."""
         stages = []
-        for stage in acts:
+        for stage in self.actions:
             stage = [stage] if isinstance(stage, str) else stage
             if not isinstance(stage, (list, tuple)) or not stage:
-                raise ConfigError(f"{gp}.actions", f"a stage must be an action name or a "
-                                  f"non-empty list of names and chains (got {stage!r})")
+                raise ConfigError("actions", f"a stage must be an action name or a "
+                                  f"non-empty list of names and chains (got {short(stage)})")
             chains = []
             for chain in stage:
                 chain = [chain] if isinstance(chain, str) else chain
                 if not isinstance(chain, (list, tuple)) or not chain or not all(
                         isinstance(a, str) for a in chain):
-                    raise ConfigError(f"{gp}.actions", f"a chain must be a non-empty list of "
-                                      f"action names (got {chain!r})")
+                    raise ConfigError("actions", f"a chain must be a non-empty list of "
+                                      f"action names (got {short(chain)})")
                 for a in chain:
                     if a not in names:
-                        raise ConfigError(f"{gp}.actions", f"unknown action {a!r} (the "
-                                          f"task's: {', '.join(sorted(names)) or 'none'})")
+                        raise ConfigError("actions", f"unknown action {a!r} (the task's: "
+                                          f"{', '.join(sorted(names)) or 'none'})")
                 chains.append(tuple(chain))
             stages.append(tuple(chains))
-        out.append(TurnGroup(prob, tuple(stages)))
-    if abs(sum(g.prob for g in out) - 1.0) > 1e-6:
-        raise ConfigError(path, f"probabilities (prob) must sum to 1 (got "
-                          f"{sum(g.prob for g in out):g})")
-    return tuple(out)
+        return tuple(stages)
 
 
-def parse_service(d: Any, path: str) -> ServiceSpec:
-    """A GPU service: ``{mem_gb, restore_s, max_batch, batch_marginal}``."""
-    if not isinstance(d, Mapping):
-        raise ConfigError(path, f"must be a mapping (got {d!r})")
-    check_keys(d, {"mem_gb", "restore_s", "max_batch", "batch_marginal"}, path)
-    return ServiceSpec(
-        mem_gb=bounded(get_key(d, "mem_gb", path), f"{path}.mem_gb", lo=0.0, lo_open=True),
-        restore_s=bounded(get_key(d, "restore_s", path), f"{path}.restore_s", lo=0.0),
-        max_batch=bounded(d.get("max_batch", 1), f"{path}.max_batch", lo=1, integer=True),
-        batch_marginal=bounded(d.get("batch_marginal", 0.0), f"{path}.batch_marginal", lo=0.0))
+def _non_empty_list(value: Any, what: str) -> Any:
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ConfigError("", f"must be {what} (got {short(value)})")
+    return value
+
+
+def _named(actions: Any) -> Any:
+    """A mapping of action name to action, each given its name."""
+    if not isinstance(actions, Mapping):
+        return actions
+    out = {}
+    for name, a in actions.items():
+        if isinstance(a, Mapping):
+            if "name" in a:
+                raise ConfigError(f"{name}.name", "unknown field (an action's name is its key)")
+            a = {**a, "name": str(name)}
+        out[name] = a
+    return out
+
+
+def _default_if_null(*keys: str) -> Any:
+    """A before-validator: the given keys, when null, take their defaults."""
+    def drop(data: Any) -> Any:
+        if isinstance(data, Mapping) and any(k in data and data[k] is None for k in keys):
+            return {k: v for k, v in data.items() if not (k in keys and v is None)}
+        return data
+    return model_validator(mode="before")(classmethod(lambda cls, data: drop(data)))
+
+
+class _Task(Strict):
+    """A task as a profile gives it (:class:`TaskConfig`)."""
+
+    share: Number(gt=0.0) = 1.0
+    turns: AnyDist
+    generation_s: AnyDist
+    sandbox: _Sandbox | None = None
+    actions: Annotated[dict[str, ActionType], BeforeValidator(_named)]
+    reward: ActionType
+    turn_groups: Annotated[list[_TurnGroup], BeforeValidator(
+        lambda v: _non_empty_list(v, "a non-empty list of {prob, actions}"))] | None = None
+
+    _nulls = _default_if_null("share")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reward_named(cls, data: Any) -> Any:
+        """The reward action is named ``reward`` and always happens (prob 1)."""
+        if isinstance(data, Mapping) and isinstance(data.get("reward"), Mapping):
+            if "name" in data["reward"]:
+                raise ConfigError("reward.name", "unknown field")
+            data = {**data, "reward": {**data["reward"], "name": "reward", "prob": 1.0}}
+        return data
+
+    @model_validator(mode="after")
+    def _consistent(self) -> _Task:
+        if self.actions and abs(sum(a.prob for a in self.actions.values()) - 1.0) > 1e-6:
+            raise ConfigError("actions", "probabilities (prob) must sum to 1 (got "
+                              f"{sum(a.prob for a in self.actions.values()):g})")
+        if not self.actions and self.turns.hi > 0:
+            raise ConfigError("actions", "a task with tool turns (turns > 0) needs actions")
+        if self.turn_groups and abs(sum(g.prob for g in self.turn_groups) - 1.0) > 1e-6:
+            raise ConfigError("turn_groups", "probabilities (prob) must sum to 1 (got "
+                              f"{sum(g.prob for g in self.turn_groups):g})")
+        for i, g in enumerate(self.turn_groups or ()):
+            try:
+                g.stages(set(self.actions))
+            except ConfigError as e:
+                raise ConfigError(f"turn_groups[{i}].{e.field}", e.problem) from None
+        return self
+
+    def config(self, name: str) -> TaskConfig:
+        names = set(self.actions)
+        return TaskConfig(
+            name=name, share=self.share, turns=self.turns, generation_s=self.generation_s,
+            sandbox=None if self.sandbox is None else SandboxSpec(self.sandbox.mem_gb,
+                                                                  self.sandbox.startup_s),
+            actions=tuple(self.actions[a] for a in sorted(self.actions, key=str)),
+            reward=self.reward,
+            turn_groups=tuple(TurnGroup(g.prob, g.stages(names))
+                              for g in self.turn_groups or ()))
+
+
+class _Workload(Strict):
+    """A workload profile as ``configs/workload/*.yaml`` gives it (:class:`WorkloadConfig`)."""
+
+    name: Annotated[str, BeforeValidator(lambda v: v if v is None else str(v))]
+    steps: Count(1) = 1
+    trajectories_per_step: Count(1) = 1
+    estimate_error: Number(ge=0.0, le=5.0) = 0.0
+    services: dict[str, _Service] | None = None
+    tasks: dict[str, _Task] | None = None
+    trace: Any = None
+    step_gap_s: Number(ge=0.0) = 0.0
+    step_fresh_quotas: Flag = False
+    groups: Any = None  # checked by metasched.sim.groups.parse_groups
+
+    _nulls = _default_if_null("steps", "trajectories_per_step", "estimate_error")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> _Workload:
+        if not self.tasks and self.trace is None:
+            raise ConfigError("tasks", "at least one task is required (or give a trace)")
+        services = self.services or {}
+        for tname, t in (self.tasks or {}).items():
+            for where, a in (*((f"actions.{n}", a) for n, a in t.actions.items()),
+                             ("reward", t.reward)):
+                if a.kind == "gpu" and a.service not in services:
+                    raise ConfigError(f"tasks.{tname}.{where}.service", f"unknown service "
+                                      f"{a.service!r} (defined: "
+                                      f"{', '.join(sorted(services)) or 'none'})")
+        return self
+
+    def config(self, groups: GroupConfig) -> WorkloadConfig:
+        tasks = self.tasks or {}
+        return WorkloadConfig(
+            self.name, self.steps, self.trajectories_per_step, self.estimate_error,
+            tuple(tasks[t].config(str(t)) for t in sorted(tasks, key=str)),
+            {str(k): s.spec() for k, s in (self.services or {}).items()},
+            None if self.trace is None else str(self.trace), self.step_gap_s,
+            self.step_fresh_quotas, groups)
 
 
 def parse_workload(d: Mapping, path: str = "workload") -> WorkloadConfig:
     """Validate a workload profile dict (see ``configs/workload/*.yaml``)."""
-    if not isinstance(d, Mapping):
-        raise ConfigError(path, f"must be a mapping (got {type(d).__name__})")
-    check_keys(d, {"name", "steps", "trajectories_per_step", "estimate_error", "services",
-                    "tasks", "trace", "step_gap_s", "step_fresh_quotas", "groups"}, path)
-    name = str(get_key(d, "name", path))
-    services = {str(k): parse_service(v, f"{path}.services.{k}")
-                for k, v in mapping_or_empty(d.get("services"), f"{path}.services").items()}
-    trace = d.get("trace")
-    steps = bounded(get_key(d, "steps", path, 1), f"{path}.steps", lo=1, integer=True)
-    n_traj = bounded(get_key(d, "trajectories_per_step", path, 1), f"{path}.trajectories_per_step",
-                     lo=1, integer=True)
-    est_err = bounded(get_key(d, "estimate_error", path, 0.0), f"{path}.estimate_error",
-                      lo=0.0, hi=5.0)
-    tasks_d = d.get("tasks") or {}
-    if not isinstance(tasks_d, Mapping):
-        raise ConfigError(f"{path}.tasks", "must be a mapping of task name to task")
-    if not tasks_d and trace is None:
-        raise ConfigError(f"{path}.tasks", "at least one task is required (or give a trace)")
-    tasks = []
-    for tname in sorted(tasks_d, key=str):
-        t, tp = tasks_d[tname], f"{path}.tasks.{tname}"
-        if not isinstance(t, Mapping):
-            raise ConfigError(tp, f"must be a mapping (got {t!r})")
-        check_keys(t, {"share", "turns", "generation_s", "sandbox", "actions", "reward",
-                        "turn_groups"}, tp)
-        sb = t.get("sandbox")
-        sandbox = None
-        if sb is not None:
-            if not isinstance(sb, Mapping):
-                raise ConfigError(f"{tp}.sandbox", f"must be a mapping or null (got {sb!r})")
-            check_keys(sb, {"mem_gb", "startup_s"}, f"{tp}.sandbox")
-            sandbox = SandboxSpec(
-                bounded(get_key(sb, "mem_gb", f"{tp}.sandbox"), f"{tp}.sandbox.mem_gb", lo=0.0),
-                bounded(get_key(sb, "startup_s", f"{tp}.sandbox"), f"{tp}.sandbox.startup_s",
-                        lo=0.0))
-        acts_d = get_key(t, "actions", tp)
-        if not isinstance(acts_d, Mapping):
-            raise ConfigError(f"{tp}.actions", "must be a mapping of action name to action")
-        actions = tuple(parse_action_type(str(a), acts_d[a], f"{tp}.actions.{a}", services)
-                        for a in sorted(acts_d, key=str))
-        if actions and abs(sum(a.prob for a in actions) - 1.0) > 1e-6:
-            raise ConfigError(f"{tp}.actions", "probabilities (prob) must sum to 1 "
-                              f"(got {sum(a.prob for a in actions):g})")
-        turns = parse_dist(get_key(t, "turns", tp), f"{tp}.turns", positive=False)
-        groups = parse_turn_groups(t.get("turn_groups"), f"{tp}.turn_groups",
-                                   {a.name for a in actions})
-        if not actions and turns.hi > 0:
-            raise ConfigError(f"{tp}.actions", "a task with tool turns (turns > 0) needs actions")
-        tasks.append(TaskConfig(
-            name=str(tname),
-            share=bounded(get_key(t, "share", tp, 1.0), f"{tp}.share", lo=0.0, lo_open=True),
-            turns=turns,
-            generation_s=parse_dist(get_key(t, "generation_s", tp), f"{tp}.generation_s",
-                                    positive=False),
-            sandbox=sandbox, actions=actions,
-            reward=parse_action_type("reward", get_key(t, "reward", tp), f"{tp}.reward",
-                                     services, reward=True),
-            turn_groups=groups))
-    gap = bounded(d.get("step_gap_s", 0.0), f"{path}.step_gap_s", lo=0.0)
-    fresh = d.get("step_fresh_quotas", False)
-    if not isinstance(fresh, bool):
-        raise ConfigError(f"{path}.step_fresh_quotas", f"must be true or false (got {fresh!r})")
-    groups = parse_groups(d.get("groups"), f"{path}.groups",
-                          {a.name for t in tasks for a in t.actions})
-    return WorkloadConfig(name, steps, n_traj, est_err, tuple(tasks), services,
-                          None if trace is None else str(trace), gap, fresh, groups)
+    w = parse(_Workload, d, path)
+    return w.config(parse_groups(w.groups, f"{path}.groups",
+                                 {a for t in (w.tasks or {}).values() for a in t.actions}))
 
 
 def check_compatible(w: WorkloadConfig, c: ClusterConfig, path: str = "workload") -> None:

@@ -1,20 +1,35 @@
-"""How a dispatcher runs: :class:`DispatcherConfig` (its settings, with their defaults)."""
+"""How a dispatcher runs (:class:`DispatcherConfig`): the schema of its settings."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import ConfigDict, Field, InstanceOf, PlainValidator, ValidationError
 
 from metasched.core.pools import EndpointSpec
+from metasched.core.schema import Count, Flag, Number, Strict, Text
+from metasched.errors import ConfigError, short, validation_error
 from metasched.runtime.api_calls import RetryPolicy
 from metasched.runtime.limits import RequestLimits
 from metasched.runtime.sandbox.config import SandboxConfig
 
+__all__ = ["DispatcherConfig"]
 
-@dataclass
-class DispatcherConfig:
-    """How a dispatcher runs.
+
+def _file_path(value: Any) -> str | Path | None:
+    if value is None or isinstance(value, Path) or isinstance(value, str) and value:
+        return value
+    raise ConfigError("", f"must be a file path or null (got {short(value)})")
+
+
+FilePath = Annotated[str | Path | None, PlainValidator(_file_path)]
+"""A file's path (text or a Path), or None."""
+
+
+class DispatcherConfig(Strict):
+    """How a dispatcher runs: a pydantic schema, checked where it is built (from Python
+    or from the apps' settings); a bad value is one line naming the setting.
 
     Attributes:
         scheduler: a checkpoint directory (the shipped ``checkpoints/default``) or a
@@ -76,32 +91,45 @@ class DispatcherConfig:
             its core from this process, so it has no such queue: 0 only.
     """
 
-    scheduler: str = "checkpoints/default"
-    scheduler_params: dict[str, Any] = field(default_factory=dict)
-    cores: list[int] | None = None
-    mem_gb: float | None = None
-    gpu_standin: int = 0
-    gpu_standin_mem_gb: float = 16.0
-    endpoints: dict[str, EndpointSpec] = field(default_factory=dict)
-    journal: str | Path | None = None
-    fsync: bool = False
-    journal_delay_s: float = 0.005
-    journal_env: bool = False
-    max_wait_s: float | None = 300.0
-    cost_alpha: float = 0.3
-    default_est_s: float = 1.0
-    estimates: str = "online"
-    retry: RetryPolicy = field(default_factory=RetryPolicy)
-    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
-    limits: RequestLimits = field(default_factory=RequestLimits)
-    workdir: str | None = None
-    tail_bytes: int = 4096
-    sample_interval_s: float = 1.0
-    metrics_window: int | None = 100_000
-    trajectory_idle_s: float = 3600.0
-    task_demand: dict[str, dict[str, float]] = field(default_factory=dict)
-    trace: str | Path | None = None
-    ahead_per_core: int | None = None
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
+    scheduler: Text = "checkpoints/default"
+    scheduler_params: dict[str, Any] = {}
+    cores: Annotated[list[Count(0)], Field(min_length=1)] | None = None
+    mem_gb: Number(gt=0.0) | None = None
+    gpu_standin: Count(0) = 0
+    gpu_standin_mem_gb: Number(gt=0.0) = 16.0
+    endpoints: dict[str, InstanceOf[EndpointSpec]] = {}
+    journal: FilePath = None
+    fsync: Flag = False
+    journal_delay_s: Number(ge=0.0) = 0.005
+    journal_env: Flag = False
+    max_wait_s: Number(gt=0.0) | None = 300.0
+    cost_alpha: Number(gt=0.0, le=1.0) = 0.3
+    default_est_s: Number(gt=0.0) = 1.0
+    estimates: Literal["online", "request"] = "online"
+    retry: InstanceOf[RetryPolicy] = Field(default_factory=RetryPolicy)
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    limits: RequestLimits = Field(default_factory=RequestLimits)
+    workdir: Text | None = None
+    tail_bytes: Count(0) = 4096
+    sample_interval_s: Number(gt=0.0) = 1.0
+    metrics_window: Count(1) | None = 100_000
+    trajectory_idle_s: Number(gt=0.0) = 3600.0
+    task_demand: dict[str, dict[str, float]] = {}
+    trace: FilePath = None
+    ahead_per_core: Count(0) | None = None
 
-__all__ = ["DispatcherConfig"]
+    def __init__(self, **data: Any) -> None:
+        # Built in Python, as from the settings: a bad value is one line naming it.
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise validation_error(e.errors(), model=DispatcherConfig,
+                                   root="dispatcher") from None
+
+    __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
+
+    def replace(self, **changes: Any) -> DispatcherConfig:
+        """A copy with ``changes``, checked as a new one is."""
+        return DispatcherConfig(**{**dict(self), **changes})

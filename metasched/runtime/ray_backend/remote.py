@@ -18,7 +18,6 @@ last fetched (every ``POLL_S`` while the dispatcher is open, and at its close).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import tempfile
@@ -160,7 +159,7 @@ def open_dispatcher(settings: RaySettings, config: DispatcherConfig,
         started = False
     else:
         if settings.ahead_per_core is not None:
-            config = dataclasses.replace(config, ahead_per_core=settings.ahead_per_core)
+            config = config.replace(ahead_per_core=settings.ahead_per_core)
         try:
             handle = start_dispatcher(config, name=settings.name, services=services,
                                       cores_per_node=settings.cores_per_node,

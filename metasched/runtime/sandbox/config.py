@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from metasched.errors import ConfigError, one_of, short
+from pydantic import AfterValidator, BeforeValidator, ValidationError
+
+from metasched.core.schema import Count, Flag, Number, Strict, parse
+from metasched.errors import ConfigError, short, validation_error
 from metasched.runtime.sandbox.bwrap import NOT_SYSTEM_PATHS, OWN_MOUNTS, within
 from metasched.runtime.sandbox.egress import DEFAULT_EGRESS, parse_egress
 from metasched.runtime.sandbox.workspace import Template, template_from
@@ -25,8 +27,55 @@ ENV_ALLOW = ("PATH", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "LC_NUMERIC", "LC
              "LC_COLLATE", "LC_MONETARY", "LC_MESSAGES", "TZ", "TERM")
 
 
-@dataclass
-class SandboxConfig:
+def _egress(entries: tuple[Any, ...]) -> tuple[str, ...]:
+    try:
+        return tuple(str(a) for a in parse_egress(entries))
+    except ConfigError as e:  # named by the validator (sandbox.egress)
+        raise ConfigError("", e.problem) from None
+
+
+def _uid_range(r: tuple[int, int]) -> tuple[int, int]:
+    first, count = r
+    if first < 1000 or count < 1 or first + count > 2**32 - 2:
+        raise ConfigError("", f"must be [first >= 1000, count >= 1] within 32-bit ids "
+                          f"(got {short(list(r))})")
+    return r
+
+
+def _checked_templates(value: Any) -> dict[str, str]:
+    """``sandbox.templates``: names (letters, digits, ``.``, ``_``, ``-``) to the
+    absolute paths of existing directories or tar archives."""
+    if value is None:
+        return {}
+    out = {}
+    for name, path in value.items():
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise ConfigError("", f"{short(name)}: a name is letters, digits, '.', '_' "
+                              "and '-'")
+        if not isinstance(path, str) or not path:
+            raise ConfigError(name, f"must be a path (got {short(path)})")
+        out[name] = template_from(path, name).path
+    return out
+
+
+def _system_path(path: Any) -> str:
+    """A configured system path, normalised; ConfigError where it is not one."""
+    field = ""  # the validator's: sandbox.system_paths
+    if not isinstance(path, str) or not path.startswith("/"):
+        raise ConfigError(field, f"must be absolute host paths (got {path!r})")
+    norm = os.path.normpath(path)
+    if norm in NOT_SYSTEM_PATHS:
+        raise ConfigError(field, f"{path!r} would expose the host (name the paths a "
+                          "toolchain needs)")
+    if within(norm, OWN_MOUNTS):
+        raise ConfigError(field, f"{path!r} would cover the sandbox's own "
+                          f"{', '.join(OWN_MOUNTS)}")
+    if not os.path.lexists(norm):
+        raise ConfigError(field, f"{path!r} does not exist")
+    return norm
+
+
+class SandboxConfig(Strict):
     """How commands are confined.
 
     Attributes:
@@ -66,55 +115,31 @@ class SandboxConfig:
             A request names one of these; it never gives a path.
     """
 
-    isolation: str = "auto"
-    cgroups: str = "auto"
+    isolation: Literal[ISOLATION_MODES] = "auto"  # type: ignore[valid-type]
+    cgroups: Literal[CGROUP_MODES] = "auto"  # type: ignore[valid-type]
     cgroup_parent: str | None = None
-    uid_range: tuple[int, int] | None = (1_500_000_000, 65_536)
-    nobody_uid: int = 65534
-    network: bool = False
-    egress: tuple[str, ...] = DEFAULT_EGRESS
-    env_allow: tuple[str, ...] = ENV_ALLOW
-    hide: tuple[str, ...] = ()
-    system_paths: tuple[str, ...] = ()
-    workspace_mb: float = 1024.0
-    scratch_mb: float = 512.0
-    pids_max: int = 1024
-    templates: dict[str, str] = field(default_factory=dict)
+    uid_range: Annotated[tuple[Count(0), Count(0)], AfterValidator(_uid_range)] | None = (
+        1_500_000_000, 65_536)
+    nobody_uid: Count(1, 2**32 - 2) = 65534
+    network: Flag = False
+    egress: Annotated[tuple[Any, ...], AfterValidator(_egress)] = DEFAULT_EGRESS
+    env_allow: tuple[Annotated[str, BeforeValidator(str)], ...] = ENV_ALLOW
+    hide: tuple[Annotated[str, BeforeValidator(lambda p: os.path.abspath(str(p)))], ...] = ()
+    system_paths: Annotated[tuple[str, ...], AfterValidator(
+        lambda paths: tuple(_system_path(p) for p in paths))] = ()
+    workspace_mb: Number(ge=1.0, le=2.0**40) = 1024.0
+    scratch_mb: Number(ge=1.0, le=2.0**40) = 512.0
+    pids_max: Count(1, 4_194_304) = 1024
+    templates: Annotated[dict[Any, Any] | None, AfterValidator(_checked_templates)] = {}
 
-    def __post_init__(self) -> None:
-        self.check()
+    def __init__(self, **data: Any) -> None:
+        # Built in Python, as from the settings: a bad value is one line naming it.
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise validation_error(e.errors(), model=SandboxConfig, at=("sandbox",)) from None
 
-    def check(self) -> None:
-        """Raise :class:`ConfigError` (one line, naming the field) on a bad value."""
-        one_of(self.isolation, ISOLATION_MODES, "sandbox.isolation")
-        one_of(self.cgroups, CGROUP_MODES, "sandbox.cgroups")
-        if self.uid_range is not None:
-            try:
-                first, count = (int(x) for x in self.uid_range)
-            except (TypeError, ValueError):
-                raise ConfigError("sandbox.uid_range", f"must be [first, count] or null "
-                                  f"(got {self.uid_range!r})") from None
-            if first < 1000 or count < 1 or first + count > 2**32 - 2:
-                raise ConfigError("sandbox.uid_range", "must be [first >= 1000, count >= 1] "
-                                  f"within 32-bit ids (got {self.uid_range!r})")
-            self.uid_range = (first, count)
-        if not isinstance(self.nobody_uid, int) or not 0 < self.nobody_uid < 2**32 - 1:
-            raise ConfigError("sandbox.nobody_uid", f"must be a user id > 0 (got "
-                              f"{self.nobody_uid!r})")
-        for name in ("workspace_mb", "scratch_mb"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 1 <= v <= 2**40:
-                raise ConfigError(f"sandbox.{name}", f"must be a size in MB >= 1 (got {v!r})")
-        if (not isinstance(self.pids_max, int) or isinstance(self.pids_max, bool)
-                or not 1 <= self.pids_max <= 4_194_304):
-            raise ConfigError("sandbox.pids_max", f"must be an integer in [1, 4194304] "
-                              f"(got {self.pids_max!r})")
-        self.templates = _checked_templates(self.templates)
-        self.env_allow = tuple(str(x) for x in self.env_allow)
-        self.hide = tuple(os.path.abspath(str(p)) for p in self.hide)
-        self.system_paths = tuple(_system_path(p) for p in self.system_paths)
-        self.network = bool(self.network)
-        self.egress = tuple(str(a) for a in parse_egress(self.egress))
+    __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
 
     def template(self, name: str, field_: str = "workspace_template") -> Template:
         """The configured template called ``name``, checked again (it may have gone since
@@ -133,60 +158,11 @@ class SandboxConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> SandboxConfig:
-        """From the ``sandbox:`` settings group (unknown keys are an error)."""
-        d = dict(d or {})
-        known = {f for f in cls.__dataclass_fields__}
-        for key in d:
-            if key not in known:
-                raise ConfigError(f"sandbox.{key}", f"unknown setting (known: "
-                                  f"{', '.join(sorted(known))})")
-        for key in ("uid_range", "env_allow", "hide", "system_paths", "egress"):
-            v = d.get(key)
-            if v is None:
-                if key != "uid_range":
-                    d.pop(key, None)
-                continue
-            if not isinstance(v, (list, tuple)) or isinstance(v, str):
-                raise ConfigError(f"sandbox.{key}", f"must be a list (got {v!r})")
-            d[key] = tuple(v)
-        return cls(**d)
-
-
-def _checked_templates(value: Any) -> dict[str, str]:
-    """``sandbox.templates``: names (letters, digits, ``.``, ``_``, ``-``) to the
-    absolute paths of existing directories or tar archives."""
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise ConfigError("sandbox.templates", f"must be a mapping of name to a directory "
-                          f"or tar archive (got {short(value)})")
-    out = {}
-    for name, path in value.items():
-        if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise ConfigError("sandbox.templates", f"{short(name)}: a name is letters, "
-                              "digits, '.', '_' and '-'")
-        if not isinstance(path, str) or not path:
-            raise ConfigError(f"sandbox.templates.{name}", f"must be a path (got "
-                              f"{short(path)})")
-        out[name] = template_from(path, f"sandbox.templates.{name}").path
-    return out
-
-
-def _system_path(path: Any) -> str:
-    """A configured system path, normalised; ConfigError where it is not one."""
-    field = "sandbox.system_paths"
-    if not isinstance(path, str) or not path.startswith("/"):
-        raise ConfigError(field, f"must be absolute host paths (got {path!r})")
-    norm = os.path.normpath(path)
-    if norm in NOT_SYSTEM_PATHS:
-        raise ConfigError(field, f"{path!r} would expose the host (name the paths a "
-                          "toolchain needs)")
-    if within(norm, OWN_MOUNTS):
-        raise ConfigError(field, f"{path!r} would cover the sandbox's own "
-                          f"{', '.join(OWN_MOUNTS)}")
-    if not os.path.lexists(norm):
-        raise ConfigError(field, f"{path!r} does not exist")
-    return norm
+        """From the ``sandbox:`` settings group (unknown keys are an error; null: the
+        default, but for ``uid_range``, whose null is "no range")."""
+        if isinstance(d, Mapping):
+            d = {k: v for k, v in d.items() if v is not None or k == "uid_range"}
+        return parse(cls, {} if d is None else d, "sandbox")
 
 
 def allowed_env(allow: tuple[str, ...], environ: Mapping[str, str] | None = None
