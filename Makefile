@@ -8,12 +8,12 @@ PIP    := $(VENV)/bin/pip
 CONSTRAINTS := constraints.txt
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run test test-all lint bench clean sandbox-tools
+.PHONY: install run test test-all lint bench docs clean sandbox-tools
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -c $(CONSTRAINTS) -e '.[dev,train,ray]'
+	$(PIP) install --quiet -c $(CONSTRAINTS) -e '.[dev,train,ray,docs]'
 	@$(MAKE) --no-print-directory sandbox-tools
 	touch $(STAMP)
 
@@ -62,5 +62,9 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/sim_throughput.py
 
+# The docs site into site/ (docs/api/openapi.json is written from the service by the build).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) outputs multirun
+	rm -rf $(VENV) outputs multirun site

@@ -4,7 +4,7 @@ the resources metasched-plan says a scheduler saves at static's step time.
     python benchmarks/profiles_report.py [--seeds 8] [--plan-seeds 4] [--out outputs/report]
         [--schedulers static,task_isolated,fifo,sjf,elastic_greedy,random,checkpoints/default]
 
-Prints markdown (paste into benchmarks/RESULTS.md) and writes each run's outputs under --out.
+Prints markdown (paste into docs/benchmarks/quality.md) and writes each run's outputs under --out.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from metasched.runtime.gpu import (
 def nvml_released():
     """Every test leaves NVML with no users (samplers closed, discovery balanced)."""
     yield
-    assert gpu._nvml_users == 0
+    assert gpu.devices._nvml_users == 0
 
 
 def _no_nvml(monkeypatch) -> None:

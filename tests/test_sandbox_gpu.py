@@ -152,8 +152,8 @@ async def test_the_dispatcher_runs_a_trajectorys_gpu_command_with_its_gpu_alone(
     left). NVML is the one thing not here: the device says it is NVML's GPU 0, whose
     minor number (what NVML would say) is 0."""
     from metasched.runtime import dispatcher as dispatch_mod
-    from metasched.runtime import gpu as gpu_mod
     from metasched.runtime.gpu import GpuSampler, LiveDevice
+    from metasched.runtime.gpu import devices as gpu_mod
     from metasched.runtime.sandbox import devices as devices_mod
 
     device = LiveDevice(0, "test GPU", 16.0, "cpu", 0, "GPU-00000000-test")
@@ -203,8 +203,8 @@ async def test_a_ray_node_agent_runs_a_gpu_command_with_its_gpu_alone(dev, monke
     pytest.importorskip("ray")
     import pickle
 
-    from metasched.runtime import gpu as gpu_mod
     from metasched.runtime.backend import CommandSpec
+    from metasched.runtime.gpu import devices as gpu_mod
     from metasched.runtime.ray_backend.node_agent import BoxSpec, NodeAgent, pack
     from metasched.runtime.sandbox import devices as devices_mod
 

@@ -505,7 +505,7 @@ def _cluster_yaml(c: Calibration) -> str:
         return "\n".join(head + ["defaults:", f"  - {d['defaults'][0]}", "  - _self_",
                                  f"name: {c.name}"]) + "\n"
     lines = head + [f"name: {c.name}", _line(0, "scale", "1.0", "multiplies every pool "
-                                             "(README)")]
+                                             "(docs/concepts/workloads.md)")]
     cpu, gpu = d.get("cpu") or {}, d.get("gpu") or {}
     lines += ["cpu:", _line(2, "nodes", str(cpu.get("nodes", 0))),
               _line(2, "cores_per_node", str(cpu.get("cores_per_node", 0))),

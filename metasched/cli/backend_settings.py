@@ -1,6 +1,6 @@
 """``backend`` and ``ray:``, the settings of ``metasched-dispatch`` and ``metasched-serve``
-that put their dispatcher on this machine or on a Ray cluster (README: "On a Ray
-cluster"): read and checked here, with one-line errors, before anything starts."""
+that put their dispatcher on this machine or on a Ray cluster (docs/deployment/ray.md):
+read and checked here, with one-line errors, before anything starts."""
 
 from __future__ import annotations
 

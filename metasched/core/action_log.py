@@ -1,7 +1,7 @@
 """Finished actions as a JSONL trace: what either clock measured, streamed to a file.
 
 Every finished action becomes one ``{"type": "action", ...}`` line of the trace schema
-(``metasched.sim.trace``; README "Trace format"), with a ``measured`` object beside it:
+(``metasched.sim.trace``; ``docs/concepts/traces.md``), with a ``measured`` object beside it:
 the trajectory and turn it belonged to, its queue wait and run time, how it ended, its
 allocation (cores, core ids, device, batch, setup time) and the generation gap before it
 (its submission minus the previous action's finish in the same trajectory). A first

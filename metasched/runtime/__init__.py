@@ -2,7 +2,7 @@
 core (state, encoder, masks, ``Scheduler``) as the simulator.
 
 ``from metasched.runtime import Dispatcher, DispatcherConfig`` is the entry point; see
-the README's "Live dispatcher" section. The names are imported on first use, so that a
+``docs/apps/dispatch.md``. The names are imported on first use, so that a
 process needing one light submodule (the sandbox server) does not load the dispatcher
 and NumPy.
 """

@@ -7,12 +7,13 @@
 - the API-quota proxy (``/v1/endpoints/<name>/...``), which holds each endpoint's RPM,
   TPM and concurrency across every worker that uses the service.
 
-``create_app(dispatcher, ServeConfig(...))`` builds the ASGI application; see the
-README's "HTTP service" section.
+``create_app(dispatcher, ServeConfig(...))`` builds the ASGI application; see
+``docs/apps/serve.md``.
 """
 
-from metasched.serve.app import Service, create_app
+from metasched.serve.app import create_app
 from metasched.serve.config import ServeConfig, Upstream
 from metasched.serve.server import BackgroundServer, serve
+from metasched.serve.service import Service
 
 __all__ = ["BackgroundServer", "ServeConfig", "Service", "Upstream", "create_app", "serve"]

@@ -44,7 +44,7 @@ from metasched.serve.security import CLIENT
 from metasched.serve.targets import check_http_target
 
 if TYPE_CHECKING:
-    from metasched.serve.app import Service
+    from metasched.serve.service import Service
 
 __all__ = ["MAX_WAIT_S", "error", "native_router", "read_json", "result_response"]
 

@@ -8,8 +8,8 @@ Each token is one client (``ServeConfig.token``, the client ``default``, and
 after a restart, the first client to act on a trajectory recovered from the journal
 owns it, and the results of actions submitted before the restart are answered only
 when the service has a single client. With authentication off every client is the same
-principal: each may act on, close and read everything (see the README's "HTTP
-service").
+principal: each may act on, close and read everything (see
+``docs/apps/serve.md``).
 """
 
 from __future__ import annotations

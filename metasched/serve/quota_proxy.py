@@ -51,7 +51,7 @@ from metasched.serve.openapi import GATED, TRAJECTORY_HEADERS, responses
 from metasched.serve.security import CLIENT
 
 if TYPE_CHECKING:
-    from metasched.serve.app import Service
+    from metasched.serve.service import Service
 
 __all__ = ["METHODS", "proxy_router"]
 

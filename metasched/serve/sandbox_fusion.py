@@ -64,7 +64,7 @@ from metasched.serve.openapi import GATED, TRAJECTORY_HEADERS, responses
 from metasched.serve.security import CLIENT
 
 if TYPE_CHECKING:
-    from metasched.serve.app import Service
+    from metasched.serve.service import Service
 
 __all__ = ["CommandRunResult", "RunCodeRequest", "RunCodeResponse", "probe_languages",
            "run_code", "run_code_router"]

@@ -4,7 +4,7 @@ A trace holds a :class:`~metasched.sim.sampling.WorkloadInstance` one JSON objec
 ``{"type": "trajectory", ...}`` lines (grouped into RL steps by their ``step``) and
 ``{"type": "action", ...}`` lines (independent actions with explicit arrival times).
 Blank lines and lines starting with ``#`` are ignored. The format is described for users
-in the README's "Trace format" section.
+in ``docs/concepts/traces.md``.
 
 Reading is strict: any malformed line raises :class:`~metasched.errors.ConfigError` with a
 one-line message naming the file, the line number and the field, e.g.
@@ -290,7 +290,7 @@ def scan_trace(path: PathLike) -> Iterator[TraceRecord]:
 
 
 def read_trace(path: PathLike) -> WorkloadInstance:
-    """Load a JSONL trace (see the README's "Trace format" section) as a workload instance.
+    """Load a JSONL trace (see ``docs/concepts/traces.md``) as a workload instance.
 
     Raises:
         ConfigError: the file cannot be read, is empty, or a line is malformed; the

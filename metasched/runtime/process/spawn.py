@@ -25,7 +25,7 @@ Spawn overhead is what limits a flood of short actions (rates from
 - Measured against ``seq N | xargs -P2 -I{} /bin/true`` on a quiet machine, with the
   private ``_posixsubprocess.fork_exec`` this package called before: 0.74-0.8x with
   the working directory on ext4, 0.9-1.0x with ``cwd_root`` on a tmpfs; Popen's own
-  Python work costs about 7% of the spawn rate (``benchmarks/RESULTS.md``). A spawner
+  Python work costs about 7% of the spawn rate (``docs/benchmarks/decisions.md``). A spawner
   thread reaches ~0.45x, ``asyncio.create_subprocess_exec`` ~0.55x even without
   pinning, and with a pinning ``preexec_fn`` ~0.15x (0.02x with a 1 GB parent).
 """

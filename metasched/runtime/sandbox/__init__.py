@@ -2,10 +2,13 @@
 kernel-enforced isolation (namespaces made by bubblewrap, entered by a small root
 server) and per-command cgroups (cpuset, memory, pids; v2, v1 or both).
 
-Modules: :mod:`.config` (the settings), :mod:`.manager` (the dispatcher's sandboxes),
+Modules: :mod:`.config` (the settings), :mod:`.manager` (the dispatcher's sandboxes;
+:mod:`.handles`: a sandbox and a started command; :mod:`.slots`: the commands' slots),
 :mod:`.server` and :mod:`.connection` (the process that starts commands inside them,
-and the dispatcher's end of it), :mod:`.protocol` (their messages), :mod:`.bwrap`
-(the namespaces' command line), :mod:`.cgroups` (slots), :mod:`.workspace`
+and the dispatcher's end of it; the server's parts: :mod:`.server_open`,
+:mod:`.server_network`, :mod:`.server_records`), :mod:`.protocol` (their messages), :mod:`.bwrap`
+(the namespaces' command line), :mod:`.cgroups` (slots; which controllers where:
+:mod:`.cgroup_discovery`; a cgroup's files: :mod:`.cgroup_files`), :mod:`.workspace`
 (templates), :mod:`.uids`, :mod:`.rundir` (what a dispatcher made, for recovery) and
 :mod:`.syscalls`. Importing this package loads none of them (the server imports only
 what it needs).

@@ -30,8 +30,8 @@ class SandboxConfig:
     """How commands are confined.
 
     Attributes:
-        isolation: ``"bwrap"`` (namespaces made by bubblewrap: see the README for what
-            it guarantees), ``"none"`` (commands run on the host as the dispatcher's
+        isolation: ``"bwrap"`` (namespaces made by bubblewrap: see the docs' Sandboxes page for
+            what it guarantees), ``"none"`` (commands run on the host as the dispatcher's
             user, with their own scratch directory), or ``"auto"`` (bwrap where it is
             installed and works, else none, with a one-line warning saying why).
         cgroups: ``"auto"`` (each controller from cgroup v2 where it is delegated, else

@@ -7,6 +7,9 @@ cgroup slots commands run in, and the user ids they run as.
 
 :class:`Sandboxes` is created by the dispatcher at start; :meth:`Sandboxes.describe`
 is the one line it logs about confinement.
+
+The parts: :mod:`.handles` (:class:`Sandbox`, :class:`Started`) and :mod:`.slots` (the
+cgroup slots commands run in).
 """
 
 from __future__ import annotations
@@ -15,14 +18,16 @@ import asyncio
 import logging
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from metasched.errors import ConfigError
 from metasched.runtime.sandbox import bwrap, cgroups, devices, egress
+from metasched.runtime.sandbox.cgroups import Slot
 from metasched.runtime.sandbox.config import SandboxConfig
 from metasched.runtime.sandbox.connection import ServerConnection, ServerGone, spawned_pid
+from metasched.runtime.sandbox.handles import Sandbox, Started
 from metasched.runtime.sandbox.lifeline import Lifeline
+from metasched.runtime.sandbox.slots import _MB, SlotKeeping, _bytes
 from metasched.runtime.sandbox.uids import UidPool
 from metasched.runtime.sandbox.workspace import WORKSPACE, Template
 
@@ -30,65 +35,8 @@ __all__ = ["Sandbox", "Sandboxes", "Slot", "Started"]
 
 log = logging.getLogger("metasched.dispatch")
 
-Slot = cgroups.Slot
-_MB = 1 << 20
-_SLOT_EMPTY_WAIT_S = 5.0  # how long a killed slot may take to empty before it is dropped
 
-
-@dataclass(eq=False)
-class Sandbox:
-    """One sandbox: its namespaces (held by the server), workspace, user and slots.
-
-    Attributes:
-        key: the trajectory's name, or ``""`` for the trajectory-less one.
-        size_bytes: its tmpfs (workspace, ``/tmp``, ``/dev/shm``).
-        ready: done when it can run commands (its exception says why it cannot).
-        seeded: how its workspace was filled: ``""``, ``"overlay"``, ``"copy"``, ``"tar"``.
-        init_pid: the pid of its namespaces' init (``nsenter -t`` takes it), once ready.
-        parent: for a GPU's sandbox, the sandbox whose workspace it shares (and user).
-        minor: for a GPU's sandbox, its GPU's minor number (``/dev/nvidia<minor>``).
-        devices: the device nodes bound into it (names under ``/dev``).
-        gpus: its GPUs' sandboxes, by the GPU's minor number.
-    """
-
-    sid: int
-    key: str
-    uid: int
-    network: bool
-    size_bytes: int
-    template: Template | None
-    ready: asyncio.Future[None]
-    seeded: str = ""
-    init_pid: int = -1
-    parent: Sandbox | None = None
-    minor: int | None = None
-    devices: tuple[str, ...] = ()
-    gpus: dict[int, Sandbox] = field(default_factory=dict)
-    free_slots: list[Slot] = field(default_factory=list)
-    running: int = 0
-    closed: bool = False
-    retired: bool = False
-
-    @property
-    def shared(self) -> bool:
-        """Whether this is the sandbox of trajectory-less commands."""
-        return self.key == ""
-
-
-@dataclass
-class Started:
-    """A command the server started: its id, host pid and slot (None: no cgroups).
-    Started without waiting (:meth:`Sandboxes.start` with ``wait=False``), ``pid`` is
-    None until ``spawned`` (its future) has it, or the OSError of why it did not start."""
-
-    cmd: int
-    pid: int | None
-    slot: Slot | None
-    uid: int
-    spawned: asyncio.Future[int] | None = None
-
-
-class Sandboxes:
+class Sandboxes(SlotKeeping):
     """Every sandbox of one dispatcher (see the module docstring).
 
     Args:
@@ -480,69 +428,6 @@ class Sandboxes:
         if parent is not None and parent.closed and parent.running == 0:
             self._retire(parent)
 
-    # --- slots of commands run on the host (isolation off) ------------------------------
-
-    def host_slot(self, cores: Sequence[int], mem_limit_mb: float | None,
-                  pids_max: int | None) -> Slot | None:
-        """A slot for a command started on the host (it is moved in after its start:
-        the caller pins it by affinity first); None without cgroups.
-
-        Raises:
-            OSError: the kernel refused a value.
-        """
-        slot = self._take_slot(self._host_slots)
-        if slot is not None:
-            try:
-                slot.configure(cores, _bytes(mem_limit_mb), pids_max)
-            except BaseException:
-                self._host_slots.append(slot)
-                raise
-        return slot
-
-    def release_host_slot(self, slot: Slot) -> None:
-        """Kill what is left in ``slot`` and reuse it once empty."""
-        self._release(slot, lambda s: s is not None and self._host_slots.append(s))
-
-    # --- slots --------------------------------------------------------------------------
-
-    def _release(self, slot: Slot | None, then: Callable[[Slot | None], None],
-                 left_s: float = _SLOT_EMPTY_WAIT_S) -> None:
-        """Kill the slot's processes; call ``then(slot)`` once it is empty, or
-        ``then(None)`` if it does not empty in time (it is dropped)."""
-        if slot is None:
-            then(None)
-            return
-        if slot.empty():
-            then(slot)
-            return
-        slot.kill()
-        if left_s > 0 and self._loop is not None and not self._loop.is_closed():
-            self._loop.call_later(0.005, self._release, slot, then, left_s - 0.005)
-            return
-        log.warning("a command's cgroup still holds processes %g s after it was killed; "
-                    "not reused", _SLOT_EMPTY_WAIT_S)
-        self._stuck.append(slot)
-        then(None)
-
-    def _take_slot(self, pool: list[Slot]) -> Slot | None:
-        if self.tree is None:
-            return None
-        if pool:
-            return pool.pop()
-        return self.tree.new_slot()
-
-    def _give_slot(self, sb: Sandbox | None, slot: Slot) -> None:
-        if sb is None:
-            self._host_slots.append(slot)
-        elif sb.closed:
-            self._drop_slot(slot)
-        else:
-            sb.free_slots.append(slot)
-
-    def _drop_slot(self, slot: Slot) -> None:
-        if not slot.remove():
-            self._stuck.append(slot)
-
     # --- end ----------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -572,10 +457,6 @@ def _spawned(fut: asyncio.Future[int], reply: dict[str, Any]) -> None:
     except OSError as e:
         fut.set_exception(e)
         fut.exception()  # retrieved: the command's child reads it from here
-
-
-def _bytes(mb: float | None) -> int | None:
-    return None if mb is None else int(mb * _MB)
 
 
 _FALLBACK = {"cpuset": "CPU affinity, which a command can widen",

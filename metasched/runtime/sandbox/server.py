@@ -46,84 +46,32 @@ its reply to ``hello`` says whether that worked (``userns``: ``"refused"``, or w
 
 Run as ``python -m metasched.runtime.sandbox.server FD [--refuse-userns]`` with ``FD``
 its end of a ``SOCK_SEQPACKET`` pair (see :mod:`.protocol` for the messages); only the
-standard library and this package's :mod:`.syscalls`, :mod:`.protocol` and
-:mod:`.userns` are imported.
+standard library and this package's :mod:`.syscalls`, :mod:`.protocol`,
+:mod:`.userns` and the server's parts are imported: :mod:`.server_open` (opening a
+sandbox), :mod:`.server_network` (its granted network) and :mod:`.server_records` (what
+the server keeps of each sandbox and command).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import selectors
 import signal
 import socket
 import sys
-from dataclasses import dataclass, field
 from typing import Any
 
 from metasched.runtime.sandbox import protocol, syscalls, userns
-from metasched.runtime.sandbox.syscalls import (
-    CLONE_NEWIPC,
-    CLONE_NEWNET,
-    CLONE_NEWNS,
-    CLONE_NEWPID,
-    CLONE_NEWUTS,
-    MNT_DETACH,
-    MS_BIND,
-    MS_NODEV,
-    MS_NOSUID,
-    MS_PRIVATE,
-    MS_REC,
-    MS_REMOUNT,
-)
-
-STAGE = "/.sandbox"  # where a sandbox's tmpfs is mounted while its parts are bound out
-WORKSPACE = "/workspace"
-_NS = (("mnt", CLONE_NEWNS), ("net", CLONE_NEWNET), ("ipc", CLONE_NEWIPC),
-       ("uts", CLONE_NEWUTS), ("pid", CLONE_NEWPID))
-_SHARED_MOUNTS = (WORKSPACE, "/tmp", "/dev/shm")  # what a sandbox's tmpfs holds
-_TAIL = 2048  # bytes of a seeding command's stderr kept for its error message
-_DATA_MAX = 60_000  # bytes of a file given to bwrap through a pipe (its buffer: 64 KiB)
+from metasched.runtime.sandbox.server_network import Networking
+from metasched.runtime.sandbox.server_open import Opening, _mount_tmpfs
+from metasched.runtime.sandbox.server_records import _NS, _close, _Command, _Sandbox
+from metasched.runtime.sandbox.syscalls import CLONE_NEWNS, MS_PRIVATE, MS_REC
 
 
-@dataclass
-class _Sandbox:
-    sid: int
-    uid: int
-    gid: int
-    bwrap_pid: int = -1
-    bwrap_fd: int = -1  # pidfd
-    ready_fd: int = -1  # the stub's stdout: a newline once it runs
-    info_fd: int = -1  # bwrap's --info-fd: the pid of the namespaces' init
-    block_fd: int = -1  # the stub's stdin: closing it ends the sandbox
-    ns: dict[str, int] = field(default_factory=dict)
-    workspace: dict[str, Any] = field(default_factory=dict)
-    seeding: int = -1  # command id of the template copy running, if any
-    seed_err: bytearray = field(default_factory=bytearray)
-    seed_err_fd: int = -1
-    method: str = ""  # how the workspace was seeded: "", "overlay", "copy" or "tar"
-    init_pid: int = -1  # the namespaces' init (bwrap's pid 1), in this server's pid space
-    ready: bool = False
-    net: dict[str, Any] | None = None  # granted network: {"slirp": argv, "nft": path, ...}
-    net_pending: set[str] = field(default_factory=set)  # "rules", "slirp" still starting
-    mounted: bool = False  # workspace mounted and seeded (ready once net_pending is empty)
-    nft_err_fd: int = -1
-    slirp_pid: int = -1
-    slirp_fd: int = -1  # pidfd
-    slirp_ready_fd: int = -1
-    slirp_exit_fd: int = -1  # closing it ends slirp4netns
-
-
-@dataclass
-class _Command:
-    cmd: int
-    pid: int
-    pidfd: int
-    sid: int | None = None
-
-
-class Server:
-    """The server's state and event loop (see the module docstring)."""
+class Server(Opening, Networking):
+    """The server's state and event loop (see the module docstring): requests, commands
+    and a sandbox's end here; opening one in :class:`~.server_open.Opening`, its network
+    in :class:`~.server_network.Networking`."""
 
     def __init__(self, sock: socket.socket, userns_state: str = "open") -> None:
         self.sock = sock
@@ -303,342 +251,7 @@ class Server:
             except OSError:
                 pass
 
-    # --- sandboxes ----------------------------------------------------------------------
-
-    def _open(self, msg: dict[str, Any]) -> None:
-        """Start a sandbox's bwrap; it is ready (and the reply sent) once its stub runs
-        and its workspace is mounted (and seeded). ``msg["files"]`` (path: text) are
-        files made for it, bound read-only (``/etc/passwd``...)."""
-        sid = msg["sid"]
-        sb = _Sandbox(sid, msg["uid"], msg["gid"], workspace=msg["workspace"],
-                      net=msg.get("net"))
-        self.sandboxes[sid] = sb
-        try:
-            block_r, sb.block_fd = os.pipe()
-            sb.ready_fd, ready_w = os.pipe()
-            sb.info_fd, info_w = os.pipe()
-            os.set_inheritable(info_w, True)
-            data = self._data_files(msg.get("files") or {})
-            given = msg["bwrap"]
-            end = len(given) - 1 - given[::-1].index("--")  # the options' end
-            argv = [given[0], "--info-fd", str(info_w), *given[1:end],
-                    *(a for fd, dest in data
-                      for a in ("--perms", "0444", "--ro-bind-data", str(fd), dest)),
-                    *given[end:]]
-            try:
-                sb.bwrap_pid = os.posix_spawn(
-                    argv[0], argv, msg["env"],
-                    file_actions=[(os.POSIX_SPAWN_DUP2, block_r, 0),
-                                  (os.POSIX_SPAWN_DUP2, ready_w, 1)],
-                    setsid=True)
-            finally:
-                for fd in (block_r, ready_w, info_w, *(fd for fd, _ in data)):
-                    _close(fd)
-            sb.bwrap_fd = os.pidfd_open(sb.bwrap_pid)
-        except OSError as e:
-            self._fail_open(sb, f"cannot start bwrap: {e.strerror or e}")
-            return
-        self.sel.register(sb.ready_fd, selectors.EVENT_READ, lambda _: self._on_ready(sid))
-
-    @staticmethod
-    def _data_files(files: dict[str, str]) -> list[tuple[int, str]]:
-        """A pipe holding each file's text (small: it fits the pipe's buffer), its read
-        end inheritable, for bwrap's ``--ro-bind-data FD DEST``."""
-        data: list[tuple[int, str]] = []
-        try:
-            for dest, text in files.items():
-                r, w = os.pipe()
-                data.append((r, dest))
-                try:
-                    os.write(w, text.encode()[:_DATA_MAX])
-                finally:
-                    _close(w)
-                os.set_inheritable(r, True)
-        except OSError:
-            for fd, _ in data:
-                _close(fd)
-            raise
-        return data
-
-    def _on_ready(self, sid: int) -> None:
-        sb = self.sandboxes.get(sid)
-        if sb is None:
-            return
-        self.sel.unregister(sb.ready_fd)
-        data = os.read(sb.ready_fd, 64)
-        _close(sb.ready_fd)
-        sb.ready_fd = -1
-        if data != b"\n":
-            why = self._bwrap_error(sb)
-            self._fail_open(sb, f"bwrap failed: {why}")
-            return
-        try:
-            init = sb.init_pid = json.loads(_read_all(sb.info_fd))["child-pid"]
-            for name, _ in _NS:
-                sb.ns[name] = os.open(f"/proc/{init}/ns/{name}", os.O_RDONLY | os.O_CLOEXEC)
-        except (OSError, ValueError, KeyError) as e:
-            self._fail_open(sb, f"cannot enter the sandbox: {e}")
-            return
-        _close(sb.info_fd)
-        sb.info_fd = -1
-        if sb.net is not None:
-            try:
-                self._start_network(sb)
-            except OSError as e:
-                self._fail_open(sb, f"cannot give the sandbox network: {e.strerror or e}")
-                return
-        try:
-            seed = self._setup_mounts(sb)
-        except OSError as e:
-            self._fail_open(sb, f"cannot make the workspace: {e.strerror or e}")
-            return
-        if seed:  # a copy, an extraction or an ownership change, inside the sandbox
-            self._start_seed(sb, seed)
-            return
-        self._ready(sb)
-
-    def _setup_mounts(self, sb: _Sandbox) -> dict[str, Any] | None:
-        """Mount the sandbox's tmpfs (and the template's overlay); the seeding command
-        still to run, if any (an overlay refused by the kernel falls back to a copy)."""
-        ws = sb.workspace
-        seed = ws.get("seed")
-        syscalls.setns(sb.ns["mnt"], CLONE_NEWNS)
-        try:
-            # /proc shows only the caller's own processes.
-            syscalls.mount("proc", "/proc", "proc", MS_REMOUNT | MS_NOSUID | MS_NODEV,
-                           "hidepid=invisible")
-            if "share" in ws:
-                self._share_mounts(sb, ws["share"])
-                return None
-            overlay = ws.get("overlay")
-            try:
-                _mount_tmpfs(ws["size"], sb.uid, sb.gid, template=overlay)
-            except OSError:
-                if overlay is None or ws.get("fallback") is None:
-                    raise
-                _mount_tmpfs(ws["size"], sb.uid, sb.gid, template=None)
-                seed = ws["fallback"]
-                sb.method = "copy"
-            else:
-                sb.method = "overlay" if overlay is not None else ("tar" if seed else "")
-                if seed and overlay is None:
-                    sb.method = "tar" if seed["argv"][0] == "tar" else "copy"
-        finally:
-            syscalls.setns(self.own["mnt"], CLONE_NEWNS)
-            os.chdir(self.home_dir)
-        return seed
-
-    def _share_mounts(self, sb: _Sandbox, other: int) -> None:
-        """Attach clones of sandbox ``other``'s workspace mounts in ``sb``'s mount
-        namespace (this thread is in it)."""
-        src = self.sandboxes.get(other)
-        if src is None or not src.ready:
-            raise OSError(0, f"sandbox {other}, whose workspace it shares, is not open")
-        fds: list[int] = []
-        try:
-            syscalls.setns(src.ns["mnt"], CLONE_NEWNS)
-            try:
-                for path in _SHARED_MOUNTS:
-                    fds.append(syscalls.clone_mount(path))
-            finally:
-                syscalls.setns(sb.ns["mnt"], CLONE_NEWNS)
-            for fd, path in zip(fds, _SHARED_MOUNTS, strict=True):
-                syscalls.move_mount(fd, path)
-        finally:
-            for fd in fds:
-                _close(fd)
-
-    def _start_seed(self, sb: _Sandbox, seed: dict[str, Any]) -> None:
-        err_r, err_w = os.pipe()
-        cmd = self.next_internal
-        self.next_internal -= 1
-        sb.ready = True  # so that _spawn enters it
-        uid, gid = (0, 0) if seed.get("root") else (sb.uid, sb.gid)
-        try:
-            pid = self._spawn({"sid": sb.sid, "cmd": cmd, "argv": seed["argv"],
-                               "cwd": WORKSPACE, "uid": uid, "gid": gid,
-                               "env": {b"PATH": b"/usr/local/bin:/usr/bin:/bin"}},
-                              [self.devnull, err_w])
-        except OSError as e:
-            sb.ready = False
-            _close(err_r)
-            self._fail_open(sb, f"cannot seed the workspace: {e.strerror or e}")
-            return
-        finally:
-            _close(err_w)
-        sb.ready = False
-        sb.seeding, sb.seed_err_fd = cmd, err_r
-        os.set_blocking(err_r, False)
-        self.sel.register(err_r, selectors.EVENT_READ, lambda _: self._seed_output(sb))
-        self._watch(cmd, pid, sb.sid)
-
-    def _seed_output(self, sb: _Sandbox) -> None:
-        """Keep the tail of a seeding command's stderr (read as it comes, so that a
-        chatty command never blocks on a full pipe)."""
-        try:
-            data = os.read(sb.seed_err_fd, 65536)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if not data:
-            self.sel.unregister(sb.seed_err_fd)
-            _close(sb.seed_err_fd)
-            sb.seed_err_fd = -1
-            return
-        sb.seed_err += data
-        del sb.seed_err[:-_TAIL]
-
-    def _seeded(self, sid: int | None, status: int) -> None:
-        sb = self.sandboxes.get(sid)
-        if sb is None:
-            return
-        if sb.seed_err_fd >= 0:
-            sb.seed_err += _read_all(sb.seed_err_fd, limit=_TAIL)
-            self.sel.unregister(sb.seed_err_fd)
-            _close(sb.seed_err_fd)
-        err = bytes(sb.seed_err[-_TAIL:]).decode(errors="replace").strip()
-        sb.seed_err_fd, sb.seeding = -1, -1
-        if status != 0:
-            line = err.splitlines()[-1] if err else f"wait status {status}"
-            self._fail_open(sb, f"cannot seed the workspace: {line}")
-            return
-        self._ready(sb)
-
-    def _ready(self, sb: _Sandbox) -> None:
-        """The workspace is seeded: detach the template's bind (an overlay keeps its own
-        reference to it) and say so (once its network, if granted, is up too)."""
-        template = sb.workspace.get("template")
-        if template:
-            try:
-                syscalls.setns(sb.ns["mnt"], CLONE_NEWNS)
-                try:
-                    syscalls.umount(template, MNT_DETACH)
-                finally:
-                    syscalls.setns(self.own["mnt"], CLONE_NEWNS)
-                    os.chdir(self.home_dir)
-            except OSError as e:
-                self._fail_open(sb, f"cannot detach the template: {e.strerror or e}")
-                return
-        sb.mounted = True
-        if not sb.net_pending:
-            self._opened(sb)
-
-    def _opened(self, sb: _Sandbox) -> None:
-        sb.ready = True
-        self._reply({"ev": "opened", "sid": sb.sid, "seeded": sb.method, "init": sb.init_pid})
-
-    # --- network (see egress.py) ------------------------------------------------------
-
-    def _start_network(self, sb: _Sandbox) -> None:
-        """Load the sandbox's rule set (``nft -f -`` in its net namespace) and start its
-        slirp4netns; each reports when done (:meth:`_rules_loaded`, :meth:`_slirp_up`)."""
-        net = sb.net
-        assert net is not None
-        if os.fstat(sb.ns["net"]).st_ino == os.fstat(self.own["net"]).st_ino:
-            # never load a sandbox's rules into (or attach its stack to) the host's
-            raise OSError(0, "its network namespace is the host's")
-        rules_r, rules_w = os.pipe()
-        err_r, err_w = os.pipe()
-        try:
-            os.write(rules_w, net["rules"].encode())  # a few hundred bytes: fits the pipe
-            _close(rules_w)
-            syscalls.setns(sb.ns["net"], CLONE_NEWNET)
-            try:
-                pid = os.posix_spawn(net["nft"], [net["nft"], "-f", "-"],
-                                     {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
-                                     file_actions=[(os.POSIX_SPAWN_DUP2, rules_r, 0),
-                                                   (os.POSIX_SPAWN_DUP2, err_w, 1),
-                                                   (os.POSIX_SPAWN_DUP2, err_w, 2)])
-            finally:
-                try:
-                    syscalls.setns(self.own["net"], CLONE_NEWNET)
-                except OSError as e:  # as in _spawn: not safe to go on
-                    print(f"sandbox server: cannot return to its own state: {e}",
-                          file=sys.stderr)
-                    os._exit(1)
-        except BaseException:
-            _close(err_r)
-            raise
-        finally:
-            for fd in (rules_r, rules_w, err_w):
-                _close(fd)
-        sb.nft_err_fd = err_r
-        sb.net_pending.add("rules")
-        pidfd = os.pidfd_open(pid)
-        self.sel.register(pidfd, selectors.EVENT_READ,
-                          lambda _: self._rules_loaded(sb, pid, pidfd))
-        ready_r, ready_w = os.pipe()
-        exit_r, sb.slirp_exit_fd = os.pipe()
-        try:
-            os.set_inheritable(ready_w, True)
-            os.set_inheritable(exit_r, True)
-            argv = [*net["slirp"], f"--ready-fd={ready_w}", f"--exit-fd={exit_r}",
-                    str(sb.init_pid), "tap0"]
-            sb.slirp_pid = os.posix_spawn(
-                argv[0], argv, {"PATH": "/usr/bin:/bin"},
-                file_actions=[(os.POSIX_SPAWN_DUP2, self.devnull, 0),
-                              (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
-                              (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0)],
-                setsid=True)
-        except BaseException:
-            _close(ready_r)
-            raise
-        finally:
-            _close(ready_w)
-            _close(exit_r)
-        sb.slirp_fd = os.pidfd_open(sb.slirp_pid)
-        sb.slirp_ready_fd = ready_r
-        sb.net_pending.add("slirp")
-        self.sel.register(ready_r, selectors.EVENT_READ, lambda _: self._slirp_up(sb))
-
-    def _rules_loaded(self, sb: _Sandbox, pid: int, pidfd: int) -> None:
-        self.sel.unregister(pidfd)
-        _close(pidfd)
-        try:
-            _, status = os.waitpid(pid, 0)
-        except ChildProcessError:
-            status = -1
-        err = _read_all(sb.nft_err_fd, limit=_TAIL).decode(errors="replace").strip()
-        _close(sb.nft_err_fd)
-        sb.nft_err_fd = -1
-        if self.sandboxes.get(sb.sid) is not sb:
-            return  # closed meanwhile
-        if status != 0:
-            line = err.splitlines()[-1] if err else f"wait status {status}"
-            self._fail_open(sb, f"cannot load its network rules: nft: {line}")
-            return
-        self._net_done(sb, "rules")
-
-    def _slirp_up(self, sb: _Sandbox) -> None:
-        self.sel.unregister(sb.slirp_ready_fd)
-        try:
-            data = os.read(sb.slirp_ready_fd, 16)
-        except OSError:
-            data = b""
-        _close(sb.slirp_ready_fd)
-        sb.slirp_ready_fd = -1
-        if not data:
-            self._fail_open(sb, "cannot give the sandbox network: slirp4netns exited")
-            return
-        self._net_done(sb, "slirp")
-
-    def _net_done(self, sb: _Sandbox, part: str) -> None:
-        sb.net_pending.discard(part)
-        if not sb.net_pending and sb.mounted and not sb.ready:
-            self._opened(sb)
-
-    def _bwrap_error(self, sb: _Sandbox) -> str:
-        try:
-            _, status = os.waitpid(sb.bwrap_pid, 0)
-        except ChildProcessError:
-            return "exited"
-        sb.bwrap_pid = -1
-        return f"exit status {os.waitstatus_to_exitcode(status)}"
-
-    def _fail_open(self, sb: _Sandbox, why: str) -> None:
-        self._close(sb.sid)
-        self._reply({"ev": "opened", "sid": sb.sid, "error": why})
+    # --- a sandbox's end ---------------------------------------------------------------
 
     def _close(self, sid: int) -> None:
         """End a sandbox: its stub's stdin closes, the stub and the namespaces' init
@@ -675,15 +288,6 @@ class Server:
                 os.waitpid(sb.bwrap_pid, 0)
         except ChildProcessError:
             pass
-
-    def _reap_slirp(self, sb: _Sandbox) -> None:
-        self.sel.unregister(sb.slirp_fd)
-        _close(sb.slirp_fd)
-        try:
-            os.waitpid(sb.slirp_pid, 0)
-        except ChildProcessError:
-            pass
-
     def shutdown(self) -> None:
         """Kill every command and end every sandbox."""
         for c in self.commands.values():
@@ -695,63 +299,12 @@ class Server:
             self._close(sid)
 
 
-def _mount_tmpfs(size: int, uid: int, gid: int, template: str | None) -> None:
-    """Mount a tmpfs of ``size`` bytes and bind its parts to ``/workspace`` (owned by
-    ``uid``; an overlay on ``template`` when given), ``/tmp`` and ``/dev/shm`` (in the
-    current mount namespace); the staging mount is detached after."""
-    syscalls.mount("tmpfs", STAGE, "tmpfs", MS_NOSUID | MS_NODEV,
-                   f"size={int(size)},mode=0755,uid=0,gid=0")
-    parts = [("ws", 0o700), ("tmp", 0o1777), ("shm", 0o1777)]
-    if template is not None:
-        parts += [("upper", 0o755), ("work", 0o700)]
-    umask = os.umask(0)  # the modes as given (mkdir's are masked by the umask)
-    try:
-        for part, mode in parts:
-            os.mkdir(f"{STAGE}/{part}", mode)
-        os.chown(f"{STAGE}/ws", uid, gid)
-        if template is not None:
-            os.chown(f"{STAGE}/upper", uid, gid)
-            # Copy-on-write over the template: a file is copied up when first written
-            # (metacopy: a chown copies up only the metadata).
-            syscalls.mount("overlay", WORKSPACE, "overlay", MS_NOSUID | MS_NODEV,
-                           f"lowerdir={template},upperdir={STAGE}/upper,"
-                           f"workdir={STAGE}/work,redirect_dir=on,metacopy=on")
-        else:
-            syscalls.mount(f"{STAGE}/ws", WORKSPACE, None, MS_BIND)
-        syscalls.mount(f"{STAGE}/tmp", "/tmp", None, MS_BIND)
-        syscalls.mount(f"{STAGE}/shm", "/dev/shm", None, MS_BIND)
-    finally:
-        os.umask(umask)
-        syscalls.umount(STAGE, MNT_DETACH)
-
-
 def _searchable(path: bytes) -> bytes:
     """The entries of a ``PATH`` that are directories this process's real user (the
     command's) may search, here (in the sandbox); ``/usr/bin:/bin`` where none is."""
     kept = [d for d in path.split(b":")
             if d.startswith(b"/") and os.access(d, os.X_OK) and os.path.isdir(d)]
     return b":".join(kept) or b"/usr/bin:/bin"
-
-
-def _read_all(fd: int, limit: int = 1 << 16) -> bytes:
-    out = bytearray()
-    os.set_blocking(fd, False)
-    while len(out) < limit:
-        try:
-            data = os.read(fd, 4096)
-        except BlockingIOError:
-            break
-        if not data:
-            break
-        out += data
-    return bytes(out[-limit:])
-
-
-def _close(fd: int) -> None:
-    try:
-        os.close(fd)
-    except OSError:
-        pass
 
 
 def main(argv: list[str]) -> None:
