@@ -29,7 +29,7 @@ import subprocess
 import tempfile
 import time
 
-from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
+from metasched.runtime.dispatch import Dispatcher, DispatcherConfig
 from metasched.runtime.sandbox.config import SandboxConfig
 
 

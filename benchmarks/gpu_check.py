@@ -138,7 +138,7 @@ CONFINED_CPU = "import glob; print(' '.join(sorted(glob.glob('/dev/nvidia*'))) o
 async def confined_gpu_command(devices: list[LiveDevice]) -> None:
     """Check 6: a gpu command in its sandbox runs a CUDA op on its device, and only it."""
     from metasched.errors import ConfigError
-    from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
+    from metasched.runtime.dispatch import Dispatcher, DispatcherConfig
     from metasched.runtime.gpu import device_minor
     from metasched.runtime.sandbox.config import SandboxConfig
     from metasched.runtime.sandbox.uids import runnable_by_all

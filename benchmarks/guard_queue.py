@@ -19,7 +19,7 @@ import statistics
 import tempfile
 import time
 
-from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
+from metasched.runtime.dispatch import Dispatcher, DispatcherConfig
 
 
 async def _rate(n: int, max_wait_s: float | None, start_s: float, window_s: float,

@@ -1,5 +1,5 @@
 """How long a dispatcher's commands outlive it: kill -9 of a process running a real
-:class:`~metasched.runtime.dispatcher.Dispatcher` (with a journal) while it runs
+:class:`~metasched.runtime.dispatch.Dispatcher` (with a journal) while it runs
 commands, and the time from the SIGKILL to the last of their processes gone.
 
 Each round starts a dispatcher in a child process, has it run two commands (one core
@@ -43,7 +43,7 @@ _MARKER = "61.5"  # `sleep 61.5`: the side effect's marker process
 
 CHILD = textwrap.dedent("""
     import asyncio, json, sys
-    from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
+    from metasched.runtime.dispatch import Dispatcher, DispatcherConfig
     from metasched.runtime.sandbox.config import SandboxConfig
 
     async def main(db, workdir, isolation, cgroups, requests):

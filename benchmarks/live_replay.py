@@ -62,7 +62,7 @@ from metasched.core.cluster_config import ClusterConfig
 from metasched.core.cost_model import CostModel
 from metasched.errors import ConfigError
 from metasched.evaluation.statistics import paired_comparison
-from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
+from metasched.runtime.dispatch import Dispatcher, DispatcherConfig
 from metasched.runtime.sandbox.config import SandboxConfig
 from metasched.sim.sampling import TrajectorySpec, WorkloadInstance, sample_workload
 from metasched.sim.simulator import Simulator

@@ -62,7 +62,7 @@ def worker(url: str, threads: int) -> None:
 def measure(rpm: float, processes: int, threads: int, seconds: float,
             window_s: float = 60.0) -> dict:
     """Run the scenario (see the module docstring) and return its figures."""
-    from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
+    from metasched.runtime.dispatch import Dispatcher, DispatcherConfig
     from metasched.serve import BackgroundServer, ServeConfig, create_app
     from metasched.serve.config import parse_upstreams
     from metasched.serve.rate_limited import RateLimitedServer, max_in_window

@@ -219,7 +219,7 @@ def main() -> None:
     import psutil
     import ray
 
-    from metasched.runtime.dispatcher import DispatcherConfig
+    from metasched.runtime.dispatch import DispatcherConfig
     from metasched.runtime.ray_backend import start_dispatcher, stop_dispatcher
     from metasched.runtime.sandbox.config import SandboxConfig
 

@@ -53,7 +53,7 @@ import numpy as np
 
 from metasched.compose import profile
 from metasched.core.pools import EndpointSpec
-from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
+from metasched.runtime.dispatch import Dispatcher, DispatcherConfig
 from metasched.serve import BackgroundServer, ServeConfig, Upstream, create_app
 from metasched.serve.config import derated
 from metasched.serve.rate_limited import RateLimitedServer

@@ -14,7 +14,7 @@ from metasched.cli.train_app import TRAIN_MODULES
 from metasched.compose import profile
 from metasched.core.cluster_config import ClusterConfig
 from metasched.envs.scheduling import scale_workload
-from metasched.runtime.dispatcher import DispatcherConfig
+from metasched.runtime.dispatch import DispatcherConfig
 from metasched.runtime.sandbox.uids import runnable_by_all
 from metasched.sim.workload_config import WorkloadConfig
 

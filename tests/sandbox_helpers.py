@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 from helpers import dispatcher_config
 
-from metasched.runtime.dispatcher import DispatcherConfig
+from metasched.runtime.dispatch import DispatcherConfig
 from metasched.runtime.sandbox import bwrap, cgroups
 from metasched.runtime.sandbox.config import SandboxConfig
 from metasched.runtime.sandbox.manager import Sandbox, Sandboxes

@@ -14,7 +14,7 @@ from helpers import COMMAND_PY, shrunk
 from metasched.agents import make_scheduler
 from metasched.core.action_log import ActionLog
 from metasched.errors import ConfigError
-from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
+from metasched.runtime.dispatch import Dispatcher, DispatcherConfig
 from metasched.sim.simulator import Simulator
 from metasched.sim.trace import read_trace, scan_trace
 

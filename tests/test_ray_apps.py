@@ -26,7 +26,7 @@ from helpers import COMMAND_PY, free_port
 from metasched.cli.backend_settings import ray_settings
 from metasched.errors import ConfigError
 from metasched.runtime.api_calls import RetryPolicy
-from metasched.runtime.dispatcher import DispatcherConfig
+from metasched.runtime.dispatch import DispatcherConfig
 
 PY = COMMAND_PY
 

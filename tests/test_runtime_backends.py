@@ -29,7 +29,7 @@ from helpers import COMMAND_PY, cpu, dispatcher_config
 
 from metasched.core.pools import EndpointSpec
 from metasched.errors import ConfigError
-from metasched.runtime.dispatcher import ACTION_ENV, Dispatcher, DispatcherConfig
+from metasched.runtime.dispatch import ACTION_ENV, Dispatcher, DispatcherConfig
 from metasched.runtime.gpu import linear_scorer
 from metasched.runtime.journal import Journal
 from metasched.runtime.sandbox.config import SandboxConfig
@@ -506,7 +506,7 @@ async def test_ray_command_of_a_stopped_dispatcher_is_killed_with_its_task(ray_c
 
 
 def test_base_install_does_not_import_ray():
-    code = ("import sys, metasched.runtime, metasched.runtime.dispatcher, "
+    code = ("import sys, metasched.runtime, metasched.runtime.dispatch.dispatcher, "
             "metasched.runtime.ray_backend; print('ray' in sys.modules)")
     import subprocess
 

@@ -21,7 +21,7 @@ from metasched.core.pools import EndpointSpec
 from metasched.core.scheduler import Scheduler
 from metasched.errors import ConfigError
 from metasched.runtime.api_calls import RetryPolicy
-from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
+from metasched.runtime.dispatch import Dispatcher, DispatcherConfig
 from metasched.runtime.gpu import linear_scorer
 from metasched.runtime.journal import Journal
 from metasched.runtime.requests import Result
@@ -80,7 +80,7 @@ async def test_faults_are_reported_and_cores_come_back(req, reason):
     assert bad.status == "failed" and reason in bad.reason
     assert good.ok
     assert d.state.cpu.free == [len(CORES)] and d.state.cpu.busy == 0
-    assert sorted(d._free_cores) == CORES
+    assert sorted(d.backend.free_cores) == CORES
     assert d.stats()["failed"] == 1
 
 
@@ -416,7 +416,7 @@ async def test_standin_gpu_utilisation_is_sampled():
         await d.submit({"kind": "gpu", "service": "s", "payload": [1.0], "timeout_s": 30})
         await asyncio.sleep(0.12)
         d = d
-    assert len(d.monitor.last_gpu) == 2 and "gpu" in d.stats()["measured_utilisation"]
+    assert len(d.backend.monitor.last_gpu) == 2 and "gpu" in d.stats()["measured_utilisation"]
 
 
 async def test_restart_fails_what_cannot_run_here_and_runs_the_rest(tmp_path):
@@ -503,11 +503,11 @@ async def test_held_cores_are_the_trajectorys_own_and_its_parallel_actions_share
         first = await asyncio.gather(*(d.submit(cpu(
             PY, "-c", "import time; time.sleep(0.2)", trajectory="t", turn=0))
             for _ in range(parallel)))
-        free_while_held = sorted(d._free_cores)
+        free_while_held = sorted(d.backend.free_cores)
         other = await d.submit(cpu("/bin/true", trajectory="u", turn=0))
         last = await d.submit(cpu("/bin/true", trajectory="t", turn=1, reward=True))
         await d.submit(cpu("/bin/true", trajectory="u", turn=1, reward=True))
-        free_after = sorted(d._free_cores)
+        free_after = sorted(d.backend.free_cores)
     assert all(r.status == "done" for r in [*first, other, last])
     held = {tuple(r.allocation["cores"]) for r in first}
     assert len(held) == 1 and held == {tuple(last.allocation["cores"])}
@@ -529,7 +529,7 @@ class _BrokenWait:
 
 @pytest.mark.parametrize("where", ["start", "wait"])
 async def test_an_executor_bug_fails_its_action_instead_of_hanging(monkeypatch, where):
-    import metasched.runtime.dispatcher as mod
+    import metasched.runtime.dispatch.executors.local as mod
 
     def broken(*args, **kwargs):
         if where == "start":
@@ -539,7 +539,7 @@ async def test_an_executor_bug_fails_its_action_instead_of_hanging(monkeypatch, 
     monkeypatch.setattr(mod, "launch", broken)  # where the dispatcher starts commands
     (r, s), d = await dispatch([cpu("/bin/true"), cpu("/bin/true")])
     assert r.status == s.status == "failed" and r.reason == "internal error: RuntimeError: bug"
-    assert d.state.cpu.busy == 0 and sorted(d._free_cores) == CORES
+    assert d.state.cpu.busy == 0 and sorted(d.backend.free_cores) == CORES
 
 
 class _Recorder(_JsonHandler):
@@ -641,7 +641,7 @@ async def test_close_without_drain_kills_commands_whose_task_never_ran(tmp_path)
     await d.start()
     d.accept(cpu("sleep", marker, id="long"))
     d._schedule()  # as a completion would: the command starts now
-    (proc,) = d._commands
+    (proc,) = d.executors.commands
     assert not proc.not_started
     for _ in range(500):  # blocking: no loop turn, so the task does not run
         if sleeping():
@@ -655,7 +655,7 @@ async def test_close_without_drain_kills_commands_whose_task_never_ran(tmp_path)
         await asyncio.sleep(0.01)
     d = d
     assert sleeping() == []
-    assert d._commands == set() and list(tmp_path.iterdir()) == []
+    assert d.executors.commands == set() and list(tmp_path.iterdir()) == []
 
 
 async def test_cgroups_without_favordynmods_are_a_note_on_the_confinement_line(caplog):

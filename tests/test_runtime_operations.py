@@ -19,7 +19,7 @@ from helpers import COMMAND_PY, cpu
 from helpers import dispatcher_config as cfg
 
 from metasched.errors import ConfigError
-from metasched.runtime.dispatcher import Dispatcher
+from metasched.runtime.dispatch import Dispatcher
 from metasched.runtime.journal import Journal, JournalLocked
 from metasched.runtime.journal_docs import StoredRequest
 from metasched.runtime.requests import MAX_SECONDS
@@ -34,7 +34,7 @@ CMD_PY = COMMAND_PY  # what commands run: a sandbox's user can (see helpers)
 # A dispatcher in its own process that starts a long command, then serves until killed.
 FIRST = textwrap.dedent("""
     import asyncio, sys
-    from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
+    from metasched.runtime.dispatch import Dispatcher, DispatcherConfig
 
     async def main(db):
         cfg = DispatcherConfig(scheduler="elastic_greedy", journal=db)
@@ -119,7 +119,7 @@ async def test_a_resubmission_must_match_the_stored_request(tmp_path):
 
 KILLED = textwrap.dedent("""
     import asyncio, json, os, signal, sys
-    from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
+    from metasched.runtime.dispatch import Dispatcher, DispatcherConfig
 
     async def main(db, keep_env, reqs):
         cfg = DispatcherConfig(scheduler="elastic_greedy", journal=db,

@@ -15,7 +15,7 @@ from metasched.core.cluster_config import ClusterConfig
 from metasched.core.observation import ObsConfig, ObservationEncoder
 from metasched.core.pools import EndpointSpec
 from metasched.core.scheduler import Scheduler
-from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
+from metasched.runtime.dispatch import Dispatcher, DispatcherConfig
 from metasched.sim.sampling import IndependentAction, WorkloadInstance
 from metasched.sim.simulator import Simulator
 

@@ -18,7 +18,7 @@ import time
 import psutil
 import pytest
 
-from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
+from metasched.runtime.dispatch import Dispatcher, DispatcherConfig
 from metasched.runtime.journal import Journal
 from metasched.runtime.sandbox.config import SandboxConfig
 
@@ -33,7 +33,7 @@ RUNNING = "running"
 # command first enters the user's directory (the case where recovery once removed it).
 CHILD = textwrap.dedent("""
     import asyncio, json, sys
-    from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
+    from metasched.runtime.dispatch import Dispatcher, DispatcherConfig
     from metasched.runtime.sandbox.config import SandboxConfig
 
     async def main(db, workdir, isolation, requests, seen):
@@ -44,7 +44,7 @@ CHILD = textwrap.dedent("""
             for r in json.loads(open(requests).read()):
                 d.accept(r)
             d.flush()  # durable now (otherwise at the end of this loop turn)
-            print("accepted", d.run_dir.path, flush=True)
+            print("accepted", d.backend.run_dir.path, flush=True)
             await asyncio.sleep(3600)
 
     asyncio.run(main(*sys.argv[1:]))

@@ -151,27 +151,28 @@ async def test_the_dispatcher_runs_a_trajectorys_gpu_command_with_its_gpu_alone(
     closes, its GPU's sandbox goes with it (no bwrap, cgroup slot or run-directory entry
     left). NVML is the one thing not here: the device says it is NVML's GPU 0, whose
     minor number (what NVML would say) is 0."""
-    from metasched.runtime import dispatcher as dispatch_mod
+    from metasched.runtime.dispatch import Dispatcher, DispatcherConfig
+    from metasched.runtime.dispatch import local as local_mod
     from metasched.runtime.gpu import GpuSampler, LiveDevice
     from metasched.runtime.gpu import devices as gpu_mod
     from metasched.runtime.sandbox import devices as devices_mod
 
     device = LiveDevice(0, "test GPU", 16.0, "cpu", 0, "GPU-00000000-test")
     monkeypatch.setattr(devices_mod, "DEV_ROOT", str(dev))
-    monkeypatch.setattr(dispatch_mod, "discover_devices", lambda **_: ([device], ""))
+    monkeypatch.setattr(local_mod, "discover_devices", lambda **_: ([device], ""))
     monkeypatch.setattr(gpu_mod, "_minors", {0: 0})
-    monkeypatch.setattr(dispatch_mod, "GpuSampler", lambda devices, host: GpuSampler(
+    monkeypatch.setattr(local_mod, "GpuSampler", lambda devices, host: GpuSampler(
         [LiveDevice(d.index, d.name, d.mem_gb, d.torch_device, None, "") for d in devices],
         host))
-    config = dispatch_mod.DispatcherConfig(scheduler="elastic_greedy",
-                                           sandbox=SandboxConfig(isolation="bwrap"))
+    config = DispatcherConfig(scheduler="elastic_greedy",
+                              sandbox=SandboxConfig(isolation="bwrap"))
 
     def cmd(kind, script, turn):
         return {"kind": kind, "argv": ["sh", "-c", script], "timeout_s": 30,
                 "trajectory": "t1", "turn": turn}
 
-    async with dispatch_mod.Dispatcher(config) as d:
-        before = sorted(os.listdir(d.run_dir.path)), bwraps(d.boxes)
+    async with Dispatcher(config) as d:
+        before = sorted(os.listdir(d.backend.run_dir.path)), bwraps(d.boxes)
         first = await d.submit(cmd("cpu", PROBE + "; echo from-cpu > note", 0))
         gpu = await d.submit(cmd("gpu", PROBE + "; cat note; echo $CUDA_VISIBLE_DEVICES;"
                                  " echo from-gpu > back", 1))
@@ -179,7 +180,7 @@ async def test_the_dispatcher_runs_a_trajectorys_gpu_command_with_its_gpu_alone(
         during = bwraps(d.boxes)
         d.close_trajectory("t1")
         await asyncio.sleep(0.3)  # the sandboxes' processes exit
-        after = sorted(os.listdir(d.run_dir.path)), bwraps(d.boxes)
+        after = sorted(os.listdir(d.backend.run_dir.path)), bwraps(d.boxes)
         slots = slot_dirs(d.boxes)
     assert first.ok and gpu.ok and last.ok, (first.reason, gpu.reason, gpu.stderr)
     assert gpu.allocation["device"] == 0

@@ -27,7 +27,7 @@ from helpers import COMMAND_PY
 from sandbox_helpers import needs_controllers
 from sandbox_helpers import sandboxed_config as cfg
 
-from metasched.runtime.dispatcher import Dispatcher
+from metasched.runtime.dispatch import Dispatcher
 
 PY = COMMAND_PY  # what a sandbox's user can run (see helpers)
 CORES = sorted(os.sched_getaffinity(0))
@@ -148,7 +148,7 @@ async def test_cannot_signal_another_job_or_the_dispatcher():
                    asyncio.ensure_future(d.submit(sh("sleep 4", id="w")))]
         for _ in range(200):
             await asyncio.sleep(0.02)
-            for proc in d._commands:
+            for proc in d.executors.commands:
                 if proc.pid:
                     pids.setdefault(str(len(pids)), proc.pid)
             if len(pids) >= 2:
@@ -311,7 +311,7 @@ async def test_fork_bomb_is_bounded(mode):
 
 SECRETS_CHILD = textwrap.dedent("""
     import asyncio, json, sys
-    from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
+    from metasched.runtime.dispatch import Dispatcher, DispatcherConfig
     from metasched.runtime.sandbox.config import SandboxConfig
 
     async def main():

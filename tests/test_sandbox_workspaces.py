@@ -11,7 +11,7 @@ import tarfile
 import pytest
 from sandbox_helpers import sandboxed_config as cfg
 
-from metasched.runtime.dispatcher import Dispatcher
+from metasched.runtime.dispatch import Dispatcher
 
 pytestmark = pytest.mark.isolation
 

@@ -34,7 +34,7 @@ DELAY_S = 0.4  # what the attacking command waits before its side effect
 # and runs them until it is killed.
 CHILD = textwrap.dedent("""
     import asyncio, json, sys
-    from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
+    from metasched.runtime.dispatch import Dispatcher, DispatcherConfig
     from metasched.runtime.sandbox.config import SandboxConfig
 
     async def main(db, workdir, isolation, cgroups, requests):

@@ -21,7 +21,7 @@ from serve_helpers import serving
 
 from metasched.client import Client
 from metasched.errors import ConfigError
-from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
+from metasched.runtime.dispatch import Dispatcher, DispatcherConfig
 from metasched.runtime.limits import RequestLimits
 from metasched.runtime.sandbox.config import SandboxConfig
 from metasched.serve import ServeConfig

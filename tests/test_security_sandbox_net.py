@@ -31,7 +31,7 @@ from helpers import COMMAND_PY
 from serve_helpers import serving
 
 from metasched.errors import ConfigError
-from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
+from metasched.runtime.dispatch import Dispatcher, DispatcherConfig
 from metasched.runtime.sandbox.config import SandboxConfig
 from metasched.serve import ServeConfig
 

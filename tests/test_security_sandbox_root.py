@@ -27,7 +27,7 @@ from helpers import free_port
 from sandbox_helpers import needs_isolation
 
 from metasched.errors import ConfigError
-from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
+from metasched.runtime.dispatch import Dispatcher, DispatcherConfig
 from metasched.runtime.sandbox.config import SandboxConfig
 from metasched.runtime.sandbox.manager import Sandboxes
 

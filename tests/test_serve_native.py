@@ -10,7 +10,7 @@ import pytest
 from serve_helpers import serving
 
 from metasched.errors import ConfigError
-from metasched.runtime.dispatcher import DispatcherConfig
+from metasched.runtime.dispatch import DispatcherConfig
 from metasched.serve import ServeConfig
 
 ECHO = {"kind": "cpu", "argv": ["echo", "hi"], "timeout_s": 10}

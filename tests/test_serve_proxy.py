@@ -16,7 +16,7 @@ from serve_helpers import serving
 
 from metasched.errors import ConfigError
 from metasched.runtime.api_calls import RetryPolicy
-from metasched.runtime.dispatcher import DispatcherConfig
+from metasched.runtime.dispatch import DispatcherConfig
 from metasched.serve import ServeConfig
 from metasched.serve.config import parse_upstreams
 

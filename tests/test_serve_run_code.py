@@ -18,7 +18,7 @@ import httpx
 import pytest
 from serve_helpers import serving
 
-from metasched.runtime.dispatcher import DispatcherConfig
+from metasched.runtime.dispatch import DispatcherConfig
 from metasched.serve import ServeConfig
 from metasched.serve.files import PER_COMMAND, PIECE, write_argvs
 

@@ -66,7 +66,7 @@ def load_services(spec: Any) -> dict[str, Any]:
 def dispatcher_config(cfg: dict[str, Any], run_dir: Path, endpoints: dict | None = None):
     """A validated ``DispatcherConfig`` from the composed config (``endpoints``: the
     parsed endpoint quotas, where the app reads more than quotas from its settings)."""
-    from metasched.runtime.dispatcher import DispatcherConfig
+    from metasched.runtime.dispatch import DispatcherConfig
     from metasched.runtime.limits import RequestLimits
     from metasched.runtime.sandbox.config import SandboxConfig
 
@@ -184,7 +184,7 @@ async def dispatch_all(path: str | Path, dcfg, services: dict[str, Any], out: Te
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-    from metasched.runtime.dispatcher import Dispatcher
+    from metasched.runtime.dispatch import Dispatcher
 
     name = Path(path).name
     tally = Tally()

@@ -45,7 +45,7 @@ def serve_config(cfg: dict[str, Any], upstreams: dict[str, Any]):
 
 def run_serve(cfg: dict[str, Any], out_dir: Path) -> None:
     """Serve until stopped (see the module docstring)."""
-    from metasched.runtime.dispatcher import Dispatcher
+    from metasched.runtime.dispatch import Dispatcher
     from metasched.serve import create_app, serve
     from metasched.serve.config import parse_upstreams
 

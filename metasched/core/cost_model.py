@@ -9,14 +9,22 @@ a signature has been measured, the caller's ``est_s`` is used, then ``default_s`
 The simulator runs the same model when given one (``Simulator(cost_model=...)``), so
 that a scheduler judged in simulation sees the estimates it will see live, instead of
 the profile's per-action estimates.
+
+A cost model may hold a remaining-work predictor (``predictor``, see
+:mod:`metasched.core.predictor`): every measurement ``learn`` takes is handed to it too,
+so it is updated online on both clocks.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from metasched.core.actions import Action, amdahl_run_s
+
+if TYPE_CHECKING:
+    from metasched.core.predictor import Predictor
 
 
 def signature(kind: str, task: str | None, name: str) -> str:
@@ -31,9 +39,11 @@ class CostModel:
         alpha: weight of the newest measurement (0 < alpha <= 1).
         default_s: estimate for a signature never measured and without a caller's hint.
         floor_s: smallest estimate handed out (the encoder takes logs of estimates).
+        predictor: a remaining-work predictor that ``learn`` feeds as well (None: none).
     """
 
-    def __init__(self, alpha: float = 0.3, default_s: float = 1.0, floor_s: float = 1e-3) -> None:
+    def __init__(self, alpha: float = 0.3, default_s: float = 1.0, floor_s: float = 1e-3,
+                 predictor: Predictor | None = None) -> None:
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha must be in (0, 1] (got {alpha})")
         if not default_s > 0.0 or not floor_s > 0.0:
@@ -43,6 +53,7 @@ class CostModel:
         self.floor_s = floor_s
         self.mean: dict[str, float] = {}
         self.count: dict[str, int] = {}
+        self.predictor = predictor
 
     def estimate(self, signature: str, hint: float | None = None) -> float:
         """The estimate for the next action of ``signature``."""
@@ -68,6 +79,8 @@ class CostModel:
         spec = a.spec
         self.observe(signature(spec.kind, a.task, spec.name), run_s, cores=max(1, a.cores),
                      parallel_fraction=spec.parallel_fraction)
+        if self.predictor is not None:
+            self.predictor.observe_action(a, run_s)
 
     def save(self, path: str | Path) -> None:
         """Write the learned estimates as JSON (to warm-start the next dispatcher)."""

@@ -26,6 +26,7 @@ from metasched.core.actions import (
 from metasched.core.cluster_config import ClusterConfig
 from metasched.core.metrics import Recorder
 from metasched.core.pools import ApiPool, CpuPool, GpuPool, ServiceSpec
+from metasched.core.predictor import Predictor
 
 KIND_INDEX = {k: i for i, k in enumerate(KINDS)}
 
@@ -78,6 +79,9 @@ class ClusterState:
         # The current RL step's prompt groups: prompt id -> its trajectories (siblings),
         # running and finished, as the clock knows them (none where prompts are unknown).
         self.prompts: dict[str, list[Trajectory]] = {}
+        # The remaining-work predictor (metasched.core.predictor) the clock feeds, if any:
+        # ``predictor.remaining_of(traj)`` gives a trajectory's remaining-time quantiles.
+        self.predictor: Predictor | None = None
         # Pipelining (see hand_ahead): per node, the actions handed there ahead of free
         # cores, and the freed cores kept for the first of them (idle, not free: another
         # grant there would start behind the node's queue, not on them).

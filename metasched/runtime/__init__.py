@@ -12,8 +12,8 @@ from __future__ import annotations
 from metasched.lazy import lazy_exports
 
 _EXPORTS = {
-    "Dispatcher": "metasched.runtime.dispatcher",
-    "DispatcherConfig": "metasched.runtime.dispatcher",
+    "Dispatcher": "metasched.runtime.dispatch.dispatcher",
+    "DispatcherConfig": "metasched.runtime.dispatch.config",
     "LiveService": "metasched.runtime.gpu",
     "Request": "metasched.runtime.requests",
     "RequestLimits": "metasched.runtime.limits",

@@ -1,14 +1,16 @@
 """Where a dispatcher's actions run: the seam between the scheduling core on the
 dispatcher's clock and the machines that execute what it grants.
 
-A :class:`~metasched.runtime.dispatcher.Dispatcher` built without a backend runs
-everything on this machine (one node: the cores this process may use; GPUs from NVML;
-commands through :mod:`metasched.runtime.process`). Given a :class:`Backend`, it
-schedules over the backend's nodes and devices instead, and hands it each granted
-command and GPU batch; the journal, the queue, the guard, the policy and API calls
-(whose quotas the dispatcher's ``ApiPool`` holds for every caller) and the sandboxes'
-bookkeeping (which trajectory's sandbox is on which node, its memory) stay in the
-dispatcher; the backend confines each command on its node as the dispatcher does here.
+A :class:`~metasched.runtime.dispatch.Dispatcher` built without a backend runs
+everything on this machine, through a
+:class:`~metasched.runtime.dispatch.local.LocalBackend` (one node: the cores this
+process may use; GPUs from NVML; commands through :mod:`metasched.runtime.process`,
+pinned to core ids by the dispatcher). Given another :class:`Backend`, it schedules over
+the backend's nodes and devices instead, and hands it each granted command and GPU
+batch; the journal, the queue, the guard, the policy and API calls (whose quotas the
+dispatcher's ``ApiPool`` holds for every caller) and the sandboxes' bookkeeping (which
+trajectory's sandbox is on which node, its memory) stay in the dispatcher; the backend
+confines each command on its node as the local backend does here.
 :mod:`metasched.runtime.ray_backend` is the backend for a Ray cluster.
 """
 
@@ -16,12 +18,16 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from metasched.core.pools import ServiceSpec
 from metasched.runtime.gpu import LiveDevice
 from metasched.runtime.outcome import Outcome
 from metasched.runtime.sandbox.config import SandboxConfig
+
+if TYPE_CHECKING:
+    from metasched.runtime.dispatch.executors import Executors
+    from metasched.runtime.journal import Journal
 
 
 @dataclass(frozen=True)
@@ -94,6 +100,12 @@ class Backend(Protocol):
         devices: the GPUs, ``devices[i].index == i`` as in the core's ``GpuPool``.
         no_gpu_reason: why there is no GPU ("" when there are some).
         host: runs batches of GPU services on ``devices``.
+        cores: the CPU ids of this machine the dispatcher pins commands to itself
+            (empty: the backend picks the cores on its nodes).
+        EXECUTORS: the class of what runs the dispatcher's grants on it
+            (:class:`~metasched.runtime.dispatch.executors.Executors`), made with
+            ``(dispatcher, backend)``.
+        AHEAD_PER_CORE: (optional) the default of ``DispatcherConfig.ahead_per_core``.
     """
 
     name: str
@@ -101,6 +113,8 @@ class Backend(Protocol):
     devices: Sequence[LiveDevice]
     no_gpu_reason: str
     host: GpuHost
+    cores: Sequence[int]
+    EXECUTORS: type[Executors]
 
     async def start_sandboxes(self, config: SandboxConfig, hide: list[str]) -> Any:
         """Set up each node's confinement as ``config`` says (``hide``: host paths
@@ -126,9 +140,23 @@ class Backend(Protocol):
         :meth:`start_command`, confined as every command."""
         ...
 
-    async def kill_orphans(self, keys: Collection[str]) -> None:
-        """Kill the commands a previous dispatcher on the same journal left running
-        for the unfinished requests ``keys`` (before they are queued again)."""
+    async def kill_orphans(self, journal: Journal) -> None:
+        """Kill the commands a previous dispatcher on ``journal`` left running for its
+        unfinished requests (before they are queued again).
+
+        Raises:
+            sqlite3.DatabaseError: the journal cannot be read.
+        """
+        ...
+
+    def sample(self) -> None:
+        """Measure the machines' load now (the dispatcher calls it every
+        ``sample_interval_s`` seconds, and once at close)."""
+        ...
+
+    def measured_utilisation(self) -> dict[str, float]:
+        """Mean measured utilisation since the start (``cpu``, ``gpu``); empty if the
+        backend does not measure it."""
         ...
 
     async def close(self) -> None:

@@ -64,7 +64,7 @@ def create_app(dispatcher: DispatcherLike | Callable[[], DispatcherLike],
     ``metasched-serve``).
 
     Args:
-        dispatcher: a :class:`~metasched.runtime.dispatcher.Dispatcher` (or any object
+        dispatcher: a :class:`~metasched.runtime.dispatch.Dispatcher` (or any object
             with its methods, see :class:`~metasched.serve.frontend.DispatcherLike`), or
             a function returning one, called when the application starts (on the thread
             that serves it: needed for a dispatcher with a journal served from another

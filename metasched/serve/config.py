@@ -1,6 +1,6 @@
 """The service's own settings (:class:`ServeConfig`) and the upstreams of the quota proxy
 (:class:`Upstream`); the dispatcher behind the service has its own
-(:class:`~metasched.runtime.dispatcher.DispatcherConfig`)."""
+(:class:`~metasched.runtime.dispatch.DispatcherConfig`)."""
 
 from __future__ import annotations
 

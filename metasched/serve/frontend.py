@@ -2,7 +2,7 @@
 it keeps about the requests it accepted (:class:`Submissions`).
 
 The service fronts any object with the dispatcher's submitting and reading methods: the
-local :class:`~metasched.runtime.dispatcher.Dispatcher`, or a handle on one that runs
+local :class:`~metasched.runtime.dispatch.Dispatcher`, or a handle on one that runs
 elsewhere (e.g. in a Ray actor), which then forwards them.
 """
 
@@ -22,7 +22,7 @@ __all__ = ["DispatcherLike", "Submissions"]
 @runtime_checkable
 class DispatcherLike(Protocol):
     """The dispatcher's methods the service calls (see
-    :class:`~metasched.runtime.dispatcher.Dispatcher` for their contracts)."""
+    :class:`~metasched.runtime.dispatch.Dispatcher` for their contracts)."""
 
     async def start(self) -> None: ...
 

@@ -115,6 +115,10 @@ class Simulator:
         self.state.ahead_per_node = ahead_per_core * cluster.cores_per_node
         self.check_invariants = check_invariants
         self.cost_model = cost_model
+        # A predictor the cost model holds is fed here too (gaps, ends) and shown to
+        # schedulers as ``state.predictor``.
+        self.predictor = cost_model.predictor if cost_model is not None else None
+        self.state.predictor = self.predictor
         self._restore_s: dict[int, float] = {}  # gpu action id -> its batch's restore
         self._in_flight: dict[int, int] = {}  # trajectory id -> its actions submitted, unfinished
         self._next_turn: dict[int, int] = {}  # trajectory id -> index of its next turn
@@ -313,6 +317,8 @@ class Simulator:
         # This turn's action, and those submitted together with it; a chained one waits
         # for the action before it (submitted from _on_end).
         i = self._next_turn.get(traj.id, 0)
+        if self.predictor is not None:
+            self.predictor.observe_gap(traj, traj.turns[i].gen_s)
         while True:
             if not traj.turns[i].chained:
                 self._submit_turn(traj, i)
@@ -356,6 +362,8 @@ class Simulator:
             return
         del self._next_turn[traj.id]
         traj.end_t = self.state.t
+        if self.predictor is not None:
+            self.predictor.finish(traj.id, traj.turn)
         self.state.close_trajectory(traj)
         self._open_waiting_sandboxes()
         self.state.step_done += 1
@@ -379,6 +387,8 @@ class Simulator:
         if self._step and self.workload.step_fresh_quotas:
             for ep in state.api.endpoints.values():
                 ep.restart()
+        if self.predictor is not None:
+            self.predictor.reset()  # the last step's groups are done
         state.prompts = {}
         for ts in specs:
             traj = Trajectory(self._next_traj_id, ts.task, self._step, list(ts.turns), ts.sandbox,

@@ -1,7 +1,7 @@
 """The dispatcher as a named, detached Ray actor, so that workers in any process or on
 any node submit to one dispatcher.
 
-:class:`DispatcherActor` holds a :class:`~metasched.runtime.dispatcher.Dispatcher` on
+:class:`DispatcherActor` holds a :class:`~metasched.runtime.dispatch.Dispatcher` on
 a :class:`~.cluster.RayBackend`, on the actor's event loop. It is pinned to the node it
 was started from (its journal is a file there) and restarted by Ray if its process dies;
 the new one recovers the journal as a restarted dispatcher does on one machine (kills
@@ -29,7 +29,7 @@ import ray
 from metasched import __version__
 from metasched.core.metrics import RunResult
 from metasched.errors import ConfigError
-from metasched.runtime.dispatcher import Dispatcher, DispatcherConfig
+from metasched.runtime.dispatch import Dispatcher, DispatcherConfig
 from metasched.runtime.gpu import LiveService
 from metasched.runtime.ray_backend.cluster import DEFAULT_SUBMIT, RayBackend
 from metasched.runtime.requests import REJECTED, Result

@@ -29,7 +29,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from metasched.errors import ConfigError
-from metasched.runtime.dispatcher import DispatcherConfig
+from metasched.runtime.dispatch import DispatcherConfig
 from metasched.runtime.gpu import LiveService
 from metasched.runtime.ray_backend.actor import DispatcherActor, dumps
 from metasched.runtime.ray_backend.cluster import DEFAULT_SUBMIT, check_submit, lost

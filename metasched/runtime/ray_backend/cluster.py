@@ -46,7 +46,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import pickle
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -55,7 +55,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from metasched.errors import ConfigError
 from metasched.runtime.backend import CommandSpec, Node
+from metasched.runtime.dispatch.executors.nodes import NodeExecutors
 from metasched.runtime.gpu import LiveService
+from metasched.runtime.journal import Journal
 from metasched.runtime.outcome import Outcome
 from metasched.runtime.ray_backend import channel
 from metasched.runtime.ray_backend.gpu_hosts import RayGpuHost
@@ -358,6 +360,8 @@ class RayBackend:
     # Commands per core a node holds ahead of its free cores unless the dispatcher's
     # ahead_per_core says otherwise (measured: benchmarks/ray_throughput.py --ahead).
     AHEAD_PER_CORE = 2
+    EXECUTORS = NodeExecutors  # each command handed to its node's agent
+    cores: tuple[int, ...] = ()  # the nodes' cores are picked there, not pinned from here
 
     def __init__(self, nodes: list[Node], gpus: RayGpuHost | None, *, dispatcher: str,
                  workdir: str | None = None, submit: str = DEFAULT_SUBMIT) -> None:
@@ -464,8 +468,8 @@ class RayBackend:
         node_id = self.gpus.node_ids[device] if self.gpus is not None else None
         return next((i for i, n in enumerate(self.nodes) if n.name == node_id), -1)
 
-    async def kill_orphans(self, keys: Collection[str]) -> None:
-        keys = list(keys)
+    async def kill_orphans(self, journal: Journal) -> None:
+        keys = [key for key, _, _ in journal.unfinished()]
         if not keys:
             return
         # One task per node with every key (not one per key): the next dispatcher does not
@@ -475,6 +479,12 @@ class RayBackend:
                 self.dispatcher, keys) for n in self.nodes))
         if sum(killed):
             log.info("killed %d commands a previous dispatcher left running", sum(killed))
+
+    def sample(self) -> None:
+        """Nothing: the nodes' load is not measured from the dispatcher."""
+
+    def measured_utilisation(self) -> dict[str, float]:
+        return {}
 
     async def close(self) -> None:
         links, self.links = self.links, []

@@ -41,7 +41,7 @@ def describe_node() -> NodeFacts:
 def kill_orphans(dispatcher: str, keys: Collection[str]) -> int:
     """Kill the process groups on this node whose processes carry ``dispatcher``'s name
     and one of ``keys`` as their action id; how many groups."""
-    from metasched.runtime.dispatcher import ACTION_ENV
+    from metasched.runtime.dispatch.jobs import ACTION_ENV
 
     wanted = set(keys)
     groups: set[int] = set()

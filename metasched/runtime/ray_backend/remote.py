@@ -7,7 +7,7 @@ the dispatcher actor of the given name if one runs (after checking that it is a
 dispatcher of this version with the settings asked for) or starts it, and returns a
 :class:`RemoteDispatcher`: ``start`` / ``close`` / ``accept`` / ``enqueue`` / ``stats``
 / ``status`` / ``find`` / ``close_trajectory`` / ``run_result``, as
-:class:`~metasched.runtime.dispatcher.Dispatcher` has them. A dispatcher it started is
+:class:`~metasched.runtime.dispatch.Dispatcher` has them. A dispatcher it started is
 stopped when it closes (unless ``keep``); one it attached to goes on serving its other
 clients.
 
@@ -30,7 +30,7 @@ import ray
 
 from metasched import __version__
 from metasched.errors import ConfigError
-from metasched.runtime.dispatcher import DispatcherConfig
+from metasched.runtime.dispatch import DispatcherConfig
 from metasched.runtime.gpu import LiveService
 from metasched.runtime.ray_backend.client import (
     DEFAULT_NAME,

@@ -1,0 +1,464 @@
+"""A learned predictor of remaining work: per running trajectory, its remaining time as
+quantiles; per queued action, its duration.
+
+It sees only what a live dispatcher sees when it decides: an action's type (``name``),
+the trajectory's task and turn index, the durations it has measured of the
+trajectory's own actions and generation gaps, and those of its prompt-group siblings
+(GRPO's n responses to one prompt), including the totals of the siblings that finished.
+
+Everything is in log space, where the grouped workload model's latents are normal:
+
+* an observation ``x`` of type ``n`` becomes a standardised residual
+  ``r = (log x - mu_n) / sd_n`` (``mu_n``, ``sd_n``: the type's training mean and sd);
+* residuals share a prompt effect ``P`` and a trajectory effect ``T``,
+  ``r = P + T + E`` with variances ``v_prompt``, ``v_traj``, ``v_noise`` (method of
+  moments on the training residuals); the empirical-Bayes posterior mean of ``P + T``
+  given the siblings' and the trajectory's own residuals is ``effect``;
+* a queued action's duration is ``exp(mu_n + sd_n * effect)``.
+
+Remaining trajectory time has two designs (``design``):
+
+* ``"shrinkage"``: the static estimate (mean log remaining time of the task at this
+  turn index) shifted by ``sd_bar * effect``, ``sd_bar`` the types' duration-weighted sd;
+  nothing is fitted beyond the type statistics and the variance components.
+* ``"linear"``: ridge regression, per turn index, of log remaining time on the static
+  estimate, the
+  posterior effects, the finished siblings' totals and turn counts and log turn index.
+
+Quantiles (p10, p50, p90) add the design's training residual quantiles at the turn
+index (bucketed). Both designs are fitted by replaying training trajectories through
+the same online code that serves predictions (:func:`replay`), on an uncontended clock
+(a turn's action starts when its generation gap ends). A trajectory's clock starts
+when its first action is queued: the first generation gap (overlapping the sandbox's
+start-up, and absent from recorded traces) is neither evidence nor remaining time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+GEN = "gen"  # the type name of generation gaps
+QUANTILES = (0.1, 0.5, 0.9)
+DESIGNS = ("shrinkage", "linear")
+_K_CAP = 64  # turn indices above this share the last bucket
+_MIN_BUCKET = 30  # fewest training points a turn-index bucket of the tables needs
+_FEATURES = ("static", "effect", "prompt_effect", "sib_total", "sib_turns", "sib_done",
+             "log_turn", "own_n", "sib_turns_all")
+_MIN_FIT = 200  # fewest training points a turn-index bucket needs for coefficients of its own
+_RIDGE = 0.01  # L2 penalty per training point on the linear design's standardised features
+
+
+@dataclass(frozen=True, slots=True)
+class TrajRecord:
+    """A finished trajectory as training data: its task, its prompt group key (None:
+    unknown) and its turns as ``(action name, generation gap s, action s)``."""
+
+    task: str
+    group: object
+    turns: tuple[tuple[str, float, float], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """One decision point of :func:`replay`: trajectory ``key`` queues its turn ``turn``
+    (action ``name``) at clock time ``t``; ``remaining_s`` and ``action_s`` are the truth."""
+
+    key: int
+    task: str
+    turn: int
+    name: str
+    t: float
+    remaining_s: float
+    action_s: float
+
+
+def _group(traj) -> object:
+    """The group key of a live trajectory: ``(step, prompt)``, None without a prompt."""
+    return None if traj.prompt is None else (traj.step, traj.prompt)
+
+
+def records_of(steps: Iterable[Iterable]) -> list[TrajRecord]:
+    """Training records of RL steps of trajectory specs (anything with ``task``,
+    ``prompt`` and ``turns`` of :class:`~metasched.core.actions.Turn`); the group key is
+    ``(step index, prompt)``. Turns done together count as serial here."""
+    out = []
+    for i, step in enumerate(steps):
+        for ts in step:
+            group = None if ts.prompt is None else (i, ts.prompt)
+            out.append(TrajRecord(ts.task, group, tuple(
+                (t.action.name, float(t.gen_s), float(t.action.true_s)) for t in ts.turns)))
+    return out
+
+
+@dataclass(slots=True)
+class _Traj:
+    task: str
+    group: object
+    turn: int = 0
+    elapsed_s: float = 0.0
+    n: int = 0
+    r_sum: float = 0.0
+    done: bool = False
+
+
+@dataclass(slots=True)
+class Quantiles:
+    """Remaining-time quantiles in seconds."""
+
+    p10: float
+    p50: float
+    p90: float
+
+
+@dataclass(slots=True)
+class Predictor:
+    """The fitted model plus its online state (see the module docstring). Build it with
+    :meth:`fit`; feed it with :meth:`observe` / :meth:`observe_action` and
+    :meth:`finish`; ask :meth:`remaining` and :meth:`duration`."""
+
+    design: str
+    mu: dict[str, float]
+    sd: dict[str, float]
+    v_prompt: float
+    v_traj: float
+    v_noise: float
+    sd_bar: float
+    static: dict[str, np.ndarray]  # per task: median log remaining per turn bucket
+    turns_tab: dict[str, np.ndarray]  # per task: mean log(total turns + 1) given turn >= k
+    task_total: dict[str, tuple[float, float]]  # per task: mean log total s, log(turns+1)
+    coef: np.ndarray = field(default_factory=lambda: np.zeros((1, len(_FEATURES) + 1)))
+    resid_q: np.ndarray = field(default_factory=lambda: np.zeros((1, 3)))
+    trajs: dict[object, _Traj] = field(default_factory=dict)
+    groups: dict[object, list[object]] = field(default_factory=dict)
+    finished: dict[object, list[tuple[float, float]]] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ online state
+
+    def _traj(self, key: object, task: str, group: object) -> _Traj:
+        tr = self.trajs.get(key)
+        if tr is None:
+            tr = self.trajs[key] = _Traj(task, group)
+            if group is not None:
+                self.groups.setdefault(group, []).append(key)
+        return tr
+
+    def observe(self, key: object, task: str, group: object, name: str, seconds: float,
+                *, new_turn: bool = False) -> None:
+        """Learn a measured action (or a generation gap, ``name=GEN``) of trajectory
+        ``key``; ``new_turn``: it opens one of the trajectory's turns."""
+        tr = self._traj(key, task, group)
+        tr.elapsed_s += max(0.0, seconds)
+        if new_turn:
+            tr.turn += 1
+        mu = self.mu.get(name)
+        if mu is None or not seconds > 0.0:
+            return
+        tr.r_sum += (math.log(seconds) - mu) / self.sd[name]
+        tr.n += 1
+
+    def observe_action(self, a, run_s: float) -> None:
+        """Learn from action ``a`` (a :class:`~metasched.core.actions.Action`) having
+        run ``run_s`` seconds (the cost model's ``learn`` calls this)."""
+        traj = a.traj
+        if traj is None:
+            return
+        self.observe(traj.id, traj.task, _group(traj), a.spec.name, run_s)
+
+    def observe_gap(self, traj, gap_s: float) -> None:
+        """Learn a generation gap of ``traj`` (a
+        :class:`~metasched.core.actions.Trajectory`) that has just ended."""
+        # The first gap overlaps the sandbox's start-up, and recorded traces lack it: a
+        # trajectory's clock starts when its first action is queued.
+        self.observe(traj.id, traj.task, _group(traj), GEN, gap_s if traj.turn else 0.0)
+        self.trajs[traj.id].turn = traj.turn
+
+    def finish(self, key: object, turns: int | None = None) -> None:
+        """Trajectory ``key`` ended after ``turns`` turns (None: as counted): its total
+        becomes its siblings' evidence."""
+        tr = self.trajs.get(key)
+        if tr is None or tr.done:
+            return
+        tr.done = True
+        if turns is not None:
+            tr.turn = turns
+        if tr.group is not None:
+            mt, mk = self.task_total.get(tr.task, (0.0, 0.0))
+            self.finished.setdefault(tr.group, []).append(
+                (math.log(max(tr.elapsed_s, 1e-3)) - mt, math.log(tr.turn + 1.0) - mk))
+
+    def forget_group(self, group: object) -> None:
+        """Drop a finished RL step's group (its state is no longer needed)."""
+        for key in self.groups.pop(group, []):
+            self.trajs.pop(key, None)
+        self.finished.pop(group, None)
+
+    # ------------------------------------------------------------------ predictions
+
+    def _effects(self, tr: _Traj, key: object) -> tuple[float, float, float]:
+        """Posterior means of ``P`` (siblings only) and ``P + T`` (with own), and the
+        posterior variance of ``P + T``."""
+        vp, vt, ve = self.v_prompt, self.v_traj, self.v_noise
+        prec, num = 1.0 / vp if vp > 0 else 1e12, 0.0
+        for sk in self.groups.get(tr.group, ()) if tr.group is not None else ():
+            s = self.trajs[sk]
+            if sk == key or s.n == 0:
+                continue
+            v = vt + ve / s.n
+            prec += 1.0 / v
+            num += (s.r_sum / s.n) / v
+        m_p, v_p = num / prec, 1.0 / prec
+        prior_v = v_p + vt
+        if tr.n == 0:
+            return m_p, m_p, prior_v
+        noise = ve / tr.n
+        w = prior_v / (prior_v + noise)
+        return m_p, m_p + w * (tr.r_sum / tr.n - m_p), prior_v * noise / (prior_v + noise)
+
+    def _bucket(self, task: str, turn: int) -> int:
+        return min(turn, len(self.static[task]) - 1)
+
+    def features(self, key: object) -> np.ndarray:
+        """The decision-time features of trajectory ``key`` (``_FEATURES`` order)."""
+        tr = self.trajs[key]
+        table = self.static.get(tr.task)
+        static = float(table[self._bucket(tr.task, tr.turn)]) if table is not None else 0.0
+        m_p, eff, _ = self._effects(tr, key)
+        fin = self.finished.get(tr.group, ()) if tr.group is not None else ()
+        n_f = len(fin)
+        sib_total = sum(f[0] for f in fin) / (n_f + 1.0)  # shrunk toward the task mean
+        sib_turns = sum(f[1] for f in fin) / (n_f + 1.0)
+        sibs = [s for s in self.groups.get(tr.group, ()) if s != key] if tr.group else []
+        # Every sibling's turn count imputed: a finished one's as counted, a running
+        # one's as the static expectation given the turns it has done (a censored mean).
+        # (Running siblings' measured seconds so far are left out: they add nothing on
+        # held-out seeds and make the weights unstable.)
+        it = 0.0
+        mk = self.task_total.get(tr.task, (0.0, 0.0))[1]
+        for sk in sibs:
+            s = self.trajs[sk]
+            tt = self.turns_tab.get(s.task)
+            if s.done or tt is None:
+                it += math.log(s.turn + 1.0) - mk
+            else:
+                it += float(tt[min(s.turn, len(tt) - 1)]) - mk
+        return np.array([static, eff, m_p, sib_total, sib_turns, n_f / max(1, len(sibs)),
+                         math.log1p(tr.turn), math.log1p(tr.n), it / (len(sibs) + 1.0)])
+
+    def _log_median(self, x: np.ndarray) -> float:
+        if self.design == "shrinkage":
+            return float(x[0] + self.sd_bar * x[1])
+        c = self.coef[min(self._bucket_of(x), len(self.coef) - 1)]
+        return float(c[0] + c[1:] @ x)
+
+    def _bucket_of(self, x: np.ndarray) -> int:
+        return int(round(math.expm1(x[6])))
+
+    def remaining(self, key: object, task: str | None = None,
+                  group: object = None) -> Quantiles:
+        """Remaining-time quantiles of trajectory ``key`` (``task``/``group`` register
+        a trajectory not yet observed)."""
+        if key not in self.trajs:
+            self._traj(key, task if task is not None else next(iter(self.static)), group)
+        tr = self.trajs[key]
+        x = self.features(key)
+        m = self._log_median(x)
+        q = self.resid_q[min(tr.turn, len(self.resid_q) - 1)]
+        return Quantiles(*(math.exp(m + d) for d in q))
+
+    def remaining_of(self, traj) -> Quantiles:
+        """:meth:`remaining` of a :class:`~metasched.core.actions.Trajectory` whose
+        current turn has been submitted (``traj.turn`` counts it)."""
+        tr = self._traj(traj.id, traj.task, _group(traj))
+        tr.turn = max(0, traj.turn - 1)
+        return self.remaining(traj.id)
+
+    def duration(self, key: object, name: str, task: str | None = None,
+                 group: object = None) -> float:
+        """Median duration (s) of trajectory ``key``'s next action of type ``name``
+        (the type's static estimate where the type was never seen in training)."""
+        if key not in self.trajs:
+            self._traj(key, task if task is not None else next(iter(self.static)), group)
+        mu = self.mu.get(name)
+        if mu is None:
+            return math.nan
+        tr = self.trajs[key]
+        return math.exp(mu + self.sd[name] * self._effects(tr, key)[1])
+
+    def static_duration(self, name: str) -> float:
+        """The type-level estimate of an action (its training geometric mean)."""
+        return math.exp(self.mu[name]) if name in self.mu else math.nan
+
+    def static_remaining(self, task: str, turn: int) -> float:
+        """The type-level estimate of remaining time at turn ``turn`` (geometric mean)."""
+        return math.exp(float(self.static[task][self._bucket(task, turn)]))
+
+    def reset(self) -> None:
+        """Forget all online state (keep the fitted model)."""
+        self.trajs.clear(), self.groups.clear(), self.finished.clear()
+
+    # ------------------------------------------------------------------ training
+
+    @classmethod
+    def fit(cls, records: list[TrajRecord], design: str = "linear") -> Predictor:
+        """Fit to finished trajectories (see the module docstring)."""
+        if design not in DESIGNS:
+            raise ValueError(f"design must be one of {', '.join(DESIGNS)} (got {design!r})")
+        if not records:
+            raise ValueError("no training trajectories")
+        logs: dict[str, list[float]] = {}
+        for r in records:
+            for k, (name, gen, dur) in enumerate(r.turns):
+                if gen > 0 and k:
+                    logs.setdefault(GEN, []).append(math.log(gen))
+                if dur > 0:
+                    logs.setdefault(name, []).append(math.log(dur))
+        mu = {n: float(np.mean(v)) for n, v in logs.items()}
+        sd = {n: max(float(np.std(v)), 1e-3) for n, v in logs.items()}
+        weight = {n: math.exp(mu[n] + sd[n] ** 2 / 2) * len(v) for n, v in logs.items()}
+        sd_bar = sum(sd[n] * w for n, w in weight.items()) / sum(weight.values())
+        vp, vt = _components(records, mu, sd)
+        task_total: dict[str, tuple[float, float]] = {}
+        rem: dict[str, dict[int, list[float]]] = {}
+        turns_by_k: dict[str, dict[int, list[float]]] = {}
+        for r in records:
+            tot = sum(g + d for _, g, d in r.turns) - r.turns[0][1]
+            prev = task_total.setdefault(r.task, (0.0, 0.0, 0))
+            task_total[r.task] = (prev[0] + math.log(max(tot, 1e-3)),
+                                  prev[1] + math.log(len(r.turns) + 1.0), prev[2] + 1)
+            done = -r.turns[0][1]
+            for k, (_, g, d) in enumerate(r.turns):
+                done += g
+                rem.setdefault(r.task, {}).setdefault(min(k, _K_CAP), []).append(
+                    math.log(max(tot - done, 1e-3)))
+                turns_by_k.setdefault(r.task, {}).setdefault(min(k, _K_CAP), []).append(
+                    math.log(len(r.turns) + 1.0))
+                done += d
+        task_total = {t: (a / n, b / n) for t, (a, b, n) in task_total.items()}
+        static = {t: _table(by_k, np.median) for t, by_k in rem.items()}
+        turns_tab = {t: _table(by_k, np.mean) for t, by_k in turns_by_k.items()}
+        p = cls(design, mu, sd, vp, vt, max(1.0 - vp - vt, 0.05), sd_bar, static, turns_tab,
+                task_total)
+        x, y, k = [], [], []
+        for d, feats in replay(p, records):
+            x.append(feats), y.append(math.log(max(d.remaining_s, 1e-3)))
+            k.append(p._bucket(d.task, d.turn))
+        x, y, k = np.array(x), np.array(y), np.array(k)
+        if design == "linear":
+            a = np.column_stack([np.ones(len(x)), x])
+            kk = np.minimum(np.rint(np.expm1(x[:, 6])).astype(int), _K_CAP)
+            pooled = _ridge(a, y)
+            rows = []
+            for b in range(int(kk.max()) + 1):
+                m = kk == b
+                if m.sum() < _MIN_FIT:
+                    break
+                rows.append(_ridge(a[m], y[m]))
+            p.coef = np.array(rows + [pooled])
+            resid = y - np.einsum("ij,ij->i", a, p.coef[np.minimum(kk, len(rows))])
+        else:
+            resid = y - (x[:, 0] + sd_bar * x[:, 1])
+        p.resid_q = _quantile_table(resid, k)
+        p.reset()
+        return p
+
+
+def _ridge(a: np.ndarray, y: np.ndarray, lam: float = _RIDGE) -> np.ndarray:
+    """Least squares of ``y`` on ``a`` (first column: the intercept) with an L2 penalty
+    of ``lam`` per point on the standardised other columns: features that barely vary
+    at a turn index (siblings not yet measured) get small, stable weights."""
+    mean, sd = a[:, 1:].mean(0), a[:, 1:].std(0)
+    sd[sd < 1e-9] = 1.0
+    z = np.column_stack([np.ones(len(a)), (a[:, 1:] - mean) / sd])
+    pen = np.full(z.shape[1], lam * len(a))
+    pen[0] = 0.0
+    w = np.linalg.solve(z.T @ z + np.diag(pen), z.T @ y)
+    coef = np.empty_like(w)
+    coef[1:] = w[1:] / sd
+    coef[0] = w[0] - coef[1:] @ mean
+    return coef
+
+
+def _components(records: list[TrajRecord], mu: dict, sd: dict) -> tuple[float, float]:
+    """Prompt and trajectory variance components of the standardised residuals (method
+    of moments: the mean product of two residuals of one trajectory estimates
+    ``v_prompt + v_traj``; of two sibling trajectories, ``v_prompt``)."""
+    within_num = within_n = 0.0
+    by_group: dict[object, list[tuple[float, float]]] = {}
+    for r in records:
+        res = [(math.log(g) - mu[GEN]) / sd[GEN] for _, g, _ in r.turns[1:] if g > 0]
+        res += [(math.log(d) - mu[n]) / sd[n] for n, _, d in r.turns if d > 0]
+        s, s2, n = sum(res), sum(v * v for v in res), len(res)
+        within_num += (s * s - s2) / 2
+        within_n += n * (n - 1) / 2
+        if r.group is not None:
+            by_group.setdefault(r.group, []).append((s, n))
+    between_num = between_n = 0.0
+    for sums in by_group.values():
+        s = sum(a for a, _ in sums)
+        n = sum(b for _, b in sums)
+        between_num += (s * s - sum(a * a for a, _ in sums)) / 2
+        between_n += (n * n - sum(b * b for _, b in sums)) / 2
+    vpt = min(max(within_num / within_n if within_n else 0.0, 0.0), 0.95)
+    vp = min(max(between_num / between_n if between_n else 0.0, 0.0), vpt)
+    return vp, vpt - vp
+
+
+def _table(by_k: dict[int, list[float]], stat) -> np.ndarray:
+    """``stat`` (mean or median) per turn index, the buckets with fewer than
+    ``_MIN_BUCKET`` points pooled into one after the last that has enough."""
+    out, pooled = [], []
+    for k in range(max(by_k) + 1):
+        v = by_k.get(k, [])
+        if len(v) >= _MIN_BUCKET and not pooled:
+            out.append(float(stat(v)))
+        else:
+            pooled += v
+    if pooled or not out:
+        out.append(float(stat(pooled)) if pooled else 0.0)
+    return np.array(out)
+
+
+def _quantile_table(resid: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """Per bucket, the residuals' p10/p50/p90 offsets from the median prediction."""
+    rows = []
+    for b in range(int(k.max()) + 1):
+        r = resid[k >= b] if (k == b).sum() < _MIN_BUCKET else resid[k == b]
+        rows.append(np.quantile(r, QUANTILES) if len(r) else np.zeros(3))
+    return np.array(rows)
+
+
+def replay(p: Predictor, records: list[TrajRecord]) -> Iterator[tuple[Decision, np.ndarray]]:
+    """Run ``records`` through ``p``'s online state on an uncontended clock (every
+    trajectory starts at 0; a turn's action is queued when its gap ends and runs its
+    duration) and yield each decision point with its features, computed before the
+    action runs. ``p``'s online state is reset first."""
+    p.reset()
+    events: list[tuple[float, int, int, int]] = []  # (t, order, record, turn)
+    for i, r in enumerate(records):
+        t = 0.0
+        for k, (_, g, d) in enumerate(r.turns):
+            events.append((t + g, 1, i, k))  # gap ends: observe it, then decide
+            t += g + d
+            events.append((t, 0, i, k))  # action ends: observe it
+    events.sort()
+    for _, kind, i, k in events:
+        r = records[i]
+        name, g, d = r.turns[k]
+        if kind == 1:
+            p.observe(i, r.task, r.group, GEN, g if k else 0.0, new_turn=k > 0)
+            p.trajs[i].turn = k
+            rem = d + sum(gg + dd for _, gg, dd in r.turns[k + 1:])
+            yield (Decision(i, r.task, k, name, 0.0, rem, d), p.features(i))
+        else:
+            p.observe(i, r.task, r.group, name, d)
+            if k == len(r.turns) - 1:
+                p.trajs[i].turn = k + 1
+                p.finish(i)
+
+
+__all__ = ["DESIGNS", "GEN", "QUANTILES", "Decision", "Predictor", "Quantiles",
+           "TrajRecord", "records_of", "replay"]

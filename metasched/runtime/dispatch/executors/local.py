@@ -1,0 +1,135 @@
+"""Commands on this machine (:class:`~metasched.runtime.dispatch.local.LocalBackend`):
+each starts from this process, pinned to core ids the dispatcher picks (a trajectory's
+held cores first, then the least loaded free ones), in its sandbox and a cgroup slot;
+its start is journaled with its process group once it runs."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from functools import partial
+from typing import TYPE_CHECKING
+
+from metasched.core.actions import Grant
+from metasched.errors import ConfigError
+from metasched.runtime.dispatch.executors.base import Executors
+from metasched.runtime.dispatch.jobs import ACTION_ENV, Job
+from metasched.runtime.gpu import command_env
+from metasched.runtime.launch import gpu_sandbox, launch
+from metasched.runtime.outcome import Outcome
+from metasched.runtime.process import Process
+from metasched.runtime.sandbox.manager import Sandbox
+
+if TYPE_CHECKING:
+    from metasched.runtime.dispatch.dispatcher import Dispatcher
+    from metasched.runtime.dispatch.local import LocalBackend
+
+
+class LocalExecutors(Executors):
+    """Runs dispatcher ``d``'s commands on ``machine``'s cores."""
+
+    PIDS_JOURNALED = True
+
+    def __init__(self, d: Dispatcher, machine: LocalBackend) -> None:
+        super().__init__(d)
+        self.machine = machine
+
+    @classmethod
+    def check_ahead(cls, ahead: int) -> None:
+        if ahead:
+            raise ConfigError("ahead_per_core", "the local backend starts each command on "
+                              "its core itself (no node queue to hand commands to): must be 0")
+
+    def reserved_ids(self, k: int) -> list[int]:
+        return self.machine.take_cores(k)
+
+    def free(self, cores: list[int]) -> None:
+        self.machine.free_cores.extend(cores)
+
+    def release_held(self, traj_id: int) -> None:
+        self.machine.free_cores.extend(self.machine.held_cores.pop(traj_id, ()))
+
+    def start_cpu(self, job: Job, g: Grant) -> Callable[[], Awaitable[None]]:
+        cores, own = self._grant_cores(g)
+        job.alloc = {"cores": cores}
+        return partial(self._run_cpu, job, own, self._start_command(job, cores))
+
+    def _grant_cores(self, g: Grant) -> tuple[list[int], list[int]]:
+        """The core ids of a started cpu grant, and those of them it took from the free
+        pool (returned when it ends): first the ones its trajectory holds (the state has
+        already counted a new hold), then free ones, least loaded first."""
+        traj = g.action.traj
+        held: list[int] = []
+        if traj is not None and traj.held_cores:
+            held = self.machine.held_cores.setdefault(traj.id, [])
+            held.extend(self.machine.take_cores(traj.held_cores - len(held)))
+        from_held = held[:g.cores]
+        own = self.machine.take_cores(g.cores - len(from_held))
+        return from_held + own, own
+
+    def _on_pid(self, job: Job) -> Callable[[int], None]:
+        def record(pid: int) -> None:
+            if self.d.writer is not None:
+                self.d.writer.start(job.request.id, pid, job.attempts)
+        return record
+
+    def _start_command(self, job: Job, cores: list[int],
+                       extra_env: Mapping[str, str] | None = None,
+                       sandbox: Sandbox | None = None) -> Process | Exception:
+        """Start a command now, not a loop turn later in its task: the time from a freed
+        core to the next start is what leaves the core idle. It runs in ``sandbox``
+        (default: the job's; isolation on) or on the host, in a cgroup slot when there
+        are cgroups. An exception (a bug, not the action's failure) is handed to the task
+        to report."""
+        d = self.d
+        req = job.request
+        try:
+            proc = launch(
+                req.argv, cores=cores, timeout_s=req.timeout_s, env=d._base_env,
+                request_env=req.env, boxes=d.boxes,
+                sandbox=sandbox if sandbox is not None else job.sandbox,
+                cwd_root=self.machine.run_dir.path,
+                pids_max=req.pids_max or d.config.sandbox.pids_max,
+                mem_limit_mb=req.mem_limit_mb, cpu_time_s=req.cpu_time_s,
+                tail_bytes=d.config.tail_bytes,
+                extra_env={ACTION_ENV: req.id, **(extra_env or {})},
+                on_start=self._on_pid(job))
+        except Exception as e:  # noqa: BLE001
+            return e
+        self.commands.add(proc)
+        return proc
+
+    async def _run_cpu(self, job: Job, cores: list[int], proc: Process | Exception) -> None:
+        out = await self._wait_command(proc, lambda: self.machine.free_cores.extend(cores))
+        self.d._complete(job, out)
+
+    async def _wait_command(self, proc: Process | Exception,
+                            release: Callable[[], None]) -> Outcome:
+        """How a started command ended; ``release`` gives its cores back, whatever
+        happens (an exception from the start is raised here, for the task to report)."""
+        try:
+            if isinstance(proc, Exception):
+                raise proc
+            return await proc.wait()
+        finally:
+            self.commands.discard(proc)
+            release()
+
+    async def run_gpu_command(self, job: Job, device: int) -> None:
+        d = self.d
+        dev = d.devices[device]
+        cores = await self.reserve_cores(job.request.min_cores)
+        job.alloc["cores"] = cores
+        try:  # its sandbox with its GPU's device nodes (isolation on)
+            sandbox = (await gpu_sandbox(d.boxes, job.sandbox, dev.nvml_index)
+                       if d.boxes is not None else None)
+        except OSError as e:
+            self.unreserve_cores(cores)
+            d._complete(job, Outcome(False, f"cannot start: {e.strerror or e}",
+                                     detail={"cores": cores}))
+            return
+        proc = self._start_command(job, cores, extra_env=command_env(dev), sandbox=sandbox)
+        out = await self._wait_command(proc, lambda: self.unreserve_cores(cores))
+        d._complete(job, out)
+
+
+__all__ = ["LocalExecutors"]

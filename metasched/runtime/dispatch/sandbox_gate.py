@@ -1,0 +1,134 @@
+"""The sandbox gate: a command is queued for the scheduler only once its sandbox is
+ready. A trajectory's first command opens its sandbox (waiting, in order, for sandbox
+memory in the core's pool when there is none); its later commands are held behind it
+until the sandbox is ready, and commands of no trajectory wait for the shared sandbox of
+their network setting."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING
+
+from metasched.core.actions import SandboxSpec, Trajectory
+from metasched.errors import ConfigError
+from metasched.runtime.dispatch.jobs import Job
+from metasched.runtime.requests import Request
+from metasched.runtime.sandbox.manager import Sandbox
+
+if TYPE_CHECKING:
+    from metasched.runtime.dispatch.dispatcher import Dispatcher
+
+
+class SandboxGate:
+    """Holds dispatcher ``d``'s commands until their sandboxes are ready."""
+
+    def __init__(self, d: Dispatcher) -> None:
+        self.d = d
+        self.wait: deque[Trajectory] = deque()  # waiting for sandbox memory
+        # trajectory id -> its jobs, until its sandbox is ready
+        self.awaiting: dict[int, list[Job]] = {}
+        self._shared_wait: dict[bool, list[Job]] = {}  # jobs until a shared sandbox opens
+
+    def _network(self, req: Request) -> bool:
+        return req.network if req.network is not None else self.d.config.sandbox.network
+
+    def check(self, req: Request) -> None:
+        """What a command asks of its sandbox, against this machine and against the
+        sandbox its trajectory already has (the first command decides)."""
+        d = self.d
+        if req.workspace_template is not None:
+            d.config.sandbox.template(req.workspace_template)
+        mb = req.workspace_mb
+        if mb is not None and mb / 1024 > d.cluster.mem_gb_per_node:
+            raise ConfigError("workspace_mb", f"{mb:g} MB exceeds this node's memory "
+                              f"({d.cluster.mem_gb_per_node * 1024:g} MB)")
+        sb = (d.boxes.get(req.trajectory) if d.boxes is not None
+              and req.trajectory is not None else None)
+        if sb is None:
+            return
+        network = self._network(req)
+        if network != sb.network:
+            raise ConfigError("network", f"trajectory {req.trajectory}'s sandbox was made "
+                              f"with network={str(sb.network).lower()}")
+        template = sb.template.name if sb.template is not None else None
+        if req.workspace_template is not None and req.workspace_template != template:
+            raise ConfigError("workspace_template", f"trajectory {req.trajectory}'s workspace "
+                              f"was made from {template or 'nothing'}")
+        if mb is not None and int(mb * (1 << 20)) != sb.size_bytes:
+            raise ConfigError("workspace_mb", f"trajectory {req.trajectory}'s workspace was "
+                              f"made with {sb.size_bytes / (1 << 20):g} MB")
+
+    def ready_for(self, job: Job, traj: Trajectory | None) -> bool:
+        """Whether ``job``'s sandbox is ready; if not, the job is held (and submitted
+        by :meth:`_release_awaiting` once it is, or once it failed: then the job fails at
+        its start, with the reason)."""
+        d = self.d
+        req = job.request
+        network = self._network(req)
+        if traj is None:
+            sb = job.sandbox = d.boxes.shared(network)
+            if sb.ready.done():
+                return True
+            held = self._shared_wait.setdefault(network, [])
+            if not held:
+                sb.ready.add_done_callback(lambda _: self._release_shared(network))
+            held.append(job)
+            return False
+        if traj.id in self.awaiting:  # its sandbox is not ready: keep the order
+            self.awaiting[traj.id].append(job)
+            return False
+        sb = job.sandbox = d.boxes.get(req.trajectory)
+        if sb is not None:  # ready: until it is, its trajectory's jobs are held
+            return True
+        # The trajectory's first command (or its first since its sandbox failed).
+        mb = req.workspace_mb or d.config.sandbox.workspace_mb
+        self.awaiting[traj.id] = [job]
+        if traj.sandbox is None and not d.state.open_sandbox(
+                traj, SandboxSpec(mem_gb=mb / 1024, startup_s=0.0)):
+            self.wait.append(traj)  # no sandbox memory free: wait
+            return False
+        self._open(traj, req)
+        return False
+
+    def _open(self, traj: Trajectory, req: Request) -> None:
+        """Make the trajectory's sandbox; its held jobs are submitted when it is ready."""
+        d = self.d
+        template = (d.config.sandbox.template(req.workspace_template)
+                    if req.workspace_template is not None else None)
+        sb = d.boxes.open(req.trajectory, size_mb=traj.sandbox.mem_gb * 1024,
+                          template=template, network=self._network(req))
+        sb.ready.add_done_callback(lambda _: self._release_awaiting(traj, sb))
+
+    def _release_awaiting(self, traj: Trajectory, sb: Sandbox) -> None:
+        jobs = self.awaiting.pop(traj.id, [])
+        if self.d._closed:
+            return
+        for job in jobs:
+            job.sandbox = sb
+            self.d._submit(job, traj)
+
+    def _release_shared(self, network: bool) -> None:
+        for job in self._shared_wait.pop(network, []):
+            if not self.d._closed:
+                self.d._submit(job, None)
+
+    def open_waiting(self) -> None:
+        """Sandbox memory was freed: open the sandboxes of trajectories waiting for it,
+        in order, while it lasts."""
+        q = self.wait
+        while q:
+            traj = q[0]
+            jobs = self.awaiting.get(traj.id)
+            if not jobs:  # closed meanwhile
+                q.popleft()
+                continue
+            req = jobs[0].request
+            mb = req.workspace_mb or self.d.config.sandbox.workspace_mb
+            if not self.d.state.open_sandbox(traj,
+                                             SandboxSpec(mem_gb=mb / 1024, startup_s=0.0)):
+                return
+            q.popleft()
+            self._open(traj, req)
+
+
+__all__ = ["SandboxGate"]

@@ -1,0 +1,95 @@
+"""Trajectory life in the dispatcher: a request naming a trajectory opens it in the
+core's state (its first one) and keeps it alive; it ends once its reward action (or
+:meth:`Dispatcher.close_trajectory`) has come and nothing of it is queued or running,
+or when it has been idle for ``trajectory_idle_s``. Ending it releases its held cores,
+its sandbox memory and its sandbox."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from metasched.core.actions import Trajectory
+from metasched.runtime.requests import Request
+
+if TYPE_CHECKING:
+    from metasched.runtime.dispatch.dispatcher import Dispatcher
+
+
+class Trajectories:
+    """The trajectories of dispatcher ``d``, by the name requests give them."""
+
+    def __init__(self, d: Dispatcher) -> None:
+        self.d = d
+        self.by_name: dict[str, Trajectory] = {}
+        self._live: dict[int, int] = {}  # trajectory id -> actions queued or running
+        self._ended: set[int] = set()
+        self._seen: dict[int, float] = {}
+        self._next = 0
+
+    def get(self, name: str) -> Trajectory | None:
+        return self.by_name.get(name)
+
+    def arrived(self, req: Request, t: float) -> Trajectory | None:
+        """``req`` was accepted at ``t``: its trajectory (opened if new), or None."""
+        if req.trajectory is None:
+            return None
+        traj = self.by_name.get(req.trajectory)
+        if traj is None:
+            traj = Trajectory(self._next, req.task, 0, [], None)
+            self._next += 1
+            traj.start_t = t
+            self.d.state.open_trajectory(traj)
+            self.by_name[req.trajectory] = traj
+        traj.turn = max(traj.turn, req.turn + 1)
+        self._live[traj.id] = self._live.get(traj.id, 0) + 1
+        self._seen[traj.id] = t
+        if req.reward:
+            self._ended.add(traj.id)
+        return traj
+
+    def finished(self, traj: Trajectory, t: float) -> None:
+        """One of ``traj``'s actions finished at ``t``: it closes if it was its last
+        and the trajectory has ended."""
+        self._live[traj.id] -= 1
+        self._seen[traj.id] = t
+        if self._live[traj.id] == 0 and traj.id in self._ended:
+            self.close(traj)
+
+    def close(self, traj: Trajectory) -> None:
+        """The trajectory is over: its held cores, sandbox memory and sandbox (its
+        workspace, and whatever still runs in it) are released."""
+        d = self.d
+        d.state.close_trajectory(traj)
+        d.executors.release_held(traj.id)
+        if d.action_log is not None:
+            d.action_log.forget(traj.id)
+        self._live.pop(traj.id, None)
+        self._ended.discard(traj.id)
+        self._seen.pop(traj.id, None)
+        for name, tr in list(self.by_name.items()):
+            if tr is traj:
+                del self.by_name[name]
+                if d.boxes is not None:
+                    d.boxes.close_trajectory(name)
+        if traj.sandbox is not None and d.gate.wait:
+            d.gate.open_waiting()
+
+    def end(self, name: str) -> None:
+        """See :meth:`Dispatcher.close_trajectory`."""
+        traj = self.by_name.get(name)
+        if traj is None:
+            return
+        self._ended.add(traj.id)
+        if self._live.get(traj.id, 0) == 0:
+            self.close(traj)
+            self.d._kick()
+
+    def close_idle(self, t: float, idle_s: float) -> None:
+        """Close the trajectories with nothing queued or running for ``idle_s``."""
+        for traj in list(self.by_name.values()):
+            if self._live.get(traj.id, 0) == 0 and t - self._seen.get(traj.id, t) > idle_s:
+                self.close(traj)
+                self.d._kick()
+
+
+__all__ = ["Trajectories"]

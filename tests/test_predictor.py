@@ -1,0 +1,160 @@
+"""The remaining-work predictor (metasched.core.predictor): accuracy against the static
+estimate on a held-out seed, ordered quantiles, online updates, no look into the future,
+and its feeding by the simulator through the cost model."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from functools import cache
+
+import numpy as np
+import pytest
+
+from metasched.compose import profile
+from metasched.core.cost_model import CostModel
+from metasched.core.predictor import DESIGNS, GEN, Predictor, TrajRecord, records_of, replay
+from metasched.sim.sampling import sample_workload
+
+
+@cache
+def _records(name: str, steps: int, seed: int, per_step: int) -> tuple[TrajRecord, ...]:
+    w, _ = profile(name)
+    w = replace(w, steps=steps, trajectories_per_step=per_step)
+    return tuple(records_of(sample_workload(w, np.random.default_rng(seed)).steps))
+
+
+@cache
+def _fitted(design: str) -> Predictor:
+    return Predictor.fit(list(_records("retool_grouped", 3, 0, 576)), design)
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+def test_beats_the_static_estimate_on_a_held_out_seed(design: str) -> None:
+    """Trained on seed 0, tested on seed 1: the remaining-time |log error| is below the
+    static estimate's by more than four standard errors of the paired difference, and
+    so is the queued action's."""
+    p = _fitted(design)
+    rem, act = [], []
+    for d, _ in replay(p, list(_records("retool_grouped", 1, 1, 576))):
+        static = abs(math.log(p.static_remaining(d.task, d.turn) / d.remaining_s))
+        rem.append(abs(math.log(p.remaining(d.key).p50 / d.remaining_s)) - static)
+        if d.action_s > 0:
+            act.append(abs(math.log(p.duration(d.key, d.name) / d.action_s))
+                       - abs(math.log(p.static_duration(d.name) / d.action_s)))
+    for diff in (np.array(rem), np.array(act)):
+        assert diff.mean() < -4 * diff.std() / math.sqrt(len(diff))
+
+
+def test_quantiles_are_ordered_and_cover_the_truth() -> None:
+    p = _fitted("linear")
+    inside = []
+    for d, _ in replay(p, list(_records("retool_grouped", 1, 1, 576))):
+        q = p.remaining(d.key)
+        assert 0 < q.p10 <= q.p50 <= q.p90
+        inside.append(q.p10 <= d.remaining_s <= q.p90)
+    assert 0.7 <= np.mean(inside) <= 0.9
+
+
+@pytest.mark.parametrize("who", ["own", "sibling"])
+def test_online_updates_move_predictions_toward_what_was_measured(who: str) -> None:
+    """After the same turns measured short, typical or long (the trajectory's own or a
+    sibling's), its predicted action duration and remaining time rise in that order."""
+    p = _fitted("linear")
+    name = "code_interpreter"
+    seen = []
+    for scale in (0.05, 1.0, 20.0):
+        p.reset()
+        p.remaining(0, "retool_math", "g")
+        p.remaining(1, "retool_math", "g")
+        src = 0 if who == "own" else 1
+        for _ in range(3):
+            p.observe(src, "retool_math", "g", GEN, math.exp(p.mu[GEN]), new_turn=True)
+            p.observe(src, "retool_math", "g", name, p.static_duration(name) * scale)
+        seen.append((p.duration(0, name), p.remaining(0).p50))
+    for i in range(2):
+        assert seen[0][i] < seen[1][i] < seen[2][i]
+
+
+def test_a_prediction_does_not_see_the_trajectorys_future() -> None:
+    """Altering a trajectory's actions after turn k (durations and their number) leaves
+    every prediction made for it up to turn k unchanged."""
+    p = _fitted("linear")
+    recs = list(_records("retool_grouped", 1, 1, 64))
+    j = max(range(len(recs)), key=lambda i: len(recs[i].turns))
+    k = len(recs[j].turns) // 2
+    altered = recs.copy()
+    turns = recs[j].turns
+    altered[j] = replace(recs[j], turns=turns[:k + 1] + tuple(
+        (n, g * 3.0, d * 7.0) for n, g, d in turns[k + 1:]) + turns[-1:])
+
+    def predictions(rs: list[TrajRecord]) -> list[tuple]:
+        out = []
+        for d, x in replay(p, rs):
+            if d.key == j and d.turn <= k:
+                q = p.remaining(d.key)
+                out.append((d.turn, q.p10, q.p50, q.p90, p.duration(d.key, d.name), *x))
+        return out
+
+    a, b = predictions(recs), predictions(altered)
+    assert len(a) == k + 1 and a == b
+
+
+def test_the_simulator_feeds_the_cost_models_predictor() -> None:
+    """A predictor held by the cost model is the state's ``predictor``; the simulator's
+    measurements, gaps and ends reach it, and schedulers can ask it mid-step."""
+    from metasched.agents import make_scheduler
+    from metasched.sim.simulator import Simulator
+
+    p = _fitted("linear")
+    w, c = profile("retool_grouped")
+    sim = Simulator(replace(w, steps=1, trajectories_per_step=64), c, 3,
+                    cost_model=CostModel(predictor=p))
+    assert sim.state.predictor is p
+    fifo = make_scheduler("fifo")
+    fifo.reset(sim.state, sim.scheduler_rng())
+    asked = []
+    while sim.next_decision():
+        for traj in list(sim.state.trajectories.values())[:2]:
+            q = sim.state.predictor.remaining_of(traj)
+            asked.append(q.p10 <= q.p50 <= q.p90)
+        grants = fifo.decide(sim.state)
+        for g in grants:
+            sim.apply(g)
+        if not grants:
+            sim.wait()
+    assert asked and all(asked)
+    assert len(p.trajs) == 64 and all(t.done for t in p.trajs.values())
+    assert sum(t.n for t in p.trajs.values()) > 64 * 2  # gaps and actions observed
+
+
+def test_fit_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="design must be one of"):
+        Predictor.fit(list(_records("retool_grouped", 1, 0, 16)), "forest")
+    with pytest.raises(ValueError, match="no training trajectories"):
+        Predictor.fit([], "linear")
+
+
+def test_it_trains_on_a_recorded_trace(tmp_path) -> None:
+    """A recorded trace gives back each trajectory's turns (types, gaps) and prompt group,
+    and a predictor fitted on it predicts."""
+    import importlib.util
+    from pathlib import Path
+
+    from metasched.evaluation.recording import record_trace
+
+    bench = Path(__file__).resolve().parent.parent / "benchmarks" / "predictor_accuracy.py"
+    spec = importlib.util.spec_from_file_location("predictor_accuracy", bench)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    w, c = profile("retool_grouped")
+    w = replace(w, steps=1, trajectories_per_step=64)
+    path = tmp_path / "trace.jsonl"
+    record_trace(w, c, path, "fifo", seed=5)
+    got = mod.trace_records(str(path))
+    assert len(got) == 64 and len({r.group for r in got}) == 4
+    assert all(r.turns[-1][0] == "reward" and r.turns[0][1] == 0.0 for r in got)
+    assert all(g > 0 for r in got for _, g, _ in r.turns[1:])
+    p = Predictor.fit(got, "linear")
+    q = p.remaining(0, got[0].task, got[0].group)
+    assert 0 < q.p10 <= q.p50 <= q.p90 < math.inf
