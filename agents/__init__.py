@@ -1,7 +1,8 @@
 """Schedulers: heuristic baselines (and, later, learned policies) behind one interface.
 
 ``make_scheduler(name, **params)`` builds a scheduler by name; ``BASELINES`` lists the
-heuristic names (:mod:`.baselines`); ``make_advisor(obs_config)`` builds the heuristic an
+heuristic names (:mod:`.baselines`), ``ORACLES`` the references that read true
+durations; ``make_advisor(obs_config)`` builds the heuristic an
 observation encoder asks.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from metasched.agents.baselines import BASELINES, REGISTRY, make_advisor
+from metasched.agents.baselines import BASELINES, ORACLES, REGISTRY, make_advisor
 from metasched.agents.checkpoint import is_checkpoint
 from metasched.agents.elastic import ElasticGreedyScheduler
 from metasched.agents.partitioned import StaticScheduler, TaskIsolatedScheduler
@@ -35,6 +36,6 @@ def make_scheduler(name: str, **params: Any) -> Scheduler:
         raise ConfigError(f"scheduler_params.{name}", str(e)) from None
 
 
-__all__ = ["BASELINES", "ElasticGreedyScheduler", "FifoScheduler", "RandomScheduler",
+__all__ = ["BASELINES", "ORACLES", "ElasticGreedyScheduler", "FifoScheduler", "RandomScheduler",
            "RateGreedyScheduler", "SjfScheduler", "StaticScheduler", "TaskIsolatedScheduler",
            "make_advisor", "make_scheduler"]

@@ -10,17 +10,23 @@ from __future__ import annotations
 from metasched.agents.elastic import ElasticGreedyScheduler
 from metasched.agents.partitioned import StaticScheduler, TaskIsolatedScheduler
 from metasched.agents.queue import FifoScheduler, RandomScheduler, SjfScheduler
-from metasched.agents.rate_greedy import RateGreedyScheduler
+from metasched.agents.rate_greedy import RateGreedyScheduler, RateGreedyStepScheduler
+from metasched.agents.step_order import CriticalPathScheduler, LeastSlackScheduler, OracleScheduler
 from metasched.core.observation import ObsConfig
 from metasched.core.scheduler import Scheduler
 from metasched.errors import ConfigError
 
-REGISTRY: dict[str, type[Scheduler]] = {
-    cls.name: cls for cls in (StaticScheduler, TaskIsolatedScheduler, FifoScheduler,
-                              SjfScheduler, ElasticGreedyScheduler, RateGreedyScheduler,
-                              RandomScheduler)
-}
-BASELINES: tuple[str, ...] = tuple(REGISTRY)
+# The heuristics: schedulers on estimates alone, in the order tables list them.
+_HEURISTICS: tuple[type[Scheduler], ...] = (
+    StaticScheduler, TaskIsolatedScheduler, FifoScheduler, SjfScheduler,
+    ElasticGreedyScheduler, RateGreedyScheduler, RandomScheduler, RateGreedyStepScheduler,
+    CriticalPathScheduler, LeastSlackScheduler)
+# References that read what schedulers may not (true durations): run by name, never a
+# heuristic (not a point's best heuristic, not an advisor, not for the live dispatcher).
+_ORACLES: tuple[type[Scheduler], ...] = (OracleScheduler,)
+REGISTRY: dict[str, type[Scheduler]] = {cls.name: cls for cls in (*_HEURISTICS, *_ORACLES)}
+BASELINES: tuple[str, ...] = tuple(cls.name for cls in _HEURISTICS)
+ORACLES: tuple[str, ...] = tuple(cls.name for cls in _ORACLES)
 
 
 def make_advisor(cfg: ObsConfig) -> Scheduler | None:
@@ -32,10 +38,10 @@ def make_advisor(cfg: ObsConfig) -> Scheduler | None:
     """
     if cfg.advisor is None:
         return None
-    if cfg.advisor not in REGISTRY:
+    if cfg.advisor not in BASELINES:
         raise ConfigError("obs.advisor", f"unknown heuristic {cfg.advisor!r} (known: "
                           f"{', '.join(BASELINES)})")
     return REGISTRY[cfg.advisor]()
 
 
-__all__ = ["BASELINES", "REGISTRY", "make_advisor"]
+__all__ = ["BASELINES", "ORACLES", "REGISTRY", "make_advisor"]

@@ -179,3 +179,16 @@ class RateGreedyScheduler(ElasticGreedyScheduler):
             if queues.get(victim) or state.t - dev.resident[victim] <= self.recent_s:
                 cost += gpu.services[victim].restore_s
         return cost
+
+
+class RateGreedyStepScheduler(RateGreedyScheduler):
+    """``rate_greedy`` with its endgame tuned for the step: the trajectories furthest
+    behind (fewest turns) go first on CPU once ``endgame`` of a step's trajectories is
+    left (see ``benchmarks/RESULTS.md`` for the sweep that chose the default)."""
+
+    name = "rate_greedy_step"
+
+    def __init__(self, headroom: float = 0.25, min_gain_s: float = 0.0, recent_s: float = 30.0,
+                 defer: float = 8.0, progress_s: float = 0.5, endgame: float = 1.0) -> None:
+        super().__init__(headroom=headroom, min_gain_s=min_gain_s, recent_s=recent_s,
+                         defer=defer, progress_s=progress_s, endgame=endgame)

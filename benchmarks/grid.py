@@ -6,6 +6,10 @@ point's reference (default: its best heuristic by mean ACT), paired by seed, wit
 intervals (the statistics of ``metasched-eval``). Every point is a ``metasched-eval``
 run: ``metasched-eval workload=<profile> <overrides>`` reproduces it.
 
+The step table: per scheduler, step ÷ the best heuristic by mean step, ACT ÷ the best
+heuristic by mean ACT, step ÷ the oracle (when it runs) and step ÷ the step's lower bound
+(:mod:`metasched.evaluation.step_bound`), each paired by seed with a 95% interval.
+
     python benchmarks/grid.py [--seeds 8] [--points coding-c12,rm_math-gpu1]
         [--schedulers static,...,checkpoints/default] [--reference elastic_greedy]
         [--versus elastic_greedy] [--workers 2] [--out outputs/grid]
@@ -26,13 +30,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from metasched.agents import BASELINES
+from metasched.agents import BASELINES, ORACLES
 from metasched.cli.eval_app import eval_settings
 from metasched.cli.output import json_safe
 from metasched.compose import compose, load_profile
 from metasched.errors import ConfigError
 from metasched.evaluation.report import fmt_ci
 from metasched.evaluation.runs import compare_paired, eval_jobs, results_document, run_jobs
+from metasched.evaluation.statistics import paired_ratio
+from metasched.evaluation.step_bound import mean_step_lower_bound
+from metasched.sim.sampling import sample_workload, workload_rng
 
 # point id -> (profile, metasched-eval overrides). The default cluster of every profile,
 # then the contended regimes.
@@ -51,8 +58,11 @@ POINTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "mixed-x0.125": ("mixed", ("cluster.scale=0.125",)),
     "retool": ("retool", ()),
     "retool-c10": ("retool", ("cluster.cpu.cores_per_node=10",)),
+    "retool_grouped": ("retool_grouped", ()),
+    "retool_grouped_c10": ("retool_grouped_c10", ()),
+    "swe_grouped": ("swe_grouped", ()),
 }
-DEFAULT_SCHEDULERS = (*BASELINES, "checkpoints/default")
+DEFAULT_SCHEDULERS = (*BASELINES, *ORACLES, "checkpoints/default")
 
 
 def point_settings(point: str, schedulers: list[str], n_seeds: int,
@@ -97,8 +107,78 @@ def run_grid(points: list[str], schedulers: list[str], n_seeds: int, seed_offset
                                [r for r in runs if r["group"] == p], paths=s["paths"],
                                reference=reference)
         prof, overrides = POINTS[p]
-        out["points"][p] = {"profile": prof, "overrides": list(overrides), "results": doc}
+        out["points"][p] = {"profile": prof, "overrides": list(overrides), "results": doc,
+                            "step_lower_bound": step_lower_bounds(p, s["seeds"])}
     return out
+
+
+def step_lower_bounds(point: str, seeds: list[int]) -> list[float] | None:
+    """Per seed, the mean over the run's steps of the step's lower bound at ``point``
+    (None for a trace workload)."""
+    workload, cluster, _ = point_settings(point, ["fifo"], 1, 0)
+    if workload.trace is not None:
+        return None
+    return [mean_step_lower_bound(sample_workload(workload, workload_rng(seed)), cluster)
+            for seed in seeds]
+
+
+def _ratio(x: list[float], ref: list[float]) -> dict[str, Any]:
+    r, ci = paired_ratio(x, ref)
+    return {"ratio": r, "ratio_ci95": ci}
+
+
+def step_ratios(doc: dict[str, Any], heuristics: list[str], lower_bound: list[float] | None,
+                oracle: str | None = None) -> dict[str, Any]:
+    """The step comparison of one point's results document: the best heuristic by mean
+    step and by mean ACT (among ``heuristics``), and per scheduler, paired by seed with
+    95% intervals: ``step_vs_best`` (step ÷ the best by step), ``act_vs_best`` (ACT ÷ the
+    best by ACT), ``step_vs_oracle`` (step ÷ ``oracle``'s; None when it did not run)
+    and ``step_vs_bound`` (step ÷ ``lower_bound``, per seed; None when there is none)."""
+    sch = doc["schedulers"]
+    cands = [n for n in heuristics if n in sch]
+    best_step = min(cands, key=lambda n: sch[n]["mean_step_s"], default=None)
+    best_act = min(cands, key=lambda n: sch[n]["mean_act_s"], default=None)
+    if oracle is not None and oracle not in sch:
+        oracle = None
+    rows: dict[str, Any] = {}
+    for n, s in sch.items():
+        step, act = s["per_seed"]["mean_step_s"], s["per_seed"]["mean_act_s"]
+        rows[n] = {
+            "mean_step_s": s["mean_step_s"], "mean_act_s": s["mean_act_s"],
+            "step_vs_best": (_ratio(step, sch[best_step]["per_seed"]["mean_step_s"])
+                             if best_step else None),
+            "act_vs_best": (_ratio(act, sch[best_act]["per_seed"]["mean_act_s"])
+                            if best_act else None),
+            "step_vs_oracle": (_ratio(step, sch[oracle]["per_seed"]["mean_step_s"])
+                               if oracle else None),
+            "step_vs_bound": _ratio(step, lower_bound) if lower_bound else None,
+        }
+    return {"best_by_step": best_step, "best_by_act": best_act, "oracle": oracle,
+            "lower_bound_s": (sum(lower_bound) / len(lower_bound)) if lower_bound else None,
+            "schedulers": rows}
+
+
+def step_table(grid: dict[str, Any]) -> str:
+    """The step table (markdown): per point, every scheduler against the best heuristic
+    by step and by ACT, the oracle and the step's lower bound."""
+    def cell(r: dict[str, Any] | None) -> str:
+        return fmt_ci(r["ratio"], r["ratio_ci95"]) if r else "—"
+
+    lines = ["| point | scheduler | mean step s | mean ACT s | step ÷ best by step (95% CI) "
+             "| ACT ÷ best by ACT (95% CI) | step ÷ oracle (95% CI) "
+             "| step ÷ lower bound (95% CI) |", "|---|---|---|---|---|---|---|---|"]
+    for p, entry in grid["points"].items():
+        st = step_ratios(entry["results"], list(BASELINES), entry.get("step_lower_bound"),
+                         ORACLES[0])
+        lb = st["lower_bound_s"]
+        label = (f"{p} (best step: {st['best_by_step']}, best ACT: {st['best_by_act']}, "
+                 f"bound {lb:.4g} s)" if lb else p)
+        for i, (name, r) in enumerate(st["schedulers"].items()):
+            lines.append(f"| {label if i == 0 else ''} | {name} | {r['mean_step_s']:.4g} "
+                         f"| {r['mean_act_s']:.3g} | {cell(r['step_vs_best'])} "
+                         f"| {cell(r['act_vs_best'])} | {cell(r['step_vs_oracle'])} "
+                         f"| {cell(r['step_vs_bound'])} |")
+    return "\n".join(lines) + "\n"
 
 
 def versus(grid: dict[str, Any], name: str) -> dict[str, Any]:
@@ -122,7 +202,7 @@ def summary_table(grid: dict[str, Any]) -> str:
         if best is None:
             continue
         b = doc["schedulers"][best]
-        others = [n for n in doc["schedulers"] if n not in BASELINES] or ["—"]
+        others = [n for n in doc["schedulers"] if n not in BASELINES and n not in ORACLES] or ["—"]
         for n in others:
             pa = doc["schedulers"][n]["paired"] if n in doc["schedulers"] else None
             act = fmt_ci(pa["mean_act_s"]["ratio"], pa["mean_act_s"]["ratio_ci95"]) if pa else "—"
@@ -192,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     table = grid_table(grid)
     if grid["reference"] is None:
         table += "\n" + summary_table(grid)
+    table += "\n" + step_table(grid)
     if args.versus is not None:
         table += "\n" + grid_table(versus(grid, args.versus))
     out = Path(args.out)

@@ -89,7 +89,9 @@ def _key(case: str, scheduler: str, seed: int) -> str:
 # shipped policy on the most nodes it observes. Every pair on both seeds runs with -m slow.
 DEFAULT_PAIRS = {("coding-nodes", "checkpoints/default"), ("coding", "elastic_greedy"),
                  ("mixed", "rate_greedy"), ("mixed-guard", "sjf"), ("search", "fifo"),
-                 ("rm_math", "static"), ("rm_math", "random"), ("retool", "task_isolated")}
+                 ("rm_math", "static"), ("rm_math", "random"), ("retool", "task_isolated"),
+                 ("retool", "critical_path"), ("coding", "least_slack"),
+                 ("mixed", "rate_greedy_step")}
 
 
 def _params() -> list:
