@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
 from dataclasses import replace
 
 import numpy as np
@@ -20,8 +19,10 @@ from metasched.core.action_log import ActionLog
 from metasched.core.actions import Action, Grant, Trajectory
 from metasched.core.cluster_config import ClusterConfig
 from metasched.core.cost_model import CostModel, signature
+from metasched.core.decision import DecisionStep
 from metasched.core.guard import WaitGuard
 from metasched.core.metrics import RunResult
+from metasched.core.sandbox_queue import SandboxQueue
 from metasched.core.scheduler import Scheduler
 from metasched.core.state import ClusterState
 from metasched.errors import one_of
@@ -59,7 +60,9 @@ class Simulator:
 
     Use :meth:`run` for a whole run, or drive it one decision at a time (the
     Gymnasium env does): ``next_decision()`` advances to the next decision point and
-    returns False at the end; then ``apply(grant)`` or ``wait()``.
+    returns False at the end; then ``apply(grant)`` or ``wait()``. When the scheduler is
+    asked is the core's decision step's (``metasched.core.decision``), as in the live
+    dispatcher; trajectories wait for sandbox memory in the core's ``SandboxQueue``.
 
     Args:
         workload: the profile (sampled with ``seed``), unless ``instance`` is given or
@@ -127,6 +130,7 @@ class Simulator:
         self._launch_rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(3)[2])
         self.guard = WaitGuard(max_wait_s)
         self.serve_stalled = serve_stalled or max_wait_s is not None
+        self.step = DecisionStep(self.state, self.guard, self._start)
         self._deadline_at = -1.0  # the pending guard wake-up, if in the future
         self.state.task_demand = self.instance.demand_by_task()
         self._heap: list[tuple[float, int, int, object]] = []
@@ -135,7 +139,7 @@ class Simulator:
         self._next_action_id = 0
         self._next_traj_id = 0
         self._step = -1
-        self._sandbox_queue: deque[Trajectory] = deque()
+        self._sandbox_queue = SandboxQueue(self.state)
         self._wake_at: dict[str, float] = {}
         self.n_events = 0
         self.n_decisions = 0
@@ -175,24 +179,17 @@ class Simulator:
     def next_decision(self) -> bool:
         """Advance through events until a decision is possible; False when the run ends."""
         state = self.state
+        ready = self.step.ready
         while True:
-            if not self._waited and state.decision_possible():
-                forced = self.guard.overdue(state)
-                if not forced:
-                    return True
-                for g in forced:
-                    self.apply(g)
-                continue
+            if not self._waited and ready():
+                return True
             if state.ahead_per_node:  # after the scheduler's turn, as the dispatcher does
                 state.fill_ahead()
             if state.pending["api"]:
                 self._schedule_api_wakeups()
             if not self._heap:
                 if state.n_pending and self._waited and self.serve_stalled:
-                    forced = self.guard.overdue(state, stalled=True)
-                    for g in forced:
-                        self.apply(g)
-                    if forced:
+                    if self.step.serve_all():
                         self._waited = False
                         continue
                 if state.n_pending:
@@ -229,16 +226,16 @@ class Simulator:
         else:
             self._push_end(grant.action, t, spec.true_s)
 
+    def _start(self, grant: Grant) -> None:
+        # Through the attribute, so that a wrapper set on the instance sees the guard's
+        # grants too.
+        self.apply(grant)
+
     def wait(self) -> None:
         """Decline to act until the next event (the guard may serve an idle cluster)."""
         self.n_waits += 1
-        state = self.state
-        if self.serve_stalled and WaitGuard.idle(state):
-            forced = self.guard.overdue(state, stalled=True)
-            if forced:
-                for g in forced:
-                    self.apply(g)
-                return  # the scheduler is asked again
+        if self.serve_stalled and self.step.serve_idle():
+            return  # the scheduler is asked again
         self._waited = True
         deadline = self.guard.next_deadline(self.state)
         # Wake up when the longest-waiting action reaches the guard's limit.
@@ -401,13 +398,13 @@ class Simulator:
         self._open_waiting_sandboxes()
 
     def _open_waiting_sandboxes(self) -> None:
-        q = self._sandbox_queue
-        while q and self.state.open_trajectory(q[0]):
-            traj = q.popleft()
-            t = self.state.t
-            startup = traj.sandbox.startup_s if traj.sandbox is not None else 0.0
-            # Sandbox creation overlaps the first LLM generation.
-            self._push(t + max(traj.turns[0].gen_s, startup), ARRIVE, traj)
+        self._sandbox_queue.open_waiting(self._opened)
+
+    def _opened(self, traj: Trajectory) -> None:
+        """``traj``'s sandbox is placed: its first action arrives after the first LLM
+        generation, which sandbox creation overlaps."""
+        startup = traj.sandbox.startup_s if traj.sandbox is not None else 0.0
+        self._push(self.state.t + max(traj.turns[0].gen_s, startup), ARRIVE, traj)
 
     def _schedule_api_wakeups(self) -> None:
         """When api calls wait only for tokens, make sure an event fires once they refill

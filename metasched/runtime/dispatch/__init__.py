@@ -1,6 +1,7 @@
 """The live dispatcher, one concern per module:
 
-- :mod:`.dispatcher`: :class:`Dispatcher`, the decision loop and the wiring;
+- :mod:`.dispatcher`: :class:`Dispatcher`, the core's decision step
+  (:class:`~metasched.core.decision.DecisionStep`) on the asyncio clock, and the wiring;
 - :mod:`.config`: :class:`DispatcherConfig`;
 - :mod:`.jobs`: what is kept of an accepted request;
 - :mod:`.admission`: accepting a request (checks, limits, duplicate ids, recovery);

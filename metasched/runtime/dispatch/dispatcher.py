@@ -30,6 +30,7 @@ from metasched.core.action_log import ActionLog
 from metasched.core.actions import Action
 from metasched.core.cluster_config import ClusterConfig
 from metasched.core.cost_model import CostModel
+from metasched.core.decision import DecisionStep
 from metasched.core.guard import WaitGuard
 from metasched.core.metrics import Recorder, Ring, RunResult
 from metasched.core.observation import ObservationEncoder
@@ -160,6 +161,7 @@ class Dispatcher:
         if self._owns_backend:  # its run directory's place; NVML is held from now on
             backend.open(self.workdir)
         self.executors = backend.EXECUTORS(self, backend)
+        self.step = DecisionStep(self.state, self.guard, self.executors.start)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -346,39 +348,33 @@ class Dispatcher:
         state = self.state
         executors = self.executors
         state.advance(self._now())
+        step = self.step  # the core's decision step (the guard's grants start there)
         waited = False
-        while state.decision_possible():
-            forced = self.guard.overdue(state)
-            if not forced:
-                sched = self.scheduler
-                t0 = time.perf_counter_ns()
-                try:
-                    grants = sched.decide(state)
-                except Exception as e:  # noqa: BLE001 - a failing policy must not stop dispatch
-                    self._fall_back(f"scheduler {sched.name!r} failed to decide: "
-                                    f"{type(e).__name__}: {e}")
-                    continue
-                self.latency_ns.append(time.perf_counter_ns() - t0)
-                self.n_decisions += 1
-                if not grants:
-                    waited = True
-                    break
-                forced = grants
-            for g in forced:
+        while step.ready():
+            sched = self.scheduler
+            t0 = time.perf_counter_ns()
+            try:
+                grants = sched.decide(state)
+            except Exception as e:  # noqa: BLE001 - a failing policy must not stop dispatch
+                self._fall_back(f"scheduler {sched.name!r} failed to decide: "
+                                f"{type(e).__name__}: {e}")
+                continue
+            self.latency_ns.append(time.perf_counter_ns() - t0)
+            self.n_decisions += 1
+            if not grants:
+                waited = True
+                break
+            for g in grants:
                 try:
                     executors.start(g)
                 except InvalidGrant as e:
                     self._fall_back(f"scheduler {self.scheduler.name!r} made an invalid "
                                     f"grant: {e}")
                     break
-        if waited and WaitGuard.idle(state):
-            # An idle cluster is not kept idle (the simulator's rule too): serve what can
-            # start, then ask again.
-            forced = self.guard.overdue(state, stalled=True)
-            for g in forced:
-                executors.start(g)
-            if forced:
-                self._kick()
+        # An idle cluster is not kept idle (the simulator's rule too): serve what can
+        # start, then ask again.
+        if waited and step.serve_idle():
+            self._kick()
         # Not while a gpu command waits for cores: a node's queue, refilled at every
         # exit, would keep them from it.
         if state.ahead_per_node and not self._closed and not executors.core_waiters:

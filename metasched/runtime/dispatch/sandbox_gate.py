@@ -6,10 +6,10 @@ their network setting."""
 
 from __future__ import annotations
 
-from collections import deque
 from typing import TYPE_CHECKING
 
 from metasched.core.actions import SandboxSpec, Trajectory
+from metasched.core.sandbox_queue import SandboxQueue
 from metasched.errors import ConfigError
 from metasched.runtime.dispatch.jobs import Job
 from metasched.runtime.requests import Request
@@ -24,7 +24,7 @@ class SandboxGate:
 
     def __init__(self, d: Dispatcher) -> None:
         self.d = d
-        self.wait: deque[Trajectory] = deque()  # waiting for sandbox memory
+        self.wait = SandboxQueue(d.state)  # waiting for sandbox memory
         # trajectory id -> its jobs, until its sandbox is ready
         self.awaiting: dict[int, list[Job]] = {}
         self._shared_wait: dict[bool, list[Job]] = {}  # jobs until a shared sandbox opens
@@ -81,14 +81,17 @@ class SandboxGate:
         if sb is not None:  # ready: until it is, its trajectory's jobs are held
             return True
         # The trajectory's first command (or its first since its sandbox failed).
-        mb = req.workspace_mb or d.config.sandbox.workspace_mb
         self.awaiting[traj.id] = [job]
-        if traj.sandbox is None and not d.state.open_sandbox(
-                traj, SandboxSpec(mem_gb=mb / 1024, startup_s=0.0)):
+        if traj.sandbox is None and not d.state.open_sandbox(traj, self._spec(req)):
             self.wait.append(traj)  # no sandbox memory free: wait
             return False
         self._open(traj, req)
         return False
+
+    def _spec(self, req: Request) -> SandboxSpec:
+        """The sandbox a trajectory's first command ``req`` asks for."""
+        mb = req.workspace_mb or self.d.config.sandbox.workspace_mb
+        return SandboxSpec(mem_gb=mb / 1024, startup_s=0.0)
 
     def _open(self, traj: Trajectory, req: Request) -> None:
         """Make the trajectory's sandbox; its held jobs are submitted when it is ready."""
@@ -115,20 +118,16 @@ class SandboxGate:
     def open_waiting(self) -> None:
         """Sandbox memory was freed: open the sandboxes of trajectories waiting for it,
         in order, while it lasts."""
-        q = self.wait
-        while q:
-            traj = q[0]
-            jobs = self.awaiting.get(traj.id)
-            if not jobs:  # closed meanwhile
-                q.popleft()
-                continue
-            req = jobs[0].request
-            mb = req.workspace_mb or self.d.config.sandbox.workspace_mb
-            if not self.d.state.open_sandbox(traj,
-                                             SandboxSpec(mem_gb=mb / 1024, startup_s=0.0)):
-                return
-            q.popleft()
-            self._open(traj, req)
+        self.wait.open_waiting(self._opened, self._waiting_spec)
+
+    def _waiting_spec(self, traj: Trajectory) -> SandboxSpec | None:
+        """The sandbox a waiting trajectory asks for (its first held command's); None
+        once it was closed meanwhile."""
+        jobs = self.awaiting.get(traj.id)
+        return self._spec(jobs[0].request) if jobs else None
+
+    def _opened(self, traj: Trajectory) -> None:
+        self._open(traj, self.awaiting[traj.id][0].request)
 
 
 __all__ = ["SandboxGate"]
