@@ -24,8 +24,9 @@ from metasched.cli.calibrate_app import run_calibrate
 from metasched.compose import compose, profile
 from metasched.core.cluster_config import parse_cluster
 from metasched.evaluation.recording import record_trace
+from metasched.sim.dists import Z90, Dist, parse_dist
 from metasched.sim.trace import trace_from_workload, write_trace
-from metasched.sim.workload_config import Z90, Dist, parse_dist, parse_workload
+from metasched.sim.workload_config import parse_workload
 
 PY = sys.executable
 PROFILE = Path(__file__).parent / "data" / "recovery_profile.yaml"

@@ -15,8 +15,9 @@ from metasched.compose import PROFILES, profile
 from metasched.core.actions import KINDS
 from metasched.core.cluster_config import parse_cluster
 from metasched.errors import ConfigError
+from metasched.sim.dists import Z90, Z99, parse_dist
 from metasched.sim.sampling import sample_trajectory
-from metasched.sim.workload_config import Z90, Z99, check_compatible, parse_dist, parse_workload
+from metasched.sim.workload_config import check_compatible, parse_workload
 
 
 def load(w: dict, c: dict):

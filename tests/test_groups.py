@@ -28,10 +28,11 @@ from metasched.cli.calibrate_app import run_calibrate
 from metasched.compose import PROFILES, compose, profile
 from metasched.errors import ConfigError
 from metasched.evaluation.recording import record_trace
+from metasched.sim.dists import parse_dist
 from metasched.sim.groups import anova_share, explained, loading_for, nested_shares, parse_groups
 from metasched.sim.sampling import sample_workload
 from metasched.sim.trace import read_trace, trace_from_workload, write_trace
-from metasched.sim.workload_config import parse_dist, parse_workload
+from metasched.sim.workload_config import parse_workload
 
 GROUPED = ("retool_grouped", "retool_grouped_c10", "swe_grouped")
 BATCHES = 10
@@ -192,11 +193,11 @@ def test_grouped_profiles_load_with_prompt_groups(name: str) -> None:
 
 @pytest.mark.parametrize("groups,message", [
     ({"size": 0}, "groups.size: must be >= 1"),
-    ({"turns": 1.2}, "groups.turns: must be >= 0 and <= 0.99"),
+    ({"turns": 1.2}, "groups.turns: must be <= 0.99 (got 1.2)"),
     ({"duration_s": 0.6, "persistence": 0.5}, "groups.persistence: share + persistence"),
     ({"actions": {"nope": 0.1}}, "groups.actions.nope: unknown action"),
     ({"sizes": 4}, "groups"),
-    ({"turns_coupling": 2}, "groups.turns_coupling: must be >= 0 and <= 1"),
+    ({"turns_coupling": 2}, "groups.turns_coupling: must be <= 1 (got 2)"),
 ])
 def test_bad_groups_are_one_line(groups: dict, message: str) -> None:
     doc = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "workload"

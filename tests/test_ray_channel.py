@@ -137,7 +137,7 @@ async def _agent_and_link(secret: bytes | None = None):
     """A NodeAgent of this process (2 cores, commands unconfined) with a NodeLink on its
     stream, opened as :meth:`NodeLink.connect` opens it (``secret``: the one the link
     answers with, if not the agent's); both closed at the end."""
-    from metasched.runtime.ray_backend.cluster import NodeLink
+    from metasched.runtime.ray_backend.commands import NodeLink
     from metasched.runtime.ray_backend.node_agent import NodeAgent
 
     agent = NodeAgent(SandboxConfig(isolation="none"), [], None, cores=[0, 1])
@@ -204,7 +204,7 @@ async def test_a_peer_with_the_wrong_secret_runs_nothing(ray_session, tmp_path):
 
 
 async def test_commands_started_on_a_broken_stream_fail_with_the_reason():
-    from metasched.runtime.ray_backend.cluster import NodeLink
+    from metasched.runtime.ray_backend.commands import NodeLink
 
     async def hang_up(reader, writer):
         writer.close()

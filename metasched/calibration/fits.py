@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 from scipy import optimize, stats
 
-from metasched.sim.workload_config import Z90, Z99, Dist, parse_dist
+from metasched.sim.dists import Z90, Z99, Dist, parse_dist
 
 QUANTILES = (0.5, 0.9, 0.99)
 # Fewest samples for each quantile of the fitted form: below them it is left out (a p99

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -20,6 +21,11 @@ from metasched.sim.trace import TraceHeader, scan_trace
 
 PathLike = str | os.PathLike
 Stages = tuple[tuple[tuple[str, ...], ...], ...]  # a turn's stages of chains of names
+
+
+def mode(counts: dict) -> Any:
+    """The most frequent value of a ``value -> count`` dict (ties: the larger ``str``)."""
+    return max(counts.items(), key=lambda kv: (kv[1], str(kv[0])))[0]
 
 
 @dataclass
@@ -256,4 +262,4 @@ def read_samples(path: PathLike, progress: Callable[[int], None] | None = None) 
     return out
 
 
-__all__ = ["TraceSamples", "TrajectoryRecord", "TypeSamples", "read_samples"]
+__all__ = ["TraceSamples", "TrajectoryRecord", "TypeSamples", "mode", "read_samples"]

@@ -193,6 +193,10 @@ class Action:
                 f"status={self.status}, submit_t={self.submit_t:.3f})")
 
 
+class InvalidGrant(ValueError):
+    """A scheduler asked for an allocation the state cannot give."""
+
+
 @dataclass(slots=True)
 class Grant:
     """A scheduling decision: run ``action`` now with this allocation.

@@ -1,5 +1,4 @@
-"""Checks of the fields of a recorded trace's lines (:mod:`metasched.sim.trace`) and of
-the prompt-group settings (:mod:`metasched.sim.groups`), which
+"""Checks of the fields of a recorded trace's lines (:mod:`metasched.sim.trace`), which
 fail with a one-line :class:`~metasched.errors.ConfigError` naming the file, the line and
 the field, e.g. ``run.jsonl:12: actions[3].timeout_s: must be > 0 (got -1)``.
 
@@ -10,46 +9,9 @@ field only when one fails. Configs, profiles and requests are pydantic schemas
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from typing import Any
 
 from metasched.errors import ConfigError, short
-
-# ---------------------------------------------------------------- config dicts
-# (metasched.sim.groups' prompt-group settings; every other config is a schema)
-
-
-def bounded(value: Any, path: object, *, lo: float = -math.inf, hi: float = math.inf,
-                   lo_open: bool = False, integer: bool = False) -> float:
-    """``value`` as a number within the bounds (an int if ``integer``), or an error naming
-    ``path``."""
-    # ``path`` is turned into text only for an error (ConfigError calls str on it): the
-    # trace parser passes its field locators as they are, per field, per line.
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(path, f"must be a number (got {value!r})")
-    try:
-        v = float(value)
-    except OverflowError:
-        v = math.inf
-    if not math.isfinite(v):
-        raise ConfigError(path, f"must be a finite number (got {value!r})")
-    if integer and v != int(v):
-        raise ConfigError(path, f"must be a whole number (got {value!r})")
-    if (lo_open and v <= lo) or (not lo_open and v < lo) or v > hi:
-        bound = f"> {lo:g}" if lo_open else f">= {lo:g}"
-        if hi < math.inf:
-            bound += f" and <= {hi:g}"
-        raise ConfigError(path, f"must be {bound} (got {value!r})")
-    return int(v) if integer else v
-
-
-def check_keys(d: Mapping, allowed: set[str], path: str) -> None:
-    """An error naming the first key of ``d`` outside ``allowed``."""
-    unknown = sorted(set(d) - allowed, key=str)
-    if unknown:
-        raise ConfigError(f"{path}.{unknown[0]}", f"unknown field (expected one of: "
-                          f"{', '.join(sorted(allowed))})")
-
 
 # ---------------------------------------------------------------- JSON fields
 
@@ -140,5 +102,4 @@ def required(d: dict[str, Any], key: str, at: Field) -> Any:
     return d[key]
 
 
-__all__ = ["Field", "bounded", "check_keys", "json_object", "number", "required", "short",
-           "string"]
+__all__ = ["Field", "json_object", "number", "required", "short", "string"]

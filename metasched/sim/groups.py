@@ -28,19 +28,17 @@ their share is that of log(turns + 1), the agent's turns counting its final answ
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
 import numpy as np
+from pydantic import ValidationInfo, model_validator
 
-from metasched.core.validate import bounded, check_keys
+from metasched.core.schema import Count, Fraction, Number, Strict, parse
 from metasched.errors import ConfigError
 
 MAX_SHARE = 0.99  # share + persistence: some noise of its own is left to every draw
-_KEYS = {"size", "turns", "generation_s", "duration_s", "actions", "persistence",
-         "generation_persistence", "turns_coupling"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,45 +80,60 @@ class GroupConfig:
         return dict(self.actions).get(name, self.duration_s)
 
 
+Share = Number(ge=0.0, le=MAX_SHARE)
+"""A share of variance a latent explains (some noise is always left to the draw)."""
+
+
+class _Groups(Strict):
+    """``groups:`` as a profile gives it (:class:`GroupConfig`); a null share is 0, a
+    null ``turns_coupling`` 1. The action names ``actions`` may use come in the
+    validation context (``{"actions": names}``; absent: any)."""
+
+    size: Count(1) = 1
+    turns: Share | None = None
+    generation_s: Share | None = None
+    duration_s: Share | None = None
+    actions: dict[Any, Share] | None = None
+    persistence: Share | None = None
+    generation_persistence: Share | None = None
+    turns_coupling: Fraction | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self, info: ValidationInfo) -> _Groups:
+        names = (info.context or {}).get("actions")
+        acts = self.actions or {}
+        if names is not None:
+            for name in sorted(acts, key=str):
+                if name != "reward" and name not in names:
+                    raise ConfigError(f"actions.{name}", f"unknown action (the profile's: "
+                                      f"{', '.join(sorted(names | {'reward'}))})")
+        duration = max([self.duration_s or 0.0, *acts.values()])
+        for key, total in (("persistence", duration + (self.persistence or 0.0)),
+                           ("generation_persistence", (self.generation_s or 0.0)
+                            + (self.generation_persistence or 0.0))):
+            if total > MAX_SHARE:
+                raise ConfigError(key, f"share + persistence must be <= {MAX_SHARE} "
+                                  f"(got {total:g})")
+        return self
+
+    def config(self) -> GroupConfig:
+        acts = self.actions or {}
+        return GroupConfig(
+            size=self.size, turns=self.turns or 0.0, generation_s=self.generation_s or 0.0,
+            duration_s=self.duration_s or 0.0,
+            actions=tuple((str(n), acts[n]) for n in sorted(acts, key=str)),
+            persistence=self.persistence or 0.0,
+            generation_persistence=self.generation_persistence or 0.0,
+            turns_coupling=1.0 if self.turns_coupling is None else self.turns_coupling)
+
+
 def parse_groups(d: Any, path: str, action_names: set[str] | None = None) -> GroupConfig:
     """``{size, turns, generation_s, duration_s, actions: {name: share}, persistence,
     generation_persistence, turns_coupling}`` (absent or null: off); ``action_names``,
     when given, the names ``actions`` may use (``reward`` always)."""
     if d is None:
         return GroupConfig()
-    if not isinstance(d, Mapping):
-        raise ConfigError(path, f"must be a mapping (got {d!r})")
-    check_keys(d, _KEYS, path)
-
-    def share(key: str) -> float:
-        return bounded(d.get(key) or 0.0, f"{path}.{key}", lo=0.0, hi=MAX_SHARE)
-
-    acts = d.get("actions") or {}
-    if not isinstance(acts, Mapping):
-        raise ConfigError(f"{path}.actions", f"must be a mapping of action name to share "
-                          f"(got {acts!r})")
-    actions = []
-    for name in sorted(acts, key=str):
-        if action_names is not None and name != "reward" and name not in action_names:
-            raise ConfigError(f"{path}.actions.{name}", f"unknown action (the profile's: "
-                              f"{', '.join(sorted(action_names | {'reward'}))})")
-        actions.append((str(name), bounded(acts[name], f"{path}.actions.{name}", lo=0.0,
-                                           hi=MAX_SHARE)))
-    g = GroupConfig(size=bounded(d.get("size", 1), f"{path}.size", lo=1, integer=True),
-                    turns=share("turns"), generation_s=share("generation_s"),
-                    duration_s=share("duration_s"), actions=tuple(actions),
-                    persistence=share("persistence"),
-                    generation_persistence=share("generation_persistence"),
-                    turns_coupling=bounded(1.0 if d.get("turns_coupling") is None
-                                           else d["turns_coupling"], f"{path}.turns_coupling",
-                                           lo=0.0, hi=1.0))
-    for key, total in (("persistence", max([g.duration_s, *(s for _, s in actions)])
-                        + g.persistence),
-                       ("generation_persistence", g.generation_s + g.generation_persistence)):
-        if total > MAX_SHARE:
-            raise ConfigError(f"{path}.{key}", f"share + persistence must be <= {MAX_SHARE} "
-                              f"(got {total:g})")
-    return g
+    return parse(_Groups, d, path, context={"actions": action_names}).config()
 
 
 # ---------------------------------------------------------------- loadings

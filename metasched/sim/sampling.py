@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from metasched.core.actions import ActionSpec, Immutable, SandboxSpec, Turn
+from metasched.sim.dists import Dist
 from metasched.sim.groups import TaskLoadings
-from metasched.sim.workload_config import ActionType, Dist, TaskConfig, WorkloadConfig
+from metasched.sim.workload_config import ActionType, TaskConfig, WorkloadConfig
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,7 +32,8 @@ from metasched.errors import ConfigError
 from metasched.runtime.dispatch import DispatcherConfig
 from metasched.runtime.gpu import LiveService
 from metasched.runtime.ray_backend.actor import DispatcherActor, dumps
-from metasched.runtime.ray_backend.cluster import DEFAULT_SUBMIT, check_submit, lost
+from metasched.runtime.ray_backend.cluster import DEFAULT_SUBMIT, check_submit
+from metasched.runtime.ray_backend.commands import lost
 from metasched.runtime.requests import REJECTED, Request, Result
 
 log = logging.getLogger("metasched.dispatch")

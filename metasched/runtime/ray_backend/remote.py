@@ -37,7 +37,8 @@ from metasched.runtime.ray_backend.client import (
     DispatcherHandle,
     start_dispatcher,
 )
-from metasched.runtime.ray_backend.cluster import DEFAULT_SUBMIT, check_submit, lost
+from metasched.runtime.ray_backend.cluster import DEFAULT_SUBMIT, check_submit
+from metasched.runtime.ray_backend.commands import lost
 from metasched.runtime.requests import Request, Result
 
 log = logging.getLogger("metasched.dispatch")
