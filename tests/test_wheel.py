@@ -177,3 +177,15 @@ def test_train_extra_trains_a_tiny_policy(base_env, wheel, tmp_path):
                  cwd=tmp_path))
     doc = json.loads((tmp_path / "ev" / "results.json").read_text())
     assert doc["schedulers"][str(best)]["actions"] > 0, p.stdout
+
+
+def test_every_package_under_metasched_is_declared():
+    """pyproject's package list is explicit (agents/, envs/, configs/ and checkpoints/
+    install under metasched): a new subpackage must be named there, or the wheel lacks it."""
+    import tomllib
+
+    declared = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+                   ["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts)
+             for p in (ROOT / "metasched").rglob("__init__.py")}
+    assert found - declared == set(), "add these to [tool.setuptools] packages"
