@@ -6,13 +6,13 @@ lock the app itself still holds."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import select
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -31,25 +31,12 @@ GONE_WITHIN_S = 1.0  # generous: the measured p95 is a few ms (benchmarks/kill_l
 DELAY_S = 0.4  # what the attacking command waits before its side effect
 
 # A process running a real Dispatcher with a journal: it accepts the requests, says so,
-# and runs them until it is killed.
-CHILD = textwrap.dedent("""
-    import asyncio, json, sys
-    from metasched.runtime.dispatch import Dispatcher, DispatcherConfig
-    from metasched.runtime.sandbox.config import SandboxConfig
-
-    async def main(db, workdir, isolation, cgroups, requests):
-        cfg = DispatcherConfig(scheduler="elastic_greedy", journal=db, workdir=workdir,
-                               sample_interval_s=0.1,
-                               sandbox=SandboxConfig(isolation=isolation, cgroups=cgroups))
-        async with Dispatcher(cfg) as d:
-            for r in json.loads(open(requests).read()):
-                d.accept(r)
-            d.flush()
-            print("accepted", flush=True)
-            await asyncio.sleep(3600)
-
-    asyncio.run(main(*sys.argv[1:]))
-""")
+# and runs them until it is killed (the benchmark's, so both kill the same dispatcher).
+_BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "kill_latency.py"
+_spec = importlib.util.spec_from_file_location("kill_latency", _BENCH)
+_kill_latency = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_kill_latency)
+CHILD = _kill_latency.CHILD
 
 
 def _modes() -> list:

@@ -25,6 +25,7 @@ import httpx
 import pytest
 from helpers import free_port
 from sandbox_helpers import needs_isolation
+from serve_helpers import wait_for_ping
 
 from metasched.errors import ConfigError
 from metasched.runtime.dispatch import Dispatcher, DispatcherConfig
@@ -198,15 +199,7 @@ def served_with_keys():
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if httpx.get(f"{url}/v1/ping", timeout=5).json() == "pong":
-                    break
-            except httpx.TransportError:
-                pass
-            assert p.poll() is None and time.monotonic() < deadline, p.stderr.read()
-            time.sleep(0.2)
+        wait_for_ping(url, p)
         yield url, run_root / "run", on_line, in_env
     finally:
         p.send_signal(signal.SIGTERM)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 from helpers import free_port
+from serve_helpers import wait_for_ping
 
 pytestmark = pytest.mark.subprocess
 
@@ -46,15 +46,7 @@ def test_serves_until_sigterm(tmp_path):
                          cwd=tmp_path)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if httpx.get(f"{url}/v1/ping", timeout=5).json() == "pong":
-                    break
-            except httpx.TransportError:
-                pass
-            assert p.poll() is None and time.monotonic() < deadline, p.stderr.read()
-            time.sleep(0.2)
+        wait_for_ping(url, p)
         doc = httpx.post(f"{url}/run_code", json={"code": "print(6 * 7)"}, timeout=60).json()
         assert doc["status"] == "Success" and doc["run_result"]["stdout"] == "42\n"
         p.send_signal(signal.SIGTERM)
