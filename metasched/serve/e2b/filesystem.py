@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import json
+import uuid
 from email.parser import BytesParser
 from email.policy import HTTP
 from typing import Any
@@ -57,7 +58,11 @@ async def run_fs(sb: Sandbox, op: dict[str, Any], pieces: list[str] | None = Non
     Raises:
         FsError: it failed (a path refused or not found, the action failed ...).
     """
-    r = await sb.run(argv or programs.fs_argv(op, pieces or []), f"fs:{op['op']}")
+    limit = _output_bytes(sb)
+    if argv is None:
+        op = {**op, "limit": limit - 64, "spill": uuid.uuid4().hex}
+        argv = programs.fs_argv(op, pieces or [])
+    r = await sb.run(argv, f"fs:{op['op']}")
     try:
         doc = json.loads(r.stdout) if r.ok else None
     except ValueError:
@@ -66,9 +71,41 @@ async def run_fs(sb: Sandbox, op: dict[str, Any], pieces: list[str] | None = Non
         last = (r.stderr.strip().splitlines() or [""])[-1][-300:]
         raise FsError("internal", f"{op['op']}: {r.reason or 'no answer'}"
                       + (f": {last}" if last else ""))
+    if "spilled" in doc:  # more than one result holds: read back in pieces, then removed
+        spilled = doc["spilled"]
+        try:
+            doc = json.loads(await read_file(sb, spilled))
+        finally:
+            await run_fs(sb, {"op": "remove", "path": spilled})
     if "error" in doc:
         raise FsError(*doc["error"])
     return doc["ok"]
+
+
+async def read_file(sb: Sandbox, path: str) -> bytes:
+    """The content of file ``path`` of ``sb``, read in pieces that each fit an action's
+    result.
+
+    Raises:
+        FsError: it could not be read.
+    """
+    chunk = max(1, (_output_bytes(sb) - 256) // 4 * 3)
+    parts, offset, size = [], 0, None
+    while size is None or offset < size:
+        out = await run_fs(sb, {"op": "read", "path": path, "offset": offset,
+                                "length": chunk})
+        data = base64.b64decode(out["data"])
+        parts.append(data)
+        offset += len(data)
+        size = out["size"] if data else offset
+    return b"".join(parts)
+
+
+def _output_bytes(sb: Sandbox) -> int:
+    """How much of an action's output its result keeps (the dispatcher's
+    ``tail_bytes``)."""
+    config = getattr(sb.service.dispatcher, "config", None)
+    return int(getattr(config, "tail_bytes", 4096))
 
 
 def _entry(e: dict[str, Any]) -> pb.EntryInfo:
@@ -173,18 +210,8 @@ def files_router(sandboxes: Sandboxes) -> APIRouter:
     @router.get("/files")
     async def download(request: Request) -> Response:
         try:
-            sb = find(request)
-            path = request.query_params.get("path", "")
-            chunk = _chunk_bytes(sandboxes)
-            parts, offset, size = [], 0, None
-            while size is None or offset < size:
-                out = await run_fs(sb, {"op": "read", "path": path, "offset": offset,
-                                        "length": chunk})
-                data = base64.b64decode(out["data"])
-                parts.append(data)
-                offset += len(data)
-                size = out["size"] if data else offset
-            return Response(b"".join(parts), media_type="application/octet-stream")
+            data = await read_file(find(request), request.query_params.get("path", ""))
+            return Response(data, media_type="application/octet-stream")
         except FsError as e:
             return e.http()
 
@@ -208,9 +235,3 @@ def files_router(sandboxes: Sandboxes) -> APIRouter:
 
     return router
 
-
-def _chunk_bytes(sandboxes: Sandboxes) -> int:
-    """File bytes one read may return: its base64 and JSON fit ``tail_bytes``."""
-    config = getattr(sandboxes.service.dispatcher, "config", None)
-    tail = int(getattr(config, "tail_bytes", 4096))
-    return max(1, (tail - 256) // 4 * 3)

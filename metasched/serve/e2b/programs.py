@@ -206,7 +206,15 @@ def run(op):
         return {"size": os.path.getsize(full), "data": base64.b64encode(data).decode()}
     raise Refused("unknown operation " + kind)
 try:
-    print(json.dumps({"ok": run(json.loads(sys.argv[1]))}))
+    op = json.loads(sys.argv[1])
+    text = json.dumps({"ok": run(op)})
+    if len(text) > op.get("limit", len(text)):  # past what the result keeps: in a file
+        spill = os.path.join(ROOT, ".e2b", "out-" + op["spill"] + ".json")
+        os.makedirs(os.path.dirname(spill), exist_ok=True)
+        with open(spill, "w") as f:
+            f.write(text)
+        text = json.dumps({"spilled": ".e2b/out-" + op["spill"] + ".json"})
+    print(text)
 except Refused as e:
     print(json.dumps({"error": ["invalid", f"path: {e}"]}))
 except FileNotFoundError as e:

@@ -73,7 +73,7 @@ class Sandbox:
     procs: dict[int, Proc] = field(default_factory=dict)
     last_used: float = field(default_factory=time.monotonic)
     _pids: Any = field(default_factory=lambda: itertools.count(1000))
-    _turns: Any = field(default_factory=lambda: itertools.count())
+    turn: int = 0  # its commands so far: each starts a turn, file calls are in it
     alive: bool = True
 
     @property
@@ -81,6 +81,8 @@ class Sandbox:
         return f"e2b-{self.id}"
 
     def new_pid(self) -> int:
+        """A new process id; the process starts the sandbox's next turn."""
+        self.turn += 1
         return next(self._pids)
 
     def request(self, argv: list[str], name: str, *, timeout_s: float,
@@ -89,7 +91,7 @@ class Sandbox:
         self.last_used = time.monotonic()
         req: dict[str, Any] = {
             "kind": "cpu", "argv": argv, "trajectory": self.trajectory,
-            "turn": next(self._turns), "task": f"e2b:{self.template}", "name": name,
+            "turn": self.turn, "task": f"e2b:{self.template}", "name": name,
             "timeout_s": min(timeout_s, self.service.limits.max_timeout_s),
             "min_cores": self.cores, "max_cores": self.cores,
             "id": uuid.uuid4().hex}
