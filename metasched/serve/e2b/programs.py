@@ -28,7 +28,7 @@ __all__ = ["CONTROL", "HOME", "fs_argv", "input_argv", "process_argv", "signal_a
 
 CONTROL = ".e2b"  # the control directory, in the workspace
 HOME = "/home/user"  # E2B's home directory: the workspace here
-PYTHON = "python3"
+PYTHON = ("python3", "-I", "-S")  # isolated (no PYTHON* variables), no site-packages
 
 # Shared by both programs: the workspace's root and the confinement of paths.
 _PATHS = r"""import os, sys
@@ -57,7 +57,9 @@ def real(full, missing_ok=False):
 """
 
 # argv[1:]: control dir, pid, "1" to feed stdin, cwd ("" for the root), the command.
-_WATCH = _PATHS + r"""import signal, subprocess, time
+# Only built-in modules (no subprocess, signal or json: their imports cost more than the
+# rest of a short command).
+_WATCH = _PATHS + r"""import time
 ctl, pid, feed, cwd = sys.argv[1:5]
 argv = sys.argv[5:]
 os.makedirs(ctl, exist_ok=True)
@@ -67,57 +69,76 @@ try:
     if cwd:
         cwd = real(place(cwd))
         env["PWD"] = cwd
-    child = subprocess.Popen(argv, cwd=cwd or None, env=env, start_new_session=True,
-                             stdin=subprocess.PIPE if feed == "1" else subprocess.DEVNULL)
 except Refused as e:
-    print(f"cwd: {sys.argv[4]!r} {e}", file=sys.stderr)
+    sys.stderr.write(f"cwd: {sys.argv[4]!r} {e}\n")
     sys.exit(126)
-except OSError as e:
-    print(f"{argv[0]}: {e.strerror or e}", file=sys.stderr)
-    sys.exit(127)
-fed = 0
-while True:
+if feed == "1":
+    rfd, wfd = os.pipe()
+else:
+    rfd, wfd = os.open(os.devnull, os.O_RDONLY), None
+child = os.fork()
+if child == 0:
     try:
-        child.wait(timeout=0.02)
+        os.setsid()
+        os.dup2(rfd, 0)
+        if wfd is not None:
+            os.close(wfd)
+        if cwd:
+            os.chdir(cwd)
+        os.execvpe(argv[0], argv, env)
+    except OSError as e:
+        os.write(2, f"{argv[0]}: {e.strerror or e}\n".encode())
+    os._exit(127)
+os.close(rfd)
+if wfd is not None:
+    os.set_blocking(wfd, False)
+fed, pending, delay = 0, b"", 0.001
+while True:
+    done, status = os.waitpid(child, os.WNOHANG)
+    if done:
         break
-    except subprocess.TimeoutExpired:
-        pass
+    time.sleep(delay)
+    delay = min(delay * 2, 0.02)
     for name in (base + ".signal", os.path.join(ctl, "all.signal")):
         try:
             with open(name) as f:
-                os.killpg(child.pid, int(f.read().strip() or 9))
+                os.killpg(child, int(f.read().strip() or 9))
         except (OSError, ValueError):
             pass
-    if child.stdin is not None:
+    if wfd is not None:
         try:
             with open(base + ".stdin", "rb") as f:
                 f.seek(fed)
                 data = f.read()
-            if data:
-                fed += len(data)
-                child.stdin.write(data)
-                child.stdin.flush()
-            elif os.path.exists(base + ".eof"):
-                child.stdin.close()
-                child.stdin = None
+            fed += len(data)
+            pending += data
         except FileNotFoundError:
             pass
+        try:
+            if pending:
+                pending = pending[os.write(wfd, pending):]
+            elif os.path.exists(base + ".eof"):
+                os.close(wfd)
+                wfd = None
+        except BlockingIOError:
+            pass
         except OSError:
-            child.stdin = None
+            os.close(wfd)
+            wfd = None
 for suffix in (".signal", ".stdin", ".eof"):
     try:
         os.unlink(base + suffix)
     except OSError:
         pass
-code = child.returncode
-if code < 0:
-    signal.signal(-code, signal.SIG_DFL)
-    os.kill(os.getpid(), -code)
-sys.exit(code)
+if os.WIFSIGNALED(status):
+    import _signal
+    _signal.signal(os.WTERMSIG(status), _signal.SIG_DFL)
+    os.kill(os.getpid(), os.WTERMSIG(status))
+sys.exit(os.waitstatus_to_exitcode(status))
 """
 
 # argv[1]: the operation (JSON); argv[2:]: base64 pieces (write).
-_FS = _PATHS + r"""import base64, json, pwd, grp, shutil, stat
+_FS = _PATHS + r"""import base64, json, pwd, grp, stat
 KINDS = {stat.S_IFREG: "file", stat.S_IFDIR: "dir", stat.S_IFLNK: "symlink"}
 def name_of(f, i):
     try:
@@ -178,6 +199,7 @@ def run(op):
         if not os.path.lexists(full):
             raise FileNotFoundError(2, "No such file or directory")
         if os.path.isdir(full) and not os.path.islink(full):
+            import shutil
             shutil.rmtree(full)
         else:
             os.unlink(full)
@@ -233,7 +255,7 @@ def process_argv(pid: int, argv: Sequence[str], *, cwd: str = "", stdin: bool = 
     """The action's argv that runs ``argv`` as process ``pid`` of the sandbox (in
     ``cwd``, a workspace path; with its standard input fed from what
     :func:`input_argv` writes when ``stdin``)."""
-    return [PYTHON, "-c", _WATCH, CONTROL, str(pid), "1" if stdin else "0", cwd, *argv]
+    return [*PYTHON, "-c", _WATCH, CONTROL, str(pid), "1" if stdin else "0", cwd, *argv]
 
 
 def signal_argv(pid: int | None, signum: int) -> list[str]:
@@ -252,7 +274,7 @@ def input_argv(pid: int, data: bytes | None) -> list[str]:
     import base64
 
     text = base64.b64encode(data).decode()
-    return [PYTHON, "-c", "import base64, sys\nwith open(sys.argv[1], 'ab') as f:\n"
+    return [*PYTHON, "-c", "import base64, sys\nwith open(sys.argv[1], 'ab') as f:\n"
             "    f.write(base64.b64decode(''.join(sys.argv[2:])))",
             f"{CONTROL}/{pid}.stdin", *(text[i:i + PIECE] for i in range(0, len(text), PIECE))]
 
@@ -260,7 +282,7 @@ def input_argv(pid: int, data: bytes | None) -> list[str]:
 def fs_argv(op: Mapping[str, object], pieces: Sequence[str] = ()) -> list[str]:
     """The action's argv that runs one filesystem operation (``{"op": ..., "path": ...}``;
     ``write`` takes its content as base64 ``pieces``)."""
-    return [PYTHON, "-c", _FS, json.dumps(dict(op)), *pieces]
+    return [*PYTHON, "-c", _FS, json.dumps(dict(op)), *pieces]
 
 
 def write_argvs(path: str, data: bytes) -> Iterator[list[str]]:
