@@ -22,7 +22,7 @@ from tests.serve_helpers import serving  # noqa: E402
 TOKEN_A, TOKEN_B = "a" * 16 + "-client-token", "b" * 16 + "-client-token"
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def served():
     with serving(DispatcherConfig(scheduler="elastic_greedy")) as srv:
         yield srv
