@@ -227,3 +227,18 @@ def test_api_keys_and_access_tokens():
         with pytest.raises(e2b.SandboxException):
             stranger.files.read("x")
         sb.kill()
+
+
+def test_example_script_runs_against_the_service(served):
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).parent.parent / "examples" / "e2b_sandbox.py"
+    env = {**os.environ, "E2B_API_URL": f"{served.url}/e2b",
+           "E2B_SANDBOX_URL": f"{served.url}/e2b", "E2B_API_KEY": "unused"}
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "turn 2: exit 0, stdout 'turn 2 done', file 'hello 2'" in out.stdout
+    assert "killed: True" in out.stdout and out.stdout.rstrip().endswith("killed")
