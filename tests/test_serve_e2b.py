@@ -11,6 +11,7 @@ import os
 import time
 import uuid
 
+import httpx
 import pytest
 
 e2b = pytest.importorskip("e2b")
@@ -215,6 +216,11 @@ def test_api_keys_and_access_tokens():
         with pytest.raises(e2b.SandboxException):
             e2b.Sandbox.connect(sb.sandbox_id, **opts(srv, TOKEN_B))
         assert not e2b.Sandbox.kill(sb.sandbox_id, **opts(srv, TOKEN_B))
+        # nor through the native API, into its trajectory
+        r = httpx.post(f"{srv.url}/v1/actions", headers={"Authorization": f"Bearer {TOKEN_B}"},
+                       json={"kind": "cpu", "argv": ["true"],
+                             "trajectory": f"e2b-{sb.sandbox_id}"}, timeout=30)
+        assert r.status_code == 403, r.text
         # in-sandbox calls without its access token are refused
         stranger = e2b.Sandbox(sandbox_id=sb.sandbox_id, sandbox_domain=None,
                                envd_version=sb._envd_version, envd_access_token="guess",

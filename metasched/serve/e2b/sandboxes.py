@@ -171,6 +171,8 @@ class Sandboxes:
                      metadata=dict(metadata), env=dict(env), started_at=now,
                      end_at=now + timeout_s, cores=cores, memory_mb=memory,
                      service=self.service)
+        # Its trajectory is its client's: no other reaches it through /v1 or /run_code.
+        self.service.owners.claim(sb.trajectory, client)
         r = await sb.run(["/bin/mkdir", "-p", programs.CONTROL], "create")
         if not r.ok:
             self.service.dispatcher.close_trajectory(sb.trajectory)
