@@ -161,6 +161,18 @@ def test_timeout_ends_the_sandbox_and_its_processes(served):
         sb.commands.run("true")
 
 
+def test_idle_sandbox_ends_after_the_trajectory_idle_time():
+    with serving(DispatcherConfig(scheduler="elastic_greedy", trajectory_idle_s=1.0),
+                 ServeConfig(languages=[])) as srv:
+        sb = e2b.Sandbox.create(timeout=600, **opts(srv))
+        sb.files.write("kept.txt", "x")
+        init_pid = sandbox_pid(srv, sb.sandbox_id)
+        wait_gone(srv, sb.sandbox_id, init_pid, within_s=15)
+        assert not e2b.Sandbox.list(**opts(srv)).next_items()
+        with pytest.raises(e2b.SandboxException):
+            sb.files.read("kept.txt")
+
+
 @pytest.mark.parametrize("path", [
     "../outside.txt", "/etc/passwd", "notes/../../outside.txt", "link/passwd",
     "/home/user/../../etc/passwd"])

@@ -122,7 +122,8 @@ class Sandbox:
                 "sandboxID": self.id, "clientID": "metasched",
                 "startedAt": _iso(self.started_at), "endAt": _iso(self.end_at),
                 "envdVersion": ENVD_VERSION, "cpuCount": self.cores,
-                "memoryMB": int(self.memory_mb or 0), "diskSizeMB": 0,
+                "memoryMB": int(self.memory_mb or self.service.limits.mem_mb),
+                "diskSizeMB": 0,
                 "metadata": self.metadata, "state": "running"}
 
     def created(self) -> dict[str, Any]:
