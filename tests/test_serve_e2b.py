@@ -207,10 +207,12 @@ def test_files_round_trip_binary_and_large(served):
     sb.kill()
 
 
-def test_pause_is_refused_with_a_reason(served):
+def test_pause_is_refused_with_a_reason_and_info_answers(served):
     sb = e2b.Sandbox.create(**opts(served))
     with pytest.raises(e2b.SandboxException, match="not supported"):
         sb.pause()
+    assert sb.get_metrics() == []
+    assert sb.get_info().metadata == {} and sb.get_info().cpu_count == 1
     sb.kill()
 
 

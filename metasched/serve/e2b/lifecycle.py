@@ -187,6 +187,10 @@ def lifecycle_router(service: Service, sandboxes: Sandboxes) -> APIRouter:
             sandboxes.set_timeout(sb, value)
         return JSONResponse(sb.created(), status_code=200)
 
+    async def metrics(request: Request, sandbox_id: str) -> Response:
+        find(request, sandbox_id)
+        return JSONResponse([])  # none kept per sandbox (see /metrics for the service)
+
     async def pause(request: Request, sandbox_id: str) -> Response:
         find(request, sandbox_id)
         raise _Refused(501, "pause: not supported by metasched (a sandbox's processes "
@@ -206,6 +210,7 @@ def lifecycle_router(service: Service, sandboxes: Sandboxes) -> APIRouter:
                          methods=["POST"])
     for path in ("/sandboxes/{sandbox_id}/connect", "/v2/sandboxes/{sandbox_id}/connect"):
         router.add_api_route(path, answer(connect), methods=["POST"])
+    router.add_api_route("/sandboxes/{sandbox_id}/metrics", answer(metrics), methods=["GET"])
     router.add_api_route("/sandboxes/{sandbox_id}/pause", answer(pause), methods=["POST"])
     router.add_api_route("/sandboxes/{sandbox_id}/resume", answer(resume), methods=["POST"])
     return router
