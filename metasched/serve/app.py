@@ -20,6 +20,8 @@ from fastapi.responses import JSONResponse
 
 from metasched.errors import ConfigError, validation_error
 from metasched.serve.config import ServeConfig
+from metasched.serve.e2b import PREFIX as E2B_PREFIX
+from metasched.serve.e2b import mount_e2b
 from metasched.serve.frontend import DispatcherLike
 from metasched.serve.metrics import ServiceMetrics
 from metasched.serve.native import error, native_router
@@ -81,6 +83,9 @@ def create_app(dispatcher: DispatcherLike | Callable[[], DispatcherLike],
         try:
             yield
         finally:
+            e2b = getattr(app.state, "e2b", None)
+            if e2b is not None:
+                await e2b.close()
             await service.close()
 
     app = FastAPI(title="metasched", lifespan=lifespan, docs_url="/docs", redoc_url=None)
@@ -104,8 +109,9 @@ def create_app(dispatcher: DispatcherLike | Callable[[], DispatcherLike],
     app.include_router(native_router(service))
     app.include_router(proxy_router(service))
     app.include_router(run_code_router(service))
+    mount_e2b(app, service)  # /e2b: checks its own API keys and access tokens
     # The last added is the outermost: requests refused by the gate are counted too.
     app.add_middleware(Gate, clients=config.clients, max_body=config.max_body_bytes,
-                       body_timeout_s=config.body_timeout_s)
+                       body_timeout_s=config.body_timeout_s, own_auth=(E2B_PREFIX + "/",))
     app.add_middleware(_CountRequests, metrics=service.metrics)
     return app

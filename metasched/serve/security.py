@@ -47,12 +47,15 @@ class Gate:
             whether its ``Content-Length`` says so or it streams past the limit.
         body_timeout_s: seconds the whole body may take to arrive, from the end of the
             headers: later, the request is answered 408 and its connection closed.
+        own_auth: path prefixes whose routes check credentials of their own (the E2B
+            API's keys and access tokens): no bearer token asked there.
     """
 
     def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], *,
                  clients: Mapping[str, str], max_body: int,
-                 body_timeout_s: float = 60.0) -> None:
+                 body_timeout_s: float = 60.0, own_auth: tuple[str, ...] = ()) -> None:
         self.app = app
+        self.own_auth = own_auth
         self.expected = [(f"Bearer {token}".encode(), name) for token, name in clients.items()]
         self.max_body = max_body
         self.body_timeout_s = body_timeout_s
@@ -63,7 +66,8 @@ class Gate:
             return
         headers = dict(scope["headers"])
         scope[CLIENT] = None
-        if self.expected and scope["path"] not in OPEN_PATHS:
+        if self.expected and scope["path"] not in OPEN_PATHS \
+                and not scope["path"].startswith(self.own_auth):
             given = headers.get(b"authorization", b"")
             client = None
             for expected, name in self.expected:  # all of them: the time tells nothing

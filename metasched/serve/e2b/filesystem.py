@@ -1,0 +1,237 @@
+"""envd's filesystem: the Connect RPC ``filesystem.Filesystem`` service (``Stat``,
+``ListDir``, ``MakeDir``, ``Move``, ``Remove``) and the plain HTTP file transfer
+(``GET /files``: download, ``POST /files``: upload, ``application/octet-stream`` or
+``multipart/form-data``), each operation one action of the sandbox running
+:func:`.programs.fs_argv` in its workspace (the paths confined to it).
+
+A download reads the file in pieces that fit the output an action's result keeps
+(the dispatcher's ``tail_bytes``): a file of n bytes takes about n / (0.75 tail_bytes)
+actions. Watching directories (``WatchDir``, watchers) is not offered.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import uuid
+from email.parser import BytesParser
+from email.policy import HTTP
+from typing import Any
+
+from connectrpc.code import Code
+from connectrpc.errors import ConnectError
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from protobuf.wkt.google.protobuf.timestamp_pb import Timestamp
+
+from metasched.serve.e2b import programs
+from metasched.serve.e2b.envd import filesystem_pb as pb
+from metasched.serve.e2b.lifecycle import e2b_error
+from metasched.serve.e2b.sandboxes import Sandbox, Sandboxes
+
+__all__ = ["FilesystemService", "files_router", "run_fs"]
+
+_TYPES = {"file": pb.FileType.FILE, "dir": pb.FileType.DIRECTORY,
+          "symlink": pb.FileType.SYMLINK}
+_CODES = {"not_found": (Code.NOT_FOUND, 404), "exists": (Code.ALREADY_EXISTS, 409),
+          "denied": (Code.PERMISSION_DENIED, 403), "invalid": (Code.INVALID_ARGUMENT, 400)}
+
+
+class FsError(Exception):
+    """A filesystem operation that failed: its kind (``not_found`` ...) and one line."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind, self.message = kind, message
+
+    def connect(self) -> ConnectError:
+        return ConnectError(_CODES.get(self.kind, (Code.INTERNAL, 500))[0], self.message)
+
+    def http(self) -> JSONResponse:
+        return e2b_error(_CODES.get(self.kind, (Code.INTERNAL, 500))[1], self.message)
+
+
+async def run_fs(sb: Sandbox, op: dict[str, Any], pieces: list[str] | None = None,
+                 argv: list[str] | None = None) -> Any:
+    """Run one filesystem operation in ``sb``; what it answered.
+
+    Raises:
+        FsError: it failed (a path refused or not found, the action failed ...).
+    """
+    limit = _output_bytes(sb)
+    if argv is None:
+        op = {**op, "limit": limit - 64, "spill": uuid.uuid4().hex}
+        argv = programs.fs_argv(op, pieces or [])
+    r = await sb.run(argv, f"fs:{op['op']}")
+    try:
+        doc = json.loads(r.stdout) if r.ok else None
+    except ValueError:
+        doc = None
+    if doc is None:
+        last = (r.stderr.strip().splitlines() or [""])[-1][-300:]
+        raise FsError("internal", f"{op['op']}: {r.reason or 'no answer'}"
+                      + (f": {last}" if last else ""))
+    if "spilled" in doc:  # more than one result holds: read back in pieces, then removed
+        spilled = doc["spilled"]
+        try:
+            doc = json.loads(await read_file(sb, spilled))
+        finally:
+            await run_fs(sb, {"op": "remove", "path": spilled})
+    if "error" in doc:
+        raise FsError(*doc["error"])
+    return doc["ok"]
+
+
+async def read_file(sb: Sandbox, path: str) -> bytes:
+    """The content of file ``path`` of ``sb``, read in pieces that each fit an action's
+    result.
+
+    Raises:
+        FsError: it could not be read.
+    """
+    chunk = max(1, (_output_bytes(sb) - 256) // 4 * 3)
+    parts, offset, size = [], 0, None
+    while size is None or offset < size:
+        out = await run_fs(sb, {"op": "read", "path": path, "offset": offset,
+                                "length": chunk})
+        data = base64.b64decode(out["data"])
+        parts.append(data)
+        offset += len(data)
+        size = out["size"] if data else offset
+    return b"".join(parts)
+
+
+def _output_bytes(sb: Sandbox) -> int:
+    """How much of an action's output its result keeps (the dispatcher's
+    ``tail_bytes``)."""
+    config = getattr(sb.service.dispatcher, "config", None)
+    return int(getattr(config, "tail_bytes", 4096))
+
+
+def _entry(e: dict[str, Any]) -> pb.EntryInfo:
+    t = float(e["mtime"])
+    return pb.EntryInfo(
+        name=e["name"], type=_TYPES.get(e["type"], pb.FileType.FILE), path=e["path"],
+        size=int(e["size"]), mode=int(e["mode"]), permissions=e["permissions"],
+        owner=e["owner"], group=e["group"], symlink_target=e.get("symlink"),
+        is_symlink=bool(e.get("is_symlink")),
+        modified_time=Timestamp(seconds=int(t), nanos=int(t % 1 * 1e9)))
+
+
+class FilesystemService:
+    """The ``filesystem.Filesystem`` service over ``sandboxes``."""
+
+    def __init__(self, sandboxes: Sandboxes) -> None:
+        self.sandboxes = sandboxes
+
+    async def _run(self, ctx: Any, op: dict[str, Any]) -> Any:
+        from metasched.serve.e2b.process import sandbox_of
+
+        sb = sandbox_of(self.sandboxes, ctx)
+        try:
+            return await run_fs(sb, op)
+        except FsError as e:
+            raise e.connect() from None
+
+    async def stat(self, request: pb.StatRequest, ctx: Any) -> pb.StatResponse:
+        return pb.StatResponse(entry=_entry(await self._run(ctx, {"op": "stat",
+                                                                  "path": request.path})))
+
+    async def make_dir(self, request: pb.MakeDirRequest, ctx: Any) -> pb.MakeDirResponse:
+        out = await self._run(ctx, {"op": "mkdir", "path": request.path})
+        if out["exists"]:
+            raise ConnectError(Code.ALREADY_EXISTS, f"path: {request.path!r} already exists")
+        return pb.MakeDirResponse(entry=_entry(out["entry"]))
+
+    async def move(self, request: pb.MoveRequest, ctx: Any) -> pb.MoveResponse:
+        out = await self._run(ctx, {"op": "move", "path": request.source,
+                                    "to": request.destination})
+        return pb.MoveResponse(entry=_entry(out))
+
+    async def list_dir(self, request: pb.ListDirRequest, ctx: Any) -> pb.ListDirResponse:
+        out = await self._run(ctx, {"op": "list", "path": request.path,
+                                    "depth": max(1, request.depth)})
+        return pb.ListDirResponse(entries=[_entry(e) for e in out])
+
+    async def remove(self, request: pb.RemoveRequest, ctx: Any) -> pb.RemoveResponse:
+        await self._run(ctx, {"op": "remove", "path": request.path})
+        return pb.RemoveResponse()
+
+    def watch_dir(self, request: Any, ctx: Any) -> Any:
+        raise ConnectError(Code.UNIMPLEMENTED, "watching directories is not offered here")
+
+    async def create_watcher(self, request: Any, ctx: Any) -> Any:
+        raise ConnectError(Code.UNIMPLEMENTED, "watching directories is not offered here")
+
+    async def get_watcher_events(self, request: Any, ctx: Any) -> Any:
+        raise ConnectError(Code.UNIMPLEMENTED, "watching directories is not offered here")
+
+    async def remove_watcher(self, request: Any, ctx: Any) -> Any:
+        raise ConnectError(Code.UNIMPLEMENTED, "watching directories is not offered here")
+
+
+def _uploads(request: Request, body: bytes) -> list[tuple[str, bytes]]:
+    """The (path, content) pairs of an upload.
+
+    Raises:
+        FsError: a body that is neither (or a part without a path).
+    """
+    kind = request.headers.get("content-type", "")
+    path = request.query_params.get("path")
+    if kind.startswith("multipart/form-data"):
+        msg = BytesParser(policy=HTTP).parsebytes(
+            b"Content-Type: " + kind.encode() + b"\r\n\r\n" + body)
+        out = []
+        for part in msg.iter_parts():
+            name = path if path and not msg.get_payload()[1:] else part.get_filename()
+            if not name:
+                raise FsError("invalid", "file: a part names no file (filename=...)")
+            out.append((name, part.get_payload(decode=True) or b""))
+        return out
+    if request.headers.get("content-encoding", "identity") not in ("identity", ""):
+        raise FsError("invalid", "Content-Encoding: compressed uploads are not accepted")
+    if not path:
+        raise FsError("invalid", "path: required for an application/octet-stream upload")
+    return [(path, body)]
+
+
+def files_router(sandboxes: Sandboxes) -> APIRouter:
+    """``GET /files`` and ``POST /files`` (envd's download and upload), under ``/e2b``."""
+    router = APIRouter(include_in_schema=False)
+
+    def find(request: Request) -> Sandbox:
+        sid = request.headers.get("e2b-sandbox-id", "")
+        sb = sandboxes.by_token(sid, request.headers.get("x-access-token"))
+        if sb is None:
+            raise FsError("not_found", f"sandbox {sid!r} not found (killed, timed out, "
+                          f"or another access token's)")
+        return sb
+
+    @router.get("/files")
+    async def download(request: Request) -> Response:
+        try:
+            data = await read_file(find(request), request.query_params.get("path", ""))
+            return Response(data, media_type="application/octet-stream")
+        except FsError as e:
+            return e.http()
+
+    @router.post("/files")
+    async def upload(request: Request) -> Response:
+        try:
+            sb = find(request)
+            written = []
+            for path, data in _uploads(request, await request.body()):
+                entry: Any = None
+                for argv in programs.write_argvs(path, data):
+                    entry = await run_fs(sb, {"op": "write"}, argv=argv)
+                written.append({"name": entry["name"], "type": "file", "path": entry["path"]})
+            return JSONResponse(written)
+        except FsError as e:
+            return e.http()
+
+    @router.get("/health")
+    async def health() -> Response:
+        return Response(status_code=204)
+
+    return router
+

@@ -1,0 +1,290 @@
+"""E2B sandboxes over the dispatcher: each :class:`Sandbox` is one trajectory
+(``e2b-<id>``), its workspace the sandbox's filesystem, each of its commands and file
+calls an action of it (:meth:`Sandbox.run`). :class:`Sandboxes` keeps them: it creates
+them, finds them for a client, and ends them when killed, at their timeout (E2B's: so
+many seconds from creation or the last ``set_timeout``) or when idle for the
+dispatcher's ``trajectory_idle_s``. Ending one signals its running processes to die
+(through their watchers, :mod:`.programs`) and closes its trajectory: the dispatcher
+then removes its sandbox and workspace once nothing of it runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import itertools
+import logging
+import math
+import secrets
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from metasched.runtime.requests import REJECTED, Result
+from metasched.serve.e2b import programs
+
+if TYPE_CHECKING:
+    from metasched.serve.service import Service
+
+__all__ = ["DEFAULT_TEMPLATE", "ENVD_VERSION", "Proc", "Sandbox", "Sandboxes"]
+
+log = logging.getLogger("metasched.serve")
+
+ENVD_VERSION = "0.5.7"  # the envd contract served (stdin, close_stdin, octet-stream upload)
+DEFAULT_TEMPLATE = "base"  # E2B's default: a plain workspace
+DEFAULT_TIMEOUT_S = 300  # E2B's default sandbox timeout
+MAX_TIMEOUT_S = 24 * 3600
+CORES_ENV = "METASCHED_CORES"  # sandbox env vars that size its commands
+MEMORY_ENV = "METASCHED_MEMORY_MB"
+FILES_TIMEOUT_S = 60.0
+
+
+@dataclass
+class Proc:
+    """A process of a sandbox: one running action."""
+
+    pid: int
+    cmd: str
+    args: list[str]
+    envs: dict[str, str]
+    cwd: str
+    tag: str | None
+    stdin: bool
+    result: asyncio.Future[Result]
+
+
+@dataclass
+class Sandbox:
+    """One E2B sandbox (see the module docstring)."""
+
+    id: str
+    template: str
+    client: str | None
+    token: str | None  # the envd access token (None: authentication off)
+    metadata: dict[str, str]
+    env: dict[str, str]
+    started_at: float  # wall clock
+    end_at: float  # wall clock: its timeout
+    cores: int
+    memory_mb: float | None
+    service: Service
+    procs: dict[int, Proc] = field(default_factory=dict)
+    last_used: float = field(default_factory=time.monotonic)
+    _pids: Any = field(default_factory=lambda: itertools.count(1000))
+    turn: int = 0  # its commands so far: each starts a turn, file calls are in it
+    alive: bool = True
+
+    @property
+    def trajectory(self) -> str:
+        return f"e2b-{self.id}"
+
+    def new_pid(self) -> int:
+        """A new process id; the process starts the sandbox's next turn."""
+        self.turn += 1
+        return next(self._pids)
+
+    def request(self, argv: list[str], name: str, *, timeout_s: float,
+                env: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """The dispatcher request of one action of this sandbox."""
+        self.last_used = time.monotonic()
+        req: dict[str, Any] = {
+            "kind": "cpu", "argv": argv, "trajectory": self.trajectory,
+            "turn": self.turn, "task": f"e2b:{self.template}", "name": name,
+            "timeout_s": min(timeout_s, self.service.limits.max_timeout_s),
+            "min_cores": self.cores, "max_cores": self.cores,
+            "id": uuid.uuid4().hex}
+        if env:
+            req["env"] = dict(env)
+        if self.memory_mb is not None:
+            req["mem_limit_mb"] = self.memory_mb
+        if self.template != DEFAULT_TEMPLATE:
+            req["workspace_template"] = self.template
+        return req
+
+    async def run(self, argv: list[str], name: str, *,
+                  timeout_s: float = FILES_TIMEOUT_S) -> Result:
+        """Run one action of this sandbox and wait for its result."""
+        return await self.service.submit(self.request(argv, name, timeout_s=timeout_s))
+
+    def start(self, argv: list[str], name: str, *, timeout_s: float,
+              env: Mapping[str, str] | None = None) -> asyncio.Future[Result]:
+        """Submit one action of this sandbox; its result's future."""
+        req = self.request(argv, name, timeout_s=timeout_s, env=env)
+        future = self.service.dispatcher.accept(req)
+        self.service.track(req["id"], future, "cpu")
+        return future
+
+    def info(self) -> dict[str, Any]:
+        """As E2B's API describes a running sandbox (``SandboxDetail``)."""
+        return {"templateID": self.template, "alias": self.template,
+                "sandboxID": self.id, "clientID": "metasched",
+                "startedAt": _iso(self.started_at), "endAt": _iso(self.end_at),
+                "envdVersion": ENVD_VERSION, "cpuCount": self.cores,
+                "memoryMB": int(self.memory_mb or self.service.limits.mem_mb),
+                "diskSizeMB": 0,
+                "metadata": self.metadata, "state": "running"}
+
+    def created(self) -> dict[str, Any]:
+        """As E2B's API answers a create or connect (``Sandbox``)."""
+        out = {"templateID": self.template, "sandboxID": self.id, "clientID": "metasched",
+               "envdVersion": ENVD_VERSION, "alias": self.template}
+        if self.token is not None:
+            out["envdAccessToken"] = self.token
+        return out
+
+
+def _iso(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1000):03d}Z"
+
+
+class Sandboxes:
+    """The service's E2B sandboxes (see the module docstring).
+
+    Args:
+        service: the service (its dispatcher runs the sandboxes' actions).
+        idle_s: a sandbox with no call and no running process for this long ends
+            (None: the dispatcher's ``trajectory_idle_s``, else never).
+    """
+
+    def __init__(self, service: Service, idle_s: float | None = None) -> None:
+        self.service = service
+        self.idle_s = idle_s
+        self.by_id: dict[str, Sandbox] = {}
+        self._reaper: asyncio.Task[None] | None = None
+        self._ending: set[asyncio.Task[None]] = set()
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def create(self, *, template: str, timeout_s: float, client: str | None,
+                     metadata: Mapping[str, str], env: Mapping[str, str]) -> Sandbox:
+        """A new sandbox: its trajectory opened by a first action (its workspace made,
+        its template checked: a ``ValueError`` says why it could not be).
+
+        Raises:
+            ValueError: the sandbox could not be made (one line).
+        """
+        cores, memory = _sizes(env)
+        now = time.time()
+        sb = Sandbox(id=f"ms{uuid.uuid4().hex[:18]}", template=template, client=client,
+                     token=secrets.token_urlsafe(24) if self.service.config.clients else None,
+                     metadata=dict(metadata), env=dict(env), started_at=now,
+                     end_at=now + timeout_s, cores=cores, memory_mb=memory,
+                     service=self.service)
+        # Its trajectory is its client's: no other reaches it through /v1 or /run_code.
+        self.service.owners.claim(sb.trajectory, client)
+        r = await sb.run(["/bin/mkdir", "-p", programs.CONTROL], "create")
+        if not r.ok:
+            self.service.dispatcher.close_trajectory(sb.trajectory)
+            why = r.reason if r.status == REJECTED else (r.stderr.strip() or r.reason)
+            raise ValueError(f"sandbox could not be created: {why}")
+        self.by_id[sb.id] = sb
+        self._start_reaper()
+        return sb
+
+    def get(self, sandbox_id: str, client: str | None) -> Sandbox | None:
+        """The live sandbox ``sandbox_id`` if ``client`` may use it (with
+        authentication on, only the client that created it)."""
+        sb = self.by_id.get(sandbox_id)
+        if sb is None or not sb.alive or (self.service.config.clients
+                                          and sb.client != client):
+            return None
+        return sb
+
+    def by_token(self, sandbox_id: str, token: str | None) -> Sandbox | None:
+        """The live sandbox ``sandbox_id`` if ``token`` is its envd access token (any
+        token when authentication is off)."""
+        sb = self.by_id.get(sandbox_id)
+        if sb is None or not sb.alive:
+            return None
+        if sb.token is not None and not hmac.compare_digest(
+                (token or "").encode(), sb.token.encode()):
+            return None
+        sb.last_used = time.monotonic()
+        return sb
+
+    def listed(self, client: str | None) -> list[Sandbox]:
+        """The live sandboxes ``client`` may see."""
+        return [sb for sb in self.by_id.values()
+                if sb.alive and (not self.service.config.clients or sb.client == client)]
+
+    def set_timeout(self, sb: Sandbox, timeout_s: float) -> None:
+        """The sandbox now ends ``timeout_s`` from now."""
+        sb.end_at = time.time() + timeout_s
+
+    def kill(self, sb: Sandbox, why: str = "killed") -> None:
+        """End the sandbox now: later calls find it no more; its running processes are
+        killed and its trajectory closed (its workspace goes once they have died)."""
+        if not sb.alive:
+            return
+        sb.alive = False
+        self.by_id.pop(sb.id, None)
+        log.debug("e2b sandbox %s ends (%s)", sb.id, why)
+        task = asyncio.get_running_loop().create_task(self._end(sb))
+        self._ending.add(task)
+        task.add_done_callback(self._ending.discard)
+
+    async def _end(self, sb: Sandbox) -> None:
+        running = [p for p in sb.procs.values() if not p.result.done()]
+        try:
+            if running:
+                await sb.run(programs.signal_argv(None, 9), "kill")
+        finally:
+            self.service.dispatcher.close_trajectory(sb.trajectory)
+
+    async def close(self) -> None:
+        """Stop the reaper and end every sandbox (the service stops)."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+            self._reaper = None
+        for sb in list(self.by_id.values()):
+            sb.alive = False
+            self.service.dispatcher.close_trajectory(sb.trajectory)
+        self.by_id.clear()
+
+    # ------------------------------------------------------------------ reaping
+
+    def _start_reaper(self) -> None:
+        if self._reaper is None or self._reaper.done():
+            self._reaper = asyncio.get_running_loop().create_task(self._reap())
+
+    def _idle_s(self) -> float:
+        if self.idle_s is not None:
+            return self.idle_s
+        config = getattr(self.service.dispatcher, "config", None)
+        return float(getattr(config, "trajectory_idle_s", math.inf))
+
+    async def _reap(self) -> None:
+        while self.by_id:
+            await asyncio.sleep(0.25)
+            now, mono, idle_s = time.time(), time.monotonic(), self._idle_s()
+            for sb in list(self.by_id.values()):
+                if now >= sb.end_at:
+                    self.kill(sb, "its timeout passed")
+                elif mono - sb.last_used > idle_s and all(
+                        p.result.done() for p in sb.procs.values()):
+                    self.kill(sb, f"idle for {idle_s:g} s")
+
+
+def _sizes(env: Mapping[str, str]) -> tuple[int, float | None]:
+    """Cores and memory (MiB) of the sandbox's commands, from its env vars (default:
+    one core, the dispatcher's memory default).
+
+    Raises:
+        ValueError: a value that is not a positive number.
+    """
+    cores, memory = 1, None
+    try:
+        if CORES_ENV in env:
+            cores = int(env[CORES_ENV])
+            if cores < 1:
+                raise ValueError
+        if MEMORY_ENV in env:
+            memory = float(env[MEMORY_ENV])
+            if not memory > 0 or not math.isfinite(memory):
+                raise ValueError
+    except ValueError:
+        raise ValueError(f"envVars: {CORES_ENV} must be a whole number >= 1 and "
+                         f"{MEMORY_ENV} a number > 0") from None
+    return cores, memory
