@@ -71,7 +71,9 @@ def outcome_of(child: Child, timeout_s: float, mem_limit_mb: float | None,
                        stderr=stderr, detail=detail)
     sig = -rc if rc < 0 else 0
     reason = ""
-    if child.killed_by == "memory" and mem_limit_mb is not None:
+    if child.killed_by == "cancelled" and sig == signal.SIGKILL:
+        reason = "cancelled"  # its caller cancelled it (Process.cancel)
+    elif child.killed_by == "memory" and mem_limit_mb is not None:
         reason = _memory_reason(mem_limit_mb)  # the watchdog saw it: definitive
     elif child.killed_by == "timeout" and sig == signal.SIGKILL:
         reason = f"timeout after {timeout_s:g} s"

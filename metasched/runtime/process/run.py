@@ -354,6 +354,13 @@ class Process:
         if self._slot is not None and not self._child.reaped:
             self._slot.kill()  # processes that left the group too
 
+    def cancel(self) -> None:
+        """Kill the command's every process now (its group, its cgroup slot: daemons
+        too) at its caller's word; ``wait()`` then returns the reason ``cancelled``. A
+        no-op once it has ended."""
+        if self._outcome is None and self._child is not None and not self._child.reaped:
+            self._kill("cancelled")
+
     async def wait(self) -> Outcome:
         """How the command ended (see :func:`run_process`). Cancelling the wait kills
         the group; the cancellation is re-raised once it is dead (or after a bound)."""
