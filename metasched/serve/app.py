@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse
 from metasched.errors import ConfigError, validation_error
 from metasched.serve.config import ServeConfig
 from metasched.serve.frontend import DispatcherLike
+from metasched.serve.jupyter import jupyter_router
 from metasched.serve.metrics import ServiceMetrics
 from metasched.serve.native import error, native_router
 from metasched.serve.quota_proxy import proxy_router
@@ -104,6 +105,7 @@ def create_app(dispatcher: DispatcherLike | Callable[[], DispatcherLike],
     app.include_router(native_router(service))
     app.include_router(proxy_router(service))
     app.include_router(run_code_router(service))
+    app.include_router(jupyter_router(service))
     # The last added is the outermost: requests refused by the gate are counted too.
     app.add_middleware(Gate, clients=config.clients, max_body=config.max_body_bytes,
                        body_timeout_s=config.body_timeout_s)

@@ -45,6 +45,7 @@ from metasched.runtime.dispatch.cancellation import Cancellation, CancelState
 from metasched.runtime.dispatch.config import DispatcherConfig
 from metasched.runtime.dispatch.jobs import COMMAND_SERVICE, Job
 from metasched.runtime.dispatch.journal_writer import JournalWriter
+from metasched.runtime.dispatch.kernels import Kernels
 from metasched.runtime.dispatch.local import LocalBackend
 from metasched.runtime.dispatch.policy import fall_back, load_scheduler
 from metasched.runtime.dispatch.sandbox_gate import SandboxGate
@@ -151,6 +152,7 @@ class Dispatcher:
         self.trajectories = Trajectories(self)
         self.gate = SandboxGate(self)
         self.cancellation = Cancellation(self)
+        self.kernels = Kernels(self)  # /run_jupyter's, one per trajectory
         self.boxes: Any = None  # the backend's sandboxes, made at start
         # What commands get from this process's environment (no secret is in the list);
         # the rest comes from their request's env.
@@ -245,6 +247,7 @@ class Dispatcher:
                 await asyncio.gather(*futures, return_exceptions=True)
         self._closed = True
         self.backend.sample()  # the span since the last periodic sample
+        await self.kernels.close()
         await self.executors.close()
         if self.boxes is not None:
             self.boxes.close()  # every sandbox ends, with whatever still runs in it
