@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import shutil
 import uuid
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -320,7 +321,11 @@ async def probe_languages(service: Service, names: list[str] | None
             return
         step = resp.run_result or resp.compile_result
         detail = resp.message or (step.stderr if step is not None else "") or resp.status
-        why[lang.name] = f"its probe failed: {' '.join(detail.split())[:200]}"
+        if "command not found" in detail:  # on the host's PATH, not in the sandbox's
+            found = [p for p in map(shutil.which, lang.tools) if p]
+            detail += (f" in the sandbox (the host has {', '.join(found)}: install it under "
+                       f"/usr, or add its directory to sandbox.system_paths)")
+        why[lang.name] = f"its probe failed: {' '.join(detail.split())[:400]}"
 
     await asyncio.gather(*(probe(lang) for lang in candidates))
     if names is not None:
