@@ -10,7 +10,7 @@
             r = t.run(argv=["python3", "-c", "print(2 ** 100)"], max_cores=4)
             print(r.status, r.stdout)
             out = t.run_code("print(1 + 1)")            # SandboxFusion's /run_code
-            t.run(argv=["pytest", "-q"], reward=True)    # the last action: closes it
+            t.run(argv=["python3", "-m", "unittest", "-q"], reward=True)  # the last one
 
 ``run`` submits a request (the dispatcher's JSON; ``kind`` is ``cpu`` when ``argv`` is
 given, ``timeout_s`` the client's default when not) and returns its
