@@ -168,7 +168,7 @@ class Kernels:
             return "kernels need sandboxes (sandbox.isolation=bwrap)"
         sandbox = d.boxes.get(trajectory)
         run_dir = getattr(d.backend, "run_dir", None)
-        if sandbox is None or run_dir is None:
+        if sandbox is None or run_dir is None or not d.cores:
             return f"trajectory {trajectory!r} has no sandbox on this machine"
         proc = launch([python, DRIVER_PATH, SOCKET], cores=list(d.cores), timeout_s=lifetime_s,
                       env=d._base_env, boxes=d.boxes, sandbox=sandbox, cwd_root=run_dir.path,
