@@ -79,8 +79,9 @@ def test_a_trajectory_keeps_its_kernel_until_it_closes(served):
     assert again["cells"][0]["display"] == [{"text/plain": "42"}]
     other = jupyter(served.url, cells=["'x' in globals()"], trajectory="nb-2")
     assert other["cells"][0]["display"] == [{"text/plain": "False"}] and len(kernels()) == 2
-    for name in ("nb-1", "nb-2"):
-        httpx.post(f"{served.url}/v1/trajectories/{name}/close").raise_for_status()
+    last = jupyter(served.url, cells=["x = 1"], trajectory="nb-2", reward=True)
+    assert last["status"] == "Success"  # its reward: the trajectory closes once answered
+    httpx.post(f"{served.url}/v1/trajectories/nb-1/close").raise_for_status()
     deadline = time.monotonic() + 5
     while kernels():
         assert time.monotonic() < deadline, "a kernel outlived its trajectory"

@@ -12,7 +12,8 @@ fields of ``/run_code`` (``trajectory``, ``turn``, ``task``, or the ``X-Trajecto
 Without a trajectory, the cells run in a fresh kernel, ended with the request (as
 SandboxFusion does). With one, the kernel, its variables and its workspace persist
 across that trajectory's requests (a notebook of 50-100 cells sent a few at a time), and
-end with the trajectory (its close, its reward action, or its idle time).
+end with the trajectory (its close, its reward action, or its idle time); ``reward``
+true closes it once the request is answered.
 
 Response: ``status`` (``Success``: every cell ran, errors in a cell included;
 ``Failed``: a cell ran out of time or the kernel died; ``SandboxError``: the sandbox
@@ -200,7 +201,7 @@ async def run_jupyter(service: Service, req: RunJupyterRequest, context: dict[st
                 return RunJupyterResponse(status="SandboxError", message=f"fetch_files: {e}",
                                           cells=cells)
     finally:
-        if "trajectory" not in given:
+        if "trajectory" not in given or given.get("reward"):
             service.dispatcher.close_trajectory(trajectory)  # the kernel goes with it
     took = loop.time() - t0
     return RunJupyterResponse(

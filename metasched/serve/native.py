@@ -209,10 +209,13 @@ def native_router(service: Service) -> APIRouter:
         runs to its end); 404 for an id not known here (or another client's)."""
         if not service.owners.may_read(rid, request.scope.get(CLIENT)):
             return error(404, f"id: {rid!r} is not known here")
-        found = await service.submissions.lookup(rid)
-        if found[0] == "unknown":
+        state, result, _ = await service.submissions.lookup(rid)
+        if state == "unknown":
             return error(404, f"id: {rid!r} is not known here")
-        return JSONResponse({"id": rid, "status": service.cancel(rid, "request")})
+        done = result is not None  # its result is kept here (the dispatcher may not know it)
+        answer = "finished" if done else service.cancel(rid, "request")
+        return JSONResponse({"id": rid, "status": "finished" if answer == "unknown"
+                             else answer})
 
     for method, path in (("POST", "/v1/actions/{rid}/cancel"), ("DELETE", "/v1/actions/{rid}")):
         router.add_api_route(path, cancel, methods=[method],
