@@ -10,14 +10,14 @@
             r = t.run(argv=["python3", "-c", "print(2 ** 100)"], max_cores=4)
             print(r.status, r.stdout)
             out = t.run_code("print(1 + 1)")            # SandboxFusion's /run_code
-            t.run(argv=["pytest", "-q"], reward=True)    # the last action: closes it
+            t.run(argv=["python3", "-m", "unittest", "-q"], reward=True)  # the last one
 
 ``run`` submits a request (the dispatcher's JSON; ``kind`` is ``cpu`` when ``argv`` is
 given, ``timeout_s`` the client's default when not) and returns its
 :class:`~metasched.runtime.requests.Result`; ``submit`` returns its id once it is
-durable, ``result(id)`` the result or None. In a trajectory each action gets the
-trajectory's name, task and the next turn. Bad input comes back as a ``rejected``
-result, as from the dispatcher itself; a refused HTTP request (authentication, size)
+durable, ``result(id)`` the result or None, ``cancel(id)`` cancels it. In a trajectory
+each action gets the trajectory's name, task and the next turn. Bad input comes back as
+a ``rejected`` result, as from the dispatcher itself; a refused HTTP request (authentication, size)
 raises :class:`ServiceError`.
 """
 
@@ -69,12 +69,19 @@ def _parse(resp: httpx.Response) -> Result | None:
             "application/json"):
         doc = resp.json()
         if isinstance(doc, dict) and "status" in doc and doc["status"] in (
-                "done", "failed", "rejected"):
+                "done", "failed", "rejected", "cancelled"):
             return Result(**doc)
     if resp.status_code in (200, 202) and resp.json().get("status") in ("queued", "running"):
         return None
     _raise(resp)
     raise AssertionError("unreachable")
+
+
+def _cancelled(resp: httpx.Response) -> str:
+    """What a cancel answered (``status``)."""
+    if resp.status_code != 200:
+        _raise(resp)
+    return str(resp.json()["status"])
 
 
 def _raise(resp: httpx.Response) -> None:
@@ -165,6 +172,14 @@ class Client:
             result = self.result(rid, wait_s=left)
             if result is not None:
                 return result
+
+    def cancel(self, rid: str) -> str:
+        """Cancel request ``rid`` (dropped if queued, its command killed if running; its
+        result then says ``cancelled``). Returns what was done: ``cancelled``,
+        ``cancelling`` (killed; its result follows), ``finished`` (it had ended) or
+        ``running`` (an api call or gpu batch: it runs to its end). Raises ServiceError
+        (404) for an unknown id."""
+        return _cancelled(self._http.post(f"/v1/actions/{rid}/cancel"))
 
     def run_code(self, code: str, language: str = "python", **fields: Any) -> dict[str, Any]:
         """SandboxFusion's ``/run_code``: the response as a dict (``status``,
@@ -296,6 +311,9 @@ class AsyncClient:
             result = await self.result(rid, wait_s=left)
             if result is not None:
                 return result
+
+    async def cancel(self, rid: str) -> str:
+        return _cancelled(await self._http.post(f"/v1/actions/{rid}/cancel"))
 
     async def run_code(self, code: str, language: str = "python",
                        **fields: Any) -> dict[str, Any]:

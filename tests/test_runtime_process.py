@@ -245,7 +245,7 @@ def test_rlimits_are_in_place_when_the_program_starts(limits_path):
 
 
 @pytest.mark.parametrize(("make_argv", "why"), [
-    (lambda tmp: ["metasched-no-such-program"], "No such file or directory"),
+    (lambda tmp: ["metasched-no-such-program"], "metasched-no-such-program: command not found"),
     (lambda tmp: [str(tmp)], "Permission denied"),
 ])
 def test_cannot_start_under_limits(limits_path, tmp_path, make_argv, why):
@@ -411,7 +411,7 @@ def not_executable(tmp_path: Path) -> list[str]:
 
 @pytest.mark.parametrize(("make_argv", "why"), [
     (lambda tmp: ["/nonexistent/program"], "No such file or directory"),
-    (lambda tmp: ["metasched-no-such-program"], "No such file or directory"),
+    (lambda tmp: ["metasched-no-such-program"], "metasched-no-such-program: command not found"),
     (not_executable, "Permission denied"),
     (lambda tmp: [], "empty argv"),
 ])
@@ -507,7 +507,8 @@ def test_many_concurrent_runs_leak_nothing(tmp_path):
     stale = set(my_zombies())
     outs = asyncio.run(many())
     reasons = [o.reason for o in outs[:len(cases)]]
-    assert reasons == ["", "exit code 1", "", "cannot start: No such file or directory",
+    assert reasons == ["", "exit code 1", "", "cannot start: metasched-no-such-program: "
+                       "command not found",
                        "timeout after 0.2 s", "memory limit exceeded (300 MB)"]
     assert all(o.stdout == "hello\n" for o in outs[2::len(cases)])
     assert open_fds() == fds

@@ -357,5 +357,5 @@ async def test_a_missing_program_is_not_found_not_a_refused_path_directory():
 
         shutil.rmtree(private.parent)
     assert not missing.ok
-    assert "No such file or directory" in missing.reason, missing.reason
+    assert missing.reason == "cannot start: no-such-program-here: command not found"
     assert shown.stdout.strip() == "/usr/bin:/bin"

@@ -193,6 +193,9 @@ def read_samples(path: PathLike, progress: Callable[[int], None] | None = None) 
             out.n_unmeasured += 1
             continue
         ia, m = item.action, item.measured
+        if m.status == "cancelled":  # cut short by its caller: no measure of its type
+            out.n_unmeasured += 1
+            continue
         spec = ia.spec
         key = (ia.task, spec.name, spec.reward)
         ts = out.types.get(key)

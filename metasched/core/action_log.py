@@ -33,8 +33,9 @@ from metasched.errors import ConfigError
 
 PathLike = str | os.PathLike
 
-# What ``measured.status`` says: the action finished, failed, or was killed at its timeout.
-DONE, FAILED, TIMEOUT = "done", "failed", "timeout"
+# What ``measured.status`` says: the action finished, failed, was killed at its timeout,
+# or was cancelled by its caller (dropped from the queue, or killed while it ran).
+DONE, FAILED, TIMEOUT, CANCELLED = "done", "failed", "timeout", "cancelled"
 
 
 def cluster_doc(cluster: ClusterConfig) -> dict[str, Any]:
@@ -65,6 +66,8 @@ def status_of(ok: bool, reason: str) -> str:
     """``measured.status`` of an action that ended ``ok`` or failed with ``reason``."""
     if ok:
         return DONE
+    if reason == CANCELLED:
+        return CANCELLED
     return TIMEOUT if reason.startswith("timeout") else FAILED
 
 

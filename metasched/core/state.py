@@ -402,6 +402,25 @@ class ClusterState(Pipelining):
                             a.lower_bound_s, reason)
         return promoted
 
+    def withdraw(self, a: Action, reason: str) -> None:
+        """Take queued action ``a`` out of the queue unstarted (its caller cancelled
+        it): it ends failed with ``reason`` at ``t``, having held nothing."""
+        kind = a.spec.kind
+        if self.pending[kind].pop(a.id, None) is None:
+            raise ValueError(f"action {a.id} is not queued")
+        self.version += 1
+        self.pending_est_s[kind] -= a.spec.est_s
+        if not self.pending[kind]:
+            self.pending_est_s[kind] = 0.0
+        a.end_t = self.t
+        a.status = FAILED
+        a.reason = reason
+        self.n_failed += 1
+        if a.traj is not None:
+            a.traj.act_s += self.t - a.submit_t
+        self.metrics.action(KIND_INDEX[kind], a.task, a.submit_t, self.t, self.t, False,
+                            a.lower_bound_s, reason)
+
     def release_device(self, device: int) -> None:
         """The batch on ``device`` has ended; the service stays resident."""
         self.version += 1

@@ -317,8 +317,9 @@ def parse_request(value: Any, loc: str = "request", *,
 
 
 # Result statuses: done, failed (ran and failed, or could not run), rejected (bad input:
-# never accepted, never journaled).
-DONE, FAILED, REJECTED = "done", "failed", "rejected"
+# never accepted, never journaled), cancelled (dropped from the queue, or killed while it
+# ran, at its caller's word: see ``metasched.runtime.dispatch.cancellation``).
+DONE, FAILED, REJECTED, CANCELLED = "done", "failed", "rejected", "cancelled"
 
 
 @dataclass
@@ -327,7 +328,8 @@ class Result:
 
     Attributes:
         id: the request's idempotency key.
-        status: ``"done"``, ``"failed"`` or ``"rejected"`` (bad input; never run).
+        status: ``"done"``, ``"failed"``, ``"rejected"`` (bad input; never run) or
+            ``"cancelled"`` (its caller cancelled it: dropped while queued, or killed).
         reason: why it failed or was rejected (one line); empty when done.
         exit_code: a command's exit status (negative: the signal that killed it).
         value: a gpu service's result or an api call's response.
@@ -376,5 +378,5 @@ class Result:
 
 _RESULT_FIELDS = tuple(f.name for f in fields(Result))
 
-__all__ = ["DONE", "FAILED", "MAX_SECONDS", "MAX_TURN", "REJECTED", "Request", "Result",
-           "parse_request"]
+__all__ = ["CANCELLED", "DONE", "FAILED", "MAX_SECONDS", "MAX_TURN", "REJECTED", "Request",
+           "Result", "parse_request"]

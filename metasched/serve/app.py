@@ -23,6 +23,7 @@ from metasched.serve.config import ServeConfig
 from metasched.serve.e2b import PREFIX as E2B_PREFIX
 from metasched.serve.e2b import mount_e2b
 from metasched.serve.frontend import DispatcherLike
+from metasched.serve.jupyter import jupyter_router
 from metasched.serve.metrics import ServiceMetrics
 from metasched.serve.native import error, native_router
 from metasched.serve.quota_proxy import proxy_router
@@ -109,6 +110,7 @@ def create_app(dispatcher: DispatcherLike | Callable[[], DispatcherLike],
     app.include_router(native_router(service))
     app.include_router(proxy_router(service))
     app.include_router(run_code_router(service))
+    app.include_router(jupyter_router(service))
     mount_e2b(app, service)  # /e2b: checks its own API keys and access tokens
     # The last added is the outermost: requests refused by the gate are counted too.
     app.add_middleware(Gate, clients=config.clients, max_body=config.max_body_bytes,

@@ -36,6 +36,8 @@ class _DispatcherCollector(Collector):
                 ("done", "Requests that finished successfully", "done"),
                 ("failed", "Requests that ran and failed (or could not run)", "failed"),
                 ("rejected", "Requests rejected as invalid", "rejected"),
+                ("cancelled", "Requests cancelled by their caller (dropped or killed)",
+                 "cancelled"),
                 ("decisions", "Scheduling decisions made", "decisions"),
                 ("guard_fired", "Actions the starvation guard started", "guard_fired")):
             yield CounterMetricFamily(f"metasched_{name}", help_, value=s.get(key, 0))
@@ -96,6 +98,10 @@ class ServiceMetrics:
                              "Action completion time (queue wait + run) of actions "
                              "submitted through the service", ["kind"],
                              buckets=_ACT_BUCKETS, registry=r)
+        self.cancels = Counter("metasched_cancellations",
+                               "Actions cancelled through the service, by cause "
+                               "(disconnect: its HTTP client left; request: an explicit "
+                               "cancel)", ["cause"], registry=r)
         self.upstream = Counter("metasched_proxy_upstream_responses",
                                 "Responses of the quota proxy's upstreams (each attempt)",
                                 ["endpoint", "status"], registry=r)

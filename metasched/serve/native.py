@@ -8,10 +8,15 @@ it finishes within that time. A request the dispatcher rejects (bad input) is ``
 with its result (``status: "rejected"``, ``reason`` naming the field). ``GET
 /v1/actions/{id}`` answers ``{"id", "status": "queued" | "running"}`` or the result
 (``status`` ``done``, ``failed`` or ``rejected``), and ``404`` for an unknown id; it too
-takes ``?wait=<seconds>`` (long polling). With authentication on, a trajectory is its
-opening client's (:mod:`metasched.serve.ownership`): another client's action in it or
-close of it is ``403``, its results ``404``. An ``api`` request's ``http.url`` must lie
-under its endpoint's configured url (:mod:`metasched.serve.targets`; else ``422``).
+takes ``?wait=<seconds>`` (long polling). ``POST /v1/actions/{id}/cancel`` (or
+``DELETE /v1/actions/{id}``) cancels an action: dropped if it waits, its command killed if
+it runs; its result's ``status`` is then ``cancelled``. A client that disconnects while
+its ``POST /v1/actions?wait=`` waits cancels its action the same way (a ``GET`` that
+disconnects does not: a reader leaving says nothing of the action). With authentication
+on, a trajectory is its opening client's (:mod:`metasched.serve.ownership`): another
+client's action in it or close of it is ``403``, its results (and cancelling its
+actions) ``404``. An ``api`` request's ``http.url`` must lie under its endpoint's
+configured url (:mod:`metasched.serve.targets`; else ``422``).
 """
 
 from __future__ import annotations
@@ -30,11 +35,13 @@ from metasched.runtime.requests import REJECTED, Result
 from metasched.runtime.requests import Request as ActionRequest
 from metasched.serve.bodies import JSONRoute, decode_json
 from metasched.serve.context import context_from
+from metasched.serve.disconnect import Gone, unless_disconnected
 from metasched.serve.openapi import (
     GATED,
     OPEN,
     TRAJECTORY_HEADERS,
     ActionPending,
+    CancelAnswer,
     ErrorDetail,
     Health,
     TrajectoryClosing,
@@ -170,7 +177,13 @@ def native_router(service: Service) -> APIRouter:
         future = await service.dispatcher.enqueue(doc)
         if isinstance(rid, str):  # any other id is rejected (a result saying so)
             service.track(rid, future, doc.get("kind"))
-        result = await _wait(future, wait)
+        try:
+            result = await (_wait(future, wait) if wait <= 0 or not isinstance(rid, str)
+                            else unless_disconnected(
+                                request, _wait(future, wait),
+                                lambda: service.cancel(rid, "disconnect")))
+        except Gone:
+            return error(499, "client disconnected: its action was cancelled")
         if result is None:
             return JSONResponse({"id": rid, "status": "queued"}, status_code=202)
         return result_response(result, 422 if result.status == REJECTED else 200)
@@ -187,6 +200,27 @@ def native_router(service: Service) -> APIRouter:
             return error(403, str(e))
         service.dispatcher.close_trajectory(name)
         return JSONResponse({"trajectory": name, "status": "closing"})
+
+    async def cancel(rid: str, request: Request) -> JSONResponse:
+        """Cancel action ``rid``: dropped if it is queued, its command killed if it runs
+        (its result then says ``cancelled``). Answers ``{"id", "status"}``: ``cancelled``
+        (ended now), ``cancelling`` (killed; its result follows), ``finished`` (it had
+        ended: nothing done) or ``running`` (an api call or a gpu service batch, which
+        runs to its end); 404 for an id not known here (or another client's)."""
+        if not service.owners.may_read(rid, request.scope.get(CLIENT)):
+            return error(404, f"id: {rid!r} is not known here")
+        state, result, _ = await service.submissions.lookup(rid)
+        if state == "unknown":
+            return error(404, f"id: {rid!r} is not known here")
+        done = result is not None  # its result is kept here (the dispatcher may not know it)
+        answer = "finished" if done else service.cancel(rid, "request")
+        return JSONResponse({"id": rid, "status": "finished" if answer == "unknown"
+                             else answer})
+
+    for method, path in (("POST", "/v1/actions/{rid}/cancel"), ("DELETE", "/v1/actions/{rid}")):
+        router.add_api_route(path, cancel, methods=[method],
+                             responses=responses(*GATED, 404, s200=CancelAnswer),
+                             summary="Cancel an action")
 
     @router.get("/v1/actions/{rid}", responses=responses(
         *GATED, 404, 422, s200=Result | ActionPending))

@@ -17,7 +17,8 @@ from pydantic import BaseModel, Field
 
 from metasched.runtime.requests import MAX_TURN
 
-__all__ = ["GATED", "OPEN", "TRAJECTORY_HEADERS", "ActionPending", "ErrorDetail", "Health",
+__all__ = ["GATED", "OPEN", "TRAJECTORY_HEADERS", "ActionPending", "CancelAnswer",
+           "ErrorDetail", "Health",
            "TrajectoryClosing", "responses"]
 
 
@@ -32,6 +33,16 @@ class ActionPending(BaseModel):
 
     id: str
     status: Literal["queued", "running"]
+
+
+class CancelAnswer(BaseModel):
+    """What a cancel did."""
+
+    id: str
+    status: Literal["cancelled", "cancelling", "finished", "running"] = Field(
+        description="cancelled: it ended now, never having run; cancelling: its command "
+        "is being killed (its result, status cancelled, follows); finished: it had ended "
+        "(nothing done); running: an api call or gpu service batch, which runs to its end")
 
 
 class Health(BaseModel):

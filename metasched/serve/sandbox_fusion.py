@@ -30,13 +30,16 @@ across that trajectory's requests): the files written (``<language>:write``, see
 :mod:`metasched.serve.files`), the compile (``<language>:compile``), the run
 (``<language>:run``) and, if asked, the fetch (``<language>:fetch``), named so for the
 cost model. A time limit is the action's timeout, counted from its start: the wait in
-the queue does not count against it.
+the queue does not count against it. A client that disconnects before its answer
+cancels the request: its queued step is dropped, its running one killed (its result:
+``cancelled``), and no further step starts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import shutil
 import uuid
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -57,6 +60,7 @@ from metasched.runtime.requests import (
 )
 from metasched.serve.bodies import JSONRoute
 from metasched.serve.context import context_from
+from metasched.serve.disconnect import Gone, unless_disconnected
 from metasched.serve.files import decoded_size, fetch_argv, parse_fetched, stdin_argv, write_argvs
 from metasched.serve.languages import LANGUAGES, Language
 from metasched.serve.native import error
@@ -190,7 +194,8 @@ def check_caps(limits: RequestLimits, req: RunCodeRequest) -> None:
 
 
 async def run_code(service: Service, req: RunCodeRequest, context: dict[str, Any], *,
-                   language: Language | None = None) -> RunCodeResponse:
+                   language: Language | None = None,
+                   ids: list[str] | None = None) -> RunCodeResponse:
     """Run one ``/run_code`` request through the service's dispatcher: its files
     written, its code compiled (if the language compiles) and run, its ``fetch_files``
     read back, each step an action of the request's trajectory (see :mod:`.files`).
@@ -200,6 +205,7 @@ async def run_code(service: Service, req: RunCodeRequest, context: dict[str, Any
         req: the request.
         context: trajectory fields from the headers (the request's own override them).
         language: run as this language, offered or not (the start-up probes).
+        ids: the id of each action submitted is appended here (what a cancel names).
     """
     lang = language or service.languages.get(req.language)
     if lang is None:
@@ -227,8 +233,11 @@ async def run_code(service: Service, req: RunCodeRequest, context: dict[str, Any
     unfetched: dict[str, str] = {}
 
     async def step(argv: list[str], name: str, timeout_s: float, **extra: Any) -> Result:
+        rid = uuid.uuid4().hex
+        if ids is not None:
+            ids.append(rid)
         return await service.submit({**common, "argv": argv, "name": f"{lang.name}:{name}",
-                                     "timeout_s": timeout_s, **extra})
+                                     "timeout_s": timeout_s, "id": rid, **extra})
 
     try:
         for argv in write_argvs(inputs):
@@ -312,7 +321,11 @@ async def probe_languages(service: Service, names: list[str] | None
             return
         step = resp.run_result or resp.compile_result
         detail = resp.message or (step.stderr if step is not None else "") or resp.status
-        why[lang.name] = f"its probe failed: {' '.join(detail.split())[:200]}"
+        if "command not found" in detail:  # on the host's PATH, not in the sandbox's
+            found = [p for p in map(shutil.which, lang.tools) if p]
+            detail += (f" in the sandbox (the host has {', '.join(found)}: install it under "
+                       f"/usr, or add its directory to sandbox.system_paths)")
+        why[lang.name] = f"its probe failed: {' '.join(detail.split())[:400]}"
 
     await asyncio.gather(*(probe(lang) for lang in candidates))
     if names is not None:
@@ -340,7 +353,13 @@ def run_code_router(service: Service) -> APIRouter:
                                  request.scope.get(CLIENT))
         except ConfigError as e:
             return error(403, str(e))
-        resp = await run_code(service, req, context)
+        ids: list[str] = []
+        try:
+            resp = await unless_disconnected(
+                request, run_code(service, req, context, ids=ids),
+                lambda: [service.cancel(rid, "disconnect") for rid in ids])
+        except Gone:
+            return error(499, "client disconnected: its actions were cancelled")
         service.metrics.run_code.labels(req.language if req.language in LANGUAGES
                                         else "other", resp.status).inc()
         return resp

@@ -117,6 +117,19 @@ class Service:
         # shield: a client that leaves does not cancel its action (it runs to the end).
         return await asyncio.shield(future)
 
+    def cancel(self, rid: str, cause: str) -> str:
+        """Cancel action ``rid`` (see :meth:`Dispatcher.cancel
+        <metasched.runtime.dispatch.Dispatcher.cancel>`; ``cause``: ``disconnect`` or
+        ``request``, counted in ``/metrics``). A dispatcher that cannot cancel (one
+        elsewhere) answers ``running``."""
+        cancel = getattr(self.dispatcher, "cancel", None)
+        if cancel is None:
+            return "running"
+        state = cancel(rid)
+        if state in ("cancelled", "cancelling"):
+            self.metrics.cancels.labels(cause).inc()
+        return state
+
     def track(self, rid: str, future: asyncio.Future[Result], kind: Any) -> None:
         """Keep ``future`` for ``GET /v1/actions/{rid}`` and measure its ACT."""
         self.submissions.track(rid, future)

@@ -46,7 +46,7 @@ _INDEPENDENT_KEYS = {"type", "arrival_s", "task", "action", "measured"}
 _MEASURED_KEYS = {"queue_s", "run_s", "status", "reason", "exit_code", "cores", "core_ids",
                   "device", "batch", "setup_s", "trajectory", "turn", "step", "gap_s", "prompt"}
 _CLUSTER_KEYS = {"type", "name", "scale", "cpu", "gpu", "api", "services", "started_at"}
-STATUSES = ("done", "failed", "timeout")
+STATUSES = ("done", "failed", "timeout", "cancelled")
 
 
 @dataclass(frozen=True, slots=True)

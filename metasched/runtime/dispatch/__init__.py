@@ -9,6 +9,8 @@
 - :mod:`.sandbox_gate`: holding commands until their sandbox is ready;
 - :mod:`.trajectories`: trajectory life and close;
 - :mod:`.completion`: a finished action's bookkeeping and result;
+- :mod:`.cancellation`: ending a request its caller no longer wants;
+- :mod:`.kernels`: a persistent interpreter per trajectory (``/run_jupyter``);
 - :mod:`.policy`: loading the scheduler, and the fallback;
 - :mod:`.status`: stats, status, run results, finding a request;
 - :mod:`.executors`: what runs a granted action, per kind and backend;

@@ -53,6 +53,7 @@ def complete(d: Dispatcher, job: Job, out: Outcome) -> None:
 
 def finish_job(d: Dispatcher, job: Job, result: Result) -> None:
     """Journal ``result``, forget ``job`` and answer its future."""
+    d.cancellation.settle(result)
     if d.writer is not None:
         d.writer.finish(result.id, result.to_json())
     d._jobs.pop(result.id, None)

@@ -41,9 +41,11 @@ from metasched.errors import ConfigError, one_of
 from metasched.runtime.api_calls import make_client, warm_up
 from metasched.runtime.backend import Backend
 from metasched.runtime.dispatch import admission, completion, status
+from metasched.runtime.dispatch.cancellation import Cancellation, CancelState
 from metasched.runtime.dispatch.config import DispatcherConfig
 from metasched.runtime.dispatch.jobs import COMMAND_SERVICE, Job
 from metasched.runtime.dispatch.journal_writer import JournalWriter
+from metasched.runtime.dispatch.kernels import Kernels
 from metasched.runtime.dispatch.local import LocalBackend
 from metasched.runtime.dispatch.policy import fall_back, load_scheduler
 from metasched.runtime.dispatch.sandbox_gate import SandboxGate
@@ -149,6 +151,8 @@ class Dispatcher:
         self.admission = admission.Admission(self)
         self.trajectories = Trajectories(self)
         self.gate = SandboxGate(self)
+        self.cancellation = Cancellation(self)
+        self.kernels = Kernels(self)  # /run_jupyter's, one per trajectory
         self.boxes: Any = None  # the backend's sandboxes, made at start
         # What commands get from this process's environment (no secret is in the list);
         # the rest comes from their request's env.
@@ -243,6 +247,7 @@ class Dispatcher:
                 await asyncio.gather(*futures, return_exceptions=True)
         self._closed = True
         self.backend.sample()  # the span since the last periodic sample
+        await self.kernels.close()
         await self.executors.close()
         if self.boxes is not None:
             self.boxes.close()  # every sandbox ends, with whatever still runs in it
@@ -413,6 +418,13 @@ class Dispatcher:
 
     _complete = completion.complete
     _finish_job = completion.finish_job
+
+    def cancel(self, rid: str) -> CancelState:
+        """Cancel request ``rid``: dropped if it waits, its command killed if it runs;
+        its result says ``cancelled`` (see :mod:`.cancellation`). Returns what was done:
+        ``cancelled``, ``cancelling`` (killed; its result follows), ``finished``,
+        ``running`` (an api call or gpu batch: runs to its end) or ``unknown``."""
+        return self.cancellation.cancel(rid)
 
     def close_trajectory(self, name: str) -> None:
         """Close trajectory ``name`` as its reward action would: once nothing of it is

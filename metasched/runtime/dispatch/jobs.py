@@ -18,7 +18,7 @@ class Job:
     """A request the dispatcher has accepted, with its future and timings."""
 
     __slots__ = ("request", "future", "queued_at", "started_at", "action", "alloc", "attempts",
-                 "sandbox")
+                 "sandbox", "process")
 
     def __init__(self, request: Request, future: asyncio.Future, queued_at: float,
                  attempts: int = 0) -> None:
@@ -30,6 +30,7 @@ class Job:
         self.alloc: dict[str, Any] = {}
         self.attempts = attempts
         self.sandbox: Sandbox | None = None  # where its command runs (isolation on)
+        self.process: Any = None  # its command once started here (what a cancel kills)
 
 
 __all__ = ["ACTION_ENV", "COMMAND_SERVICE", "Job"]

@@ -24,6 +24,8 @@ def stats(d: Dispatcher) -> dict[str, Any]:
     return {"scheduler": d.scheduler.name if d.scheduler else None,
             "fallback": d.fallback_reason, "submitted": s.n_submitted,
             "done": s.n_done, "failed": s.n_failed, "rejected": d.n_rejected,
+            # Ended at their caller's word (counted in failed too, as the state counts).
+            "cancelled": d.cancellation.n,
             "queued": s.n_pending, "running": s.n_running,
             # Pipelining: cpu commands handed to each node ahead of its free cores
             # (in its queue there: neither queued here nor running).

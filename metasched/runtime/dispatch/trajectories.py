@@ -69,6 +69,7 @@ class Trajectories:
         for name, tr in list(self.by_name.items()):
             if tr is traj:
                 del self.by_name[name]
+                d.kernels.stop(name)
                 if d.boxes is not None:
                     d.boxes.close_trajectory(name)
         if traj.sandbox is not None and d.gate.wait:

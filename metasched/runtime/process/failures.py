@@ -55,6 +55,18 @@ def cannot_start(exc: BaseException, detail: dict[str, Any]) -> Outcome:
     return Outcome(ok=False, reason=f"cannot start: {why}", detail=detail)
 
 
+def command_not_found(out: Outcome, program: str | None) -> Outcome:
+    """A start that failed because ``program`` (a name looked up in ``PATH``) is not
+    there, said so: ``cannot start: pytest: command not found`` rather than the errno's
+    words (a program named by its path keeps them)."""
+    if (program and "/" not in program and out.reason in _NOT_FOUND):
+        out.reason = f"cannot start: {program}: command not found"
+    return out
+
+
+_NOT_FOUND = ("cannot start: No such file or directory",)
+
+
 def outcome_of(child: Child, timeout_s: float, mem_limit_mb: float | None,
                cpu_time_s: float | None, launched: bool, detail: dict[str, Any], *,
                pids_max: int | None = None) -> Outcome:
@@ -71,7 +83,9 @@ def outcome_of(child: Child, timeout_s: float, mem_limit_mb: float | None,
                        stderr=stderr, detail=detail)
     sig = -rc if rc < 0 else 0
     reason = ""
-    if child.killed_by == "memory" and mem_limit_mb is not None:
+    if child.killed_by == "cancelled" and sig == signal.SIGKILL:
+        reason = "cancelled"  # its caller cancelled it (Process.cancel)
+    elif child.killed_by == "memory" and mem_limit_mb is not None:
         reason = _memory_reason(mem_limit_mb)  # the watchdog saw it: definitive
     elif child.killed_by == "timeout" and sig == signal.SIGKILL:
         reason = f"timeout after {timeout_s:g} s"

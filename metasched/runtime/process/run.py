@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from metasched.runtime.outcome import Outcome
 from metasched.runtime.process.child import Child, close_fds, kill_group
 from metasched.runtime.process.environment import child_env
-from metasched.runtime.process.failures import cannot_start, outcome_of
+from metasched.runtime.process.failures import cannot_start, command_not_found, outcome_of
 from metasched.runtime.process.limits import (
     check_executable,
     prlimit_launcher,
@@ -116,7 +116,20 @@ async def run_process(
         on_start=on_start).wait()
 
 
-def start_process(
+def start_process(argv: Sequence[str], **kwargs: Any) -> Process:
+    """:func:`run_process` in two halves (see :func:`_start_process` for the arguments):
+    start the command now and return its :class:`Process`. A program named without a
+    path that is not in ``PATH`` fails with ``cannot start: <name>: command not
+    found``."""
+    proc = _start_process(argv, **kwargs)
+    if not isinstance(argv, (str, bytes)) and argv:
+        proc.program = os.fspath(argv[0])
+    if proc._outcome is not None:
+        command_not_found(proc._outcome, proc.program)
+    return proc
+
+
+def _start_process(
     argv: Sequence[str],
     *,
     cores: Sequence[int],
@@ -236,6 +249,7 @@ class Process:
 
     def __init__(self, outcome: Outcome | None = None) -> None:
         self.pid: int | None = None  # also its process group id
+        self.program: str | None = None  # argv[0], as given
         self._outcome = outcome
         self._child: Child | None = None
         self._claimed = False  # wait() or abandon() has taken over the child
@@ -354,6 +368,13 @@ class Process:
         if self._slot is not None and not self._child.reaped:
             self._slot.kill()  # processes that left the group too
 
+    def cancel(self) -> None:
+        """Kill the command's every process now (its group, its cgroup slot: daemons
+        too) at its caller's word; ``wait()`` then returns the reason ``cancelled``. A
+        no-op once it has ended."""
+        if self._outcome is None and self._child is not None and not self._child.reaped:
+            self._kill("cancelled")
+
     async def wait(self) -> Outcome:
         """How the command ended (see :func:`run_process`). Cancelling the wait kills
         the group; the cancellation is re-raised once it is dead (or after a bound)."""
@@ -371,7 +392,8 @@ class Process:
                     self._stop_watching()
                 start_error = getattr(child, "start_error", None)
                 if start_error is not None:  # the sandbox server could not start it
-                    self._outcome = cannot_start(start_error, self._detail)
+                    self._outcome = command_not_found(
+                        cannot_start(start_error, self._detail), self.program)
                     return self._outcome
                 # The leader is a zombie (or, in a sandbox, reaped by the server, which
                 # ended its group first): end what is left of it (those processes hold
@@ -392,7 +414,9 @@ class Process:
         finally:
             if self._cwd is not None:
                 remove_tree(self._cwd)
-        self._outcome = outcome_of(child, *self._limits, self._detail, pids_max=self._pids_max)
+        self._outcome = command_not_found(
+            outcome_of(child, *self._limits, self._detail, pids_max=self._pids_max),
+            self.program)
         return self._outcome
 
     def _read_slot(self) -> None:

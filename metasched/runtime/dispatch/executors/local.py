@@ -96,6 +96,7 @@ class LocalExecutors(Executors):
         except Exception as e:  # noqa: BLE001
             return e
         self.commands.add(proc)
+        job.process = proc
         return proc
 
     async def _run_cpu(self, job: Job, cores: list[int], proc: Process | Exception) -> None:
