@@ -18,7 +18,7 @@ from metasched.runtime.sandbox.workspace import Template, template_from
 __all__ = ["ENV_ALLOW", "ISOLATION_MODES", "CGROUP_MODES", "SandboxConfig", "allowed_env"]
 
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
-ISOLATION_MODES = ("auto", "bwrap", "none")
+ISOLATION_MODES = ("auto", "bwrap", "gvisor", "none")
 CGROUP_MODES = ("auto", "v2", "v1", "none")
 
 # Variables a command gets from the dispatcher's environment; everything else it is
@@ -80,7 +80,10 @@ class SandboxConfig(Strict):
 
     Attributes:
         isolation: ``"bwrap"`` (namespaces made by bubblewrap: see the docs' Sandboxes page for
-            what it guarantees), ``"none"`` (commands run on the host as the dispatcher's
+            what it guarantees), ``"gvisor"`` (each sandbox a gVisor container: the
+            same root, workspace and users, commands run by ``runsc exec`` against
+            gVisor's own kernel; refused, never downgraded, where runsc cannot run),
+            ``"none"`` (commands run on the host as the dispatcher's
             user, with their own scratch directory), or ``"auto"`` (bwrap where it is
             installed and works, else none, with a one-line warning saying why).
         cgroups: ``"auto"`` (each controller from cgroup v2 where it is delegated, else

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from metasched.errors import ConfigError
-from metasched.runtime.sandbox import bwrap, cgroups, devices, egress
+from metasched.runtime.sandbox import bwrap, cgroups, devices, egress, gvisor
 from metasched.runtime.sandbox.cgroups import Slot
 from metasched.runtime.sandbox.config import SandboxConfig
 from metasched.runtime.sandbox.connection import ServerConnection, ServerGone, spawned_pid
@@ -57,11 +57,17 @@ class Sandboxes(SlotKeeping):
         self.hide = [*config.hide, *hide]
         self.dev_root = dev_root if dev_root is not None else devices.DEV_ROOT
         self.warnings: list[str] = []
+        # The isolating tool: bwrap, or runsc where self.gvisor is set.
+        self.gvisor: gvisor.Bundles | None = None
         self.bwrap_path, self.bwrap_version = self._isolation()
         self.egress = egress.parse_egress(config.egress)
         # Granted network needs these; without them it is refused, never the host's.
         self.net_tools, self.net_missing = (egress.find_tools() if self.bwrap_path
                                             else (None, ""))
+        if self.gvisor is not None:  # (see docs: Sandboxes, gvisor)
+            self.net_tools, self.net_missing = None, ("network for gVisor sandboxes is not "
+                                                      "available yet (sandbox.isolation=bwrap "
+                                                      "grants it)")
         if self.bwrap_path is not None and self.net_tools is None:
             if config.network:
                 raise ConfigError("sandbox.network", self.net_missing)
@@ -90,10 +96,11 @@ class Sandboxes(SlotKeeping):
         self.server: ServerConnection | None = None
         if self.bwrap_path is not None or (self.tree is not None and os.geteuid() == 0):
             try:
-                self.server = ServerConnection(self._home_cgroups(),
-                                               refuse_userns=self.bwrap_path is not None)
+                # (runsc makes user namespaces itself: gVisor refuses them to commands)
+                self.server = ServerConnection(self._home_cgroups(), refuse_userns=(
+                    self.bwrap_path is not None and self.gvisor is None))
             except ServerGone as e:
-                if config.isolation == "bwrap":
+                if config.isolation in ("bwrap", "gvisor"):
                     self.close()
                     raise ConfigError("sandbox.isolation", str(e)) from None
                 self.warnings.append(f"isolation off: {e}")
@@ -122,6 +129,12 @@ class Sandboxes(SlotKeeping):
         mode = self.config.isolation
         if mode == "none":
             return None, "off"
+        if mode == "gvisor":
+            path, why = gvisor.find_runsc()
+            if path is None:
+                raise ConfigError("sandbox.isolation", f"gvisor: {why}")
+            self.gvisor = gvisor.Bundles(path)
+            return path, why
         if os.geteuid() != 0:
             why = ("the sandbox needs root (to enter namespaces and switch users); the "
                    "dispatcher runs as uid " + str(os.geteuid()))
@@ -173,6 +186,10 @@ class Sandboxes(SlotKeeping):
             uid = (f"uids {self.uids.first}-{self.uids.first + self.uids.count - 1} (one per "
                    "sandbox)" if not self.uids.shared else f"uid {self.uids.nobody}")
             iso = f"{self.bwrap_version} namespaces ({ns}), {uid}, minimal root"
+            if self.gvisor is not None:
+                iso = (f"gVisor ({self.bwrap_version}: a runsc container per sandbox, a "
+                       f"runsc exec per command, gVisor's own kernel; {net}), {uid}, "
+                       "minimal root")
             userns = self.server.userns if self.server is not None else "open"
             iso += (", no user namespaces" if userns == "refused" else
                     f", user namespaces NOT disabled: {userns}")
@@ -211,6 +228,10 @@ class Sandboxes(SlotKeeping):
 
     def shared(self, network: bool) -> Sandbox:
         """The sandbox of trajectory-less commands (made on first use)."""
+        if self.gvisor is not None:  # a container per trajectory-less command
+            sb = self._new("", self.config.scratch_mb, None, network)
+            sb.throwaway = True
+            return sb
         sb = self._shared.get(network)
         if sb is None or sb.closed:
             sb = self._shared[network] = self._new("", self.config.scratch_mb, None, network)
@@ -247,8 +268,8 @@ class Sandboxes(SlotKeeping):
         sid = self._next_sid
         self._next_sid += 1
         share = parent is not None and not parent.shared  # a trajectory's workspace
-        uid = (parent.uid if share else self.uids.nobody if key == ""
-               else self.uids.take())
+        uid = (parent.uid if share else self.uids.nobody
+               if key == "" and self.gvisor is None else self.uids.take())
         size = int(size_mb * _MB)
         sb = Sandbox(sid, key, uid, network, size, template, self._loop.create_future(),
                      parent=parent, minor=minor, devices=tuple(nodes))
@@ -261,6 +282,17 @@ class Sandboxes(SlotKeeping):
             self._loop.call_soon(self._opened, sb, {"error": self.net_missing})
             return sb
         self.server.on("opened", sid, lambda ev: self._opened(sb, ev))
+        if self.gvisor is not None:
+            try:
+                if self.tree is not None:
+                    sb.box_slot = self._take_slot([])
+                    self._confine_box(sb)
+                self.server.open(*self.gvisor.open_request(
+                    sb, hide=self.hide, system_paths=self.config.system_paths))
+            except (OSError, ServerGone) as e:
+                self._loop.call_soon(self._opened, sb, {"error": f"cannot open a gVisor "
+                                                                 f"sandbox: {e}"})
+            return sb
         try:
             self.server.open({"sid": sid, "uid": uid, "gid": uid, "workspace": workspace,
                               "env": {"PATH": "/usr/bin:/bin"},
@@ -331,8 +363,11 @@ class Sandboxes(SlotKeeping):
         if sb.retired:
             return
         sb.retired = True
-        if not sb.shared and sb.parent is None:  # a GPU's sandbox has its parent's
-            self.uids.give(sb.uid)
+        if (not sb.shared or self.gvisor is not None) and sb.parent is None:
+            self.uids.give(sb.uid)  # (a GPU's sandbox has its parent's)
+        if sb.box_slot is not None:
+            self._release(sb.box_slot, lambda s: s is not None and self._drop_slot(s))
+            sb.box_slot = None
         for slot in sb.free_slots:
             self._drop_slot(slot)
         sb.free_slots.clear()
@@ -360,7 +395,7 @@ class Sandboxes(SlotKeeping):
         try:
             if slot is not None:
                 slot.configure(cores, _bytes(mem_limit_mb), pids_max)
-            if sb is not None and sb.shared and not self.uids.shared:
+            if sb is not None and sb.shared and not self.uids.shared and not sb.throwaway:
                 uid = gid = self.uids.take()  # each trajectory-less command as its own user
             cmd = self._next_cmd
             self._next_cmd += 1
@@ -372,6 +407,9 @@ class Sandboxes(SlotKeeping):
                 "private": sb.size_bytes if sb is not None and sb.shared else None}
             fds = [out_w, err_w, *(slot.procs_fds if slot is not None else ())]
             started = Started(cmd, None, slot, uid)
+            if sb is not None and sb.box_slot is not None:
+                sb.grants[cmd] = (tuple(cores), _bytes(mem_limit_mb) or 0)
+                self._confine_box(sb)
             try:
                 if wait or self._loop is None:
                     started.pid = self.server.spawn(request, fds)
@@ -382,6 +420,8 @@ class Sandboxes(SlotKeeping):
             except ServerGone as e:
                 raise OSError(0, str(e)) from None
         except BaseException:
+            if sb is not None and sb.grants.pop(self._next_cmd - 1, None) is not None:
+                self._confine_box(sb)
             if sb is not None and uid != sb.uid:
                 self.uids.give(uid)
             if slot is not None:
@@ -415,6 +455,10 @@ class Sandboxes(SlotKeeping):
         sb.running -= 1
         if sb.parent is not None:
             sb.parent.running -= 1
+        if sb.grants.pop(started.cmd, None) is not None and not sb.closed:
+            self._confine_box(sb)
+        if sb.throwaway:
+            self.close_sandbox(sb)
         self._release(started.slot, lambda slot: self._done(sb, started, slot))
 
     def _done(self, sb: Sandbox, started: Started, slot: Slot | None) -> None:
@@ -443,6 +487,8 @@ class Sandboxes(SlotKeeping):
             self.tree.close()
             self._host_slots.clear()
             self._stuck.clear()
+        if self.gvisor is not None:
+            self.gvisor.close()
         if getattr(self, "lifeline", None) is not None:  # (made last in __init__)
             self.lifeline.close()
             self.lifeline = None
