@@ -24,7 +24,7 @@ import uuid
 import psutil
 import pytest
 from helpers import COMMAND_PY
-from sandbox_helpers import needs_controllers
+from sandbox_helpers import MODE, isolation, needs_controllers  # noqa: F401 (a fixture)
 from sandbox_helpers import sandboxed_config as cfg
 
 from metasched.runtime.dispatch import Dispatcher
@@ -34,7 +34,7 @@ CORES = sorted(os.sched_getaffinity(0))
 CGROUP_MODES = ["auto", "v1", "v2"]
 
 
-pytestmark = pytest.mark.isolation
+pytestmark = [pytest.mark.isolation, pytest.mark.usefixtures("isolation")]
 
 
 def cpu(code: str, **kw) -> dict:
@@ -336,7 +336,7 @@ def test_the_dispatchers_secrets_stay_out_of_commands():
     # In the dispatcher's environment from its start, so in its /proc/PID/environ too.
     secret = uuid.uuid4().hex
     env = {**os.environ, "AWS_SECRET_ACCESS_KEY": secret}
-    p = subprocess.run([sys.executable, "-c", SECRETS_CHILD, "bwrap"], env=env,
+    p = subprocess.run([sys.executable, "-c", SECRETS_CHILD, MODE["isolation"]], env=env,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     (s1, out1), (s2, out2) = json.loads(p.stdout)

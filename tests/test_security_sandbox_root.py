@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 from helpers import free_port
-from sandbox_helpers import needs_isolation
+from sandbox_helpers import MODE, isolation, needs_isolation  # noqa: F401 (a fixture)
 from serve_helpers import wait_for_ping
 
 from metasched.errors import ConfigError
@@ -39,13 +39,13 @@ ROOT_ONLY = [f for f in ("/etc/shadow", "/etc/gshadow", "/etc/sudoers", "/etc/ss
                          "/etc/ssl/private") if os.path.lexists(f)]
 
 
-pytestmark = [pytest.mark.isolation,
+pytestmark = [pytest.mark.isolation, pytest.mark.usefixtures("isolation"),
               pytest.mark.skipif(not os.path.exists(PY), reason=f"{PY} is not installed")]
 
 
 def cfg(**sandbox) -> DispatcherConfig:
     return DispatcherConfig(scheduler="elastic_greedy", sample_interval_s=0.05,
-                            sandbox=SandboxConfig(isolation="bwrap", **sandbox))
+                            sandbox=SandboxConfig(isolation=MODE["isolation"], **sandbox))
 
 
 def py(code: str, **kw) -> dict:
@@ -173,7 +173,7 @@ class _Upstream(http.server.BaseHTTPRequestHandler):
 
 
 @pytest.fixture(scope="module")
-def served_with_keys():
+def served_with_keys(isolation):  # noqa: F811
     """metasched-serve, its run directory outside /tmp in a directory open to all, with
     one endpoint's key on its command line (so in ``.hydra/overrides.yaml``) and
     another's from the environment, both proxied to an upstream on 127.0.0.1."""
@@ -193,7 +193,7 @@ def served_with_keys():
                  "headers: {Authorization: 'Bearer ${oc.env:SEARCH_KEY}'}}}")
     p = subprocess.Popen(
         [sys.executable, "-m", "metasched.cli.serve_app", f"port={port}", "languages=[]",
-         "scheduler=elastic_greedy", "sandbox.isolation=bwrap", endpoints,
+         "scheduler=elastic_greedy", f"sandbox.isolation={isolation}", endpoints,
          f"hydra.run.dir={run_root}/run"],
         env={**os.environ, "SEARCH_KEY": in_env}, cwd=run_root,
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -328,7 +328,7 @@ async def test_user_namespaces_are_refused(argv):
 
 
 def test_the_startup_line_says_user_namespaces_are_refused():
-    boxes = Sandboxes(SandboxConfig(isolation="bwrap", cgroups="none"))
+    boxes = Sandboxes(SandboxConfig(isolation=MODE["isolation"], cgroups="none"))
     try:
         line = boxes.describe()
     finally:

@@ -33,6 +33,7 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
+from metasched.runtime.sandbox import egress
 from metasched.runtime.sandbox.bwrap import ETC_PATHS, SYSTEM_PATHS, identity_files, within
 from metasched.runtime.sandbox.handles import Sandbox
 
@@ -42,13 +43,24 @@ __all__ = ["AGENT", "Bundles", "find_runsc", "oci_config", "prepare_root", "runs
 AGENT = ("/bin/sh", "-c",
          'echo; while read -r a s; do [ "$s" != - ] && kill -9 -- "-$s"; '
          '[ "$a" = all ] && kill -9 -1; echo; done 2>/dev/null')
+# Loaded by gVisor into every process of the container (``--oci-seccomp``): no user
+# namespaces, as in a bubblewrap sandbox (:mod:`.userns`): ``unshare`` and ``clone`` with
+# CLONE_NEWUSER fail with EPERM, ``clone3`` (whose flags a filter cannot see) with ENOSYS.
+_NEWUSER = 0x10000000
+_WITH_NEWUSER = {"index": 0, "value": _NEWUSER, "valueTwo": _NEWUSER, "op": "SCMP_CMP_MASKED_EQ"}
+USERNS_SECCOMP: dict[str, Any] = {
+    "defaultAction": "SCMP_ACT_ALLOW", "architectures": ["SCMP_ARCH_X86_64"],
+    "syscalls": [{"names": ["unshare", "clone"], "action": "SCMP_ACT_ERRNO", "errnoRet": 1,
+                  "args": [_WITH_NEWUSER]},
+                 {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": 38}]}
+SEARCH = "/usr/bin:/bin:/usr/local/bin:/usr/sbin:/sbin"  # where runsc is looked for
 _GVISOR_OWN = ("/sys",)  # gVisor's sysfs (its own CPU topology) replaces these binds
 
 
 def find_runsc() -> tuple[str | None, str]:
     """``(path, version)`` of a runsc that can start a container here, or ``(None, why
     not)``: missing, not root, or present but refused."""
-    path = shutil.which("runsc", path="/usr/bin:/bin:/usr/local/bin:/usr/sbin:/sbin")
+    path = shutil.which("runsc", path=SEARCH)
     if path is None:
         return None, ("gVisor's runsc is not installed (Debian/Ubuntu: apt-get install "
                       "runsc; `make install` does it when run as root)")
@@ -71,10 +83,10 @@ def find_runsc() -> tuple[str | None, str]:
 
 
 def runsc_argv(runsc: str, state: str) -> list[str]:
-    """runsc and its global flags: container state under ``state``, no network, cgroups
-    left to the caller (the sandbox's processes inherit the cgroup slot they are started
-    in)."""
-    return [runsc, f"--root={state}", "--network=none", "--ignore-cgroups"]
+    """runsc and its global flags: container state under ``state``, no network, the
+    bundle's seccomp filter loaded (:data:`USERNS_SECCOMP`), cgroups left to the caller
+    (the sandbox's processes inherit the cgroup slot they are started in)."""
+    return [runsc, f"--root={state}", "--network=none", "--ignore-cgroups", "--oci-seccomp"]
 
 
 def prepare_root(directory: str) -> str:
@@ -168,7 +180,8 @@ def oci_config(*, root: str, files: dict[str, str], uid: int, gid: int, size: in
         "hostname": "sandbox",
         "mounts": mounts,
         "linux": {"namespaces": [{"type": t} for t in
-                                 ("pid", "network", "ipc", "uts", "mount")]},
+                                 ("pid", "network", "ipc", "uts", "mount")],
+                  "seccomp": USERNS_SECCOMP},
     }
 
 
@@ -197,10 +210,13 @@ class Bundles:
         self.argv = runsc_argv(runsc, self.state)
 
     def bundle(self, sid: int, *, uid: int, gid: int, size: int, files: dict[str, str],
-               hide: Sequence[str], system_paths: Sequence[str]) -> dict[str, Any]:
+               hide: Sequence[str], system_paths: Sequence[str],
+               network: bool = False) -> dict[str, Any]:
         """Write sandbox ``sid``'s bundle (its ``config.json`` and own files); the
-        sandbox server's ``gvisor`` request: runsc's argv, the bundle and the container
-        id."""
+        sandbox server's ``gvisor`` request: runsc's argv (``network``: gVisor's
+        sockets are the host kernel's, in the network namespace the server makes for
+        the sandbox and connects as bubblewrap's: :mod:`.egress`), the bundle and the
+        container id."""
         bundle = os.path.join(self.directory, f"sandbox-{sid}")
         os.makedirs(bundle, mode=0o700)
         sources = {}
@@ -215,16 +231,24 @@ class Bundles:
         with open(os.path.join(bundle, "config.json"), "w") as f:
             json.dump(config, f)
         cid = f"metasched-{os.getpid()}-{sid}"
-        return {"runsc": self.argv, "bundle": bundle, "cid": cid}
+        argv = [("--network=host" if a == "--network=none" and network else a)
+                for a in self.argv]
+        seen = [m["destination"] for m in config["mounts"]
+                if m["type"] == "bind" and m["source"] == m["destination"]]
+        return {"runsc": argv, "bundle": bundle, "cid": cid, "seen": seen}
 
     def open_request(self, sb: Sandbox, *, hide: Sequence[str],
                      system_paths: Sequence[str]) -> tuple[dict[str, Any], list[int]]:
         """The sandbox server's ``open`` request for ``sb`` (its bundle written) and the
         descriptors that go with it (its slot's ``cgroup.procs``: the container starts
         in it)."""
+        files = identity_files(sb.uid, sb.uid)
+        if sb.network:  # names the user-mode stack's resolver (see .egress)
+            with open(egress.RESOLV_CONF) as f:
+                files["/etc/resolv.conf"] = f.read()
         request = self.bundle(sb.sid, uid=sb.uid, gid=sb.uid, size=sb.size_bytes,
-                              files=identity_files(sb.uid, sb.uid), hide=hide,
-                              system_paths=system_paths)
+                              files=files, hide=hide, system_paths=system_paths,
+                              network=sb.network)
         fds = list(sb.box_slot.procs_fds) if sb.box_slot is not None else []
         return {"sid": sb.sid, "uid": sb.uid, "gid": sb.uid, "gvisor": request}, fds
 

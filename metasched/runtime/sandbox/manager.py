@@ -64,10 +64,6 @@ class Sandboxes(SlotKeeping):
         # Granted network needs these; without them it is refused, never the host's.
         self.net_tools, self.net_missing = (egress.find_tools() if self.bwrap_path
                                             else (None, ""))
-        if self.gvisor is not None:  # (see docs: Sandboxes, gvisor)
-            self.net_tools, self.net_missing = None, ("network for gVisor sandboxes is not "
-                                                      "available yet (sandbox.isolation=bwrap "
-                                                      "grants it)")
         if self.bwrap_path is not None and self.net_tools is None:
             if config.network:
                 raise ConfigError("sandbox.network", self.net_missing)
@@ -248,7 +244,8 @@ class Sandboxes(SlotKeeping):
         to bind (a stand-in device, ``minor`` None, no such node), or where ``sb`` is
         None or not ready (the command then fails as it would there); await the
         result's ``ready`` before use."""
-        if sb is None or minor is None or sb.closed or not sb.ready.done():
+        if (sb is None or minor is None or sb.closed or not sb.ready.done()
+                or self.gvisor is not None):  # (no device in a gVisor sandbox)
             return sb
         if sb.ready.exception() is not None:
             return sb
@@ -287,8 +284,10 @@ class Sandboxes(SlotKeeping):
                 if self.tree is not None:
                     sb.box_slot = self._take_slot([])
                     self._confine_box(sb)
-                self.server.open(*self.gvisor.open_request(
-                    sb, hide=self.hide, system_paths=self.config.system_paths))
+                request, fds = self.gvisor.open_request(
+                    sb, hide=self.hide, system_paths=self.config.system_paths)
+                request["net"] = self._net_spec() if network else None
+                self.server.open(request, fds)
             except (OSError, ServerGone) as e:
                 self._loop.call_soon(self._opened, sb, {"error": f"cannot open a gVisor "
                                                                  f"sandbox: {e}"})
@@ -407,9 +406,13 @@ class Sandboxes(SlotKeeping):
                 "private": sb.size_bytes if sb is not None and sb.shared else None}
             fds = [out_w, err_w, *(slot.procs_fds if slot is not None else ())]
             started = Started(cmd, None, slot, uid)
+            if slot is not None:
+                slot.enforced_by = None
             if sb is not None and sb.box_slot is not None:
                 sb.grants[cmd] = (tuple(cores), _bytes(mem_limit_mb) or 0)
                 self._confine_box(sb)
+                if slot is not None:
+                    slot.enforced_by = (sb.box_slot, sb.box_slot.oom_kills())
             try:
                 if wait or self._loop is None:
                     started.pid = self.server.spawn(request, fds)

@@ -32,9 +32,13 @@ from __future__ import annotations
 import os
 import selectors
 import shutil
+import sys
+from collections.abc import Callable
 from typing import Any
 
+from metasched.runtime.sandbox import syscalls
 from metasched.runtime.sandbox.server_records import _close, _read_all, _Sandbox
+from metasched.runtime.sandbox.syscalls import CLONE_NEWNET
 
 _RUNSC_ENV = {"PATH": "/usr/bin:/bin"}
 
@@ -48,14 +52,20 @@ class GvisorSandboxes:
     home_cgroups: list[int]
     devnull: int
 
-    def _reply(self, message: dict[str, Any]) -> None: ...  # (the Server's)
+    own: dict[str, int]
+    # (the Server's, Opening's and Networking's)
+    _reply: Callable[[dict[str, Any]], None]
+    _close: Callable[[int], None]
+    _opened: Callable[[_Sandbox], None]
+    _start_network: Callable[[_Sandbox], None]
+    _reap_slirp: Callable[[_Sandbox], None]
 
     # --- opening ------------------------------------------------------------------------
 
     def _open_gvisor(self, msg: dict[str, Any], cgroups: list[int]) -> None:
         gv = msg["gvisor"]
         sid = msg["sid"]
-        sb = _Sandbox(sid, msg["uid"], msg["gid"], workspace={})
+        sb = _Sandbox(sid, msg["uid"], msg["gid"], workspace={}, net=msg.get("net"))
         sb.gvisor = gv
         self.sandboxes[sid] = sb
         err_path = os.path.join(gv["bundle"], "runsc.err")
@@ -65,11 +75,15 @@ class GvisorSandboxes:
             err = os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
                           0o600)
             argv = [*gv["runsc"], "run", "--detach", "--bundle", gv["bundle"], gv["cid"]]
-            moved = False
+            moved = entered = False
             try:
                 for fd in cgroups:
                     os.write(fd, b"0")
                 moved = bool(cgroups)
+                if sb.net is not None:  # runsc starts in a network namespace of its own
+                    syscalls.unshare(CLONE_NEWNET)
+                    entered = True
+                    sb.ns["net"] = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
                 sb.bwrap_pid = os.posix_spawn(
                     argv[0], argv, _RUNSC_ENV,
                     file_actions=[(os.POSIX_SPAWN_DUP2, block_r, 0),
@@ -77,12 +91,12 @@ class GvisorSandboxes:
                                   (os.POSIX_SPAWN_DUP2, err, 2)],
                     setsid=True)
             finally:
-                if moved:
-                    for fd in self.home_cgroups:
-                        os.write(fd, b"0")
+                self._back_home(moved, entered)
                 for fd in (block_r, ready_w, err):
                     _close(fd)
             sb.bwrap_fd = os.pidfd_open(sb.bwrap_pid)
+            if sb.net is not None:
+                self._start_network(sb)  # its rules and stack: ready once both are up
         except OSError as e:
             self._fail_gvisor(sb, f"cannot start runsc: {e.strerror or e}")
             return
@@ -93,7 +107,30 @@ class GvisorSandboxes:
         self.sel.register(sb.ready_fd, selectors.EVENT_READ,
                           lambda _, s=sb: self._agent_said(s))
 
+    def _enter_net(self, sb: _Sandbox) -> bool:
+        """Enter ``sb``'s network namespace, where it has one of its own (runsc reaches
+        a sandbox through an abstract unix socket: in the sandbox's namespace)."""
+        if "net" not in sb.ns:
+            return False
+        syscalls.setns(sb.ns["net"], CLONE_NEWNET)
+        return True
+
+    def _back_home(self, moved: bool, entered: bool) -> None:
+        """Back to this process's own cgroups and network namespace (else exit: it
+        cannot go on safely)."""
+        try:
+            if entered:
+                syscalls.setns(self.own["net"], CLONE_NEWNET)
+            if moved:
+                for fd in self.home_cgroups:
+                    os.write(fd, b"0")
+        except OSError as e:
+            print(f"sandbox server: cannot return to its own state: {e}", file=sys.stderr)
+            os._exit(1)
+
     def _reap_runsc(self, sb: _Sandbox) -> None:
+        if sb.bwrap_fd < 0:
+            return
         self.sel.unregister(sb.bwrap_fd)
         _close(sb.bwrap_fd)
         sb.bwrap_fd = -1
@@ -106,6 +143,8 @@ class GvisorSandboxes:
     def _agent_said(self, sb: _Sandbox) -> None:
         """The agent's newlines: the first says the sandbox is ready, each next one
         that a kill request is done. End of file: the sandbox is gone."""
+        if sb.ready_fd < 0:  # closed by an earlier event of the same batch
+            return
         try:
             data = os.read(sb.ready_fd, 4096)
         except BlockingIOError:
@@ -116,15 +155,16 @@ class GvisorSandboxes:
             self.sel.unregister(sb.ready_fd)
             _close(sb.ready_fd)
             sb.ready_fd = -1
-            if not sb.ready:
+            if not sb.mounted:
                 self._fail_gvisor(sb, f"runsc failed: {self._runsc_error(sb)}")
             else:
                 self._flush_sweeps(sb)
             return
         for _ in range(data.count(b"\n")):
-            if not sb.ready:
-                sb.ready = True
-                self._reply({"ev": "opened", "sid": sb.sid, "seeded": "", "init": -1})
+            if not sb.mounted:  # the agent runs: ready once its network is, if granted
+                sb.mounted = True
+                if not sb.net_pending:
+                    self._opened(sb)
             elif sb.sweeps:
                 self._reply(sb.sweeps.popleft())
 
@@ -156,14 +196,19 @@ class GvisorSandboxes:
         pid_file = os.path.join(gv["bundle"], f"cmd{msg['cmd']}.pid")
         argv: list[bytes | str] = [*gv["runsc"], "exec", "--user", f"{uid}:{gid}",
                                    "--cwd", msg["cwd"], "--internal-pid-file", pid_file]
-        for k, v in msg["env"].items():
+        env = dict(msg["env"])
+        if b"PATH" in env:
+            env[b"PATH"] = _searchable(env[b"PATH"], gv["seen"])
+        _check_program(msg["argv"][0], env.get(b"PATH", b"/usr/bin:/bin"), gv["seen"])
+        for k, v in env.items():
             argv += [b"--env", k + b"=" + v]
         argv += [gv["cid"], *msg["argv"]]
-        moved = False
+        moved = entered = False
         try:
             for fd in cgroups:
                 os.write(fd, b"0")
             moved = bool(cgroups)
+            entered = self._enter_net(sb)
             pid = os.posix_spawn(
                 argv[0], argv, _RUNSC_ENV,
                 file_actions=[(os.POSIX_SPAWN_DUP2, self.devnull, 0),
@@ -171,9 +216,7 @@ class GvisorSandboxes:
                               (os.POSIX_SPAWN_DUP2, err, 2)],
                 setsid=True)
         finally:
-            if moved:
-                for fd in self.home_cgroups:
-                    os.write(fd, b"0")
+            self._back_home(moved, entered)
         sb.user_running[uid] = sb.user_running.get(uid, 0) + 1
         sb.exec_users[msg["cmd"]] = (uid, pid_file)
         return pid
@@ -218,9 +261,24 @@ class GvisorSandboxes:
         _close(sb.block_fd)
         sb.block_fd = -1
         self._flush_sweeps(sb)
+        self._delete_container(sb)
+        if sb.slirp_ready_fd >= 0:
+            self.sel.unregister(sb.slirp_ready_fd)
+        for fd in (sb.slirp_ready_fd, sb.slirp_exit_fd, *sb.ns.values()):  # (its stack ends)
+            _close(fd)
+        sb.slirp_ready_fd = sb.slirp_exit_fd = -1
+        if sb.slirp_fd >= 0:
+            self.sel.register(sb.slirp_fd, selectors.EVENT_READ,
+                              lambda _, s=sb: self._reap_slirp(s))
+
+    def _delete_container(self, sb: _Sandbox) -> None:
+        """``runsc delete --force`` (in the sandbox's network namespace), then the
+        bundle is removed."""
         gv = sb.gvisor
         argv = [*gv["runsc"], "delete", "--force", gv["cid"]]
+        entered = False
         try:
+            entered = self._enter_net(sb)
             pid = os.posix_spawn(argv[0], argv, _RUNSC_ENV,
                                  file_actions=[(os.POSIX_SPAWN_DUP2, self.devnull, 0),
                                                (os.POSIX_SPAWN_DUP2, self.devnull, 1),
@@ -230,6 +288,8 @@ class GvisorSandboxes:
         except OSError:
             shutil.rmtree(gv["bundle"], ignore_errors=True)
             return
+        finally:
+            self._back_home(False, entered)
 
         def deleted(_: Any) -> None:
             self.sel.unregister(pidfd)
@@ -240,3 +300,54 @@ class GvisorSandboxes:
                 pass
             shutil.rmtree(gv["bundle"], ignore_errors=True)
         self.sel.register(pidfd, selectors.EVENT_READ, deleted)
+
+
+def _seen(path: str, seen: list[str]) -> bool:
+    """Whether host ``path`` is in a gVisor sandbox, at the same place, for anyone: under
+    a bound path and every directory down to it searchable by others."""
+    path = os.path.realpath(path)  # (/bin: a symlink to usr/bin there as here)
+    root = next((b for b in seen if path == b or path.startswith(b.rstrip("/") + "/")), None)
+    if root is None:
+        return False
+    d = path
+    while True:
+        try:
+            if not os.stat(d).st_mode & 0o001:
+                return False
+        except OSError:
+            return False
+        if len(d) <= len(root):
+            return True
+        d = os.path.dirname(d)
+
+
+def _searchable(path: bytes, seen: list[str]) -> bytes:
+    """The entries of a command's ``PATH`` it may search in its gVisor sandbox (the
+    bound system directories it can reach, and its own ``/workspace`` and ``/tmp``);
+    ``/usr/bin:/bin`` where none is (as :func:`.server._searchable` in a bubblewrap
+    sandbox)."""
+    kept = []
+    for d in path.split(b":"):
+        name = os.fsdecode(d)
+        if name.startswith("/") and (name.split("/")[1] in ("workspace", "tmp")
+                                     or (_seen(name, seen) and os.path.isdir(name))):
+            kept.append(d)
+    return b":".join(kept) or b"/usr/bin:/bin"
+
+
+def _check_program(program: bytes | str, path: bytes, seen: list[str]) -> None:
+    """Raise ENOENT where ``program`` is certainly not in the sandbox (as a spawn in a
+    bubblewrap sandbox does): a name found in none of the system directories of
+    ``path``, or a path under a bound one that does not exist. Names in the workspace
+    or ``/tmp`` are left to runsc."""
+    name = os.fsdecode(program)
+    if "/" in name:
+        if _seen(os.path.dirname(os.path.normpath(name)) or "/", seen) and not os.path.exists(
+                name):
+            raise FileNotFoundError(2, "No such file or directory")
+        return
+    dirs = [os.fsdecode(d) for d in path.split(b":")]
+    if any(d.split("/")[1:2] in (["workspace"], ["tmp"]) for d in dirs):
+        return
+    if not any(os.access(os.path.join(d, name), os.X_OK) for d in dirs):
+        raise FileNotFoundError(2, "No such file or directory")
