@@ -39,6 +39,13 @@ def needs_isolation() -> None:
         pytest.skip(f"{MODE['isolation']} isolation unavailable: {why}")
 
 
+def gvisor_gap(request: pytest.FixtureRequest, why: str) -> None:
+    """Under the gvisor mode: this test is expected to fail (strictly: it must), for
+    ``why``, a known gap of that mode (listed in the docs' Sandboxes page)."""
+    if MODE["isolation"] == "gvisor":
+        request.applymarker(pytest.mark.xfail(strict=True, reason=f"gvisor: {why}"))
+
+
 @pytest.fixture(scope="module", params=ISOLATION_MODES)
 def isolation(request):
     """Run the test under each isolation mode (skipped, with the reason, where it cannot

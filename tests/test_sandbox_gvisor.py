@@ -31,7 +31,7 @@ from metasched.runtime.sandbox import gvisor
 from metasched.runtime.sandbox.config import SandboxConfig
 from metasched.runtime.sandbox.manager import Sandboxes
 
-pytestmark = [pytest.mark.isolation, pytest.mark.gvisor]
+pytestmark = pytest.mark.isolation
 CORES = sorted(os.sched_getaffinity(0))
 ROOT = str(Path(__file__).resolve().parents[1])
 
@@ -55,7 +55,7 @@ def _containers(tag: str) -> list[tuple[int, str]]:
     out = []
     for p in psutil.process_iter(["cmdline", "status"]):
         line = " ".join(p.info["cmdline"] or [])
-        if "runsc" in line and tag in line and p.info["status"] != psutil.STATUS_ZOMBIE:
+        if "runsc" in line and tag in line + " " and p.info["status"] != psutil.STATUS_ZOMBIE:
             out.append((p.pid, line))
     return out
 
@@ -97,6 +97,7 @@ BUSY = textwrap.dedent("""
 """)
 
 
+@pytest.mark.gvisor
 @pytest.mark.skipif(len(CORES) < 2, reason="needs two cores")
 async def test_four_busy_processes_granted_one_core_use_one_core(gvisor_mode):
     """The container's cgroup holds its running commands' cores: four busy processes
@@ -104,13 +105,14 @@ async def test_four_busy_processes_granted_one_core_use_one_core(gvisor_mode):
     kernel, file proxy and the threads running the program)."""
     async with Dispatcher(sandboxed_config("v1", cores=CORES[:2])) as d:
         job = asyncio.ensure_future(d.submit(cpu(COMMAND_PY, "-c", BUSY, trajectory="t")))
-        tag = f"metasched-{os.getpid()}-"
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            boxes = [pid for pid, line in _containers(tag) if " boot " in line]
-            if boxes and not job.done():
+            sb = d.boxes.get("t")
+            if sb is not None and sb.ready.done():
                 break
             await asyncio.sleep(0.05)
+        tag = f"{d.boxes.gvisor.prefix}{sb.sid} "
+        boxes = [pid for pid, line in _containers(tag) if " boot " in line]
         await asyncio.sleep(1.5)  # the processes are running
         pid = boxes[0]
         before, t0 = _threads(pid), time.monotonic()
@@ -152,13 +154,16 @@ async def test_nothing_of_a_command_outlives_it_as_seen_from_its_sandbox(isolati
     assert seen.ok and seen.stdout.strip() == "0", seen
 
 
+@pytest.mark.gvisor
 async def test_a_trajectorys_end_removes_its_container_and_bundle(gvisor_mode):
     async with Dispatcher(sandboxed_config()) as d:
         r = await d.submit(cpu("/bin/sh", "-c", "echo kept > /workspace/f; cat f",
                                trajectory="t"))
-        tag = f"metasched-{os.getpid()}-"
+        sid = d.boxes.get("t").sid
+        tag = f"{d.boxes.gvisor.prefix}{sid} "  # (the warm ones are other containers)
         running = [pid for pid, line in _containers(tag) if " boot " in line]
-        bundles = list(Path(d.boxes.gvisor.directory).glob("sandbox-*"))
+        bundles = [Path(d.boxes.gvisor.directory) / f"sandbox-{sid}"]
+        assert bundles[0].exists()
         d.close_trajectory("t")
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and (
@@ -189,6 +194,7 @@ KILLED_CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.gvisor
 def test_kill_9_of_the_dispatcher_leaves_no_gvisor_process(gvisor_mode):
     child = subprocess.Popen([sys.executable, "-c", KILLED_CHILD], stdout=subprocess.PIPE,
                              text=True, env={**os.environ, "PYTHONPATH": ROOT})
@@ -224,6 +230,7 @@ def test_a_missing_runsc_refuses_the_mode_in_one_line(monkeypatch, tmp_path):
     assert "\n" not in line
 
 
+@pytest.mark.gvisor
 def test_the_startup_line_says_gvisor(gvisor_mode):
     boxes = Sandboxes(SandboxConfig(isolation="gvisor", cgroups="none"))
     try:

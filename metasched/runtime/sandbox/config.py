@@ -116,6 +116,10 @@ class SandboxConfig(Strict):
         templates: the workspace templates requests may name (``workspace_template``):
             name -> a directory or tar archive on this host, checked at construction.
             A request names one of these; it never gives a path.
+        gvisor_warm: with ``isolation: gvisor``, how many sandboxes of each common kind
+            (a trajectory's without network or template, a trajectory-less command's)
+            are kept started ahead, so that a first command does not wait for a
+            container's start (see :mod:`~metasched.runtime.sandbox.warm`); 0: none.
     """
 
     isolation: Literal[ISOLATION_MODES] = "auto"  # type: ignore[valid-type]
@@ -134,6 +138,7 @@ class SandboxConfig(Strict):
     scratch_mb: Number(ge=1.0, le=2.0**40) = 512.0
     pids_max: Count(1, 4_194_304) = 1024
     templates: Annotated[dict[Any, Any] | None, AfterValidator(_checked_templates)] = {}
+    gvisor_warm: Count(0, 64) = 1
 
     def __init__(self, **data: Any) -> None:
         # Built in Python, as from the settings: a bad value is one line naming it.

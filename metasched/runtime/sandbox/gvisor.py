@@ -53,7 +53,8 @@ USERNS_SECCOMP: dict[str, Any] = {
     "syscalls": [{"names": ["unshare", "clone"], "action": "SCMP_ACT_ERRNO", "errnoRet": 1,
                   "args": [_WITH_NEWUSER]},
                  {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": 38}]}
-SEARCH = "/usr/bin:/bin:/usr/local/bin:/usr/sbin:/sbin"  # where runsc is looked for
+# where runsc is looked for (a release installed by hand before the distribution's)
+SEARCH = "/usr/local/bin:/usr/local/sbin:/usr/bin:/bin:/usr/sbin:/sbin"
 _GVISOR_OWN = ("/sys",)  # gVisor's sysfs (its own CPU topology) replaces these binds
 
 
@@ -195,7 +196,8 @@ def _empty_file(path: str) -> None:
 class Bundles:
     """Where one dispatcher's gVisor containers live: runsc's state directory, the
     containers' common root, and one bundle per sandbox (all under one temporary
-    directory, removed by :meth:`close`).
+    directory named with the dispatcher's pid, removed by :meth:`close`, or by the next
+    dispatcher's start once that pid is gone: its containers ended with it).
 
     Args:
         runsc: the runsc executable (:func:`find_runsc`).
@@ -203,11 +205,14 @@ class Bundles:
 
     def __init__(self, runsc: str) -> None:
         self.runsc = runsc
-        self.directory = tempfile.mkdtemp(prefix="metasched-gvisor-")
+        _remove_dead()
+        self.directory = tempfile.mkdtemp(prefix=f"metasched-gvisor-{os.getpid()}-")
         os.chmod(self.directory, 0o711)
         self.state = os.path.join(self.directory, "state")
         self.root = prepare_root(self.directory)
         self.argv = runsc_argv(runsc, self.state)
+        # container ids: unique on the host (runsc's control sockets are abstract ones)
+        self.prefix = f"metasched-{os.getpid()}-{os.path.basename(self.directory)[-8:]}-"
 
     def bundle(self, sid: int, *, uid: int, gid: int, size: int, files: dict[str, str],
                hide: Sequence[str], system_paths: Sequence[str],
@@ -230,7 +235,7 @@ class Bundles:
                             hide=hide, system_paths=system_paths)
         with open(os.path.join(bundle, "config.json"), "w") as f:
             json.dump(config, f)
-        cid = f"metasched-{os.getpid()}-{sid}"
+        cid = f"{self.prefix}{sid}"
         argv = [("--network=host" if a == "--network=none" and network else a)
                 for a in self.argv]
         seen = [m["destination"] for m in config["mounts"]
@@ -255,3 +260,15 @@ class Bundles:
     def close(self) -> None:
         """Remove every bundle and runsc's state (the containers have ended)."""
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _remove_dead() -> None:
+    """Remove what dispatchers that are gone (killed) left: their bundles' directories."""
+    for d in glob.glob(os.path.join(tempfile.gettempdir(), "metasched-gvisor-*-*")):
+        try:
+            pid = int(os.path.basename(d).split("-")[2])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except (ValueError, IndexError, PermissionError):
+            pass

@@ -29,6 +29,7 @@ from metasched.runtime.sandbox.handles import Sandbox, Started
 from metasched.runtime.sandbox.lifeline import Lifeline
 from metasched.runtime.sandbox.slots import _MB, SlotKeeping, _bytes
 from metasched.runtime.sandbox.uids import UidPool
+from metasched.runtime.sandbox.warm import WarmPool
 from metasched.runtime.sandbox.workspace import WORKSPACE, Template
 
 __all__ = ["Sandbox", "Sandboxes", "Slot", "Started"]
@@ -36,7 +37,7 @@ __all__ = ["Sandbox", "Sandboxes", "Slot", "Started"]
 log = logging.getLogger("metasched.dispatch")
 
 
-class Sandboxes(SlotKeeping):
+class Sandboxes(SlotKeeping, WarmPool):
     """Every sandbox of one dispatcher (see the module docstring).
 
     Args:
@@ -103,6 +104,7 @@ class Sandboxes(SlotKeeping):
                 self.bwrap_path = None
         self._sandboxes: dict[str, Sandbox] = {}
         self._shared: dict[bool, Sandbox] = {}
+        self._warm: dict[int, list[Sandbox]] = {}  # gVisor's started ahead, by size
         self._next_sid = 1
         self._next_cmd = 1
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -157,6 +159,7 @@ class Sandboxes(SlotKeeping):
         self._loop = loop
         if self.server is not None:
             self.server.attach(loop)
+            self._warm_fill()
 
     @property
     def isolated(self) -> bool:
@@ -217,15 +220,21 @@ class Sandboxes(SlotKeeping):
 
     def open(self, key: str, *, size_mb: float, template: Template | None,
              network: bool) -> Sandbox:
-        """Start making trajectory ``key``'s sandbox; await its ``ready`` before use."""
-        sb = self._new(key, size_mb, template, network)
+        """Start making trajectory ``key``'s sandbox (or take a warm one: :mod:`.warm`);
+        await its ``ready`` before use."""
+        sb = self._warm_take(size_mb, template, network)
+        if sb is not None:
+            sb.key = key
+        else:
+            sb = self._new(key, size_mb, template, network)
         self._sandboxes[key] = sb
         return sb
 
     def shared(self, network: bool) -> Sandbox:
         """The sandbox of trajectory-less commands (made on first use)."""
         if self.gvisor is not None:  # a container per trajectory-less command
-            sb = self._new("", self.config.scratch_mb, None, network)
+            sb = (self._warm_take(self.config.scratch_mb, None, network)
+                  or self._new("", self.config.scratch_mb, None, network))
             sb.throwaway = True
             return sb
         sb = self._shared.get(network)
