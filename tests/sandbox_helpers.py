@@ -39,6 +39,17 @@ def needs_isolation() -> None:
         pytest.skip(f"{MODE['isolation']} isolation unavailable: {why}")
 
 
+# What a command granted network gets under the gvisor mode for now (the docs' Sandboxes
+# page, gvisor: gaps): a failure with this line, never the host's network.
+GVISOR_NO_NET = "network for gVisor sandboxes is not available yet"
+
+
+def refused_network(r) -> bool:
+    """Whether result ``r`` of a command granted network is the gvisor mode's refusal."""
+    return (MODE["isolation"] == "gvisor" and r.status == "failed"
+            and GVISOR_NO_NET in r.reason)
+
+
 def gvisor_gap(request: pytest.FixtureRequest, why: str) -> None:
     """Under the gvisor mode: this test is expected to fail (strictly: it must), for
     ``why``, a known gap of that mode (listed in the docs' Sandboxes page)."""

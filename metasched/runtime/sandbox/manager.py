@@ -65,6 +65,10 @@ class Sandboxes(SlotKeeping, WarmPool):
         # Granted network needs these; without them it is refused, never the host's.
         self.net_tools, self.net_missing = (egress.find_tools() if self.bwrap_path
                                             else (None, ""))
+        if self.gvisor is not None:  # (see the docs' Sandboxes page: gvisor, gaps)
+            self.net_tools, self.net_missing = None, (
+                "network for gVisor sandboxes is not available yet "
+                "(sandbox.isolation=bwrap grants it)")
         if self.bwrap_path is not None and self.net_tools is None:
             if config.network:
                 raise ConfigError("sandbox.network", self.net_missing)
@@ -190,8 +194,9 @@ class Sandboxes(SlotKeeping, WarmPool):
                        f"runsc exec per command, gVisor's own kernel; {net}), {uid}, "
                        "minimal root")
             userns = self.server.userns if self.server is not None else "open"
-            iso += (", no user namespaces" if userns == "refused" else
-                    f", user namespaces NOT disabled: {userns}")
+            iso += (", user namespaces gVisor's own (not the host's)"
+                    if self.gvisor is not None else ", no user namespaces"
+                    if userns == "refused" else f", user namespaces NOT disabled: {userns}")
         else:
             iso = f"no isolation (host, uid {os.geteuid()})"
         if self.tree is not None:
