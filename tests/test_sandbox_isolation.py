@@ -285,6 +285,9 @@ async def test_daemons_do_not_outlive_their_command(mode, exits):
 @pytest.mark.parametrize("mode", CGROUP_MODES)
 async def test_fork_bomb_is_bounded(mode):
     cgroup_mode(mode, "pids")
+    if MODE["isolation"] == "gvisor":  # its tasks are not host processes: not counted here
+        pytest.skip("gvisor: pids_max is not enforced per command in this mode (Sandboxes, "
+                    "gvisor: gaps)")
 
     async with Dispatcher(cfg(mode, sandbox={"pids_max": 64})) as d:
         # this test's own descendants: other tenants' processes on a shared host
