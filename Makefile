@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 # give a sandbox granted network its own link and the rules confining it. Installed where
 # this can (root and apt-get); elsewhere the dispatcher says what is missing, runs commands
 # without isolation (no bubblewrap) and refuses granted network (no slirp4netns/nftables).
-SANDBOX_PACKAGES = bwrap:bubblewrap slirp4netns:slirp4netns nft:nftables
+SANDBOX_PACKAGES = bwrap:bubblewrap slirp4netns:slirp4netns nft:nftables runsc:runsc
 sandbox-tools:
 	@missing=""; for pair in $(SANDBOX_PACKAGES); do \
 		command -v $${pair%%:*} >/dev/null 2>&1 || [ -x /usr/sbin/$${pair%%:*} ] \
@@ -33,11 +33,13 @@ sandbox-tools:
 		echo "installing$$missing (sandboxes for the live dispatcher's commands)"; \
 		{ apt-get update -qq && apt-get install -y -qq $$missing >/dev/null; } \
 			|| echo "warning:$$missing could not be installed: without bubblewrap commands run" \
-				"without isolation; without slirp4netns or nftables granted network is refused"; \
+				"without isolation; without slirp4netns or nftables granted network is refused;" \
+				"without runsc sandbox.isolation=gvisor is refused"; \
 	else \
 		echo "note:$$missing missing and cannot be installed here (needs root and apt-get):" \
 			"without bubblewrap commands run without isolation; without slirp4netns or" \
-			"nftables granted network is refused"; \
+			"nftables granted network is refused; without runsc sandbox.isolation=gvisor" \
+			"is refused"; \
 	fi
 
 install: $(STAMP)

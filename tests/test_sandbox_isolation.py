@@ -24,7 +24,13 @@ import uuid
 import psutil
 import pytest
 from helpers import COMMAND_PY
-from sandbox_helpers import needs_controllers
+from sandbox_helpers import (  # noqa: F401 (isolation: a fixture)
+    MODE,
+    gvisor_gap,
+    isolation,
+    needs_controllers,
+    refused_network,
+)
 from sandbox_helpers import sandboxed_config as cfg
 
 from metasched.runtime.dispatch import Dispatcher
@@ -34,7 +40,7 @@ CORES = sorted(os.sched_getaffinity(0))
 CGROUP_MODES = ["auto", "v1", "v2"]
 
 
-pytestmark = pytest.mark.isolation
+pytestmark = [pytest.mark.isolation, pytest.mark.usefixtures("isolation")]
 
 
 def cpu(code: str, **kw) -> dict:
@@ -184,8 +190,10 @@ async def test_cannot_signal_another_job_or_the_dispatcher():
 
 @pytest.mark.skipif(len(CORES) < 2, reason="needs two cores")
 @pytest.mark.parametrize("mode", CGROUP_MODES)
-async def test_cpu_set_cannot_be_widened(mode):
+async def test_cpu_set_cannot_be_widened(mode, request):
     cgroup_mode(mode, "cpuset")
+    gvisor_gap(request, "gVisor's kernel lets a process set any affinity over its own "
+               "CPUs; the container's host cpuset holds the grant (test_sandbox_gvisor)")
 
     async with Dispatcher(cfg(mode, cores=CORES[:2])) as d:
         r = await d.submit(cpu("""
@@ -277,6 +285,9 @@ async def test_daemons_do_not_outlive_their_command(mode, exits):
 @pytest.mark.parametrize("mode", CGROUP_MODES)
 async def test_fork_bomb_is_bounded(mode):
     cgroup_mode(mode, "pids")
+    if MODE["isolation"] == "gvisor":  # its tasks are not host processes: not counted here
+        pytest.skip("gvisor: pids_max is not enforced per command in this mode (Sandboxes, "
+                    "gvisor: gaps)")
 
     async with Dispatcher(cfg(mode, sandbox={"pids_max": 64})) as d:
         # this test's own descendants: other tenants' processes on a shared host
@@ -336,7 +347,7 @@ def test_the_dispatchers_secrets_stay_out_of_commands():
     # In the dispatcher's environment from its start, so in its /proc/PID/environ too.
     secret = uuid.uuid4().hex
     env = {**os.environ, "AWS_SECRET_ACCESS_KEY": secret}
-    p = subprocess.run([sys.executable, "-c", SECRETS_CHILD, "bwrap"], env=env,
+    p = subprocess.run([sys.executable, "-c", SECRETS_CHILD, MODE["isolation"]], env=env,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     (s1, out1), (s2, out2) = json.loads(p.stdout)
@@ -388,7 +399,8 @@ async def test_no_network_unless_allowed(server):
                                                               d.submit(cpu(probe, trajectory="t")),
                                                               d.submit(cpu(probe, network=True)))
     assert blocked.stdout.startswith("refused") and blocked_traj.stdout.startswith("refused")
-    assert granted.stdout.startswith("refused"), granted  # the host is never reachable
+    assert granted.stdout.startswith("refused") or refused_network(granted), granted  # never
+    # the host (under gvisor, granted network is refused for now)
     connected = socket.create_connection(("127.0.0.1", port), timeout=2)  # it is up
     connected.close()
     time.sleep(0.3)

@@ -65,7 +65,10 @@ async def open_confinement(workdir: str | None, config: SandboxConfig, *,
     boxes.attach(asyncio.get_running_loop())
     if boxes.isolated:  # trajectory-less commands' sandbox, ready before they come
         try:
-            await boxes.shared(config.network).ready
+            sb = boxes.shared(config.network)
+            await sb.ready
+            if sb.throwaway:  # (gVisor: one per command; this one only checked it works)
+                boxes.close_sandbox(sb)
         except OSError as e:
             boxes.close()
             run_dir.remove()

@@ -66,9 +66,14 @@ class SandboxGate:
         req = job.request
         network = self._network(req)
         if traj is None:
-            sb = job.sandbox = d.boxes.shared(network)
+            own = getattr(job.sandbox, "throwaway", False)  # (gVisor: its own sandbox)
+            sb = job.sandbox = job.sandbox if own else d.boxes.shared(network)
             if sb.ready.done():
                 return True
+            if own or getattr(sb, "throwaway", False):  # submitted again once it is ready
+                sb.ready.add_done_callback(
+                    lambda _: None if self.d._closed else self.d._submit(job, None))
+                return False
             held = self._shared_wait.setdefault(network, [])
             if not held:
                 sb.ready.add_done_callback(lambda _: self._release_shared(network))

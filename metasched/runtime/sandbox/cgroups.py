@@ -148,6 +148,9 @@ class Slot:
         self._pids_max: int | None = None
         self._oom_base = 0
         self._pids_base = 0
+        # A gVisor sandbox's slot and its kills when this command started: the limits
+        # of the command are enforced there (gVisor's kernel holds its memory)
+        self.enforced_by: tuple[Slot, int] | None = None
         try:
             for key, parent in tree.dirs.items():
                 path = os.path.join(parent, name)
@@ -251,7 +254,11 @@ class Slot:
 
     def exceeded(self) -> tuple[bool, bool]:
         """(memory limit hit, process limit hit) since :meth:`configure`."""
-        return (self.oom_kills() > self._oom_base, self.pids_refused() > self._pids_base)
+        memory = self.oom_kills() > self._oom_base
+        if self.enforced_by is not None:
+            box, base = self.enforced_by
+            memory = memory or box.oom_kills() > base
+        return (memory, self.pids_refused() > self._pids_base)
 
     def members(self) -> list[int]:
         """Process ids in the slot (as this process sees them)."""

@@ -18,7 +18,7 @@ from metasched.runtime.sandbox.workspace import Template, template_from
 __all__ = ["ENV_ALLOW", "ISOLATION_MODES", "CGROUP_MODES", "SandboxConfig", "allowed_env"]
 
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
-ISOLATION_MODES = ("auto", "bwrap", "none")
+ISOLATION_MODES = ("auto", "bwrap", "gvisor", "none")
 CGROUP_MODES = ("auto", "v2", "v1", "none")
 
 # Variables a command gets from the dispatcher's environment; everything else it is
@@ -80,7 +80,10 @@ class SandboxConfig(Strict):
 
     Attributes:
         isolation: ``"bwrap"`` (namespaces made by bubblewrap: see the docs' Sandboxes page for
-            what it guarantees), ``"none"`` (commands run on the host as the dispatcher's
+            what it guarantees), ``"gvisor"`` (each sandbox a gVisor container: the
+            same root, workspace and users, commands run by ``runsc exec`` against
+            gVisor's own kernel; refused, never downgraded, where runsc cannot run),
+            ``"none"`` (commands run on the host as the dispatcher's
             user, with their own scratch directory), or ``"auto"`` (bwrap where it is
             installed and works, else none, with a one-line warning saying why).
         cgroups: ``"auto"`` (each controller from cgroup v2 where it is delegated, else
@@ -113,6 +116,10 @@ class SandboxConfig(Strict):
         templates: the workspace templates requests may name (``workspace_template``):
             name -> a directory or tar archive on this host, checked at construction.
             A request names one of these; it never gives a path.
+        gvisor_warm: with ``isolation: gvisor``, how many sandboxes of each common kind
+            (a trajectory's without network or template, a trajectory-less command's)
+            are kept started ahead, so that a first command does not wait for a
+            container's start (see :mod:`~metasched.runtime.sandbox.warm`); 0: none.
     """
 
     isolation: Literal[ISOLATION_MODES] = "auto"  # type: ignore[valid-type]
@@ -131,6 +138,7 @@ class SandboxConfig(Strict):
     scratch_mb: Number(ge=1.0, le=2.0**40) = 512.0
     pids_max: Count(1, 4_194_304) = 1024
     templates: Annotated[dict[Any, Any] | None, AfterValidator(_checked_templates)] = {}
+    gvisor_warm: Count(0, 64) = 1
 
     def __init__(self, **data: Any) -> None:
         # Built in Python, as from the settings: a bad value is one line naming it.

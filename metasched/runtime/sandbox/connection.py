@@ -224,10 +224,10 @@ class ServerConnection:
             self.forget("spawned", request["cmd"])
             raise
 
-    def open(self, request: dict[str, Any]) -> None:
+    def open(self, request: dict[str, Any], fds: Sequence[int] = ()) -> None:
         """Ask for a sandbox; the ``"opened"`` event for its ``sid`` says when it is ready
-        (or why it failed)."""
-        self._send({"op": "open", **request})
+        (or why it failed). ``fds``: a gVisor sandbox's cgroup.procs files."""
+        self._send({"op": "open", **request}, fds)
 
     def kill(self, cmd: int) -> None:
         """SIGKILL a command's process group (when no cgroup can)."""

@@ -45,6 +45,12 @@ class Sandbox:
     running: int = 0
     closed: bool = False
     retired: bool = False
+    # gVisor: the cgroup slot the whole container runs in, the grants (cores, memory
+    # bytes) of its running commands by command id, and whether it serves one
+    # trajectory-less command only
+    box_slot: Slot | None = None
+    grants: dict[int, tuple[tuple[int, ...], int]] = field(default_factory=dict)
+    throwaway: bool = False
 
     @property
     def shared(self) -> bool:

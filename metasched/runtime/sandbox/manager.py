@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from metasched.errors import ConfigError
-from metasched.runtime.sandbox import bwrap, cgroups, devices, egress
+from metasched.runtime.sandbox import bwrap, cgroups, devices, egress, gvisor
 from metasched.runtime.sandbox.cgroups import Slot
 from metasched.runtime.sandbox.config import SandboxConfig
 from metasched.runtime.sandbox.connection import ServerConnection, ServerGone, spawned_pid
@@ -29,6 +29,7 @@ from metasched.runtime.sandbox.handles import Sandbox, Started
 from metasched.runtime.sandbox.lifeline import Lifeline
 from metasched.runtime.sandbox.slots import _MB, SlotKeeping, _bytes
 from metasched.runtime.sandbox.uids import UidPool
+from metasched.runtime.sandbox.warm import WarmPool
 from metasched.runtime.sandbox.workspace import WORKSPACE, Template
 
 __all__ = ["Sandbox", "Sandboxes", "Slot", "Started"]
@@ -36,7 +37,7 @@ __all__ = ["Sandbox", "Sandboxes", "Slot", "Started"]
 log = logging.getLogger("metasched.dispatch")
 
 
-class Sandboxes(SlotKeeping):
+class Sandboxes(SlotKeeping, WarmPool):
     """Every sandbox of one dispatcher (see the module docstring).
 
     Args:
@@ -57,11 +58,17 @@ class Sandboxes(SlotKeeping):
         self.hide = [*config.hide, *hide]
         self.dev_root = dev_root if dev_root is not None else devices.DEV_ROOT
         self.warnings: list[str] = []
+        # The isolating tool: bwrap, or runsc where self.gvisor is set.
+        self.gvisor: gvisor.Bundles | None = None
         self.bwrap_path, self.bwrap_version = self._isolation()
         self.egress = egress.parse_egress(config.egress)
         # Granted network needs these; without them it is refused, never the host's.
         self.net_tools, self.net_missing = (egress.find_tools() if self.bwrap_path
                                             else (None, ""))
+        if self.gvisor is not None:  # (see the docs' Sandboxes page: gvisor, gaps)
+            self.net_tools, self.net_missing = None, (
+                "network for gVisor sandboxes is not available yet "
+                "(sandbox.isolation=bwrap grants it)")
         if self.bwrap_path is not None and self.net_tools is None:
             if config.network:
                 raise ConfigError("sandbox.network", self.net_missing)
@@ -90,16 +97,18 @@ class Sandboxes(SlotKeeping):
         self.server: ServerConnection | None = None
         if self.bwrap_path is not None or (self.tree is not None and os.geteuid() == 0):
             try:
-                self.server = ServerConnection(self._home_cgroups(),
-                                               refuse_userns=self.bwrap_path is not None)
+                # (runsc makes user namespaces itself: gVisor refuses them to commands)
+                self.server = ServerConnection(self._home_cgroups(), refuse_userns=(
+                    self.bwrap_path is not None and self.gvisor is None))
             except ServerGone as e:
-                if config.isolation == "bwrap":
+                if config.isolation in ("bwrap", "gvisor"):
                     self.close()
                     raise ConfigError("sandbox.isolation", str(e)) from None
                 self.warnings.append(f"isolation off: {e}")
                 self.bwrap_path = None
         self._sandboxes: dict[str, Sandbox] = {}
         self._shared: dict[bool, Sandbox] = {}
+        self._warm: dict[int, list[Sandbox]] = {}  # gVisor's started ahead, by size
         self._next_sid = 1
         self._next_cmd = 1
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -122,6 +131,12 @@ class Sandboxes(SlotKeeping):
         mode = self.config.isolation
         if mode == "none":
             return None, "off"
+        if mode == "gvisor":
+            path, why = gvisor.find_runsc()
+            if path is None:
+                raise ConfigError("sandbox.isolation", f"gvisor: {why}")
+            self.gvisor = gvisor.Bundles(path)
+            return path, why
         if os.geteuid() != 0:
             why = ("the sandbox needs root (to enter namespaces and switch users); the "
                    "dispatcher runs as uid " + str(os.geteuid()))
@@ -148,6 +163,7 @@ class Sandboxes(SlotKeeping):
         self._loop = loop
         if self.server is not None:
             self.server.attach(loop)
+            self._warm_fill()
 
     @property
     def isolated(self) -> bool:
@@ -173,9 +189,14 @@ class Sandboxes(SlotKeeping):
             uid = (f"uids {self.uids.first}-{self.uids.first + self.uids.count - 1} (one per "
                    "sandbox)" if not self.uids.shared else f"uid {self.uids.nobody}")
             iso = f"{self.bwrap_version} namespaces ({ns}), {uid}, minimal root"
+            if self.gvisor is not None:
+                iso = (f"gVisor ({self.bwrap_version}: a runsc container per sandbox, a "
+                       f"runsc exec per command, gVisor's own kernel; {net}), {uid}, "
+                       "minimal root")
             userns = self.server.userns if self.server is not None else "open"
-            iso += (", no user namespaces" if userns == "refused" else
-                    f", user namespaces NOT disabled: {userns}")
+            iso += (", user namespaces gVisor's own (not the host's)"
+                    if self.gvisor is not None else ", no user namespaces"
+                    if userns == "refused" else f", user namespaces NOT disabled: {userns}")
         else:
             iso = f"no isolation (host, uid {os.geteuid()})"
         if self.tree is not None:
@@ -204,13 +225,23 @@ class Sandboxes(SlotKeeping):
 
     def open(self, key: str, *, size_mb: float, template: Template | None,
              network: bool) -> Sandbox:
-        """Start making trajectory ``key``'s sandbox; await its ``ready`` before use."""
-        sb = self._new(key, size_mb, template, network)
+        """Start making trajectory ``key``'s sandbox (or take a warm one: :mod:`.warm`);
+        await its ``ready`` before use."""
+        sb = self._warm_take(size_mb, template, network)
+        if sb is not None:
+            sb.key = key
+        else:
+            sb = self._new(key, size_mb, template, network)
         self._sandboxes[key] = sb
         return sb
 
     def shared(self, network: bool) -> Sandbox:
         """The sandbox of trajectory-less commands (made on first use)."""
+        if self.gvisor is not None:  # a container per trajectory-less command
+            sb = (self._warm_take(self.config.scratch_mb, None, network)
+                  or self._new("", self.config.scratch_mb, None, network))
+            sb.throwaway = True
+            return sb
         sb = self._shared.get(network)
         if sb is None or sb.closed:
             sb = self._shared[network] = self._new("", self.config.scratch_mb, None, network)
@@ -227,7 +258,8 @@ class Sandboxes(SlotKeeping):
         to bind (a stand-in device, ``minor`` None, no such node), or where ``sb`` is
         None or not ready (the command then fails as it would there); await the
         result's ``ready`` before use."""
-        if sb is None or minor is None or sb.closed or not sb.ready.done():
+        if (sb is None or minor is None or sb.closed or not sb.ready.done()
+                or self.gvisor is not None):  # (no device in a gVisor sandbox)
             return sb
         if sb.ready.exception() is not None:
             return sb
@@ -247,8 +279,8 @@ class Sandboxes(SlotKeeping):
         sid = self._next_sid
         self._next_sid += 1
         share = parent is not None and not parent.shared  # a trajectory's workspace
-        uid = (parent.uid if share else self.uids.nobody if key == ""
-               else self.uids.take())
+        uid = (parent.uid if share else self.uids.nobody
+               if key == "" and self.gvisor is None else self.uids.take())
         size = int(size_mb * _MB)
         sb = Sandbox(sid, key, uid, network, size, template, self._loop.create_future(),
                      parent=parent, minor=minor, devices=tuple(nodes))
@@ -261,6 +293,19 @@ class Sandboxes(SlotKeeping):
             self._loop.call_soon(self._opened, sb, {"error": self.net_missing})
             return sb
         self.server.on("opened", sid, lambda ev: self._opened(sb, ev))
+        if self.gvisor is not None:
+            try:
+                if self.tree is not None:
+                    sb.box_slot = self._take_slot([])
+                    self._confine_box(sb)
+                request, fds = self.gvisor.open_request(
+                    sb, hide=self.hide, system_paths=self.config.system_paths)
+                request["net"] = self._net_spec() if network else None
+                self.server.open(request, fds)
+            except (OSError, ServerGone) as e:
+                self._loop.call_soon(self._opened, sb, {"error": f"cannot open a gVisor "
+                                                                 f"sandbox: {e}"})
+            return sb
         try:
             self.server.open({"sid": sid, "uid": uid, "gid": uid, "workspace": workspace,
                               "env": {"PATH": "/usr/bin:/bin"},
@@ -331,8 +376,11 @@ class Sandboxes(SlotKeeping):
         if sb.retired:
             return
         sb.retired = True
-        if not sb.shared and sb.parent is None:  # a GPU's sandbox has its parent's
-            self.uids.give(sb.uid)
+        if (not sb.shared or self.gvisor is not None) and sb.parent is None:
+            self.uids.give(sb.uid)  # (a GPU's sandbox has its parent's)
+        if sb.box_slot is not None:
+            self._release(sb.box_slot, lambda s: s is not None and self._drop_slot(s))
+            sb.box_slot = None
         for slot in sb.free_slots:
             self._drop_slot(slot)
         sb.free_slots.clear()
@@ -360,7 +408,7 @@ class Sandboxes(SlotKeeping):
         try:
             if slot is not None:
                 slot.configure(cores, _bytes(mem_limit_mb), pids_max)
-            if sb is not None and sb.shared and not self.uids.shared:
+            if sb is not None and sb.shared and not self.uids.shared and not sb.throwaway:
                 uid = gid = self.uids.take()  # each trajectory-less command as its own user
             cmd = self._next_cmd
             self._next_cmd += 1
@@ -372,6 +420,13 @@ class Sandboxes(SlotKeeping):
                 "private": sb.size_bytes if sb is not None and sb.shared else None}
             fds = [out_w, err_w, *(slot.procs_fds if slot is not None else ())]
             started = Started(cmd, None, slot, uid)
+            if slot is not None:
+                slot.enforced_by = None
+            if sb is not None and sb.box_slot is not None:
+                sb.grants[cmd] = (tuple(cores), _bytes(mem_limit_mb) or 0)
+                self._confine_box(sb)
+                if slot is not None:
+                    slot.enforced_by = (sb.box_slot, sb.box_slot.oom_kills())
             try:
                 if wait or self._loop is None:
                     started.pid = self.server.spawn(request, fds)
@@ -382,6 +437,8 @@ class Sandboxes(SlotKeeping):
             except ServerGone as e:
                 raise OSError(0, str(e)) from None
         except BaseException:
+            if sb is not None and sb.grants.pop(self._next_cmd - 1, None) is not None:
+                self._confine_box(sb)
             if sb is not None and uid != sb.uid:
                 self.uids.give(uid)
             if slot is not None:
@@ -415,6 +472,10 @@ class Sandboxes(SlotKeeping):
         sb.running -= 1
         if sb.parent is not None:
             sb.parent.running -= 1
+        if sb.grants.pop(started.cmd, None) is not None and not sb.closed:
+            self._confine_box(sb)
+        if sb.throwaway:
+            self.close_sandbox(sb)
         self._release(started.slot, lambda slot: self._done(sb, started, slot))
 
     def _done(self, sb: Sandbox, started: Started, slot: Slot | None) -> None:
@@ -443,6 +504,8 @@ class Sandboxes(SlotKeeping):
             self.tree.close()
             self._host_slots.clear()
             self._stuck.clear()
+        if self.gvisor is not None:
+            self.gvisor.close()
         if getattr(self, "lifeline", None) is not None:  # (made last in __init__)
             self.lifeline.close()
             self.lifeline = None

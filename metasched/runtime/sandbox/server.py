@@ -62,13 +62,14 @@ import sys
 from typing import Any
 
 from metasched.runtime.sandbox import protocol, syscalls, userns
+from metasched.runtime.sandbox.server_gvisor import GvisorSandboxes
 from metasched.runtime.sandbox.server_network import Networking
 from metasched.runtime.sandbox.server_open import Opening, _mount_tmpfs
 from metasched.runtime.sandbox.server_records import _NS, _close, _Command, _Sandbox
 from metasched.runtime.sandbox.syscalls import CLONE_NEWNS, MS_PRIVATE, MS_REC
 
 
-class Server(Opening, Networking):
+class Server(Opening, Networking, GvisorSandboxes):
     """The server's state and event loop (see the module docstring): requests, commands
     and a sandbox's end here; opening one in :class:`~.server_open.Opening`, its network
     in :class:`~.server_network.Networking`."""
@@ -122,6 +123,8 @@ class Server(Opening, Networking):
             try:
                 if op == "spawn":
                     self._spawn_request(msg, fds)
+                elif op == "open" and msg.get("gvisor"):
+                    self._open_gvisor(msg, fds)
                 elif op == "open":
                     self._open(msg)
                 elif op == "close":
@@ -165,6 +168,8 @@ class Server(Opening, Networking):
         sandbox = self.sandboxes.get(msg.get("sid"))  # None: on the host (no isolation)
         if msg.get("sid") is not None and (sandbox is None or not sandbox.ready):
             raise OSError(0, f"sandbox {msg.get('sid')} is not open")
+        if sandbox is not None and sandbox.gvisor is not None:
+            return self._spawn_gvisor(sandbox, msg, fds)
         out, err, *cgroups = fds
         uid, gid = msg["uid"], msg["gid"]
         affinity = msg.get("cores")
@@ -240,8 +245,11 @@ class Server(Opening, Networking):
                  "cpu_s": (usage.ru_utime + usage.ru_stime) if usage else 0.0}
         if cmd < 0:
             self._seeded(c.sid, status)
-        else:
-            self._reply(event)
+            return
+        sb = self.sandboxes.get(c.sid)
+        if sb is not None and sb.gvisor is not None and self._gvisor_exited(sb, cmd, event):
+            return  # reported once what is left of it in the sandbox is killed
+        self._reply(event)
 
     def _kill(self, cmd: int) -> None:
         c = self.commands.get(cmd)
@@ -258,6 +266,9 @@ class Server(Opening, Networking):
         exit, and the kernel kills whatever is left in its pid namespace."""
         sb = self.sandboxes.pop(sid, None)
         if sb is None:
+            return
+        if sb.gvisor is not None:
+            self._close_gvisor(sb)
             return
         for fd in (sb.ready_fd, sb.seed_err_fd, sb.slirp_ready_fd):
             if fd >= 0:

@@ -67,8 +67,11 @@ class Networking:
         try:
             os.set_inheritable(ready_w, True)
             os.set_inheritable(exit_r, True)
+            # (a gVisor sandbox's namespace has no process of its own: its path)
+            target = ([str(sb.init_pid)] if sb.gvisor is None else
+                      ["--netns-type=path", f"/proc/{os.getpid()}/fd/{sb.ns['net']}"])
             argv = [*net["slirp"], f"--ready-fd={ready_w}", f"--exit-fd={exit_r}",
-                    str(sb.init_pid), "tap0"]
+                    *target, "tap0"]
             sb.slirp_pid = os.posix_spawn(
                 argv[0], argv, {"PATH": "/usr/bin:/bin"},
                 file_actions=[(os.POSIX_SPAWN_DUP2, self.devnull, 0),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Callable, Sequence
 
 from metasched.runtime.sandbox.cgroups import CgroupTree, Slot
@@ -86,6 +87,24 @@ class SlotKeeping:
             self._drop_slot(slot)
         else:
             sb.free_slots.append(slot)
+
+    def _confine_box(self, sb: Sandbox) -> None:
+        """Configure a gVisor sandbox's slot (its whole container: gVisor's kernel runs
+        every command's threads) for the commands running in it: the union of their
+        cores (every core of this process while none runs), their memory limits on top
+        of what the container holds now (no limit where a command has none, or while
+        none runs), and no pids limit (gVisor's own threads count there)."""
+        slot = sb.box_slot
+        if slot is None:
+            return
+        cores = sorted({c for cs, _ in sb.grants.values() for c in cs}) or sorted(
+            os.sched_getaffinity(0))
+        mems = [m for _, m in sb.grants.values()]
+        mem = None if any(m == 0 for m in mems) or not mems else sum(mems)
+        try:
+            slot.configure(cores, mem, None)
+        except OSError as e:  # e.g. a limit below what it holds now: the last one stays
+            log.debug("gVisor sandbox %d: cannot set its cgroup: %s", sb.sid, e)
 
     def _drop_slot(self, slot: Slot) -> None:
         if not slot.remove():

@@ -1,0 +1,164 @@
+"""What ``sandbox.isolation: gvisor`` costs against bubblewrap: a command's latency in a
+live sandbox, and making a sandbox.
+
+Designs, each running ``/bin/true`` N times in blocks of ``--block`` interleaved with
+the other designs' blocks (so that a shared machine's load falls on all alike):
+
+- ``bwrap``: the dispatcher's bubblewrap design (the sandbox server enters a trajectory's
+  live namespaces and spawns the command in a cgroup slot configured for it);
+- ``gvisor``: the dispatcher's gVisor design: ``runsc exec`` into the trajectory's live
+  runsc container, in a cgroup slot, the container's cgroup set to the command's grant,
+  then the container's init agent asked to kill what is left of the command;
+- ``runsc-exec``: ``runsc exec`` of ``/bin/true`` into a live container and nothing
+  else (the bound of any design that starts a command through runsc);
+- ``runsc-exec-sh``: the same running ``/bin/sh -c 'exit 0'`` (a program start inside
+  gVisor: what an in-container exec server forking commands would pay at least, besides
+  its own messages).
+
+Each time is from the request to the observed exit. It also times making a trajectory's
+sandbox (``--opens`` of each mode, alternately; from the request to "ready"): for
+gVisor, the bundle written, ``runsc run --detach`` of a container and its init agent up
+(``gvisor``, ``sandbox.gvisor_warm=0``), or a container started ahead taken
+(``gvisor-warm``, ``sandbox.gvisor_warm=1``: the next one has started by then, as when
+trajectories do not all start at once).
+
+    python benchmarks/gvisor_latency.py [--n 200] [--block 10] [--opens 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from metasched.runtime.sandbox import bwrap, gvisor  # noqa: E402
+from metasched.runtime.sandbox.config import SandboxConfig  # noqa: E402
+from metasched.runtime.sandbox.manager import Sandboxes  # noqa: E402
+
+TRUE = "/bin/true"
+ENV = {b"PATH": b"/usr/bin:/bin", b"HOME": b"/workspace"}
+
+
+class Mode:
+    """One isolation mode's dispatcher sandboxes and one live trajectory sandbox."""
+
+    def __init__(self, isolation: str, warm: int = 0) -> None:
+        self.boxes = Sandboxes(SandboxConfig(isolation=isolation, gvisor_warm=warm,
+                                             workspace_mb=64))
+        self.loop = asyncio.get_running_loop()
+        self.boxes.attach(self.loop)
+        self.traj = self.boxes.open("bench", size_mb=64, template=None, network=False)
+
+    async def command(self) -> None:
+        await self.traj.ready
+        done = self.loop.create_future()
+        r, w = os.pipe()
+        try:
+            started = self.boxes.start(self.traj, argv=[TRUE], env=ENV, cores=[0],
+                                       mem_limit_mb=256, pids_max=64, out_w=w, err_w=w)
+        finally:
+            os.close(w)
+        self.boxes.on_exit(started, done.set_result)
+        ev = await done
+        os.close(r)
+        self.boxes.finished(self.traj, started)
+        if ev["status"] != 0:
+            raise SystemExit(f"sandboxed /bin/true failed: {ev}")
+
+    async def opens(self, key: str) -> float:
+        t0 = time.perf_counter()
+        sb = self.boxes.open(key, size_mb=64, template=None, network=False)
+        await sb.ready
+        took = (time.perf_counter() - t0) * 1e3
+        self.boxes.close_sandbox(sb)
+        return took
+
+    def runsc_exec(self, argv: list[str]) -> None:
+        """``runsc exec`` alone, into the live container (gVisor only)."""
+        gv = self.boxes.gvisor
+        cid = f"{gv.prefix}{self.traj.sid}"
+        subprocess.run([*gv.argv, "exec", "--user", f"{self.traj.uid}:{self.traj.uid}",
+                        "--cwd", "/workspace", cid, *argv], check=True,
+                       stdout=subprocess.DEVNULL)
+
+    def close(self) -> None:
+        self.boxes.close()
+
+
+def pct(xs: list[float], q: float) -> float:
+    return statistics.quantiles(xs, n=100, method="inclusive")[int(q) - 1]
+
+
+async def measure(n: int, block: int, opens: int) -> tuple[dict[str, list[float]],
+                                                          dict[str, list[float]]]:
+    modes = {"bwrap": Mode("bwrap"), "gvisor": Mode("gvisor"),
+             "gvisor-warm": Mode("gvisor", warm=1)}
+    try:
+        for m in modes.values():
+            await m.traj.ready
+        gv = modes["gvisor"]
+        runs = {"bwrap": modes["bwrap"].command, "gvisor": gv.command,
+                "runsc-exec": lambda: asyncio.to_thread(gv.runsc_exec, [TRUE]),
+                "runsc-exec-sh": lambda: asyncio.to_thread(gv.runsc_exec,
+                                                           ["/bin/sh", "-c", "exit 0"])}
+        for run in runs.values():  # warm up
+            for _ in range(3):
+                await run()
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        for _ in range(0, n, block):
+            for name, run in runs.items():
+                for _ in range(block):
+                    t0 = time.perf_counter()
+                    await run()
+                    times[name].append((time.perf_counter() - t0) * 1e3)
+        open_ms: dict[str, list[float]] = {name: [] for name in modes}
+        for i in range(opens):
+            for name, m in modes.items():
+                if name == "gvisor-warm":  # the next one started (as between trajectories)
+                    await asyncio.gather(*(b.ready for p in m.boxes._warm.values() for b in p))
+                open_ms[name].append(await m.opens(f"open-{i}"))
+        return times, open_ms
+    finally:
+        for m in modes.values():
+            m.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--n", type=int, default=200, help="commands per design")
+    ap.add_argument("--block", type=int, default=10, help="commands per design in a row")
+    ap.add_argument("--opens", type=int, default=20, help="sandboxes made per mode, timed")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("SKIPPED: the sandboxes need root")
+    for find in (bwrap.find_bwrap, gvisor.find_runsc):
+        path, why = find()
+        if path is None:
+            raise SystemExit(f"SKIPPED: {why}")
+    times, open_ms = asyncio.run(measure(args.n, max(1, args.block), args.opens))
+    base50, base99 = pct(times["bwrap"], 50), pct(times["bwrap"], 99)
+    print(f"{args.n} × /bin/true per design, in interleaved blocks of {args.block}; latency "
+          f"from request to observed exit, ms (load average {os.getloadavg()[0]:.2f}, "
+          f"{os.cpu_count()} cores)")
+    print("| design | p50 ms | p99 ms | over bwrap p50 ms | over bwrap p99 ms |")
+    print("|---|---|---|---|---|")
+    for name, xs in times.items():
+        p50, p99 = pct(xs, 50), pct(xs, 99)
+        print(f"| {name} | {p50:.1f} | {p99:.1f} | {p50 - base50:+.1f} | {p99 - base99:+.1f} |")
+    if args.opens:
+        print(f"\nmaking a trajectory's sandbox ({args.opens} per mode, alternately), ms")
+        print("| mode | p50 ms | p99 ms |")
+        print("|---|---|---|")
+        for name, xs in open_ms.items():
+            print(f"| {name} | {pct(xs, 50):.1f} | {pct(xs, 99):.1f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,353 @@
+"""gVisor sandboxes in the sandbox server (:mod:`.server`): a sandbox is a runsc
+container started detached (its bundle written by the dispatcher: :mod:`.gvisor`), a
+command is a ``runsc exec`` in it, and a command's end kills what is left of it inside.
+
+Opening: ``runsc run --detach`` starts inside the sandbox's cgroup slot (its
+descriptors come with the ``open`` request), so the sandbox's kernel (the Sentry), its
+file proxy (the Gofer) and every thread running the sandbox's programs are confined by
+it. The container's init is :data:`.gvisor.AGENT`, its stdin a pipe only this server
+writes to and its stdout the pipe it answers on: its first newline says the sandbox is
+ready.
+
+A command: ``runsc exec`` as the command's user, in ``/workspace``, with its
+environment, started by ``posix_spawn`` with the command's stdout and stderr (runsc
+hands them to the process in the sandbox) inside the command's own cgroup slot (which
+then holds that ``runsc exec``: killing the slot ends the waiter, and so the command).
+The process in the sandbox is a session leader there (gVisor makes one session per
+exec); ``--internal-pid-file`` says its pid. When the ``runsc exec`` exits (the command
+exited, or its slot was killed) the server asks the agent to kill that process group
+and, when no other command is running in the sandbox, every process in it but the
+agent (setsid daemons included), and reports the exit once the agent answers: nothing
+of a command outlives its end. (Of commands running side by side in one sandbox, a
+daemon that left its command's process group lives until the last of them ends.)
+
+Closing: the agent's stdin is closed, the agent exits, and with the root container's
+init the sandbox ends (gVisor kills every process in it); ``runsc delete --force``
+then removes the container's state, and the bundle is removed. When the server dies,
+however, the pipe closes and the sandbox ends the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import shutil
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from metasched.runtime.sandbox import syscalls
+from metasched.runtime.sandbox.server_records import _close, _read_all, _Sandbox
+from metasched.runtime.sandbox.syscalls import CLONE_NEWNET
+
+_RUNSC_ENV = {"PATH": "/usr/bin:/bin"}
+
+
+class GvisorSandboxes:
+    """The sandbox server's gVisor steps (a part of
+    :class:`~metasched.runtime.sandbox.server.Server`, which holds the state they use)."""
+
+    sel: selectors.BaseSelector
+    sandboxes: dict[int, _Sandbox]
+    home_cgroups: list[int]
+    devnull: int
+
+    own: dict[str, int]
+    # (the Server's, Opening's and Networking's)
+    _reply: Callable[[dict[str, Any]], None]
+    _close: Callable[[int], None]
+    _opened: Callable[[_Sandbox], None]
+    _start_network: Callable[[_Sandbox], None]
+    _reap_slirp: Callable[[_Sandbox], None]
+
+    # --- opening ------------------------------------------------------------------------
+
+    def _open_gvisor(self, msg: dict[str, Any], cgroups: list[int]) -> None:
+        gv = msg["gvisor"]
+        sid = msg["sid"]
+        sb = _Sandbox(sid, msg["uid"], msg["gid"], workspace={}, net=msg.get("net"))
+        sb.gvisor = gv
+        self.sandboxes[sid] = sb
+        err_path = os.path.join(gv["bundle"], "runsc.err")
+        try:
+            block_r, sb.block_fd = os.pipe()
+            sb.ready_fd, ready_w = os.pipe()
+            err = os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
+                          0o600)
+            argv = [*gv["runsc"], "run", "--detach", "--bundle", gv["bundle"], gv["cid"]]
+            moved = entered = False
+            try:
+                for fd in cgroups:
+                    os.write(fd, b"0")
+                moved = bool(cgroups)
+                if sb.net is not None:  # runsc starts in a network namespace of its own
+                    syscalls.unshare(CLONE_NEWNET)
+                    entered = True
+                    sb.ns["net"] = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+                sb.bwrap_pid = os.posix_spawn(
+                    argv[0], argv, _RUNSC_ENV,
+                    file_actions=[(os.POSIX_SPAWN_DUP2, block_r, 0),
+                                  (os.POSIX_SPAWN_DUP2, ready_w, 1),
+                                  (os.POSIX_SPAWN_DUP2, err, 2)],
+                    setsid=True)
+            finally:
+                self._back_home(moved, entered)
+                for fd in (block_r, ready_w, err):
+                    _close(fd)
+            sb.bwrap_fd = os.pidfd_open(sb.bwrap_pid)
+            if sb.net is not None:
+                self._start_network(sb)  # its rules and stack: ready once both are up
+        except OSError as e:
+            self._fail_gvisor(sb, f"cannot start runsc: {e.strerror or e}")
+            return
+        # runsc run --detach exits once the container runs: reap it then.
+        self.sel.register(sb.bwrap_fd, selectors.EVENT_READ,
+                          lambda _, s=sb: self._reap_runsc(s))
+        os.set_blocking(sb.ready_fd, False)
+        self.sel.register(sb.ready_fd, selectors.EVENT_READ,
+                          lambda _, s=sb: self._agent_said(s))
+
+    def _enter_net(self, sb: _Sandbox) -> bool:
+        """Enter ``sb``'s network namespace, where it has one of its own (runsc reaches
+        a sandbox through an abstract unix socket: in the sandbox's namespace)."""
+        if "net" not in sb.ns:
+            return False
+        syscalls.setns(sb.ns["net"], CLONE_NEWNET)
+        return True
+
+    def _back_home(self, moved: bool, entered: bool) -> None:
+        """Back to this process's own cgroups and network namespace (else exit: it
+        cannot go on safely)."""
+        try:
+            if entered:
+                syscalls.setns(self.own["net"], CLONE_NEWNET)
+            if moved:
+                for fd in self.home_cgroups:
+                    os.write(fd, b"0")
+        except OSError as e:
+            print(f"sandbox server: cannot return to its own state: {e}", file=sys.stderr)
+            os._exit(1)
+
+    def _reap_runsc(self, sb: _Sandbox) -> None:
+        if sb.bwrap_fd < 0:
+            return
+        self.sel.unregister(sb.bwrap_fd)
+        _close(sb.bwrap_fd)
+        sb.bwrap_fd = -1
+        try:
+            _, status = os.waitpid(sb.bwrap_pid, 0)
+            sb.runsc_status = os.waitstatus_to_exitcode(status)
+        except ChildProcessError:
+            pass
+
+    def _agent_said(self, sb: _Sandbox) -> None:
+        """The agent's newlines: the first says the sandbox is ready, each next one
+        that a kill request is done. End of file: the sandbox is gone."""
+        if sb.ready_fd < 0:  # closed by an earlier event of the same batch
+            return
+        try:
+            data = os.read(sb.ready_fd, 4096)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self.sel.unregister(sb.ready_fd)
+            _close(sb.ready_fd)
+            sb.ready_fd = -1
+            if not sb.mounted:
+                self._fail_gvisor(sb, f"runsc failed: {self._runsc_error(sb)}")
+            else:
+                self._flush_sweeps(sb)
+            return
+        for _ in range(data.count(b"\n")):
+            if not sb.mounted:  # the agent runs: ready once its network is, if granted
+                sb.mounted = True
+                if not sb.net_pending:
+                    self._opened(sb)
+            elif sb.sweeps:
+                self._reply(sb.sweeps.popleft())
+
+    def _runsc_error(self, sb: _Sandbox) -> str:
+        if sb.bwrap_fd >= 0:  # not reaped yet: it is exiting
+            try:
+                os.waitpid(sb.bwrap_pid, 0)
+            except ChildProcessError:
+                pass
+        try:
+            with open(os.path.join(sb.gvisor["bundle"], "runsc.err"), "rb") as f:
+                lines = f.read()[-4096:].decode(errors="replace").strip().splitlines()
+        except OSError:
+            lines = []
+        return lines[-1] if lines else "it exited before the sandbox ran"
+
+    def _fail_gvisor(self, sb: _Sandbox, why: str) -> None:
+        self._close(sb.sid)
+        self._reply({"ev": "opened", "sid": sb.sid, "error": why})
+
+    # --- commands -----------------------------------------------------------------------
+
+    def _spawn_gvisor(self, sb: _Sandbox, msg: dict[str, Any], fds: list[int]) -> int:
+        """``runsc exec`` of one command (fds: stdout, stderr, then its slot's
+        cgroup.procs files); the command's user is counted as running in ``sb``."""
+        out, err, *cgroups = fds
+        gv = sb.gvisor
+        uid, gid = msg["uid"], msg["gid"]
+        pid_file = os.path.join(gv["bundle"], f"cmd{msg['cmd']}.pid")
+        argv: list[bytes | str] = [*gv["runsc"], "exec", "--user", f"{uid}:{gid}",
+                                   "--cwd", msg["cwd"], "--internal-pid-file", pid_file]
+        env = dict(msg["env"])
+        if b"PATH" in env:
+            env[b"PATH"] = _searchable(env[b"PATH"], gv["seen"])
+        _check_program(msg["argv"][0], env.get(b"PATH", b"/usr/bin:/bin"), gv["seen"])
+        for k, v in env.items():
+            argv += [b"--env", k + b"=" + v]
+        argv += [gv["cid"], *msg["argv"]]
+        moved = entered = False
+        try:
+            for fd in cgroups:
+                os.write(fd, b"0")
+            moved = bool(cgroups)
+            entered = self._enter_net(sb)
+            pid = os.posix_spawn(
+                argv[0], argv, _RUNSC_ENV,
+                file_actions=[(os.POSIX_SPAWN_DUP2, self.devnull, 0),
+                              (os.POSIX_SPAWN_DUP2, out, 1),
+                              (os.POSIX_SPAWN_DUP2, err, 2)],
+                setsid=True)
+        finally:
+            self._back_home(moved, entered)
+        sb.user_running[uid] = sb.user_running.get(uid, 0) + 1
+        sb.exec_users[msg["cmd"]] = (uid, pid_file)
+        return pid
+
+    def _gvisor_exited(self, sb: _Sandbox, cmd: int, event: dict[str, Any]) -> bool:
+        """A command's ``runsc exec`` exited: ask the agent to kill what is left of it;
+        its exit is reported once that is done (True: the event is held)."""
+        uid, pid_file = sb.exec_users.pop(cmd, (None, ""))
+        if uid is None:
+            return False
+        sb.user_running[uid] = sb.user_running.get(uid, 1) - 1
+        try:
+            session = _read_all(os.open(pid_file, os.O_RDONLY | os.O_CLOEXEC)).strip()
+            os.unlink(pid_file)
+            session = str(int(session))
+        except (OSError, ValueError):
+            session = "-"
+        if sb.block_fd < 0 or sb.ready_fd < 0:
+            return False
+        everything = sum(sb.user_running.values()) == 0  # nothing else runs in it
+        request = f"{'all' if everything else '-'} {session}\n".encode()
+        try:
+            os.write(sb.block_fd, request)
+        except OSError:
+            return False
+        sb.sweeps.append(event)
+        return True
+
+    def _flush_sweeps(self, sb: _Sandbox) -> None:
+        while sb.sweeps:
+            self._reply(sb.sweeps.popleft())
+
+    # --- closing ------------------------------------------------------------------------
+
+    def _close_gvisor(self, sb: _Sandbox) -> None:
+        """End ``sb``: the agent's stdin closes (the sandbox ends), then runsc deletes
+        the container and the bundle goes."""
+        if sb.ready_fd >= 0:
+            self.sel.unregister(sb.ready_fd)
+            _close(sb.ready_fd)
+            sb.ready_fd = -1
+        _close(sb.block_fd)
+        sb.block_fd = -1
+        self._flush_sweeps(sb)
+        self._delete_container(sb)
+        if sb.slirp_ready_fd >= 0:
+            self.sel.unregister(sb.slirp_ready_fd)
+        for fd in (sb.slirp_ready_fd, sb.slirp_exit_fd, *sb.ns.values()):  # (its stack ends)
+            _close(fd)
+        sb.slirp_ready_fd = sb.slirp_exit_fd = -1
+        if sb.slirp_fd >= 0:
+            self.sel.register(sb.slirp_fd, selectors.EVENT_READ,
+                              lambda _, s=sb: self._reap_slirp(s))
+
+    def _delete_container(self, sb: _Sandbox) -> None:
+        """``runsc delete --force`` (in the sandbox's network namespace), then the
+        bundle is removed."""
+        gv = sb.gvisor
+        argv = [*gv["runsc"], "delete", "--force", gv["cid"]]
+        entered = False
+        try:
+            entered = self._enter_net(sb)
+            pid = os.posix_spawn(argv[0], argv, _RUNSC_ENV,
+                                 file_actions=[(os.POSIX_SPAWN_DUP2, self.devnull, 0),
+                                               (os.POSIX_SPAWN_DUP2, self.devnull, 1),
+                                               (os.POSIX_SPAWN_DUP2, self.devnull, 2)],
+                                 setsid=True)
+            pidfd = os.pidfd_open(pid)
+        except OSError:
+            shutil.rmtree(gv["bundle"], ignore_errors=True)
+            return
+        finally:
+            self._back_home(False, entered)
+
+        def deleted(_: Any) -> None:
+            self.sel.unregister(pidfd)
+            _close(pidfd)
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+            shutil.rmtree(gv["bundle"], ignore_errors=True)
+        self.sel.register(pidfd, selectors.EVENT_READ, deleted)
+
+
+def _seen(path: str, seen: list[str]) -> bool:
+    """Whether host ``path`` is in a gVisor sandbox, at the same place, for anyone: under
+    a bound path and every directory down to it searchable by others."""
+    path = os.path.realpath(path)  # (/bin: a symlink to usr/bin there as here)
+    root = next((b for b in seen if path == b or path.startswith(b.rstrip("/") + "/")), None)
+    if root is None:
+        return False
+    d = path
+    while True:
+        try:
+            if not os.stat(d).st_mode & 0o001:
+                return False
+        except OSError:
+            return False
+        if len(d) <= len(root):
+            return True
+        d = os.path.dirname(d)
+
+
+def _searchable(path: bytes, seen: list[str]) -> bytes:
+    """The entries of a command's ``PATH`` it may search in its gVisor sandbox (the
+    bound system directories it can reach, and its own ``/workspace`` and ``/tmp``);
+    ``/usr/bin:/bin`` where none is (as :func:`.server._searchable` in a bubblewrap
+    sandbox)."""
+    kept = []
+    for d in path.split(b":"):
+        name = os.fsdecode(d)
+        if name.startswith("/") and (name.split("/")[1] in ("workspace", "tmp")
+                                     or (_seen(name, seen) and os.path.isdir(name))):
+            kept.append(d)
+    return b":".join(kept) or b"/usr/bin:/bin"
+
+
+def _check_program(program: bytes | str, path: bytes, seen: list[str]) -> None:
+    """Raise ENOENT where ``program`` is certainly not in the sandbox (as a spawn in a
+    bubblewrap sandbox does): a name found in none of the system directories of
+    ``path``, or a path under a bound one that does not exist. Names in the workspace
+    or ``/tmp`` are left to runsc."""
+    name = os.fsdecode(program)
+    if "/" in name:
+        if _seen(os.path.dirname(os.path.normpath(name)) or "/", seen) and not os.path.exists(
+                name):
+            raise FileNotFoundError(2, "No such file or directory")
+        return
+    dirs = [os.fsdecode(d) for d in path.split(b":")]
+    if any(d.split("/")[1:2] in (["workspace"], ["tmp"]) for d in dirs):
+        return
+    if not any(os.access(os.path.join(d, name), os.X_OK) for d in dirs):
+        raise FileNotFoundError(2, "No such file or directory")
