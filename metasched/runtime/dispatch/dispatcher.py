@@ -47,6 +47,7 @@ from metasched.runtime.dispatch.journal_writer import JournalWriter
 from metasched.runtime.dispatch.local import LocalBackend
 from metasched.runtime.dispatch.policy import fall_back, load_scheduler
 from metasched.runtime.dispatch.sandbox_gate import SandboxGate
+from metasched.runtime.dispatch.sharing import Sharing
 from metasched.runtime.dispatch.trajectories import Trajectories
 from metasched.runtime.gpu import LiveService
 from metasched.runtime.journal import Journal
@@ -149,6 +150,7 @@ class Dispatcher:
         self.admission = admission.Admission(self)
         self.trajectories = Trajectories(self)
         self.gate = SandboxGate(self)
+        self.sharing = Sharing(self)  # deadlines and idle cores (time-sharing)
         self.boxes: Any = None  # the backend's sandboxes, made at start
         # What commands get from this process's environment (no secret is in the list);
         # the rest comes from their request's env.
@@ -211,6 +213,7 @@ class Dispatcher:
             except sqlite3.DatabaseError as e:
                 self._unreadable(e)
         self._ticker = asyncio.create_task(self._tick())
+        self.sharing.start()
         self._kick()
 
     def _unreadable(self, e: sqlite3.DatabaseError) -> None:
@@ -243,6 +246,7 @@ class Dispatcher:
                 await asyncio.gather(*futures, return_exceptions=True)
         self._closed = True
         self.backend.sample()  # the span since the last periodic sample
+        await self.sharing.close()
         await self.executors.close()
         if self.boxes is not None:
             self.boxes.close()  # every sandbox ends, with whatever still runs in it
@@ -349,6 +353,7 @@ class Dispatcher:
         executors = self.executors
         state.advance(self._now())
         step = self.step  # the core's decision step (the guard's grants start there)
+        self.sharing.serve()  # commands at their latest start first (core.deadlines)
         waited = False
         while step.ready():
             sched = self.scheduler
@@ -391,6 +396,9 @@ class Dispatcher:
         deadline = self.guard.next_deadline(state)
         if deadline is not None:
             waits.append(max(0.0, deadline - state.t))
+        due = self.sharing.next_due()
+        if due is not None:
+            waits.append(max(0.0, due - state.t))
         if not waits:
             return
         delay = min(waits) + 1e-6
