@@ -148,6 +148,7 @@ class RunCodeResponse(BaseModel):
 
 
 FILES_TIMEOUT_S = 60.0  # writing a request's files, fetching them back
+FILES_NEED_S = 2.0  # what a files step is given before its deadline (see step_deadlines)
 # Failures that are the program's running out of time, not the sandbox's fault.
 _TIME_LIMITS = ("timeout after", "cpu time limit exceeded")
 
@@ -211,16 +212,21 @@ class DeadlineMissed(Exception):
 
 
 def step_deadlines(deadline_at: float | None, req: RunCodeRequest, compiles: bool,
-                   default_timeout_s: float) -> dict[str, float | None]:
+                   default_timeout_s: float, files_s: float) -> dict[str, float | None]:
     """Each step's deadline (``time.monotonic()``): the request's, less the time
-    reserved for the steps after it (a run's timeout before the run, a second for the
-    fetch), so each step starts by when the rest can still be answered in time."""
+    reserved for the steps after it (a run's timeout before the run, ``FILES_NEED_S``
+    before a fetch), so each step starts by when the rest can still be answered in
+    time. A files step (write, fetch) is expected to take ``FILES_NEED_S`` at most,
+    not its ``files_s`` limit: its deadline is moved by the difference, so that its
+    latest start (deadline less limit) leaves it that long."""
     if deadline_at is None:
         return dict.fromkeys(("write", "compile", "run", "fetch"))
-    run_at = deadline_at - (1.0 if req.fetch_files else 0.0)
+    run_at = deadline_at - (FILES_NEED_S if req.fetch_files else 0.0)
     compile_at = run_at - (req.run_timeout or default_timeout_s)
     write_at = compile_at - ((req.compile_timeout or default_timeout_s) if compiles else 0.0)
-    return {"write": write_at, "compile": compile_at, "run": run_at, "fetch": deadline_at}
+    files = files_s - FILES_NEED_S
+    return {"write": write_at + files, "compile": compile_at, "run": run_at,
+            "fetch": deadline_at + files}
 
 
 async def run_code(service: Service, req: RunCodeRequest, context: dict[str, Any], *,
@@ -261,13 +267,13 @@ async def run_code(service: Service, req: RunCodeRequest, context: dict[str, Any
     if req.memory_limit_MB > 0:  # else the dispatcher's default (limits.mem_mb)
         common["mem_limit_mb"] = req.memory_limit_MB
     files_s = min(FILES_TIMEOUT_S, service.limits.max_timeout_s)
+    deadlines = step_deadlines(deadline_at, req, lang.compile_argv(layout) is not None,
+                               service.limits.timeout_s, files_s)
     compiled: CommandRunResult | None = None
     ran: CommandRunResult | None = None
     fetched: dict[str, str] = {}
     unfetched: dict[str, str] = {}
 
-    deadlines = step_deadlines(deadline_at, req, lang.compile_argv(layout) is not None,
-                               service.limits.timeout_s)
 
     async def step(argv: list[str], name: str, timeout_s: float, **extra: Any) -> Result:
         at = deadlines[name]
