@@ -99,6 +99,19 @@ async def test_idle_commands_do_not_keep_a_hello_world_waiting(served):
     assert [w.json()["run_result"]["stdout"] for w in woke] == ["woke\n"] * 3
 
 
+async def test_a_burst_beyond_sandbox_memory_is_answered_before_its_deadline():
+    # A node of 3 GB holds two 1 GB workspaces beside the shared sandbox: the others'
+    # sandboxes are opened at their latest start, past the memory pool (a workspace's
+    # size caps what it may hold), rather than keeping their callers waiting.
+    cfg = DispatcherConfig(scheduler="elastic_greedy", mem_gb=3.0)
+    with serving(cfg, ServeConfig(languages=["python"])) as s:
+        answers = await _burst(s.url, [{"code": LOOP, "run_timeout": 3}] * 8, 12.0,
+                               headers={"X-Metasched-Deadline-S": "12"})
+        _time_limit(answers)
+        assert max(t for t, _, _ in answers) < 12.0
+        assert s.dispatcher.stats()["deadline_sandboxes"] > 0
+
+
 async def test_with_refuse_a_request_that_cannot_start_in_time_is_504_before_its_deadline():
     # Six 3 s loops, each caller waiting 12 s: two run at once on this machine's cores,
     # and the others cannot all start in time: each of those is answered 504 (which

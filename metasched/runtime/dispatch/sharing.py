@@ -11,7 +11,10 @@ dispatcher, and no granted core that sits idle keeps a command waiting.
   limit then ends it, with its result or a "time limit", before the deadline. With
   ``deadlines.on_deadline: refuse`` it is failed then instead (``deadline: ...``).
   A request recovered from the journal after a restart has no deadline: its caller
-  has gone.
+  has gone. A trajectory's first command waiting for sandbox memory at its latest
+  start gets its sandbox then, the memory overcommitted (a workspace's size caps what
+  it may hold; what it holds is mostly far less), as a host runs more sandboxes than
+  their caps add up to.
 - **Idle grants.** While commands wait for cores, the CPU time of each running command
   (its cgroup's ``cpu.stat``) is read every ``idle_after_s / 2``; a core on which every
   command has run ``idle_after_s`` and used under ``idle_cpu`` of its cores' time in the
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from typing import TYPE_CHECKING, Any
 
 from metasched.core.actions import PENDING, Action
@@ -69,6 +73,9 @@ class Sharing:
         self.n_lent = 0  # started time-shared on idle cores
         self.n_refused = 0
         self._probe: asyncio.Task | None = None
+        self.n_overcommitted = 0  # sandboxes opened past the memory pool at a deadline
+        self._box_due = math.inf  # when the next sandbox waiter is due (state time)
+        self._box_seen = 0  # trajectories waiting for memory at the last walk
 
     # ------------------------------------------------------------ deadlines
 
@@ -84,13 +91,47 @@ class Sharing:
 
     def serve(self) -> None:
         """Act on the commands whose latest start has come (before the scheduler is
-        asked, as in simulation)."""
+        asked, as in simulation), and on the sandboxes they wait for."""
         if self.rule.next_due(self.d.state) is not None:
             serve_due(self.d.state, self.rule, self.d.executors.start, self._due)
+        waiting = self.d.gate.wait
+        if len(waiting) and (len(waiting) != self._box_seen or self.d.state.t >= self._box_due):
+            self._open_due_sandboxes()
 
     def next_due(self) -> float | None:
         """When the next queued command reaches its latest start (state time)."""
-        return self.rule.next_due(self.d.state)
+        due = self.rule.next_due(self.d.state)
+        if len(self.d.gate.wait) and self._box_due < math.inf:
+            due = self._box_due if due is None else min(due, self._box_due)
+        return due
+
+    def _open_due_sandboxes(self) -> None:
+        """Open the sandboxes of trajectories waiting for memory whose first command
+        has reached its latest start (memory overcommitted); note when the next is due."""
+        d = self.d
+        gate, state = d.gate, d.state
+        now = state.t
+        nxt = math.inf
+        for traj in list(gate.wait):
+            jobs = gate.awaiting.get(traj.id)
+            start_by = self.start_by(jobs[0]) if jobs else None
+            if start_by is None:
+                continue
+            due = jobs[0].queued_at - d._wall0 + start_by
+            if due > now:
+                nxt = min(nxt, due)
+                continue
+            spec = gate._spec(jobs[0].request)
+            cpu = state.cpu
+            node = max(range(cpu.n_nodes), key=lambda n: (cpu.mem_free[n], -n))
+            cpu.mem_free[node] -= spec.mem_gb  # returned when the trajectory closes
+            cpu.sandboxes[node] += 1
+            traj.sandbox, traj.node = spec, node
+            state.version += 1
+            gate.wait.remove(traj)
+            self.n_overcommitted += 1
+            gate._open(traj, jobs[0].request)
+        self._box_due, self._box_seen = nxt, len(gate.wait)
 
     def _due(self, a: Action, node: int) -> None:
         d = self.d
@@ -208,7 +249,7 @@ class Sharing:
     def stats(self) -> dict[str, Any]:
         """Counters for ``Dispatcher.stats``."""
         return {"deadline_shared": self.n_shared, "deadline_refused": self.n_refused,
-                "idle_lent": self.n_lent}
+                "idle_lent": self.n_lent, "deadline_sandboxes": self.n_overcommitted}
 
 
 __all__ = ["DEADLINE_REASON", "Sharing"]
