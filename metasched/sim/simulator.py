@@ -161,8 +161,10 @@ class Simulator:
         self._share_at = -1.0  # the pending SHARE wake-up, if in the future
         # Running cpu actions (with deadlines only): id -> (action, its full-speed end).
         self._cpu_runs: dict[int, tuple[Action, float]] = {}
+        # (a bound method, not a closure: a deep copy, the look-ahead's fork, pushes
+        # into its own heap)
         self.sharing = NodeSharing([cluster.cores_per_node] * cluster.cpu_nodes,
-                                   lambda a, t: self._push(t, END, a))
+                                   self._push_moved_end)
         self._start_next_step()
 
     # ------------------------------------------------------------------ driving
@@ -294,6 +296,9 @@ class Simulator:
             self._cpu_runs[a.id] = (a, t + run_s)
             if self.sharing.followed(a.node):
                 self.sharing.started(a, run_s, t)
+
+    def _push_moved_end(self, a: Action, t: float) -> None:
+        self._push(t, END, a)
 
     def _serve_due(self) -> None:
         """Start the queued actions whose latest start has come (time-shared where no

@@ -176,7 +176,10 @@ class Sharing:
     # ------------------------------------------------------------ idle grants
 
     def started(self, job: Job, proc: Any, cores: list[int]) -> None:
-        """A command started on ``cores``: its CPU use is measured from now on."""
+        """A command started on ``cores``: its CPU use is measured from now on (one
+        that could not start is not)."""
+        if isinstance(proc, Exception):
+            return
         self.watched[job.request.id] = _Watch(proc, cores, self.d._clock())
 
     def ended(self, job: Job) -> None:

@@ -408,7 +408,7 @@ class Process:
         """CPU time its cgroup slot has used so far (see ``Slot.cpu_seconds``: the
         slot's earlier commands included, so compare readings); None without a slot or
         without cgroup v2 accounting."""
-        slot = self._slot
+        slot = getattr(self, "_slot", None)  # (a command that never started has none)
         if slot is None:
             started = getattr(self._child, "started", None)
             slot = getattr(started, "slot", None)
