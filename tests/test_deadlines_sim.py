@@ -77,3 +77,38 @@ def test_no_deadline_runs_as_before(make_workload, make_cluster):
     ends, _, sim = _run(make_workload, make_cluster, [_spec(10, 60)] * 3)
     assert ends == [(10.0, True, False), (10.0, True, False), (20.0, True, False)]
     assert sim.deadlines is None
+
+
+def test_a_forked_simulator_moves_its_own_ends(make_workload, make_cluster):
+    # The look-ahead forks a simulator by deepcopy: once time-sharing has begun, each
+    # copy's moved ends go to its own heap, and both finish as one run would.
+    import copy
+
+    specs = [_spec(10, 60), _spec(10, 60), _spec(10, 60, start_by_s=1.0)]
+    inst = WorkloadInstance(independent=[IndependentAction(0.0, "t", s) for s in specs])
+    w = make_workload({"kind": "cpu", "duration_s": {"median": 1.0, "p90": 2.0},
+                       "timeout_s": 60})
+    sim = Simulator(w, make_cluster(nodes=1, cores=2), seed=0, instance=inst)
+    sched = make_scheduler("fifo")
+    sched.reset(sim.state, sim.scheduler_rng())
+    assert sim.next_decision()
+    for g in sched.decide(sim.state):  # the first two take both cores
+        sim.apply(g)
+    while not sim.sharing.nodes:  # events up to the third's latest start
+        sim._process_instant()
+        sim._serve_due()
+    assert sim.state.t == 1.0
+    fork = copy.deepcopy(sim)
+    ends = []
+    for s in (sim, fork):
+        finished = {}
+        finish = s.state.finish
+
+        def record(a, ok, reason="", finished=finished, finish=finish, s=s):
+            finished[a.id] = round(s.state.t, 9)
+            return finish(a, ok, reason)
+
+        s.state.finish = record
+        s.run(make_scheduler("fifo"))
+        ends.append(finished)
+    assert ends == [{0: 14.5, 1: 14.5, 2: 15.5}] * 2
