@@ -75,12 +75,35 @@ async def test_the_deadline_header_wins_over_the_derived_deadline(served):
     _time_limit(answers)
 
 
-def test_a_bad_deadline_header_is_422_in_one_line(served):
-    r = httpx.post(f"{served.url}/run_code", json={"code": "print(1)"},
+@pytest.mark.parametrize("path, body", [
+    ("/run_code", {"code": "print(1)"}),
+    ("/v1/actions", {"kind": "cpu", "argv": ["true"]}),
+])
+def test_a_bad_deadline_header_is_422_in_one_line(served, path, body):
+    r = httpx.post(f"{served.url}{path}", json=body,
                    headers={"X-Metasched-Deadline-S": "soon"}, timeout=30)
     assert r.status_code == 422
     assert r.json()["detail"] == ("X-Metasched-Deadline-S: must be a number of seconds > 0 "
                                   "and <= 2592000 (got 'soon')")
+
+
+def test_native_busy_loops_with_the_header_answer_before_it(served):
+    # POST /v1/actions with the header, waiting for the result: each loop is answered
+    # ("timeout after 2 s") before the 4 s the header gives.
+    async def run() -> list[tuple[float, dict]]:
+        async def one(c: httpx.AsyncClient) -> tuple[float, dict]:
+            t0 = time.monotonic()
+            r = await c.post("/v1/actions", params={"wait": 4},
+                             json={"kind": "cpu", "argv": ["python3", "-c", LOOP],
+                                   "timeout_s": 2},
+                             headers={"X-Metasched-Deadline-S": "4"})
+            return time.monotonic() - t0, r.json()
+        async with httpx.AsyncClient(base_url=served.url, timeout=30) as c:
+            return await asyncio.gather(*(one(c) for _ in range(6)))
+
+    answers = asyncio.run(run())
+    assert [doc.get("reason") for _, doc in answers] == ["timeout after 2 s"] * 6
+    assert max(t for t, _ in answers) < 4.0
 
 
 async def test_idle_commands_do_not_keep_a_hello_world_waiting(served):
