@@ -10,6 +10,8 @@ dispatcher, and no granted core that sits idle keeps a command waiting.
   divides the cores among all of them, as on any oversubscribed host). Its wall-clock
   limit then ends it, with its result or a "time limit", before the deadline. With
   ``deadlines.on_deadline: refuse`` it is failed then instead (``deadline: ...``).
+  Commands on a backend's nodes (Ray) do not time-share: there a command at its latest
+  start waits its turn, unless refused.
   A request recovered from the journal after a restart has no deadline: its caller
   has gone. A trajectory's first command waiting for sandbox memory at its latest
   start gets its sandbox then, the memory overcommitted (a workspace's size caps what
@@ -135,10 +137,12 @@ class Sharing:
 
     def _due(self, a: Action, node: int) -> None:
         d = self.d
-        if self.cfg.on_deadline == "refuse" or not d.executors.SHARES:
+        if self.cfg.on_deadline == "refuse":
             # A loop turn later: failing it completes it, which schedules again.
             d._loop.call_soon(self._refuse, a)
             return
+        if not d.executors.SHARES:
+            return  # a backend that cannot time-share (Ray's nodes): it waits its turn
         self.n_shared += 1
         self.share(a, node, self.least_shared(a.spec.min_cores))
 
