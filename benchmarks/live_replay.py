@@ -21,7 +21,19 @@ the machine's load and the rounds pair.
     python benchmarks/live_replay.py [--profile coding] [--trajectories 16] [--scale 0.1]
         [--schedulers static,...,checkpoints/default] [--repeats 3] [--sim-runs 10]
         [--seed 1000000] [--estimates online|profile] [--launch-s live|auto|<s>]
-        [--launch-mean-s <s>] [--isolation bwrap,off]
+        [--launch-mean-s <s>] [--isolation bwrap,off] [--deadline-slack-s <s>]
+        [--work sleep|spin]
+
+Deadlines (``--deadline-slack-s S``): every action's caller waits its (scaled) timeout
+plus ``S`` seconds: live, each request's ``deadline_s``; in the simulator, each action's
+``start_by_s`` (its deadline less its timeout and the dispatcher's
+``deadlines.margin_s``), so both clocks time-share an action still queued then
+(``metasched.core.deadlines``). A time-shared command that sleeps is not slowed by
+its neighbours as the simulator's shared cores slow it: ``--work spin`` makes each
+command burn its duration in CPU time instead (its serial part in one process, its
+parallel part in one process per granted core), so sharing stretches it live as in
+simulation. Live, the lending of idle commands' cores (``deadlines.idle_share``) is off:
+the simulator does not model it, and a sleeping stand-in would look idle.
 
 The simulator is given what the dispatcher has: the online cost model's estimates
 (``--estimates online``, the default: learned from measured durations, as live; the
@@ -63,6 +75,7 @@ from metasched.core.cost_model import CostModel
 from metasched.errors import ConfigError
 from metasched.evaluation.statistics import paired_comparison
 from metasched.runtime.dispatch import Dispatcher, DispatcherConfig
+from metasched.runtime.dispatch.deadline_config import DeadlineConfig
 from metasched.runtime.sandbox.config import SandboxConfig
 from metasched.sim.sampling import TrajectorySpec, WorkloadInstance, sample_workload
 from metasched.sim.simulator import Simulator
@@ -101,6 +114,43 @@ def amdahl_sleep(base_s: float, p: float) -> list[str]:
     return ["/bin/sh", "-c", script]
 
 
+def amdahl_spin(base_s: float, p: float) -> list[str]:
+    """A command burning ``base_s x (1 - p)`` CPU seconds in one process, then
+    ``base_s x p / k`` in each of ``k`` processes (``k``: its granted cores): its wall time
+    is ``amdahl_run_s`` on cores of its own, longer on cores it shares."""
+    script = (
+        "import os, time\n"
+        "def spin(s):\n"
+        "    end = time.process_time() + s\n"
+        "    while time.process_time() < end:\n"
+        "        pass\n"
+        f"b, p = {base_s!r}, {p!r}\n"
+        "k = int(os.environ.get('OMP_NUM_THREADS', '1'))\n"
+        "spin(b * (1 - p))\n"
+        "kids = [pid for pid in (os.fork() for _ in range(k - 1)) if pid]\n"
+        "if len(kids) < k - 1:\n"
+        "    spin(b * p / k)\n"
+        "    os._exit(0)\n"
+        "spin(b * p / k)\n"
+        "for pid in kids:\n"
+        "    os.waitpid(pid, 0)\n")
+    return ["python3", "-c", script]
+
+
+def with_deadlines(inst: WorkloadInstance, slack_s: float | None) -> WorkloadInstance:
+    """``inst`` with every action's latest start (``start_by_s``) for callers who wait
+    its timeout plus ``slack_s`` (None: ``inst`` itself), as the dispatcher computes it
+    from the request's ``deadline_s``."""
+    if slack_s is None:
+        return inst
+    margin = DeadlineConfig().margin_s
+    steps = [[TrajectorySpec(t.task, tuple(
+        Turn(turn.gen_s, replace(turn.action, start_by_s=slack_s - margin), turn.together,
+             turn.chained, turn.same_turn) for turn in t.turns), t.sandbox, t.prompt)
+        for t in step] for step in inst.steps]
+    return WorkloadInstance(steps=steps, independent=inst.independent)
+
+
 def dispatcher_cost_model() -> CostModel:
     """A cost model with the dispatcher's default settings."""
     d = {n: f.default for n, f in DispatcherConfig.model_fields.items()}
@@ -114,7 +164,8 @@ def simulate(w, inst, cluster: ClusterConfig, sched: str, seed: int, online: boo
     sim = Simulator(w, cluster, seed, instance=inst, max_wait_s=MAX_WAIT_S,
                     cost_model=dispatcher_cost_model() if online else None)
     r = sim.run(make_scheduler(resolve_scheduler(sched)))
-    return float(r.act.mean()), float(r.step_s[0]), int(r.counters["failed"])
+    shared = sim.deadlines.fired if sim.deadlines is not None else 0
+    return float(r.act.mean()), float(r.step_s[0]), int(r.counters["failed"]), shared
 
 
 def sandbox_config(isolation: str) -> SandboxConfig:
@@ -158,7 +209,8 @@ def sigma_from_mean(median_s: float, mean_s: float) -> float:
     return math.sqrt(2.0 * math.log(mean_s / median_s)) if mean_s > median_s > 0 else 0.0
 
 
-async def live(inst, cores: list[int], sched: str, online: bool, isolation: str
+async def live(inst, cores: list[int], sched: str, online: bool, isolation: str,
+               slack_s: float | None = None, work: str = "sleep"
                ) -> tuple[float, float, int, float, float]:
     """Mean ACT, step time, failures, the median and mean start-up of a command (its
     measured run less the sleep it was asked for) and every command's start-up, of one
@@ -166,7 +218,9 @@ async def live(inst, cores: list[int], sched: str, online: bool, isolation: str
     cfg = DispatcherConfig(scheduler=sched, cores=cores, sample_interval_s=0.5,
                            max_wait_s=MAX_WAIT_S, task_demand=inst.demand_by_task(),
                            estimates="online" if online else "request",
-                           sandbox=sandbox_config(isolation))
+                           sandbox=sandbox_config(isolation),
+                           deadlines=DeadlineConfig(idle_share=False))
+    command = amdahl_spin if work == "spin" else amdahl_sleep
     async with Dispatcher(cfg) as d:
         if d.fallback_reason:
             raise ConfigError("schedulers", f"{sched}: {d.fallback_reason}")
@@ -177,13 +231,16 @@ async def live(inst, cores: list[int], sched: str, online: bool, isolation: str
             for k, turn in enumerate(spec.turns):
                 await asyncio.sleep(turn.gen_s)
                 a = turn.action
+                deadline = {} if slack_s is None else {"deadline_s": a.timeout_s + slack_s}
                 r = await d.submit({
-                    "kind": "cpu", "argv": amdahl_sleep(a.true_s, a.parallel_fraction),
+                    **deadline,
+                    "kind": "cpu", "argv": command(a.true_s, a.parallel_fraction),
                     "timeout_s": a.timeout_s, "min_cores": a.min_cores,
                     "max_cores": a.max_cores, "parallel_fraction": a.parallel_fraction,
                     "est_s": a.est_s, "task": spec.task, "name": a.name,
                     "trajectory": f"t{i}", "turn": k, "reward": a.reward})
-                if r.status == "done":
+                if r.status == "done" and not r.allocation.get("shared"):
+                    # (a time-shared command's run is stretched by its neighbours)
                     k = len(r.allocation["cores"])
                     startup.append(r.finished_at - r.started_at
                                    - amdahl_run_s(a.true_s, a.parallel_fraction, k))
@@ -193,7 +250,7 @@ async def live(inst, cores: list[int], sched: str, online: bool, isolation: str
         step = time.perf_counter() - t0
     r = d.run_result()
     return (float(r.act.mean()), step, int(r.counters["failed"]), float(np.median(startup)),
-            float(np.mean(startup)), startup)
+            float(np.mean(startup)), startup, d.stats()["deadline_shared"])
 
 
 def spread(xs: list[float], digits: int = 3) -> str:
@@ -228,6 +285,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--launch-samples", type=int, default=200)
     ap.add_argument("--isolation", default="bwrap",
                     help="comma-separated: bwrap, none, off (no isolation, no cgroups)")
+    ap.add_argument("--deadline-slack-s", type=float, default=None, help="every caller "
+                    "waits its action's timeout plus this (default: no deadlines)")
+    ap.add_argument("--work", default="sleep", choices=("sleep", "spin"),
+                    help="live commands sleep or burn CPU for their duration")
     args = ap.parse_args(argv)
     try:
         return replay(args)
@@ -264,21 +325,27 @@ def replay(args: argparse.Namespace) -> int:
         if not 0 <= fixed <= mean:
             raise ConfigError("launch-mean-s", "need 0 <= launch-s <= launch-mean-s")
         fixed = (fixed, mean)
+    if args.deadline_slack_s is not None and not args.deadline_slack_s > 0:
+        raise ConfigError("deadline-slack-s", f"must be > 0 (got {args.deadline_slack_s:g})")
     cores = sorted(os.sched_getaffinity(0))
     w, inst = scaled_step(args.profile, args.trajectories, args.scale, args.seed)
+    sim_inst = with_deadlines(inst, args.deadline_slack_s)
     base = ClusterConfig(name="local", cpu_nodes=1, cores_per_node=len(cores),
                          mem_gb_per_node=64.0, gpu_devices=0, gpu_mem_gb=0.0, endpoints={})
     scheds = args.schedulers.split(",")
     for s in scheds:
         make_scheduler(resolve_scheduler(s))  # a bad name fails before anything runs
     n_actions = sum(len(t.turns) for t in inst.steps[0])
+    slack = args.deadline_slack_s
+    dl = "none" if slack is None else f"timeout + {slack:g} s"
     print(f"{args.profile}: {args.trajectories} trajectories, {n_actions} actions, time x "
           f"{args.scale:g}, {len(cores)} cores, seed {args.seed}; simulator: {args.estimates} "
-          f"estimates, {args.sim_runs} runs; live: {args.repeats} runs; mean (min–max)")
+          f"estimates, {args.sim_runs} runs; live: {args.repeats} runs ({args.work}); "
+          f"deadlines: {dl}; mean (min–max)")
     print("| scheduler | isolation | mean ACT s sim | live | live ÷ sim | step s sim | live "
           "| live ÷ sim | failed (timeouts) sim / live | start-up ms sim (median / mean) "
-          "| start-up ms live (median / mean) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+          "| start-up ms live (median / mean) | at their latest start sim / live |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     bar = tqdm(total=len(scheds) * len(modes) * (args.sim_runs + args.repeats), desc="runs",
                unit="run")
     keys = [(sched, mode) for sched in scheds for mode in modes]
@@ -302,7 +369,7 @@ def replay(args: argparse.Namespace) -> int:
             cluster = replace(base, cpu_launch_s=median,
                               cpu_launch_sigma=sigma_from_mean(median, mean))
             for i in range(args.sim_runs):
-                sims[sched, mode].append(simulate(w, inst, cluster, sched, args.seed + i,
+                sims[sched, mode].append(simulate(w, sim_inst, cluster, sched, args.seed + i,
                                                   args.estimates == "online"))
                 bar.update()
 
@@ -313,7 +380,8 @@ def replay(args: argparse.Namespace) -> int:
     for _ in range(args.repeats):
         for sched, mode in keys:
             lives[sched, mode].append(asyncio.run(live(
-                inst, cores, sched, args.estimates == "online", mode)))
+                inst, cores, sched, args.estimates == "online", mode, args.deadline_slack_s,
+                args.work)))
             bar.update()
     if args.launch_s == "live":
         simulate_all()
@@ -355,7 +423,8 @@ def row(sched: str, mode: str, sims: list, lives: list, median: float, mean: flo
     s_act, s_step = float(np.mean([x[0] for x in sims])), float(np.mean([x[1] for x in sims]))
     cells = [spread([x[0] for x in sims], 4), "–", "–", spread([x[1] for x in sims], 2),
              "–", "–", f"{'-'.join(str(x[2]) for x in sims)} / –",
-             f"{median * 1e3:.2f} / {mean * 1e3:.2f}", "–"]
+             f"{median * 1e3:.2f} / {mean * 1e3:.2f}", "–",
+             f"{'-'.join(str(x[3]) for x in sims)} / –"]
     if lives:
         acts, steps = [x[0] for x in lives], [x[1] for x in lives]
         cells[1:3] = [spread(acts, 4), spread([a / s_act for a in acts])]
@@ -364,6 +433,8 @@ def row(sched: str, mode: str, sims: list, lives: list, median: float, mean: flo
                     f"{'-'.join(str(x[2]) for x in lives)}")
         cells[8] = (f"{spread([x[3] * 1e3 for x in lives], 2)} / "
                     f"{spread([x[4] * 1e3 for x in lives], 2)}")
+        cells[9] = (f"{'-'.join(str(x[3]) for x in sims)} / "
+                    f"{'-'.join(str(x[6]) for x in lives)}")
     return f"| {sched} | {mode} | " + " | ".join(cells) + " |"
 
 

@@ -148,6 +148,8 @@ class Client:
     def _run(self, fields: Mapping[str, Any], context: Mapping[str, Any],
              wait_s: float | None) -> Result:
         doc = _request(fields, self.default_timeout_s, context)
+        if wait_s is not None:  # when this caller stops waiting (metasched.serve.deadlines)
+            doc.setdefault("deadline_s", wait_s)
         deadline = None if wait_s is None else time.monotonic() + wait_s
         first = _POLL_S if wait_s is None else min(_POLL_S, wait_s)
         resp = self._http.post("/v1/actions", json=doc, params={"wait": first},
@@ -291,6 +293,8 @@ class AsyncClient:
     async def _run(self, fields: Mapping[str, Any], context: Mapping[str, Any],
                    wait_s: float | None) -> Result:
         doc = _request(fields, self.default_timeout_s, context)
+        if wait_s is not None:  # when this caller stops waiting (metasched.serve.deadlines)
+            doc.setdefault("deadline_s", wait_s)
         deadline = None if wait_s is None else time.monotonic() + wait_s
         first = _POLL_S if wait_s is None else min(_POLL_S, wait_s)
         resp = await self._http.post("/v1/actions", json=doc, params={"wait": first},

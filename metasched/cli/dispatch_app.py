@@ -68,6 +68,7 @@ def dispatcher_config(cfg: dict[str, Any], run_dir: Path, endpoints: dict | None
     """A validated ``DispatcherConfig`` from the composed config (``endpoints``: the
     parsed endpoint quotas, where the app reads more than quotas from its settings)."""
     from metasched.runtime.dispatch import DispatcherConfig
+    from metasched.runtime.dispatch.deadline_config import DeadlineConfig
     from metasched.runtime.limits import RequestLimits
     from metasched.runtime.sandbox.config import SandboxConfig
 
@@ -92,7 +93,8 @@ def dispatcher_config(cfg: dict[str, Any], run_dir: Path, endpoints: dict | None
         journal_env=bool_setting(cfg, "journal_env", False),
         max_wait_s=max_wait_setting(cfg), workdir=cfg.get("workdir"),
         sandbox=SandboxConfig.from_dict(cfg.get("sandbox")),
-        limits=RequestLimits.from_dict(cfg.get("limits")))
+        limits=RequestLimits.from_dict(cfg.get("limits")),
+        deadlines=DeadlineConfig.from_dict(cfg.get("deadlines")))
     params = config.scheduler_params
     if scheduler in BASELINES:  # a heuristic's parameters can be checked now
         try:

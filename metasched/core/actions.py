@@ -55,6 +55,9 @@ class ActionSpec(Immutable):
         endpoint: api endpoint name.
         tokens: api tokens the call consumes (for TPM limits).
         reward: whether this is the trajectory's final reward action.
+        start_by_s: seconds after submission by which the action must have started for
+            its caller to get its answer (the caller's deadline less the time the action
+            may run: see :mod:`metasched.core.deadlines`); None: no deadline.
     """
 
     kind: str
@@ -69,6 +72,7 @@ class ActionSpec(Immutable):
     endpoint: str | None = None
     tokens: int = 0
     reward: bool = False
+    start_by_s: float | None = None
 
     @property
     def demand(self) -> Demand:
@@ -160,11 +164,13 @@ class Action:
 
     Schedulers read ``spec`` (except ``spec.true_s``), ``task``, ``traj``,
     ``turn``, ``submit_t`` and ``node`` (the node it must run on, -1 = any).
+    ``shared``: a running cpu action started on cores already busy (time-shared, see
+    :mod:`metasched.core.deadlines`): it holds no cores of the pool.
     """
 
     __slots__ = (
         "id", "spec", "task", "traj", "turn", "submit_t", "start_t", "end_t",
-        "status", "cores", "node", "device", "reason", "lower_bound_s",
+        "status", "cores", "node", "device", "reason", "lower_bound_s", "shared",
     )
 
     def __init__(self, id: int, spec: ActionSpec, task: str, traj: Trajectory | None,
@@ -183,6 +189,7 @@ class Action:
         self.device = -1
         self.reason = ""
         self.lower_bound_s = math.nan
+        self.shared = False
 
     @property
     def kind(self) -> str:

@@ -78,6 +78,9 @@ class CpuPool:
         self.cores = list(cores_per_node)
         self.mem_gb = list(mem_gb_per_node)
         self.free = list(cores_per_node)  # cores neither running nor held
+        # Cores' worth of time-shared actions per node (started on busy cores: they take
+        # no core from ``free``; see metasched.core.deadlines).
+        self.shared = [0] * len(cores_per_node)
         self.mem_free = list(mem_gb_per_node)
         self.busy = 0  # cores running actions
         self.held = 0  # cores held by trajectories (running or not)

@@ -34,6 +34,10 @@ class SandboxQueue:
         """Queue ``traj`` behind those already waiting."""
         self._waiting.append(traj)
 
+    def remove(self, traj: Trajectory) -> None:
+        """Take ``traj`` out of the queue (its sandbox was placed otherwise)."""
+        self._waiting.remove(traj)
+
     def open_waiting(self, opened: Callable[[Trajectory], object],
                      sandbox: Callable[[Trajectory], SandboxSpec | None] | None = None
                      ) -> None:

@@ -357,6 +357,23 @@ class ClusterState(Pipelining):
         self.n_grants += 1
         return started, delay
 
+    def start_shared(self, a: Action, node: int) -> None:
+        """Start pending cpu action ``a`` time-shared on ``node``'s busy cores (the
+        deadline rule, :mod:`metasched.core.deadlines`): it runs on its minimum cores
+        without taking them from the pool; :meth:`finish` ends it as any other."""
+        self.version += 1
+        if self.pending["cpu"].get(a.id) is not a:
+            raise InvalidGrant(f"action {a.id} is not pending")
+        del self.pending["cpu"][a.id]
+        self.pending_est_s["cpu"] -= a.spec.est_s
+        if not self.pending["cpu"]:
+            self.pending_est_s["cpu"] = 0.0
+        a.node, a.cores, a.shared = node, a.spec.min_cores, True
+        self.cpu.shared[node] += a.cores
+        a.status = RUNNING
+        a.start_t = self.t
+        self.n_running += 1
+
     def finish(self, a: Action, ok: bool, reason: str = "") -> list[Action]:
         """Record ``a`` as finished (``ok``) or failed (with ``reason``) at ``t`` and free
         what it held (a gpu device is freed by :meth:`release_device`).
@@ -376,6 +393,8 @@ class ClusterState(Pipelining):
             self.n_running += 1  # it ran (or ends) now: counted out below with the others
             a.start_t = self.t
             promoted = self._promote(a.node)
+        elif kind == "cpu" and a.shared:
+            self.cpu.shared[a.node] -= a.cores  # it held no core of the pool
         elif kind == "cpu":
             cpu = self.cpu
             traj = a.traj

@@ -26,6 +26,10 @@ A request is one action. Fields every kind has:
   scheduler sees trajectories as in simulation.
 - ``est_s``: the caller's estimate of the run time (one core, or one request alone; at
   most 30 days), used until the cost model has measured the signature.
+- ``deadline_s``: seconds from acceptance after which the caller stops waiting (when
+  not given: the dispatcher's ``deadlines.default_s``, if any). A cpu command still
+  queued when only its ``timeout_s`` is left before then starts time-shared on busy
+  cores, or is refused (``deadlines.on_deadline``): see :mod:`metasched.core.deadlines`.
 
 Per kind:
 
@@ -81,7 +85,8 @@ from metasched.errors import ConfigError, short, validation_error
 from metasched.runtime.api_calls import HttpSpec
 
 # Which fields each kind has (besides the common ones), for the messages that say so.
-_COMMON = {"id", "kind", "task", "name", "trajectory", "turn", "reward", "timeout_s", "est_s"}
+_COMMON = {"id", "kind", "task", "name", "trajectory", "turn", "reward", "timeout_s", "est_s",
+           "deadline_s"}
 # What a command (a cpu request, or a gpu request with an argv) may ask of its sandbox.
 _SANDBOX = ("pids_max", "network", "workspace_template", "workspace_mb")
 _BY_KIND = {
@@ -161,6 +166,7 @@ class Request(Demand):
     turn: Turn = 0
     reward: Flag = False
     est_s: Seconds | None = None
+    deadline_s: Seconds | None = None  # the dispatcher's deadlines.default_s
     argv: Annotated[tuple[_Arg, ...], Field(min_length=1)] = ()
     env: _Env | None = None
     mem_limit_mb: _positive() | None = None
@@ -209,8 +215,8 @@ class Request(Demand):
                 if d.get(key) is not None:
                     raise ConfigError(key, "only a trajectory has a workspace to set up "
                                       "(a request without one gets a fresh, empty one)")
-        for key in ("timeout_s", "env", "mem_limit_mb", "cpu_time_s", "pids_max", "network",
-                    "workspace_template", "workspace_mb"):
+        for key in ("timeout_s", "deadline_s", "env", "mem_limit_mb", "cpu_time_s",
+                    "pids_max", "network", "workspace_template", "workspace_mb"):
             if key in d and d[key] is None:
                 del d[key]  # null: the default
         default_name = None

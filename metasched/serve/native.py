@@ -35,6 +35,7 @@ from metasched.runtime.requests import REJECTED, Result
 from metasched.runtime.requests import Request as ActionRequest
 from metasched.serve.bodies import JSONRoute, decode_json
 from metasched.serve.context import context_from
+from metasched.serve.deadlines import DEADLINE_PARAM, header_deadline
 from metasched.serve.disconnect import Gone, unless_disconnected
 from metasched.serve.openapi import (
     GATED,
@@ -142,7 +143,7 @@ def native_router(service: Service) -> APIRouter:
     # schema checks it (in the dispatcher, as every front door's): documented here.
     body_schema = {"requestBody": {"required": True, "content": {"application/json": {
         "schema": _inlined(ActionRequest.model_json_schema())}}},
-        "parameters": TRAJECTORY_HEADERS}
+        "parameters": [*TRAJECTORY_HEADERS, DEADLINE_PARAM]}
 
     @router.post("/v1/actions", openapi_extra=body_schema, responses=responses(
         *GATED, 403, 422, s200=Result, s202=ActionPending, s422=Result | ErrorDetail))
@@ -157,9 +158,12 @@ def native_router(service: Service) -> APIRouter:
                 raise ConfigError("body", f"must be a JSON object (a request; got "
                                   f"{type(doc).__name__})")
             ctx = context_from(request.headers)
+            wait_s = header_deadline(request.headers)
         except ConfigError as e:
             return error(422, str(e))
         doc = {**ctx.fields(), **doc}
+        if wait_s is not None:  # the body's deadline_s wins (metasched.serve.deadlines)
+            doc.setdefault("deadline_s", wait_s)
         rid = doc.setdefault("id", uuid.uuid4().hex)
         try:
             check_http_target(doc, service.config.upstreams)

@@ -20,9 +20,16 @@ sandbox (a command that could not start, a request the dispatcher rejected, a la
 not offered here), ``Failed`` a compile error, a non-zero exit or a time limit, and
 ``Success`` everything else. A compile that fails is not followed by a run
 (``run_result`` null). Every answer is ``200`` but for a body that is not a request or
-asks more than the dispatcher's ``limits`` allow (``422``, one line), and a trajectory
-of another client (``403``, with authentication on): under load the request waits its
-turn, it is never refused.
+asks more than the dispatcher's ``limits`` allow (``422``, one line), a trajectory
+of another client (``403``, with authentication on), and, with the dispatcher's
+``deadlines.on_deadline: refuse``, a request that could not start in time (``504``,
+one line, before its caller gives up: SandboxFusion's clients retry it).
+
+Deadlines (:mod:`metasched.serve.deadlines`): the header ``X-Metasched-Deadline-S``, else
+what the caller's own timeouts say it waits (verl: ``compile_timeout + run_timeout +
+10``), else the dispatcher's ``deadlines.default_s``. Under load a step waits its turn
+until its latest start; then it runs time-shared on busy cores (the default) and ends
+by its own time limit, answered before the deadline.
 
 Each step is one ``cpu`` action of one core in the request's trajectory (a fresh one,
 closed at the end, unless the request names one: then its workspace and files persist
@@ -40,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import shutil
+import time
 import uuid
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -47,9 +55,11 @@ from fastapi import APIRouter, Request
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from metasched.errors import ConfigError
+from metasched.runtime.dispatch.sharing import DEADLINE_REASON
 from metasched.runtime.limits import RequestLimits
 from metasched.runtime.requests import (
     DONE,
+    FAILED,
     REJECTED,
     Flag,
     Result,
@@ -60,11 +70,17 @@ from metasched.runtime.requests import (
 )
 from metasched.serve.bodies import JSONRoute
 from metasched.serve.context import context_from
+from metasched.serve.deadlines import (
+    DEADLINE_PARAM,
+    REFUSED_504,
+    header_deadline,
+    run_code_deadline,
+)
 from metasched.serve.disconnect import Gone, unless_disconnected
 from metasched.serve.files import decoded_size, fetch_argv, parse_fetched, stdin_argv, write_argvs
 from metasched.serve.languages import LANGUAGES, Language
 from metasched.serve.native import error
-from metasched.serve.openapi import GATED, TRAJECTORY_HEADERS, responses
+from metasched.serve.openapi import GATED, TRAJECTORY_HEADERS, ErrorDetail, responses
 from metasched.serve.security import CLIENT
 
 if TYPE_CHECKING:
@@ -136,6 +152,7 @@ class RunCodeResponse(BaseModel):
 
 
 FILES_TIMEOUT_S = 60.0  # writing a request's files, fetching them back
+FILES_NEED_S = 2.0  # what a files step is given before its deadline (see step_deadlines)
 # Failures that are the program's running out of time, not the sandbox's fault.
 _TIME_LIMITS = ("timeout after", "cpu time limit exceeded")
 
@@ -193,9 +210,33 @@ def check_caps(limits: RequestLimits, req: RunCodeRequest) -> None:
     limits.cap(req.run_timeout, "run_timeout", "max_timeout_s", " s")
 
 
+class DeadlineMissed(Exception):
+    """A step was refused at its latest start (``deadlines.on_deadline: refuse``):
+    the route answers 504, which SandboxFusion's clients retry."""
+
+
+def step_deadlines(deadline_at: float | None, req: RunCodeRequest, compiles: bool,
+                   default_timeout_s: float, files_s: float) -> dict[str, float | None]:
+    """Each step's deadline (``time.monotonic()``): the request's, less the time
+    reserved for the steps after it (a run's timeout before the run, ``FILES_NEED_S``
+    before a fetch), so each step starts by when the rest can still be answered in
+    time. A files step (write, fetch) is expected to take ``FILES_NEED_S`` at most,
+    not its ``files_s`` limit: its deadline is moved by the difference, so that its
+    latest start (deadline less limit) leaves it that long."""
+    if deadline_at is None:
+        return dict.fromkeys(("write", "compile", "run", "fetch"))
+    run_at = deadline_at - (FILES_NEED_S if req.fetch_files else 0.0)
+    compile_at = run_at - (req.run_timeout or default_timeout_s)
+    write_at = compile_at - ((req.compile_timeout or default_timeout_s) if compiles else 0.0)
+    files = files_s - FILES_NEED_S
+    return {"write": write_at + files, "compile": compile_at, "run": run_at,
+            "fetch": deadline_at + files}
+
+
 async def run_code(service: Service, req: RunCodeRequest, context: dict[str, Any], *,
                    language: Language | None = None,
-                   ids: list[str] | None = None) -> RunCodeResponse:
+                   ids: list[str] | None = None,
+                   deadline_at: float | None = None) -> RunCodeResponse:
     """Run one ``/run_code`` request through the service's dispatcher: its files
     written, its code compiled (if the language compiles) and run, its ``fetch_files``
     read back, each step an action of the request's trajectory (see :mod:`.files`).
@@ -206,6 +247,11 @@ async def run_code(service: Service, req: RunCodeRequest, context: dict[str, Any
         context: trajectory fields from the headers (the request's own override them).
         language: run as this language, offered or not (the start-up probes).
         ids: the id of each action submitted is appended here (what a cancel names).
+        deadline_at: when the caller stops waiting (``time.monotonic()``; None: the
+            dispatcher's default deadline, if any): each step gets its share of it.
+
+    Raises:
+        DeadlineMissed: a step was refused at its latest start.
     """
     lang = language or service.languages.get(req.language)
     if lang is None:
@@ -227,17 +273,26 @@ async def run_code(service: Service, req: RunCodeRequest, context: dict[str, Any
     if req.memory_limit_MB > 0:  # else the dispatcher's default (limits.mem_mb)
         common["mem_limit_mb"] = req.memory_limit_MB
     files_s = min(FILES_TIMEOUT_S, service.limits.max_timeout_s)
+    deadlines = step_deadlines(deadline_at, req, lang.compile_argv(layout) is not None,
+                               service.limits.timeout_s, files_s)
     compiled: CommandRunResult | None = None
     ran: CommandRunResult | None = None
     fetched: dict[str, str] = {}
     unfetched: dict[str, str] = {}
 
+
     async def step(argv: list[str], name: str, timeout_s: float, **extra: Any) -> Result:
         rid = uuid.uuid4().hex
         if ids is not None:
             ids.append(rid)
-        return await service.submit({**common, "argv": argv, "name": f"{lang.name}:{name}",
-                                     "timeout_s": timeout_s, "id": rid, **extra})
+        at = deadlines[name]
+        if at is not None:  # what is left of it (a step past it starts when it can)
+            extra["deadline_s"] = max(1e-3, at - time.monotonic())
+        r = await service.submit({**common, "argv": argv, "name": f"{lang.name}:{name}",
+                                  "timeout_s": timeout_s, "id": rid, **extra})
+        if r.status == FAILED and r.reason.startswith(DEADLINE_REASON):
+            raise DeadlineMissed(f"{lang.name}:{name}: {r.reason}")
+        return r
 
     try:
         for argv in write_argvs(inputs):
@@ -340,14 +395,21 @@ def run_code_router(service: Service) -> APIRouter:
     router = APIRouter(route_class=JSONRoute)
 
     @router.post("/run_code", response_model=RunCodeResponse,
-                 responses=responses(*GATED, 403, 422),
-                 openapi_extra={"parameters": TRAJECTORY_HEADERS})
+                 responses={**responses(*GATED, 403, 422),
+                            504: {**REFUSED_504, "model": ErrorDetail}},
+                 openapi_extra={"parameters": [*TRAJECTORY_HEADERS, DEADLINE_PARAM]})
     async def run_code_route(req: RunCodeRequest, request: Request):
+        received = time.monotonic()
         try:
             context = context_from(request.headers).fields()
             check_caps(service.limits, req)
+            wait_s = header_deadline(request.headers)
         except ConfigError as e:
             return error(422, str(e))
+        if wait_s is None:
+            wait_s = run_code_deadline(req.compile_timeout, req.run_timeout,
+                                       service.limits.timeout_s)
+        # None: each step gets the dispatcher's deadlines.default_s, if any.
         try:
             service.owners.claim(trajectory_fields(req, context).get("trajectory"),
                                  request.scope.get(CLIENT))
@@ -356,10 +418,15 @@ def run_code_router(service: Service) -> APIRouter:
         ids: list[str] = []
         try:
             resp = await unless_disconnected(
-                request, run_code(service, req, context, ids=ids),
+                request, run_code(service, req, context, ids=ids,
+                                  deadline_at=None if wait_s is None else received + wait_s),
                 lambda: [service.cancel(rid, "disconnect") for rid in ids])
         except Gone:
             return error(499, "client disconnected: its actions were cancelled")
+        except DeadlineMissed as e:
+            service.metrics.run_code.labels(req.language if req.language in LANGUAGES
+                                            else "other", "Timeout").inc()
+            return error(504, str(e))
         service.metrics.run_code.labels(req.language if req.language in LANGUAGES
                                         else "other", resp.status).inc()
         return resp

@@ -16,9 +16,10 @@ from dataclasses import replace
 import numpy as np
 
 from metasched.core.action_log import ActionLog
-from metasched.core.actions import Action, Grant, Trajectory
+from metasched.core.actions import RUNNING, Action, Grant, Trajectory
 from metasched.core.cluster_config import ClusterConfig
 from metasched.core.cost_model import CostModel, signature
+from metasched.core.deadlines import DeadlineRule, serve_due
 from metasched.core.decision import DecisionStep
 from metasched.core.guard import WaitGuard
 from metasched.core.metrics import RunResult
@@ -32,10 +33,12 @@ from metasched.sim.sampling import (
     sample_workload,
     workload_rng,
 )
+from metasched.sim.sharing import NodeSharing
 from metasched.sim.workload_config import WorkloadConfig
 
-# Event types, in the order events at the same instant are handled.
-END, DEVICE_FREE, ARRIVE, INDEPENDENT, WAKE, DEADLINE, STEP = range(7)
+# Event types, in the order events at the same instant are handled. SHARE: a queued
+# action reaches its latest start (metasched.core.deadlines).
+END, DEVICE_FREE, ARRIVE, INDEPENDENT, WAKE, DEADLINE, STEP, SHARE = range(8)
 
 
 # Where schedulers' estimates come from (``estimates`` settings): each action's own
@@ -97,6 +100,11 @@ class Simulator:
     A cpu action runs its command's start-up (``cluster.cpu_launch_s``, or a log-normal
     draw around it when ``cluster.cpu_launch_sigma`` > 0, from the run's own generator)
     plus its true duration at the granted cores, holding the cores throughout.
+
+    Deadlines: an action whose spec has ``start_by_s`` and is still queued then is started
+    time-shared on busy cores, and its node's actions slow down while it is
+    oversubscribed (:mod:`metasched.core.deadlines`, :mod:`metasched.sim.sharing`).
+    Without any (every profile's default) the run is as it always was.
     """
 
     def __init__(self, workload: WorkloadConfig, cluster: ClusterConfig, seed: int, *,
@@ -148,6 +156,15 @@ class Simulator:
         self._gpu_runs: dict[int, tuple[int, float]] = {}  # logged: action -> batch, setup
         for ia in self.instance.independent:
             self._push(ia.arrival_s, INDEPENDENT, ia)
+        # The deadline rule, only for an instance with deadlines.
+        self.deadlines = DeadlineRule() if _has_deadlines(self.instance) else None
+        self._share_at = -1.0  # the pending SHARE wake-up, if in the future
+        # Running cpu actions (with deadlines only): id -> (action, its full-speed end).
+        self._cpu_runs: dict[int, tuple[Action, float]] = {}
+        # (a bound method, not a closure: a deep copy, the look-ahead's fork, pushes
+        # into its own heap)
+        self.sharing = NodeSharing([cluster.cores_per_node] * cluster.cpu_nodes,
+                                   self._push_moved_end)
         self._start_next_step()
 
     # ------------------------------------------------------------------ driving
@@ -181,6 +198,8 @@ class Simulator:
         state = self.state
         ready = self.step.ready
         while True:
+            if self.deadlines is not None:
+                self._serve_due()
             if not self._waited and ready():
                 return True
             if state.ahead_per_node:  # after the scheduler's turn, as the dispatcher does
@@ -271,7 +290,33 @@ class Simulator:
         launch = self._launch_s
         if self._launch_sigma:
             launch *= math.exp(self._launch_sigma * self._launch_rng.standard_normal())
-        self._push_end(a, t, launch + a.spec.true_s / a.spec.speedup(a.cores))
+        run_s = launch + a.spec.true_s / a.spec.speedup(a.cores)
+        self._push_end(a, t, run_s)
+        if self.deadlines is not None:
+            self._cpu_runs[a.id] = (a, t + run_s)
+            if self.sharing.followed(a.node):
+                self.sharing.started(a, run_s, t)
+
+    def _push_moved_end(self, a: Action, t: float) -> None:
+        self._push(t, END, a)
+
+    def _serve_due(self) -> None:
+        """Start the queued actions whose latest start has come (time-shared where no
+        core is free) and wake up at the next one's."""
+        state = self.state
+        serve_due(state, self.deadlines, self._start, self._start_shared)
+        at = self.deadlines.next_due(state)
+        if at is not None and at > state.t and (self._share_at <= state.t or at < self._share_at):
+            self._share_at = at
+            self._push(at, SHARE, None)
+
+    def _start_shared(self, a: Action, node: int) -> None:
+        state = self.state
+        if not self.sharing.followed(node):
+            self.sharing.follow(node, [(b, end) for b, end in self._cpu_runs.values()
+                                       if b.node == node and b.status == RUNNING], state.t)
+        state.start_shared(a, node)
+        self._push_cpu_end(a, state.t)
 
     def _push_end(self, a: Action, t: float, run_s: float) -> None:
         # A run past its timeout is killed at the timeout.
@@ -299,6 +344,7 @@ class Simulator:
             elif etype == WAKE:  # tokens have refilled; nothing to do but ask again
                 self._wake_at.pop(obj, None)
             # DEADLINE: an action reached the guard's limit; the guard acts next
+            # SHARE: an action reached its latest start; the deadline rule acts next
             if self.check_invariants:
                 self.state.check_invariant()
 
@@ -331,6 +377,12 @@ class Simulator:
         self._submit(traj.turns[i].action, traj.task, traj, i)
 
     def _on_end(self, a: Action) -> None:
+        if self.deadlines is not None and a.spec.kind == "cpu":
+            if not self.sharing.current(a, self.state.t):
+                return  # an end moved since (its node's speed changed)
+            self._cpu_runs.pop(a.id, None)
+            if self.sharing.followed(a.node):
+                self.sharing.ended(a, self.state.t)
         failed = a.reason == "timeout"
         for b in self.state.finish(a, not failed, a.reason):  # its node's queue starts
             self._push_cpu_end(b, self.state.t)
@@ -416,3 +468,10 @@ class Simulator:
             if prev is None or prev <= state.t or at < prev:
                 self._wake_at[name] = at
                 self._push(at, WAKE, name)
+
+
+def _has_deadlines(instance: WorkloadInstance) -> bool:
+    """Whether any action of ``instance`` has a deadline (``start_by_s``)."""
+    specs = [ia.spec for ia in instance.independent]
+    specs += [turn.action for step in instance.steps for ts in step for turn in ts.turns]
+    return any(spec.start_by_s is not None for spec in specs)

@@ -2,7 +2,9 @@
 
 - :mod:`.dispatcher`: :class:`Dispatcher`, the core's decision step
   (:class:`~metasched.core.decision.DecisionStep`) on the asyncio clock, and the wiring;
-- :mod:`.config`: :class:`DispatcherConfig`;
+- :mod:`.config`: :class:`DispatcherConfig` (:mod:`.deadline_config`: its deadlines);
+- :mod:`.sharing`: deadlines and time-sharing (commands at their latest start, idle
+  cores lent);
 - :mod:`.jobs`: what is kept of an accepted request;
 - :mod:`.admission`: accepting a request (checks, limits, duplicate ids, recovery);
 - :mod:`.journal_writer`: grouped journal commits;

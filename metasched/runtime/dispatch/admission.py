@@ -192,7 +192,8 @@ def submit(d: Dispatcher, job: Job, traj: Trajectory | None) -> None:
         min_cores=req.min_cores, max_cores=req.max_cores,
         parallel_fraction=req.parallel_fraction,
         service=(req.service or COMMAND_SERVICE) if req.kind == "gpu" else None,
-        endpoint=req.endpoint, tokens=req.tokens, reward=req.reward)
+        endpoint=req.endpoint, tokens=req.tokens, reward=req.reward,
+        start_by_s=d.sharing.start_by(job))
     # Submitted when it was first accepted (a re-queued request keeps its age).
     submit_t = min(t, job.queued_at - d._wall0)
     a = Action(d._next_action, spec, req.task, traj, req.turn, submit_t)

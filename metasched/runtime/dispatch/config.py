@@ -11,6 +11,7 @@ from metasched.core.pools import EndpointSpec
 from metasched.core.schema import Count, Flag, Number, Strict, Text
 from metasched.errors import ConfigError, short, validation_error
 from metasched.runtime.api_calls import RetryPolicy
+from metasched.runtime.dispatch.deadline_config import DeadlineConfig
 from metasched.runtime.limits import RequestLimits
 from metasched.runtime.sandbox.config import SandboxConfig
 
@@ -89,6 +90,9 @@ class DispatcherConfig(Strict):
             dispatcher (see ``ClusterState.hand_ahead``). None: the backend's default
             (``RayBackend.AHEAD_PER_CORE``). The local backend starts every command on
             its core from this process, so it has no such queue: 0 only.
+        deadlines: when callers give up (a default deadline), what happens to a
+            command still queued then (time-shared on busy cores, or refused), and the
+            lending of idle commands' cores (see :class:`DeadlineConfig`).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -119,6 +123,7 @@ class DispatcherConfig(Strict):
     task_demand: dict[str, dict[str, float]] = {}
     trace: FilePath = None
     ahead_per_core: Count(0) | None = None
+    deadlines: DeadlineConfig = Field(default_factory=DeadlineConfig)
 
     def __init__(self, **data: Any) -> None:
         # Built in Python, as from the settings: a bad value is one line naming it.

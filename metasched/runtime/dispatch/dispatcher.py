@@ -49,6 +49,7 @@ from metasched.runtime.dispatch.kernels import Kernels
 from metasched.runtime.dispatch.local import LocalBackend
 from metasched.runtime.dispatch.policy import fall_back, load_scheduler
 from metasched.runtime.dispatch.sandbox_gate import SandboxGate
+from metasched.runtime.dispatch.sharing import Sharing
 from metasched.runtime.dispatch.trajectories import Trajectories
 from metasched.runtime.gpu import LiveService
 from metasched.runtime.journal import Journal
@@ -153,6 +154,7 @@ class Dispatcher:
         self.gate = SandboxGate(self)
         self.cancellation = Cancellation(self)
         self.kernels = Kernels(self)  # /run_jupyter's, one per trajectory
+        self.sharing = Sharing(self)  # deadlines and idle cores (time-sharing)
         self.boxes: Any = None  # the backend's sandboxes, made at start
         # What commands get from this process's environment (no secret is in the list);
         # the rest comes from their request's env.
@@ -215,6 +217,7 @@ class Dispatcher:
             except sqlite3.DatabaseError as e:
                 self._unreadable(e)
         self._ticker = asyncio.create_task(self._tick())
+        self.sharing.start()
         self._kick()
 
     def _unreadable(self, e: sqlite3.DatabaseError) -> None:
@@ -248,6 +251,7 @@ class Dispatcher:
         self._closed = True
         self.backend.sample()  # the span since the last periodic sample
         await self.kernels.close()
+        await self.sharing.close()
         await self.executors.close()
         if self.boxes is not None:
             self.boxes.close()  # every sandbox ends, with whatever still runs in it
@@ -354,6 +358,7 @@ class Dispatcher:
         executors = self.executors
         state.advance(self._now())
         step = self.step  # the core's decision step (the guard's grants start there)
+        self.sharing.serve()  # commands at their latest start first (core.deadlines)
         waited = False
         while step.ready():
             sched = self.scheduler
@@ -396,6 +401,9 @@ class Dispatcher:
         deadline = self.guard.next_deadline(state)
         if deadline is not None:
             waits.append(max(0.0, deadline - state.t))
+        due = self.sharing.next_due()
+        if due is not None:
+            waits.append(max(0.0, due - state.t))
         if not waits:
             return
         delay = min(waits) + 1e-6

@@ -38,7 +38,10 @@ def stats(d: Dispatcher) -> dict[str, Any]:
             "confinement": d.boxes.describe() if d.boxes is not None else None,
             # Whether a trajectory's commands share one working directory (its
             # sandbox's workspace); without isolation each has a scratch one.
-            "trajectory_workspaces": d.boxes is not None and d.boxes.isolated}
+            "trajectory_workspaces": d.boxes is not None and d.boxes.isolated,
+            # Commands started time-shared (at their latest start, or on idle cores)
+            # and refused at their latest start (metasched.runtime.dispatch.sharing).
+            **d.sharing.stats()}
 
 
 def run_result(d: Dispatcher) -> RunResult:

@@ -428,6 +428,16 @@ class Process:
             self._child.killed_by = "memory"  # the kernel killed in the slot: definitive
         self._child.pids_limited = pids
 
+    def cpu_seconds(self) -> float | None:
+        """CPU time its cgroup slot has used so far (see ``Slot.cpu_seconds``: the
+        slot's earlier commands included, so compare readings); None without a slot or
+        without cgroup v2 accounting."""
+        slot = getattr(self, "_slot", None)  # (a command that never started has none)
+        if slot is None:
+            started = getattr(self._child, "started", None)
+            slot = getattr(started, "slot", None)
+        return None if slot is None else slot.cpu_seconds()
+
     def abandon(self) -> None:
         """For a caller that will not await :meth:`wait`: kill the group, reap it when
         it exits, close its pipes, remove its directory. A no-op once ``wait()`` has

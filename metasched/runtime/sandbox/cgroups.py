@@ -260,6 +260,16 @@ class Slot:
             memory = memory or box.oom_kills() > base
         return (memory, self.pids_refused() > self._pids_base)
 
+    def cpu_seconds(self) -> float | None:
+        """CPU time used by the slot's processes, ever (all its commands: compare two
+        readings). From cgroup v2's ``cpu.stat`` (``usage_usec``: kept by every v2
+        cgroup, with or without the cpu controller); None without a v2 directory."""
+        d = self.dirs.get("v2")
+        if d is None:
+            return None
+        usec = _counter(os.path.join(d, "cpu.stat"), "usage_usec")
+        return usec / 1e6
+
     def members(self) -> list[int]:
         """Process ids in the slot (as this process sees them)."""
         for d in self.dirs.values():

@@ -34,6 +34,8 @@ class Executors:
     # Whether a command's start is journaled with its process group once it runs (the
     # next dispatcher finds it by that), rather than at its grant.
     PIDS_JOURNALED = False
+    # Whether commands can start time-shared on given (busy) cores (start_shared).
+    SHARES = False
 
     def __init__(self, d: Dispatcher) -> None:
         self.d = d
@@ -65,6 +67,11 @@ class Executors:
 
     def release_held(self, traj_id: int) -> None:
         """A trajectory closed: the cores it held return to the free ones."""
+
+    def start_shared(self, job: Job, cores: list[int], release: Callable[[], None]) -> None:
+        """Start a cpu command time-shared on core ids ``cores`` (already busy: it
+        takes none of them) and its task; ``release`` once it has ended."""
+        raise NotImplementedError
 
     def start_ahead(self, a: Action) -> None:
         """Hand an action the state put in its node's queue to the backend now."""

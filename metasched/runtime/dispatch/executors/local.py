@@ -28,6 +28,7 @@ class LocalExecutors(Executors):
     """Runs dispatcher ``d``'s commands on ``machine``'s cores."""
 
     PIDS_JOURNALED = True
+    SHARES = True
 
     def __init__(self, d: Dispatcher, machine: LocalBackend) -> None:
         super().__init__(d)
@@ -51,7 +52,23 @@ class LocalExecutors(Executors):
     def start_cpu(self, job: Job, g: Grant) -> Callable[[], Awaitable[None]]:
         cores, own = self._grant_cores(g)
         job.alloc = {"cores": cores}
-        return partial(self._run_cpu, job, own, self._start_command(job, cores))
+        proc = self._start_command(job, cores)
+        self.d.sharing.started(job, proc, cores)
+        return partial(self._run_cpu, job, own, proc)
+
+    def start_shared(self, job: Job, cores: list[int], release: Callable[[], None]) -> None:
+        job.alloc = {"cores": cores, "shared": True}
+        proc = self._start_command(job, cores)
+        self.d.sharing.started(job, proc, cores)
+        self.spawn(partial(self._run_shared, job, proc, release), [job])
+
+    async def _run_shared(self, job: Job, proc: Process | Exception,
+                          release: Callable[[], None]) -> None:
+        try:
+            out = await self._wait_command(proc, release)
+        finally:
+            self.d.sharing.ended(job)
+        self.d._complete(job, out)
 
     def _grant_cores(self, g: Grant) -> tuple[list[int], list[int]]:
         """The core ids of a started cpu grant, and those of them it took from the free
@@ -100,7 +117,10 @@ class LocalExecutors(Executors):
         return proc
 
     async def _run_cpu(self, job: Job, cores: list[int], proc: Process | Exception) -> None:
-        out = await self._wait_command(proc, lambda: self.machine.free_cores.extend(cores))
+        try:
+            out = await self._wait_command(proc, lambda: self.machine.free_cores.extend(cores))
+        finally:
+            self.d.sharing.ended(job)
         self.d._complete(job, out)
 
     async def _wait_command(self, proc: Process | Exception,
