@@ -20,8 +20,10 @@ from serve_helpers import serving
 
 from metasched.client import Client, ServiceError
 from metasched.runtime.dispatch import DispatcherConfig
+from metasched.runtime.dispatch.deadline_config import DeadlineConfig
 from metasched.runtime.journal import Journal
 from metasched.serve import ServeConfig
+from metasched.serve.deadlines import DEADLINE_HEADER
 
 N_CLIENTS = 50
 
@@ -78,8 +80,11 @@ def wait_until(check, timeout_s: float = 30.0, every_s: float = 0.02):
 
 @pytest.fixture
 def served(tmp_path):
+    # Two commands hold the two cores and the rest wait: no idle core is lent (the
+    # commands sleep) and each caller gives the service time (a deadline far off).
     dcfg = DispatcherConfig(scheduler="elastic_greedy", journal=tmp_path / "j.db",
-                            trace=tmp_path / "trace.jsonl", cores=[0, 1])
+                            trace=tmp_path / "trace.jsonl", cores=[0, 1],
+                            deadlines=DeadlineConfig(idle_share=False))
     with serving(dcfg, ServeConfig(languages=["python"])) as s:
         s.tmp = tmp_path
         yield s
@@ -92,7 +97,8 @@ def test_disconnected_clients_are_cancelled_queued_dropped_running_killed(served
         async with httpx.AsyncClient(base_url=served.url, timeout=None,
                                      limits=httpx.Limits(max_connections=N_CLIENTS)) as c:
             tasks = [asyncio.create_task(c.post("/run_code", json={
-                "code": tree(f"{tag}-{i}"), "run_timeout": 120}))
+                "code": tree(f"{tag}-{i}"), "run_timeout": 120},
+                headers={DEADLINE_HEADER: "600"}))
                 for i in range(N_CLIENTS)]
             # Every request in: two running (the cores), the others waiting behind them
             # (queued, or held until sandbox memory frees for their trajectory).
@@ -138,8 +144,10 @@ def test_disconnected_clients_are_cancelled_queued_dropped_running_killed(served
 def test_explicit_cancel_through_the_client_and_the_native_api(tmp_path):
     tag = f"e{uuid.uuid4().hex[:8]}"
     sleep = ["python3", "-c", "import time; time.sleep(60)"]
+    # The sleepers' cores stay theirs (no idle core lent), so the third one waits.
     dcfg = DispatcherConfig(scheduler="elastic_greedy", journal=tmp_path / "j.db",
-                            trace=tmp_path / "trace.jsonl", cores=[0, 1])
+                            trace=tmp_path / "trace.jsonl", cores=[0, 1],
+                            deadlines=DeadlineConfig(idle_share=False))
     with serving(dcfg) as served, Client(served.url) as c:
         busy = [c.submit(argv=[*sleep, f"{tag}-busy-{i}"]) for i in range(2)]
         queued = c.submit(argv=[*sleep, f"{tag}-queued"])
