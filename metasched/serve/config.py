@@ -9,12 +9,12 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BeforeValidator, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
 from metasched.core.cluster_config import _Endpoint
 from metasched.core.pools import EndpointSpec
-from metasched.core.schema import Count, Number, Strict, Text, parse
-from metasched.errors import ConfigError, short, validation_error
+from metasched.core.schema import Checked, Count, Number, Strict, Text, parse
+from metasched.errors import ConfigError, short
 
 __all__ = ["DEFAULT_CLIENT", "LOOPBACK", "ServeConfig", "Upstream", "derated", "is_loopback",
            "parse_upstreams"]
@@ -155,7 +155,7 @@ Token = Annotated[str, Field(strict=True), AfterValidator(_token)]
 """A bearer token: at least 16 printable characters, no spaces."""
 
 
-class ServeConfig(Strict):
+class ServeConfig(Checked):
     """How the service runs (the dispatcher behind it is configured on its own).
 
     Built by keyword (``ServeConfig(port=8080, token=...)``); a bad value is a
@@ -201,14 +201,7 @@ class ServeConfig(Strict):
     task: Text = "run_code"
     keep_results: Count(0) = 100_000
 
-    def __init__(self, **data: Any) -> None:
-        # A bad setting is one line naming it (the app prints it and exits).
-        try:
-            super().__init__(**data)
-        except ValidationError as e:
-            raise validation_error(e.errors(), model=ServeConfig, root="settings") from None
-
-    __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
+    one_line_root = 'settings'
 
     @model_validator(mode="after")
     def _clients(self) -> ServeConfig:
