@@ -14,7 +14,7 @@ from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 from metasched.core.cluster_config import _Endpoint
 from metasched.core.pools import EndpointSpec
 from metasched.core.schema import Checked, Count, Number, Strict, Text, parse
-from metasched.errors import ConfigError, short
+from metasched.errors import ConfigError
 
 __all__ = ["DEFAULT_CLIENT", "LOOPBACK", "ServeConfig", "Upstream", "derated", "is_loopback",
            "parse_upstreams"]
@@ -55,9 +55,7 @@ class Upstream(Strict):
 
         if not isinstance(data, Mapping) or data.get("url") is None:
             return data
-        headers = data.get("headers") or {}
-        if not isinstance(headers, Mapping):
-            raise ConfigError("headers", f"must be a mapping (got {short(headers)})")
+        headers = parse(Mapping[Any, Any], data.get("headers") or {}, "headers")
         headers = {str(k): v for k, v in headers.items()}
         parse(HttpSpec, {"url": str(data["url"]), "headers": headers})
         return {**data, "url": str(data["url"]).rstrip("/"),
