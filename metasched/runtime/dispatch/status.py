@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from metasched.core import renamed
 from metasched.core.metrics import RunResult
 from metasched.runtime.requests import Result
 
@@ -21,7 +22,7 @@ def stats(d: Dispatcher) -> dict[str, Any]:
     lat = d.latency_ns.array(float) / 1e3
     pct = ({f"p{q}": float(np.percentile(lat, q)) for q in (50, 90, 99)} if lat.size
            else {})
-    return {"scheduler": d.scheduler.name if d.scheduler else None,
+    return renamed.metrics({"scheduler": d.scheduler.name if d.scheduler else None,
             "fallback": d.fallback_reason, "submitted": s.n_submitted,
             "done": s.n_done, "failed": s.n_failed, "rejected": d.n_rejected,
             "queued": s.n_pending, "running": s.n_running,
@@ -36,7 +37,7 @@ def stats(d: Dispatcher) -> dict[str, Any]:
             "confinement": d.boxes.describe() if d.boxes is not None else None,
             # Whether a trajectory's commands share one working directory (its
             # sandbox's workspace); without isolation each has a scratch one.
-            "trajectory_workspaces": d.boxes is not None and d.boxes.isolated}
+            "trajectory_workspaces": d.boxes is not None and d.boxes.isolated})
 
 
 def run_result(d: Dispatcher) -> RunResult:
