@@ -71,6 +71,14 @@ def value(path: str, given: Any) -> Any:
     return given
 
 
+def stored(cfg: Any) -> Any:
+    """A config saved by an earlier release (a checkpoint's), each old top-level key under
+    its new name (silently: the user did not write it)."""
+    if not isinstance(cfg, dict):
+        return cfg
+    return {KEYS.get(k, k) if "." not in KEYS.get(k, "") else k: v for k, v in cfg.items()}
+
+
 def metrics(counters: dict[str, Any]) -> dict[str, Any]:
     """``counters`` with each renamed one also under its old name."""
     for new, old in METRICS.items():
@@ -79,4 +87,4 @@ def metrics(counters: dict[str, Any]) -> dict[str, Any]:
     return counters
 
 
-__all__ = ["KEYS", "METRICS", "VALUES", "metrics", "overrides", "settings", "value"]
+__all__ = ["KEYS", "METRICS", "VALUES", "metrics", "overrides", "settings", "stored", "value"]
