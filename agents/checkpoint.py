@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from metasched.core import renamed
 from metasched.core.observation import OBS_SCHEMA_VERSION, SLOT_FEATURES, ObsConfig
 from metasched.errors import ConfigError
 
@@ -105,6 +106,8 @@ def load_metadata(path: str | Path) -> dict[str, Any]:
         version = saved["version"]
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError("checkpoint", f"{p / METADATA} is unreadable ({e!r})") from None
+    if "config" in meta:  # saved by an earlier release: its old names, renamed
+        meta["config"] = renamed.stored(meta["config"])
     if version != OBS_SCHEMA_VERSION:
         raise ConfigError("checkpoint", f"{p} was trained on observation schema v{version}; "
                           f"this code encodes v{OBS_SCHEMA_VERSION}. Retrain with metasched-train")

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from metasched.core import renamed
 from metasched.core.cluster_config import ClusterConfig, parse_cluster
 from metasched.errors import ConfigError
 from metasched.sim.workload_config import WorkloadConfig, check_compatible, parse_workload
@@ -42,13 +43,14 @@ def compose(config_name: str = "eval", overrides: list[str] | None = None) -> di
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    overrides = renamed.overrides(list(overrides or []))
     try:
         if GlobalHydra.instance().is_initialized():  # an app's Hydra cannot be re-entered
             cfg = hydra_compose(config_name, overrides=list(overrides or []))
         else:
             with initialize_config_dir(str(config_dir()), version_base="1.3"):
                 cfg = hydra_compose(config_name, overrides=list(overrides or []))
-        return OmegaConf.to_container(cfg, resolve=True)
+        return renamed.settings(OmegaConf.to_container(cfg, resolve=True))
     except (HydraException, OmegaConfBaseException) as e:
         raise ConfigError("overrides", str(e).splitlines()[0]) from None
 

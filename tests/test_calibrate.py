@@ -535,11 +535,12 @@ def test_bad_zero_is_one_line(spec, positive, field) -> None:
 @pytest.mark.parametrize("groups, message", [
     ([{"prob": 1.0, "actions": ["nope"]}], "unknown action 'nope'"),
     ([{"prob": 0.5, "actions": ["test"]}], "must sum to 1"),
-    ([{"prob": 1.0, "actions": []}], "must be a non-empty list"),
+    ([{"prob": 1.0, "actions": []}], "actions: must have at least 1 item(s)"),
     ([{"prob": 1.0, "actions": [["test", []]]}], "a chain must be a non-empty list"),
     ([{"prob": 1.0, "actions": [[["test", ["test"]]]]}], "a chain must be a non-empty list"),
     ([{"prob": 1.0, "actions": [[["test", "nope"]]]}], "unknown action 'nope'"),
-    ("test", "must be a non-empty list"),
+    ("test", "turn_groups: must be a list"),
+    ([], "turn_groups: must have at least 1 item(s)"),
 ])
 def test_bad_turn_groups_are_one_line(groups, message) -> None:
     from metasched.errors import ConfigError

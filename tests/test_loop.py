@@ -108,7 +108,7 @@ def test_recommendation_rule(act, step, decision) -> None:
     ([], "trace"),
     (["trace=/nonexistent/trace.jsonl"], "trace"),
     (["trace={trace}", "checkpoint=/nonexistent/ckpt"], "checkpoint"),
-    (["trace={trace}", "evaluation.heuristics=[fifo,oracle]"], "evaluation.heuristics"),
+    (["trace={trace}", "evaluation.heuristics=[fifo,oracle]"], "evaluation.heuristics[1]"),
     (["trace={trace}", "evaluation.n_seeds=1"], "evaluation.n_seeds"),
     (["trace={trace}", "evaluation.seed_offset=5"], "evaluation.seed_offset"),  # not held out
     (["trace={trace}", "budget=0"], "budget"),

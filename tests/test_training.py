@@ -295,7 +295,7 @@ def test_tensorboard_logs(run):
     ("agent.bc.expert=oracle", "agent.bc.expert"),
     ("eval.reference=oracle", "eval.reference"),
     ("obs.advisor=oracle", "obs.advisor"),
-    ("agent.bc.profiles=[mixed,nosuch]", "agent.bc.profiles"),
+    ("agent.bc.profiles=[mixed,nosuch]", "agent.bc.profiles[1]"),
     ("env.randomization.cluster_scale=[0.5,0.1]", "env.randomization.cluster_scale"),
     ("env.randomization.cluster_scale=[0,1]", "env.randomization.cluster_scale"),
     ("eval.cluster_scale=0", "eval.cluster_scale"),

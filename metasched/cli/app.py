@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from metasched.compose import config_dir
+from metasched.core import renamed
 from metasched.errors import ConfigError
 
 CONFIG_PATH = str(config_dir())
@@ -110,10 +111,11 @@ def make_main(config_name: str, run: Callable[[dict[str, Any], Path], Any]) -> C
     @hydra.main(config_path=CONFIG_PATH, config_name=config_name, version_base="1.3")
     @user_errors
     def hydra_main(cfg: DictConfig) -> None:
-        run(OmegaConf.to_container(cfg, resolve=True), run_dir())
+        run(renamed.settings(OmegaConf.to_container(cfg, resolve=True)), run_dir())
 
     def main() -> None:
         install_stop_handlers()
+        sys.argv[1:] = renamed.overrides(sys.argv[1:])  # old names, with a warning
         try:
             preflight(config_name)
             hydra_main()

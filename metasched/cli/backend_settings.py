@@ -4,18 +4,17 @@ read and checked here, with one-line errors, before anything starts."""
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from metasched.core.schema import parse
 from metasched.errors import ConfigError, one_of
 
 if TYPE_CHECKING:
     from metasched.runtime.ray_backend.remote import RaySettings
 
 BACKENDS = ("local", "ray")
-# ray_backend.cluster's SUBMIT_MODES and DEFAULT_SUBMIT, without importing ray
-SUBMIT, DEFAULT_SUBMIT = ("task", "agent", "stream"), "stream"
 # Settings of the local dispatcher that a dispatcher on Ray does not take, with why;
 # each is refused when given (not its default) with backend=ray.
 NOT_ON_RAY = {
@@ -46,29 +45,9 @@ def ray_settings(cfg: dict[str, Any]) -> RaySettings | None:
         if key in cfg and cfg[key] != _DEFAULTS[key]:
             raise ConfigError(key, f"does not apply with backend=ray ({why})")
     r = cfg.get("ray") or {}
-    if not isinstance(r, dict):
-        raise ConfigError("ray", f"must be a mapping (got {r!r})")
-    known = {f.name for f in dataclasses.fields(_settings_class())}
-    for key in r:
-        if key not in known:
-            raise ConfigError(f"ray.{key}", f"unknown setting (known: {', '.join(sorted(known))})")
-    for key in ("address", "name", "namespace"):
-        v = r.get(key)
-        if v is not None and (not isinstance(v, str) or not v.strip()):
-            raise ConfigError(f"ray.{key}", f"must be a non-empty string (got {v!r})")
-    one_of(r.get("submit", DEFAULT_SUBMIT), SUBMIT, "ray.submit")
-    cpn = r.get("cores_per_node")
-    if cpn is not None and (isinstance(cpn, bool) or not isinstance(cpn, int) or cpn < 1):
-        raise ConfigError("ray.cores_per_node", f"must be a whole number >= 1 or null "
-                          f"(got {cpn!r})")
-    ahead = r.get("ahead_per_core")
-    if ahead is not None and (isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0):
-        raise ConfigError("ray.ahead_per_core", f"must be a whole number >= 0 or null "
-                          f"(got {ahead!r})")
-    keep = r.get("keep", False)
-    if not isinstance(keep, bool):
-        raise ConfigError("ray.keep", f"must be true or false (got {keep!r})")
-    return _settings_class()(**{k: v for k, v in r.items() if v is not None})
+    if isinstance(r, Mapping):  # null: the default
+        r = {k: v for k, v in r.items() if v is not None}
+    return parse(_settings_class(), r, "ray")
 
 
 def ray_overrides(settings: RaySettings) -> str:

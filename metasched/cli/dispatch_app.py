@@ -38,7 +38,7 @@ from metasched.cli.job_file import count_requests, read_jobs
 from metasched.cli.output import write_report
 from metasched.cli.settings import bool_setting, int_setting, max_wait_setting
 from metasched.core.cluster_config import parse_endpoints
-from metasched.core.schema import Number, valid
+from metasched.core.schema import Number, parse, valid
 from metasched.errors import ConfigError
 from metasched.evaluation.statistics import ci95_of
 from metasched.runtime.requests import REJECTED, Result
@@ -48,12 +48,9 @@ def load_services(spec: Any) -> dict[str, Any]:
     """GPU services from ``name: "module:factory"`` (the factory returns a LiveService)."""
     if not spec:
         return {}
-    if not isinstance(spec, dict):
-        raise ConfigError("services", f"must be a mapping of name to 'module:factory' "
-                          f"(got {spec!r})")
     out = {}
-    for name, target in spec.items():
-        if not isinstance(target, str) or ":" not in target:
+    for name, target in parse(dict[str, str], spec, "services").items():
+        if ":" not in target:
             raise ConfigError(f"services.{name}", f"must be 'module:factory' (got {target!r})")
         mod, _, fn = target.partition(":")
         try:

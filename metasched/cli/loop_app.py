@@ -29,11 +29,14 @@ import math
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
 
 from metasched.cli.app import make_main
 from metasched.cli.output import json_safe
 from metasched.cli.settings import int_setting
+from metasched.core.schema import Text, parse
 from metasched.errors import ConfigError, one_of
 from metasched.sim.seeds import EVAL_SEED_OFFSET
 
@@ -57,15 +60,9 @@ def loop_settings(cfg: dict[str, Any]) -> dict[str, Any]:
                           "trace=live.jsonl)")
     if not Path(trace).is_file():
         raise ConfigError("trace", f"{trace}: no such file")
-    name = cfg.get("name")
-    if name is not None and not isinstance(name, str):
-        raise ConfigError("name", f"must be a string or null (got {name!r})")
-    base = cfg.get("base")
-    if base is not None and not isinstance(base, str):
-        raise ConfigError("base", f"must be a profile name or null (got {base!r})")
-    ckpt = cfg.get("checkpoint")
-    if not isinstance(ckpt, str) or not ckpt:
-        raise ConfigError("checkpoint", f"must be a checkpoint directory (got {ckpt!r})")
+    name = parse(str | None, cfg.get("name"), "name")
+    base = parse(str | None, cfg.get("base"), "base")
+    ckpt = parse(Text, cfg.get("checkpoint"), "checkpoint")
     path = Path(resolve_scheduler(ckpt))
     try:
         meta = load_metadata(path)
@@ -74,17 +71,10 @@ def loop_settings(cfg: dict[str, Any]) -> dict[str, Any]:
     if not (path / MODEL).is_file():
         raise ConfigError("checkpoint", f"{ckpt} has no {MODEL}: a warm start needs the "
                           "SB3 model")
-    overrides = cfg.get("train_overrides") or []
-    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
-        raise ConfigError("train_overrides", f"must be a list of metasched-train overrides "
-                          f"(got {overrides!r})")
+    overrides = parse(list[str], cfg.get("train_overrides") or [], "train_overrides")
     ev = cfg.get("evaluation") or {}
-    heuristics = ev.get("heuristics")
-    if not isinstance(heuristics, list) or not heuristics:
-        raise ConfigError("evaluation.heuristics", f"must be a non-empty list of heuristics "
-                          f"(got {heuristics!r})")
-    for h in heuristics:
-        one_of(h, BASELINES, "evaluation.heuristics", what="the heuristics")
+    heuristics = parse(Annotated[list[Literal[BASELINES]], Field(min_length=1)],
+                       ev.get("heuristics"), "evaluation.heuristics")
     if len(set(heuristics)) != len(heuristics):
         raise ConfigError("evaluation.heuristics", f"lists a heuristic twice ({heuristics})")
     estimates = one_of(ev.get("estimates", "profile"), ESTIMATES, "evaluation.estimates")

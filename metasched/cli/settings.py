@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from metasched.core.schema import Count, Flag, Number, parse, valid
+from pydantic import Field
+
+from metasched.core.schema import Count, Flag, Number, Text, parse, valid
 from metasched.errors import ConfigError, short
 
 
@@ -50,13 +52,11 @@ def schedulers_setting(cfg: dict[str, Any], key: str = "schedulers"
     scheds = cfg.get(key)
     if isinstance(scheds, str):
         scheds = [scheds]
-    if not isinstance(scheds, list) or not scheds or not all(isinstance(s, str) for s in scheds):
-        raise ConfigError(key, f"must be a non-empty list of names (got {scheds!r})")
+    scheds = parse(Annotated[list[Text], Field(min_length=1)], scheds, key)
     if len(set(scheds)) != len(scheds):
         raise ConfigError(key, f"lists a scheduler twice ({scheds})")
-    params = cfg.get("scheduler_params") or {}
-    if not isinstance(params, dict):
-        raise ConfigError("scheduler_params", "must be a mapping of scheduler name to kwargs")
+    params = parse(dict[str, dict[str, Any] | None] | None, cfg.get("scheduler_params"),
+                   "scheduler_params") or {}
     paths = {s: resolve_scheduler(s) for s in scheds}
     out = {s: dict(params.get(s) or {}) for s in scheds}
     for s in scheds:

@@ -23,11 +23,12 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from metasched.cli.app import make_main
 from metasched.cli.output import json_safe
 from metasched.compose import load_profile
+from metasched.core.schema import Count, Number, parse
 from metasched.errors import ConfigError, one_of
 from metasched.sim.simulator import ESTIMATES
 
@@ -52,25 +53,17 @@ def check_train_settings(cfg: dict[str, Any]) -> None:
     """One-line errors for out-of-range training settings."""
     agent = cfg.get("agent") or {}
     for key in _POSITIVE:
-        v = agent.get(key)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-            raise ConfigError(f"agent.{key}", f"must be a number > 0 (got {v!r})")
+        parse(Number(gt=0.0), agent.get(key), f"agent.{key}")
     for key in _FRACTIONS:
-        v = agent.get(key)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
-            raise ConfigError(f"agent.{key}", f"must be in (0, 1] (got {v!r})")
+        parse(Number(gt=0.0, le=1.0), agent.get(key), f"agent.{key}")
     for key in ("k_slots", "levels", "max_nodes", "max_devices", "max_services",
                 "max_endpoints"):
-        v = (cfg.get("obs") or {}).get(key)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(f"obs.{key}", f"must be a whole number >= 1 (got {v!r})")
+        parse(Count(1), (cfg.get("obs") or {}).get(key), f"obs.{key}")
     if cfg["obs"]["levels"] < 2:
         raise ConfigError("obs.levels", "must be >= 2 (one level cannot express elasticity)")
     est = (cfg.get("env") or {}).get("estimates", "profile")
     one_of(est, ESTIMATES, "env.estimates")
-    seed = cfg.get("seed")
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ConfigError("seed", f"must be a whole number >= 0 (got {seed!r})")
+    parse(Count(0), cfg.get("seed"), "seed")
     from metasched.agents import BASELINES
 
     for field, name in (("agent.bc.expert", (agent.get("bc") or {}).get("expert", "rate_greedy")),
@@ -79,17 +72,14 @@ def check_train_settings(cfg: dict[str, Any]) -> None:
         one_of(name, BASELINES, field, what="the heuristics", null=field == "obs.advisor")
     from metasched.compose import PROFILES
 
-    for name in (agent.get("bc") or {}).get("profiles") or []:
-        if name not in PROFILES:
-            raise ConfigError("agent.bc.profiles", f"unknown profile {name!r}; one of "
-                                                   f"{', '.join(PROFILES)}")
+    parse(list[Literal[PROFILES]], (agent.get("bc") or {}).get("profiles") or [],
+          "agent.bc.profiles")
     scale = ((cfg.get("env") or {}).get("randomization") or {}).get("cluster_scale")
     if scale is not None and not (len(scale) == 2 and 0 < scale[0] <= scale[1]):
         raise ConfigError("env.randomization.cluster_scale",
                           f"must be [lo, hi] with 0 < lo <= hi (got {list(scale)!r})")
-    v = (cfg.get("eval") or {}).get("cluster_scale", 1.0)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-        raise ConfigError("eval.cluster_scale", f"must be a number > 0 (got {v!r})")
+    parse(Number(gt=0.0), (cfg.get("eval") or {}).get("cluster_scale", 1.0),
+          "eval.cluster_scale")
 
 
 def run_train(cfg: dict[str, Any], out_dir: str | Path, progress: bool = True) -> dict[str, Any]:

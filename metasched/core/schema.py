@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from functools import cache
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 from pydantic import (
     BaseModel,
@@ -63,6 +63,31 @@ class Strict(BaseModel):
     """A schema: frozen, and an unknown field is an error naming it."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Checked(Strict):
+    """A schema also built in Python (``SandboxConfig(cpus=2)``): a bad value raises the
+    same one-line :class:`ConfigError` as from a config file or JSON, naming the field.
+
+    Subclasses say where their fields sit: ``one_line_at`` is the path put before each
+    field (``("sandbox",)``: ``sandbox.cpus: ...``) and ``one_line_root`` names an error
+    about the whole value. Validation from data (:meth:`model_validate`, :func:`parse`)
+    does not go through ``__init__``; :func:`parse` formats its errors itself.
+    """
+
+    one_line_at: ClassVar[tuple[str, ...]] = ()
+    one_line_root: ClassVar[str] = "request"
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            cls = type(self)
+            raise validation_error(e.errors(), model=cls, at=cls.one_line_at,
+                                   root=cls.one_line_root) from None
+
+    # model_validate passes a context, which __init__ cannot: it bypasses __init__.
+    __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
 
 
 # ---------------------------------------------------------------- resource demand
@@ -146,5 +171,5 @@ def join(field: str, sub: str) -> str:
     return f"{field}{'' if sub.startswith('[') else '.'}{sub}"
 
 
-__all__ = ["DEMAND_FIELDS", "Count", "Demand", "Flag", "Fraction", "Number", "Strict",
+__all__ = ["DEMAND_FIELDS", "Checked", "Count", "Demand", "Flag", "Fraction", "Number", "Strict",
            "Text", "join", "parse", "valid"]

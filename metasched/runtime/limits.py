@@ -18,17 +18,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import ValidationError, model_validator
+from pydantic import model_validator
 
-from metasched.core.schema import Count, Number, Strict, parse
-from metasched.errors import ConfigError, validation_error
+from metasched.core.schema import Checked, Count, Number, parse
+from metasched.errors import ConfigError
 
 __all__ = ["RequestLimits"]
 
 _DAY = 24 * 3600.0
 
 
-class RequestLimits(Strict):
+class RequestLimits(Checked):
     """Defaults and caps of one request (see the module docstring).
 
     Attributes:
@@ -55,14 +55,7 @@ class RequestLimits(Strict):
     max_workspace_mb: Number(ge=1.0, le=2.0**40) = 8192.0
     max_pids: Count(1, 4_194_304) = 16384
 
-    def __init__(self, **data: Any) -> None:
-        # Built in Python: a bad value is the same one line as from the settings.
-        try:
-            super().__init__(**data)
-        except ValidationError as e:
-            raise validation_error(e.errors(), model=RequestLimits, at=("limits",)) from None
-
-    __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
+    one_line_at = ("limits",)
 
     @model_validator(mode="after")
     def _defaults_within_caps(self) -> RequestLimits:

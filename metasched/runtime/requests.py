@@ -80,7 +80,7 @@ from pydantic.json_schema import SkipJsonSchema
 
 from metasched.core.actions import KINDS
 from metasched.core.cost_model import signature
-from metasched.core.schema import Count, Demand, Flag, Text
+from metasched.core.schema import Checked, Count, Demand, Flag, Text
 from metasched.errors import ConfigError, short, validation_error
 from metasched.runtime.api_calls import HttpSpec
 
@@ -145,7 +145,7 @@ def _positive(hi: float = math.inf, lo: float = 0.0, open_lo: bool = True) -> An
                                   le=None if hi == math.inf else hi, **bound)]
 
 
-class Request(Demand):
+class Request(Checked, Demand):
     """One action submitted to the dispatcher (see the module docstring).
 
     Built from its JSON form by :func:`parse_request` (job files, ``POST /v1/actions``,
@@ -258,17 +258,6 @@ class Request(Demand):
         if self.kind == "api" and self.endpoint is None:
             raise ConfigError("endpoint", "must not be empty (got None)")
         return self
-
-    def __init__(self, **data: Any) -> None:
-        # Built in Python: a failed check is the same one line as from JSON.
-        try:
-            super().__init__(**data)
-        except ValidationError as e:
-            raise validation_error(e.errors(), model=Request) from None
-
-    # Validation from JSON (model_validate) does not go through __init__ (it passes a
-    # context, which __init__ cannot).
-    __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
 
     def __eq__(self, other: object) -> bool:
         # The same request whatever callable it carries (a resubmission from Python

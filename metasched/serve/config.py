@@ -9,12 +9,12 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BeforeValidator, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
 from metasched.core.cluster_config import _Endpoint
 from metasched.core.pools import EndpointSpec
-from metasched.core.schema import Count, Number, Strict, Text, parse
-from metasched.errors import ConfigError, short, validation_error
+from metasched.core.schema import Checked, Count, Number, Strict, Text, parse
+from metasched.errors import ConfigError
 
 __all__ = ["DEFAULT_CLIENT", "LOOPBACK", "ServeConfig", "Upstream", "derated", "is_loopback",
            "parse_upstreams"]
@@ -55,9 +55,7 @@ class Upstream(Strict):
 
         if not isinstance(data, Mapping) or data.get("url") is None:
             return data
-        headers = data.get("headers") or {}
-        if not isinstance(headers, Mapping):
-            raise ConfigError("headers", f"must be a mapping (got {short(headers)})")
+        headers = parse(Mapping[Any, Any], data.get("headers") or {}, "headers")
         headers = {str(k): v for k, v in headers.items()}
         parse(HttpSpec, {"url": str(data["url"]), "headers": headers})
         return {**data, "url": str(data["url"]).rstrip("/"),
@@ -155,7 +153,7 @@ Token = Annotated[str, Field(strict=True), AfterValidator(_token)]
 """A bearer token: at least 16 printable characters, no spaces."""
 
 
-class ServeConfig(Strict):
+class ServeConfig(Checked):
     """How the service runs (the dispatcher behind it is configured on its own).
 
     Built by keyword (``ServeConfig(port=8080, token=...)``); a bad value is a
@@ -201,14 +199,7 @@ class ServeConfig(Strict):
     task: Text = "run_code"
     keep_results: Count(0) = 100_000
 
-    def __init__(self, **data: Any) -> None:
-        # A bad setting is one line naming it (the app prints it and exits).
-        try:
-            super().__init__(**data)
-        except ValidationError as e:
-            raise validation_error(e.errors(), model=ServeConfig, root="settings") from None
-
-    __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
+    one_line_root = 'settings'
 
     @model_validator(mode="after")
     def _clients(self) -> ServeConfig:

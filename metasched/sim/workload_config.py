@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, model_validator
+from pydantic import BeforeValidator, Field, model_validator
 
 from metasched.core.actions import KINDS, SandboxSpec
 from metasched.core.cluster_config import ClusterConfig
@@ -67,10 +67,7 @@ class ActionType(Demand):
             cores = d.pop("cores", [1, 1])
             if isinstance(cores, int) and not isinstance(cores, bool):
                 cores = [cores, cores]
-            if not isinstance(cores, (list, tuple)) or len(cores) != 2:
-                raise ConfigError("cores", f"must be [min, max] (got {short(cores)})")
-            d["min_cores"] = parse(_Cores, cores[0], "cores[0]")
-            d["max_cores"] = parse(_Cores, cores[1], "cores[1]")
+            d["min_cores"], d["max_cores"] = parse(tuple[_Cores, _Cores], cores, "cores")
             if d["max_cores"] < d["min_cores"]:
                 raise ConfigError("cores[1]", f"must be >= {d['min_cores']} (the minimum; "
                                   f"got {short(cores[1])})")
@@ -176,8 +173,7 @@ class _TurnGroup(Strict):
     one before it finishes)."""
 
     prob: Fraction
-    actions: Annotated[list[Any], BeforeValidator(
-        lambda v: _non_empty_list(v, "a non-empty list of action names"))]
+    actions: Annotated[list[Any], Field(min_length=1)]
 
     def stages(self, names: set[str]) -> tuple[tuple[tuple[str, ...], ...], ...]:
         """The stages as chains of names, each name one of ``names``."""
@@ -201,12 +197,6 @@ class _TurnGroup(Strict):
                 chains.append(tuple(chain))
             stages.append(tuple(chains))
         return tuple(stages)
-
-
-def _non_empty_list(value: Any, what: str) -> Any:
-    if not isinstance(value, (list, tuple)) or not value:
-        raise ConfigError("", f"must be {what} (got {short(value)})")
-    return value
 
 
 def _named(actions: Any) -> Any:
@@ -241,8 +231,7 @@ class _Task(Strict):
     sandbox: _Sandbox | None = None
     actions: Annotated[dict[str, ActionType], BeforeValidator(_named)]
     reward: ActionType
-    turn_groups: Annotated[list[_TurnGroup], BeforeValidator(
-        lambda v: _non_empty_list(v, "a non-empty list of {prob, actions}"))] | None = None
+    turn_groups: Annotated[list[_TurnGroup], Field(min_length=1)] | None = None
 
     _nulls = _default_if_null("share")
 

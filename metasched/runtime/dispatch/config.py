@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, InstanceOf, PlainValidator, ValidationError
+from pydantic import ConfigDict, Field, InstanceOf, PlainValidator
 
 from metasched.core.pools import EndpointSpec
-from metasched.core.schema import Count, Flag, Number, Strict, Text
-from metasched.errors import ConfigError, short, validation_error
+from metasched.core.schema import Checked, Count, Flag, Number, Text
+from metasched.errors import ConfigError, short
 from metasched.runtime.api_calls import RetryPolicy
 from metasched.runtime.dispatch.deadline_config import DeadlineConfig
 from metasched.runtime.limits import RequestLimits
@@ -28,7 +28,7 @@ FilePath = Annotated[str | Path | None, PlainValidator(_file_path)]
 """A file's path (text or a Path), or None."""
 
 
-class DispatcherConfig(Strict):
+class DispatcherConfig(Checked):
     """How a dispatcher runs: a pydantic schema, checked where it is built (from Python
     or from the apps' settings); a bad value is one line naming the setting.
 
@@ -125,15 +125,7 @@ class DispatcherConfig(Strict):
     ahead_per_core: Count(0) | None = None
     deadlines: DeadlineConfig = Field(default_factory=DeadlineConfig)
 
-    def __init__(self, **data: Any) -> None:
-        # Built in Python, as from the settings: a bad value is one line naming it.
-        try:
-            super().__init__(**data)
-        except ValidationError as e:
-            raise validation_error(e.errors(), model=DispatcherConfig,
-                                   root="dispatcher") from None
-
-    __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
+    one_line_root = 'dispatcher'
 
     def replace(self, **changes: Any) -> DispatcherConfig:
         """A copy with ``changes``, checked as a new one is."""

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from metasched.core import renamed
 from metasched.core.metrics import RunResult
 from metasched.runtime.requests import Result
 
@@ -21,7 +22,7 @@ def stats(d: Dispatcher) -> dict[str, Any]:
     lat = d.latency_ns.array(float) / 1e3
     pct = ({f"p{q}": float(np.percentile(lat, q)) for q in (50, 90, 99)} if lat.size
            else {})
-    return {"scheduler": d.scheduler.name if d.scheduler else None,
+    return renamed.metrics({"scheduler": d.scheduler.name if d.scheduler else None,
             "fallback": d.fallback_reason, "submitted": s.n_submitted,
             "done": s.n_done, "failed": s.n_failed, "rejected": d.n_rejected,
             # Ended at their caller's word (counted in failed too, as the state counts).
@@ -41,7 +42,7 @@ def stats(d: Dispatcher) -> dict[str, Any]:
             "trajectory_workspaces": d.boxes is not None and d.boxes.isolated,
             # Commands started time-shared (at their latest start, or on idle cores)
             # and refused at their latest start (metasched.runtime.dispatch.sharing).
-            **d.sharing.stats()}
+            **d.sharing.stats()})
 
 
 def run_result(d: Dispatcher) -> RunResult:

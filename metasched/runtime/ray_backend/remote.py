@@ -22,12 +22,13 @@ import logging
 import os
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import ray
+from pydantic import StringConstraints
 
 from metasched import __version__
+from metasched.core.schema import Checked, Count, Flag
 from metasched.errors import ConfigError
 from metasched.runtime.dispatch import DispatcherConfig
 from metasched.runtime.gpu import LiveService
@@ -37,7 +38,7 @@ from metasched.runtime.ray_backend.client import (
     DispatcherHandle,
     start_dispatcher,
 )
-from metasched.runtime.ray_backend.cluster import DEFAULT_SUBMIT, check_submit
+from metasched.runtime.ray_backend.cluster import DEFAULT_SUBMIT, SUBMIT_MODES, check_submit
 from metasched.runtime.ray_backend.commands import lost
 from metasched.runtime.requests import Request, Result
 
@@ -47,8 +48,11 @@ POLL_S = 0.25  # how often the actor's status is fetched while open
 READY_TIMEOUT_S = 30.0  # how long a running actor may take to answer who it is
 
 
-@dataclass(frozen=True)
-class RaySettings:
+_Name = Annotated[str, StringConstraints(strict=True, strip_whitespace=True, min_length=1)]
+"""A name or an address: not empty, nor only spaces."""
+
+
+class RaySettings(Checked):
     """Where the dispatcher actor is and how it is started (the apps' ``ray:`` group).
 
     Attributes:
@@ -64,13 +68,15 @@ class RaySettings:
         keep: leave a dispatcher this process started running when it closes.
     """
 
-    address: str = "auto"
-    name: str = DEFAULT_NAME
-    namespace: str = NAMESPACE
-    submit: str = DEFAULT_SUBMIT
-    cores_per_node: int | None = None
-    ahead_per_core: int | None = None
-    keep: bool = False
+    one_line_at = ("ray",)
+
+    address: _Name = "auto"
+    name: _Name = DEFAULT_NAME
+    namespace: _Name = NAMESPACE
+    submit: Literal[SUBMIT_MODES] = DEFAULT_SUBMIT  # type: ignore[valid-type]
+    cores_per_node: Count(1) | None = None
+    ahead_per_core: Count(0) | None = None
+    keep: Flag = False
 
 
 def _recorded_cluster() -> str | None:

@@ -7,10 +7,10 @@ import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BeforeValidator, ValidationError
+from pydantic import AfterValidator, BeforeValidator
 
-from metasched.core.schema import Count, Flag, Number, Strict, parse
-from metasched.errors import ConfigError, short, validation_error
+from metasched.core.schema import Checked, Count, Flag, Number, parse
+from metasched.errors import ConfigError, short
 from metasched.runtime.sandbox.bwrap import NOT_SYSTEM_PATHS, OWN_MOUNTS, within
 from metasched.runtime.sandbox.egress import DEFAULT_EGRESS, parse_egress
 from metasched.runtime.sandbox.workspace import Template, template_from
@@ -75,7 +75,7 @@ def _system_path(path: Any) -> str:
     return norm
 
 
-class SandboxConfig(Strict):
+class SandboxConfig(Checked):
     """How commands are confined.
 
     Attributes:
@@ -140,14 +140,7 @@ class SandboxConfig(Strict):
     templates: Annotated[dict[Any, Any] | None, AfterValidator(_checked_templates)] = {}
     gvisor_warm: Count(0, 64) = 1
 
-    def __init__(self, **data: Any) -> None:
-        # Built in Python, as from the settings: a bad value is one line naming it.
-        try:
-            super().__init__(**data)
-        except ValidationError as e:
-            raise validation_error(e.errors(), model=SandboxConfig, at=("sandbox",)) from None
-
-    __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
+    one_line_at = ("sandbox",)
 
     def template(self, name: str, field_: str = "workspace_template") -> Template:
         """The configured template called ``name``, checked again (it may have gone since
