@@ -31,7 +31,15 @@ import numpy as np
 import metasched.sim.sampling as sampling
 from metasched.compose import profile
 from metasched.core.boost import QuantileBoost
-from metasched.core.predictor import DESIGNS, REWARD, Predictor, TrajRecord, records_of, replay
+from metasched.core.predictor import (
+    DESIGNS,
+    REWARD,
+    Predictor,
+    TrajRecord,
+    records_of,
+    records_of_trace,
+    replay,
+)
 from metasched.sim.sampling import sample_workload
 from metasched.sim.trace import scan_trace
 
@@ -110,24 +118,8 @@ def references(name: str, a: argparse.Namespace) -> dict[str, float]:
 
 
 def trace_records(path: str) -> list[TrajRecord]:
-    """The trajectories of a recorded trace (``metasched.evaluation.recording`` or a
-    live dispatcher's action log): each action line's measured run time, gap and turn,
-    grouped by trajectory; the group key is ``(step, prompt)``."""
-    by_traj: dict[tuple, list] = {}
-    for rec in scan_trace(path):
-        m = rec.measured
-        if rec.action is None or m is None or m.trajectory is None:
-            continue
-        key = (m.step, m.trajectory)
-        by_traj.setdefault(key, []).append(
-            (m.turn, rec.action.spec.name, m.gap_s or 0.0, m.run_s, rec.action.task, m.prompt))
-    out = []
-    for (step, _), acts in by_traj.items():
-        acts.sort(key=lambda a: a[0])
-        prompt = acts[0][5]
-        out.append(TrajRecord(acts[0][4], None if prompt is None else (step, prompt),
-                              tuple((n, g, r) for _, n, g, r, _, _ in acts)))
-    return out
+    """The trajectories of a recorded trace (``records_of_trace``)."""
+    return records_of_trace(scan_trace(path))
 
 
 def evaluate(p: Predictor, records: list[TrajRecord]) -> dict[str, float]:

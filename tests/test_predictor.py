@@ -46,8 +46,9 @@ def test_beats_the_static_estimate_on_a_held_out_seed(design: str) -> None:
         assert diff.mean() < -4 * diff.std() / math.sqrt(len(diff))
 
 
-def test_quantiles_are_ordered_and_cover_the_truth() -> None:
-    p = _fitted("linear")
+@pytest.mark.parametrize("design", ["linear", "boost"])
+def test_quantiles_are_ordered_and_cover_the_truth(design: str) -> None:
+    p = _fitted(design)
     inside = []
     for d, _ in replay(p, list(_records("retool_grouped", 1, 1, 576))):
         q = p.remaining(d.key)

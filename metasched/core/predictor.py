@@ -98,6 +98,27 @@ def records_of(steps: Iterable[Iterable]) -> list[TrajRecord]:
     return out
 
 
+def records_of_trace(lines: Iterable) -> list[TrajRecord]:
+    """Training records of a recorded trace's lines (``metasched.sim.trace.scan_trace``
+    of a simulated recording or a live dispatcher's action log): each action line's
+    measured run time, gap and turn, grouped by trajectory; the group key is
+    ``(step, prompt)`` (None without a prompt)."""
+    by_traj: dict[tuple, list] = {}
+    for rec in lines:
+        m = rec.measured
+        if rec.action is None or m is None or m.trajectory is None:
+            continue
+        by_traj.setdefault((m.step, m.trajectory), []).append(
+            (m.turn, rec.action.spec.name, m.gap_s or 0.0, m.run_s, rec.action.task, m.prompt))
+    out = []
+    for (step, _), acts in by_traj.items():
+        acts.sort(key=lambda a: a[0])
+        prompt = acts[0][5]
+        out.append(TrajRecord(acts[0][4], None if prompt is None else (step, prompt),
+                              tuple((n, g, r) for _, n, g, r, _, _ in acts)))
+    return out
+
+
 @dataclass(slots=True)
 class _Traj:
     task: str
@@ -195,6 +216,14 @@ class Predictor:
             mt, mk = self.task_total.get(tr.task, (0.0, 0.0))
             self.finished.setdefault(tr.group, []).append(
                 (math.log(max(tr.elapsed_s, 1e-3)) - mt, math.log(tr.turn + 1.0) - mk))
+
+    def close(self, key: object, turns: int | None = None) -> None:
+        """:meth:`finish`, then forget the trajectory's state unless it is in a group
+        (its siblings read it): a long-running dispatcher's state stays bounded."""
+        self.finish(key, turns)
+        tr = self.trajs.get(key)
+        if tr is not None and tr.group is None:
+            del self.trajs[key]
 
     def forget_group(self, group: object) -> None:
         """Drop a finished RL step's group (its state is no longer needed)."""
@@ -435,4 +464,4 @@ def replay(p: Predictor, records: list[TrajRecord]) -> Iterator[tuple[Decision, 
 
 
 __all__ = ["DESIGNS", "GEN", "QUANTILES", "REWARD", "Decision", "Predictor", "Quantiles",
-           "TrajRecord", "records_of", "replay"]
+           "TrajRecord", "records_of", "records_of_trace", "replay"]

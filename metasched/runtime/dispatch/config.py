@@ -89,6 +89,12 @@ class DispatcherConfig(Strict):
             dispatcher (see ``ClusterState.hand_ahead``). None: the backend's default
             (``RayBackend.AHEAD_PER_CORE``). The local backend starts every command on
             its core from this process, so it has no such queue: 0 only.
+        predictor: a recorded trace (an action log, as ``trace`` writes, or a
+            simulated recording) to fit the remaining-work predictor on at construction
+            (``metasched.core.predictor``, design ``boost``): schedulers see it as
+            ``state.predictor`` (``estimates: predictor``), and the dispatcher updates
+            it online with measured runs, generation gaps and trajectory ends. None: no
+            predictor.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -119,6 +125,7 @@ class DispatcherConfig(Strict):
     task_demand: dict[str, dict[str, float]] = {}
     trace: FilePath = None
     ahead_per_core: Count(0) | None = None
+    predictor: FilePath = None
 
     def __init__(self, **data: Any) -> None:
         # Built in Python, as from the settings: a bad value is one line naming it.

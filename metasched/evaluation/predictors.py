@@ -1,0 +1,47 @@
+"""The remaining-work predictor an evaluation feeds to schedulers that ask for it
+(``estimates: predictor``: ``critical_path_predicted`` and the like).
+
+It is fitted (design ``boost``, :mod:`metasched.core.predictor`) on ``TRAIN_TRAJECTORIES``
+trajectories of whole RL steps of the evaluated workload, sampled with training seed
+``TRAIN_SEED`` (below the evaluation seeds, which start at 1,000,000): the runs then
+update it online on their own clock. A trace workload trains it on the trace itself.
+One fit per workload and process; every run gets a fresh copy of its online state.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import replace
+
+import numpy as np
+
+from metasched.core.predictor import Predictor, records_of
+from metasched.sim.sampling import sample_workload
+from metasched.sim.workload_config import WorkloadConfig
+
+TRAIN_SEED = 0
+TRAIN_TRAJECTORIES = 3456  # as benchmarks/predictor_accuracy.py's default
+DESIGN = "boost"
+
+_FITTED: dict[bytes, Predictor] = {}
+
+
+def fitted_predictor(workload: WorkloadConfig) -> Predictor:
+    """A predictor fitted for ``workload`` (see the module docstring), its online state
+    empty and its own."""
+    key = pickle.dumps(workload)
+    p = _FITTED.get(key)
+    if p is None:
+        if workload.trace is not None:
+            from metasched.sim.trace import read_trace
+
+            steps = read_trace(workload.trace).steps
+        else:
+            n = -(-TRAIN_TRAJECTORIES // max(1, workload.trajectories_per_step))
+            steps = sample_workload(replace(workload, steps=n),
+                                    np.random.default_rng(TRAIN_SEED)).steps
+        p = _FITTED[key] = Predictor.fit(records_of(steps), DESIGN)
+    return replace(p, trajs={}, groups={}, finished={})
+
+
+__all__ = ["DESIGN", "TRAIN_SEED", "TRAIN_TRAJECTORIES", "fitted_predictor"]
