@@ -16,6 +16,13 @@ def check_estimates(estimates: str) -> str:
     return estimates
 
 
+def require_predictor(state: ClusterState, estimates: str) -> None:
+    """ValueError if ``estimates`` is ``predictor`` and ``state`` carries none."""
+    if estimates == "predictor" and state.predictor is None:
+        raise ValueError("estimates: predictor needs a remaining-work predictor on the "
+                         "cluster state (none was configured)")
+
+
 def predicted_remaining_s(state: ClusterState, a: Action) -> float:
     """Remaining work of ``a``'s trajectory, ``a`` included: the learned predictor's
     median remaining time less its median duration of ``a`` (what follows ``a``), plus
@@ -33,4 +40,4 @@ def predicted_remaining_s(state: ClusterState, a: Action) -> float:
     return own + (rest if rest > 0.0 else 0.0)
 
 
-__all__ = ["ESTIMATES", "check_estimates", "predicted_remaining_s"]
+__all__ = ["ESTIMATES", "check_estimates", "predicted_remaining_s", "require_predictor"]

@@ -35,7 +35,11 @@ import math
 
 from metasched.agents.elastic import ElasticGreedyScheduler, _quota_s
 from metasched.agents.pending_queue import PendingQueue
-from metasched.agents.predicted import check_estimates, predicted_remaining_s
+from metasched.agents.predicted import (
+    check_estimates,
+    predicted_remaining_s,
+    require_predictor,
+)
 from metasched.core.actions import Action, Grant
 from metasched.core.guard import WaitGuard
 from metasched.core.ledger import Ledger
@@ -199,6 +203,10 @@ class RateGreedyStepScheduler(RateGreedyScheduler):
                          defer=defer, progress_s=progress_s, endgame=endgame)
         self.estimates = check_estimates(estimates)
         self._state: ClusterState | None = None
+
+    def reset(self, state: ClusterState, rng) -> None:
+        require_predictor(state, self.estimates)
+        super().reset(state, rng)
 
     def _sync(self, state: ClusterState) -> None:
         self._state = state

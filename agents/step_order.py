@@ -34,7 +34,11 @@ from __future__ import annotations
 import math
 
 from metasched.agents.elastic import _quota_s
-from metasched.agents.predicted import check_estimates, predicted_remaining_s
+from metasched.agents.predicted import (
+    check_estimates,
+    predicted_remaining_s,
+    require_predictor,
+)
 from metasched.agents.rate_greedy import RateGreedyScheduler
 from metasched.core.actions import Action, Trajectory
 from metasched.core.pools import EndpointSpec
@@ -76,6 +80,7 @@ class CriticalPathScheduler(RateGreedyScheduler):
         self._stats_for: ClusterState | None = None
 
     def reset(self, state: ClusterState, rng) -> None:
+        require_predictor(state, self.estimates)
         super().reset(state, rng)
         self._stats_for = None
 

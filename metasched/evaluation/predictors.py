@@ -3,8 +3,10 @@
 
 It is fitted (design ``boost``, :mod:`metasched.core.predictor`) on ``TRAIN_TRAJECTORIES``
 trajectories of whole RL steps of the evaluated workload, sampled with training seed
-``TRAIN_SEED`` (below the evaluation seeds, which start at 1,000,000): the runs then
-update it online on their own clock. A trace workload trains it on the trace itself.
+``TRAIN_SEED`` (below the evaluation seeds, which start at 1,000,000), the steps after
+the first cut where their turns (decision points) pass ``TRAIN_DECISIONS`` (long
+trajectories: ``swe_grouped`` keeps 17 steps, 1,088 trajectories): the runs then update
+it online on their own clock. A trace workload trains it on the trace itself.
 One fit per workload and process; every run gets a fresh copy of its online state.
 """
 
@@ -21,6 +23,7 @@ from metasched.sim.workload_config import WorkloadConfig
 
 TRAIN_SEED = 0
 TRAIN_TRAJECTORIES = 3456  # as benchmarks/predictor_accuracy.py's default
+TRAIN_DECISIONS = 80_000  # the fit's cost grows with them (a replay, then the trees)
 DESIGN = "boost"
 
 _FITTED: dict[bytes, Predictor] = {}
@@ -40,8 +43,10 @@ def fitted_predictor(workload: WorkloadConfig) -> Predictor:
             n = -(-TRAIN_TRAJECTORIES // max(1, workload.trajectories_per_step))
             steps = sample_workload(replace(workload, steps=n),
                                     np.random.default_rng(TRAIN_SEED)).steps
+            turns = np.cumsum([sum(len(t.turns) for t in step) for step in steps])
+            steps = steps[:max(1, int(np.searchsorted(turns, TRAIN_DECISIONS, side="right")))]
         p = _FITTED[key] = Predictor.fit(records_of(steps), DESIGN)
     return replace(p, trajs={}, groups={}, finished={})
 
 
-__all__ = ["DESIGN", "TRAIN_SEED", "TRAIN_TRAJECTORIES", "fitted_predictor"]
+__all__ = ["DESIGN", "TRAIN_DECISIONS", "TRAIN_SEED", "TRAIN_TRAJECTORIES", "fitted_predictor"]
