@@ -18,6 +18,7 @@ from metasched.agents.rate_greedy import (
 from metasched.agents.step_order import (
     CriticalPathPredictedScheduler,
     CriticalPathScheduler,
+    LearnedPriorityScheduler,
     LeastSlackPredictedScheduler,
     LeastSlackScheduler,
     OracleScheduler,
@@ -39,8 +40,10 @@ _ORACLES: tuple[type[Scheduler], ...] = (OracleScheduler,)
 _PREDICTED: tuple[type[Scheduler], ...] = (
     RateGreedyStepPredictedScheduler, CriticalPathPredictedScheduler,
     LeastSlackPredictedScheduler)
+# A learned priority rule over the predictor (run by name; :mod:`metasched.core.ranker`).
+_LEARNED_RULES: tuple[type[Scheduler], ...] = (LearnedPriorityScheduler,)
 REGISTRY: dict[str, type[Scheduler]] = {
-    cls.name: cls for cls in (*_HEURISTICS, *_ORACLES, *_PREDICTED)}
+    cls.name: cls for cls in (*_HEURISTICS, *_ORACLES, *_PREDICTED, *_LEARNED_RULES)}
 BASELINES: tuple[str, ...] = tuple(cls.name for cls in _HEURISTICS)
 ORACLES: tuple[str, ...] = tuple(cls.name for cls in _ORACLES)
 PREDICTED: tuple[str, ...] = tuple(cls.name for cls in _PREDICTED)

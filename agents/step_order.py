@@ -42,6 +42,7 @@ from metasched.agents.predicted import (
 from metasched.agents.rate_greedy import RateGreedyScheduler
 from metasched.core.actions import Action, Trajectory
 from metasched.core.pools import EndpointSpec
+from metasched.core.ranker import row as rank_row
 from metasched.core.state import ClusterState
 
 
@@ -189,6 +190,33 @@ class LeastSlackPredictedScheduler(LeastSlackScheduler):
     def __init__(self, headroom: float = 0.25, min_gain_s: float = 0.0, recent_s: float = 30.0,
                  defer: float = 8.0, estimates: str = "predictor") -> None:
         super().__init__(headroom, min_gain_s, recent_s, defer, estimates)
+
+
+class LearnedPriorityScheduler(CriticalPathScheduler):
+    """``critical_path``'s rules in order of a learned priority: a pairwise
+    learning-to-rank score over the predictor's features and quantiles
+    (:mod:`metasched.core.ranker`), highest first. ``ranker`` is set before the run (an
+    evaluation fits one per workload, :mod:`metasched.evaluation.predictors`)."""
+
+    name = "learned_priority"
+
+    def __init__(self, headroom: float = 0.25, min_gain_s: float = 0.0, recent_s: float = 30.0,
+                 defer: float = 8.0) -> None:
+        super().__init__(headroom, min_gain_s, recent_s, defer, "predictor")
+        self.ranker = None
+
+    def reset(self, state: ClusterState, rng) -> None:
+        if self.ranker is None:
+            raise ValueError("learned_priority needs a fitted ranker (none was set)")
+        super().reset(state, rng)
+
+    def _key(self, a: Action) -> tuple:
+        traj = a.traj
+        if traj is None:
+            return (-math.inf, a.id)
+        p = self._stats_for.predictor
+        p.remaining_of(traj, a.spec.name)
+        return (-self.ranker.score(rank_row(p, traj.id)), a.id)
 
 
 def true_run_s(a_spec) -> float:

@@ -75,6 +75,10 @@ def run_job(job: Job) -> dict[str, Any]:
         from metasched.evaluation.predictors import fitted_predictor
 
         predictor = fitted_predictor(job.workload)
+        if getattr(sched, "ranker", False) is None:  # a learned priority, not yet fitted
+            from metasched.evaluation.predictors import fitted_ranker
+
+            sched.ranker = fitted_ranker(job.workload)
     sim = Simulator(job.workload, job.cluster, job.seed, timeline_dt=job.timeline_dt,
                     max_wait_s=job.max_wait_s, instance=_instance(job.workload, job.seed),
                     cost_model=cost_model_for(job.estimates), predictor=predictor)
