@@ -23,6 +23,9 @@ CPU queues and the API queues (quota used first, then this order):
   finish is then the submission instant plus it. The same rules fed the same
   predictor, so that a learned policy is compared with heuristics that know as much.
   ``critical_path_predicted`` and ``least_slack_predicted`` name them so configured.
+- ``learned_priority``: ``critical_path``'s rules in order of a learned priority, a
+  pairwise learning-to-rank score over the predictor's features and quantiles
+  (:mod:`metasched.core.ranker`); an evaluation fits its ranker per workload.
 - ``oracle``: ``critical_path`` with the true remaining work, read from the
   trajectory's own future turns (true generation and action seconds). It reads what
   no scheduler may (``spec.true_s``): a reference for what knowing the remaining work

@@ -176,14 +176,16 @@ def test_the_boost_design_reaches_the_target_on_retool_grouped() -> None:
     assert 0.7 <= np.mean(inside) <= 0.9
 
 
-def test_heuristics_fed_the_predictor_run_in_an_evaluation() -> None:
+def test_heuristics_fed_the_predictor_run_in_an_evaluation(monkeypatch) -> None:
     """An evaluation fits a predictor for a scheduler that asks for one (and for no
     other): the predictor-fed orders finish every trajectory and decide otherwise than
     the same rules on static estimates; the rule without one cannot start."""
     from metasched.agents import PREDICTED, make_scheduler
     from metasched.core.state import ClusterState
+    from metasched.evaluation import predictors
     from metasched.evaluation.runs import eval_jobs, run_job
 
+    monkeypatch.setattr(predictors, "TRAIN_TRAJECTORIES", 640)  # a smaller fit, same code
     w, c = profile("retool_grouped_c10")  # 10 cores: queues form
     w = replace(w, steps=1, trajectories_per_step=64)
     names = ["critical_path", "least_slack", *PREDICTED, "learned_priority"]
@@ -242,7 +244,7 @@ def test_the_learned_priority_orders_pairs_better_than_the_static_estimate() -> 
     from metasched.core.ranker import fit_ranker, pair_accuracy, rows
 
     p = _fitted("boost")
-    ranker = fit_ranker(p, list(_records("retool_grouped", 3, 0, 576)))
+    ranker = fit_ranker(p, list(_records("retool_grouped", 1, 0, 576)))
     x, y, step, t = rows(p, list(_records("retool_grouped", 1, 1, 576)))
     learned = pair_accuracy((x - ranker.mean) / ranker.sd @ ranker.w, y, step, t)
     static, median = pair_accuracy(x[:, 0], y, step, t), pair_accuracy(x[:, -2], y, step, t)
