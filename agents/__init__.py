@@ -2,15 +2,15 @@
 
 ``make_scheduler(name, **params)`` builds a scheduler by name; ``BASELINES`` lists the
 heuristic names (:mod:`.baselines`), ``ORACLES`` the references that read true
-durations; ``make_advisor(obs_config)`` builds the heuristic an
-observation encoder asks.
+durations, ``PREDICTED`` the step heuristics fed the learned predictor;
+``make_advisor(obs_config)`` builds the heuristic an observation encoder asks.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from metasched.agents.baselines import BASELINES, ORACLES, REGISTRY, make_advisor
+from metasched.agents.baselines import BASELINES, ORACLES, PREDICTED, REGISTRY, make_advisor
 from metasched.agents.checkpoint import is_checkpoint
 from metasched.agents.elastic import ElasticGreedyScheduler
 from metasched.agents.partitioned import StaticScheduler, TaskIsolatedScheduler
@@ -36,6 +36,6 @@ def make_scheduler(name: str, **params: Any) -> Scheduler:
         raise ConfigError(f"scheduler_params.{name}", str(e)) from None
 
 
-__all__ = ["BASELINES", "ORACLES", "ElasticGreedyScheduler", "FifoScheduler", "RandomScheduler",
-           "RateGreedyScheduler", "SjfScheduler", "StaticScheduler", "TaskIsolatedScheduler",
-           "make_advisor", "make_scheduler"]
+__all__ = ["BASELINES", "ORACLES", "PREDICTED", "ElasticGreedyScheduler", "FifoScheduler",
+           "RandomScheduler", "RateGreedyScheduler", "SjfScheduler", "StaticScheduler",
+           "TaskIsolatedScheduler",           "make_advisor", "make_scheduler"]

@@ -10,8 +10,19 @@ from __future__ import annotations
 from metasched.agents.elastic import ElasticGreedyScheduler
 from metasched.agents.partitioned import StaticScheduler, TaskIsolatedScheduler
 from metasched.agents.queue import FifoScheduler, RandomScheduler, SjfScheduler
-from metasched.agents.rate_greedy import RateGreedyScheduler, RateGreedyStepScheduler
-from metasched.agents.step_order import CriticalPathScheduler, LeastSlackScheduler, OracleScheduler
+from metasched.agents.rate_greedy import (
+    RateGreedyScheduler,
+    RateGreedyStepPredictedScheduler,
+    RateGreedyStepScheduler,
+)
+from metasched.agents.step_order import (
+    CriticalPathPredictedScheduler,
+    CriticalPathScheduler,
+    LearnedPriorityScheduler,
+    LeastSlackPredictedScheduler,
+    LeastSlackScheduler,
+    OracleScheduler,
+)
 from metasched.core.observation import ObsConfig
 from metasched.core.scheduler import Scheduler
 from metasched.errors import ConfigError
@@ -24,9 +35,18 @@ _HEURISTICS: tuple[type[Scheduler], ...] = (
 # References that read what schedulers may not (true durations): run by name, never a
 # heuristic (not a point's best heuristic, not an advisor, not for the live dispatcher).
 _ORACLES: tuple[type[Scheduler], ...] = (OracleScheduler,)
-REGISTRY: dict[str, type[Scheduler]] = {cls.name: cls for cls in (*_HEURISTICS, *_ORACLES)}
+# The step heuristics fed the learned remaining-work predictor (``estimates: predictor``):
+# run by name, compared with the heuristics on static estimates, never one of them.
+_PREDICTED: tuple[type[Scheduler], ...] = (
+    RateGreedyStepPredictedScheduler, CriticalPathPredictedScheduler,
+    LeastSlackPredictedScheduler)
+# A learned priority rule over the predictor (run by name; :mod:`metasched.core.ranker`).
+_LEARNED_RULES: tuple[type[Scheduler], ...] = (LearnedPriorityScheduler,)
+REGISTRY: dict[str, type[Scheduler]] = {
+    cls.name: cls for cls in (*_HEURISTICS, *_ORACLES, *_PREDICTED, *_LEARNED_RULES)}
 BASELINES: tuple[str, ...] = tuple(cls.name for cls in _HEURISTICS)
 ORACLES: tuple[str, ...] = tuple(cls.name for cls in _ORACLES)
+PREDICTED: tuple[str, ...] = tuple(cls.name for cls in _PREDICTED)
 
 
 def make_advisor(cfg: ObsConfig) -> Scheduler | None:
@@ -44,4 +64,4 @@ def make_advisor(cfg: ObsConfig) -> Scheduler | None:
     return REGISTRY[cfg.advisor]()
 
 
-__all__ = ["BASELINES", "ORACLES", "REGISTRY", "make_advisor"]
+__all__ = ["BASELINES", "ORACLES", "PREDICTED", "REGISTRY", "make_advisor"]

@@ -24,6 +24,9 @@ cores to the largest estimated Amdahl saving above a headroom) in the order shor
 estimate first, less ``progress_s`` seconds per turn the trajectory has come. With
 ``endgame`` > 0, once that fraction of a step's trajectories is left, the trajectories
 furthest behind (fewest turns) go first: the step ends with its slowest trajectory.
+``rate_greedy_step`` (``endgame=1``) takes ``estimates: predictor``: its endgame order is
+then the most predicted remaining time first (the learned predictor's median,
+:mod:`.predicted`); ``rate_greedy_step_predicted`` names it so configured.
 """
 
 from __future__ import annotations
@@ -32,6 +35,11 @@ import math
 
 from metasched.agents.elastic import ElasticGreedyScheduler, _quota_s
 from metasched.agents.pending_queue import PendingQueue
+from metasched.agents.predicted import (
+    check_estimates,
+    predicted_remaining_s,
+    require_predictor,
+)
 from metasched.core.actions import Action, Grant
 from metasched.core.guard import WaitGuard
 from metasched.core.ledger import Ledger
@@ -189,6 +197,34 @@ class RateGreedyStepScheduler(RateGreedyScheduler):
     name = "rate_greedy_step"
 
     def __init__(self, headroom: float = 0.25, min_gain_s: float = 0.0, recent_s: float = 30.0,
-                 defer: float = 8.0, progress_s: float = 0.5, endgame: float = 1.0) -> None:
+                 defer: float = 8.0, progress_s: float = 0.5, endgame: float = 1.0,
+                 estimates: str = "static") -> None:
         super().__init__(headroom=headroom, min_gain_s=min_gain_s, recent_s=recent_s,
                          defer=defer, progress_s=progress_s, endgame=endgame)
+        self.estimates = check_estimates(estimates)
+        self._state: ClusterState | None = None
+
+    def reset(self, state: ClusterState, rng) -> None:
+        require_predictor(state, self.estimates)
+        super().reset(state, rng)
+
+    def _sync(self, state: ClusterState) -> None:
+        self._state = state
+        super()._sync(state)
+
+    def _cpu_key(self, a: Action) -> tuple:
+        if self._late and self.estimates == "predictor":  # most predicted remaining first
+            return (-predicted_remaining_s(self._state, a), a.id)
+        return super()._cpu_key(a)
+
+
+class RateGreedyStepPredictedScheduler(RateGreedyStepScheduler):
+    """``rate_greedy_step`` with ``estimates: predictor``: in the endgame, the
+    trajectories with the most predicted remaining time go first on CPU."""
+
+    name = "rate_greedy_step_predicted"
+
+    def __init__(self, headroom: float = 0.25, min_gain_s: float = 0.0, recent_s: float = 30.0,
+                 defer: float = 8.0, progress_s: float = 0.5, endgame: float = 1.0,
+                 estimates: str = "predictor") -> None:
+        super().__init__(headroom, min_gain_s, recent_s, defer, progress_s, endgame, estimates)

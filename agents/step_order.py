@@ -16,6 +16,16 @@ CPU queues and the API queues (quota used first, then this order):
   trajectory time: the submission instant plus the remaining work above, less the step's
   start and the task's expected trajectory time (turns × seconds per turn). Unlike
   ``critical_path`` it counts the time a trajectory has already lost.
+- ``estimates: predictor`` (``critical_path``, ``least_slack``; ``rate_greedy_step``
+  in :mod:`.rate_greedy`): the remaining work is the learned predictor's median
+  (``state.predictor``, :mod:`metasched.core.predictor`) for the trajectory and the
+  action it queues, instead of the static estimate above; ``least_slack``'s projected
+  finish is then the submission instant plus it. The same rules fed the same
+  predictor, so that a learned policy is compared with heuristics that know as much.
+  ``critical_path_predicted`` and ``least_slack_predicted`` name them so configured.
+- ``learned_priority``: ``critical_path``'s rules in order of a learned priority, a
+  pairwise learning-to-rank score over the predictor's features and quantiles
+  (:mod:`metasched.core.ranker`); an evaluation fits its ranker per workload.
 - ``oracle``: ``critical_path`` with the true remaining work, read from the
   trajectory's own future turns (true generation and action seconds). It reads what
   no scheduler may (``spec.true_s``): a reference for what knowing the remaining work
@@ -27,9 +37,15 @@ from __future__ import annotations
 import math
 
 from metasched.agents.elastic import _quota_s
+from metasched.agents.predicted import (
+    check_estimates,
+    predicted_remaining_s,
+    require_predictor,
+)
 from metasched.agents.rate_greedy import RateGreedyScheduler
 from metasched.core.actions import Action, Trajectory
 from metasched.core.pools import EndpointSpec
+from metasched.core.ranker import row as rank_row
 from metasched.core.state import ClusterState
 
 
@@ -54,18 +70,21 @@ class CriticalPathScheduler(RateGreedyScheduler):
     """``rate_greedy`` with CPU and API actions in order of most estimated remaining
     work of their trajectory (see the module docstring).
 
-    Args: as ``rate_greedy``'s (which has ``progress_s`` and ``endgame`` besides).
+    Args: as ``rate_greedy``'s (which has ``progress_s`` and ``endgame`` besides), and
+        ``estimates``: ``static`` (the module docstring's) or ``predictor``.
     """
 
     name = "critical_path"
 
     def __init__(self, headroom: float = 0.25, min_gain_s: float = 0.0, recent_s: float = 30.0,
-                 defer: float = 8.0) -> None:
+                 defer: float = 8.0, estimates: str = "static") -> None:
         super().__init__(headroom=headroom, min_gain_s=min_gain_s, recent_s=recent_s,
                          defer=defer)
+        self.estimates = check_estimates(estimates)
         self._stats_for: ClusterState | None = None
 
     def reset(self, state: ClusterState, rng) -> None:
+        require_predictor(state, self.estimates)
         super().reset(state, rng)
         self._stats_for = None
 
@@ -115,6 +134,8 @@ class CriticalPathScheduler(RateGreedyScheduler):
 
     def remaining_s(self, a: Action) -> float:
         """Estimated remaining work of ``a``'s trajectory, ``a`` included."""
+        if self.estimates == "predictor":
+            return predicted_remaining_s(self._stats_for, a)
         s = a.spec
         own = s.est_s / s.speedup(s.max_cores)
         traj = a.traj
@@ -147,9 +168,58 @@ class LeastSlackScheduler(CriticalPathScheduler):
     name = "least_slack"
 
     def _key(self, a: Action) -> tuple:
+        if self.estimates == "predictor":  # the latest predicted finish first
+            return (-(a.submit_t + self.remaining_s(a)), a.id)
         expected = self.expected_turns(a.task) * self.per_turn_s(a.task)
         late = a.submit_t + self.remaining_s(a) - self._stats_for.step_start_t - expected
         return (-late, a.id)
+
+
+class CriticalPathPredictedScheduler(CriticalPathScheduler):
+    """``critical_path`` with ``estimates: predictor``."""
+
+    name = "critical_path_predicted"
+
+    def __init__(self, headroom: float = 0.25, min_gain_s: float = 0.0, recent_s: float = 30.0,
+                 defer: float = 8.0, estimates: str = "predictor") -> None:
+        super().__init__(headroom, min_gain_s, recent_s, defer, estimates)
+
+
+class LeastSlackPredictedScheduler(LeastSlackScheduler):
+    """``least_slack`` with ``estimates: predictor``."""
+
+    name = "least_slack_predicted"
+
+    def __init__(self, headroom: float = 0.25, min_gain_s: float = 0.0, recent_s: float = 30.0,
+                 defer: float = 8.0, estimates: str = "predictor") -> None:
+        super().__init__(headroom, min_gain_s, recent_s, defer, estimates)
+
+
+class LearnedPriorityScheduler(CriticalPathScheduler):
+    """``critical_path``'s rules in order of a learned priority: a pairwise
+    learning-to-rank score over the predictor's features and quantiles
+    (:mod:`metasched.core.ranker`), highest first. ``ranker`` is set before the run (an
+    evaluation fits one per workload, :mod:`metasched.evaluation.predictors`)."""
+
+    name = "learned_priority"
+
+    def __init__(self, headroom: float = 0.25, min_gain_s: float = 0.0, recent_s: float = 30.0,
+                 defer: float = 8.0) -> None:
+        super().__init__(headroom, min_gain_s, recent_s, defer, "predictor")
+        self.ranker = None
+
+    def reset(self, state: ClusterState, rng) -> None:
+        if self.ranker is None:
+            raise ValueError("learned_priority needs a fitted ranker (none was set)")
+        super().reset(state, rng)
+
+    def _key(self, a: Action) -> tuple:
+        traj = a.traj
+        if traj is None:
+            return (-math.inf, a.id)
+        p = self._stats_for.predictor
+        p.remaining_of(traj, a.spec.name)
+        return (-self.ranker.score(rank_row(p, traj.id)), a.id)
 
 
 def true_run_s(a_spec) -> float:

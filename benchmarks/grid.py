@@ -7,8 +7,11 @@ intervals (the statistics of ``metasched-eval``). Every point is a ``metasched-e
 run: ``metasched-eval workload=<profile> <overrides>`` reproduces it.
 
 The step table: per scheduler, step ÷ the best heuristic by mean step, ACT ÷ the best
-heuristic by mean ACT, step ÷ the oracle (when it runs) and step ÷ the step's lower bound
-(:mod:`metasched.evaluation.step_bound`), each paired by seed with a 95% interval.
+heuristic by mean ACT, step ÷ the best step heuristic fed the learned predictor (by mean
+step, among ``PREDICTED`` when they run: ``critical_path_predicted`` and the like,
+:mod:`metasched.evaluation.predictors`), step ÷ the oracle (when it runs) and step ÷ the
+step's lower bound (:mod:`metasched.evaluation.step_bound`), each paired by seed with a
+95% interval. "The best heuristic" is always among the heuristics on static estimates.
 
     python benchmarks/grid.py [--seeds 8] [--points coding-c12,rm_math-gpu1]
         [--schedulers static,...,checkpoints/default] [--reference elastic_greedy]
@@ -30,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from metasched.agents import BASELINES, ORACLES
+from metasched.agents import BASELINES, ORACLES, PREDICTED
 from metasched.cli.eval_app import eval_settings
 from metasched.cli.output import json_safe
 from metasched.compose import compose, load_profile
@@ -62,7 +65,7 @@ POINTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "retool_grouped_c10": ("retool_grouped_c10", ()),
     "swe_grouped": ("swe_grouped", ()),
 }
-DEFAULT_SCHEDULERS = (*BASELINES, *ORACLES, "checkpoints/default")
+DEFAULT_SCHEDULERS = (*BASELINES, *PREDICTED, *ORACLES, "checkpoints/default")
 
 
 def point_settings(point: str, schedulers: list[str], n_seeds: int,
@@ -128,16 +131,20 @@ def _ratio(x: list[float], ref: list[float]) -> dict[str, Any]:
 
 
 def step_ratios(doc: dict[str, Any], heuristics: list[str], lower_bound: list[float] | None,
-                oracle: str | None = None) -> dict[str, Any]:
+                oracle: str | None = None, predicted: tuple[str, ...] = PREDICTED
+                ) -> dict[str, Any]:
     """The step comparison of one point's results document: the best heuristic by mean
     step and by mean ACT (among ``heuristics``), and per scheduler, paired by seed with
     95% intervals: ``step_vs_best`` (step ÷ the best by step), ``act_vs_best`` (ACT ÷ the
-    best by ACT), ``step_vs_oracle`` (step ÷ ``oracle``'s; None when it did not run)
+    best by ACT), ``step_vs_predicted`` (step ÷ the best of ``predicted`` by step; None
+    when none ran), ``step_vs_oracle`` (step ÷ ``oracle``'s; None when it did not run)
     and ``step_vs_bound`` (step ÷ ``lower_bound``, per seed; None when there is none)."""
     sch = doc["schedulers"]
     cands = [n for n in heuristics if n in sch]
     best_step = min(cands, key=lambda n: sch[n]["mean_step_s"], default=None)
     best_act = min(cands, key=lambda n: sch[n]["mean_act_s"], default=None)
+    best_pred = min((n for n in predicted if n in sch), key=lambda n: sch[n]["mean_step_s"],
+                    default=None)
     if oracle is not None and oracle not in sch:
         oracle = None
     rows: dict[str, Any] = {}
@@ -149,34 +156,41 @@ def step_ratios(doc: dict[str, Any], heuristics: list[str], lower_bound: list[fl
                              if best_step else None),
             "act_vs_best": (_ratio(act, sch[best_act]["per_seed"]["mean_act_s"])
                             if best_act else None),
+            "step_vs_predicted": (_ratio(step, sch[best_pred]["per_seed"]["mean_step_s"])
+                                  if best_pred else None),
             "step_vs_oracle": (_ratio(step, sch[oracle]["per_seed"]["mean_step_s"])
                                if oracle else None),
             "step_vs_bound": _ratio(step, lower_bound) if lower_bound else None,
         }
-    return {"best_by_step": best_step, "best_by_act": best_act, "oracle": oracle,
+    return {"best_by_step": best_step, "best_by_act": best_act, "best_predicted": best_pred,
+            "oracle": oracle,
             "lower_bound_s": (sum(lower_bound) / len(lower_bound)) if lower_bound else None,
             "schedulers": rows}
 
 
 def step_table(grid: dict[str, Any]) -> str:
     """The step table (markdown): per point, every scheduler against the best heuristic
-    by step and by ACT, the oracle and the step's lower bound."""
+    by step and by ACT, the best heuristic fed the predictor, the oracle and the step's
+    lower bound."""
     def cell(r: dict[str, Any] | None) -> str:
         return fmt_ci(r["ratio"], r["ratio_ci95"]) if r else "—"
 
     lines = ["| point | scheduler | mean step s | mean ACT s | step ÷ best by step (95% CI) "
-             "| ACT ÷ best by ACT (95% CI) | step ÷ oracle (95% CI) "
-             "| step ÷ lower bound (95% CI) |", "|---|---|---|---|---|---|---|---|"]
+             "| ACT ÷ best by ACT (95% CI) | step ÷ best predicted (95% CI) "
+             "| step ÷ oracle (95% CI) | step ÷ lower bound (95% CI) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for p, entry in grid["points"].items():
         st = step_ratios(entry["results"], list(BASELINES), entry.get("step_lower_bound"),
                          ORACLES[0])
         lb = st["lower_bound_s"]
-        label = (f"{p} (best step: {st['best_by_step']}, best ACT: {st['best_by_act']}, "
+        pred = f", best predicted: {st['best_predicted']}" if st["best_predicted"] else ""
+        label = (f"{p} (best step: {st['best_by_step']}, best ACT: {st['best_by_act']}{pred}, "
                  f"bound {lb:.4g} s)" if lb else p)
         for i, (name, r) in enumerate(st["schedulers"].items()):
             lines.append(f"| {label if i == 0 else ''} | {name} | {r['mean_step_s']:.4g} "
                          f"| {r['mean_act_s']:.3g} | {cell(r['step_vs_best'])} "
-                         f"| {cell(r['act_vs_best'])} | {cell(r['step_vs_oracle'])} "
+                         f"| {cell(r['act_vs_best'])} | {cell(r['step_vs_predicted'])} "
+                         f"| {cell(r['step_vs_oracle'])} "
                          f"| {cell(r['step_vs_bound'])} |")
     return "\n".join(lines) + "\n"
 

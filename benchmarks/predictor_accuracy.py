@@ -10,20 +10,36 @@ both on an uncontended clock (every decision point: a trajectory queueing a turn
 action). Prints per profile and design: remaining-time mean |log error| (predictor,
 static, ratio), the share of true remaining times inside [p10, p90], and the queued
 action's duration mean |log error| (predictor, static, ratio). ``--trace`` adds a
-recorded trace's trajectories as a test set; ``--oracle`` the bound of a predictor that
-knows the siblings' true totals.
+recorded trace's trajectories as a test set. ``--oracle`` adds, per profile, three
+references: the static estimate told the queued action's type (reward or not: the
+median per turn index and type), a least-squares predictor that knows the siblings'
+true totals, and the bound: boosted trees (as the ``boost`` design) given, beside every
+feature, each trajectory's true latents (its prompt's difficulty, the prompt's turn
+latent, its own persistence; read from the sampler), which is about what any predictor
+could get.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+from contextlib import contextmanager
 from dataclasses import replace
 
 import numpy as np
 
+import metasched.sim.sampling as sampling
 from metasched.compose import profile
-from metasched.core.predictor import DESIGNS, Predictor, TrajRecord, records_of, replay
+from metasched.core.boost import QuantileBoost
+from metasched.core.predictor import (
+    DESIGNS,
+    REWARD,
+    Predictor,
+    TrajRecord,
+    records_of,
+    records_of_trace,
+    replay,
+)
 from metasched.sim.sampling import sample_workload
 from metasched.sim.trace import scan_trace
 
@@ -39,25 +55,71 @@ def sample(name: str, trajectories: int, seed: int) -> list[TrajRecord]:
                                       np.random.default_rng(seed)).steps)
 
 
+@contextmanager
+def _latents_recorded(out: list[tuple[float, float, float, float]]):
+    """While active, the grouped sampler appends each trajectory's latents ``(d, dt, u,
+    v)`` to ``out``, in the order it draws them (the trajectories' order)."""
+    sibling, draws = sampling._sample_sibling, sampling._Draws
+    turn_latent: list[float] = []
+
+    def _draws(*a, **k):
+        d = draws(*a, **k)
+        out.append((d.d, turn_latent[-1], d.u, d.v))
+        return d
+
+    def _sibling(task, rng, est_error, loads, d, dt, prompt):
+        turn_latent.append(dt)
+        return sibling(task, rng, est_error, loads, d, dt, prompt)
+
+    sampling._sample_sibling, sampling._Draws = _sibling, _draws
+    try:
+        yield out
+    finally:
+        sampling._sample_sibling, sampling._Draws = sibling, draws
+
+
+def sample_latents(name: str, trajectories: int, seed: int) -> tuple[list[TrajRecord], list]:
+    """:func:`sample` with each trajectory's true latents (see ``_latents_recorded``)."""
+    with _latents_recorded([]) as lat:
+        recs = sample(name, trajectories, seed)
+    if len(lat) != len(recs):
+        raise SystemExit(f"{name}: latents recorded for {len(lat)} of {len(recs)} trajectories")
+    return recs, lat
+
+
+def _rows(p: Predictor, records: list[TrajRecord], latents: list) -> tuple[np.ndarray, ...]:
+    """Per decision point: ``p``'s features with the trajectory's true latents, the log
+    remaining time, the turn index and whether the queued action is the reward."""
+    x, y, k, rw = [], [], [], []
+    for d, f in replay(p, records):
+        x.append(np.concatenate([f, latents[d.key]]))
+        y.append(math.log(max(d.remaining_s, 1e-3)))
+        k.append(min(d.turn, 64)), rw.append(d.name == REWARD)
+    return np.array(x), np.array(y), np.array(k), np.array(rw)
+
+
+def references(name: str, a: argparse.Namespace) -> dict[str, float]:
+    """Mean |log error| of remaining time on the test seed for the static estimate told
+    the action's type and for the known-latents bound (see the module docstring)."""
+    train, lat_a = sample_latents(name, a.train_trajectories, a.train_seed)
+    test, lat_b = sample_latents(name, a.test_trajectories, a.test_seed)
+    p = Predictor.fit(train, "shrinkage")
+    xa, ya, ka, ra = _rows(p, train, lat_a)
+    xb, yb, kb, rb = _rows(p, test, lat_b)
+    typed = np.empty(len(yb))
+    for k in np.unique(kb):
+        for r in (False, True):
+            m, mb = (ka == k) & (ra == r), (kb == k) & (rb == r)
+            if mb.any():
+                typed[mb] = np.median(ya[m] if m.sum() >= 30 else ya[ra == r])
+    bound = QuantileBoost.fit(xa, ya, 0.5).predict(xb)
+    return {"typed_static": float(np.abs(typed - yb).mean()),
+            "latents": float(np.abs(bound - yb).mean())}
+
+
 def trace_records(path: str) -> list[TrajRecord]:
-    """The trajectories of a recorded trace (``metasched.evaluation.recording`` or a
-    live dispatcher's action log): each action line's measured run time, gap and turn,
-    grouped by trajectory; the group key is ``(step, prompt)``."""
-    by_traj: dict[tuple, list] = {}
-    for rec in scan_trace(path):
-        m = rec.measured
-        if rec.action is None or m is None or m.trajectory is None:
-            continue
-        key = (m.step, m.trajectory)
-        by_traj.setdefault(key, []).append(
-            (m.turn, rec.action.spec.name, m.gap_s or 0.0, m.run_s, rec.action.task, m.prompt))
-    out = []
-    for (step, _), acts in by_traj.items():
-        acts.sort(key=lambda a: a[0])
-        prompt = acts[0][5]
-        out.append(TrajRecord(acts[0][4], None if prompt is None else (step, prompt),
-                              tuple((n, g, r) for _, n, g, r, _, _ in acts)))
-    return out
+    """The trajectories of a recorded trace (``records_of_trace``)."""
+    return records_of_trace(scan_trace(path))
 
 
 def evaluate(p: Predictor, records: list[TrajRecord]) -> dict[str, float]:
@@ -138,9 +200,13 @@ def main() -> None:
                   f"{f['cover']:.1%} | {f['act']:.3f} / {f['act_static']:.3f} "
                   f"({f['act_ratio']:.2f}) |")
         if a.oracle:
+            st = f["rem_static"]
             o = prompt_oracle(train, test)
-            print(f"| {name} | siblings' true totals (bound) | | {o:.3f} / {f['rem_static']:.3f} "
-                  f"({o / f['rem_static']:.2f}) | | |")
+            r = references(name, a)
+            for label, v in (("static told the action's type", r["typed_static"]),
+                             ("siblings' true totals (least squares)", o),
+                             ("true latents (bound)", r["latents"])):
+                print(f"| {name} | {label} | | {v:.3f} / {st:.3f} ({v / st:.2f}) | | |")
     if a.trace:
         train = sample(a.profiles[0], a.train_trajectories, a.train_seed)
         for design in a.designs:

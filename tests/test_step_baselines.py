@@ -150,6 +150,11 @@ def test_step_ratios_by_hand():
     for end in (lo, hi):
         assert stats.ttest_rel(x, end * y).pvalue == pytest.approx(0.05, abs=1e-9)
     assert (lo, hi) == tuple(paired_ratio(x, y)[1])
+    # The best of the predictor-fed ones by step ("learned" standing for one here).
+    st = _grid().step_ratios(doc, ["fast_act", "fast_step"], None, "oracle",
+                             predicted=("learned", "absent"))
+    assert st["best_predicted"] == "learned"
+    assert st["schedulers"]["fast_act"]["step_vs_predicted"]["ratio"] == pytest.approx(13 / 11.5)
     # No oracle run, no bound: those columns are empty.
     st = _grid().step_ratios(doc, ["fast_act", "fast_step"], None, "absent")
     assert st["oracle"] is None and st["schedulers"]["learned"]["step_vs_oracle"] is None

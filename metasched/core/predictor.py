@@ -41,15 +41,19 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-GEN = "gen"  # the type name of generation gaps
-QUANTILES = (0.1, 0.5, 0.9)
-DESIGNS = ("shrinkage", "linear")
+from metasched.core.boost import QuantileBoost
+from metasched.core.predictor_stats import GEN, QUANTILES, components, quantile_table, ridge, table
+
+DESIGNS = ("shrinkage", "linear", "boost")
+REWARD = "reward"  # the type name of a trajectory's final reward action
 _K_CAP = 64  # turn indices above this share the last bucket
-_MIN_BUCKET = 30  # fewest training points a turn-index bucket of the tables needs
 _FEATURES = ("static", "effect", "prompt_effect", "sib_total", "sib_turns", "sib_done",
              "log_turn", "own_n", "sib_turns_all")
+# The boost design's further features: the queued action is the reward (the last
+# turn), its type's mean log duration, log elapsed time, the trajectory's mean residual.
+_EXTRA = ("reward", "type_mu", "log_elapsed", "own_resid")
+_HOLDOUT = 0.25  # the boost design's share of training trajectories kept for its quantiles
 _MIN_FIT = 200  # fewest training points a turn-index bucket needs for coefficients of its own
-_RIDGE = 0.01  # L2 penalty per training point on the linear design's standardised features
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +98,27 @@ def records_of(steps: Iterable[Iterable]) -> list[TrajRecord]:
     return out
 
 
+def records_of_trace(lines: Iterable) -> list[TrajRecord]:
+    """Training records of a recorded trace's lines (``metasched.sim.trace.scan_trace``
+    of a simulated recording or a live dispatcher's action log): each action line's
+    measured run time, gap and turn, grouped by trajectory; the group key is
+    ``(step, prompt)`` (None without a prompt)."""
+    by_traj: dict[tuple, list] = {}
+    for rec in lines:
+        m = rec.measured
+        if rec.action is None or m is None or m.trajectory is None:
+            continue
+        by_traj.setdefault((m.step, m.trajectory), []).append(
+            (m.turn, rec.action.spec.name, m.gap_s or 0.0, m.run_s, rec.action.task, m.prompt))
+    out = []
+    for (step, _), acts in by_traj.items():
+        acts.sort(key=lambda a: a[0])
+        prompt = acts[0][5]
+        out.append(TrajRecord(acts[0][4], None if prompt is None else (step, prompt),
+                              tuple((n, g, r) for _, n, g, r, _, _ in acts)))
+    return out
+
+
 @dataclass(slots=True)
 class _Traj:
     task: str
@@ -103,6 +128,7 @@ class _Traj:
     n: int = 0
     r_sum: float = 0.0
     done: bool = False
+    name: str = ""  # the type of the action it has queued last
 
 
 @dataclass(slots=True)
@@ -132,6 +158,7 @@ class Predictor:
     task_total: dict[str, tuple[float, float]]  # per task: mean log total s, log(turns+1)
     coef: np.ndarray = field(default_factory=lambda: np.zeros((1, len(_FEATURES) + 1)))
     resid_q: np.ndarray = field(default_factory=lambda: np.zeros((1, 3)))
+    boost: QuantileBoost | None = None
     trajs: dict[object, _Traj] = field(default_factory=dict)
     groups: dict[object, list[object]] = field(default_factory=dict)
     finished: dict[object, list[tuple[float, float]]] = field(default_factory=dict)
@@ -190,6 +217,14 @@ class Predictor:
             self.finished.setdefault(tr.group, []).append(
                 (math.log(max(tr.elapsed_s, 1e-3)) - mt, math.log(tr.turn + 1.0) - mk))
 
+    def close(self, key: object, turns: int | None = None) -> None:
+        """:meth:`finish`, then forget the trajectory's state unless it is in a group
+        (its siblings read it): a long-running dispatcher's state stays bounded."""
+        self.finish(key, turns)
+        tr = self.trajs.get(key)
+        if tr is not None and tr.group is None:
+            del self.trajs[key]
+
     def forget_group(self, group: object) -> None:
         """Drop a finished RL step's group (its state is no longer needed)."""
         for key in self.groups.pop(group, []):
@@ -222,7 +257,8 @@ class Predictor:
         return min(turn, len(self.static[task]) - 1)
 
     def features(self, key: object) -> np.ndarray:
-        """The decision-time features of trajectory ``key`` (``_FEATURES`` order)."""
+        """The decision-time features of trajectory ``key`` (``_FEATURES``, then
+        ``_EXTRA``)."""
         tr = self.trajs[key]
         table = self.static.get(tr.task)
         static = float(table[self._bucket(tr.task, tr.turn)]) if table is not None else 0.0
@@ -246,35 +282,49 @@ class Predictor:
             else:
                 it += float(tt[min(s.turn, len(tt) - 1)]) - mk
         return np.array([static, eff, m_p, sib_total, sib_turns, n_f / max(1, len(sibs)),
-                         math.log1p(tr.turn), math.log1p(tr.n), it / (len(sibs) + 1.0)])
+                         math.log1p(tr.turn), math.log1p(tr.n), it / (len(sibs) + 1.0),
+                         float(tr.name == REWARD), self.mu.get(tr.name, 0.0),
+                         math.log1p(tr.elapsed_s), tr.r_sum / tr.n if tr.n else 0.0])
 
     def _log_median(self, x: np.ndarray) -> float:
         if self.design == "shrinkage":
             return float(x[0] + self.sd_bar * x[1])
+        if self.design == "boost":
+            return float(self.boost.predict(x)[0])
         c = self.coef[min(self._bucket_of(x), len(self.coef) - 1)]
-        return float(c[0] + c[1:] @ x)
+        return float(c[0] + c[1:] @ x[:len(_FEATURES)])
 
     def _bucket_of(self, x: np.ndarray) -> int:
         return int(round(math.expm1(x[6])))
 
-    def remaining(self, key: object, task: str | None = None,
-                  group: object = None) -> Quantiles:
+    def remaining(self, key: object, task: str | None = None, group: object = None,
+                  name: str | None = None) -> Quantiles:
         """Remaining-time quantiles of trajectory ``key`` (``task``/``group`` register
-        a trajectory not yet observed)."""
+        a trajectory not yet observed; ``name``: the type of the action it queues now,
+        else the last one given)."""
         if key not in self.trajs:
             self._traj(key, task if task is not None else next(iter(self.static)), group)
         tr = self.trajs[key]
+        if name is not None:
+            tr.name = name
         x = self.features(key)
         m = self._log_median(x)
-        q = self.resid_q[min(tr.turn, len(self.resid_q) - 1)]
+        q = self.resid_q[self._q_row(tr)]
         return Quantiles(*(math.exp(m + d) for d in q))
 
-    def remaining_of(self, traj) -> Quantiles:
+    def _q_row(self, tr: _Traj) -> int:
+        """The row of ``resid_q`` for a trajectory (boost: row 0 is the reward's)."""
+        if self.design == "boost":
+            return 0 if tr.name == REWARD else min(tr.turn + 1, len(self.resid_q) - 1)
+        return min(tr.turn, len(self.resid_q) - 1)
+
+    def remaining_of(self, traj, name: str | None = None) -> Quantiles:
         """:meth:`remaining` of a :class:`~metasched.core.actions.Trajectory` whose
-        current turn has been submitted (``traj.turn`` counts it)."""
+        current turn has been submitted (``traj.turn`` counts it); ``name``: the type of
+        the action it queues."""
         tr = self._traj(traj.id, traj.task, _group(traj))
         tr.turn = max(0, traj.turn - 1)
-        return self.remaining(traj.id)
+        return self.remaining(traj.id, name=name)
 
     def duration(self, key: object, name: str, task: str | None = None,
                  group: object = None) -> float:
@@ -320,7 +370,7 @@ class Predictor:
         sd = {n: max(float(np.std(v)), 1e-3) for n, v in logs.items()}
         weight = {n: math.exp(mu[n] + sd[n] ** 2 / 2) * len(v) for n, v in logs.items()}
         sd_bar = sum(sd[n] * w for n, w in weight.items()) / sum(weight.values())
-        vp, vt = _components(records, mu, sd)
+        vp, vt = components(records, mu, sd)
         task_total: dict[str, tuple[float, float]] = {}
         rem: dict[str, dict[int, list[float]]] = {}
         turns_by_k: dict[str, dict[int, list[float]]] = {}
@@ -338,97 +388,49 @@ class Predictor:
                     math.log(len(r.turns) + 1.0))
                 done += d
         task_total = {t: (a / n, b / n) for t, (a, b, n) in task_total.items()}
-        static = {t: _table(by_k, np.median) for t, by_k in rem.items()}
-        turns_tab = {t: _table(by_k, np.mean) for t, by_k in turns_by_k.items()}
+        static = {t: table(by_k, np.median) for t, by_k in rem.items()}
+        turns_tab = {t: table(by_k, np.mean) for t, by_k in turns_by_k.items()}
         p = cls(design, mu, sd, vp, vt, max(1.0 - vp - vt, 0.05), sd_bar, static, turns_tab,
                 task_total)
-        x, y, k = [], [], []
+        x, y, k, keys = [], [], [], []
         for d, feats in replay(p, records):
             x.append(feats), y.append(math.log(max(d.remaining_s, 1e-3)))
-            k.append(p._bucket(d.task, d.turn))
+            k.append(p._bucket(d.task, d.turn)), keys.append(d.key)
         x, y, k = np.array(x), np.array(y), np.array(k)
+        if design == "boost":
+            p._fit_boost(x, y, np.array(keys), len(records))
+            p.reset()
+            return p
         if design == "linear":
-            a = np.column_stack([np.ones(len(x)), x])
+            a = np.column_stack([np.ones(len(x)), x[:, :len(_FEATURES)]])
             kk = np.minimum(np.rint(np.expm1(x[:, 6])).astype(int), _K_CAP)
-            pooled = _ridge(a, y)
+            pooled = ridge(a, y)
             rows = []
             for b in range(int(kk.max()) + 1):
                 m = kk == b
                 if m.sum() < _MIN_FIT:
                     break
-                rows.append(_ridge(a[m], y[m]))
+                rows.append(ridge(a[m], y[m]))
             p.coef = np.array(rows + [pooled])
             resid = y - np.einsum("ij,ij->i", a, p.coef[np.minimum(kk, len(rows))])
         else:
             resid = y - (x[:, 0] + sd_bar * x[:, 1])
-        p.resid_q = _quantile_table(resid, k)
+        p.resid_q = quantile_table(resid, k)
         p.reset()
         return p
 
-
-def _ridge(a: np.ndarray, y: np.ndarray, lam: float = _RIDGE) -> np.ndarray:
-    """Least squares of ``y`` on ``a`` (first column: the intercept) with an L2 penalty
-    of ``lam`` per point on the standardised other columns: features that barely vary
-    at a turn index (siblings not yet measured) get small, stable weights."""
-    mean, sd = a[:, 1:].mean(0), a[:, 1:].std(0)
-    sd[sd < 1e-9] = 1.0
-    z = np.column_stack([np.ones(len(a)), (a[:, 1:] - mean) / sd])
-    pen = np.full(z.shape[1], lam * len(a))
-    pen[0] = 0.0
-    w = np.linalg.solve(z.T @ z + np.diag(pen), z.T @ y)
-    coef = np.empty_like(w)
-    coef[1:] = w[1:] / sd
-    coef[0] = w[0] - coef[1:] @ mean
-    return coef
-
-
-def _components(records: list[TrajRecord], mu: dict, sd: dict) -> tuple[float, float]:
-    """Prompt and trajectory variance components of the standardised residuals (method
-    of moments: the mean product of two residuals of one trajectory estimates
-    ``v_prompt + v_traj``; of two sibling trajectories, ``v_prompt``)."""
-    within_num = within_n = 0.0
-    by_group: dict[object, list[tuple[float, float]]] = {}
-    for r in records:
-        res = [(math.log(g) - mu[GEN]) / sd[GEN] for _, g, _ in r.turns[1:] if g > 0]
-        res += [(math.log(d) - mu[n]) / sd[n] for n, _, d in r.turns if d > 0]
-        s, s2, n = sum(res), sum(v * v for v in res), len(res)
-        within_num += (s * s - s2) / 2
-        within_n += n * (n - 1) / 2
-        if r.group is not None:
-            by_group.setdefault(r.group, []).append((s, n))
-    between_num = between_n = 0.0
-    for sums in by_group.values():
-        s = sum(a for a, _ in sums)
-        n = sum(b for _, b in sums)
-        between_num += (s * s - sum(a * a for a, _ in sums)) / 2
-        between_n += (n * n - sum(b * b for _, b in sums)) / 2
-    vpt = min(max(within_num / within_n if within_n else 0.0, 0.0), 0.95)
-    vp = min(max(between_num / between_n if between_n else 0.0, 0.0), vpt)
-    return vp, vpt - vp
-
-
-def _table(by_k: dict[int, list[float]], stat) -> np.ndarray:
-    """``stat`` (mean or median) per turn index, the buckets with fewer than
-    ``_MIN_BUCKET`` points pooled into one after the last that has enough."""
-    out, pooled = [], []
-    for k in range(max(by_k) + 1):
-        v = by_k.get(k, [])
-        if len(v) >= _MIN_BUCKET and not pooled:
-            out.append(float(stat(v)))
-        else:
-            pooled += v
-    if pooled or not out:
-        out.append(float(stat(pooled)) if pooled else 0.0)
-    return np.array(out)
-
-
-def _quantile_table(resid: np.ndarray, k: np.ndarray) -> np.ndarray:
-    """Per bucket, the residuals' p10/p50/p90 offsets from the median prediction."""
-    rows = []
-    for b in range(int(k.max()) + 1):
-        r = resid[k >= b] if (k == b).sum() < _MIN_BUCKET else resid[k == b]
-        rows.append(np.quantile(r, QUANTILES) if len(r) else np.zeros(3))
-    return np.array(rows)
+    def _fit_boost(self, x: np.ndarray, y: np.ndarray, keys: np.ndarray, n: int) -> None:
+        """The boost design: boosted trees for the median of log remaining time on
+        every feature, fitted to the decisions of the first ``1 - _HOLDOUT`` of the
+        trajectories; the quantile offsets are the residuals' on the rest (the
+        reward's apart from the others', by turn index): out-of-sample, as served."""
+        fit = keys < (1.0 - _HOLDOUT) * n if n >= 8 else np.ones(len(y), bool)
+        held = ~fit if (~fit).any() else fit
+        self.boost = QuantileBoost.fit(x[fit], y[fit], 0.5)
+        resid = y[held] - self.boost.predict(x[held])
+        turn = np.rint(np.expm1(x[held, 6])).astype(int)
+        row = np.where(x[held, 9] > 0.5, 0, np.minimum(turn, _K_CAP) + 1)
+        self.resid_q = quantile_table(resid, row)
 
 
 def replay(p: Predictor, records: list[TrajRecord]) -> Iterator[tuple[Decision, np.ndarray]]:
@@ -451,6 +453,7 @@ def replay(p: Predictor, records: list[TrajRecord]) -> Iterator[tuple[Decision, 
         if kind == 1:
             p.observe(i, r.task, r.group, GEN, g if k else 0.0, new_turn=k > 0)
             p.trajs[i].turn = k
+            p.trajs[i].name = name
             rem = d + sum(gg + dd for _, gg, dd in r.turns[k + 1:])
             yield (Decision(i, r.task, k, name, 0.0, rem, d), p.features(i))
         else:
@@ -460,5 +463,5 @@ def replay(p: Predictor, records: list[TrajRecord]) -> Iterator[tuple[Decision, 
                 p.finish(i)
 
 
-__all__ = ["DESIGNS", "GEN", "QUANTILES", "Decision", "Predictor", "Quantiles",
-           "TrajRecord", "records_of", "replay"]
+__all__ = ["DESIGNS", "GEN", "QUANTILES", "REWARD", "Decision", "Predictor", "Quantiles",
+           "TrajRecord", "records_of", "records_of_trace", "replay"]

@@ -69,12 +69,22 @@ def run_job(job: Job) -> dict[str, Any]:
     from metasched.errors import ConfigError
     from metasched.sim.simulator import SimulationError, Simulator, cost_model_for
 
+    sched = make_scheduler(job.scheduler, **job.params)
+    predictor = None
+    if getattr(sched, "estimates", None) == "predictor":  # it reads state.predictor
+        from metasched.evaluation.predictors import fitted_predictor
+
+        predictor = fitted_predictor(job.workload)
+        if getattr(sched, "ranker", False) is None:  # a learned priority, not yet fitted
+            from metasched.evaluation.predictors import fitted_ranker
+
+            sched.ranker = fitted_ranker(job.workload)
     sim = Simulator(job.workload, job.cluster, job.seed, timeline_dt=job.timeline_dt,
                     max_wait_s=job.max_wait_s, instance=_instance(job.workload, job.seed),
-                    cost_model=cost_model_for(job.estimates))
+                    cost_model=cost_model_for(job.estimates), predictor=predictor)
     name = job.label or job.scheduler
     try:
-        r = sim.run(make_scheduler(job.scheduler, **job.params))
+        r = sim.run(sched)
     except SimulationError as e:  # a run that cannot finish is reported, not a traceback
         why = (f"{e} (set max_wait_s: the starvation guard serves what a waiting scheduler "
                "leaves)") if job.max_wait_s is None else str(e)

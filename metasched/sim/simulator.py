@@ -23,6 +23,7 @@ from metasched.core.deadlines import DeadlineRule, serve_due
 from metasched.core.decision import DecisionStep
 from metasched.core.guard import WaitGuard
 from metasched.core.metrics import RunResult
+from metasched.core.predictor import Predictor
 from metasched.core.sandbox_queue import SandboxQueue
 from metasched.core.scheduler import Scheduler
 from metasched.core.state import ClusterState
@@ -96,6 +97,9 @@ class Simulator:
             actions each node may hold per core ahead of its free cores (handed after
             the scheduler's turn, started the moment cores free there; see
             ``ClusterState.hand_ahead``). 0 (default): none.
+        predictor: a remaining-work predictor (``metasched.core.predictor``) to feed on
+            this run's clock and show to schedulers as ``state.predictor``, whatever the
+            estimates (the cost model's, if it holds one, otherwise). None: none.
 
     A cpu action runs its command's start-up (``cluster.cpu_launch_s``, or a log-normal
     draw around it when ``cluster.cpu_launch_sigma`` > 0, from the run's own generator)
@@ -111,7 +115,8 @@ class Simulator:
                  instance: WorkloadInstance | None = None, timeline_dt: float = 10.0,
                  max_wait_s: float | None = None, serve_stalled: bool = False,
                  cost_model: CostModel | None = None, check_invariants: bool = False,
-                 action_log: ActionLog | None = None, ahead_per_core: int = 0) -> None:
+                 action_log: ActionLog | None = None, ahead_per_core: int = 0,
+                 predictor: Predictor | None = None) -> None:
         self.workload = workload
         self.cluster = cluster
         self.seed = seed
@@ -128,7 +133,12 @@ class Simulator:
         self.cost_model = cost_model
         # A predictor the cost model holds is fed here too (gaps, ends) and shown to
         # schedulers as ``state.predictor``.
-        self.predictor = cost_model.predictor if cost_model is not None else None
+        if predictor is None and cost_model is not None:
+            predictor = cost_model.predictor
+        self.predictor = predictor
+        # ``learn`` feeds the cost model's predictor; another is fed its measurements here.
+        self._feed = predictor is not None and (cost_model is None
+                                                or cost_model.predictor is not predictor)
         self.state.predictor = self.predictor
         self._restore_s: dict[int, float] = {}  # gpu action id -> its batch's restore
         self._in_flight: dict[int, int] = {}  # trajectory id -> its actions submitted, unfinished
@@ -390,6 +400,8 @@ class Simulator:
             restore = self._restore_s.pop(a.id, 0.0)
             if not failed:  # live learns from successes only
                 self.cost_model.learn(a, self.state.t - a.start_t - restore)
+        if self._feed and not failed:
+            self.predictor.observe_action(a, self.state.t - a.start_t)
         traj = a.traj
         if self.action_log is not None:
             batch, setup = self._gpu_runs.pop(a.id, (1, 0.0))

@@ -93,6 +93,12 @@ class DispatcherConfig(Checked):
         deadlines: when callers give up (a default deadline), what happens to a
             command still queued then (time-shared on busy cores, or refused), and the
             lending of idle commands' cores (see :class:`DeadlineConfig`).
+        predictor: a recorded trace (an action log, as ``trace`` writes, or a
+            simulated recording) to fit the remaining-work predictor on at construction
+            (``metasched.core.predictor``, design ``boost``): schedulers see it as
+            ``state.predictor`` (``estimates: predictor``), and the dispatcher updates
+            it online with measured runs, generation gaps and trajectory ends. None: no
+            predictor.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -124,6 +130,7 @@ class DispatcherConfig(Checked):
     trace: FilePath = None
     ahead_per_core: Count(0) | None = None
     deadlines: DeadlineConfig = Field(default_factory=DeadlineConfig)
+    predictor: FilePath = None
 
     one_line_root = 'dispatcher'
 

@@ -50,7 +50,7 @@ from metasched.runtime.dispatch.local import LocalBackend
 from metasched.runtime.dispatch.policy import fall_back, load_scheduler
 from metasched.runtime.dispatch.sandbox_gate import SandboxGate
 from metasched.runtime.dispatch.sharing import Sharing
-from metasched.runtime.dispatch.trajectories import Trajectories
+from metasched.runtime.dispatch.trajectories import Trajectories, fit_predictor
 from metasched.runtime.gpu import LiveService
 from metasched.runtime.journal import Journal
 from metasched.runtime.machine import check_workdir, default_workdir
@@ -119,7 +119,9 @@ class Dispatcher:
         self.state.task_demand.update({k: dict(v) for k, v in cfg.task_demand.items()})
         self.state.metrics = Recorder(max_actions=cfg.metrics_window)
         self.guard = WaitGuard(cfg.max_wait_s)
-        self.cost = CostModel(cfg.cost_alpha, cfg.default_est_s)
+        self.cost = CostModel(cfg.cost_alpha, cfg.default_est_s,
+                              predictor=fit_predictor(cfg.predictor) if cfg.predictor else None)
+        self.state.predictor = self.cost.predictor
         one_of(cfg.estimates, ("online", "request"), "estimates")
         self._request_estimates = cfg.estimates == "request"
         self.workdir = (check_workdir(cfg.workdir) if cfg.workdir is not None

@@ -2,17 +2,34 @@
 core's state (its first one) and keeps it alive; it ends once its reward action (or
 :meth:`Dispatcher.close_trajectory`) has come and nothing of it is queued or running,
 or when it has been idle for ``trajectory_idle_s``. Ending it releases its held cores,
-its sandbox memory and its sandbox."""
+its sandbox memory and its sandbox. A remaining-work predictor (the ``predictor``
+setting: :func:`fit_predictor`) learns each turn's generation gap (from the trajectory's
+last event to a request that finds nothing of it queued or running) and each end."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from metasched.core.actions import Trajectory
+from metasched.core.predictor import Predictor, records_of_trace
+from metasched.errors import ConfigError
 from metasched.runtime.requests import Request
+from metasched.sim.trace import scan_trace
 
 if TYPE_CHECKING:
     from metasched.runtime.dispatch.dispatcher import Dispatcher
+
+
+def fit_predictor(path: str | Path) -> Predictor:
+    """The remaining-work predictor (design ``boost``) fitted on the recorded trace at
+    ``path`` (the dispatcher's ``predictor`` setting)."""
+    if not Path(path).is_file():
+        raise ConfigError("predictor", f"no such trace file: {path}")
+    try:
+        return Predictor.fit(records_of_trace(scan_trace(path)), "boost")
+    except ValueError as e:
+        raise ConfigError("predictor", f"{path}: {e}") from None
 
 
 class Trajectories:
@@ -40,6 +57,9 @@ class Trajectories:
             traj.start_t = t
             self.d.state.open_trajectory(traj)
             self.by_name[req.trajectory] = traj
+        p = self.d.state.predictor
+        if p is not None and not self._live.get(traj.id):  # a new turn: its gap ended
+            p.observe_gap(traj, t - self._seen.get(traj.id, t))
         traj.turn = max(traj.turn, req.turn + 1)
         self._live[traj.id] = self._live.get(traj.id, 0) + 1
         self._seen[traj.id] = t
@@ -60,6 +80,8 @@ class Trajectories:
         workspace, and whatever still runs in it) are released."""
         d = self.d
         d.state.close_trajectory(traj)
+        if d.state.predictor is not None:
+            d.state.predictor.close(traj.id, traj.turn)
         d.executors.release_held(traj.id)
         if d.action_log is not None:
             d.action_log.forget(traj.id)
