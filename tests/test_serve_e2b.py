@@ -134,6 +134,25 @@ def test_background_process_is_listed_and_killed(served):
     wait_gone(served, sb.sandbox_id, init_pid, marker)
 
 
+@pytest.mark.parametrize("stdin", [False, True])
+def test_process_in_a_subdirectory_streams_and_is_killed(served, stdin):
+    sb = e2b.Sandbox.create(**opts(served))
+    sb.files.make_dir("sub")
+    handle = sb.commands.run("pwd; sleep 300", background=True, cwd="/home/user/sub",
+                             stdin=stdin, timeout=0)
+    lines = []
+    for stdout, _, _ in handle:
+        lines.append(stdout)
+        break
+    assert lines[0].rstrip().endswith("/sub")
+    t0 = time.monotonic()
+    assert handle.kill()
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(e2b.CommandExitException):
+        handle.wait()
+    sb.kill()
+
+
 def test_stdin_reaches_a_background_process(served):
     sb = e2b.Sandbox.create(**opts(served))
     handle = sb.commands.run("cat", background=True, stdin=True)
@@ -166,6 +185,10 @@ def test_output_streams_while_the_command_runs(served):
     assert ("".join(out), "".join(err)) == ("line 1\nline 2\nline 3\n", "e\n")
     assert times[-1] - times[0] >= 0.4, times  # pieces as they came, not all at the end
     assert handle.wait().stdout == "line 1\nline 2\nline 3\n"
+    # another client's stream of a running process: its output from then on
+    handle = sb.commands.run("echo a; sleep 1; echo b", background=True)
+    joined = sb.commands.connect(handle.pid)
+    assert joined.wait().stdout.endswith("b\n") and handle.wait().stdout == "a\nb\n"
     sb.kill()
 
 

@@ -9,22 +9,24 @@ the directory opened before (``openat``), never following a symbolic link
 refused) and only when it is a regular file: whatever the sandbox's processes put in
 place of those names, the service reads nothing outside that workspace.
 
-:class:`Output` follows one process: each new piece of a stream goes to every
-listener (the ``Start`` stream, and any ``Connect`` one from then on), at most
-:data:`CHUNK` bytes a piece; when the action ends, what is left past the last read is
-read to the end, the files are removed and the end goes out. Where no host view of
-the workspace exists (no sandboxes, another backend) the command writes to its
-action's own output, which comes at its end (the last ``tail_bytes`` of each).
+:class:`Output` holds one process's files; each reader (:meth:`Output.events`: the
+``Start`` stream from the first byte, a ``Connect`` one from where the files are when
+it connects) reads them at its own offsets when its client takes the next event, at
+most :data:`CHUNK` bytes a piece, so nothing piles up in the service for a client that
+reads slowly. When the action ends, each reads on to the end of the files, then sends
+the end; the files are removed then (the open descriptors keep them for whoever still
+reads). Where no host view of the workspace exists (no sandboxes, another backend) the
+command writes to its action's own output, which comes at its end (the last
+``tail_bytes`` of each).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from metasched.runtime.requests import Result
@@ -76,7 +78,7 @@ def _open_regular(name: str, dir_fd: int, directory: bool = False) -> int | None
 
 
 class Output:
-    """The output of process ``pid`` (see the module docstring): ``ws_fd`` its
+    """The output files of process ``pid`` (see the module docstring): ``ws_fd`` its
     workspace's directory (owned from here on, closed at the end; None: no streaming,
     the output comes with ``result``)."""
 
@@ -84,89 +86,120 @@ class Output:
         self.pid = pid
         self.ws_fd = ws_fd
         self.result = result
-        self.listeners: list[Callable[[str, Any], None]] = []
+        self.ctl: int | None = None  # the control directory, once it is there
         self.fds: dict[str, int] = {}
-        self.offsets = {stream: 0 for stream, _ in STREAMS}
-        self.end: Result | None = None  # once the end went out
-        self.task = asyncio.get_running_loop().create_task(self._follow())
+        self.streamed = ws_fd is not None  # read from the workspace while it runs
+        self.readers = 0
+        self.removed = False
+        result.add_done_callback(lambda _f: self._ended())
 
-    @property
-    def streamed(self) -> bool:
-        """Whether the output is read from the workspace while it runs."""
-        return self.ws_fd is not None
+    def __del__(self) -> None:  # a reader never started: its descriptors go with it
+        for fd in [*self.fds.values(), self.ctl, self.ws_fd]:
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
-    def listen(self, listener: Callable[[str, Any], None]) -> Callable[[], None]:
-        """Call ``listener("stdout" | "stderr", bytes)`` for each piece from now on,
-        then ``listener("end", result)`` (``None`` when there is no result; at once
-        if it has ended); returns what stops it."""
-        if self.end is not None:
-            listener("end", self.end)
-        self.listeners.append(listener)
-        return lambda: self.listeners.remove(listener) if listener in self.listeners else None
-
-    def _emit(self, kind: str, value: Any) -> None:
-        for listener in list(self.listeners):
-            listener(kind, value)
-
-    def _read(self, ctl: int | None, pieces: int = 16) -> bool:
-        """Send what the files hold past the last read, at most ``pieces`` pieces of
-        each stream (0: all); whether anything was new."""
-        new = False
+    def _open(self) -> None:
+        """Open whichever of the files is not open yet (and there)."""
+        if self.ws_fd is None or self.removed:
+            return
+        if self.ctl is None:
+            self.ctl = _open_regular(CONTROL, self.ws_fd, directory=True)
+            if self.ctl is None:
+                return
         for stream, suffix in STREAMS:
-            fd = self.fds.get(stream)
-            if fd is None and ctl is not None:
-                fd = _open_regular(f"{self.pid}{suffix}", ctl)
+            if stream not in self.fds:
+                fd = _open_regular(f"{self.pid}{suffix}", self.ctl)
                 if fd is not None:
                     self.fds[stream] = fd
-            if fd is None:
-                continue
-            for _ in itertools.count() if pieces == 0 else range(pieces):
-                try:
-                    data = os.pread(fd, CHUNK, self.offsets[stream])
-                except OSError:
-                    data = b""
-                if not data:
-                    break
-                self.offsets[stream] += len(data)
-                new = True
-                self._emit(stream, data)
-                if len(data) < CHUNK:
-                    break
-        return new
 
-    async def _follow(self) -> None:
-        ctl: int | None = None
-        try:
-            if self.ws_fd is not None:
-                delay = POLL_MIN_S
-                while not self.result.done():
-                    if ctl is None:
-                        ctl = _open_regular(CONTROL, self.ws_fd, directory=True)
-                    new = self._read(ctl)
-                    delay = POLL_MIN_S if new else min(delay * 2, POLL_MAX_S)
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(asyncio.shield(self.result), delay)
-                if ctl is None:
-                    ctl = _open_regular(CONTROL, self.ws_fd, directory=True)
-                self._read(ctl, pieces=0)  # the rest, to the end
-            result = await self.result
-            # The action's own output: the command's where there is no view of the
-            # workspace, else only what the watcher itself wrote (why it could not start).
-            for stream, _ in STREAMS:
-                text = getattr(result, stream)
-                if text:
-                    self._emit(stream, text.encode())
-            self.end = result
-            self._emit("end", result)
-        finally:
-            if self.end is None:  # no result (the service stops): the streams end too
-                self._emit("end", None)
-            if ctl is not None:
-                for _, suffix in STREAMS:
-                    with contextlib.suppress(OSError):
-                        os.unlink(f"{self.pid}{suffix}", dir_fd=ctl)
-                os.close(ctl)
+    def _ended(self) -> None:
+        """The action ended: the files are opened (for the readers to finish) and
+        removed from the workspace."""
+        self._open()
+        self.removed = True
+        if self.ctl is not None:
+            for _, suffix in STREAMS:
+                with contextlib.suppress(OSError):
+                    os.unlink(f"{self.pid}{suffix}", dir_fd=self.ctl)
+            os.close(self.ctl)
+            self.ctl = None
+        if self.ws_fd is not None:
+            os.close(self.ws_fd)
+            self.ws_fd = None
+        self._close()
+
+    def _close(self) -> None:
+        if self.removed and self.readers == 0:
             for fd in self.fds.values():
                 os.close(fd)
-            if self.ws_fd is not None:
-                os.close(self.ws_fd)
+            self.fds.clear()
+
+    def _size(self, stream: str) -> int:
+        fd = self.fds.get(stream)
+        return os.fstat(fd).st_size if fd is not None else 0
+
+    def _piece(self, offsets: dict[str, int]) -> tuple[str, bytes] | None:
+        """The next piece past ``offsets`` (advanced), or None."""
+        for stream, _ in STREAMS:
+            fd = self.fds.get(stream)
+            if fd is None:
+                continue
+            try:
+                data = os.pread(fd, CHUNK, offsets[stream])
+            except OSError:
+                continue
+            if data:
+                offsets[stream] += len(data)
+                return stream, data
+        return None
+
+    def events(self, from_start: bool, idle_s: float) -> AsyncIterator[tuple[str, Any]]:
+        """``("stdout" | "stderr", bytes)`` for each piece (from the first byte when
+        ``from_start``, else from now), ``("keepalive", None)`` after ``idle_s``
+        without one, then ``("end", result)`` (``None``: the action has no result, the
+        service stops). The reader counts from this call: the files stay open for it."""
+        self.readers += 1
+        self._open()
+        offsets = {stream: 0 if from_start else self._size(stream) for stream, _ in STREAMS}
+        return self._events(offsets, from_start or not self.streamed, idle_s)
+
+    async def _events(self, offsets: dict[str, int], own_output: bool, idle_s: float
+                      ) -> AsyncIterator[tuple[str, Any]]:
+        try:
+            loop = asyncio.get_running_loop()
+            delay, idle = POLL_MIN_S, 0.0
+            while True:
+                done = self.result.done()  # before reading: what follows is the end
+                self._open()
+                piece = self._piece(offsets)
+                if piece is not None:
+                    delay, idle = POLL_MIN_S, 0.0
+                    yield piece
+                    continue
+                if done:
+                    break
+                if idle >= idle_s:
+                    idle = 0.0
+                    yield "keepalive", None
+                t0 = loop.time()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(self.result),
+                                           delay if self.streamed else idle_s)
+                idle += loop.time() - t0
+                delay = min(delay * 2, POLL_MAX_S)
+            if self.result.cancelled() or self.result.exception() is not None:
+                yield "end", None
+                return
+            result = self.result.result()
+            # The action's own output: the command's where there is no view of the
+            # workspace, else only what the watcher itself wrote (why it could not start).
+            if own_output:
+                for stream, _ in STREAMS:
+                    text = getattr(result, stream)
+                    if text:
+                        yield stream, text.encode()
+            yield "end", result
+        finally:
+            self.readers -= 1
+            self._close()

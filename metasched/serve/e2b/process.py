@@ -100,28 +100,25 @@ class ProcessService:
     def __init__(self, sandboxes: Sandboxes) -> None:
         self.sandboxes = sandboxes
 
-    async def _events(self, proc: Proc, ctx: Any, wrap: type) -> AsyncIterator[Any]:
+    async def _events(self, proc: Proc, ctx: Any, wrap: type, from_start: bool
+                      ) -> AsyncIterator[Any]:
         interval = KEEPALIVE_S
         with contextlib.suppress(TypeError, ValueError):
             interval = max(1.0, float(ctx.request_headers.get("keepalive-ping-interval")))
         assert proc.output is not None
-        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        stop = proc.output.listen(lambda kind, value: queue.put_nowait((kind, value)))
-        try:
+        events = proc.output.events(from_start, interval)  # its reader from now
+        result: Result | None = None
+        async with contextlib.aclosing(events):
             yield wrap(event=_event("start", pb.ProcessEvent.StartEvent(pid=proc.pid)))
-            while True:
-                try:
-                    kind, value = await asyncio.wait_for(queue.get(), interval)
-                except asyncio.TimeoutError:
-                    yield wrap(event=_event("keepalive", pb.ProcessEvent.KeepAlive()))
-                    continue
+            async for kind, value in events:
                 if kind == "end":
+                    result = value
                     break
-                yield wrap(event=_event("data", pb.ProcessEvent.DataEvent(
-                    output=Oneof(kind, value))))
-        finally:
-            stop()
-        result: Result | None = value
+                if kind == "keepalive":
+                    yield wrap(event=_event("keepalive", pb.ProcessEvent.KeepAlive()))
+                else:
+                    yield wrap(event=_event("data", pb.ProcessEvent.DataEvent(
+                        output=Oneof(kind, value))))
         if result is None:
             raise ConnectError(Code.UNAVAILABLE, "the process's action has no result "
                                "(the service is stopping)")
@@ -160,14 +157,14 @@ class ProcessService:
                     result=future, output=Output(pid, ws_fd, future))
         sb.procs[pid] = proc
         future.add_done_callback(lambda _f: sb.procs.pop(pid, None))
-        async for event in self._events(proc, ctx, pb.StartResponse):
+        async for event in self._events(proc, ctx, pb.StartResponse, True):
             yield event
 
     async def connect(self, request: pb.ConnectRequest, ctx: Any
                       ) -> AsyncIterator[pb.ConnectResponse]:
         sb = sandbox_of(self.sandboxes, ctx)
         proc = _select(sb, request.process)
-        async for event in self._events(proc, ctx, pb.ConnectResponse):
+        async for event in self._events(proc, ctx, pb.ConnectResponse, False):
             yield event
 
     async def list(self, request: pb.ListRequest, ctx: Any) -> pb.ListResponse:
