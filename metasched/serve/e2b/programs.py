@@ -4,9 +4,10 @@ of the sandbox's trajectory (the service never reaches into a sandbox: see
 
 - :func:`process_argv`: a command, started by a watcher (``sh``, or ``python3`` for a
   command given standard input) that runs it in its own process group, feeds it the
-  standard input that :func:`input_argv` appends to a file, and sends it the signal
+  standard input that :func:`input_argv` appends to a file, sends it the signal
   that :func:`signal_argv` leaves in a file (the sandbox's control directory,
-  :data:`CONTROL`, in its workspace).
+  :data:`CONTROL`, in its workspace) and, where the service reads them while it runs
+  (:mod:`.output`), writes its stdout and stderr to files there.
 - :func:`fs_argv`: one filesystem operation (``stat``, ``list``, ``mkdir``, ``remove``,
   ``move``, ``read``, ``write``), printed as one JSON object.
 
