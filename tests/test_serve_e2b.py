@@ -206,6 +206,19 @@ def test_output_past_tail_bytes_arrives_whole(served):
     sb.kill()
 
 
+def test_output_comes_at_the_end_without_a_view_of_the_workspace():
+    """Without sandboxes (isolation none: no workspace the service can see) a
+    command's output still arrives, with its end."""
+    config = DispatcherConfig(scheduler="elastic_greedy", sandbox={"isolation": "none"})
+    with serving(config) as srv:
+        sb = e2b.Sandbox.create(**opts(srv))
+        assert sandbox_pid(srv, sb.sandbox_id) is None  # no namespaces to look into
+        chunks: list[str] = []
+        r = sb.commands.run("echo one; echo two >&2", on_stdout=chunks.append)
+        assert (r.stdout, r.stderr, "".join(chunks)) == ("one\n", "two\n", "one\n")
+        sb.kill()
+
+
 @pytest.mark.parametrize("planted", ["file", "dir"])
 def test_output_files_never_lead_out_of_the_workspace(served, planted, tmp_path):
     """A command that puts a symbolic link in place of the next process's output file
