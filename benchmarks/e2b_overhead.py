@@ -14,8 +14,12 @@ call at a time, the paths taken in turn so that the machine's load falls on each
   trajectory: one action, the command alone (the floor both build on).
 
 Prints p50 and p99 (milliseconds, client-side, from the call to its answer) of each.
+Then the streaming latency: one command in the sandbox prints ``--lines`` lines
+``--gap`` seconds apart (``python3 -u``, each line its wall-clock time), and the time
+from each line's print to the SDK's ``on_stdout`` callback that brings it (the same
+machine's clock on both sides), p50 and p99.
 
-    python benchmarks/e2b_overhead.py [--calls 200] [--warmup 10]
+    python benchmarks/e2b_overhead.py [--calls 200] [--warmup 10] [--lines 50] [--gap 0.2]
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=200, help="calls per path")
     ap.add_argument("--warmup", type=int, default=10, help="calls per path not counted")
+    ap.add_argument("--lines", type=int, default=50, help="lines printed (streaming)")
+    ap.add_argument("--gap", type=float, default=0.2, help="seconds between the lines")
     args = ap.parse_args()
 
     import e2b
@@ -73,6 +79,7 @@ def main() -> None:
                 call()
                 if i >= args.warmup:
                     times[name].append((time.perf_counter() - t0) * 1000)
+        lags = stream_lags(sb, args.lines, args.gap)
         sb.kill()
     print(f"{args.calls} sequential no-op calls per path ({args.warmup} warm-up calls "
           f"not counted), milliseconds:")
@@ -80,6 +87,29 @@ def main() -> None:
     for name, xs in times.items():
         print(f"  {name:<10} {percentile(xs, 0.5):8.1f} {percentile(xs, 0.99):8.1f} "
               f"{statistics.fmean(xs):8.1f}")
+    print(f"streaming: {len(lags)} lines {args.gap:g} s apart, from print to on_stdout, "
+          f"milliseconds: p50 {percentile(lags, 0.5):.1f}, p99 {percentile(lags, 0.99):.1f}, "
+          f"max {max(lags):.1f}")
+
+
+def stream_lags(sb: object, lines: int, gap: float) -> list[float]:
+    """Milliseconds from each of ``lines`` prints in ``sb`` to its ``on_stdout``."""
+    lags: list[float] = []
+    pending = ""
+
+    def on_stdout(text: str) -> None:
+        nonlocal pending
+        now = time.time()
+        pending += text
+        *done, pending = pending.split("\n")
+        lags.extend((now - float(line)) * 1000 for line in done if line)
+
+    program = (f"import time\nfor _ in range({lines}):\n    print(repr(time.time()))\n"
+               f"    time.sleep({gap})")
+    r = sb.commands.run(f"python3 -u -c '{program}'", on_stdout=on_stdout,  # type: ignore[attr-defined]
+                        timeout=lines * gap + 120)
+    assert r.exit_code == 0 and len(lags) == lines, (r, lags)
+    return lags
 
 
 if __name__ == "__main__":

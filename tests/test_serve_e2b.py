@@ -134,6 +134,25 @@ def test_background_process_is_listed_and_killed(served):
     wait_gone(served, sb.sandbox_id, init_pid, marker)
 
 
+@pytest.mark.parametrize("stdin", [False, True])
+def test_process_in_a_subdirectory_streams_and_is_killed(served, stdin):
+    sb = e2b.Sandbox.create(**opts(served))
+    sb.files.make_dir("sub")
+    handle = sb.commands.run("pwd; sleep 300", background=True, cwd="/home/user/sub",
+                             stdin=stdin, timeout=0)
+    lines = []
+    for stdout, _, _ in handle:
+        lines.append(stdout)
+        break
+    assert lines[0].rstrip().endswith("/sub")
+    t0 = time.monotonic()
+    assert handle.kill()
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(e2b.CommandExitException):
+        handle.wait()
+    sb.kill()
+
+
 def test_stdin_reaches_a_background_process(served):
     sb = e2b.Sandbox.create(**opts(served))
     handle = sb.commands.run("cat", background=True, stdin=True)
@@ -141,6 +160,84 @@ def test_stdin_reaches_a_background_process(served):
     sb.commands.send_stdin(handle.pid, "world")
     sb.commands.close_stdin(handle.pid)
     assert handle.wait().stdout == "hello world"
+    sb.kill()
+
+
+def test_output_streams_while_the_command_runs(served):
+    sb = e2b.Sandbox.create(**opts(served))
+    seen: list[tuple[float, str, str]] = []
+    r = sb.commands.run("echo first; echo warn >&2; sleep 2; echo second",
+                        on_stdout=lambda s: seen.append((time.monotonic(), "out", s)),
+                        on_stderr=lambda s: seen.append((time.monotonic(), "err", s)))
+    ended = time.monotonic()
+    assert (r.exit_code, r.stdout, r.stderr) == (0, "first\nsecond\n", "warn\n")
+    first = next(t for t, kind, text in seen if kind == "out" and "first" in text)
+    assert ended - first >= 1.0, seen  # the first line came long before the end
+    assert "".join(t for _, k, t in seen if k == "out") == r.stdout
+    # a background process's output, read by iterating its handle
+    handle = sb.commands.run("for i in 1 2 3; do echo line $i; sleep 0.3; done; echo e >&2",
+                             background=True)
+    out, err, times = [], [], []
+    for stdout, stderr, _ in handle:
+        times.append(time.monotonic())
+        out.append(stdout or "")
+        err.append(stderr or "")
+    assert ("".join(out), "".join(err)) == ("line 1\nline 2\nline 3\n", "e\n")
+    assert times[-1] - times[0] >= 0.4, times  # pieces as they came, not all at the end
+    assert handle.wait().stdout == "line 1\nline 2\nline 3\n"
+    # another client's stream of a running process: its output from then on
+    handle = sb.commands.run("echo a; sleep 1; echo b", background=True)
+    joined = sb.commands.connect(handle.pid)
+    assert joined.wait().stdout.endswith("b\n") and handle.wait().stdout == "a\nb\n"
+    sb.kill()
+
+
+def test_output_past_tail_bytes_arrives_whole(served):
+    sb = e2b.Sandbox.create(**opts(served))
+    tail = served.dispatcher.config.tail_bytes
+    chunks: list[str] = []
+    r = sb.commands.run("seq 1 60000; seq 1 30000 >&2", on_stdout=chunks.append)
+    expected = "".join(f"{i}\n" for i in range(1, 60001))
+    assert len(expected) > 50 * tail
+    assert r.stdout == expected and "".join(chunks) == expected
+    assert r.stderr == "".join(f"{i}\n" for i in range(1, 30001))
+    # the first process's output files are removed (the listing's own are there)
+    assert sb.commands.run("ls -A .e2b").stdout.split() == ["1001.err", "1001.out"]
+    sb.kill()
+
+
+def test_output_comes_at_the_end_without_a_view_of_the_workspace():
+    """Without sandboxes (isolation none: no workspace the service can see) a
+    command's output still arrives, with its end."""
+    config = DispatcherConfig(scheduler="elastic_greedy", sandbox={"isolation": "none"})
+    with serving(config) as srv:
+        sb = e2b.Sandbox.create(**opts(srv))
+        assert sandbox_pid(srv, sb.sandbox_id) is None  # no namespaces to look into
+        chunks: list[str] = []
+        r = sb.commands.run("echo one; echo two >&2", on_stdout=chunks.append)
+        assert (r.stdout, r.stderr, "".join(chunks)) == ("one\n", "two\n", "one\n")
+        sb.kill()
+
+
+@pytest.mark.parametrize("planted", ["file", "dir"])
+def test_output_files_never_lead_out_of_the_workspace(served, planted, tmp_path):
+    """A command that puts a symbolic link in place of the next process's output file
+    (or of the control directory) gets nothing of the host's file at that path."""
+    secret = "host-secret-" + uuid.uuid4().hex
+    (tmp_path / "1001.out").write_text(secret)
+    sb = e2b.Sandbox.create(**opts(served))
+    if planted == "file":
+        sb.commands.run(f"ln -s {tmp_path}/1001.out .e2b/1001.out")
+    else:
+        sb.commands.run(f"mkdir -p {tmp_path} && rm -rf .e2b && ln -s {tmp_path} .e2b")
+    seen: list[str] = []
+    try:
+        r = sb.commands.run("echo inside", on_stdout=seen.append)
+        got = r.stdout + r.stderr
+    except e2b.CommandExitException as e:
+        got = e.stdout + e.stderr
+    assert secret not in got + "".join(seen)
+    assert (tmp_path / "1001.out").read_text() == secret
     sb.kill()
 
 

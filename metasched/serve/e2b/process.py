@@ -4,16 +4,19 @@
 ``SendInput`` / ``CloseStdin`` reach them through their watcher (each one more small
 action of the sandbox).
 
-A command's output comes when it ends (the action's result keeps the last
-``tail_bytes`` of each stream): a ``Start`` stream answers the start event at once,
-keep-alive events while the command runs, then its output and its end. The stream's
-deadline (the SDK's command ``timeout``) is the action's ``timeout_s``.
+A command's output streams while it runs (:mod:`.output`): a ``Start`` stream
+answers the start event at once, then each piece of stdout and stderr as the command
+writes it (keep-alive events when there is none for a while), then its end; a
+``Connect`` stream the same from when it connects. Where the workspace cannot be seen
+from the service, the output comes at the end (the last ``tail_bytes`` of each stream).
+The stream's deadline (the SDK's command ``timeout``) is the action's ``timeout_s``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 from collections.abc import AsyncIterator
 from typing import Any
@@ -25,6 +28,7 @@ from protobuf import Oneof
 from metasched.runtime.requests import REJECTED, Result
 from metasched.serve.e2b import programs
 from metasched.serve.e2b.envd import process_pb as pb
+from metasched.serve.e2b.output import Output, workspace_fd
 from metasched.serve.e2b.sandboxes import Proc, Sandbox, Sandboxes
 
 __all__ = ["ProcessService", "sandbox_of"]
@@ -96,24 +100,30 @@ class ProcessService:
     def __init__(self, sandboxes: Sandboxes) -> None:
         self.sandboxes = sandboxes
 
-    async def _events(self, proc: Proc, ctx: Any, wrap: type) -> AsyncIterator[Any]:
+    async def _events(self, proc: Proc, ctx: Any, wrap: type, from_start: bool
+                      ) -> AsyncIterator[Any]:
         interval = KEEPALIVE_S
         with contextlib.suppress(TypeError, ValueError):
             interval = max(1.0, float(ctx.request_headers.get("keepalive-ping-interval")))
-        yield wrap(event=_event("start", pb.ProcessEvent.StartEvent(pid=proc.pid)))
-        while True:
-            try:
-                result = await asyncio.wait_for(asyncio.shield(proc.result), interval)
-                break
-            except asyncio.TimeoutError:
-                yield wrap(event=_event("keepalive", pb.ProcessEvent.KeepAlive()))
+        assert proc.output is not None
+        events = proc.output.events(from_start, interval)  # its reader from now
+        result: Result | None = None
+        async with contextlib.aclosing(events):
+            yield wrap(event=_event("start", pb.ProcessEvent.StartEvent(pid=proc.pid)))
+            async for kind, value in events:
+                if kind == "end":
+                    result = value
+                    break
+                if kind == "keepalive":
+                    yield wrap(event=_event("keepalive", pb.ProcessEvent.KeepAlive()))
+                else:
+                    yield wrap(event=_event("data", pb.ProcessEvent.DataEvent(
+                        output=Oneof(kind, value))))
+        if result is None:
+            raise ConnectError(Code.UNAVAILABLE, "the process's action has no result "
+                               "(the service is stopping)")
         if result.status == REJECTED:
             raise ConnectError(Code.INVALID_ARGUMENT, result.reason)
-        for stream in ("stdout", "stderr"):
-            text = getattr(result, stream)
-            if text:
-                yield wrap(event=_event("data", pb.ProcessEvent.DataEvent(
-                    output=Oneof(stream, text.encode()))))
         yield wrap(event=_end_event(result))
 
     async def start(self, request: pb.StartRequest, ctx: Any) -> AsyncIterator[pb.StartResponse]:
@@ -132,23 +142,29 @@ class ProcessService:
                      else self.sandboxes.service.limits.max_timeout_s)
         if timeout_s <= 0:
             raise ConnectError(Code.DEADLINE_EXCEEDED, "the deadline passed before the start")
+        ws_fd = workspace_fd(self.sandboxes.service.dispatcher, sb.trajectory)
         argv = programs.process_argv(pid, [cfg.cmd, *cfg.args], cwd=cfg.cwd or "",
-                                     stdin=bool(request.stdin))
+                                     stdin=bool(request.stdin), files=ws_fd is not None)
         envs = dict(cfg.envs)
-        future = sb.start(argv, "process", timeout_s=timeout_s, env={**sb.env, **envs})
+        try:
+            future = sb.start(argv, "process", timeout_s=timeout_s, env={**sb.env, **envs})
+        except BaseException:
+            if ws_fd is not None:
+                os.close(ws_fd)
+            raise
         proc = Proc(pid=pid, cmd=cfg.cmd, args=list(cfg.args), envs=envs,
                     cwd=cfg.cwd or "", tag=request.tag or None, stdin=bool(request.stdin),
-                    result=future)
+                    result=future, output=Output(pid, ws_fd, future))
         sb.procs[pid] = proc
         future.add_done_callback(lambda _f: sb.procs.pop(pid, None))
-        async for event in self._events(proc, ctx, pb.StartResponse):
+        async for event in self._events(proc, ctx, pb.StartResponse, True):
             yield event
 
     async def connect(self, request: pb.ConnectRequest, ctx: Any
                       ) -> AsyncIterator[pb.ConnectResponse]:
         sb = sandbox_of(self.sandboxes, ctx)
         proc = _select(sb, request.process)
-        async for event in self._events(proc, ctx, pb.ConnectResponse):
+        async for event in self._events(proc, ctx, pb.ConnectResponse, False):
             yield event
 
     async def list(self, request: pb.ListRequest, ctx: Any) -> pb.ListResponse:

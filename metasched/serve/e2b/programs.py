@@ -4,9 +4,10 @@ of the sandbox's trajectory (the service never reaches into a sandbox: see
 
 - :func:`process_argv`: a command, started by a watcher (``sh``, or ``python3`` for a
   command given standard input) that runs it in its own process group, feeds it the
-  standard input that :func:`input_argv` appends to a file, and sends it the signal
+  standard input that :func:`input_argv` appends to a file, sends it the signal
   that :func:`signal_argv` leaves in a file (the sandbox's control directory,
-  :data:`CONTROL`, in its workspace).
+  :data:`CONTROL`, in its workspace) and, where the service reads them while it runs
+  (:mod:`.output`), writes its stdout and stderr to files there.
 - :func:`fs_argv`: one filesystem operation (``stat``, ``list``, ``mkdir``, ``remove``,
   ``move``, ``read``, ``write``), printed as one JSON object.
 
@@ -57,12 +58,14 @@ def real(full, missing_ok=False):
     return full
 """
 
-# argv[1:]: control dir, pid, "1" to feed stdin, cwd ("" for the root), the command.
+# argv[1:]: control dir, pid, "1" to feed stdin, cwd ("" for the root), "1" to write the
+# command's output to files, the command.
 # Only built-in modules (no subprocess, signal or json: their imports cost more than the
 # rest of a short command).
 _WATCH = _PATHS + r"""import time
-ctl, pid, feed, cwd = sys.argv[1:5]
-argv = sys.argv[5:]
+ctl, pid, feed, cwd, files = sys.argv[1:6]
+argv = sys.argv[6:]
+ctl = os.path.join(ROOT, ctl)
 os.makedirs(ctl, exist_ok=True)
 base = os.path.join(ctl, pid)
 env = dict(os.environ, HOME=ROOT, PWD=ROOT)
@@ -77,11 +80,18 @@ if feed == "1":
     rfd, wfd = os.pipe()
 else:
     rfd, wfd = os.open(os.devnull, os.O_RDONLY), None
+if files == "1":
+    outs = [os.open(base + s, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            for s in (".out", ".err")]
+else:
+    outs = [1, 2]
 child = os.fork()
 if child == 0:
     try:
         os.setsid()
         os.dup2(rfd, 0)
+        os.dup2(outs[0], 1)
+        os.dup2(outs[1], 2)
         if wfd is not None:
             os.close(wfd)
         if cwd:
@@ -91,6 +101,9 @@ if child == 0:
         os.write(2, f"{argv[0]}: {e.strerror or e}\n".encode())
     os._exit(127)
 os.close(rfd)
+if files == "1":
+    os.close(outs[0])
+    os.close(outs[1])
 if wfd is not None:
     os.set_blocking(wfd, False)
 fed, pending, delay = 0, b"", 0.001
@@ -254,9 +267,9 @@ except (OSError, ValueError) as e:
 # The watcher of a process without standard input, in sh (a few milliseconds where
 # python3 takes tens): the command runs in a session of its own (setsid: its process
 # group), a second job polls for a signal to pass on to that group; argv[1:]: control dir, pid,
-# cwd, the command.
-_SH_WATCH = r"""ctl=$1 pid=$2 cwd=$3
-shift 3
+# cwd, "1" to write the command's output to files, the command.
+_SH_WATCH = r"""ctl=$PWD/$1 pid=$2 cwd=$3 files=$4
+shift 4
 mkdir -p "$ctl" || exit 126
 export HOME="$PWD"
 case $cwd in
@@ -264,6 +277,9 @@ case $cwd in
   "~"|"~/"*) cwd=$PWD${cwd#"~"} ;;
 esac
 if [ -n "$cwd" ]; then cd -- "$cwd" || exit 126; fi
+if [ "$files" = 1 ]; then
+  exec >"$ctl/$pid.out" 2>"$ctl/$pid.err"
+fi
 if command -v setsid >/dev/null; then setsid "$@" </dev/null & else "$@" </dev/null & fi
 child=$!
 (while kill -0 "$child" 2>/dev/null; do
@@ -285,14 +301,17 @@ exit "$code"
 """
 
 
-def process_argv(pid: int, argv: Sequence[str], *, cwd: str = "", stdin: bool = False
-                 ) -> list[str]:
+def process_argv(pid: int, argv: Sequence[str], *, cwd: str = "", stdin: bool = False,
+                 files: bool = False) -> list[str]:
     """The action's argv that runs ``argv`` as process ``pid`` of the sandbox (in
     ``cwd``, a workspace path; with its standard input fed from what
-    :func:`input_argv` writes when ``stdin``, else from ``/dev/null``)."""
+    :func:`input_argv` writes when ``stdin``, else from ``/dev/null``; its stdout and
+    stderr written to ``.e2b/<pid>.out`` and ``.err`` when ``files``, else the
+    action's own, see :mod:`.output`)."""
+    flag = "1" if files else "0"
     if not stdin:
-        return ["/bin/sh", "-c", _SH_WATCH, "watch", CONTROL, str(pid), cwd, *argv]
-    return [*PYTHON, "-c", _WATCH, CONTROL, str(pid), "1", cwd, *argv]
+        return ["/bin/sh", "-c", _SH_WATCH, "watch", CONTROL, str(pid), cwd, flag, *argv]
+    return [*PYTHON, "-c", _WATCH, CONTROL, str(pid), "1", cwd, flag, *argv]
 
 
 def signal_argv(pid: int | None, signum: int) -> list[str]:

@@ -26,6 +26,7 @@ from metasched.runtime.requests import REJECTED, Result
 from metasched.serve.e2b import programs
 
 if TYPE_CHECKING:
+    from metasched.serve.e2b.output import Output
     from metasched.serve.service import Service
 
 __all__ = ["DEFAULT_TEMPLATE", "ENVD_VERSION", "Proc", "Sandbox", "Sandboxes"]
@@ -53,6 +54,7 @@ class Proc:
     tag: str | None
     stdin: bool
     result: asyncio.Future[Result]
+    output: Output | None = None  # its output as it comes (None: with its result)
 
 
 @dataclass
