@@ -141,3 +141,44 @@ def test_gate_counts(batch, ofp):
     assert gate.version == 1 and gate.room() == batch
     with pytest.raises(RuntimeError):
         gate.trained()
+
+
+def _grid():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "grid", Path(__file__).resolve().parents[1] / "benchmarks" / "grid.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_grid_async_ratios_by_hand():
+    def sched(tph, lat, act):
+        return {"trajectories_per_hour": float(np.mean(tph)),
+                "mean_traj_latency_s": float(np.mean(lat)), "mean_act_s": float(np.mean(act)),
+                "max_staleness": 2, "per_seed": {"seeds": [0, 1, 2], "trajectories_per_hour": tph,
+                                                 "mean_traj_latency_s": lat, "mean_act_s": act}}
+
+    doc = {"schedulers": {"fifo": sched([100.0, 110.0, 90.0], [50.0, 60.0, 55.0], [3.0] * 3),
+                          "rate_greedy": sched([90.0, 99.0, 81.0], [40.0, 48.0, 44.0], [1.0] * 3),
+                          "learned": sched([110.0, 121.0, 99.0], [36.0, 43.2, 39.6], [1.5] * 3)}}
+    a = _grid().async_ratios(doc, ["fifo", "rate_greedy"])
+    assert a["best"] == {"trajectories_per_hour": "fifo", "mean_traj_latency_s": "rate_greedy",
+                         "mean_act_s": "rate_greedy"}
+    r = a["schedulers"]["learned"]
+    assert r["trajectories_per_hour_vs_best"]["ratio"] == pytest.approx(1.1)
+    assert r["mean_traj_latency_s_vs_best"]["ratio"] == pytest.approx(0.9)
+    assert r["mean_act_s_vs_best"]["ratio"] == pytest.approx(1.5)
+    grid = {"points": {"p-async": {"results": doc}}}
+    assert "p-async (best trajectories/h: fifo" in _grid().async_table(grid)
+    assert _grid().step_table(grid).count("\n") == 2  # header only: no step rows
+
+
+@pytest.mark.parametrize("point", ["retool_grouped-async", "swe_grouped-async"])
+def test_grid_async_points_compose(point):
+    grid = _grid()
+    w, _, s = grid.point_settings(point, ["fifo"], 2, 1000000)
+    assert w.max_offpolicyness == 1
+    assert grid.step_lower_bounds(point, [1000000]) is None
