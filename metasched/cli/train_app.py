@@ -77,12 +77,13 @@ def check_train_settings(cfg: dict[str, Any]) -> None:
                         ("eval.reference", (cfg.get("eval") or {}).get("reference", "rate_greedy")),
                         ("obs.advisor", (cfg.get("obs") or {}).get("advisor", "rate_greedy"))):
         one_of(name, BASELINES, field, what="the heuristics", null=field == "obs.advisor")
-    from metasched.compose import PROFILES
+    from metasched.compose import config_dir
 
+    known = sorted(p.stem for p in (config_dir() / "workload").glob("*.yaml"))
     for name in (agent.get("bc") or {}).get("profiles") or []:
-        if name not in PROFILES:
+        if name not in known:
             raise ConfigError("agent.bc.profiles", f"unknown profile {name!r}; one of "
-                                                   f"{', '.join(PROFILES)}")
+                                                   f"{', '.join(known)}")
     scale = ((cfg.get("env") or {}).get("randomization") or {}).get("cluster_scale")
     if scale is not None and not (len(scale) == 2 and 0 < scale[0] <= scale[1]):
         raise ConfigError("env.randomization.cluster_scale",
