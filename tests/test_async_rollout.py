@@ -29,8 +29,8 @@ def _trained_at(batch_end: list[float], gap: float) -> list[float]:
     return out
 
 
-@pytest.mark.parametrize("scheduler", ["fifo", "critical_path", "rate_greedy"])
-@pytest.mark.parametrize("ofp,gap", [(0, 0.0), (1, 0.0), (2, 0.0), (1, 30.0), (3, 5.0)])
+@pytest.mark.parametrize("scheduler", ["fifo", "critical_path"])
+@pytest.mark.parametrize("ofp,gap", [(0, 5.0), (1, 0.0), (2, 0.0), (1, 30.0)])
 @pytest.mark.parametrize("name", ["retool_grouped", "swe_grouped"])
 def test_staleness_bound_never_exceeded(name, ofp, gap, scheduler):
     w, c = shrunk(name, load=0.125, steps=4)
