@@ -21,6 +21,7 @@ training reward may; no scheduler sees it.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from metasched.core.actions import ActionSpec, Trajectory
@@ -42,6 +43,8 @@ class StepProgress:
         self._suffix: dict[int, list[float]] = {}  # trajectory -> work of turns i..
         self._steps_seen = 0
         self._steps_s = 0.0
+        self._key: tuple[int, int, int] | None = None  # what _span was computed for
+        self._span: tuple[float, float] | None = None  # (max R_i, max c_i + R_i)
 
     def _work(self, traj: Trajectory) -> list[float]:
         """``w[i]``: the true generation and run seconds of turns ``i..``."""
@@ -67,10 +70,28 @@ class StepProgress:
 
     def step_end(self) -> float | None:
         """The current step's projected end; None between steps (all of it done)."""
-        trajs = self.sim.step_trajs
-        if not trajs or all(x.end_t == x.end_t for x in trajs):
+        # max_i(max(t, c_i) + R_i) = max(t + max_i R_i, max_i (c_i + R_i)): both maxima
+        # change only when an action ends or trajectories start, not as time passes.
+        sim = self.sim
+        trajs, state = sim.step_trajs, sim.state
+        key = (state.n_done + state.n_failed, id(trajs), len(trajs))
+        if key != self._key:
+            self._key = key
+            self._span = None
+            ends = [x.end_t for x in trajs if x.end_t == x.end_t]
+            if len(ends) < len(trajs):
+                max_r, max_cr = 0.0, max(ends, default=-math.inf)
+                for x in trajs:
+                    if x.end_t != x.end_t:
+                        k, last = sim.turns_done.get(x.id, (0, x.start_t))
+                        if k < x.n_turns:
+                            w = self._work(x)
+                            max_r = max(max_r, w[k + 1])
+                            max_cr = max(max_cr, last + w[k])
+                self._span = (max_r, max_cr)
+        if self._span is None:
             return None
-        return max(self.projected_end(x) for x in trajs)
+        return max(state.t + self._span[0], self._span[1])
 
     def potential(self) -> float:
         """Seconds of the steps done plus the current one's projected end less its start."""
