@@ -168,14 +168,16 @@ def step_ratios(doc: dict[str, Any], heuristics: list[str], lower_bound: list[fl
 
 
 def step_table(grid: dict[str, Any]) -> str:
-    """The step table (markdown): per point, every scheduler against the best heuristic
-    by step and by ACT, the oracle and the step's lower bound."""
+    """The step table (markdown): per synchronous point, every scheduler against the best
+    heuristic by step and by ACT, the oracle and the step's lower bound (empty without
+    synchronous points)."""
     def cell(r: dict[str, Any] | None) -> str:
         return fmt_ci(r["ratio"], r["ratio_ci95"]) if r else "—"
 
     lines = ["| point | scheduler | mean step s | mean ACT s | step ÷ best by step (95% CI) "
              "| ACT ÷ best by ACT (95% CI) | step ÷ oracle (95% CI) "
              "| step ÷ lower bound (95% CI) |", "|---|---|---|---|---|---|---|---|"]
+    n_rows = len(lines)
     for p, entry in grid["points"].items():
         if is_async(entry):
             continue
@@ -189,7 +191,7 @@ def step_table(grid: dict[str, Any]) -> str:
                          f"| {r['mean_act_s']:.3g} | {cell(r['step_vs_best'])} "
                          f"| {cell(r['act_vs_best'])} | {cell(r['step_vs_oracle'])} "
                          f"| {cell(r['step_vs_bound'])} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" if len(lines) > n_rows else ""
 
 
 def is_async(entry: dict[str, Any]) -> bool:
@@ -337,9 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     table = grid_table(grid)
     if grid["reference"] is None:
         table += "\n" + summary_table(grid)
-    table += "\n" + step_table(grid)
-    if any(is_async(e) for e in grid["points"].values()):
-        table += "\n" + async_table(grid)
+    for extra in (step_table(grid), async_table(grid)):
+        if extra:
+            table += "\n" + extra
     if args.versus is not None:
         table += "\n" + grid_table(versus(grid, args.versus))
     out = Path(args.out)
