@@ -138,13 +138,15 @@ def simulate(workload: WorkloadConfig, cluster: ClusterConfig, scheduler, seeds,
 class SchedulerMetricsCallback(BaseCallback):
     """Every ``freq`` steps: simulate the current policy (NumPy fast path) on validation
     seeds; log mean ACT, step time, utilisation and the gap to the ``reference``
-    heuristic; keep the best policy by mean ACT as a checkpoint directory."""
+    heuristic; keep the best policy by ``select`` (mean ACT, or mean step time for the
+    step objective) as a checkpoint directory."""
 
     def __init__(self, workload: WorkloadConfig, cluster: ClusterConfig, obs_config: ObsConfig,
                  seeds, freq: int, best_dir: Path, max_wait_s: float | None,
                  meta: dict[str, Any], reference: str = "rate_greedy",
-                 estimates: str = "profile") -> None:
+                 estimates: str = "profile", select: str = "mean_act_s") -> None:
         super().__init__()
+        self.select = select
         from metasched.agents import make_scheduler
 
         self.workload, self.cluster, self.obs_config = workload, cluster, obs_config
@@ -189,7 +191,7 @@ class SchedulerMetricsCallback(BaseCallback):
         for k, v in m.items():
             if k != "timesteps":
                 self.logger.record(f"scheduler/{k}", v)
-        if self.best is None or m["mean_act_s"] < self.best["mean_act_s"]:
+        if self.best is None or m[self.select] < self.best[self.select]:
             self.best = m
             save_checkpoint(self.best_dir, self.model, self.obs_config,
                             {**self.meta, "validation": m, "reference": self.reference})
@@ -431,7 +433,9 @@ def train(cfg: dict[str, Any], workload: WorkloadConfig, cluster: ClusterConfig,
                                           val_seeds, int(ev["freq"]), out_dir / "best",
                                           kwargs["max_wait_s"], meta,
                                           reference=str(ev.get("reference", "rate_greedy")),
-                                          estimates=kwargs["estimates"])
+                                          estimates=kwargs["estimates"],
+                                          select="mean_step_s" if kwargs["reward"].objective
+                                          == "step" else "mean_act_s")
     callbacks = [metrics_cb,
                  CheckpointCallback(max(1, int(cfg["checkpoint_freq"]) // n_envs),
                                     str(out_dir / "sb3_checkpoints"), name_prefix="model",

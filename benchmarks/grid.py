@@ -13,6 +13,11 @@ step, among ``PREDICTED`` when they run: ``critical_path_predicted`` and the lik
 step's lower bound (:mod:`metasched.evaluation.step_bound`), each paired by seed with a
 95% interval. "The best heuristic" is always among the heuristics on static estimates.
 
+The async table (points ending ``-async``: asynchronous rollouts under a staleness
+bound, ``+workload.max_offpolicyness=N``): per scheduler, trajectories per hour ÷ the
+best heuristic by it, mean trajectory latency ÷ the best heuristic by it and ACT ÷ the
+best heuristic by ACT, paired by seed with 95% intervals.
+
     python benchmarks/grid.py [--seeds 8] [--points coding-c12,rm_math-gpu1]
         [--schedulers static,...,checkpoints/default] [--reference elastic_greedy]
         [--versus elastic_greedy] [--workers 2] [--out outputs/grid]
@@ -64,6 +69,10 @@ POINTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "retool_grouped": ("retool_grouped", ()),
     "retool_grouped_c10": ("retool_grouped_c10", ()),
     "swe_grouped": ("swe_grouped", ()),
+    # Asynchronous rollouts, one batch ahead at most (AReaL's max_head_offpolicyness 1).
+    "retool_grouped-async": ("retool_grouped", ("+workload.max_offpolicyness=1",)),
+    "retool_grouped_c10-async": ("retool_grouped_c10", ("+workload.max_offpolicyness=1",)),
+    "swe_grouped-async": ("swe_grouped", ("+workload.max_offpolicyness=1",)),
 }
 DEFAULT_SCHEDULERS = (*BASELINES, *PREDICTED, *ORACLES, "checkpoints/default")
 
@@ -119,8 +128,8 @@ def step_lower_bounds(point: str, seeds: list[int]) -> list[float] | None:
     """Per seed, the mean over the run's steps of the step's lower bound at ``point``
     (None for a trace workload)."""
     workload, cluster, _ = point_settings(point, ["fifo"], 1, 0)
-    if workload.trace is not None:
-        return None
+    if workload.trace is not None or workload.max_offpolicyness is not None:
+        return None  # a trace, or no step barrier
     return [mean_step_lower_bound(sample_workload(workload, workload_rng(seed)), cluster)
             for seed in seeds]
 
@@ -169,9 +178,9 @@ def step_ratios(doc: dict[str, Any], heuristics: list[str], lower_bound: list[fl
 
 
 def step_table(grid: dict[str, Any]) -> str:
-    """The step table (markdown): per point, every scheduler against the best heuristic
-    by step and by ACT, the best heuristic fed the predictor, the oracle and the step's
-    lower bound."""
+    """The step table (markdown): per synchronous point, every scheduler against the best
+    heuristic by step and by ACT, the best heuristic fed the predictor, the oracle and the
+    step's lower bound (empty without synchronous points)."""
     def cell(r: dict[str, Any] | None) -> str:
         return fmt_ci(r["ratio"], r["ratio_ci95"]) if r else "—"
 
@@ -179,7 +188,10 @@ def step_table(grid: dict[str, Any]) -> str:
              "| ACT ÷ best by ACT (95% CI) | step ÷ best predicted (95% CI) "
              "| step ÷ oracle (95% CI) | step ÷ lower bound (95% CI) |",
              "|---|---|---|---|---|---|---|---|---|"]
+    n_rows = len(lines)
     for p, entry in grid["points"].items():
+        if is_async(entry):
+            continue
         st = step_ratios(entry["results"], list(BASELINES), entry.get("step_lower_bound"),
                          ORACLES[0])
         lb = st["lower_bound_s"]
@@ -192,7 +204,61 @@ def step_table(grid: dict[str, Any]) -> str:
                          f"| {cell(r['act_vs_best'])} | {cell(r['step_vs_predicted'])} "
                          f"| {cell(r['step_vs_oracle'])} "
                          f"| {cell(r['step_vs_bound'])} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" if len(lines) > n_rows else ""
+
+
+def is_async(entry: dict[str, Any]) -> bool:
+    """Whether a grid point's runs are asynchronous rollouts."""
+    return any("trajectories_per_hour" in s for s in entry["results"]["schedulers"].values())
+
+
+def async_ratios(doc: dict[str, Any], heuristics: list[str]) -> dict[str, Any]:
+    """The async comparison of one point's results document: the best heuristic by
+    trajectories per hour, by mean trajectory latency and by mean ACT (among
+    ``heuristics``), and per scheduler each ratio to it, paired by seed with 95%
+    intervals."""
+    sch = doc["schedulers"]
+    cands = [n for n in heuristics if n in sch]
+    best = {"trajectories_per_hour": max(cands, key=lambda n: sch[n]["trajectories_per_hour"],
+                                         default=None),
+            "mean_traj_latency_s": min(cands, key=lambda n: sch[n]["mean_traj_latency_s"],
+                                       default=None),
+            "mean_act_s": min(cands, key=lambda n: sch[n]["mean_act_s"], default=None)}
+    rows = {}
+    for n, s in sch.items():
+        rows[n] = {m: s[m] for m in (*best, "max_staleness")}
+        for m, b in best.items():
+            rows[n][f"{m}_vs_best"] = (_ratio(s["per_seed"][m], sch[b]["per_seed"][m])
+                                       if b else None)
+    return {"best": best, "schedulers": rows}
+
+
+def async_table(grid: dict[str, Any]) -> str:
+    """The async table (markdown; empty without async points)."""
+    def cell(r: dict[str, Any] | None) -> str:
+        return fmt_ci(r["ratio"], r["ratio_ci95"]) if r else "—"
+
+    lines = ["| point | scheduler | trajectories/h | mean trajectory latency s | mean ACT s "
+             "| trajectories/h ÷ best (95% CI) | latency ÷ best (95% CI) "
+             "| ACT ÷ best by ACT (95% CI) | largest staleness |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    rows = 0
+    for p, entry in grid["points"].items():
+        if not is_async(entry):
+            continue
+        a = async_ratios(entry["results"], list(BASELINES))
+        b = a["best"]
+        label = (f"{p} (best trajectories/h: {b['trajectories_per_hour']}, best latency: "
+                 f"{b['mean_traj_latency_s']}, best ACT: {b['mean_act_s']})")
+        for i, (name, r) in enumerate(a["schedulers"].items()):
+            rows += 1
+            lines.append(f"| {label if i == 0 else ''} | {name} "
+                         f"| {r['trajectories_per_hour']:.4g} | {r['mean_traj_latency_s']:.4g} "
+                         f"| {r['mean_act_s']:.3g} "
+                         f"| {cell(r['trajectories_per_hour_vs_best'])} "
+                         f"| {cell(r['mean_traj_latency_s_vs_best'])} "
+                         f"| {cell(r['mean_act_s_vs_best'])} | {r['max_staleness']} |")
+    return "\n".join(lines) + "\n" if rows else ""
 
 
 def versus(grid: dict[str, Any], name: str) -> dict[str, Any]:
@@ -286,7 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     table = grid_table(grid)
     if grid["reference"] is None:
         table += "\n" + summary_table(grid)
-    table += "\n" + step_table(grid)
+    for extra in (step_table(grid), async_table(grid)):
+        if extra:
+            table += "\n" + extra
     if args.versus is not None:
         table += "\n" + grid_table(versus(grid, args.versus))
     out = Path(args.out)

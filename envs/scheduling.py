@@ -6,10 +6,19 @@ same guard) and encodes it with the core's
 and action layout. An env step applies one grant (or waits) and advances the simulator
 to the next instant where a decision is possible.
 
-Reward over the interval between two decisions:
-``-(progress * time-in-system of unfinished actions + efficiency * held-but-idle
-resource-seconds) * scale + step_bonus * RL steps completed``; the progress part sums
-to ``-scale * total ACT`` over an episode that runs to the end.
+Reward over the interval between two decisions, by ``RewardConfig.objective``:
+
+- ``"act"`` (default): ``-(progress * time-in-system of unfinished actions + efficiency *
+  held-but-idle resource-seconds) * scale + step_bonus * RL steps completed``; the
+  progress part sums to ``-scale * total ACT`` over an episode that runs to the end.
+- ``"step"``: ``-(progress * rise of the step potential + efficiency * granted or held
+  resource-seconds over the pool's capacity) * scale + step_bonus * RL steps
+  completed``. The step potential (``metasched.sim.step_progress``) is the time of the
+  steps done plus the current step's projected end (its critical path: the largest over
+  its trajectories of elapsed plus true remaining work) less its start; it starts at 0,
+  so the progress part sums to ``-scale * total step time`` over an episode that runs to
+  the end. Synchronous profiles only. Mean ACT stays in ``episode_metrics`` and the
+  core's starvation guard (``max_wait_s``) keeps bounding every action's wait.
 """
 
 from __future__ import annotations
@@ -23,23 +32,30 @@ from gymnasium import spaces
 
 from metasched.agents.baselines import make_advisor
 from metasched.core.cluster_config import ClusterConfig
-from metasched.core.metrics import API_HELD, CPU_HELD, GPU_HELD
+from metasched.core.metrics import API_BUSY, API_HELD, CPU_BUSY, CPU_HELD, GPU_BUSY, GPU_HELD
 from metasched.core.observation import OBS_HIGH, F, ObsConfig, ObservationEncoder
-from metasched.errors import one_of
+from metasched.errors import ConfigError, one_of
 from metasched.sim.seeds import TRAIN_SEED_MAX
 from metasched.sim.simulator import Simulator, cost_model_for
+from metasched.sim.step_progress import StepProgress
 from metasched.sim.workload_config import WorkloadConfig
+
+OBJECTIVES = ("act", "step")
 
 
 @dataclass(frozen=True)
 class RewardConfig:
-    """Reward weights (see the module docstring)."""
+    """Reward weights and objective (``"act"`` or ``"step"``; see the module docstring)."""
 
     progress: float = 1.0
     efficiency: float = 1.0
     step_bonus: float = 0.0
     invalid_penalty: float = 0.0
     scale: float = 0.01
+    objective: str = "act"
+
+    def __post_init__(self) -> None:
+        one_of(self.objective, OBJECTIVES, "reward.objective")
 
 
 @dataclass(frozen=True)
@@ -118,6 +134,9 @@ class ActionSchedulingEnv(gym.Env):
         self.cluster = cluster
         self.obs_config = obs_config or ObsConfig()
         self.reward_config = reward or RewardConfig()
+        if self.reward_config.objective == "step" and workload.max_offpolicyness is not None:
+            raise ConfigError("reward.objective", "the step objective needs synchronous "
+                              "steps (the workload sets max_offpolicyness)")
         self.episode_steps = episode_steps
         self.horizon_mean_s = horizon_mean_s
         self.max_wait_s = max_wait_s
@@ -168,6 +187,8 @@ class ActionSchedulingEnv(gym.Env):
                              serve_stalled=True, cost_model=cost_model_for(self.estimates))
         self.encoder = ObservationEncoder(self.sim.state, self.obs_config,
                                           make_advisor(self.obs_config))
+        self._progress = StepProgress(self.sim)
+        self._potential = 0.0  # the step potential's last value (0 at the start)
         self._horizon = (rng.exponential(self.horizon_mean_s) if self.horizon_mean_s
                          else np.inf)
         self._done = not self.sim.next_decision()
@@ -181,7 +202,9 @@ class ActionSchedulingEnv(gym.Env):
         rc = self.reward_config
         if self._done:
             return self._obs, 0.0, True, False, self._info()
-        in_sys0, held0, steps0 = state.in_system_s, self._held_idle(), len(state.metrics.steps)
+        step_obj = rc.objective == "step"
+        used0 = self._used() if step_obj else self._held_idle()
+        in_sys0, steps0 = state.in_system_s, len(state.metrics.steps)
         grant = self.encoder.grant(state, int(action))
         invalid = grant is None and int(action) != self.obs_config.n_actions - 1
         if grant is None:
@@ -189,8 +212,13 @@ class ActionSchedulingEnv(gym.Env):
         else:
             sim.apply(grant)
         self._done = not sim.next_decision()
-        reward = -rc.scale * (rc.progress * (state.in_system_s - in_sys0)
-                              + rc.efficiency * (self._held_idle() - held0))
+        if step_obj:
+            potential = self._progress.potential()
+            progress, self._potential = potential - self._potential, potential
+            used = self._used() - used0
+        else:
+            progress, used = state.in_system_s - in_sys0, self._held_idle() - used0
+        reward = -rc.scale * (rc.progress * progress + rc.efficiency * used)
         reward += rc.step_bonus * (len(state.metrics.steps) - steps0)
         if invalid:
             reward -= rc.invalid_penalty
@@ -219,6 +247,18 @@ class ActionSchedulingEnv(gym.Env):
     def _held_idle(self) -> float:
         tot = self.sim.state.metrics.totals
         return tot[CPU_HELD] + tot[GPU_HELD] + tot[API_HELD]
+
+    def _used(self) -> float:
+        """Resource-seconds granted or held so far, each pool's over its capacity."""
+        state = self.sim.state
+        tot = state.metrics.totals
+        out = 0.0
+        for cap, busy, held in ((state.cpu.total, CPU_BUSY, CPU_HELD),
+                                (state.gpu.total, GPU_BUSY, GPU_HELD),
+                                (state.api.total, API_BUSY, API_HELD)):
+            if cap:
+                out += (tot[busy] + tot[held]) / cap
+        return out
 
     def _info(self, invalid: bool = False) -> dict[str, Any]:
         state = self.sim.state

@@ -302,11 +302,13 @@ def test_tensorboard_logs(run):
     ("resume=/nonexistent/checkpoint", "resume"),
     ("init=/nonexistent/checkpoint", "init"),
     ("env.estimates=exact", "env.estimates"),
+    ("env.reward.objective=steps", "env.reward.objective"),
+    ("+workload.max_offpolicyness=1 env.reward.objective=step", "env.reward.objective"),
 ])
 def test_bad_settings_raise_config_error(tmp_path, override, field):
     from metasched.cli.train_app import run_train
 
-    cfg = compose("train", [*TINY, override])
+    cfg = compose("train", [*TINY, *override.split()])
     out = tmp_path / "run"
     with pytest.raises(ConfigError) as e:
         run_train(cfg, out, progress=False)

@@ -8,7 +8,8 @@ Examples::
     metasched-train resume=outputs/train/mixed/<run>/checkpoint agent.total_timesteps=600000
     metasched-train init=checkpoints/default agent.bc.decisions=0   # a warm start
 
-A run directory holds ``checkpoint/`` (final), ``best/`` (lowest validation mean ACT),
+A run directory holds ``checkpoint/`` (final), ``best/`` (lowest validation mean ACT;
+mean step with ``env.reward.objective=step``),
 ``tensorboard/`` (``tensorboard --logdir <run dir>/tensorboard``), periodic SB3
 checkpoints (``sb3_checkpoints/``, with their VecNormalize statistics) and
 ``train_summary.json``. ``resume=<checkpoint>`` continues a run into a new run directory
@@ -63,6 +64,13 @@ def check_train_settings(cfg: dict[str, Any]) -> None:
         raise ConfigError("obs.levels", "must be >= 2 (one level cannot express elasticity)")
     est = (cfg.get("env") or {}).get("estimates", "profile")
     one_of(est, ESTIMATES, "env.estimates")
+    from metasched.envs.scheduling import OBJECTIVES
+
+    objective = ((cfg.get("env") or {}).get("reward") or {}).get("objective", "act")
+    one_of(objective, OBJECTIVES, "env.reward.objective")
+    if objective == "step" and (cfg.get("workload") or {}).get("max_offpolicyness") is not None:
+        raise ConfigError("env.reward.objective", "the step objective needs synchronous "
+                          "steps (the workload sets max_offpolicyness)")
     parse(Count(0), cfg.get("seed"), "seed")
     from metasched.agents import BASELINES
 
@@ -70,9 +78,10 @@ def check_train_settings(cfg: dict[str, Any]) -> None:
                         ("eval.reference", (cfg.get("eval") or {}).get("reference", "rate_greedy")),
                         ("obs.advisor", (cfg.get("obs") or {}).get("advisor", "rate_greedy"))):
         one_of(name, BASELINES, field, what="the heuristics", null=field == "obs.advisor")
-    from metasched.compose import PROFILES
+    from metasched.compose import config_dir
 
-    parse(list[Literal[PROFILES]], (agent.get("bc") or {}).get("profiles") or [],
+    known = tuple(sorted(p.stem for p in (config_dir() / "workload").glob("*.yaml")))
+    parse(list[Literal[known]], (agent.get("bc") or {}).get("profiles") or [],
           "agent.bc.profiles")
     scale = ((cfg.get("env") or {}).get("randomization") or {}).get("cluster_scale")
     if scale is not None and not (len(scale) == 2 and 0 < scale[0] <= scale[1]):
@@ -107,8 +116,10 @@ def run_train(cfg: dict[str, Any], out_dir: str | Path, progress: bool = True) -
     summary = train(cfg, workload, cluster, out, progress=progress)
     (out / "train_summary.json").write_text(json.dumps(json_safe(summary), indent=2) + "\n")
     best, ref = summary["best_validation"], summary["reference"]
-    print(f"trained in {summary['elapsed_s'] / 60:.1f} min; validation mean ACT "
-          f"{best['mean_act_s']:.3f} s (best) vs {ref['name']} {ref['mean_act_s']:.3f} s; "
+    step = ((cfg.get("env") or {}).get("reward") or {}).get("objective") == "step"
+    key, what = ("mean_step_s", "step") if step else ("mean_act_s", "ACT")
+    print(f"trained in {summary['elapsed_s'] / 60:.1f} min; validation mean {what} "
+          f"{best[key]:.3f} s (best) vs {ref['name']} {ref[key]:.3f} s; "
           f"checkpoints: {out / 'checkpoint'} (final), {out / 'best'} (best)")
     return summary
 

@@ -3,6 +3,7 @@ resource-seconds (totals and a bucketed timeline), failures."""
 
 from __future__ import annotations
 
+import math
 from array import array
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -144,6 +145,26 @@ class Recorder:
 
 
 @dataclass
+class RolloutResult:
+    """What an asynchronous rollout measured, per finished trajectory."""
+
+    start: np.ndarray
+    end: np.ndarray
+    staleness: np.ndarray
+    max_offpolicyness: int
+
+    @property
+    def latency(self) -> np.ndarray:
+        """Trajectory latency: end less start (the sandbox's wait included)."""
+        return self.end - self.start
+
+    def per_hour(self) -> float:
+        """Trajectories finished per hour, from the run's start to the last end."""
+        span = float(self.end.max()) if self.end.size else 0.0
+        return 3600.0 * self.end.size / span if span > 0 else math.nan
+
+
+@dataclass
 class RunResult:
     """Everything one simulation (or live run) measured, as arrays."""
 
@@ -165,6 +186,10 @@ class RunResult:
     makespan: float
     counters: dict[str, int]
     failure_reasons: dict[str, int]
+    # Asynchronous rollouts only (``metasched.sim.async_rollout``): per trajectory, its
+    # start (admitted under the staleness bound), end and staleness (the trainer's
+    # version when it trains on the trajectory's batch less the version it started at).
+    rollout: RolloutResult | None = None
 
     @classmethod
     def from_recorder(cls, r: Recorder, capacity: dict[str, float], api_rps: float,

@@ -34,8 +34,34 @@ def results_table(doc: dict[str, Any]) -> str:
             f"| {u['cpu']:.1%} / {u['gpu']:.1%} / {u['api']:.1%} "
             f"| {fmt(s['idle_held_resource_s']['cpu'])} | {s['failed']} "
             f"| {s['guard_fired']} |")
+    lines += rollout_table(doc)
     lines += paired_table(doc)
     return "\n".join(lines) + "\n"
+
+
+def rollout_table(doc: dict[str, Any]) -> list[str]:
+    """Lines of an asynchronous evaluation's throughput and latency (none for a
+    synchronous one), paired against the run's reference where there is one."""
+    names = [n for n, s in doc["schedulers"].items() if "trajectories_per_hour" in s]
+    if not names:
+        return []
+    ofp = doc["schedulers"][names[0]]["max_offpolicyness"]
+    ref = doc.get("reference")
+    lines = ["", f"Asynchronous rollouts (max_offpolicyness {ofp}): trajectories per hour "
+             "and mean trajectory latency (start to end), means over seeds with 95% CIs"
+             + (f"; ratios paired against `{ref}`." if ref else "."), "",
+             "| scheduler | trajectories/h | mean trajectory latency s | trajectories/h ÷ ref "
+             "| latency ÷ ref | largest staleness |", "|---|---|---|---|---|---|"]
+    for name in names:
+        s = doc["schedulers"][name]
+        ct, cl = s["ci95"]["trajectories_per_hour"], s["ci95"]["mean_traj_latency_s"]
+        p = s.get("paired", {})
+        ratio = [fmt_ci(p[m]["ratio"], p[m]["ratio_ci95"]) if m in p else "–"
+                 for m in ("trajectories_per_hour", "mean_traj_latency_s")]
+        lines.append(f"| {name} | {fmt(s['trajectories_per_hour'])} ({fmt(ct[0])}–{fmt(ct[1])}) "
+                     f"| {fmt(s['mean_traj_latency_s'])} ({fmt(cl[0])}–{fmt(cl[1])}) "
+                     f"| {ratio[0]} | {ratio[1]} | {s['max_staleness']} |")
+    return lines
 
 
 def fmt_ci(v: float, ci: list[float], digits: int = 3) -> str:

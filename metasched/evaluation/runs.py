@@ -108,7 +108,7 @@ def summarise_run(r: RunResult, label: str, seed: int) -> dict[str, Any]:
         timeline[f"{pool}_held"] = ((tl[:, busy] + tl[:, held]) / cap).tolist() if cap else []
     timeline["api"] = (tl[:, API_REQ] / (span * r.api_rps)).tolist() if r.api_rps else []
     act = r.act
-    return {
+    out = {
         "scheduler": label, "seed": seed,
         "act": act.astype(np.float32), "kind": r.kind, "ok": r.ok,
         "mean_act_s": float(act.mean()) if act.size else math.nan,
@@ -118,6 +118,14 @@ def summarise_run(r: RunResult, label: str, seed: int) -> dict[str, Any]:
         "failure_reasons": r.failure_reasons, "counters": r.counters,
         "makespan_s": r.makespan, "timeline": timeline,
     }
+    ro = r.rollout
+    if ro is not None:  # asynchronous rollouts
+        out["rollout"] = {
+            "trajectories_per_hour": ro.per_hour(),
+            "mean_traj_latency_s": float(ro.latency.mean()) if ro.end.size else math.nan,
+            "max_staleness": int(ro.staleness.max()) if ro.staleness.size else 0,
+            "max_offpolicyness": ro.max_offpolicyness}
+    return out
 
 
 def run_jobs(jobs: list[Job], workers: int = 1, progress: bool = True,
@@ -203,7 +211,24 @@ def aggregate(workload: str, seeds: list[int], runs: list[dict[str, Any]]) -> di
             "per_seed": {"seeds": [r["seed"] for r in rs], "mean_act_s": per_seed_act,
                          "mean_step_s": per_seed_step},
         }
+        if all("rollout" in r for r in rs):  # asynchronous rollouts
+            _rollout_summary(out["schedulers"][name], [r["rollout"] for r in rs])
     return out
+
+
+ROLLOUT_METRICS = ("trajectories_per_hour", "mean_traj_latency_s")
+
+
+def _rollout_summary(s: dict[str, Any], ros: list[dict[str, Any]]) -> None:
+    """Add an asynchronous evaluation's throughput and latency (means over seeds, CIs, per
+    seed) and the largest staleness seen to a scheduler's entry."""
+    for m in ROLLOUT_METRICS:
+        vals = [ro[m] for ro in ros]
+        s[m] = float(np.mean(vals))
+        s["ci95"][m] = ci95(vals)
+        s["per_seed"][m] = vals
+    s["max_staleness"] = max(ro["max_staleness"] for ro in ros)
+    s["max_offpolicyness"] = ros[0]["max_offpolicyness"]
 
 
 PAIRED_METRICS = ("mean_act_s", "mean_step_s")
@@ -233,6 +258,9 @@ def compare_paired(doc: dict[str, Any], heuristics: Sequence[str],
         if mine["seeds"] != base["seeds"]:
             raise ValueError(f"cannot pair seeds {mine['seeds']} with {base['seeds']}")
         s["paired"] = {m: paired_comparison(mine[m], base[m]) for m in PAIRED_METRICS}
+        for m in ROLLOUT_METRICS:
+            if m in mine and m in base:
+                s["paired"][m] = paired_comparison(mine[m], base[m])
     return doc
 
 

@@ -1,7 +1,9 @@
 """The event-driven simulator: a heap of typed events over the shared core state.
 
 Synchronous RL steps: a step starts its trajectories together and ends when its
-slowest trajectory ends; the next step starts then. The scheduler is asked only at
+slowest trajectory ends; the next step starts then. A profile with ``max_offpolicyness``
+set runs asynchronous rollouts instead (no step barrier, a staleness bound:
+``metasched.sim.async_rollout``). The scheduler is asked only at
 events after which some pending action could start. Deterministic for a seed: the
 workload instance is drawn up front from one generator, and the scheduler gets its
 own generator spawned from the same seed.
@@ -164,6 +166,10 @@ class Simulator:
         self.n_waits = 0
         self.action_log = action_log
         self._gpu_runs: dict[int, tuple[int, float]] = {}  # logged: action -> batch, setup
+        # Per trajectory: (its turns whose actions have ended, when the last one ended);
+        # the current step's trajectories, sandbox or not (read by the step objective).
+        self.turns_done: dict[int, tuple[int, float]] = {}
+        self.step_trajs: list[Trajectory] = []
         for ia in self.instance.independent:
             self._push(ia.arrival_s, INDEPENDENT, ia)
         # The deadline rule, only for an instance with deadlines.
@@ -175,7 +181,14 @@ class Simulator:
         # into its own heap)
         self.sharing = NodeSharing([cluster.cores_per_node] * cluster.cpu_nodes,
                                    self._push_moved_end)
-        self._start_next_step()
+        self.rollout = None
+        if workload.max_offpolicyness is not None:
+            from metasched.sim.async_rollout import AsyncRollout
+
+            self.rollout = AsyncRollout(self)
+            self.rollout.begin()
+        else:
+            self._start_next_step()
 
     # ------------------------------------------------------------------ driving
 
@@ -287,7 +300,10 @@ class Simulator:
         eps = state.api.endpoints.values()
         rps = sum(e.spec.rpm / 60.0 for e in eps)
         burst = sum(e.spec.req_capacity for e in eps)
-        return RunResult.from_recorder(state.metrics, cap, rps, burst, state.t, counters)
+        r = RunResult.from_recorder(state.metrics, cap, rps, burst, state.t, counters)
+        if self.rollout is not None:
+            r.rollout = self.rollout.measured()
+        return r
 
     # ------------------------------------------------------------------ events
 
@@ -411,6 +427,8 @@ class Simulator:
         if traj is None:
             return
         nxt = a.turn + 1
+        if nxt > self.turns_done.get(traj.id, (0, 0.0))[0]:
+            self.turns_done[traj.id] = (nxt, self.state.t)
         if nxt < traj.n_turns and traj.turns[nxt].chained:  # its chain goes on
             self._submit_turn(traj, nxt)
         left = self._in_flight.pop(traj.id) - 1
@@ -422,10 +440,14 @@ class Simulator:
             self._push(self.state.t + traj.turns[nxt].gen_s, ARRIVE, traj)
             return
         del self._next_turn[traj.id]
+        self.turns_done.pop(traj.id, None)
         traj.end_t = self.state.t
         if self.predictor is not None:
             self.predictor.finish(traj.id, traj.turn)
         self.state.close_trajectory(traj)
+        if self.rollout is not None:
+            self.rollout.done(traj)
+            return
         self._open_waiting_sandboxes()
         self.state.step_done += 1
         if self.state.step_done == self.state.step_total:
@@ -437,6 +459,9 @@ class Simulator:
                 self._start_next_step()
 
     def _start_next_step(self) -> None:
+        if self.rollout is not None:  # the trainer has trained on a batch
+            self.rollout.trained()
+            return
         self._step += 1
         if self._step >= len(self.instance.steps):
             return
@@ -451,6 +476,7 @@ class Simulator:
         if self.predictor is not None:
             self.predictor.reset()  # the last step's groups are done
         state.prompts = {}
+        self.step_trajs = []
         for ts in specs:
             traj = Trajectory(self._next_traj_id, ts.task, self._step, list(ts.turns), ts.sandbox,
                               ts.prompt)
@@ -458,6 +484,7 @@ class Simulator:
             traj.start_t = t
             if ts.prompt is not None:
                 state.prompts.setdefault(ts.prompt, []).append(traj)
+            self.step_trajs.append(traj)
             self._sandbox_queue.append(traj)
         self._open_waiting_sandboxes()
 

@@ -143,6 +143,9 @@ class WorkloadConfig:
     # Prompt groups (GRPO's n responses per prompt) and their latent difficulty
     # (``metasched.sim.groups``); the default, off, draws independent trajectories.
     groups: GroupConfig = GroupConfig()
+    # Asynchronous rollouts (``metasched.sim.async_rollout``) with this staleness bound
+    # (AReaL's ``max_head_offpolicyness``); None (default): synchronous RL steps.
+    max_offpolicyness: int | None = None
 
 
 class _Service(Strict):
@@ -287,6 +290,7 @@ class _Workload(Strict):
     step_gap_s: Number(ge=0.0) = 0.0
     step_fresh_quotas: Flag = False
     groups: Any = None  # checked by metasched.sim.groups.parse_groups
+    max_offpolicyness: Count(0) | None = None
 
     _nulls = _default_if_null("steps", "trajectories_per_step", "estimate_error")
 
@@ -311,7 +315,7 @@ class _Workload(Strict):
             tuple(tasks[t].config(str(t)) for t in sorted(tasks, key=str)),
             {str(k): s.spec() for k, s in (self.services or {}).items()},
             None if self.trace is None else str(self.trace), self.step_gap_s,
-            self.step_fresh_quotas, groups)
+            self.step_fresh_quotas, groups, self.max_offpolicyness)
 
 
 def parse_workload(d: Mapping, path: str = "workload") -> WorkloadConfig:
