@@ -22,11 +22,11 @@ Requests:
 
 Events (kinds): ``1`` and ``2`` a chunk of the command's stdout or stderr; ``3`` it
 started (the bytes: its pid inside gVisor, or ``-errno`` where the exec failed);
-``4`` it exited (the bytes: its wait status). On a command's exit the server kills its
-process group and, where no other command runs, every process of the sandbox but the
-init and itself (``kill(-1)``), then reads its pipes to their end and sends the exit:
-nothing of a command outlives it. At end of file on stdin the server kills everything
-and exits.
+``4`` it exited (the bytes: JSON of its wait status, ``maxrss_kb`` and ``cpu_s``). On
+a command's exit the server kills its process group and, where no other command
+runs, every process of the sandbox but the init and itself (``kill(-1)``), then reads
+its pipes to their end and sends the exit: nothing of a command outlives it. At end
+of file on stdin the server kills everything and exits.
 
 The argument after ``-c`` is the seccomp program (raw BPF, hex; :func:`.userns.bpf`).
 """
@@ -75,7 +75,7 @@ class Server:
         self.out = sys.stdout.buffer
         self.running: dict[int, int] = {}  # command id: its pid (its process group)
         self.pipes: dict[int, list[int]] = {}  # command id: its open read ends
-        self.ended: dict[int, int] = {}  # command id: wait status, pipes not yet at end
+        self.ended: dict[int, bytes] = {}  # command id: its exit, pipes not yet at end
         self.by_pid: dict[int, int] = {}
         self.inbuf = b""
         self.pid = os.getpid()
@@ -110,7 +110,8 @@ class Server:
 
     def _run(self, msg: dict) -> None:
         cid = msg["run"]
-        os.sched_setaffinity(self.pid, msg.get("cores") or self.cpus)  # inherited
+        cores = [c for c in msg.get("cores") or () if c in self.cpus] or self.cpus
+        os.sched_setaffinity(self.pid, cores)  # the command inherits it
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         try:
@@ -158,7 +159,7 @@ class Server:
             pass
         while True:
             try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
+                pid, status, usage = os.wait4(-1, os.WNOHANG)
             except ChildProcessError:
                 return
             if pid == 0:
@@ -173,13 +174,15 @@ class Server:
             _kill(-pid)
             if not self.running:
                 _kill(-1)  # every process of the sandbox but the init and this one
-            self.ended[cid] = status
+            self.ended[cid] = json.dumps({
+                "status": status, "maxrss_kb": usage.ru_maxrss,
+                "cpu_s": usage.ru_utime + usage.ru_stime}).encode()
             self._maybe_done(cid)
 
     def _maybe_done(self, cid: int) -> None:
         if cid in self.ended and not self.pipes.get(cid):
             self.pipes.pop(cid, None)
-            self.send(cid, EXITED, str(self.ended.pop(cid)).encode())
+            self.send(cid, EXITED, self.ended.pop(cid))
 
     def _kill_all(self) -> None:
         _kill(-1)

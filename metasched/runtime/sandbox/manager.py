@@ -384,10 +384,12 @@ class Sandboxes(SlotKeeping, WarmPool):
                 "cmd": cmd, "argv": list(argv), "env": env, "uid": uid, "gid": gid,
                 "sid": sb.sid if sb is not None else None,
                 "cwd": WORKSPACE if sb is not None else cwd,
-                "cores": None if "cpuset" in self.controllers else list(cores),
+                "cores": (None if "cpuset" in self.controllers and self.gvisor is None
+                          else list(cores)),  # (gVisor: its own affinity per command)
                 "private": sb.size_bytes if sb is not None and sb.shared else None}
             fds = [out_w, err_w, *(slot.procs_fds if slot is not None else ())]
-            started = Started(cmd, None, slot, uid)
+            started = Started(cmd, None, slot, uid, in_gvisor=sb is not None
+                              and self.gvisor is not None)
             if slot is not None:
                 slot.enforced_by = None
             if sb is not None and sb.box_slot is not None:
@@ -426,7 +428,7 @@ class Sandboxes(SlotKeeping, WarmPool):
     def kill(self, started: Started) -> None:
         """SIGKILL every process of the command: its whole slot, or its process group
         when there are no cgroups."""
-        if started.slot is not None:
+        if started.slot is not None and not started.in_gvisor:
             started.slot.kill()
         elif self.server is not None:
             self.server.kill(started.cmd)

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 from metasched.runtime.sandbox import syscalls
-from metasched.runtime.sandbox.server_records import _close, _read_all, _Sandbox
+from metasched.runtime.sandbox.server_records import _close, _Sandbox
 from metasched.runtime.sandbox.syscalls import CLONE_NEWNET
 
 _RUNSC_ENV = {"PATH": "/usr/bin:/bin"}
@@ -59,6 +59,7 @@ class GvisorSandboxes:
     _opened: Callable[[_Sandbox], None]
     _start_network: Callable[[_Sandbox], None]
     _reap_slirp: Callable[[_Sandbox], None]
+    _start_exec: Callable[[_Sandbox, dict[str, str]], None]
 
     # --- opening ------------------------------------------------------------------------
 
@@ -161,10 +162,8 @@ class GvisorSandboxes:
                 self._flush_sweeps(sb)
             return
         for _ in range(data.count(b"\n")):
-            if not sb.mounted:  # the agent runs: ready once its network is, if granted
-                sb.mounted = True
-                if not sb.net_pending:
-                    self._opened(sb)
+            if not sb.mounted and sb.exec_pid < 0 and sb.exec_fd < 0:
+                self._start_exec(sb, _RUNSC_ENV)  # the agent runs: its exec server next
             elif sb.sweeps:
                 self._reply(sb.sweeps.popleft())
 
@@ -187,64 +186,6 @@ class GvisorSandboxes:
 
     # --- commands -----------------------------------------------------------------------
 
-    def _spawn_gvisor(self, sb: _Sandbox, msg: dict[str, Any], fds: list[int]) -> int:
-        """``runsc exec`` of one command (fds: stdout, stderr, then its slot's
-        cgroup.procs files); the command's user is counted as running in ``sb``."""
-        out, err, *cgroups = fds
-        gv = sb.gvisor
-        uid, gid = msg["uid"], msg["gid"]
-        pid_file = os.path.join(gv["bundle"], f"cmd{msg['cmd']}.pid")
-        argv: list[bytes | str] = [*gv["runsc"], "exec", "--user", f"{uid}:{gid}",
-                                   "--cwd", msg["cwd"], "--internal-pid-file", pid_file]
-        env = dict(msg["env"])
-        if b"PATH" in env:
-            env[b"PATH"] = _searchable(env[b"PATH"], gv["seen"])
-        _check_program(msg["argv"][0], env.get(b"PATH", b"/usr/bin:/bin"), gv["seen"])
-        for k, v in env.items():
-            argv += [b"--env", k + b"=" + v]
-        argv += [gv["cid"], *msg["argv"]]
-        moved = entered = False
-        try:
-            for fd in cgroups:
-                os.write(fd, b"0")
-            moved = bool(cgroups)
-            entered = self._enter_net(sb)
-            pid = os.posix_spawn(
-                argv[0], argv, _RUNSC_ENV,
-                file_actions=[(os.POSIX_SPAWN_DUP2, self.devnull, 0),
-                              (os.POSIX_SPAWN_DUP2, out, 1),
-                              (os.POSIX_SPAWN_DUP2, err, 2)],
-                setsid=True)
-        finally:
-            self._back_home(moved, entered)
-        sb.user_running[uid] = sb.user_running.get(uid, 0) + 1
-        sb.exec_users[msg["cmd"]] = (uid, pid_file)
-        return pid
-
-    def _gvisor_exited(self, sb: _Sandbox, cmd: int, event: dict[str, Any]) -> bool:
-        """A command's ``runsc exec`` exited: ask the agent to kill what is left of it;
-        its exit is reported once that is done (True: the event is held)."""
-        uid, pid_file = sb.exec_users.pop(cmd, (None, ""))
-        if uid is None:
-            return False
-        sb.user_running[uid] = sb.user_running.get(uid, 1) - 1
-        try:
-            session = _read_all(os.open(pid_file, os.O_RDONLY | os.O_CLOEXEC)).strip()
-            os.unlink(pid_file)
-            session = str(int(session))
-        except (OSError, ValueError):
-            session = "-"
-        if sb.block_fd < 0 or sb.ready_fd < 0:
-            return False
-        everything = sum(sb.user_running.values()) == 0  # nothing else runs in it
-        request = f"{'all' if everything else '-'} {session}\n".encode()
-        try:
-            os.write(sb.block_fd, request)
-        except OSError:
-            return False
-        sb.sweeps.append(event)
-        return True
-
     def _flush_sweeps(self, sb: _Sandbox) -> None:
         while sb.sweeps:
             self._reply(sb.sweeps.popleft())
@@ -260,6 +201,8 @@ class GvisorSandboxes:
             sb.ready_fd = -1
         _close(sb.block_fd)
         sb.block_fd = -1
+        _close(sb.exec_fd)  # the exec server kills what runs and exits (and its events
+        sb.exec_fd = -1     # end: its commands are reported then)
         self._flush_sweeps(sb)
         self._delete_container(sb)
         if sb.slirp_ready_fd >= 0:

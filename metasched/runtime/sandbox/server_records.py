@@ -58,6 +58,10 @@ class _Sandbox:
     user_running: dict[int, int] = field(default_factory=dict)  # commands per user
     exec_users: dict[int, tuple[int, str]] = field(default_factory=dict)  # cmd: uid, pid file
     runsc_status: int | None = None
+    exec_pid: int = -1  # the runsc exec of its exec server (.server_gvisor_exec)
+    exec_fd: int = -1  # its stdin: requests
+    events_fd: int = -1  # its stdout: events
+    events: bytearray = field(default_factory=bytearray)  # a frame not yet whole
 
 
 @dataclass
