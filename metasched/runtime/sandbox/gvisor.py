@@ -2,7 +2,8 @@
 ``runsc`` command lines, and the check that runsc is here and works.
 
 A gVisor sandbox is one runsc container per sandbox (trajectory), started detached when
-the sandbox opens; each command runs in it by ``runsc exec`` (see :mod:`.server_gvisor`).
+the sandbox opens; each command is started in it by the sandbox's exec server (see
+:mod:`.server_gvisor` and :mod:`.server_gvisor_exec`).
 Its root is the same minimal root as bubblewrap's (:mod:`.bwrap`): an empty read-only
 directory with the same system paths bound read-only at the same places
 (:data:`~.bwrap.SYSTEM_PATHS` but ``/sys``, which gVisor makes its own;

@@ -1,25 +1,13 @@
 """gVisor sandboxes in the sandbox server (:mod:`.server`): a sandbox is a runsc
-container started detached (its bundle written by the dispatcher: :mod:`.gvisor`), a
-command is a ``runsc exec`` in it, and a command's end kills what is left of it inside.
+container started detached (its bundle written by the dispatcher: :mod:`.gvisor`); its
+commands are started by its exec server (:mod:`.server_gvisor_exec`).
 
 Opening: ``runsc run --detach`` starts inside the sandbox's cgroup slot (its
 descriptors come with the ``open`` request), so the sandbox's kernel (the Sentry), its
 file proxy (the Gofer) and every thread running the sandbox's programs are confined by
 it. The container's init is :data:`.gvisor.AGENT`, its stdin a pipe only this server
-writes to and its stdout the pipe it answers on: its first newline says the sandbox is
-ready.
-
-A command: ``runsc exec`` as the command's user, in ``/workspace``, with its
-environment, started by ``posix_spawn`` with the command's stdout and stderr (runsc
-hands them to the process in the sandbox) inside the command's own cgroup slot (which
-then holds that ``runsc exec``: killing the slot ends the waiter, and so the command).
-The process in the sandbox is a session leader there (gVisor makes one session per
-exec); ``--internal-pid-file`` says its pid. When the ``runsc exec`` exits (the command
-exited, or its slot was killed) the server asks the agent to kill that process group
-and, when no other command is running in the sandbox, every process in it but the
-agent (setsid daemons included), and reports the exit once the agent answers: nothing
-of a command outlives its end. (Of commands running side by side in one sandbox, a
-daemon that left its command's process group lives until the last of them ends.)
+writes to and its stdout the pipe it answers on: its first newline says it runs; the
+exec server is started then, and the sandbox is ready once that says so.
 
 Closing: the agent's stdin is closed, the agent exits, and with the root container's
 init the sandbox ends (gVisor kills every process in it); ``runsc delete --force``

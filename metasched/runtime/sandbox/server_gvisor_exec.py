@@ -25,6 +25,7 @@ import errno
 import json
 import os
 import selectors
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -242,7 +243,8 @@ class GvisorExec:
 
     def _exec_gone(self, sb: _Sandbox) -> None:
         """``sb``'s exec server ended (the sandbox closed, or it died): its commands are
-        reported, lost where their exit was not known, and the ``runsc exec`` reaped."""
+        reported (killed by SIGKILL, with everything in the sandbox, where their exit
+        was not known), and the ``runsc exec`` reaped."""
         if sb.events_fd >= 0:
             self.sel.unregister(sb.events_fd)
             _close(sb.events_fd)
@@ -266,8 +268,8 @@ class GvisorExec:
                 self.sel.unregister(ex.fds[kind])
             ex.pending.clear()
             if ex.exit is None:
-                ex.exit = {"ev": "exit", "cmd": cmd, "status": -1, "maxrss_kb": 0,
-                           "cpu_s": 0.0}
+                ex.exit = {"ev": "exit", "cmd": cmd, "status": int(signal.SIGKILL),
+                           "maxrss_kb": 0, "cpu_s": 0.0}  # killed with its sandbox
                 if not ex.started:
                     del self.execs[cmd]
                     for fd in ex.fds.values():

@@ -37,13 +37,13 @@ def describe(boxes: Sandboxes) -> str:
                "sandbox)" if not boxes.uids.shared else f"uid {boxes.uids.nobody}")
         iso = f"{boxes.bwrap_version} namespaces ({ns}), {uid}, minimal root"
         if boxes.gvisor is not None:
-            iso = (f"gVisor ({boxes.bwrap_version}: a runsc container per sandbox, a "
-                   f"runsc exec per command, gVisor's own kernel; {net}), {uid}, "
+            iso = (f"gVisor ({boxes.bwrap_version}: a runsc container per sandbox, its "
+                   f"exec server forking each command, gVisor's own kernel; {net}), {uid}, "
                    "minimal root")
-        userns = boxes.server.userns if boxes.server is not None else "open"
-        iso += (", user namespaces gVisor's own (not the host's)"
-                if boxes.gvisor is not None else ", no user namespaces"
-                if userns == "refused" else f", user namespaces NOT disabled: {userns}")
+        userns = ("refused" if boxes.gvisor is not None  # (the exec server's filter)
+                  else boxes.server.userns if boxes.server is not None else "open")
+        iso += (", no user namespaces" if userns == "refused"
+                else f", user namespaces NOT disabled: {userns}")
     else:
         iso = f"no isolation (host, uid {os.geteuid()})"
     if boxes.tree is not None:
