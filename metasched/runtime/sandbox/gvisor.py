@@ -20,7 +20,9 @@ command's: ``-`` for none) and, with ``all``, every process of the sandbox but i
 (``kill -9 -1``: shell builtins only, no program started), answering a newline when
 done. When the pipe closes (the server
 ended, however), the agent exits, and with the root container's init the whole sandbox
-ends (gVisor kills every process in it).
+ends (gVisor kills every process in it). (The sandbox server sends no kill request
+today: the sandbox's exec server, :mod:`.gvisor_exec`, kills what is left of each
+command itself; the agent's pipe is what ends the sandbox with the server.)
 """
 
 from __future__ import annotations

@@ -130,8 +130,9 @@ class GvisorSandboxes:
             pass
 
     def _agent_said(self, sb: _Sandbox) -> None:
-        """The agent's newlines: the first says the sandbox is ready, each next one
-        that a kill request is done. End of file: the sandbox is gone."""
+        """The agent's first newline says the container runs (its exec server is
+        started then). End of file: the sandbox is gone (its commands are reported when
+        the exec server's events end)."""
         if sb.ready_fd < 0:  # closed by an earlier event of the same batch
             return
         try:
@@ -146,14 +147,9 @@ class GvisorSandboxes:
             sb.ready_fd = -1
             if not sb.mounted:
                 self._fail_gvisor(sb, f"runsc failed: {self._runsc_error(sb)}")
-            else:
-                self._flush_sweeps(sb)
             return
-        for _ in range(data.count(b"\n")):
-            if not sb.mounted and sb.exec_pid < 0 and sb.exec_fd < 0:
-                self._start_exec(sb, _RUNSC_ENV)  # the agent runs: its exec server next
-            elif sb.sweeps:
-                self._reply(sb.sweeps.popleft())
+        if b"\n" in data and not sb.mounted and sb.exec_pid < 0 and sb.exec_fd < 0:
+            self._start_exec(sb, _RUNSC_ENV)  # the agent runs: its exec server next
 
     def _runsc_error(self, sb: _Sandbox) -> str:
         if sb.bwrap_fd >= 0:  # not reaped yet: it is exiting
@@ -172,12 +168,6 @@ class GvisorSandboxes:
         self._close(sb.sid)
         self._reply({"ev": "opened", "sid": sb.sid, "error": why})
 
-    # --- commands -----------------------------------------------------------------------
-
-    def _flush_sweeps(self, sb: _Sandbox) -> None:
-        while sb.sweeps:
-            self._reply(sb.sweeps.popleft())
-
     # --- closing ------------------------------------------------------------------------
 
     def _close_gvisor(self, sb: _Sandbox) -> None:
@@ -191,7 +181,6 @@ class GvisorSandboxes:
         sb.block_fd = -1
         _close(sb.exec_fd)  # the exec server kills what runs and exits (and its events
         sb.exec_fd = -1     # end: its commands are reported then)
-        self._flush_sweeps(sb)
         self._delete_container(sb)
         if sb.slirp_ready_fd >= 0:
             self.sel.unregister(sb.slirp_ready_fd)
