@@ -6,19 +6,18 @@ the other designs' blocks (so that a shared machine's load falls on all alike):
 
 - ``bwrap``: the dispatcher's bubblewrap design (the sandbox server enters a trajectory's
   live namespaces and spawns the command in a cgroup slot configured for it);
-- ``gvisor``: the dispatcher's gVisor design: ``runsc exec`` into the trajectory's live
-  runsc container, in a cgroup slot, the container's cgroup set to the command's grant,
-  then the container's init agent asked to kill what is left of the command;
+- ``gvisor``: the dispatcher's gVisor design: a request to the trajectory's exec server
+  (one long-lived ``runsc exec`` in its runsc container, :mod:`.gvisor_exec`), which
+  forks the command inside gVisor with its user, affinity and seccomp filter, relays its
+  output and reports its exit once what is left of it is killed;
 - ``runsc-exec``: ``runsc exec`` of ``/bin/true`` into a live container and nothing
-  else (the bound of any design that starts a command through runsc);
-- ``runsc-exec-sh``: the same running ``/bin/sh -c 'exit 0'`` (a program start inside
-  gVisor: what an in-container exec server forking commands would pay at least, besides
-  its own messages).
+  else (the bound of the former design, a ``runsc exec`` per command).
 
 Each time is from the request to the observed exit. It also times making a trajectory's
 sandbox (``--opens`` of each mode, alternately; from the request to "ready"): for
-gVisor, the bundle written, ``runsc run --detach`` of a container and its init agent up
-(``gvisor``, ``sandbox.gvisor_warm=0``), or a container started ahead taken
+gVisor, the bundle written, ``runsc run --detach`` of a container, its init agent and
+its exec server up (``gvisor``, ``sandbox.gvisor_warm=0``), or a container started
+ahead taken
 (``gvisor-warm``, ``sandbox.gvisor_warm=1``: the next one has started by then, as when
 trajectories do not all start at once).
 
@@ -105,9 +104,7 @@ async def measure(n: int, block: int, opens: int) -> tuple[dict[str, list[float]
             await m.traj.ready
         gv = modes["gvisor"]
         runs = {"bwrap": modes["bwrap"].command, "gvisor": gv.command,
-                "runsc-exec": lambda: asyncio.to_thread(gv.runsc_exec, [TRUE]),
-                "runsc-exec-sh": lambda: asyncio.to_thread(gv.runsc_exec,
-                                                           ["/bin/sh", "-c", "exit 0"])}
+                "runsc-exec": lambda: asyncio.to_thread(gv.runsc_exec, [TRUE])}
         for run in runs.values():  # warm up
             for _ in range(3):
                 await run()

@@ -50,13 +50,6 @@ def refused_network(r) -> bool:
             and GVISOR_NO_NET in r.reason)
 
 
-def gvisor_gap(request: pytest.FixtureRequest, why: str) -> None:
-    """Under the gvisor mode: this test is expected to fail (strictly: it must), for
-    ``why``, a known gap of that mode (listed in the docs' Sandboxes page)."""
-    if MODE["isolation"] == "gvisor":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=f"gvisor: {why}"))
-
-
 @pytest.fixture(scope="module", params=ISOLATION_MODES)
 def isolation(request):
     """Run the test under each isolation mode (skipped, with the reason, where it cannot

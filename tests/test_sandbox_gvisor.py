@@ -154,6 +154,28 @@ async def test_nothing_of_a_command_outlives_it_as_seen_from_its_sandbox(isolati
     assert seen.ok and seen.stdout.strip() == "0", seen
 
 
+@pytest.mark.parametrize("isolation", ISOLATION_MODES, indirect=True)
+async def test_output_larger_than_a_pipe_arrives_before_the_exit(isolation):  # noqa: F811
+    """Megabytes on stdout and stderr at once (far more than a pipe holds: in gVisor
+    the exec server relays them in frames) end as written: the exit is reported after
+    the last byte; commands side by side in one sandbox keep their own output."""
+    script = ("import sys\n"
+              "tag = sys.argv[1].encode()\n"
+              "for i in range(200000):\n"
+              "    line = b'%s %08d\\n' % (tag, i)\n"
+              "    sys.stdout.buffer.write(line)\n"
+              "    sys.stderr.buffer.write(line.upper())\n")
+    async with Dispatcher(sandboxed_config()) as d:
+        rs = await asyncio.gather(*(d.submit(cpu(
+            "/usr/bin/python3", "-c", script, tag, trajectory="t", timeout_s=120))
+            for tag in ("a", "b")))
+    for tag, r in zip(("a", "b"), rs, strict=True):
+        assert r.ok, r
+        data = "".join(f"{tag} {i:08d}\n" for i in range(199000, 200000))
+        assert r.stdout == data[-len(r.stdout):] and len(r.stdout) >= 4000, r.stdout[-200:]
+        assert r.stderr == data.upper()[-len(r.stderr):] and len(r.stderr) >= 4000
+
+
 @pytest.mark.gvisor
 async def test_a_trajectorys_end_removes_its_container_and_bundle(gvisor_mode):
     async with Dispatcher(sandboxed_config()) as d:

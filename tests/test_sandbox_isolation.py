@@ -26,7 +26,6 @@ import pytest
 from helpers import COMMAND_PY
 from sandbox_helpers import (  # noqa: F401 (isolation: a fixture)
     MODE,
-    gvisor_gap,
     isolation,
     needs_controllers,
     refused_network,
@@ -190,11 +189,8 @@ async def test_cannot_signal_another_job_or_the_dispatcher():
 
 @pytest.mark.skipif(len(CORES) < 2, reason="needs two cores")
 @pytest.mark.parametrize("mode", CGROUP_MODES)
-async def test_cpu_set_cannot_be_widened(mode, request):
+async def test_cpu_set_cannot_be_widened(mode):
     cgroup_mode(mode, "cpuset")
-    gvisor_gap(request, "gVisor's kernel lets a process set any affinity over its own "
-               "CPUs; the container's host cpuset holds the grant (test_sandbox_gvisor)")
-
     async with Dispatcher(cfg(mode, cores=CORES[:2])) as d:
         r = await d.submit(cpu("""
             import os, subprocess

@@ -27,7 +27,6 @@ from helpers import free_port
 from sandbox_helpers import (  # noqa: F401 (isolation: a fixture)
     GVISOR_NO_NET,
     MODE,
-    gvisor_gap,
     isolation,
     needs_isolation,
     refused_network,
@@ -323,10 +322,6 @@ async def test_host_unix_sockets_are_out_of_reach(host_sockets):
 # ---------------------------------------------------------------- user namespaces
 
 
-USERNS_GAP = ("a runsc exec'd process does not get the container's seccomp filter "
-              "(runsc 2022-12-19): its user namespaces are gVisor's kernel's, not the host's")
-
-
 @pytest.mark.parametrize("argv", [
     ["unshare", "-Ur", "id"],
     ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", "mount -t tmpfs x /tmp"],
@@ -334,16 +329,13 @@ USERNS_GAP = ("a runsc exec'd process does not get the container's seccomp filte
                "r = libc.unshare(0x10000000); print(r, os.strerror(ctypes.get_errno()));"
                "raise SystemExit(0 if r == 0 else 1)"],
 ], ids=["unshare-Ur", "unshare-mount", "python-unshare"])
-async def test_user_namespaces_are_refused(argv, request):
-    if "--mount" not in argv:  # (its mount is refused by gVisor's kernel too)
-        gvisor_gap(request, USERNS_GAP)
+async def test_user_namespaces_are_refused(argv):
     (r,) = await run_all([{"kind": "cpu", "argv": argv, "timeout_s": 30}])
     assert not r.ok and "uid=0" not in r.stdout
     assert "Operation not permitted" in r.stdout + r.stderr
 
 
-def test_the_startup_line_says_user_namespaces_are_refused(request):
-    gvisor_gap(request, USERNS_GAP)
+def test_the_startup_line_says_user_namespaces_are_refused():
     boxes = Sandboxes(SandboxConfig(isolation=MODE["isolation"], cgroups="none"))
     try:
         line = boxes.describe()

@@ -81,8 +81,8 @@ class SandboxConfig(Checked):
     Attributes:
         isolation: ``"bwrap"`` (namespaces made by bubblewrap: see the docs' Sandboxes page for
             what it guarantees), ``"gvisor"`` (each sandbox a gVisor container: the
-            same root, workspace and users, commands run by ``runsc exec`` against
-            gVisor's own kernel; refused, never downgraded, where runsc cannot run),
+            same root, workspace and users, commands started by the sandbox's exec
+            server against gVisor's own kernel; refused, never downgraded, where runsc cannot run),
             ``"none"`` (commands run on the host as the dispatcher's
             user, with their own scratch directory), or ``"auto"`` (bwrap where it is
             installed and works, else none, with a one-line warning saying why).

@@ -2,7 +2,8 @@
 ``runsc`` command lines, and the check that runsc is here and works.
 
 A gVisor sandbox is one runsc container per sandbox (trajectory), started detached when
-the sandbox opens; each command runs in it by ``runsc exec`` (see :mod:`.server_gvisor`).
+the sandbox opens; each command is started in it by the sandbox's exec server (see
+:mod:`.server_gvisor` and :mod:`.server_gvisor_exec`).
 Its root is the same minimal root as bubblewrap's (:mod:`.bwrap`): an empty read-only
 directory with the same system paths bound read-only at the same places
 (:data:`~.bwrap.SYSTEM_PATHS` but ``/sys``, which gVisor makes its own;
@@ -19,7 +20,9 @@ command's: ``-`` for none) and, with ``all``, every process of the sandbox but i
 (``kill -9 -1``: shell builtins only, no program started), answering a newline when
 done. When the pipe closes (the server
 ended, however), the agent exits, and with the root container's init the whole sandbox
-ends (gVisor kills every process in it).
+ends (gVisor kills every process in it). (The sandbox server sends no kill request
+today: the sandbox's exec server, :mod:`.gvisor_exec`, kills what is left of each
+command itself; the agent's pipe is what ends the sandbox with the server.)
 """
 
 from __future__ import annotations

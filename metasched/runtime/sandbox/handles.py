@@ -69,3 +69,4 @@ class Started:
     slot: Slot | None
     uid: int
     spawned: asyncio.Future[int] | None = None
+    in_gvisor: bool = False  # in a gVisor sandbox: killed through its exec server

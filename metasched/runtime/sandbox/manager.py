@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from metasched.errors import ConfigError
-from metasched.runtime.sandbox import bwrap, cgroups, devices, egress, gvisor
+from metasched.runtime.sandbox import bwrap, cgroups, devices, egress, gvisor, summary
 from metasched.runtime.sandbox.cgroups import Slot
 from metasched.runtime.sandbox.config import SandboxConfig
 from metasched.runtime.sandbox.connection import ServerConnection, ServerGone, spawned_pid
@@ -85,10 +85,7 @@ class Sandboxes(SlotKeeping, WarmPool):
                 self.hierarchies.v2_controllers = set()
         missing = self.hierarchies.missing
         if missing and config.cgroups != "none":
-            self.warnings.append(
-                "cgroup confinement incomplete: "
-                + "; ".join(f"{c}: {why}" for c, why in missing.items())
-                + " (fallback: " + ", ".join(_FALLBACK[c] for c in missing) + ")")
+            self.warnings.append(summary.cgroup_warning(missing))
         first, count = config.uid_range if config.uid_range else (0, 0)
         self.uids = UidPool(first, count, config.nobody_uid)
         # The server starts sandboxed commands, and host commands too where there are
@@ -181,37 +178,8 @@ class Sandboxes(SlotKeeping, WarmPool):
         return self.tree.controllers if self.tree is not None else set()
 
     def describe(self) -> str:
-        """One line: how commands are confined."""
-        if self.isolated:
-            net = (f"network granted: egress {', '.join(self.config.egress) or 'none'} "
-                   "through slirp4netns" if self.net_tools else "network refused")
-            ns = f"pid, mount, ipc, uts, net ({net})"
-            uid = (f"uids {self.uids.first}-{self.uids.first + self.uids.count - 1} (one per "
-                   "sandbox)" if not self.uids.shared else f"uid {self.uids.nobody}")
-            iso = f"{self.bwrap_version} namespaces ({ns}), {uid}, minimal root"
-            if self.gvisor is not None:
-                iso = (f"gVisor ({self.bwrap_version}: a runsc container per sandbox, a "
-                       f"runsc exec per command, gVisor's own kernel; {net}), {uid}, "
-                       "minimal root")
-            userns = self.server.userns if self.server is not None else "open"
-            iso += (", user namespaces gVisor's own (not the host's)"
-                    if self.gvisor is not None else ", no user namespaces"
-                    if userns == "refused" else f", user namespaces NOT disabled: {userns}")
-        else:
-            iso = f"no isolation (host, uid {os.geteuid()})"
-        if self.tree is not None:
-            cg = "cgroups " + self.hierarchies.describe()
-            if not self.isolated:
-                cg += (", entered before the first instruction" if self.spawns_on_host
-                       else ", entered just after the start")
-            if not self.hierarchies.favordynmods:  # harmless: a note, not a warning
-                cg += (" (note: mounted without favordynmods, so a command started after "
-                       "an idle spell may wait milliseconds for an RCU grace period to "
-                       "enter its cgroup; mount -o remount,favordynmods, Linux >= 6.0, "
-                       "avoids it)")
-        else:
-            cg = "no cgroups (affinity and rlimits)"
-        return f"confinement: {iso}; {cg}"
+        """One line: how commands are confined (:func:`.summary.describe`)."""
+        return summary.describe(self)
 
     def directories(self) -> list[str]:
         """The directories made for this dispatcher (for its crash-recovery record)."""
@@ -416,10 +384,12 @@ class Sandboxes(SlotKeeping, WarmPool):
                 "cmd": cmd, "argv": list(argv), "env": env, "uid": uid, "gid": gid,
                 "sid": sb.sid if sb is not None else None,
                 "cwd": WORKSPACE if sb is not None else cwd,
-                "cores": None if "cpuset" in self.controllers else list(cores),
+                "cores": (None if "cpuset" in self.controllers and self.gvisor is None
+                          else list(cores)),  # (gVisor: its own affinity per command)
                 "private": sb.size_bytes if sb is not None and sb.shared else None}
             fds = [out_w, err_w, *(slot.procs_fds if slot is not None else ())]
-            started = Started(cmd, None, slot, uid)
+            started = Started(cmd, None, slot, uid, in_gvisor=sb is not None
+                              and self.gvisor is not None)
             if slot is not None:
                 slot.enforced_by = None
             if sb is not None and sb.box_slot is not None:
@@ -458,7 +428,7 @@ class Sandboxes(SlotKeeping, WarmPool):
     def kill(self, started: Started) -> None:
         """SIGKILL every process of the command: its whole slot, or its process group
         when there are no cgroups."""
-        if started.slot is not None:
+        if started.slot is not None and not started.in_gvisor:
             started.slot.kill()
         elif self.server is not None:
             self.server.kill(started.cmd)
@@ -521,7 +491,3 @@ def _spawned(fut: asyncio.Future[int], reply: dict[str, Any]) -> None:
         fut.set_exception(e)
         fut.exception()  # retrieved: the command's child reads it from here
 
-
-_FALLBACK = {"cpuset": "CPU affinity, which a command can widen",
-             "memory": "RLIMIT_AS per process",
-             "pids": "RLIMIT_NPROC per user"}

@@ -63,13 +63,14 @@ from typing import Any
 
 from metasched.runtime.sandbox import protocol, syscalls, userns
 from metasched.runtime.sandbox.server_gvisor import GvisorSandboxes
+from metasched.runtime.sandbox.server_gvisor_exec import GvisorExec
 from metasched.runtime.sandbox.server_network import Networking
 from metasched.runtime.sandbox.server_open import Opening, _mount_tmpfs
 from metasched.runtime.sandbox.server_records import _NS, _close, _Command, _Sandbox
 from metasched.runtime.sandbox.syscalls import CLONE_NEWNS, MS_PRIVATE, MS_REC
 
 
-class Server(Opening, Networking, GvisorSandboxes):
+class Server(Opening, Networking, GvisorSandboxes, GvisorExec):
     """The server's state and event loop (see the module docstring): requests, commands
     and a sandbox's end here; opening one in :class:`~.server_open.Opening`, its network
     in :class:`~.server_network.Networking`."""
@@ -80,6 +81,7 @@ class Server(Opening, Networking, GvisorSandboxes):
         self.sel = selectors.DefaultSelector()
         self.sandboxes: dict[int, _Sandbox] = {}
         self.commands: dict[int, _Command] = {}
+        self.execs: dict[int, Any] = {}  # commands in gVisor sandboxes (.server_gvisor_exec)
         self.home_cgroups: list[int] = []
         self.own = {name: os.open(f"/proc/self/ns/{name}", os.O_RDONLY | os.O_CLOEXEC)
                     for name, _ in _NS}
@@ -146,6 +148,10 @@ class Server(Opening, Networking, GvisorSandboxes):
     def _spawn_request(self, msg: dict[str, Any], fds: list[int]) -> None:
         cmd = msg["cmd"]
         try:
+            sandbox = self.sandboxes.get(msg.get("sid"))
+            if sandbox is not None and sandbox.gvisor is not None and sandbox.ready:
+                self._spawn_gvisor(sandbox, msg, fds)  # the reply follows its start
+                return
             pid = self._spawn(msg, fds)
         except OSError as e:
             self._reply({"re": "spawn", "cmd": cmd, "errno": e.errno or 0,
@@ -168,8 +174,6 @@ class Server(Opening, Networking, GvisorSandboxes):
         sandbox = self.sandboxes.get(msg.get("sid"))  # None: on the host (no isolation)
         if msg.get("sid") is not None and (sandbox is None or not sandbox.ready):
             raise OSError(0, f"sandbox {msg.get('sid')} is not open")
-        if sandbox is not None and sandbox.gvisor is not None:
-            return self._spawn_gvisor(sandbox, msg, fds)
         out, err, *cgroups = fds
         uid, gid = msg["uid"], msg["gid"]
         affinity = msg.get("cores")
@@ -246,12 +250,11 @@ class Server(Opening, Networking, GvisorSandboxes):
         if cmd < 0:
             self._seeded(c.sid, status)
             return
-        sb = self.sandboxes.get(c.sid)
-        if sb is not None and sb.gvisor is not None and self._gvisor_exited(sb, cmd, event):
-            return  # reported once what is left of it in the sandbox is killed
         self._reply(event)
 
     def _kill(self, cmd: int) -> None:
+        if self._kill_gvisor(cmd):
+            return
         c = self.commands.get(cmd)
         if c is not None:
             try:

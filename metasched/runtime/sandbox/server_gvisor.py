@@ -1,25 +1,13 @@
 """gVisor sandboxes in the sandbox server (:mod:`.server`): a sandbox is a runsc
-container started detached (its bundle written by the dispatcher: :mod:`.gvisor`), a
-command is a ``runsc exec`` in it, and a command's end kills what is left of it inside.
+container started detached (its bundle written by the dispatcher: :mod:`.gvisor`); its
+commands are started by its exec server (:mod:`.server_gvisor_exec`).
 
 Opening: ``runsc run --detach`` starts inside the sandbox's cgroup slot (its
 descriptors come with the ``open`` request), so the sandbox's kernel (the Sentry), its
 file proxy (the Gofer) and every thread running the sandbox's programs are confined by
 it. The container's init is :data:`.gvisor.AGENT`, its stdin a pipe only this server
-writes to and its stdout the pipe it answers on: its first newline says the sandbox is
-ready.
-
-A command: ``runsc exec`` as the command's user, in ``/workspace``, with its
-environment, started by ``posix_spawn`` with the command's stdout and stderr (runsc
-hands them to the process in the sandbox) inside the command's own cgroup slot (which
-then holds that ``runsc exec``: killing the slot ends the waiter, and so the command).
-The process in the sandbox is a session leader there (gVisor makes one session per
-exec); ``--internal-pid-file`` says its pid. When the ``runsc exec`` exits (the command
-exited, or its slot was killed) the server asks the agent to kill that process group
-and, when no other command is running in the sandbox, every process in it but the
-agent (setsid daemons included), and reports the exit once the agent answers: nothing
-of a command outlives its end. (Of commands running side by side in one sandbox, a
-daemon that left its command's process group lives until the last of them ends.)
+writes to and its stdout the pipe it answers on: its first newline says it runs; the
+exec server is started then, and the sandbox is ready once that says so.
 
 Closing: the agent's stdin is closed, the agent exits, and with the root container's
 init the sandbox ends (gVisor kills every process in it); ``runsc delete --force``
@@ -37,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from metasched.runtime.sandbox import syscalls
-from metasched.runtime.sandbox.server_records import _close, _read_all, _Sandbox
+from metasched.runtime.sandbox.server_records import _close, _Sandbox
 from metasched.runtime.sandbox.syscalls import CLONE_NEWNET
 
 _RUNSC_ENV = {"PATH": "/usr/bin:/bin"}
@@ -59,6 +47,7 @@ class GvisorSandboxes:
     _opened: Callable[[_Sandbox], None]
     _start_network: Callable[[_Sandbox], None]
     _reap_slirp: Callable[[_Sandbox], None]
+    _start_exec: Callable[[_Sandbox, dict[str, str]], None]
 
     # --- opening ------------------------------------------------------------------------
 
@@ -141,8 +130,9 @@ class GvisorSandboxes:
             pass
 
     def _agent_said(self, sb: _Sandbox) -> None:
-        """The agent's newlines: the first says the sandbox is ready, each next one
-        that a kill request is done. End of file: the sandbox is gone."""
+        """The agent's first newline says the container runs (its exec server is
+        started then). End of file: the sandbox is gone (its commands are reported when
+        the exec server's events end)."""
         if sb.ready_fd < 0:  # closed by an earlier event of the same batch
             return
         try:
@@ -157,16 +147,9 @@ class GvisorSandboxes:
             sb.ready_fd = -1
             if not sb.mounted:
                 self._fail_gvisor(sb, f"runsc failed: {self._runsc_error(sb)}")
-            else:
-                self._flush_sweeps(sb)
             return
-        for _ in range(data.count(b"\n")):
-            if not sb.mounted:  # the agent runs: ready once its network is, if granted
-                sb.mounted = True
-                if not sb.net_pending:
-                    self._opened(sb)
-            elif sb.sweeps:
-                self._reply(sb.sweeps.popleft())
+        if b"\n" in data and not sb.mounted and sb.exec_pid < 0 and sb.exec_fd < 0:
+            self._start_exec(sb, _RUNSC_ENV)  # the agent runs: its exec server next
 
     def _runsc_error(self, sb: _Sandbox) -> str:
         if sb.bwrap_fd >= 0:  # not reaped yet: it is exiting
@@ -185,70 +168,6 @@ class GvisorSandboxes:
         self._close(sb.sid)
         self._reply({"ev": "opened", "sid": sb.sid, "error": why})
 
-    # --- commands -----------------------------------------------------------------------
-
-    def _spawn_gvisor(self, sb: _Sandbox, msg: dict[str, Any], fds: list[int]) -> int:
-        """``runsc exec`` of one command (fds: stdout, stderr, then its slot's
-        cgroup.procs files); the command's user is counted as running in ``sb``."""
-        out, err, *cgroups = fds
-        gv = sb.gvisor
-        uid, gid = msg["uid"], msg["gid"]
-        pid_file = os.path.join(gv["bundle"], f"cmd{msg['cmd']}.pid")
-        argv: list[bytes | str] = [*gv["runsc"], "exec", "--user", f"{uid}:{gid}",
-                                   "--cwd", msg["cwd"], "--internal-pid-file", pid_file]
-        env = dict(msg["env"])
-        if b"PATH" in env:
-            env[b"PATH"] = _searchable(env[b"PATH"], gv["seen"])
-        _check_program(msg["argv"][0], env.get(b"PATH", b"/usr/bin:/bin"), gv["seen"])
-        for k, v in env.items():
-            argv += [b"--env", k + b"=" + v]
-        argv += [gv["cid"], *msg["argv"]]
-        moved = entered = False
-        try:
-            for fd in cgroups:
-                os.write(fd, b"0")
-            moved = bool(cgroups)
-            entered = self._enter_net(sb)
-            pid = os.posix_spawn(
-                argv[0], argv, _RUNSC_ENV,
-                file_actions=[(os.POSIX_SPAWN_DUP2, self.devnull, 0),
-                              (os.POSIX_SPAWN_DUP2, out, 1),
-                              (os.POSIX_SPAWN_DUP2, err, 2)],
-                setsid=True)
-        finally:
-            self._back_home(moved, entered)
-        sb.user_running[uid] = sb.user_running.get(uid, 0) + 1
-        sb.exec_users[msg["cmd"]] = (uid, pid_file)
-        return pid
-
-    def _gvisor_exited(self, sb: _Sandbox, cmd: int, event: dict[str, Any]) -> bool:
-        """A command's ``runsc exec`` exited: ask the agent to kill what is left of it;
-        its exit is reported once that is done (True: the event is held)."""
-        uid, pid_file = sb.exec_users.pop(cmd, (None, ""))
-        if uid is None:
-            return False
-        sb.user_running[uid] = sb.user_running.get(uid, 1) - 1
-        try:
-            session = _read_all(os.open(pid_file, os.O_RDONLY | os.O_CLOEXEC)).strip()
-            os.unlink(pid_file)
-            session = str(int(session))
-        except (OSError, ValueError):
-            session = "-"
-        if sb.block_fd < 0 or sb.ready_fd < 0:
-            return False
-        everything = sum(sb.user_running.values()) == 0  # nothing else runs in it
-        request = f"{'all' if everything else '-'} {session}\n".encode()
-        try:
-            os.write(sb.block_fd, request)
-        except OSError:
-            return False
-        sb.sweeps.append(event)
-        return True
-
-    def _flush_sweeps(self, sb: _Sandbox) -> None:
-        while sb.sweeps:
-            self._reply(sb.sweeps.popleft())
-
     # --- closing ------------------------------------------------------------------------
 
     def _close_gvisor(self, sb: _Sandbox) -> None:
@@ -260,7 +179,8 @@ class GvisorSandboxes:
             sb.ready_fd = -1
         _close(sb.block_fd)
         sb.block_fd = -1
-        self._flush_sweeps(sb)
+        _close(sb.exec_fd)  # the exec server kills what runs and exits (and its events
+        sb.exec_fd = -1     # end: its commands are reported then)
         self._delete_container(sb)
         if sb.slirp_ready_fd >= 0:
             self.sel.unregister(sb.slirp_ready_fd)

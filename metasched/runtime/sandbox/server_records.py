@@ -5,7 +5,6 @@ namespaces it enters, and its file-descriptor helpers. Only the standard library
 from __future__ import annotations
 
 import os
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,10 +53,11 @@ class _Sandbox:
     slirp_exit_fd: int = -1  # closing it ends slirp4netns
     # gVisor (:mod:`.server_gvisor`): {"runsc": argv, "bundle": dir, "cid": id}, or None
     gvisor: dict[str, Any] | None = None
-    sweeps: deque[dict[str, Any]] = field(default_factory=deque)  # exits held for a kill
-    user_running: dict[int, int] = field(default_factory=dict)  # commands per user
-    exec_users: dict[int, tuple[int, str]] = field(default_factory=dict)  # cmd: uid, pid file
     runsc_status: int | None = None
+    exec_pid: int = -1  # the runsc exec of its exec server (.server_gvisor_exec)
+    exec_fd: int = -1  # its stdin: requests
+    events_fd: int = -1  # its stdout: events
+    events: bytearray = field(default_factory=bytearray)  # a frame not yet whole
 
 
 @dataclass

@@ -21,13 +21,15 @@ import ctypes
 import ctypes.util
 import errno
 import os
+from collections.abc import Callable
 
-__all__ = ["refuse_user_namespaces"]
+__all__ = ["bpf", "refuse_user_namespaces"]
 
 CLONE_NEWUSER = 0x10000000
 _ALLOW = 0x7FFF0000  # SCMP_ACT_ALLOW
 _ERRNO = 0x00050000  # SCMP_ACT_ERRNO(e) = _ERRNO | e
 _MASKED_EQ = 7  # SCMP_CMP_MASKED_EQ
+_NE = 1  # SCMP_CMP_NE
 _CLONE3 = 435  # its number on every architecture
 _COMPAT = {"x86_64": ("x86", "x32"), "aarch64": ("arm",)}
 
@@ -50,6 +52,7 @@ def _libseccomp() -> ctypes.CDLL:
     lib.seccomp_init.argtypes = [ctypes.c_uint32]
     lib.seccomp_release.argtypes = [ctypes.c_void_p]
     lib.seccomp_load.argtypes = [ctypes.c_void_p]
+    lib.seccomp_export_bpf.argtypes = [ctypes.c_void_p, ctypes.c_int]
     lib.seccomp_arch_add.argtypes = [ctypes.c_void_p, ctypes.c_uint32]
     lib.seccomp_arch_resolve_name.restype = ctypes.c_uint32
     lib.seccomp_arch_resolve_name.argtypes = [ctypes.c_char_p]
@@ -71,12 +74,55 @@ def refuse_user_namespaces() -> None:
         OSError: libseccomp is missing or the kernel refused the filter (the message
             says which); the process is then unchanged.
     """
+    _filter(lambda lib, ctx: _check(lib.seccomp_load(ctx), "load the filter"))
+
+
+def bpf(*, affinity_owner: int | None = None) -> bytes:
+    """The filter as a raw BPF program (``struct sock_filter`` entries), for a process
+    that loads it itself (a gVisor sandbox's exec server: :mod:`.gvisor_exec`);
+    ``affinity_owner``: ``sched_setaffinity`` of any thread but that one (by its id)
+    also answers 0 and does nothing, so the processes started under the filter keep the
+    affinity they were started with (the program holds ``affinity_owner`` as a
+    constant, ``k``, that a loader may replace with its own id).
+
+    Raises:
+        OSError: libseccomp is missing or cannot make it.
+    """
+    out: list[bytes] = []
+
+    def export(lib: ctypes.CDLL, ctx: int) -> None:
+        if affinity_owner is not None:
+            nr = lib.seccomp_syscall_resolve_name(b"sched_setaffinity")
+            other = _ArgCmp(0, _NE, affinity_owner, 0)
+            _check(lib.seccomp_rule_add_array(ctx, _ERRNO | 0, nr, 1, ctypes.byref(other)),
+                   "rule for sched_setaffinity")
+        r, w = os.pipe()
+        try:
+            _check(lib.seccomp_export_bpf(ctx, w), "export the filter")
+            os.close(w)
+            w = -1
+            chunks = []
+            while chunk := os.read(r, 65536):
+                chunks.append(chunk)
+            out.append(b"".join(chunks))
+        finally:
+            os.close(r)
+            if w >= 0:
+                os.close(w)
+
+    _filter(export, native_only=True)
+    return out[0]
+
+
+def _filter(finish: Callable[[ctypes.CDLL, int], None], *, native_only: bool = False) -> None:
+    """Make the filter's rules and pass it to ``finish`` (then release it);
+    ``native_only``: the native ABI alone (gVisor runs no other)."""
     lib = _libseccomp()
     ctx = lib.seccomp_init(_ALLOW)
     if not ctx:
         raise OSError(errno.ENOMEM, "libseccomp: cannot make a filter")
     try:
-        for arch in _COMPAT.get(os.uname().machine, ()):
+        for arch in () if native_only else _COMPAT.get(os.uname().machine, ()):
             token = lib.seccomp_arch_resolve_name(arch.encode())
             if token:
                 rc = lib.seccomp_arch_add(ctx, token)
@@ -91,6 +137,6 @@ def refuse_user_namespaces() -> None:
         nr = nr if nr >= 0 else _CLONE3  # a libseccomp older than clone3
         _check(lib.seccomp_rule_add_array(ctx, _ERRNO | errno.ENOSYS, nr, 0, None),
                "rule for clone3")
-        _check(lib.seccomp_load(ctx), "load the filter")
+        finish(lib, ctx)
     finally:
         lib.seccomp_release(ctx)

@@ -1,0 +1,205 @@
+"""The exec server of a gVisor sandbox: one long-lived program inside each runsc
+container that starts that sandbox's commands itself (a fork and an exec inside gVisor,
+against a whole ``runsc exec`` per command), with the confinement a bubblewrap sandbox
+gives each command.
+
+This file runs inside the container, as root (``runsc exec --cap`` CAP_SETUID,
+CAP_SETGID, CAP_KILL), by the sandbox's own ``/usr/bin/python3 -I -S``: the standard
+library only, no import of the project. Its stdin carries requests, one JSON object a
+line; its stdout carries events, each a frame: a header ``<IBI`` (command id, kind,
+length) and that many bytes.
+
+Requests:
+
+- ``{"run": ID, "argv": [...], "env": {...}, "uid": U, "gid": G, "cwd": "/workspace",
+  "cores": [...] | null}``: fork; in the child: its own session and process group, no
+  supplementary groups, ``gid``/``uid``, ``cwd``, affinity set to ``cores`` (gVisor's CPU
+  numbers), no new privileges and the seccomp filter given at start (no user namespaces;
+  ``sched_setaffinity`` a no-op: the affinity cannot be widened), then exec of ``argv``
+  with ``env`` exactly (``argv[0]`` looked up on its ``PATH``). Its stdout and stderr are
+  pipes the server reads.
+- ``{"kill": ID}``: SIGKILL the command's process group.
+
+Events (kinds): ``1`` and ``2`` a chunk of the command's stdout or stderr; ``3`` it
+started (the bytes: its pid inside gVisor, or ``-errno`` where the exec failed);
+``4`` it exited (the bytes: JSON of its wait status, ``maxrss_kb`` and ``cpu_s``). On
+a command's exit the server kills its process group and, where no other command
+runs, every process of the sandbox but the init and itself (``kill(-1)``), then reads
+its pipes to their end and sends the exit: nothing of a command outlives it. At end
+of file on stdin the server kills everything and exits.
+
+The argument after ``-c`` is the seccomp program (raw BPF, hex; :func:`.userns.bpf`).
+"""
+
+import ctypes
+import json
+import os
+import selectors
+import signal
+import struct
+import subprocess
+import sys
+
+HEADER = struct.Struct("<IBI")
+OUT, ERR, STARTED, EXITED = 1, 2, 3, 4
+_PR_SET_NO_NEW_PRIVS = 38
+_PR_SET_SECCOMP = 22
+_SECCOMP_MODE_FILTER = 2
+OWNER = 0x7FFFFFF0  # the affinity setter's id in the program as made (.userns.bpf)
+
+
+class _Fprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def confine(program: bytes) -> None:
+    """Load the filter into this process, for good (and every process it starts): its
+    ``k`` :data:`OWNER` replaced by this process's id, so that it alone can set
+    affinities."""
+    owner = struct.pack("<I", OWNER)
+    me = struct.pack("<I", os.getpid())
+    insns = [program[i:i + 8] for i in range(0, len(program), 8)]
+    program = b"".join(x[:4] + me if x[4:] == owner else x for x in insns)
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = ctypes.create_string_buffer(program, len(program))
+    prog = _Fprog(len(insns), ctypes.cast(buf, ctypes.c_void_p))
+    if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 or libc.prctl(
+            _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "cannot load the seccomp filter")
+
+
+class Server:
+    def __init__(self, program: bytes) -> None:
+        self.program = program
+        self.sel = selectors.DefaultSelector()
+        self.out = sys.stdout.buffer
+        self.running: dict[int, int] = {}  # command id: its pid (its process group)
+        self.pipes: dict[int, list[int]] = {}  # command id: its open read ends
+        self.ended: dict[int, bytes] = {}  # command id: its exit, pipes not yet at end
+        self.by_pid: dict[int, int] = {}
+        self.inbuf = b""
+        self.pid = os.getpid()
+        self.cpus = sorted(os.sched_getaffinity(0))
+        self.procs: dict[int, subprocess.Popen] = {}  # by pid, until reaped here
+        confine(program)
+        rfd, self.wake = os.pipe()
+        os.set_blocking(rfd, False)
+        os.set_blocking(self.wake, False)
+        signal.set_wakeup_fd(self.wake)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        self.sel.register(rfd, selectors.EVENT_READ, self._reap)
+        self.sel.register(0, selectors.EVENT_READ, self._request)
+
+    def send(self, cid: int, kind: int, data: bytes) -> None:
+        self.out.write(HEADER.pack(cid, kind, len(data)) + data)
+        self.out.flush()
+
+    def _request(self, fd: int) -> None:
+        data = os.read(fd, 65536)
+        if not data:
+            self._kill_all()
+            sys.exit(0)
+        self.inbuf += data
+        while b"\n" in self.inbuf:
+            line, self.inbuf = self.inbuf.split(b"\n", 1)
+            msg = json.loads(line)
+            if "run" in msg:
+                self._run(msg)
+            elif "kill" in msg and msg["kill"] in self.running:
+                _kill(-self.running[msg["kill"]])
+
+    def _run(self, msg: dict) -> None:
+        cid = msg["run"]
+        cores = [c for c in msg.get("cores") or () if c in self.cpus] or self.cpus
+        os.sched_setaffinity(self.pid, cores)  # the command inherits it
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        try:
+            p = subprocess.Popen(
+                [os.fsencode(a) for a in msg["argv"]], stdin=subprocess.DEVNULL,
+                stdout=out_w, stderr=err_w, cwd=msg["cwd"],
+                env={os.fsencode(k): os.fsencode(v) for k, v in msg["env"].items()},
+                user=msg["uid"], group=msg["gid"], extra_groups=[],
+                start_new_session=True)
+        except OSError as e:
+            for fd in (out_r, err_r):
+                os.close(fd)
+            self.send(cid, STARTED, b"-%d" % (e.errno or 1))
+            return
+        finally:
+            os.close(out_w)
+            os.close(err_w)
+        self.running[cid] = p.pid
+        self.by_pid[p.pid] = cid
+        self.procs[p.pid] = p
+        self.pipes[cid] = [out_r, err_r]
+        for fd, kind in ((out_r, OUT), (err_r, ERR)):
+            os.set_blocking(fd, False)
+            self.sel.register(fd, selectors.EVENT_READ,
+                              lambda f, c=cid, k=kind: self._output(c, k, f))
+        self.send(cid, STARTED, str(p.pid).encode())
+
+    def _output(self, cid: int, kind: int, fd: int) -> None:
+        try:
+            data = os.read(fd, 65536)
+        except BlockingIOError:
+            return
+        if data:
+            self.send(cid, kind, data)
+            return
+        self.sel.unregister(fd)
+        os.close(fd)
+        self.pipes[cid].remove(fd)
+        self._maybe_done(cid)
+
+    def _reap(self, fd: int) -> None:
+        try:
+            os.read(fd, 4096)
+        except BlockingIOError:
+            pass
+        while True:
+            try:
+                pid, status, usage = os.wait4(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            cid = self.by_pid.pop(pid, None)
+            proc = self.procs.pop(pid, None)
+            if proc is not None:
+                proc.returncode = os.waitstatus_to_exitcode(status)
+            if cid is None:
+                continue
+            del self.running[cid]
+            _kill(-pid)
+            if not self.running:
+                _kill(-1)  # every process of the sandbox but the init and this one
+            self.ended[cid] = json.dumps({
+                "status": status, "maxrss_kb": usage.ru_maxrss,
+                "cpu_s": usage.ru_utime + usage.ru_stime}).encode()
+            self._maybe_done(cid)
+
+    def _maybe_done(self, cid: int) -> None:
+        if cid in self.ended and not self.pipes.get(cid):
+            self.pipes.pop(cid, None)
+            self.send(cid, EXITED, self.ended.pop(cid))
+
+    def _kill_all(self) -> None:
+        _kill(-1)
+
+    def serve(self) -> None:
+        self.send(0, STARTED, b"0")  # ready
+        while True:
+            for key, _ in self.sel.select():
+                key.data(key.fd)
+
+
+def _kill(target: int) -> None:
+    try:
+        os.kill(target, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+if __name__ == "__main__":
+    Server(bytes.fromhex(sys.argv[1])).serve()
