@@ -83,7 +83,7 @@ def normalization(meta: dict[str, Any]) -> dict[str, bool]:
     """What a checkpoint's policy was trained to read normalised (``obs``) and whether its
     returns were (``reward``), from its metadata (for checkpoints from before it was
     recorded: from the training config)."""
-    trained = (meta.get("config") or {}).get("agent") or {}
+    trained = (meta.get("config") or {}).get("ppo") or {}
     return meta.get("normalization") or {
         "obs": bool(trained.get("normalize_obs", False)),
         "reward": bool(trained.get("normalize_reward", False))}

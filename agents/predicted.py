@@ -6,7 +6,7 @@ from __future__ import annotations
 from metasched.core.actions import Action
 from metasched.core.state import ClusterState
 
-ESTIMATES = ("static", "predictor")  # where the step heuristics' remaining work comes from
+ESTIMATES = ("given", "predictor")  # where the step heuristics' remaining work comes from
 
 
 def check_estimates(estimates: str) -> str:

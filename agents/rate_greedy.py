@@ -198,7 +198,7 @@ class RateGreedyStepScheduler(RateGreedyScheduler):
 
     def __init__(self, headroom: float = 0.25, min_gain_s: float = 0.0, recent_s: float = 30.0,
                  defer: float = 8.0, progress_s: float = 0.5, endgame: float = 1.0,
-                 estimates: str = "static") -> None:
+                 estimates: str = "given") -> None:
         super().__init__(headroom=headroom, min_gain_s=min_gain_s, recent_s=recent_s,
                          defer=defer, progress_s=progress_s, endgame=endgame)
         self.estimates = check_estimates(estimates)

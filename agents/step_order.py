@@ -71,13 +71,13 @@ class CriticalPathScheduler(RateGreedyScheduler):
     work of their trajectory (see the module docstring).
 
     Args: as ``rate_greedy``'s (which has ``progress_s`` and ``endgame`` besides), and
-        ``estimates``: ``static`` (the module docstring's) or ``predictor``.
+        ``estimates``: ``given`` (the module docstring's) or ``predictor``.
     """
 
     name = "critical_path"
 
     def __init__(self, headroom: float = 0.25, min_gain_s: float = 0.0, recent_s: float = 30.0,
-                 defer: float = 8.0, estimates: str = "static") -> None:
+                 defer: float = 8.0, estimates: str = "given") -> None:
         super().__init__(headroom=headroom, min_gain_s=min_gain_s, recent_s=recent_s,
                          defer=defer)
         self.estimates = check_estimates(estimates)

@@ -2,11 +2,11 @@
 
 Flow (``train``): build vectorised envs over the profile (domain randomisation and a
 load curriculum as configured; ``VecNormalize`` as configured) -> behaviour-clone a
-heuristic (``agent.bc.expert``, ``rate_greedy`` by default; DAgger rounds as configured)
+heuristic (``ppo.bc.expert``, ``rate_greedy`` by default; DAgger rounds as configured)
 -> MaskablePPO with checkpoint, curriculum and scheduler-metrics callbacks -> write the
 final and the best checkpoint directories. Or resume: load a checkpoint's model (weights,
 optimizer state, timesteps) and ``VecNormalize`` statistics and continue to
-``agent.total_timesteps``. Or warm-start (``init``): a new run from a checkpoint's policy
+``ppo.total_timesteps``. Or warm-start (``init``): a new run from a checkpoint's policy
 weights and ``VecNormalize`` statistics, no cloning.
 
 "Best" means one thing: the lowest mean ACT on the validation seeds
@@ -60,7 +60,7 @@ def env_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"obs_config": ObsConfig(**cfg["obs"]), "reward": RewardConfig(**e["reward"]),
             "episode_steps": int(e["episode_steps"]), "horizon_mean_s": e.get("horizon_mean_s"),
             "max_wait_s": e.get("max_wait_s"), "randomization": rand,
-            "seed_range": TRAIN_SIM_SEEDS, "estimates": e.get("estimates", "profile")}
+            "seed_range": TRAIN_SIM_SEEDS, "estimates": e.get("estimates", "given")}
 
 
 def _make_env(workload: WorkloadConfig, cluster: ClusterConfig, kwargs: dict[str, Any],
@@ -114,7 +114,7 @@ class CurriculumCallback(BaseCallback):
 
 
 def simulate(workload: WorkloadConfig, cluster: ClusterConfig, scheduler, seeds, *,
-             max_wait_s: float | None, estimates: str = "profile") -> dict[str, float]:
+             max_wait_s: float | None, estimates: str = "given") -> dict[str, float]:
     """Mean ACT, step time, utilisation and guard firings of ``scheduler`` over seeds."""
     from metasched.sim.simulator import Simulator, cost_model_for
 
@@ -144,7 +144,7 @@ class SchedulerMetricsCallback(BaseCallback):
     def __init__(self, workload: WorkloadConfig, cluster: ClusterConfig, obs_config: ObsConfig,
                  seeds, freq: int, best_dir: Path, max_wait_s: float | None,
                  meta: dict[str, Any], reference: str = "rate_greedy",
-                 estimates: str = "profile", select: str = "mean_act_s") -> None:
+                 estimates: str = "given", select: str = "mean_act_s") -> None:
         super().__init__()
         self.select = select
         from metasched.agents import make_scheduler
@@ -198,20 +198,20 @@ class SchedulerMetricsCallback(BaseCallback):
         self.logger.dump(self.num_timesteps)
 
 
-def _agent_settings(agent: dict[str, Any]) -> dict[str, Any]:
-    """MaskablePPO keyword arguments from the ``agent`` config section."""
-    out = {k: float(agent[k]) for k in ("learning_rate", "gamma", "gae_lambda", "clip_range",
+def _ppo_settings(ppo: dict[str, Any]) -> dict[str, Any]:
+    """MaskablePPO keyword arguments from the ``ppo`` config section."""
+    out = {k: float(ppo[k]) for k in ("learning_rate", "gamma", "gae_lambda", "clip_range",
                                          "ent_coef", "vf_coef", "max_grad_norm")}
-    out.update({k: int(agent[k]) for k in ("n_steps", "batch_size", "n_epochs")})
-    out["target_kl"] = None if agent.get("target_kl") is None else float(agent["target_kl"])
+    out.update({k: int(ppo[k]) for k in ("n_steps", "batch_size", "n_epochs")})
+    out["target_kl"] = None if ppo.get("target_kl") is None else float(ppo["target_kl"])
     return out
 
 
-def _normalized(venv, agent: dict[str, Any], stats: Path | None):
+def _normalized(venv, ppo: dict[str, Any], stats: Path | None):
     """``venv`` behind ``VecNormalize`` as configured: the saved statistics of ``stats``
     (a resumed run's), else fresh ones; unwrapped when nothing is normalised."""
-    norm_obs = bool(agent.get("normalize_obs", False))
-    norm_reward = bool(agent.get("normalize_reward", False))
+    norm_obs = bool(ppo.get("normalize_obs", False))
+    norm_reward = bool(ppo.get("normalize_reward", False))
     if stats is not None and stats.is_file():
         venv = VecNormalize.load(str(stats), venv)
         venv.training = True
@@ -222,7 +222,7 @@ def _normalized(venv, agent: dict[str, Any], stats: Path | None):
     # Returns of -time-in-system are large; the critic learns them better scaled.
     return VecNormalize(venv, norm_obs=norm_obs, norm_reward=norm_reward,
                         norm_obs_keys=list(NORM_OBS_KEYS) if norm_obs else None,
-                        gamma=float(agent["gamma"]))
+                        gamma=float(ppo["gamma"]))
 
 
 @dataclass(frozen=True)
@@ -245,10 +245,10 @@ def resume_source(cfg: dict[str, Any]) -> ResumeFrom | None:
         raise ConfigError("init", "give resume= (continue a run) or init= (a new run "
                           "warm-started from a checkpoint), not both")
     got = _checkpoint_source(cfg, "resume")
-    if got is not None and got.timesteps >= int(cfg["agent"]["total_timesteps"]):
-        raise ConfigError("agent.total_timesteps", f"{cfg['resume']} has trained "
+    if got is not None and got.timesteps >= int(cfg["ppo"]["total_timesteps"]):
+        raise ConfigError("ppo.total_timesteps", f"{cfg['resume']} has trained "
                           f"{got.timesteps} timesteps already; ask for more than that to "
-                          f"resume it (got {cfg['agent']['total_timesteps']})")
+                          f"resume it (got {cfg['ppo']['total_timesteps']})")
     return got
 
 
@@ -277,7 +277,7 @@ def _checkpoint_source(cfg: dict[str, Any], key: str) -> ResumeFrom | None:
     name = cfg.get(key)
     if name is None:
         return None
-    agent = cfg["agent"]
+    ppo = cfg["ppo"]
     periodic = re.fullmatch(r"(.+)_(\d+)_steps\.zip", Path(str(name)).name)
     if periodic is not None:
         path = Path(str(name)).resolve()
@@ -302,14 +302,14 @@ def _checkpoint_source(cfg: dict[str, Any], key: str) -> ResumeFrom | None:
         stats = path / VEC_NORMALIZE
         got = ResumeFrom(path / MODEL, stats if stats.is_file() else None,
                          int((meta.get("validation") or {}).get("timesteps", 0)))
-        trained = (meta.get("config") or {}).get("agent") or {}
-        if "hidden" in trained and int(trained["hidden"]) != int(agent["hidden"]):
-            raise ConfigError("agent.hidden", f"must be {trained['hidden']} to {key} from "
-                              f"{name} (its network's width; got {agent['hidden']})")
+        trained = (meta.get("config") or {}).get("ppo") or {}
+        if "hidden" in trained and int(trained["hidden"]) != int(ppo["hidden"]):
+            raise ConfigError("ppo.hidden", f"must be {trained['hidden']} to {key} from "
+                              f"{name} (its network's width; got {ppo['hidden']})")
         saved = normalization(meta)
     for k, what in (("normalize_obs", "obs"), ("normalize_reward", "reward")):
-        if saved[what] is not None and bool(agent.get(k, False)) != bool(saved[what]):
-            raise ConfigError(f"agent.{k}", f"must be {str(bool(saved[what])).lower()} to "
+        if saved[what] is not None and bool(ppo.get(k, False)) != bool(saved[what]):
+            raise ConfigError(f"ppo.{k}", f"must be {str(bool(saved[what])).lower()} to "
                               f"{key} from {name} (it was trained so)")
     if saved["obs"] and got.stats is None:
         raise ConfigError(key, f"{name} reads normalised observations but its "
@@ -328,7 +328,7 @@ def _load_policy_weights(model, source: ResumeFrom) -> None:
     except (RuntimeError, ValueError, KeyError, TypeError, OSError, zipfile.BadZipFile) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError("init", f"cannot take the policy of {source.model} (is "
-                          f"agent.hidden the one it was trained with?): {first}") from None
+                          f"ppo.hidden the one it was trained with?): {first}") from None
 
 
 def train(cfg: dict[str, Any], workload: WorkloadConfig, cluster: ClusterConfig,
@@ -345,34 +345,34 @@ def train(cfg: dict[str, Any], workload: WorkloadConfig, cluster: ClusterConfig,
 
     torch.set_num_threads(1)
     t_start = time.perf_counter()
-    agent, seed = cfg["agent"], int(cfg["seed"])
+    ppo, seed = cfg["ppo"], int(cfg["seed"])
     resume = resume_source(cfg)
     init = init_source(cfg)
     kwargs = env_kwargs(cfg)
     cur = cfg["env"].get("curriculum") or {}
     load0 = float(cur["load_start"]) if cur.get("enabled") else 1.0
-    n_envs = int(agent["n_envs"])
-    total = int(agent["total_timesteps"])
+    n_envs = int(ppo["n_envs"])
+    total = int(ppo["total_timesteps"])
     thunks = [_make_env(workload, cluster, kwargs, load0, i, seed) for i in range(n_envs)]
-    venv = (SubprocVecEnv(thunks) if agent.get("vec_env") == "subproc" and n_envs > 1
+    venv = (SubprocVecEnv(thunks) if ppo.get("vec_env") == "subproc" and n_envs > 1
             else DummyVecEnv(thunks))
     try:
         source = resume or init
-        venv = _normalized(venv, agent, None if source is None else source.stats)
-        if source is not None and source.stats is None and agent.get("normalize_reward"):
+        venv = _normalized(venv, ppo, None if source is None else source.stats)
+        if source is not None and source.stats is None and ppo.get("normalize_reward"):
             log.warning("%s has no saved VecNormalize statistics: return statistics start "
                         "afresh", cfg["resume"] if resume is not None else cfg["init"])
         if resume is None:
             model = MaskablePPO(
-                SlotPolicy, venv, **_agent_settings(agent),
-                policy_kwargs={"hidden": int(agent["hidden"])},
+                SlotPolicy, venv, **_ppo_settings(ppo),
+                policy_kwargs={"hidden": int(ppo["hidden"])},
                 tensorboard_log=str(out_dir / "tensorboard"), seed=seed, verbose=0)
             if init is not None:  # weights only: a new run
                 _load_policy_weights(model, init)
         else:  # weights, optimizer state and timesteps from the checkpoint
             try:
                 model = MaskablePPO.load(resume.model, env=venv, device="cpu",
-                                         **_agent_settings(agent))
+                                         **_ppo_settings(ppo))
             except (ValueError, KeyError, OSError, zipfile.BadZipFile) as e:
                 raise ConfigError("resume", f"cannot continue {resume.model} here: "
                                   f"{e}") from None
@@ -389,7 +389,7 @@ def train(cfg: dict[str, Any], workload: WorkloadConfig, cluster: ClusterConfig,
                          "initialised_from": None if init is None else str(init.model)},
             "config": cfg, "parameters": n_parameters(model.policy)}
 
-    bc = agent.get("bc") or {}
+    bc = ppo.get("bc") or {}
     bc_losses: list[float] = []
     if resume is None and init is None and int(bc.get("decisions", 0)) > 0:
         # Full load (randomised as configured): the clone must know busy clusters too.

@@ -81,9 +81,9 @@ async def _dispatch(n: int, scheduler: str, journal: str | None,
         bad = [r for r in results if not r.ok]
         if bad:
             raise SystemExit(f"{len(bad)} actions failed, e.g. {bad[0].reason}")
-        if isolation not in ("none", "off") and not d.boxes.isolated:
+        if isolation not in ("none", "off") and not d.sandboxes.isolated:
             raise SystemExit(f"isolation {isolation} is not available here: "
-                             f"{'; '.join(d.boxes.warnings)}")
+                             f"{'; '.join(d.sandboxes.warnings)}")
         return rate, d.stats()
 
 

@@ -49,46 +49,46 @@ class Mode:
     """One isolation mode's dispatcher sandboxes and one live trajectory sandbox."""
 
     def __init__(self, isolation: str, warm: int = 0) -> None:
-        self.boxes = Sandboxes(SandboxConfig(isolation=isolation, gvisor_warm=warm,
+        self.sandboxes = Sandboxes(SandboxConfig(isolation=isolation, gvisor_warm=warm,
                                              workspace_mb=64))
         self.loop = asyncio.get_running_loop()
-        self.boxes.attach(self.loop)
-        self.traj = self.boxes.open("bench", size_mb=64, template=None, network=False)
+        self.sandboxes.attach(self.loop)
+        self.traj = self.sandboxes.open("bench", size_mb=64, template=None, network=False)
 
     async def command(self) -> None:
         await self.traj.ready
         done = self.loop.create_future()
         r, w = os.pipe()
         try:
-            started = self.boxes.start(self.traj, argv=[TRUE], env=ENV, cores=[0],
+            started = self.sandboxes.start(self.traj, argv=[TRUE], env=ENV, cores=[0],
                                        mem_limit_mb=256, pids_max=64, out_w=w, err_w=w)
         finally:
             os.close(w)
-        self.boxes.on_exit(started, done.set_result)
+        self.sandboxes.on_exit(started, done.set_result)
         ev = await done
         os.close(r)
-        self.boxes.finished(self.traj, started)
+        self.sandboxes.finished(self.traj, started)
         if ev["status"] != 0:
             raise SystemExit(f"sandboxed /bin/true failed: {ev}")
 
     async def opens(self, key: str) -> float:
         t0 = time.perf_counter()
-        sb = self.boxes.open(key, size_mb=64, template=None, network=False)
+        sb = self.sandboxes.open(key, size_mb=64, template=None, network=False)
         await sb.ready
         took = (time.perf_counter() - t0) * 1e3
-        self.boxes.close_sandbox(sb)
+        self.sandboxes.close_sandbox(sb)
         return took
 
     def runsc_exec(self, argv: list[str]) -> None:
         """``runsc exec`` alone, into the live container (gVisor only)."""
-        gv = self.boxes.gvisor
+        gv = self.sandboxes.gvisor
         cid = f"{gv.prefix}{self.traj.sid}"
         subprocess.run([*gv.argv, "exec", "--user", f"{self.traj.uid}:{self.traj.uid}",
                         "--cwd", "/workspace", cid, *argv], check=True,
                        stdout=subprocess.DEVNULL)
 
     def close(self) -> None:
-        self.boxes.close()
+        self.sandboxes.close()
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -119,7 +119,7 @@ async def measure(n: int, block: int, opens: int) -> tuple[dict[str, list[float]
         for i in range(opens):
             for name, m in modes.items():
                 if name == "gvisor-warm":  # the next one started (as between trajectories)
-                    await asyncio.gather(*(b.ready for p in m.boxes._warm.values() for b in p))
+                    await asyncio.gather(*(b.ready for p in m.sandboxes._warm.values() for b in p))
                 open_ms[name].append(await m.opens(f"open-{i}"))
         return times, open_ms
     finally:

@@ -20,7 +20,7 @@ the machine's load and the rounds pair.
 
     python benchmarks/live_replay.py [--profile coding] [--trajectories 16] [--scale 0.1]
         [--schedulers static,...,checkpoints/default] [--repeats 3] [--sim-runs 10]
-        [--seed 1000000] [--estimates online|profile] [--launch-s live|auto|<s>]
+        [--seed 1000000] [--estimates online|given] [--launch-s live|auto|<s>]
         [--launch-mean-s <s>] [--isolation bwrap,off] [--deadline-slack-s <s>]
         [--work sleep|spin]
 
@@ -37,7 +37,7 @@ the simulator does not model it, and a sleeping stand-in would look idle.
 
 The simulator is given what the dispatcher has: the online cost model's estimates
 (``--estimates online``, the default: learned from measured durations, as live; the
-profile's noisy per-action estimates only as the first hint; ``--estimates profile``
+profile's noisy per-action estimates only as the first hint; ``--estimates given``
 gives both sides each action's profile estimate instead), the start-up of a command
 on this machine, drawn per action in simulation from the log-normal with a measured
 median and mean: ``live`` (the default) pools every command's start-up in the live runs
@@ -217,7 +217,7 @@ async def live(inst, cores: list[int], sched: str, online: bool, isolation: str,
     live run."""
     cfg = DispatcherConfig(scheduler=sched, cores=cores, sample_interval_s=0.5,
                            max_wait_s=MAX_WAIT_S, task_demand=inst.demand_by_task(),
-                           estimates="online" if online else "request",
+                           estimates="online" if online else "given",
                            sandbox=sandbox_config(isolation),
                            deadlines=DeadlineConfig(idle_share=False))
     command = amdahl_spin if work == "spin" else amdahl_sleep
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--estimates", default="online",
                     help="estimates on both sides: the online cost model's (the "
                     "dispatcher's default) or the profile's per-action ones (live: each "
-                    "request's est_s, estimates='request')")
+                    "request's est_s, estimates='given')")
     ap.add_argument("--launch-s", default="live", help="a command's start-up in the "
                     "simulator (median), seconds; 'live': pooled from every scheduler's "
                     "live runs; 'auto': measured by a probe before each scheduler's "
@@ -309,8 +309,8 @@ def replay(args: argparse.Namespace) -> int:
     for m in modes:
         if m not in ("bwrap", "none", "off"):
             raise ConfigError("isolation", f"{m!r} is not one of bwrap, none, off")
-    if args.estimates not in ("online", "profile"):
-        raise ConfigError("estimates", f"must be online or profile (got {args.estimates!r})")
+    if args.estimates not in ("online", "given"):
+        raise ConfigError("estimates", f"must be online or given (got {args.estimates!r})")
     fixed = None
     if args.launch_s == "live" and args.repeats == 0:
         raise ConfigError("launch-s", "'live' needs live runs (--repeats >= 1); give "

@@ -11,12 +11,12 @@ machine's load drifts within a round; each round takes the ways in a rotated ord
   or queued in Ray at a time, the next submitted when one ends;
 - through the actor, once per ``--submit`` mode: the same N actions submitted through a
   handle to the dispatcher actor (journal on, as in production), which queues them,
-  schedules them (elastic_greedy) and has each node's agent run them confined as the
+  schedules them (elastic_greedy) and has each node's daemon run them confined as the
   dispatcher's ``sandbox`` settings say (``--isolation``: ``auto`` is bwrap sandboxes
   and cgroup slots where the machine allows, as users get by default): ``stream`` (the
-  default), commands and results on one direct stream per node; ``agent``, a direct
-  call to the agent per action; ``task``, a Ray task per action with ``num_cpus`` of
-  its grant that asks the agent (with ``stream`` and ``agent`` the agent holds the
+  default), commands and results on one direct stream per node; ``daemon``, a direct
+  call to the daemon per action; ``task``, a Ray task per action with ``num_cpus`` of
+  its grant that asks the daemon (with ``stream`` and ``daemon`` the daemon holds the
   dispatcher's cores in Ray, so its dispatcher runs only for its own measurement,
   started and stopped each round);
   each once per ``--ahead`` value (the dispatcher's ``ahead_per_core``: commands per
@@ -31,7 +31,7 @@ dispatcher actor on one core (actions/s it could schedule were the tasks free), 
 rate of empty Ray tasks (no command) here, Ray's own floor.
 
     python benchmarks/ray_throughput.py [--n 2000] [--rounds 3] [--cpus 2]
-        [--submit stream,agent,task] [--ahead 0,1] [--isolation auto] [--trajectories 0]
+        [--submit stream,daemon,task] [--ahead 0,1] [--isolation auto] [--trajectories 0]
         [--address auto]
 """
 
@@ -68,7 +68,7 @@ async def _raw(n: int, body: str, in_flight: int | None = None) -> float:
 
     from metasched.runtime.ray_backend.cluster import cluster_view
 
-    # A dispatcher stopped just before may still hold CPUs in Ray (its agents end
+    # A dispatcher stopped just before may still hold CPUs in Ray (its daemons end
     # asynchronously): the raw run starts once every CPU is free again.
     total = ray.cluster_resources().get("CPU", 0.0)
     for _ in range(600):
@@ -181,8 +181,8 @@ def main() -> None:
     p.add_argument("--cpus", type=int, default=2, help="CPUs of the local Ray")
     p.add_argument("--address", default=None, help="join this cluster instead ('auto')")
     p.add_argument("--scheduler", default="elastic_greedy")
-    p.add_argument("--submit", default="stream,agent,task",
-                   help="the dispatcher's ways of reaching its agents, comma-separated")
+    p.add_argument("--submit", default="stream,daemon,task",
+                   help="the dispatcher's ways of reaching its daemons, comma-separated")
     p.add_argument("--ahead", default=None,
                    help="the dispatcher's ahead_per_core values to run, comma-separated "
                         "(default: the backend's)")
@@ -293,7 +293,7 @@ def main() -> None:
                   f"action (median): ceiling of one actor on one core ~{1 / med:,.0f} "
                   f"actions/s; decision latency µs p50 {lat.get('p50', 0):.0f}, p99 "
                   f"{lat.get('p99', 0):.0f}; ahead_per_core {stats[m]['ahead_per_core']}; "
-                  f"{stats[m]['confinement']}")
+                  f"{stats[m]['sandboxes']}")
 
     with tempfile.TemporaryDirectory() as tmp:
         asyncio.run(rounds(tmp))

@@ -22,7 +22,7 @@ Designs:
 - ``server-net``: ``server`` in a trajectory's sandbox granted network (its own
   network namespace with slirp4netns and the egress rules; before them, the host's);
 - ``executor``, ``executor-isolated``: the CPU executor the dispatcher calls
-  (``run_process``: pinning, pipes, output tails, timeout) without confinement and in a
+  (``run_process``: pinning, pipes, output tails, timeout) without sandboxes and in a
   trajectory's sandbox with its cgroup slot: the end-to-end figure;
   ``executor-private``: in the trajectory-less sandbox (a private workspace each time).
 
@@ -66,13 +66,13 @@ class Bench:
     """The designs, each a coroutine running ``/bin/true`` once."""
 
     def __init__(self) -> None:
-        self.boxes = Sandboxes(SandboxConfig(isolation="bwrap"))
+        self.sandboxes = Sandboxes(SandboxConfig(isolation="bwrap"))
         self.loop = asyncio.get_running_loop()
-        self.boxes.attach(self.loop)
-        self.traj = self.boxes.open("bench", size_mb=64, template=None, network=False)
-        self.traj_net = self.boxes.open("bench-net", size_mb=64, template=None, network=True)
-        self.shared = self.boxes.shared(network=False)
-        self.bwrap = self.boxes.bwrap_path
+        self.sandboxes.attach(self.loop)
+        self.traj = self.sandboxes.open("bench", size_mb=64, template=None, network=False)
+        self.traj_net = self.sandboxes.open("bench-net", size_mb=64, template=None, network=True)
+        self.shared = self.sandboxes.shared(network=False)
+        self.bwrap = self.sandboxes.bwrap_path
         self.unshare = shutil.which("unshare")
         self.nsenter = shutil.which("nsenter")
 
@@ -102,14 +102,14 @@ class Bench:
         done = self.loop.create_future()
         r, w = os.pipe()
         try:
-            started = self.boxes.start(sb, argv=[TRUE], env=ENV, cores=[0],
+            started = self.sandboxes.start(sb, argv=[TRUE], env=ENV, cores=[0],
                                        mem_limit_mb=256, pids_max=64, out_w=w, err_w=w)
         finally:
             os.close(w)
-        self.boxes.on_exit(started, done.set_result)
+        self.sandboxes.on_exit(started, done.set_result)
         ev = await done
         os.close(r)
-        self.boxes.finished(sb, started)
+        self.sandboxes.finished(sb, started)
         if ev["status"] != 0:
             raise SystemExit(f"sandboxed /bin/true failed: {ev}")
 
@@ -133,7 +133,7 @@ class Bench:
         from metasched.runtime.process import run_process
 
         out = await run_process([TRUE], cores=[0], timeout_s=60, env={"PATH": "/usr/bin:/bin"},
-                                confinement=self.boxes, sandbox=self.traj, pids_max=1024)
+                                sandboxes=self.sandboxes, sandbox=self.traj, pids_max=1024)
         if not out.ok:
             raise SystemExit(out.reason)
 
@@ -141,7 +141,7 @@ class Bench:
         from metasched.runtime.process import run_process
 
         out = await run_process([TRUE], cores=[0], timeout_s=60, env={"PATH": "/usr/bin:/bin"},
-                                confinement=self.boxes, sandbox=self.shared, pids_max=1024)
+                                sandboxes=self.sandboxes, sandbox=self.shared, pids_max=1024)
         if not out.ok:
             raise SystemExit(out.reason)
 
@@ -152,15 +152,15 @@ class Bench:
         for i in range(n):
             for network in (False, True):
                 t0 = time.perf_counter()
-                sb = self.boxes.open(f"open-{i}-{network}", size_mb=64, template=None,
+                sb = self.sandboxes.open(f"open-{i}-{network}", size_mb=64, template=None,
                                      network=network)
                 await sb.ready
                 out[network].append((time.perf_counter() - t0) * 1e3)
-                self.boxes.close_sandbox(sb)
+                self.sandboxes.close_sandbox(sb)
         return out
 
     def close(self) -> None:
-        self.boxes.close()
+        self.sandboxes.close()
 
 
 DESIGNS = {"bare": Bench.bare, "unshare": Bench.unshare_fresh, "bwrap": Bench.bwrap_fresh,

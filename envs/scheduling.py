@@ -104,7 +104,7 @@ class ActionSchedulingEnv(gym.Env):
             default; evaluation seeds are disjoint).
         render_mode: ``None`` or ``"ansi"``: ``render()`` returns a text view of the
             queue (the K slots, their legal levels, the advisor's choice) and the pools.
-        estimates: ``"profile"`` (each action's own estimate) or ``"online"`` (the live
+        estimates: ``"given"`` (each action's own estimate) or ``"online"`` (the live
             dispatcher's cost model, learned within the episode from measured durations:
             what the policy will see live).
     """
@@ -117,7 +117,7 @@ class ActionSchedulingEnv(gym.Env):
                  horizon_mean_s: float | None = None, max_wait_s: float | None = 300.0,
                  randomization: Randomization | None = None, load: float = 1.0,
                  seed_range: tuple[int, int] = (0, TRAIN_SEED_MAX),
-                 render_mode: str | None = None, estimates: str = "profile") -> None:
+                 render_mode: str | None = None, estimates: str = "given") -> None:
         super().__init__()
         cost_model_for(estimates)  # a bad value fails here, not at the first reset
         self.estimates = estimates

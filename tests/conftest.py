@@ -1,7 +1,7 @@
 """Shared fixtures: tiny workloads and clusters built from plain dicts, sandboxes, the
 local Ray, and the Hypothesis profile (no deadline: the machine running the suite is
 shared). The markers of pyproject.toml: a test that uses the local Ray is marked ``ray``
-here, one that uses ``boxes`` ``isolation``; an ``isolation`` test is skipped, with the
+here, one that uses ``sandboxes`` ``isolation``; an ``isolation`` test is skipped, with the
 reason, where bwrap sandboxes cannot run (``isolation(bwrap=False)``: it needs root and
 cgroups only, and says so itself)."""
 
@@ -47,7 +47,7 @@ def pytest_report_header(config) -> str | None:
 
 
 # Fixtures whose tests take the marker (before -m selects).
-MARKED_BY_FIXTURE = {"ray_session": "ray", "boxes": "isolation"}
+MARKED_BY_FIXTURE = {"ray_session": "ray", "sandboxes": "isolation"}
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -192,12 +192,12 @@ def visible_dir():
 
 @pytest.fixture
 def sandbox_dev_root() -> str | None:
-    """Where ``boxes`` finds device nodes (None: /dev); a module may override it."""
+    """Where ``sandboxes`` finds device nodes (None: /dev); a module may override it."""
     return None
 
 
 @pytest.fixture
-def boxes(sandbox_dev_root):
+def sandboxes(sandbox_dev_root):
     """Real bwrap sandboxes (``Sandboxes``), closed after the test."""
     b = Sandboxes(SandboxConfig(isolation="bwrap"), dev_root=sandbox_dev_root)
     yield b

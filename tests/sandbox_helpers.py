@@ -92,7 +92,7 @@ class Ran:
         return os.waitstatus_to_exitcode(self.status) if self.status >= 0 else self.status
 
 
-async def run_in(boxes: Sandboxes, sb: Sandbox, argv: list[str], *, cores=(0,),
+async def run_in(sandboxes: Sandboxes, sb: Sandbox, argv: list[str], *, cores=(0,),
                  mem_limit_mb=None, pids_max=None, env=None, timeout_s=30.0) -> Ran:
     """Run ``argv`` in ``sb`` and wait for it (killed after ``timeout_s``)."""
     loop = asyncio.get_running_loop()
@@ -102,14 +102,14 @@ async def run_in(boxes: Sandboxes, sb: Sandbox, argv: list[str], *, cores=(0,),
     environ = {b"PATH": b"/usr/local/bin:/usr/bin:/bin", b"HOME": b"/workspace"}
     environ.update({k.encode(): v.encode() for k, v in (env or {}).items()})
     try:
-        started = boxes.start(sb, argv=argv, env=environ, cores=list(cores),
+        started = sandboxes.start(sb, argv=argv, env=environ, cores=list(cores),
                               mem_limit_mb=mem_limit_mb, pids_max=pids_max,
                               out_w=out_w, err_w=err_w)
     finally:
         os.close(out_w)
         os.close(err_w)
     done = loop.create_future()
-    boxes.on_exit(started, done.set_result)
+    sandboxes.on_exit(started, done.set_result)
     chunks = {out_r: bytearray(), err_r: bytearray()}
 
     def reader(fd):
@@ -126,9 +126,9 @@ async def run_in(boxes: Sandboxes, sb: Sandbox, argv: list[str], *, cores=(0,),
     try:
         ev = await asyncio.wait_for(asyncio.shield(done), timeout_s)
     except asyncio.TimeoutError:
-        boxes.kill(started)
+        sandboxes.kill(started)
         ev = await done
-    boxes.finished(sb, started)
+    sandboxes.finished(sb, started)
     await asyncio.sleep(0.05)  # the pipes' last bytes
     for fd in chunks:
         loop.remove_reader(fd)

@@ -21,8 +21,8 @@ from metasched.evaluation.recording import record_trace
 
 # A budget and a trainer small enough for the default suite; the loop's own stages.
 TINY_TRAIN = ['train_overrides=["eval.cluster_scale=1.0","eval.seeds=1","eval.freq=128",'
-              '"env.curriculum.enabled=false","agent.n_steps=128","agent.batch_size=64",'
-              '"agent.n_envs=1","agent.vec_env=dummy","checkpoint_freq=256"]']
+              '"env.curriculum.enabled=false","ppo.n_steps=128","ppo.batch_size=64",'
+              '"ppo.n_envs=1","ppo.vec_env=dummy","checkpoint_freq=256"]']
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def test_the_loop_writes_profile_checkpoint_evaluation_and_summary(looped) -> No
     assert meta["training"]["initialised_from"].endswith("checkpoints/default/model.zip")
     assert meta["training"]["resumed_from"] is None
     assert meta["config"]["workload"]["name"] == "small"
-    assert meta["config"]["agent"]["bc"]["decisions"] == 0
+    assert meta["config"]["ppo"]["bc"]["decisions"] == 0
     assert result["training"]["timesteps"] == {"start": 0, "end": 256}
     assert result["training"]["warm_start_validation"]["timesteps"] == 0
     for stage in ("calibrate_s", "train_s", "evaluate_s", "total_s"):

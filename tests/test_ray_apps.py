@@ -221,7 +221,7 @@ def test_serve_fronts_the_actor(ray_cluster, tmp_path):
     ({"backend": "ray", "gpu_standin": 1}, "gpu_standin", "does not apply with backend=ray"),
     ({"backend": "ray", "compact": 60}, "compact", "does not apply with backend=ray"),
     ({"backend": "ray", "ray": {"submit": "rpc"}}, "ray.submit",
-     "must be one of task, agent, stream"),
+     "must be one of task, daemon, stream"),
     ({"backend": "ray", "ray": {"ahead_per_core": -1}}, "ray.ahead_per_core", "must be >= 0"),
     ({"backend": "ray", "ray": {"ahead_per_core": "two"}}, "ray.ahead_per_core",
      "must be a whole number"),

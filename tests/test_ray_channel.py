@@ -1,5 +1,5 @@
-"""The direct stream between a dispatcher and a node's agent (``submit="stream"``): its
-challenge, its frames, and a real :class:`NodeAgent` serving a real :class:`NodeLink`
+"""The direct stream between a dispatcher and a node's daemon (``submit="stream"``): its
+challenge, its frames, and a real :class:`NodeDaemon` serving a real :class:`NodeLink`
 over it (commands run, are cancelled, and end with the stream). Every server here
 listens on 127.0.0.1."""
 
@@ -111,7 +111,7 @@ async def test_a_stream_cut_mid_frame_is_an_error_not_a_message():
     assert isinstance(err, channel.ChannelError) and str(err) == "the stream ended"
 
 
-# --- a real node agent on the stream ---------------------------------------------------
+# --- a real node daemon on the stream ---------------------------------------------------
 
 def _sleeping(marker: str) -> list:
     return running(["sleep", marker])
@@ -127,24 +127,24 @@ async def _wait_for(predicate, timeout_s: float = 10.0) -> bool:
 
 
 def _cmd(*argv: str) -> bytes:
-    from metasched.runtime.ray_backend.node_agent import pack
+    from metasched.runtime.ray_backend.node_daemon import pack
 
     return pack(CommandSpec(argv=argv, timeout_s=30.0), 1, None)
 
 
 @asynccontextmanager
 async def _agent_and_link(secret: bytes | None = None):
-    """A NodeAgent of this process (2 cores, commands unconfined) with a NodeLink on its
+    """A NodeDaemon of this process (2 cores, commands unconfined) with a NodeLink on its
     stream, opened as :meth:`NodeLink.connect` opens it (``secret``: the one the link
-    answers with, if not the agent's); both closed at the end."""
+    answers with, if not the daemon's); both closed at the end."""
     from metasched.runtime.ray_backend.commands import NodeLink
-    from metasched.runtime.ray_backend.node_agent import NodeAgent
+    from metasched.runtime.ray_backend.node_daemon import NodeDaemon
 
-    agent = NodeAgent(SandboxConfig(isolation="none"), [], None, cores=[0, 1])
+    daemon = NodeDaemon(SandboxConfig(isolation="none"), [], None, cores=[0, 1])
     try:
-        assert "error" not in await agent.describe()
+        assert "error" not in await daemon.describe()
         key = channel.new_secret()
-        host, port = await agent.open_stream(key)
+        host, port = await daemon.open_stream(key)
         assert host == "127.0.0.1"  # the node's address as Ray has it: loopback here
         reader, writer = await asyncio.open_connection(host, port)
         await channel.answer_challenge(reader, writer, secret or key)
@@ -154,7 +154,7 @@ async def _agent_and_link(secret: bytes | None = None):
         finally:
             await link.close()
     finally:
-        agent.close()
+        daemon.close()
 
 
 async def test_commands_on_the_stream_run_in_order_and_their_results_come_back(ray_session):
@@ -172,7 +172,7 @@ async def test_a_cancelled_command_is_killed_and_one_behind_it_in_the_queue_runs
         long = link.start(_cmd("sleep", marker))
         waiting = asyncio.ensure_future(long.wait())
         assert await _wait_for(lambda: bool(_sleeping(marker)))
-        waiting.cancel()  # as the dispatcher cancels: the agent kills it
+        waiting.cancel()  # as the dispatcher cancels: the daemon kills it
         gone = await _wait_for(lambda: not _sleeping(marker))
         after = await asyncio.wait_for(link.start(_cmd("/bin/echo", "next")).wait(), 30)
     assert gone and after.ok and after.stdout.strip() == "next"
@@ -196,10 +196,10 @@ async def test_a_peer_with_the_wrong_secret_runs_nothing(ray_session, tmp_path):
 
     async with _agent_and_link(secret=channel.new_secret()) as link:
         cmd = link.start(_cmd("/bin/touch", str(flag)))
-        out = await asyncio.wait_for(cmd.wait(), 30)  # the agent hung up
+        out = await asyncio.wait_for(cmd.wait(), 30)  # the daemon hung up
         await asyncio.sleep(0.2)
         out = out
-    assert not out.ok and out.reason.startswith("ray: lost the node's agent (")
+    assert not out.ok and out.reason.startswith("ray: lost the node's daemon (")
     assert not flag.exists()
 
 
@@ -215,5 +215,5 @@ async def test_commands_started_on_a_broken_stream_fail_with_the_reason():
         first = await asyncio.wait_for(link.start(b"never read").wait(), 10)
         later = await link.start(b"never sent").wait()
         await link.close()
-    assert not first.ok and first.reason.startswith("ray: lost the node's agent (")
+    assert not first.ok and first.reason.startswith("ray: lost the node's daemon (")
     assert later.reason == first.reason

@@ -1,8 +1,8 @@
 """The dispatcher's functional tests on both backends: this machine (``local``) and a Ray
 cluster (``ray``: the dispatcher as a named actor, commands as node-pinned tasks run by
-each node's agent, GPU services in GPU actors), through the same interface (``submit`` /
+each node's daemon, GPU services in GPU actors), through the same interface (``submit`` /
 ``accept`` / ``enqueue`` / ``stats``), durability included (journal, a killed
-dispatcher, dedup by id), and confinement (bwrap sandboxes and cgroup slots: no network,
+dispatcher, dedup by id), and sandboxes (bwrap sandboxes and cgroup slots: no network,
 no writes outside the workspace, cores and memory held, a trajectory's workspace kept).
 
 Ray runs here as one local node bound to 127.0.0.1, started once for the module (Ray
@@ -448,13 +448,13 @@ async def test_ray_commands_hold_their_cores_in_rays_accounting(ray_cluster):
 
 
 def test_ray_agent_submission_holds_the_dispatchers_cores_while_it_runs(ray_cluster):
-    """submit="agent": commands are calls to the node's agent (no task each), and the
-    agent holds the dispatcher's cores in Ray's accounting until the dispatcher stops."""
+    """submit="daemon": commands are calls to the node's daemon (no task each), and the
+    daemon holds the dispatcher's cores in Ray's accounting until the dispatcher stops."""
     from metasched.runtime.ray_backend import start_dispatcher, stop_dispatcher
 
     RaySide().release_shared()
     name = f"test-{uuid.uuid4().hex[:8]}"
-    handle = start_dispatcher(cfg(), name=name, submit="agent")
+    handle = start_dispatcher(cfg(), name=name, submit="daemon")
     try:
         with handle.sync() as d:
             r = d.submit(cpu(PY, "-c", "import os; print(len(os.sched_getaffinity(0)))",
@@ -475,7 +475,7 @@ def test_ray_unknown_submission_mode_is_one_line(ray_cluster):
     from metasched.runtime.ray_backend import start_dispatcher
 
     RaySide().release_shared()
-    with pytest.raises(ConfigError, match="submit: must be one of task, agent, stream"):
+    with pytest.raises(ConfigError, match="submit: must be one of task, daemon, stream"):
         start_dispatcher(cfg(), name=f"test-{uuid.uuid4().hex[:8]}", submit="carrier")
 
 
@@ -523,7 +523,7 @@ async def test_commands_carry_their_action_id(side):
     assert r.ok and r.stdout.strip() == "who"
 
 
-# ---------------------------------------------------------------------- confinement
+# ---------------------------------------------------------------------- sandboxes
 
 
 @pytest.fixture
@@ -626,7 +626,7 @@ async def test_a_trajectorys_workspace_persists_across_its_actions_only(boxed):
         assert first.allocation["node"] == again.allocation["node"]
 
 
-# ---------------------------------------------------------------------- pipelining
+# ---------------------------------------------------------------------- handing ahead
 
 
 def test_the_local_backend_has_no_node_queue_to_hand_ahead_to():
@@ -648,14 +648,14 @@ async def _peak_queued(d, until: asyncio.Future) -> int:
     """The most commands the node held ahead, by the dispatcher's stats, until ``until``."""
     peak = 0
     while not until.done():
-        peak = max(peak, *(await d.astats())["queued_at_node"])
+        peak = max(peak, *(await d.astats())["ahead_at_node"])
         await asyncio.sleep(0.02)
     return peak
 
 
 @pytest.mark.isolation
 @pytest.mark.parametrize("submit", [  # the default way, and task's, in the default suite
-    "stream", "task", pytest.param("agent", marks=pytest.mark.slow)])  # (~15 s each)
+    "stream", "task", pytest.param("daemon", marks=pytest.mark.slow)])  # (~15 s each)
 async def test_ray_commands_handed_ahead_run_once_each_in_their_sandbox_within_the_cores(
         ray_cluster, submit):
     """With commands handed to the node ahead of its free cores, every command runs, once,
@@ -712,15 +712,15 @@ async def test_ray_a_drain_with_commands_handed_ahead_finishes_them_all(ray_clus
         for i in range(n):
             handle.accept(cpu("/bin/sh", "-c", f"echo {i} >> {log}; sleep 0.2"))
         for _ in range(200):
-            if (await handle.astats())["queued_at_node"] == [2 * RAY_CPUS]:
+            if (await handle.astats())["ahead_at_node"] == [2 * RAY_CPUS]:
                 break
             await asyncio.sleep(0.02)
-        queued = (await handle.astats())["queued_at_node"]
+        queued = (await handle.astats())["ahead_at_node"]
     finally:
         await handle.aclose()
         stats = await asyncio.to_thread(stop_dispatcher, name, drain=True)
     assert queued == [2 * RAY_CPUS]
-    assert (stats["done"], stats["failed"], stats["queued_at_node"]) == (n, 0, [0])
+    assert (stats["done"], stats["failed"], stats["ahead_at_node"]) == (n, 0, [0])
     assert sorted(log.read_text().split()) == sorted(str(i) for i in range(n))
 
 
@@ -745,12 +745,12 @@ async def test_ray_a_killed_dispatcher_with_commands_handed_ahead_loses_nothing(
         futs = [handle.accept(cpu("/bin/sh", "-c", wait, id=f"w{i}", timeout_s=120))
                 for i in range(n)]
         for _ in range(400):
-            if len(pids()) == RAY_CPUS and (await handle.astats())["queued_at_node"] == [
+            if len(pids()) == RAY_CPUS and (await handle.astats())["ahead_at_node"] == [
                     n - RAY_CPUS]:
                 break
             await asyncio.sleep(0.025)
         first = pids()
-        queued = (await handle.astats())["queued_at_node"]
+        queued = (await handle.astats())["ahead_at_node"]
         await RaySide().crash(handle)
         for _ in range(400):  # the orphans killed, the first two of the six run again
             if len(pids()) == 2 * RAY_CPUS and not any(_alive(p) for p in first):

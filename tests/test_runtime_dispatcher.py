@@ -389,9 +389,9 @@ async def test_task_demand_sizes_the_partitioning_baselines(demand, guard_fired)
 
 
 async def test_request_estimates_are_what_the_scheduler_sees():
-    """estimates="request": the caller's est_s stands after the signature has run (as
+    """estimates="given": the caller's est_s stands after the signature has run (as
     each action's own estimate does in simulation); without one, the cost model's."""
-    async with Dispatcher(cfg(estimates="request")) as d:
+    async with Dispatcher(cfg(estimates="given")) as d:
         req = cpu("/bin/true", name="nap", est_s=50.0)
         await d.submit(req)
         d.accept(dict(req, id="next", est_s=7.0))
@@ -406,8 +406,8 @@ async def test_request_estimates_are_what_the_scheduler_sees():
 async def test_cgroup_parent_that_is_not_a_cgroup_falls_back_to_affinity(tmp_path, caplog):
     sandbox = SandboxConfig(cgroups="v2", cgroup_parent=str(tmp_path))
     (r,), d = await dispatch([cpu("/bin/true")], cfg(sandbox=sandbox))
-    assert r.ok and d.boxes.tree is None
-    assert any("cgroup confinement incomplete" in m and "not a cgroup v2 directory" in m
+    assert r.ok and d.sandboxes.tree is None
+    assert any("sandbox cgroups incomplete" in m and "not a cgroup v2 directory" in m
                and "CPU affinity" in m for m in caplog.messages)
 
 
@@ -660,16 +660,17 @@ async def test_close_without_drain_kills_commands_whose_task_never_ran(tmp_path)
 
 async def test_cgroups_without_favordynmods_are_a_note_on_the_confinement_line(caplog):
     """A cgroup mount without ``favordynmods`` is harmless (milliseconds after an idle
-    spell): said as a note in the one confinement line, not as a warning of its own."""
+    spell): said as a note in the one sandboxes line, not as a warning of its own."""
     import logging
 
     caplog.set_level(logging.INFO)
     (r,), d = await dispatch([cpu("/bin/true")])
-    if d.boxes.tree is None:
+    if d.sandboxes.tree is None:
         pytest.skip("no writable cgroups here")
     assert r.ok
     assert not any("favordynmods" in rec.getMessage() for rec in caplog.records
                    if rec.levelno >= logging.WARNING)
-    line = next(m for m in caplog.messages if m.startswith("confinement: "))
-    assert ("note: mounted without favordynmods" in line) is not d.boxes.hierarchies.favordynmods
+    line = next(m for m in caplog.messages if m.startswith("sandboxes: "))
+    favordynmods = d.sandboxes.hierarchies.favordynmods
+    assert ("note: mounted without favordynmods" in line) is not favordynmods
     assert "\n" not in line

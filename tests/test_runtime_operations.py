@@ -21,7 +21,7 @@ from helpers import dispatcher_config as cfg
 from metasched.errors import ConfigError
 from metasched.runtime.dispatch import Dispatcher
 from metasched.runtime.journal import Journal, JournalLocked
-from metasched.runtime.journal_docs import StoredRequest
+from metasched.runtime.journal_rows import StoredRequest
 from metasched.runtime.requests import MAX_SECONDS
 from metasched.runtime.sandbox.config import SandboxConfig
 

@@ -545,15 +545,15 @@ def run_confined(argv: list[str], cgroups: str, **kwargs) -> Outcome:
     from metasched.runtime.sandbox.manager import Sandboxes
 
     async def go() -> Outcome:
-        boxes = Sandboxes(SandboxConfig(isolation="none", cgroups=cgroups))
-        boxes.attach(asyncio.get_running_loop())
+        sandboxes = Sandboxes(SandboxConfig(isolation="none", cgroups=cgroups))
+        sandboxes.attach(asyncio.get_running_loop())
         try:
             kwargs.setdefault("cores", CPUS[:1])
             kwargs.setdefault("timeout_s", 10.0)
-            return await run_process(argv, confinement=boxes, **kwargs)
+            return await run_process(argv, sandboxes=sandboxes, **kwargs)
         finally:
             await asyncio.sleep(0.05)  # the slot's release
-            boxes.close()
+            sandboxes.close()
     return asyncio.run(go())
 
 

@@ -69,7 +69,7 @@ def test_device_minor_of_a_standin_is_none_and_nvml_failure_is_an_error():
 
 @pytest.fixture
 def sandbox_dev_root(dev) -> str:
-    """``boxes`` with the fake device nodes of ``dev``."""
+    """``sandboxes`` with the fake device nodes of ``dev``."""
     return str(dev)
 
 
@@ -81,33 +81,33 @@ PROBE = ("for n in nvidiactl nvidia0 nvidia1; do "
          "else echo \"$n refused\"; fi; done")
 
 
-def bwraps(boxes: Sandboxes) -> int:
+def bwraps(sandboxes: Sandboxes) -> int:
     """bwrap processes the sandbox server holds (one per open sandbox)."""
-    server = psutil.Process(boxes.server.pid)
+    server = psutil.Process(sandboxes.server.pid)
     return sum(1 for p in server.children() if p.name() == "bwrap")
 
 
-def slot_dirs(boxes: Sandboxes) -> list[str]:
-    return sorted(e.name for d in boxes.tree.directories() for e in os.scandir(d)
-                  if e.is_dir()) if boxes.tree is not None else []
+def slot_dirs(sandboxes: Sandboxes) -> list[str]:
+    return sorted(e.name for d in sandboxes.tree.directories() for e in os.scandir(d)
+                  if e.is_dir()) if sandboxes.tree is not None else []
 
 
-async def test_a_gpu_command_sees_its_gpu_alone_and_its_trajectorys_workspace(boxes, dev):
-    boxes.attach(asyncio.get_running_loop())
-    sb = boxes.open("t1", size_mb=64, template=None, network=False)
+async def test_a_gpu_command_sees_its_gpu_alone_and_its_trajectorys_workspace(sandboxes, dev):
+    sandboxes.attach(asyncio.get_running_loop())
+    sb = sandboxes.open("t1", size_mb=64, template=None, network=False)
     await sb.ready
-    wrote = await run_in(boxes, sb, ["sh", "-c", "echo from-cpu > note; echo t > /tmp/t"])
-    g0 = boxes.gpu_sandbox(sb, 0)
-    assert boxes.gpu_sandbox(sb, 0) is g0 and g0 is not sb  # one per (sandbox, GPU)
-    g1 = boxes.gpu_sandbox(sb, 1)
-    gpu = await run_in(boxes, g0, ["sh", "-c", PROBE + "; cat note /tmp/t; "
+    wrote = await run_in(sandboxes, sb, ["sh", "-c", "echo from-cpu > note; echo t > /tmp/t"])
+    g0 = sandboxes.gpu_sandbox(sb, 0)
+    assert sandboxes.gpu_sandbox(sb, 0) is g0 and g0 is not sb  # one per (sandbox, GPU)
+    g1 = sandboxes.gpu_sandbox(sb, 1)
+    gpu = await run_in(sandboxes, g0, ["sh", "-c", PROBE + "; cat note /tmp/t; "
                                    "echo from-gpu > back; id -u; pwd"])
-    other = await run_in(boxes, g1, ["sh", "-c", PROBE])
-    cpu = await run_in(boxes, sb, ["sh", "-c", PROBE + "; cat back; id -u"])
-    open_boxes, used, slots = bwraps(boxes), set(boxes.uids._used), slot_dirs(boxes)
-    boxes.close_trajectory("t1")
+    other = await run_in(sandboxes, g1, ["sh", "-c", PROBE])
+    cpu = await run_in(sandboxes, sb, ["sh", "-c", PROBE + "; cat back; id -u"])
+    open_boxes, used, slots = bwraps(sandboxes), set(sandboxes.uids._used), slot_dirs(sandboxes)
+    sandboxes.close_trajectory("t1")
     await asyncio.sleep(0.3)  # the sandboxes' processes exit
-    left = bwraps(boxes)
+    left = bwraps(sandboxes)
     assert wrote.code == 0 and gpu.code == 0 and cpu.code == 0, (gpu.stderr, cpu.stderr)
     assert gpu.stdout.split("\n")[:3] == ["nvidiactl open", "nvidia0 open", "nvidia1 absent"]
     assert gpu.stdout.split("\n")[3:7] == ["from-cpu", "t", str(sb.uid), "/workspace"]
@@ -117,26 +117,26 @@ async def test_a_gpu_command_sees_its_gpu_alone_and_its_trajectorys_workspace(bo
                                           "nvidia1 absent", "from-gpu", str(sb.uid)]
     assert open_boxes == 3 and left == 0  # the trajectory's and its two GPUs'
     assert sb.closed and g0.closed and g1.closed and not sb.gpus
-    assert used == {sb.uid} and not boxes.uids._used  # the GPUs' run as the trajectory
-    assert bool(slots) == (boxes.tree is not None)  # the commands' cgroup slots...
-    assert slot_dirs(boxes) == []  # ...removed with their sandboxes
+    assert used == {sb.uid} and not sandboxes.uids._used  # the GPUs' run as the trajectory
+    assert bool(slots) == (sandboxes.tree is not None)  # the commands' cgroup slots...
+    assert slot_dirs(sandboxes) == []  # ...removed with their sandboxes
 
 
-async def test_without_a_device_node_a_gpu_command_runs_in_its_own_sandbox(boxes):
-    boxes.attach(asyncio.get_running_loop())
-    sb = boxes.open("t1", size_mb=64, template=None, network=False)
+async def test_without_a_device_node_a_gpu_command_runs_in_its_own_sandbox(sandboxes):
+    sandboxes.attach(asyncio.get_running_loop())
+    sb = sandboxes.open("t1", size_mb=64, template=None, network=False)
     await sb.ready
-    standin, missing = boxes.gpu_sandbox(sb, None), boxes.gpu_sandbox(sb, 5)
+    standin, missing = sandboxes.gpu_sandbox(sb, None), sandboxes.gpu_sandbox(sb, 5)
     assert standin is sb and missing is sb and not sb.gpus
 
 
-async def test_trajectory_less_gpu_commands_get_private_workspaces_and_their_gpu(boxes):
-    boxes.attach(asyncio.get_running_loop())
-    sb = boxes.shared(network=False)
+async def test_trajectory_less_gpu_commands_get_private_workspaces_and_their_gpu(sandboxes):
+    sandboxes.attach(asyncio.get_running_loop())
+    sb = sandboxes.shared(network=False)
     await sb.ready
-    g = boxes.gpu_sandbox(sb, 1)
-    a = await run_in(boxes, g, ["sh", "-c", PROBE + "; echo a > mine; id -u"])
-    b = await run_in(boxes, g, ["sh", "-c", "ls -A /workspace; id -u"])
+    g = sandboxes.gpu_sandbox(sb, 1)
+    a = await run_in(sandboxes, g, ["sh", "-c", PROBE + "; echo a > mine; id -u"])
+    b = await run_in(sandboxes, g, ["sh", "-c", "ls -A /workspace; id -u"])
     assert a.code == 0 and b.code == 0, (a.stderr, b.stderr)
     assert a.stdout.split("\n")[:3] == ["nvidiactl open", "nvidia0 absent", "nvidia1 open"]
     assert "mine" not in b.stdout
@@ -172,16 +172,16 @@ async def test_the_dispatcher_runs_a_trajectorys_gpu_command_with_its_gpu_alone(
                 "trajectory": "t1", "turn": turn}
 
     async with Dispatcher(config) as d:
-        before = sorted(os.listdir(d.backend.run_dir.path)), bwraps(d.boxes)
+        before = sorted(os.listdir(d.backend.run_dir.path)), bwraps(d.sandboxes)
         first = await d.submit(cmd("cpu", PROBE + "; echo from-cpu > note", 0))
         gpu = await d.submit(cmd("gpu", PROBE + "; cat note; echo $CUDA_VISIBLE_DEVICES;"
                                  " echo from-gpu > back", 1))
         last = await d.submit(cmd("cpu", PROBE + "; cat back", 2))
-        during = bwraps(d.boxes)
+        during = bwraps(d.sandboxes)
         d.close_trajectory("t1")
         await asyncio.sleep(0.3)  # the sandboxes' processes exit
-        after = sorted(os.listdir(d.backend.run_dir.path)), bwraps(d.boxes)
-        slots = slot_dirs(d.boxes)
+        after = sorted(os.listdir(d.backend.run_dir.path)), bwraps(d.sandboxes)
+        slots = slot_dirs(d.sandboxes)
     assert first.ok and gpu.ok and last.ok, (first.reason, gpu.reason, gpu.stderr)
     assert gpu.allocation["device"] == 0
     assert gpu.stdout.split("\n")[:5] == ["nvidiactl open", "nvidia0 open", "nvidia1 absent",
@@ -196,9 +196,9 @@ async def test_the_dispatcher_runs_a_trajectorys_gpu_command_with_its_gpu_alone(
 @pytest.mark.isolation
 async def test_a_ray_node_agent_runs_a_gpu_command_with_its_gpu_alone(dev, monkeypatch,
                                                                      tmp_path):
-    """The node agent's launch path (what a Ray node runs for a granted command, called
+    """The node daemon's launch path (what a Ray node runs for a granted command, called
     here in this process: Ray's transport is not what is checked): a gpu command's spec
-    names its GPU's NVML index, and the agent runs it in its trajectory's sandbox for
+    names its GPU's NVML index, and the daemon runs it in its trajectory's sandbox for
     that GPU; the trajectory's cpu command sees no GPU node; both share the workspace;
     closing the trajectory ends both sandboxes."""
     pytest.importorskip("ray")
@@ -206,7 +206,7 @@ async def test_a_ray_node_agent_runs_a_gpu_command_with_its_gpu_alone(dev, monke
 
     from metasched.runtime.backend import CommandSpec
     from metasched.runtime.gpu import devices as gpu_mod
-    from metasched.runtime.ray_backend.node_agent import BoxSpec, NodeAgent, pack
+    from metasched.runtime.ray_backend.node_daemon import BoxSpec, NodeDaemon, pack
     from metasched.runtime.sandbox import devices as devices_mod
 
     monkeypatch.setattr(devices_mod, "DEV_ROOT", str(dev))
@@ -216,17 +216,17 @@ async def test_a_ray_node_agent_runs_a_gpu_command_with_its_gpu_alone(dev, monke
     def spec(script, gpu=None):
         return CommandSpec(("sh", "-c", script), 30.0, {"PATH": "/usr/bin:/bin"}, gpu=gpu)
 
-    agent = NodeAgent(SandboxConfig(isolation="bwrap"), [], str(tmp_path))
+    daemon = NodeDaemon(SandboxConfig(isolation="bwrap"), [], str(tmp_path))
     try:
-        cpu = pickle.loads(await agent.run(pack(spec(PROBE + "; echo c > note"), [0], box)))
-        gpu = pickle.loads(await agent.run(pack(spec(PROBE + "; cat note", gpu=3), [0],
+        cpu = pickle.loads(await daemon.run(pack(spec(PROBE + "; echo c > note"), [0], box)))
+        gpu = pickle.loads(await daemon.run(pack(spec(PROBE + "; cat note", gpu=3), [0],
                                                 box)))
-        during = bwraps(agent.boxes)
-        agent.close_trajectory("t1")
+        during = bwraps(daemon.sandboxes)
+        daemon.close_trajectory("t1")
         await asyncio.sleep(0.3)
-        after = bwraps(agent.boxes)
+        after = bwraps(daemon.sandboxes)
     finally:
-        agent.close()
+        daemon.close()
     assert cpu.ok and gpu.ok, (cpu.reason, gpu.reason)
     assert cpu.stdout.split("\n")[:3] == ["nvidiactl absent", "nvidia0 absent",
                                           "nvidia1 absent"]
@@ -235,19 +235,19 @@ async def test_a_ray_node_agent_runs_a_gpu_command_with_its_gpu_alone(dev, monke
     assert during - after == 2
 
 
-async def test_a_gpu_command_sees_the_pci_devices_and_a_cpu_command_does_not(boxes):
+async def test_a_gpu_command_sees_the_pci_devices_and_a_cpu_command_does_not(sandboxes):
     if not os.path.isdir("/sys/bus/pci/devices") or not os.listdir("/sys/bus/pci/devices"):
         pytest.skip("no PCI device in /sys here")
     first = sorted(os.listdir("/sys/bus/pci/devices"))[0]
     probe = ["sh", "-c", f"cat /sys/bus/pci/devices/{first}/vendor || echo none; "
              "test -e /sys/class/net && echo net || echo no-net"]
 
-    boxes.attach(asyncio.get_running_loop())
-    sb = boxes.open("t1", size_mb=64, template=None, network=False)
+    sandboxes.attach(asyncio.get_running_loop())
+    sb = sandboxes.open("t1", size_mb=64, template=None, network=False)
     await sb.ready
-    gpu = await run_in(boxes, boxes.gpu_sandbox(sb, 0), probe)
-    cpu = await run_in(boxes, sb, probe)
-    boxes.close_trajectory("t1")
+    gpu = await run_in(sandboxes, sandboxes.gpu_sandbox(sb, 0), probe)
+    cpu = await run_in(sandboxes, sb, probe)
+    sandboxes.close_trajectory("t1")
     vendor = open(f"/sys/bus/pci/devices/{first}/vendor").read().strip()
     assert gpu.stdout.split() == [vendor, "no-net"], gpu.stderr
     assert cpu.stdout.split() == ["none", "no-net"]

@@ -1,4 +1,4 @@
-"""``sandbox.isolation: gvisor``: what its sandboxes guarantee beyond the confinement
+"""``sandbox.isolation: gvisor``: what its sandboxes guarantee beyond the sandboxes
 suite that runs on both modes (test_security_sandbox_root, test_security_sandbox_net,
 test_sandbox_isolation): a granted core confines the whole container on the host, a
 command's end leaves nothing of it in the sandbox (seen from inside, where the host
@@ -107,14 +107,14 @@ async def test_four_busy_processes_granted_one_core_use_one_core(gvisor_mode):
         job = asyncio.ensure_future(d.submit(cpu(COMMAND_PY, "-c", BUSY, trajectory="t")))
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            sb = d.boxes.get("t")
+            sb = d.sandboxes.get("t")
             if sb is not None and sb.ready.done():
                 break
             await asyncio.sleep(0.05)
-        tag = f"{d.boxes.gvisor.prefix}{sb.sid} "
-        boxes = [pid for pid, line in _containers(tag) if " boot " in line]
+        tag = f"{d.sandboxes.gvisor.prefix}{sb.sid} "
+        sandboxes = [pid for pid, line in _containers(tag) if " boot " in line]
         await asyncio.sleep(1.5)  # the processes are running
-        pid = boxes[0]
+        pid = sandboxes[0]
         before, t0 = _threads(pid), time.monotonic()
         cpus = (_cpuset(pid) / "cpuset.cpus").read_text().strip()
         await asyncio.sleep(2.0)
@@ -181,10 +181,10 @@ async def test_a_trajectorys_end_removes_its_container_and_bundle(gvisor_mode):
     async with Dispatcher(sandboxed_config()) as d:
         r = await d.submit(cpu("/bin/sh", "-c", "echo kept > /workspace/f; cat f",
                                trajectory="t"))
-        sid = d.boxes.get("t").sid
-        tag = f"{d.boxes.gvisor.prefix}{sid} "  # (the warm ones are other containers)
+        sid = d.sandboxes.get("t").sid
+        tag = f"{d.sandboxes.gvisor.prefix}{sid} "  # (the warm ones are other containers)
         running = [pid for pid, line in _containers(tag) if " boot " in line]
-        bundles = [Path(d.boxes.gvisor.directory) / f"sandbox-{sid}"]
+        bundles = [Path(d.sandboxes.gvisor.directory) / f"sandbox-{sid}"]
         assert bundles[0].exists()
         d.close_trajectory("t")
         deadline = time.monotonic() + 10
@@ -254,9 +254,9 @@ def test_a_missing_runsc_refuses_the_mode_in_one_line(monkeypatch, tmp_path):
 
 @pytest.mark.gvisor
 def test_the_startup_line_says_gvisor(gvisor_mode):
-    boxes = Sandboxes(SandboxConfig(isolation="gvisor", cgroups="none"))
+    sandboxes = Sandboxes(SandboxConfig(isolation="gvisor", cgroups="none"))
     try:
-        line = boxes.describe()
+        line = sandboxes.describe()
     finally:
-        boxes.close()
-    assert line.startswith("confinement: gVisor (runsc version"), line
+        sandboxes.close()
+    assert line.startswith("sandboxes: gVisor (runsc version"), line

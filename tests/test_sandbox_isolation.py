@@ -158,7 +158,7 @@ async def test_cannot_signal_another_job_or_the_dispatcher():
                     pids.setdefault(str(len(pids)), proc.pid)
             if len(pids) >= 2:
                 break
-        targets = [*pids.values(), os.getpid(), d.boxes.server.pid]
+        targets = [*pids.values(), os.getpid(), d.sandboxes.server.pid]
         attacks = await asyncio.gather(
             d.submit(cpu(f"""
                 import os, signal

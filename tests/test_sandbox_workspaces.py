@@ -32,7 +32,7 @@ async def test_a_file_lives_as_long_as_its_trajectory(closed_by):
             d.close_trajectory("t")
         elif closed_by == "idle":
             await asyncio.sleep(1.0)  # > trajectory_idle_s, ticks of 0.05 s
-        assert d.boxes.get("t") is None  # the sandbox (and its workspace) is gone
+        assert d.sandboxes.get("t") is None  # the sandbox (and its workspace) is gone
         after = await d.submit(sh("ls -A; cat notes.txt", trajectory="t", turn=0))
     assert wrote.ok and read.ok, (wrote.stderr, read.stderr)
     assert read.stdout == "step1\n"

@@ -213,7 +213,7 @@ def test_run_code_with_network_cannot_reach_the_service():
 async def test_the_network_stack_ends_with_its_sandbox():
     async with Dispatcher(cfg()) as d:
         r = await d.submit(probe(network=True, trajectory="t"))
-        init = d.boxes.get("t").init_pid
+        init = d.sandboxes.get("t").init_pid
         stacks = _stacks(init)
         d.close_trajectory("t")
         for _ in range(100):

@@ -336,11 +336,11 @@ async def test_user_namespaces_are_refused(argv):
 
 
 def test_the_startup_line_says_user_namespaces_are_refused():
-    boxes = Sandboxes(SandboxConfig(isolation=MODE["isolation"], cgroups="none"))
+    sandboxes = Sandboxes(SandboxConfig(isolation=MODE["isolation"], cgroups="none"))
     try:
-        line = boxes.describe()
+        line = sandboxes.describe()
     finally:
-        boxes.close()
+        sandboxes.close()
     assert "minimal root, no user namespaces" in line
 
 

@@ -1,7 +1,7 @@
 """The E2B-compatible API (/e2b) driven by the unmodified ``e2b`` SDK against a real
 metasched-serve on 127.0.0.1: many sandboxes at once, each an agent loop of commands
 and file writes and reads; a background process killed; a sandbox timeout expiring;
-path confinement; API keys and access tokens. After each sandbox ends nothing of it
+path sandboxes; API keys and access tokens. After each sandbox ends nothing of it
 is left: no trajectory, no sandbox (its namespaces and tmpfs workspace), no process."""
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ def processes_with(marker: str) -> list[int]:
 
 def sandbox_pid(srv, sandbox_id: str) -> int | None:
     """The init pid of the sandbox's namespaces (which hold its tmpfs workspace)."""
-    boxes = srv.dispatcher.boxes
-    box = boxes.get(f"e2b-{sandbox_id}") if boxes is not None else None
+    sandboxes = srv.dispatcher.sandboxes
+    box = sandboxes.get(f"e2b-{sandbox_id}") if sandboxes is not None else None
     return box.init_pid if box is not None else None
 
 

@@ -357,7 +357,7 @@ def test_reserved_device_busy_with_other_task_is_not_idle(state):
     assert tot[GPU_BUSY] + tot[GPU_HELD] <= 1.0 + 1e-9
 
 
-# ---------------------------------------------------------------------- pipelining
+# ---------------------------------------------------------------------- handing ahead
 
 
 @pytest.fixture

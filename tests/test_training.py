@@ -18,9 +18,9 @@ from metasched.core.observation import ObsConfig
 from metasched.errors import ConfigError
 from metasched.sim.simulator import Simulator
 
-TINY = ["workload=rm_math", "workload.trajectories_per_step=8", "agent.total_timesteps=512",
-        "agent.n_steps=128", "agent.batch_size=64", "agent.n_envs=1", "agent.vec_env=dummy",
-        "agent.bc.decisions=300", "agent.bc.epochs=1", "agent.bc.dagger_decisions=100",
+TINY = ["workload=rm_math", "workload.trajectories_per_step=8", "ppo.total_timesteps=512",
+        "ppo.n_steps=128", "ppo.batch_size=64", "ppo.n_envs=1", "ppo.vec_env=dummy",
+        "ppo.bc.decisions=300", "ppo.bc.epochs=1", "ppo.bc.dagger_decisions=100",
         "eval.freq=256", "eval.seeds=1", "checkpoint_freq=256", "env.curriculum.enabled=false"]
 
 
@@ -53,7 +53,7 @@ def test_metadata_records_schema_config_seeds_and_validation(run):
     schema = meta["obs_schema"]
     assert {k: schema[k] for k in cfg["obs"]} == cfg["obs"]
     assert "slot_features" in schema and "version" in schema
-    assert meta["config"]["agent"]["total_timesteps"] == 512
+    assert meta["config"]["ppo"]["total_timesteps"] == 512
     assert meta["config"]["workload"]["name"] == "rm_math"
     training = meta["training"]
     assert training["seed"] == cfg["seed"]
@@ -71,7 +71,7 @@ def test_metadata_records_schema_config_seeds_and_validation(run):
     assert 0 < meta["parameters"] < 50_000
     saved = json.loads((out / "train_summary.json").read_text())
     assert saved["final_validation"]["mean_act_s"] == pytest.approx(val["mean_act_s"])
-    rounds = cfg["agent"]["bc"]["dagger_rounds"]
+    rounds = cfg["ppo"]["bc"]["dagger_rounds"]
     assert rounds >= 1  # one epoch per fit: the clone's, then one per DAgger round
     assert len(saved["bc_losses"]) == 1 + rounds and min(saved["bc_losses"]) > 0
 
@@ -94,7 +94,7 @@ def _stats(path):
 
 def test_vecnormalize_statistics_are_saved_with_the_model(run):
     cfg, out, _ = run
-    assert cfg["agent"]["normalize_reward"] and not cfg["agent"]["normalize_obs"]
+    assert cfg["ppo"]["normalize_reward"] and not cfg["ppo"]["normalize_obs"]
     for which in ("checkpoint", "best"):
         meta = json.loads((out / which / "metadata.json").read_text())
         assert meta["normalization"] == {"obs": False, "reward": True}
@@ -112,7 +112,7 @@ def resumed(run, tmp_path_factory):
 
     _, out, _ = run
     n = torch.get_num_threads()
-    cfg = compose("train", [*TINY, f"resume={out / 'checkpoint'}", "agent.total_timesteps=768"])
+    cfg = compose("train", [*TINY, f"resume={out / 'checkpoint'}", "ppo.total_timesteps=768"])
     out2 = tmp_path_factory.mktemp("resumed")
     summary = run_train(cfg, out2, progress=False)
     torch.set_num_threads(n)
@@ -159,9 +159,9 @@ def test_resume_from_a_periodic_sb3_checkpoint(run, tmp_path):
 
 
 @pytest.mark.parametrize("overrides, field", [
-    (["agent.total_timesteps=512"], "agent.total_timesteps"),  # trained that much already
+    (["ppo.total_timesteps=512"], "ppo.total_timesteps"),  # trained that much already
     (["obs.k_slots=8"], "obs"),
-    (["agent.normalize_reward=false"], "agent.normalize_reward"),
+    (["ppo.normalize_reward=false"], "ppo.normalize_reward"),
 ])
 def test_bad_resume_is_one_line_before_anything_is_written(run, tmp_path, overrides, field):
     from metasched.cli.train_app import run_train
@@ -180,7 +180,7 @@ def warm(run, tmp_path_factory):
 
     _, out, _ = run
     n = torch.get_num_threads()
-    cfg = compose("train", [*TINY, f"init={out / 'checkpoint'}", "agent.total_timesteps=256",
+    cfg = compose("train", [*TINY, f"init={out / 'checkpoint'}", "ppo.total_timesteps=256",
                             "seed=3"])
     out2 = tmp_path_factory.mktemp("warm")
     summary = run_train(cfg, out2, progress=False)
@@ -213,8 +213,8 @@ def test_init_warm_starts_a_new_run_from_weights_and_statistics(warm):
 @pytest.mark.parametrize("overrides, field", [
     (["resume={ckpt}"], "init"),  # both at once
     (["obs.k_slots=8"], "obs"),
-    (["agent.normalize_reward=false"], "agent.normalize_reward"),
-    (["agent.hidden=32"], "agent.hidden"),  # another network shape
+    (["ppo.normalize_reward=false"], "ppo.normalize_reward"),
+    (["ppo.hidden=32"], "ppo.hidden"),  # another network shape
 ])
 def test_bad_init_is_one_line_before_anything_is_written(run, tmp_path, overrides, field):
     from metasched.cli.train_app import run_train
@@ -229,14 +229,14 @@ def test_bad_init_is_one_line_before_anything_is_written(run, tmp_path, override
 
 
 def test_normalised_observations_are_applied_at_inference(tmp_path):
-    """With agent.normalize_obs the checkpoint's NumPy policy carries the statistics and
+    """With ppo.normalize_obs the checkpoint's NumPy policy carries the statistics and
     decides as SB3's predict does on VecNormalize-normalised observations."""
     from stable_baselines3.common.vec_env import VecNormalize
 
     from metasched.cli.train_app import run_train
 
     n = torch.get_num_threads()
-    cfg = compose("train", [*TINY, "agent.normalize_obs=true", "agent.total_timesteps=256"])
+    cfg = compose("train", [*TINY, "ppo.normalize_obs=true", "ppo.total_timesteps=256"])
     run_train(cfg, tmp_path, progress=False)
     torch.set_num_threads(n)
     ckpt = tmp_path / "checkpoint"
@@ -284,18 +284,18 @@ def test_tensorboard_logs(run):
 
 
 @pytest.mark.parametrize("override, field", [
-    ("agent.total_timesteps=0", "agent.total_timesteps"),
-    ("agent.learning_rate=-1", "agent.learning_rate"),
-    ("agent.gamma=1.5", "agent.gamma"),
+    ("ppo.total_timesteps=0", "ppo.total_timesteps"),
+    ("ppo.learning_rate=-1", "ppo.learning_rate"),
+    ("ppo.gamma=1.5", "ppo.gamma"),
     ("obs.levels=1", "obs.levels"),
     ("obs.k_slots=0", "obs.k_slots"),
     ("obs.max_nodes=1", "obs"),          # rm_math has two nodes
     ("obs.max_services=2", "obs"),       # and three reward models
     ("seed=-1", "seed"),
-    ("agent.bc.expert=oracle", "agent.bc.expert"),
+    ("ppo.bc.expert=oracle", "ppo.bc.expert"),
     ("eval.reference=oracle", "eval.reference"),
     ("obs.advisor=oracle", "obs.advisor"),
-    ("agent.bc.profiles=[mixed,nosuch]", "agent.bc.profiles[1]"),
+    ("ppo.bc.profiles=[mixed,nosuch]", "ppo.bc.profiles[1]"),
     ("env.randomization.cluster_scale=[0.5,0.1]", "env.randomization.cluster_scale"),
     ("env.randomization.cluster_scale=[0,1]", "env.randomization.cluster_scale"),
     ("eval.cluster_scale=0", "eval.cluster_scale"),
@@ -342,12 +342,12 @@ def test_default_vec_env_subproc_with_curriculum(tmp_path):
     from metasched.cli.train_app import run_train
 
     n = torch.get_num_threads()
-    cfg = compose("train", [*[o for o in TINY if not o.startswith(("agent.n_envs",
-                                                                   "agent.vec_env",
+    cfg = compose("train", [*[o for o in TINY if not o.startswith(("ppo.n_envs",
+                                                                   "ppo.vec_env",
                                                                    "env.curriculum"))],
-                            "agent.total_timesteps=1024", "agent.n_envs=2",
-                            "agent.vec_env=subproc"])
-    assert cfg["env"]["curriculum"]["enabled"] and cfg["agent"]["vec_env"] == "subproc"
+                            "ppo.total_timesteps=1024", "ppo.n_envs=2",
+                            "ppo.vec_env=subproc"])
+    assert cfg["env"]["curriculum"]["enabled"] and cfg["ppo"]["vec_env"] == "subproc"
     summary = run_train(cfg, tmp_path, progress=False)
     torch.set_num_threads(n)
     assert summary["final_validation"]["timesteps"] >= 1024

@@ -165,9 +165,9 @@ def test_train_extra_trains_a_tiny_policy(base_env, wheel, tmp_path):
               str(ROOT / "constraints.txt"), f"{wheel}[train]"], cwd=tmp_path))
     assert {"torch", "stable-baselines3", "sb3-contrib", "tensorboard"} <= _installed(base_env)
     _ok(_run([str(base_env / "bin" / "metasched-train"), "workload=rm_math",
-              "workload.trajectories_per_step=8", "agent.total_timesteps=256",
-              "agent.n_steps=128", "agent.batch_size=64", "agent.n_envs=1",
-              "agent.vec_env=dummy", "agent.bc.decisions=200", "agent.bc.epochs=1",
+              "workload.trajectories_per_step=8", "ppo.total_timesteps=256",
+              "ppo.n_steps=128", "ppo.batch_size=64", "ppo.n_envs=1",
+              "ppo.vec_env=dummy", "ppo.bc.decisions=200", "ppo.bc.epochs=1",
               "eval.freq=128", "eval.seeds=1", "checkpoint_freq=128",
               "env.curriculum.enabled=false", "hydra.run.dir=train"], cwd=tmp_path))
     best = tmp_path / "train" / "best"

@@ -3,7 +3,7 @@ durations and allocations; per task, turns per trajectory and generation gaps; t
 steps; the cluster.
 
 A recorded trace is a stream of ``action`` lines with ``measured`` objects (written by
-:class:`metasched.core.action_log.ActionLog`, live or simulated). Lines without
+:class:`metasched.core.trace_writer.TraceWriter`, live or simulated). Lines without
 ``measured`` (and ``trajectory`` lines) carry no measurements and are counted, not used.
 """
 
@@ -261,7 +261,7 @@ def read_samples(path: PathLike, progress: Callable[[int], None] | None = None) 
             out.gaps.setdefault(ia.task, []).append(m.gap_s)
     if out.n_actions == 0:
         raise ConfigError(str(path), "no measured actions: calibration needs a recorded trace "
-                          "(metasched-dispatch trace=..., or the simulator's action_log)")
+                          "(metasched-dispatch trace=..., or the simulator's trace_writer)")
     return out
 
 

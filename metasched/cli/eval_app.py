@@ -34,7 +34,7 @@ def eval_settings(cfg: dict[str, Any]) -> dict[str, Any]:
     dt = cfg.get("timeline_dt", 10.0)
     if isinstance(dt, bool) or not isinstance(dt, (int, float)) or not dt > 0:
         raise ConfigError("timeline_dt", f"must be a number > 0 (got {dt!r})")
-    est = cfg.get("estimates", "profile")
+    est = cfg.get("estimates", "given")
     one_of(est, ESTIMATES, "estimates")
     return {"schedulers": scheds, "paths": paths, "params": params, "estimates": est,
             "seeds": seeds_setting(cfg), "workers": int_setting(cfg, "workers", 1),

@@ -77,7 +77,7 @@ def loop_settings(cfg: dict[str, Any]) -> dict[str, Any]:
                        ev.get("heuristics"), "evaluation.heuristics")
     if len(set(heuristics)) != len(heuristics):
         raise ConfigError("evaluation.heuristics", f"lists a heuristic twice ({heuristics})")
-    estimates = one_of(ev.get("estimates", "profile"), ESTIMATES, "evaluation.estimates")
+    estimates = one_of(ev.get("estimates", "given"), ESTIMATES, "evaluation.estimates")
     try:
         n_seeds = int_setting(ev, "n_seeds", 2)  # a paired CI needs two seeds
         offset = int_setting(ev, "seed_offset", EVAL_SEED_OFFSET)  # held out
@@ -101,15 +101,15 @@ def warm_start_overrides(s: dict[str, Any], profile_dir: Path, name: str,
     from metasched.agents.checkpoint import normalization
 
     meta = s["metadata"]
-    trained = (meta.get("config") or {}).get("agent") or {}
+    trained = (meta.get("config") or {}).get("ppo") or {}
     norm = normalization(meta)
     out = [f"hydra.searchpath=[file://{profile_dir.resolve()}]", f"workload={name}",
-           f"init={s['checkpoint']}", "agent.bc.decisions=0",
-           f"agent.total_timesteps={s['budget']}", f"seed={s['seed']}",
-           f"agent.normalize_obs={str(bool(norm['obs'])).lower()}",
-           f"agent.normalize_reward={str(bool(norm['reward'])).lower()}"]
+           f"init={s['checkpoint']}", "ppo.bc.decisions=0",
+           f"ppo.total_timesteps={s['budget']}", f"seed={s['seed']}",
+           f"ppo.normalize_obs={str(bool(norm['obs'])).lower()}",
+           f"ppo.normalize_reward={str(bool(norm['reward'])).lower()}"]
     if "hidden" in trained:
-        out.append(f"agent.hidden={int(trained['hidden'])}")
+        out.append(f"ppo.hidden={int(trained['hidden'])}")
     obs = meta["obs_config"]
     for k in obs_keys:  # the observation it was trained on
         v = getattr(obs, k)

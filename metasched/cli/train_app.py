@@ -3,10 +3,10 @@
 Examples::
 
     metasched-train                                   # the default config (configs/train.yaml)
-    metasched-train workload=rm_math agent.total_timesteps=100000
+    metasched-train workload=rm_math ppo.total_timesteps=100000
     metasched-train --multirun seed=0,1,2             # a sweep, one run directory each
-    metasched-train resume=outputs/train/mixed/<run>/checkpoint agent.total_timesteps=600000
-    metasched-train init=checkpoints/default agent.bc.decisions=0   # a warm start
+    metasched-train resume=outputs/train/mixed/<run>/checkpoint ppo.total_timesteps=600000
+    metasched-train init=checkpoints/default ppo.bc.decisions=0   # a warm start
 
 A run directory holds ``checkpoint/`` (final), ``best/`` (lowest validation mean ACT;
 mean step with ``env.reward.objective=step``),
@@ -14,7 +14,7 @@ mean step with ``env.reward.objective=step``),
 checkpoints (``sb3_checkpoints/``, with their VecNormalize statistics) and
 ``train_summary.json``. ``resume=<checkpoint>`` continues a run into a new run directory
 (weights, optimizer state, timesteps and VecNormalize statistics; the other settings
-from the command line, as for a fresh run) up to ``agent.total_timesteps``.
+from the command line, as for a fresh run) up to ``ppo.total_timesteps``.
 ``init=<checkpoint>`` starts a new run from a checkpoint's policy weights and VecNormalize
 statistics (a fresh optimizer, timesteps from 0, no behaviour cloning).
 """
@@ -52,17 +52,17 @@ def require_train_extra() -> None:
 
 def check_train_settings(cfg: dict[str, Any]) -> None:
     """One-line errors for out-of-range training settings."""
-    agent = cfg.get("agent") or {}
+    ppo = cfg.get("ppo") or {}
     for key in _POSITIVE:
-        parse(Number(gt=0.0), agent.get(key), f"agent.{key}")
+        parse(Number(gt=0.0), ppo.get(key), f"ppo.{key}")
     for key in _FRACTIONS:
-        parse(Number(gt=0.0, le=1.0), agent.get(key), f"agent.{key}")
+        parse(Number(gt=0.0, le=1.0), ppo.get(key), f"ppo.{key}")
     for key in ("k_slots", "levels", "max_nodes", "max_devices", "max_services",
                 "max_endpoints"):
         parse(Count(1), (cfg.get("obs") or {}).get(key), f"obs.{key}")
     if cfg["obs"]["levels"] < 2:
         raise ConfigError("obs.levels", "must be >= 2 (one level cannot express elasticity)")
-    est = (cfg.get("env") or {}).get("estimates", "profile")
+    est = (cfg.get("env") or {}).get("estimates", "given")
     one_of(est, ESTIMATES, "env.estimates")
     from metasched.envs.scheduling import OBJECTIVES
 
@@ -74,15 +74,15 @@ def check_train_settings(cfg: dict[str, Any]) -> None:
     parse(Count(0), cfg.get("seed"), "seed")
     from metasched.agents import BASELINES
 
-    for field, name in (("agent.bc.expert", (agent.get("bc") or {}).get("expert", "rate_greedy")),
+    for field, name in (("ppo.bc.expert", (ppo.get("bc") or {}).get("expert", "rate_greedy")),
                         ("eval.reference", (cfg.get("eval") or {}).get("reference", "rate_greedy")),
                         ("obs.advisor", (cfg.get("obs") or {}).get("advisor", "rate_greedy"))):
         one_of(name, BASELINES, field, what="the heuristics", null=field == "obs.advisor")
     from metasched.compose import config_dir
 
     known = tuple(sorted(p.stem for p in (config_dir() / "workload").glob("*.yaml")))
-    parse(list[Literal[known]], (agent.get("bc") or {}).get("profiles") or [],
-          "agent.bc.profiles")
+    parse(list[Literal[known]], (ppo.get("bc") or {}).get("profiles") or [],
+          "ppo.bc.profiles")
     scale = ((cfg.get("env") or {}).get("randomization") or {}).get("cluster_scale")
     if scale is not None and not (len(scale) == 2 and 0 < scale[0] <= scale[1]):
         raise ConfigError("env.randomization.cluster_scale",

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from metasched.core.actions import Action, amdahl_run_s
+from metasched.errors import one_of
 
 if TYPE_CHECKING:
     from metasched.core.predictor import Predictor
@@ -97,4 +98,16 @@ class CostModel:
         self.count.update({str(k): int(v) for k, v in doc.get("count", {}).items()})
 
 
-__all__ = ["CostModel", "signature"]
+__all__ = ["ESTIMATES", "CostModel", "cost_model_for", "signature"]
+
+# Where schedulers' estimates come from (``estimates`` settings, both clocks): each
+# action's own (``"given"``: a profile's noisy ones, a trace's, or a request's), or the
+# online cost model learned from the run's measured durations (``"online"``).
+ESTIMATES = ("given", "online")
+
+
+def cost_model_for(estimates: str) -> CostModel | None:
+    """The ``cost_model`` argument of an ``estimates`` setting (``ESTIMATES``): None, or
+    a fresh ``CostModel`` with the dispatcher's defaults."""
+    one_of(estimates, ESTIMATES, "estimates")
+    return CostModel() if estimates == "online" else None

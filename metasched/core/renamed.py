@@ -18,11 +18,16 @@ from typing import Any
 log = logging.getLogger("metasched")
 
 # An old setting key (a dotted path, or a config group) -> its new name.
-KEYS: dict[str, str] = {}
+KEYS: dict[str, str] = {"agent": "ppo"}
 # A setting (dotted path) -> {old value: new value}.
-VALUES: dict[str, dict[str, str]] = {}
+VALUES: dict[str, dict[str, str]] = {
+    "estimates": {"profile": "given", "request": "given"},
+    "env.estimates": {"profile": "given"},
+    "evaluation.estimates": {"profile": "given"},
+    "ray.submit": {"agent": "daemon"},
+}
 # A reported counter's new name -> its old name (reported too, with the same value).
-METRICS: dict[str, str] = {}
+METRICS: dict[str, str] = {"ahead_at_node": "queued_at_node", "sandboxes": "confinement"}
 
 
 def _deprecated(old: str, new: str) -> None:

@@ -24,9 +24,9 @@ from metasched.core.actions import (
     SandboxSpec,
     Trajectory,
 )
+from metasched.core.ahead import Ahead
 from metasched.core.cluster_config import ClusterConfig
 from metasched.core.metrics import Recorder
-from metasched.core.pipelining import Pipelining
 from metasched.core.pools import ApiPool, CpuPool, GpuPool, ServiceSpec
 from metasched.core.predictor import Predictor
 
@@ -38,7 +38,7 @@ def api_key(endpoint: str) -> str:
     return f"api/{endpoint}"
 
 
-class ClusterState(Pipelining):
+class ClusterState(Ahead):
     """Pools, queue and trajectories at time ``t``; the view every scheduler reads.
 
     Attributes:
@@ -80,7 +80,7 @@ class ClusterState(Pipelining):
         # The remaining-work predictor (metasched.core.predictor) the clock feeds, if any:
         # ``predictor.remaining_of(traj)`` gives a trajectory's remaining-time quantiles.
         self.predictor: Predictor | None = None
-        # Pipelining (see hand_ahead): per node, the actions handed there ahead of free
+        # Handing ahead (see hand_ahead): per node, the actions handed there ahead of free
         # cores, and the freed cores kept for the first of them (idle, not free: another
         # grant there would start behind the node's queue, not on them).
         self.ahead_per_node = 0
@@ -379,7 +379,7 @@ class ClusterState(Pipelining):
         what it held (a gpu device is freed by :meth:`release_device`).
 
         Returns the actions its node started on the cores it freed, from the node's
-        queue of actions handed ahead (:meth:`hand_ahead`; empty without pipelining):
+        queue of actions handed ahead (:meth:`hand_ahead`; empty without handing ahead):
         they are running from now on, and the clock must see them end."""
         self.version += 1
         kind = a.spec.kind

@@ -37,7 +37,7 @@ class Job:
     timeline_dt: float = 10.0
     max_wait_s: float | None = None
     label: str | None = None  # the name in results (default: ``scheduler``)
-    estimates: str = "profile"  # see metasched.sim.simulator.ESTIMATES
+    estimates: str = "given"  # see metasched.sim.simulator.ESTIMATES
     group: str | None = None  # which of several evaluations run together it belongs to
 
 
@@ -276,7 +276,7 @@ def eval_jobs(workload: WorkloadConfig, cluster: ClusterConfig, schedulers: Sequ
               seeds: Sequence[int], *, params: dict[str, dict[str, Any]] | None = None,
               timeline_dt: float = 10.0, max_wait_s: float | None = None,
               paths: dict[str, str] | None = None, group: str | None = None,
-              estimates: str = "profile") -> list[Job]:
+              estimates: str = "given") -> list[Job]:
     """The jobs of one evaluation: every scheduler on every seed. ``paths`` maps a
     scheduler name to what loads it (a checkpoint directory); ``estimates``: see
     :func:`evaluate`."""
@@ -306,12 +306,12 @@ def results_document(workload: str, schedulers: Sequence[str], seeds: Sequence[i
 def evaluate(workload: WorkloadConfig, cluster: ClusterConfig, schedulers: Sequence[str],
              seeds: Sequence[int], *, params: dict[str, dict[str, Any]] | None = None,
              workers: int = 1, timeline_dt: float = 10.0, max_wait_s: float | None = None,
-             paths: dict[str, str] | None = None, estimates: str = "profile",
+             paths: dict[str, str] | None = None, estimates: str = "given",
              reference: str | None = None,
              progress: bool = True) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Run every scheduler on every seed; returns (results document, per-run data).
     ``paths`` maps a scheduler name to what loads it (a checkpoint directory);
-    ``estimates`` is ``"profile"`` (each action's own estimate) or ``"online"`` (the
+    ``estimates`` is ``"given"`` (each action's own estimate) or ``"online"`` (the
     live dispatcher's cost model, learned from the run's measured durations). The
     document compares every scheduler, paired by seed, with ``reference`` (default: the
     best heuristic of the run by mean ACT; see :func:`compare_paired`)."""

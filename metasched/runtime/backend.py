@@ -117,7 +117,7 @@ class Backend(Protocol):
     EXECUTORS: type[Executors]
 
     async def start_sandboxes(self, config: SandboxConfig, hide: list[str]) -> Any:
-        """Set up each node's confinement as ``config`` says (``hide``: host paths
+        """Set up each node's sandboxes as ``config`` says (``hide``: host paths
         commands must not see); the dispatcher's view of the sandboxes (the interface of
         :class:`~metasched.runtime.sandbox.manager.Sandboxes` it uses: ``isolated``,
         ``get``, ``open``, ``shared``, ``close_trajectory``, ``close``, ``describe``).

@@ -1,12 +1,12 @@
 """Where a node's commands start, whichever dispatcher grants them: the node's
-confinement (its run directory and :class:`~metasched.runtime.sandbox.manager.Sandboxes`,
-made by :func:`open_confinement`) and the one call that starts a command in it
+sandboxes (its run directory and :class:`~metasched.runtime.sandbox.manager.Sandboxes`,
+made by :func:`open_sandboxes`) and the one call that starts a command in it
 (:func:`launch`).
 
 It stands above both :mod:`metasched.runtime.process` (how a command is started and
 watched) and :mod:`metasched.runtime.sandbox` (where it is confined), which it ties
 together. The dispatcher on one machine holds these in its own process; on a Ray cluster
-each node's agent (:mod:`metasched.runtime.ray_backend.node_agent`) holds its node's, so
+each node's daemon (:mod:`metasched.runtime.ray_backend.node_daemon`) holds its node's, so
 a command is confined the same way on either backend.
 """
 
@@ -25,7 +25,7 @@ from metasched.runtime.sandbox.manager import Sandbox, Sandboxes
 from metasched.runtime.sandbox.rundir import RunDirectory, remove_dead_runs
 from metasched.runtime.sandbox.workspace import WORKSPACE
 
-__all__ = ["gpu_sandbox", "launch", "open_confinement"]
+__all__ = ["gpu_sandbox", "launch", "open_sandboxes"]
 
 log = logging.getLogger("metasched.dispatch")
 
@@ -33,7 +33,7 @@ log = logging.getLogger("metasched.dispatch")
 SANDBOX_ENV = {"HOME": WORKSPACE, "TMPDIR": "/tmp", "USER": "sandbox", "LOGNAME": "sandbox"}
 
 
-async def open_confinement(workdir: str | None, config: SandboxConfig, *,
+async def open_sandboxes(workdir: str | None, config: SandboxConfig, *,
                            hide: Sequence[str] = ()) -> tuple[RunDirectory, Sandboxes]:
     """Remove what dispatchers that are gone left in ``workdir`` (their run directories,
     with the scratch directories and cgroups they record: nothing else), make this
@@ -54,29 +54,29 @@ async def open_confinement(workdir: str | None, config: SandboxConfig, *,
         raise ConfigError("workdir", f"cannot make a directory in {root} "
                           f"({e.strerror or e})") from None
     try:
-        boxes = Sandboxes(config, hide=hide)
+        sandboxes = Sandboxes(config, hide=hide)
     except BaseException:
         run_dir.remove()
         raise
-    run_dir.record(boxes.directories())
-    for why in boxes.warnings:
+    run_dir.record(sandboxes.directories())
+    for why in sandboxes.warnings:
         log.warning(why)
-    log.info(boxes.describe())
-    boxes.attach(asyncio.get_running_loop())
-    if boxes.isolated:  # trajectory-less commands' sandbox, ready before they come
+    log.info(sandboxes.describe())
+    sandboxes.attach(asyncio.get_running_loop())
+    if sandboxes.isolated:  # trajectory-less commands' sandbox, ready before they come
         try:
-            sb = boxes.shared(config.network)
+            sb = sandboxes.shared(config.network)
             await sb.ready
             if sb.throwaway:  # (gVisor: one per command; this one only checked it works)
-                boxes.close_sandbox(sb)
+                sandboxes.close_sandbox(sb)
         except OSError as e:
-            boxes.close()
+            sandboxes.close()
             run_dir.remove()
             raise ConfigError("sandbox", f"cannot make a sandbox: {e.strerror or e}") from None
-    return run_dir, boxes
+    return run_dir, sandboxes
 
 
-async def gpu_sandbox(boxes: Sandboxes, sandbox: Sandbox | None,
+async def gpu_sandbox(sandboxes: Sandboxes, sandbox: Sandbox | None,
                       nvml_index: int | None) -> Sandbox | None:
     """Where a gpu command granted the GPU of NVML index ``nvml_index`` (on this node;
     None: a stand-in) runs, given the sandbox its request runs in: that sandbox's
@@ -88,11 +88,11 @@ async def gpu_sandbox(boxes: Sandboxes, sandbox: Sandbox | None,
     Raises:
         OSError: the GPU's device node cannot be told (NVML fails).
     """
-    if sandbox is None or not boxes.isolated or nvml_index is None:
+    if sandbox is None or not sandboxes.isolated or nvml_index is None:
         return sandbox
     from metasched.runtime.gpu import device_minor
 
-    box = boxes.gpu_sandbox(sandbox, device_minor(nvml_index))
+    box = sandboxes.gpu_sandbox(sandbox, device_minor(nvml_index))
     if box is not None and box is not sandbox:
         try:
             await box.ready
@@ -103,7 +103,7 @@ async def gpu_sandbox(boxes: Sandboxes, sandbox: Sandbox | None,
 
 def launch(argv: Sequence[str], *, cores: list[int], timeout_s: float,
            env: Mapping[str, str], request_env: Mapping[str, str] | None = None,
-           boxes: Sandboxes, sandbox: Sandbox | None,
+           sandboxes: Sandboxes, sandbox: Sandbox | None,
            cwd_root: str, pids_max: int | None, mem_limit_mb: float | None = None,
            cpu_time_s: float | None = None, tail_bytes: int = 4096,
            extra_env: Mapping[str, str] | None = None,
@@ -123,5 +123,5 @@ def launch(argv: Sequence[str], *, cores: list[int], timeout_s: float,
     return start_process(
         argv, cores=cores, timeout_s=timeout_s, env=env, mem_limit_mb=mem_limit_mb,
         cpu_time_s=cpu_time_s, pids_max=pids_max, tail_bytes=tail_bytes,
-        extra_env=extra_env, cwd_root=cwd_root, confinement=boxes, sandbox=sandbox,
+        extra_env=extra_env, cwd_root=cwd_root, sandboxes=sandboxes, sandbox=sandbox,
         on_start=on_start)

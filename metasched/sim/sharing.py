@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from metasched.core.actions import RUNNING, Action
+from metasched.sim.sampling import WorkloadInstance
 
 
 class NodeSharing:
@@ -94,3 +95,10 @@ class NodeSharing:
 
 
 __all__ = ["NodeSharing"]
+
+
+def has_deadlines(instance: WorkloadInstance) -> bool:
+    """Whether any action of ``instance`` has a deadline (``start_by_s``)."""
+    specs = [ia.spec for ia in instance.independent]
+    specs += [turn.action for step in instance.steps for ts in step for turn in ts.turns]
+    return any(spec.start_by_s is not None for spec in specs)

@@ -17,10 +17,9 @@ from dataclasses import replace
 
 import numpy as np
 
-from metasched.core.action_log import ActionLog
 from metasched.core.actions import RUNNING, Action, Grant, Trajectory
 from metasched.core.cluster_config import ClusterConfig
-from metasched.core.cost_model import CostModel, signature
+from metasched.core.cost_model import ESTIMATES, CostModel, cost_model_for, signature
 from metasched.core.deadlines import DeadlineRule, serve_due
 from metasched.core.decision import DecisionStep
 from metasched.core.guard import WaitGuard
@@ -29,32 +28,21 @@ from metasched.core.predictor import Predictor
 from metasched.core.sandbox_queue import SandboxQueue
 from metasched.core.scheduler import Scheduler
 from metasched.core.state import ClusterState
-from metasched.errors import one_of
+from metasched.core.trace_writer import TraceWriter
 from metasched.sim.sampling import (
     WorkloadInstance,
     run_seed_sequences,
     sample_workload,
     workload_rng,
 )
-from metasched.sim.sharing import NodeSharing
+from metasched.sim.sharing import NodeSharing, has_deadlines
 from metasched.sim.workload_config import WorkloadConfig
+
+__all__ = ["ESTIMATES", "SimulationError", "Simulator", "cost_model_for"]
 
 # Event types, in the order events at the same instant are handled. SHARE: a queued
 # action reaches its latest start (metasched.core.deadlines).
 END, DEVICE_FREE, ARRIVE, INDEPENDENT, WAKE, DEADLINE, STEP, SHARE = range(8)
-
-
-# Where schedulers' estimates come from (``estimates`` settings): each action's own
-# (``"profile"``: the profile's noisy ones, or a trace's), or the live dispatcher's
-# online cost model learned from the run's measured durations (``"online"``).
-ESTIMATES = ("profile", "online")
-
-
-def cost_model_for(estimates: str) -> CostModel | None:
-    """The ``cost_model`` argument of an ``estimates`` setting (``ESTIMATES``): None, or
-    a fresh ``CostModel`` with the dispatcher's defaults."""
-    one_of(estimates, ESTIMATES, "estimates")
-    return CostModel() if estimates == "online" else None
 
 
 class SimulationError(RuntimeError):
@@ -92,10 +80,10 @@ class Simulator:
             (the action's own ``est_s`` is the hint until its signature has run), so a
             scheduler is judged on the estimates it will see live.
         check_invariants: verify the accounting invariant at every event (slow; tests).
-        action_log: where to record every finished action as a trace line, with what
+        trace_writer: where to record every finished action as a trace line, with what
             was measured (queue wait, run time, allocation, generation gap), as the live
-            dispatcher records them (``metasched.core.action_log``).
-        ahead_per_core: pipelining, as the live dispatcher's setting of that name: cpu
+            dispatcher records them (``metasched.core.trace_writer``).
+        ahead_per_core: handing ahead, as the live dispatcher's setting of that name: cpu
             actions each node may hold per core ahead of its free cores (handed after
             the scheduler's turn, started the moment cores free there; see
             ``ClusterState.hand_ahead``). 0 (default): none.
@@ -117,7 +105,7 @@ class Simulator:
                  instance: WorkloadInstance | None = None, timeline_dt: float = 10.0,
                  max_wait_s: float | None = None, serve_stalled: bool = False,
                  cost_model: CostModel | None = None, check_invariants: bool = False,
-                 action_log: ActionLog | None = None, ahead_per_core: int = 0,
+                 trace_writer: TraceWriter | None = None, ahead_per_core: int = 0,
                  predictor: Predictor | None = None) -> None:
         self.workload = workload
         self.cluster = cluster
@@ -164,7 +152,7 @@ class Simulator:
         self.n_events = 0
         self.n_decisions = 0
         self.n_waits = 0
-        self.action_log = action_log
+        self.trace_writer = trace_writer
         self._gpu_runs: dict[int, tuple[int, float]] = {}  # logged: action -> batch, setup
         # Per trajectory: (its turns whose actions have ended, when the last one ended);
         # the current step's trajectories, sandbox or not (read by the step objective).
@@ -173,7 +161,7 @@ class Simulator:
         for ia in self.instance.independent:
             self._push(ia.arrival_s, INDEPENDENT, ia)
         # The deadline rule, only for an instance with deadlines.
-        self.deadlines = DeadlineRule() if _has_deadlines(self.instance) else None
+        self.deadlines = DeadlineRule() if has_deadlines(self.instance) else None
         self._share_at = -1.0  # the pending SHARE wake-up, if in the future
         # Running cpu actions (with deadlines only): id -> (action, its full-speed end).
         self._cpu_runs: dict[int, tuple[Action, float]] = {}
@@ -262,7 +250,7 @@ class Simulator:
                 self._push_end(b, t, delay + batch_s)
                 if self.cost_model is not None and delay:
                     self._restore_s[b.id] = delay
-                if self.action_log is not None:
+                if self.trace_writer is not None:
                     self._gpu_runs[b.id] = (len(started), delay)
             self._push(end, DEVICE_FREE, grant.device)
         else:
@@ -419,9 +407,9 @@ class Simulator:
         if self._feed and not failed:
             self.predictor.observe_action(a, self.state.t - a.start_t)
         traj = a.traj
-        if self.action_log is not None:
+        if self.trace_writer is not None:
             batch, setup = self._gpu_runs.pop(a.id, (1, 0.0))
-            self.action_log.record(a, step=None if traj is None else traj.step, batch=batch,
+            self.trace_writer.record(a, step=None if traj is None else traj.step, batch=batch,
                                    setup_s=setup, duration_s=a.spec.true_s,
                                    prompt=None if traj is None else traj.prompt)
         if traj is None:
@@ -507,10 +495,3 @@ class Simulator:
             if prev is None or prev <= state.t or at < prev:
                 self._wake_at[name] = at
                 self._push(at, WAKE, name)
-
-
-def _has_deadlines(instance: WorkloadInstance) -> bool:
-    """Whether any action of ``instance`` has a deadline (``start_by_s``)."""
-    specs = [ia.spec for ia in instance.independent]
-    specs += [turn.action for step in instance.steps for ts in step for turn in ts.turns]
-    return any(spec.start_by_s is not None for spec in specs)

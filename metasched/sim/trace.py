@@ -52,7 +52,7 @@ STATUSES = ("done", "failed", "timeout", "cancelled")
 @dataclass(frozen=True, slots=True)
 class Measured:
     """What a clock measured about a finished action (an ``action`` line's ``measured``,
-    written by :class:`metasched.core.action_log.ActionLog`). Replay ignores it;
+    written by :class:`metasched.core.trace_writer.TraceWriter`). Replay ignores it;
     ``metasched-calibrate`` fits profiles to it."""
 
     queue_s: float

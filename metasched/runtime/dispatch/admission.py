@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from metasched.core.actions import Action, ActionSpec, Trajectory
 from metasched.errors import ConfigError
 from metasched.runtime.dispatch.jobs import COMMAND_SERVICE, Job
-from metasched.runtime.journal_docs import StoredRequest, store
+from metasched.runtime.journal_rows import StoredRequest, store
 from metasched.runtime.requests import FAILED, REJECTED, Request, Result, parse_request
 
 if TYPE_CHECKING:
@@ -171,7 +171,7 @@ def enqueue(d: Dispatcher, job: Job) -> None:
     d.state.advance(t)
     d._jobs[req.id] = job
     traj = d.trajectories.arrived(req, t)
-    if req.argv and d.boxes is not None and d.boxes.isolated:
+    if req.argv and d.sandboxes is not None and d.sandboxes.isolated:
         if not d.gate.ready_for(job, traj):
             return  # held until its sandbox is ready (it waits for memory or starts)
     d._submit(job, traj)
@@ -183,7 +183,7 @@ def submit(d: Dispatcher, job: Job, traj: Trajectory | None) -> None:
     state = d.state
     t = d._now()
     state.advance(t)
-    if d._request_estimates and req.est_s is not None:
+    if d._given_estimates and req.est_s is not None:
         est = req.est_s
     else:
         est = d.cost.estimate(req.signature, req.est_s)

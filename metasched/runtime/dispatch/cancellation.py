@@ -59,9 +59,9 @@ class Cancellation:
         if a.status == PENDING:
             d.state.advance(d._now())
             d.state.withdraw(a, REASON)
-            if d.action_log is not None:
+            if d.trace_writer is not None:
                 # It never ran: no work to replay (a microsecond, the schema's least).
-                d.action_log.record(a, trajectory=job.request.trajectory, duration_s=0.0)
+                d.trace_writer.record(a, trajectory=job.request.trajectory, duration_s=0.0)
             self._ended(job, a.traj)
             d._kick()
             return "cancelled"

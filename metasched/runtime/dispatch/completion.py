@@ -23,8 +23,8 @@ def complete(d: Dispatcher, job: Job, out: Outcome) -> None:
     a = job.action
     was_ahead = a.status == AHEAD  # its result came first: no run time of its own here
     d._note_started(state.finish(a, out.ok, out.reason))
-    if d.action_log is not None:
-        d.action_log.record(a, batch=job.alloc.get("batch", 1),
+    if d.trace_writer is not None:
+        d.trace_writer.record(a, batch=job.alloc.get("batch", 1),
                         setup_s=float(out.detail.get("restore_s", 0.0)),
                         exit_code=out.exit_code, core_ids=job.alloc.get("cores"),
                         trajectory=job.request.trajectory)

@@ -54,7 +54,7 @@ class DispatcherConfig(Checked):
         cost_alpha, default_est_s: the online cost model (see ``CostModel``).
         estimates: what the scheduler sees as an action's estimate: ``"online"`` (the
             cost model's, learned from measured durations; the request's ``est_s`` only
-            until its signature has run) or ``"request"`` (the request's ``est_s`` when it
+            until its signature has run) or ``"given"`` (the request's ``est_s`` when it
             has one, as a profile's or a trace's per-action estimates in simulation).
         retry: API retry policy (429 / 5xx / connection errors).
         sandbox: how commands are confined: isolation (namespaces, unprivileged users,
@@ -82,9 +82,9 @@ class DispatcherConfig(Checked):
             (``static``, ``task_isolated``) size their partitions by; the simulator
             takes it from the workload. Empty (default): unknown.
         trace: a JSONL file to append every finished action to, with what was measured
-            (``metasched.core.action_log``; ``metasched-calibrate`` fits a workload
+            (``metasched.core.trace_writer``; ``metasched-calibrate`` fits a workload
             profile to it). None: no trace.
-        ahead_per_core: pipelining on a backend's nodes: each node may hold up to this
+        ahead_per_core: handing ahead on a backend's nodes: each node may hold up to this
             many cpu commands per core ahead of its free cores, in a queue there that
             starts the next the moment a command exits, with no round trip to the
             dispatcher (see ``ClusterState.hand_ahead``). None: the backend's default
@@ -117,7 +117,7 @@ class DispatcherConfig(Checked):
     max_wait_s: Number(gt=0.0) | None = 300.0
     cost_alpha: Number(gt=0.0, le=1.0) = 0.3
     default_est_s: Number(gt=0.0) = 1.0
-    estimates: Literal["online", "request"] = "online"
+    estimates: Literal["online", "given"] = "online"
     retry: InstanceOf[RetryPolicy] = Field(default_factory=RetryPolicy)
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     limits: RequestLimits = Field(default_factory=RequestLimits)

@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 
-from metasched.core.action_log import ActionLog
 from metasched.core.actions import Action
 from metasched.core.cluster_config import ClusterConfig
 from metasched.core.cost_model import CostModel
@@ -37,6 +36,7 @@ from metasched.core.observation import ObservationEncoder
 from metasched.core.pools import ServiceSpec
 from metasched.core.scheduler import Scheduler
 from metasched.core.state import ClusterState, InvalidGrant
+from metasched.core.trace_writer import TraceWriter
 from metasched.errors import ConfigError, one_of
 from metasched.runtime.api_calls import make_client, warm_up
 from metasched.runtime.backend import Backend
@@ -122,8 +122,8 @@ class Dispatcher:
         self.cost = CostModel(cfg.cost_alpha, cfg.default_est_s,
                               predictor=fit_predictor(cfg.predictor) if cfg.predictor else None)
         self.state.predictor = self.cost.predictor
-        one_of(cfg.estimates, ("online", "request"), "estimates")
-        self._request_estimates = cfg.estimates == "request"
+        one_of(cfg.estimates, ("online", "given"), "estimates")
+        self._given_estimates = cfg.estimates == "given"
         self.workdir = (check_workdir(cfg.workdir) if cfg.workdir is not None
                         else default_workdir())
         # Last: it takes the journal's lock (a second dispatcher fails here, before it
@@ -133,7 +133,7 @@ class Dispatcher:
         self._t0 = clock()
         self._wall0 = time.time()
         try:
-            self.action_log = ActionLog(cfg.trace, self.cluster, self.host.specs,
+            self.trace_writer = TraceWriter(cfg.trace, self.cluster, self.host.specs,
                                         started_at=self._wall0) if cfg.trace else None
         except ConfigError:
             if self.journal is not None:
@@ -157,7 +157,7 @@ class Dispatcher:
         self.cancellation = Cancellation(self)
         self.kernels = Kernels(self)  # /run_jupyter's, one per trajectory
         self.sharing = Sharing(self)  # deadlines and idle cores (time-sharing)
-        self.boxes: Any = None  # the backend's sandboxes, made at start
+        self.sandboxes: Any = None  # the backend's sandboxes, made at start
         # What commands get from this process's environment (no secret is in the list);
         # the rest comes from their request's env.
         self._base_env = allowed_env(cfg.sandbox.env_allow)
@@ -181,7 +181,7 @@ class Dispatcher:
         await self.close(drain=exc_type is None)
 
     async def start(self) -> None:
-        """Load the scheduler, set up confinement, recover the journal, start sampling.
+        """Load the scheduler, set up sandboxes, recover the journal, start sampling.
         A start that fails or is interrupted (cancelled, Ctrl-C) closes what it had
         opened, the journal's lock included, before the error goes on.
 
@@ -212,7 +212,7 @@ class Dispatcher:
             except sqlite3.DatabaseError as e:
                 self._unreadable(e)
         # Each node's commands are confined there (this machine's here).
-        self.boxes = await self.backend.start_sandboxes(self.config.sandbox, self._hidden())
+        self.sandboxes = await self.backend.start_sandboxes(self.config.sandbox, self._hidden())
         if self.journal is not None:
             try:
                 self.admission.recover()
@@ -255,8 +255,8 @@ class Dispatcher:
         await self.kernels.close()
         await self.sharing.close()
         await self.executors.close()
-        if self.boxes is not None:
-            self.boxes.close()  # every sandbox ends, with whatever still runs in it
+        if self.sandboxes is not None:
+            self.sandboxes.close()  # every sandbox ends, with whatever still runs in it
         if self._owns_backend:  # its run directory; NVML
             await self.backend.close()
         if self._ticker is not None:
@@ -272,8 +272,8 @@ class Dispatcher:
             self._http = None
         if self.writer is not None:
             self.writer.close()
-        if self.action_log is not None:
-            self.action_log.close()
+        if self.trace_writer is not None:
+            self.trace_writer.close()
         if self.admission.held:
             log.warning("%d requests recovered from the journal were not resubmitted: "
                         "their env was not stored (journal_env=false), so they wait, "

@@ -13,7 +13,7 @@ from metasched.errors import ConfigError
 from metasched.runtime.dispatch.admission import taken
 from metasched.runtime.dispatch.jobs import Job
 from metasched.runtime.journal import Journal
-from metasched.runtime.journal_docs import StoredRequest, compacted
+from metasched.runtime.journal_rows import StoredRequest, compacted
 from metasched.runtime.requests import REJECTED, Result
 
 if TYPE_CHECKING:

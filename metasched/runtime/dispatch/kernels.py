@@ -1,7 +1,7 @@
 """Kernels: one persistent Python interpreter per trajectory, for ``/run_jupyter``.
 
 A kernel is a process of its trajectory's sandbox, started as a command is (the same
-confinement: the sandbox, its user, a cgroup slot with the memory and process limits),
+sandboxes: the sandbox, its user, a cgroup slot with the memory and process limits),
 on the dispatcher's cores; it runs :data:`DRIVER`, which keeps one namespace and
 executes the cells it is sent over a Unix socket in the workspace (:data:`SOCKET`).
 Cells are actions of the trajectory: each is a command (:data:`CELL_CLIENT`) that
@@ -164,14 +164,15 @@ class Kernels:
         d = self.d
         if self.alive(trajectory):
             return None
-        if d.boxes is None or not d.boxes.isolated:
+        if d.sandboxes is None or not d.sandboxes.isolated:
             return "kernels need sandboxes (sandbox.isolation=bwrap)"
-        sandbox = d.boxes.get(trajectory)
+        sandbox = d.sandboxes.get(trajectory)
         run_dir = getattr(d.backend, "run_dir", None)
         if sandbox is None or run_dir is None or not d.cores:
             return f"trajectory {trajectory!r} has no sandbox on this machine"
         proc = launch([python, DRIVER_PATH, SOCKET], cores=list(d.cores), timeout_s=lifetime_s,
-                      env=d._base_env, boxes=d.boxes, sandbox=sandbox, cwd_root=run_dir.path,
+                      env=d._base_env, sandboxes=d.sandboxes, sandbox=sandbox,
+                      cwd_root=run_dir.path,
                       pids_max=d.config.sandbox.pids_max,
                       mem_limit_mb=mem_limit_mb or d.config.limits.mem_mb,
                       tail_bytes=d.config.tail_bytes)

@@ -17,7 +17,7 @@ from metasched.runtime.dispatch.executors.local import LocalExecutors
 from metasched.runtime.dispatch.jobs import ACTION_ENV
 from metasched.runtime.gpu import GpuSampler, LiveService, ServiceHost, discover_devices
 from metasched.runtime.journal import Journal
-from metasched.runtime.launch import open_confinement
+from metasched.runtime.launch import open_sandboxes
 from metasched.runtime.machine import MachineMonitor, memory_gb, usable_cores
 from metasched.runtime.process import kill_group
 from metasched.runtime.sandbox.config import SandboxConfig
@@ -38,7 +38,7 @@ class LocalBackend:
     """
 
     name = "local"
-    # Each command starts on its core from this process: no node queue to hand
+    # Each command starts on its core from this process: no ahead queue to hand
     # commands to ahead of their cores.
     AHEAD_PER_CORE = 0
     EXECUTORS = LocalExecutors  # commands pinned to core ids, started from this process
@@ -79,11 +79,11 @@ class LocalBackend:
         self.monitor = MachineMonitor(self.cores, self.gpu_sampler)
 
     async def start_sandboxes(self, config: SandboxConfig, hide: list[str]) -> Sandboxes:
-        """Set up this machine's confinement (see
-        :func:`metasched.runtime.launch.open_confinement`): the run directory in
+        """Set up this machine's sandboxes (see
+        :func:`metasched.runtime.launch.open_sandboxes`): the run directory in
         ``workdir`` and the sandboxes."""
-        self.run_dir, boxes = await open_confinement(self.workdir, config, hide=hide)
-        return boxes
+        self.run_dir, sandboxes = await open_sandboxes(self.workdir, config, hide=hide)
+        return sandboxes
 
     async def kill_orphans(self, journal: Journal) -> None:
         """Kill the commands a previous dispatcher on ``journal`` left running (found by

@@ -42,7 +42,7 @@ class SandboxGate:
         if mb is not None and mb / 1024 > d.cluster.mem_gb_per_node:
             raise ConfigError("workspace_mb", f"{mb:g} MB exceeds this node's memory "
                               f"({d.cluster.mem_gb_per_node * 1024:g} MB)")
-        sb = (d.boxes.get(req.trajectory) if d.boxes is not None
+        sb = (d.sandboxes.get(req.trajectory) if d.sandboxes is not None
               and req.trajectory is not None else None)
         if sb is None:
             return
@@ -67,7 +67,7 @@ class SandboxGate:
         network = self._network(req)
         if traj is None:
             own = getattr(job.sandbox, "throwaway", False)  # (gVisor: its own sandbox)
-            sb = job.sandbox = job.sandbox if own else d.boxes.shared(network)
+            sb = job.sandbox = job.sandbox if own else d.sandboxes.shared(network)
             if sb.ready.done():
                 return True
             if own or getattr(sb, "throwaway", False):  # submitted again once it is ready
@@ -82,7 +82,7 @@ class SandboxGate:
         if traj.id in self.awaiting:  # its sandbox is not ready: keep the order
             self.awaiting[traj.id].append(job)
             return False
-        sb = job.sandbox = d.boxes.get(req.trajectory)
+        sb = job.sandbox = d.sandboxes.get(req.trajectory)
         if sb is not None:  # ready: until it is, its trajectory's jobs are held
             return True
         # The trajectory's first command (or its first since its sandbox failed).
@@ -103,7 +103,7 @@ class SandboxGate:
         d = self.d
         template = (d.config.sandbox.template(req.workspace_template)
                     if req.workspace_template is not None else None)
-        sb = d.boxes.open(req.trajectory, size_mb=traj.sandbox.mem_gb * 1024,
+        sb = d.sandboxes.open(req.trajectory, size_mb=traj.sandbox.mem_gb * 1024,
                           template=template, network=self._network(req))
         sb.ready.add_done_callback(lambda _: self._release_awaiting(traj, sb))
 

@@ -28,18 +28,18 @@ def stats(d: Dispatcher) -> dict[str, Any]:
             # Ended at their caller's word (counted in failed too, as the state counts).
             "cancelled": d.cancellation.n,
             "queued": s.n_pending, "running": s.n_running,
-            # Pipelining: cpu commands handed to each node ahead of its free cores
+            # Handing ahead: cpu commands handed to each node ahead of its free cores
             # (in its queue there: neither queued here nor running).
-            "queued_at_node": [len(q) for q in s.ahead],
+            "ahead_at_node": [len(q) for q in s.ahead],
             "ahead_per_core": d.ahead_per_core,
             "decisions": d.n_decisions, "grants": s.n_grants,
             "guard_fired": d.guard.fired, "decision_latency_us": pct,
             "awaiting_resubmission": len(d.admission.held),
             "measured_utilisation": d.backend.measured_utilisation(),
-            "confinement": d.boxes.describe() if d.boxes is not None else None,
+            "sandboxes": d.sandboxes.describe() if d.sandboxes is not None else None,
             # Whether a trajectory's commands share one working directory (its
             # sandbox's workspace); without isolation each has a scratch one.
-            "trajectory_workspaces": d.boxes is not None and d.boxes.isolated,
+            "trajectory_workspaces": d.sandboxes is not None and d.sandboxes.isolated,
             # Commands started time-shared (at their latest start, or on idle cores)
             # and refused at their latest start (metasched.runtime.dispatch.sharing).
             **d.sharing.stats()})

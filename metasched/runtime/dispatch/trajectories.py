@@ -83,8 +83,8 @@ class Trajectories:
         if d.state.predictor is not None:
             d.state.predictor.close(traj.id, traj.turn)
         d.executors.release_held(traj.id)
-        if d.action_log is not None:
-            d.action_log.forget(traj.id)
+        if d.trace_writer is not None:
+            d.trace_writer.forget(traj.id)
         self._live.pop(traj.id, None)
         self._ended.discard(traj.id)
         self._seen.pop(traj.id, None)
@@ -92,8 +92,8 @@ class Trajectories:
             if tr is traj:
                 del self.by_name[name]
                 d.kernels.stop(name)
-                if d.boxes is not None:
-                    d.boxes.close_trajectory(name)
+                if d.sandboxes is not None:
+                    d.sandboxes.close_trajectory(name)
         if traj.sandbox is not None and d.gate.wait:
             d.gate.open_waiting()
 

@@ -27,7 +27,7 @@ Where each part lives (each module's docstring says why it is done that way):
 - :mod:`.failures`: naming how a command ended;
 - :mod:`.workdir`: the scratch directories.
 
-Confinement (sandboxes, cgroup slots) is :mod:`metasched.runtime.sandbox`'s, a layer
+Sandboxes (bwrap's, with their cgroup slots) is :mod:`metasched.runtime.sandbox`'s, a layer
 below this one (it never imports this package); ``run.py`` starts a command there when it
 is given one, and :mod:`metasched.runtime.launch` ties the two together for a node.
 

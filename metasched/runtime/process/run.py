@@ -8,11 +8,11 @@ the timeout), and name how it ended (:mod:`.failures`).
 
 When the command's main process exits, whatever is left of it is killed: those
 processes would go on using cores the scheduler has handed back, and hold the output
-pipes. With cgroups (``confinement``) that is everything in its cgroup slot, processes
+pipes. With cgroups (``sandboxes``) that is everything in its cgroup slot, processes
 that left its session (``setsid``) included; without, its process group, and the hold
 of a process that left it on the pipes is cut after 0.5 s.
 
-Confinement (``confinement``, the dispatcher's
+Sandboxes (``sandboxes``, the dispatcher's
 :class:`~metasched.runtime.sandbox.manager.Sandboxes`): a command given a ``sandbox``
 is started there by the sandbox server, inside a cgroup slot from its first instruction;
 a command without one is spawned here and moved into a slot just after its start (it is
@@ -62,7 +62,7 @@ async def run_process(
     extra_env: Mapping[str, str] | None = None,
     cwd_root: str | None = None,
     pids_max: int | None = None,
-    confinement: Sandboxes | None = None,
+    sandboxes: Sandboxes | None = None,
     sandbox: Sandbox | None = None,
     on_start: Callable[[int], None] | None = None,
 ) -> Outcome:
@@ -76,7 +76,7 @@ async def run_process(
         env: the child's environment; None inherits this process's. A given mapping is
             used as is, plus ``PATH`` from this process when it has none.
         mem_limit_mb: the memory limit of all the action's processes together (and the
-            files they write to a tmpfs), in MiB: a cgroup's, where ``confinement`` has
+            files they write to a tmpfs), in MiB: a cgroup's, where ``sandboxes`` has
             the memory controller; else ``RLIMIT_AS`` of every process, with the group's
             resident memory watched against it.
         cpu_time_s: ``RLIMIT_CPU`` of every process, rounded up to whole seconds.
@@ -89,9 +89,9 @@ async def run_process(
         pids_max: processes and threads the action may have at once (a cgroup's
             ``pids.max``; in a sandbox without the pids controller, ``RLIMIT_NPROC`` of
             its user); None: no limit.
-        confinement: the dispatcher's sandboxes and cgroups (None: affinity and rlimits
+        sandboxes: the dispatcher's sandboxes and cgroups (None: affinity and rlimits
             only).
-        sandbox: run the command in this sandbox of ``confinement`` (ready).
+        sandbox: run the command in this sandbox of ``sandboxes`` (ready).
         on_start: called with the child's pid (= its process group id) once it runs, so
             a caller can record it (the dispatcher journals it: after a crash, the next
             dispatcher kills the groups left behind).
@@ -112,7 +112,7 @@ async def run_process(
     return await start_process(
         argv, cores=cores, timeout_s=timeout_s, env=env, mem_limit_mb=mem_limit_mb,
         cpu_time_s=cpu_time_s, tail_bytes=tail_bytes, extra_env=extra_env,
-        cwd_root=cwd_root, pids_max=pids_max, confinement=confinement, sandbox=sandbox,
+        cwd_root=cwd_root, pids_max=pids_max, sandboxes=sandboxes, sandbox=sandbox,
         on_start=on_start).wait()
 
 
@@ -141,7 +141,7 @@ def _start_process(
     extra_env: Mapping[str, str] | None = None,
     cwd_root: str | None = None,
     pids_max: int | None = None,
-    confinement: Sandboxes | None = None,
+    sandboxes: Sandboxes | None = None,
     sandbox: Sandbox | None = None,
     on_start: Callable[[int], None] | None = None,
 ) -> Process:
@@ -174,7 +174,7 @@ def _start_process(
         environ = child_env(env, extra_env, len(core_list))
     except ValueError as exc:  # a '=' in a variable name
         return Process.failed(cannot_start(exc, detail))
-    controllers = confinement.controllers if confinement is not None else set()
+    controllers = sandboxes.controllers if sandboxes is not None else set()
     in_cgroup = {"mem": mem_limit_mb if "memory" in controllers else None,
                  "pids": pids_max if "pids" in controllers else None}
     limits = rlimits(None if "memory" in controllers else mem_limit_mb, cpu_time_s,
@@ -193,7 +193,7 @@ def _start_process(
             args = [launcher, *(f"--{name}={soft}:{hard}" for _, name, soft, hard in limits),
                     "--", *args]
         return Process._start_sandboxed(
-            loop, confinement, sandbox, args, core_list, environ, timeout_s, mem_limit_mb,
+            loop, sandboxes, sandbox, args, core_list, environ, timeout_s, mem_limit_mb,
             cpu_time_s, pids_max, in_cgroup, watch_memory, tail_bytes, detail,
             launched=launcher is not None, on_start=on_start)
     if launcher is not None:
@@ -210,35 +210,35 @@ def _start_process(
         cwd = make_workdir(cwd_root)
     except OSError as exc:
         return Process.failed(cannot_start(exc, detail))
-    if confinement is not None and confinement.spawns_on_host and preexec is None:
+    if sandboxes is not None and sandboxes.spawns_on_host and preexec is None:
         # Started by the sandbox server, inside its cgroup slot from the start.
         proc = Process._start_sandboxed(
-            loop, confinement, None, args, core_list, environ, timeout_s, mem_limit_mb,
+            loop, sandboxes, None, args, core_list, environ, timeout_s, mem_limit_mb,
             cpu_time_s, pids_max, in_cgroup, watch_memory, tail_bytes, detail,
             launched=launcher is not None, on_start=on_start, cwd=cwd)
         if proc.not_started:
             remove_tree(cwd)
         return proc
     try:
-        slot = (confinement.host_slot(core_list, in_cgroup["mem"], in_cgroup["pids"])
-                if confinement is not None else None)
+        slot = (sandboxes.host_slot(core_list, in_cgroup["mem"], in_cgroup["pids"])
+                if sandboxes is not None else None)
     except OSError as exc:
         remove_tree(cwd)
         return Process.failed(cannot_start(exc, detail))
     try:
         proc = Process._start(loop, args, core_list, environ, preexec, cwd, timeout_s,
                               mem_limit_mb, cpu_time_s, pids_max, watch_memory, tail_bytes,
-                              confinement, slot, detail, launched=launcher is not None,
+                              sandboxes, slot, detail, launched=launcher is not None,
                               on_start=on_start)
     except BaseException:
         remove_tree(cwd)
         if slot is not None:
-            confinement.release_host_slot(slot)
+            sandboxes.release_host_slot(slot)
         raise
     if proc.not_started:  # nothing will use or remove the directory
         remove_tree(cwd)
         if slot is not None:
-            confinement.release_host_slot(slot)
+            sandboxes.release_host_slot(slot)
     return proc
 
 
@@ -270,7 +270,7 @@ class Process:
                env: dict[bytes, bytes], preexec: Callable[[], None] | None, cwd: str,
                timeout_s: float, mem_limit_mb: float | None, cpu_time_s: float | None,
                pids_max: int | None, watch_memory: bool, tail_bytes: int,
-               confinement: Sandboxes | None, slot: Slot | None, detail: dict[str, Any], *,
+               sandboxes: Sandboxes | None, slot: Slot | None, detail: dict[str, Any], *,
                launched: bool, on_start: Callable[[int], None] | None = None) -> Process:
         started = _with_pipes(detail, lambda out_w, err_w: spawn(args, cores, env, cwd, out_w,
                                                                  err_w, preexec))
@@ -279,7 +279,7 @@ class Process:
         proc, out_r, err_r = started
         pid = proc.pid
         # Killed with its group if this process dies (withdrawn before the reap).
-        lifeline = confinement.lifeline if confinement is not None else None
+        lifeline = sandboxes.lifeline if sandboxes is not None else None
         if lifeline is not None:
             lifeline.track(pid)
         try:
@@ -298,10 +298,10 @@ class Process:
             except OSError:
                 pass  # it already exited
         return cls._watch(loop, pid, child, cwd, timeout_s, mem_limit_mb, cpu_time_s,
-                          pids_max, watch_memory, confinement, slot, cores, launched, on_start)
+                          pids_max, watch_memory, sandboxes, slot, cores, launched, on_start)
 
     @classmethod
-    def _start_sandboxed(cls, loop: asyncio.AbstractEventLoop, confinement: Sandboxes,
+    def _start_sandboxed(cls, loop: asyncio.AbstractEventLoop, sandboxes: Sandboxes,
                          sandbox: Sandbox | None, args: list[str], cores: list[int],
                          env: dict[bytes, bytes], timeout_s: float,
                          mem_limit_mb: float | None, cpu_time_s: float | None,
@@ -316,13 +316,13 @@ class Process:
         command that fails to start ends with that reason."""
         from metasched.runtime.process.sandboxed import SandboxedChild
 
-        result = _with_pipes(detail, lambda out_w, err_w: confinement.start(
+        result = _with_pipes(detail, lambda out_w, err_w: sandboxes.start(
             sandbox, argv=args, env=env, cores=cores, mem_limit_mb=in_cgroup["mem"],
             pids_max=in_cgroup["pids"], out_w=out_w, err_w=err_w, cwd=cwd, wait=False))
         if isinstance(result, Process):
             return result
         started, out_r, err_r = result
-        child = SandboxedChild(loop, confinement, sandbox, started, out_r, err_r, tail_bytes)
+        child = SandboxedChild(loop, sandboxes, sandbox, started, out_r, err_r, tail_bytes)
         self = cls._watch(loop, started.pid, child, cwd, timeout_s, mem_limit_mb, cpu_time_s,
                           pids_max, watch_memory, None, None, cores, launched, on_start)
         if started.spawned is not None and started.pid is None:
@@ -333,7 +333,7 @@ class Process:
     @classmethod
     def _watch(cls, loop: asyncio.AbstractEventLoop, pid: int, child: Any, cwd: str | None,
                timeout_s: float, mem_limit_mb: float | None, cpu_time_s: float | None,
-               pids_max: int | None, watch_memory: bool, confinement: Sandboxes | None,
+               pids_max: int | None, watch_memory: bool, sandboxes: Sandboxes | None,
                slot: Slot | None, cores: list[int], launched: bool,
                on_start: Callable[[int], None] | None) -> Process:
         """The started command's Process: its timeout and memory watch armed."""
@@ -342,7 +342,7 @@ class Process:
         self._limits = (timeout_s, mem_limit_mb, cpu_time_s, launched)
         self._pids_max = pids_max
         self._detail = {"cores": cores}
-        self._confinement, self._slot = confinement, slot
+        self._sandboxes, self._slot = sandboxes, slot
         self._on_start = on_start
         self._mem_limit = int(mem_limit_mb * 1024 * 1024) if watch_memory else None
         self._watch = None
@@ -463,7 +463,7 @@ class Process:
         child.close()
         if self._slot is not None:
             slot, self._slot = self._slot, None
-            self._confinement.release_host_slot(slot)
+            self._sandboxes.release_host_slot(slot)
 
 
 def _with_pipes(detail: dict[str, Any], start: Callable[[int, int], Any]

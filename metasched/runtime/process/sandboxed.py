@@ -28,32 +28,32 @@ __all__ = ["SandboxedChild"]
 class SandboxedChild(ChildBase):
     """A command the sandbox server started (see the module docstring)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, boxes: Sandboxes,
+    def __init__(self, loop: asyncio.AbstractEventLoop, sandboxes: Sandboxes,
                  sandbox: Sandbox | None, started: Started, out_fd: int, err_fd: int,
                  tail_bytes: int) -> None:
         super().__init__(loop, started.pid, out_fd, err_fd, tail_bytes)
-        self.boxes, self.sandbox, self.started = boxes, sandbox, started
+        self.sandboxes, self.sandbox, self.started = sandboxes, sandbox, started
         self._event: dict[str, Any] | None = None
         self._released = False
         self._kill_when_started = False
         # Started without waiting: why it did not start, once the server has said so
         # (then ``exited`` is set without an exit).
         self.start_error: OSError | None = None
-        boxes.on_exit(started, self._on_exit)
+        sandboxes.on_exit(started, self._on_exit)
         if started.spawned is not None:
             started.spawned.add_done_callback(self._on_spawned)
 
     def _on_spawned(self, fut: asyncio.Future[int]) -> None:
         if fut.exception() is not None:  # never cancelled: the manager only sets it
             self.start_error = fut.exception()
-            self.boxes.server.forget("exit", self.started.cmd)
+            self.sandboxes.server.forget("exit", self.started.cmd)
             self.reaped = True  # nothing to reap
             if not self.exited.done():
                 self.exited.set_result(None)
             return
         self.pid = self.started.pid = fut.result()
         if self._kill_when_started:  # a kill came before the server had started it
-            self.boxes.kill(self.started)
+            self.sandboxes.kill(self.started)
 
     def _on_exit(self, event: dict[str, Any]) -> None:
         self._event = event
@@ -79,11 +79,11 @@ class SandboxedChild(ChildBase):
             # and every sandbox with it. The kill follows the server's reply instead.
             self._kill_when_started = True
             return
-        self.boxes.kill(self.started)
+        self.sandboxes.kill(self.started)
 
     def kill_rest(self) -> None:
         """After the leader's exit: what is left of the command (its slot: daemons too)."""
-        self.boxes.kill(self.started)
+        self.sandboxes.kill(self.started)
 
     def reap(self) -> None:
         """Take the exit status and usage the server reported (after ``exited``)."""
@@ -103,7 +103,7 @@ class SandboxedChild(ChildBase):
         if self._released or not self.exited.done():
             return
         self._released = True
-        self.boxes.finished(self.sandbox, self.started)
+        self.sandboxes.finished(self.sandbox, self.started)
 
     def close(self) -> None:
         super().close()

@@ -4,9 +4,9 @@ The dispatcher runs as a named, detached Ray actor (:mod:`.actor`), so that roll
 workers in any process or on any node submit to one dispatcher through a handle
 (:mod:`.client`: :func:`start_dispatcher`, :func:`connect`). It schedules over the
 cluster Ray describes (:mod:`.cluster`: nodes, cores, GPUs), runs each granted command
-in its trajectory's sandbox on its node through that node's agent (:mod:`.node_agent`),
+in its trajectory's sandbox on its node through that node's daemon (:mod:`.node_daemon`),
 reached by a Ray task pinned to the node with ``num_cpus`` equal to its granted cores
-(or by a call to the agent), each GPU's services in an actor holding that GPU
+(or by a call to the daemon), each GPU's services in an actor holding that GPU
 (:mod:`.gpu_hosts`), and API calls itself, so that one ``ApiPool`` holds every
 endpoint's quota for the whole cluster.
 

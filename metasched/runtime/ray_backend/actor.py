@@ -97,7 +97,7 @@ class DispatcherActor:
         services: GPU services by name (each GPU's actor hosts them).
         name: the actor's name (commands carry it; see :class:`~.cluster.RayBackend`).
         cores_per_node: grant at most this many cores per node (default: all Ray has).
-        submit: how commands reach their node's agent (see :class:`~.cluster.RayBackend`).
+        submit: how commands reach their node's daemon (see :class:`~.cluster.RayBackend`).
     """
 
     def __init__(self, config: DispatcherConfig, services: Mapping[str, LiveService] | None,

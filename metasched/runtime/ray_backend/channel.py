@@ -1,17 +1,17 @@
-"""The direct stream between a dispatcher and one node's agent (``submit="stream"``):
+"""The direct stream between a dispatcher and one node's daemon (``submit="stream"``):
 commands one way, results the other, on one TCP connection per node.
 
 Why not Ray calls: one Ray actor call costs this machine about 0.75 ms of CPU in the
 caller and 0.9 ms in the callee (``benchmarks/ray_throughput.py`` prints them), paid on
-every action by both the dispatcher and the agent, more than the dispatcher's own work
+every action by both the dispatcher and the daemon, more than the dispatcher's own work
 per action. A frame on a stream costs tens of µs, and everything one side has to say in
 one turn of its event loop goes in one frame (:class:`Outbox`), so under load each frame
 carries many commands or results with no wait added to any of them. Ray still places the
-agents, starts and ends them, and carries the secret that opens the stream.
+daemons, starts and ends them, and carries the secret that opens the stream.
 
-Who may send: the agent listens on its node's address (the one Ray uses) on a port the
+Who may send: the daemon listens on its node's address (the one Ray uses) on a port the
 kernel picks, and serves a connection only once it has shown that it holds the secret
-the dispatcher gave the agent through Ray: the agent sends a fresh random nonce, the
+the dispatcher gave the daemon through Ray: the daemon sends a fresh random nonce, the
 peer answers HMAC-SHA256(secret, nonce) (:func:`serve_challenge`,
 :func:`answer_challenge`), so the secret itself never crosses the network. Frames are
 pickles, read only from a peer that has answered.
@@ -68,15 +68,15 @@ async def serve_challenge(reader: asyncio.StreamReader, writer: asyncio.StreamWr
 
 async def answer_challenge(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                            secret: bytes) -> None:
-    """Answer the agent's challenge with ``secret``.
+    """Answer the daemon's challenge with ``secret``.
 
     Raises:
-        ChannelError: the agent closed the stream first.
+        ChannelError: the daemon closed the stream first.
     """
     try:
         nonce = await reader.readexactly(NONCE_BYTES)
     except asyncio.IncompleteReadError:
-        raise ChannelError("the node's agent closed the stream before its challenge") from None
+        raise ChannelError("the node's daemon closed the stream before its challenge") from None
     writer.write(_answer(secret, nonce))
     await writer.drain()
 

@@ -64,8 +64,8 @@ def start_dispatcher(config: DispatcherConfig | None = None, *, name: str = DEFA
         name: the actor's name in the ``metasched`` namespace.
         services: GPU services by name (each GPU's actor hosts them).
         cores_per_node: grant at most this many cores per node.
-        submit: how commands reach their node's agent: ``"stream"`` (one direct stream
-            per node; the agents hold the dispatcher's cores in Ray), ``"agent"`` (an
+        submit: how commands reach their node's daemon: ``"stream"`` (one direct stream
+            per node; the daemons hold the dispatcher's cores in Ray), ``"daemon"`` (an
             actor call per command) or ``"task"`` (a Ray task each, with ``num_cpus``
             of its grant): see :mod:`.cluster`.
         address: the cluster (default ``"auto"``) when Ray is not initialised yet.

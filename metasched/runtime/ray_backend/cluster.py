@@ -8,30 +8,30 @@ mixed cluster), which core ids commands are pinned to is what a task on the node
 run on (asked once, by a task pinned to it), its memory is the node's. GPUs are Ray's
 ``GPU`` resources, each served by an actor (:mod:`.gpu_hosts`).
 
-Each node has the dispatcher's agent (:mod:`.node_agent`: the node's sandboxes and
+Each node has the dispatcher's daemon (:mod:`.node_daemon`: the node's sandboxes and
 cgroups), which runs every command granted there, in its trajectory's sandbox: a
 trajectory's commands run on the node of its sandbox (the core places the sandbox and
-pins the trajectory's actions there, as in simulation). How a command reaches the agent
+pins the trajectory's actions there, as in simulation). How a command reaches the daemon
 is ``submit``:
 
 - ``"stream"`` (the default): one direct, authenticated TCP stream per node
   (:mod:`.channel`, :class:`~.commands.NodeLink`) carries the node's commands and their results,
   everything one side has in one turn of its loop in one frame, so no Ray call is made
-  per action (each costs the dispatcher and the agent close to a millisecond of CPU).
-  The agents hold the dispatcher's cores of their node in Ray's accounting
+  per action (each costs the dispatcher and the daemon close to a millisecond of CPU).
+  The daemons hold the dispatcher's cores of their node in Ray's accounting
   (``num_cpus``) for as long as the dispatcher runs, busy or not. The dispatcher must
-  reach each node's address on the port its agent's kernel picks, as Ray's own workers
+  reach each node's address on the port its daemon's kernel picks, as Ray's own workers
   do; where it cannot, it does not start, and says so;
-- ``"agent"``: as ``"stream"``, with one actor call to the node's agent per command;
+- ``"daemon"``: as ``"stream"``, with one actor call to the node's daemon per command;
 - ``"task"``: a Ray task pinned to the node (``NodeAffinitySchedulingStrategy``, not
-  soft) with ``num_cpus`` equal to its granted cores, which asks the node's agent to run
+  soft) with ``num_cpus`` equal to its granted cores, which asks the node's daemon to run
   it, so Ray's own accounting agrees with the dispatcher's grant by grant and other Ray
   work on the cluster sees the cores as taken only while commands run (the slowest
   way: a task submission and an actor call per action).
 
-Pipelining: the dispatcher may hand a node commands ahead of its free cores
+Handing ahead: the dispatcher may hand a node commands ahead of its free cores
 (``DispatcherConfig.ahead_per_core``, default :attr:`RayBackend.AHEAD_PER_CORE`). Each
-command goes to its node's agent with a count of cores; the agent gives the node's cores
+command goes to its node's daemon with a count of cores; the daemon gives the node's cores
 to its commands in arrival order and starts the next the moment one exits, so no
 command waits for a round trip through the dispatcher to start. In ``"task"`` mode the
 tasks handed ahead wait in Ray's own queue for their ``num_cpus`` on the node first.
@@ -59,7 +59,7 @@ from metasched.runtime.gpu import LiveService
 from metasched.runtime.journal import Journal
 from metasched.runtime.ray_backend.commands import NodeLink, RemoteCommand, StreamedCommand, lost
 from metasched.runtime.ray_backend.gpu_hosts import RayGpuHost
-from metasched.runtime.ray_backend.node_agent import BoxSpec, NodeAgent, pack, run_on_agent
+from metasched.runtime.ray_backend.node_daemon import BoxSpec, NodeDaemon, pack, run_on_daemon
 from metasched.runtime.ray_backend.node_tasks import (
     DISPATCHER_ENV,
     NodeFacts,
@@ -72,16 +72,16 @@ from metasched.runtime.sandbox.workspace import Template
 log = logging.getLogger("metasched.dispatch")
 
 DESCRIBE_TIMEOUT_S = 60.0  # how long nodes may take to answer the first look
-SUBMIT_MODES = ("task", "agent", "stream")
+SUBMIT_MODES = ("task", "daemon", "stream")
 DEFAULT_SUBMIT = "stream"  # see the module docstring
-AGENT_CONCURRENCY = 10_000  # commands one node's agent may run at once (async calls)
+DAEMON_CONCURRENCY = 10_000  # commands one node's daemon may run at once (async calls)
 
 
 _MB = 1 << 20
 
 
 def check_submit(submit: str) -> str:
-    """``submit`` if it names a way of reaching the agents (ConfigError if not)."""
+    """``submit`` if it names a way of reaching the daemons (ConfigError if not)."""
     if submit not in SUBMIT_MODES:
         raise ConfigError("submit", f"must be one of {', '.join(SUBMIT_MODES)}, got "
                           f"{submit!r}")
@@ -146,7 +146,7 @@ async def cluster_view(*, cores_per_node: int | None = None,
 @dataclass(eq=False)
 class RemoteSandbox:
     """A trajectory's sandbox as the dispatcher sees it on a Ray backend: what its first
-    command decided (the node's agent makes it there, at that command). Ready at once:
+    command decided (the node's daemon makes it there, at that command). Ready at once:
     a sandbox that cannot be made fails its command with the reason."""
 
     key: str
@@ -162,7 +162,7 @@ class RemoteSandbox:
 class RemoteSandboxes:
     """The sandboxes of every node, as the dispatcher tracks them (the interface of
     :class:`~metasched.runtime.sandbox.manager.Sandboxes` it uses); each lives in its
-    node's agent."""
+    node's daemon."""
 
     def __init__(self, backend: RayBackend, facts: list[dict[str, Any]],
                  config: SandboxConfig) -> None:
@@ -170,7 +170,7 @@ class RemoteSandboxes:
         self.config = config
         self.isolated = all(f["isolated"] for f in facts)
         self.warnings = sorted({w for f in facts for w in f["warnings"]})
-        lines = sorted({f["confinement"] for f in facts})
+        lines = sorted({f["sandboxes"] for f in facts})
         self._line = f"on {len(facts)} Ray nodes: " + " | ".join(lines)
         self._sandboxes: dict[str, RemoteSandbox] = {}
         self._shared: dict[bool, RemoteSandbox] = {}
@@ -203,7 +203,7 @@ class RemoteSandboxes:
         self.backend.close_trajectory(key)
 
     def close(self) -> None:
-        """Nothing here: the agents end their sandboxes when the backend closes."""
+        """Nothing here: the daemons end their sandboxes when the backend closes."""
 
 
 class RayBackend:
@@ -215,9 +215,9 @@ class RayBackend:
         gpus: the GPU actors (None: no GPU).
         dispatcher: the dispatcher's name, carried by every command (the next
             dispatcher on the same journal finds the commands a dead one left by it).
-        workdir: where the agents' run directories go on the nodes (None: ``/dev/shm``
+        workdir: where the daemons' run directories go on the nodes (None: ``/dev/shm``
             where writable).
-        submit: how a command reaches its node's agent: ``"task"``, ``"agent"`` or
+        submit: how a command reaches its node's daemon: ``"task"``, ``"daemon"`` or
             ``"stream"``.
     """
 
@@ -225,7 +225,7 @@ class RayBackend:
     # Commands per core a node holds ahead of its free cores unless the dispatcher's
     # ahead_per_core says otherwise (measured: benchmarks/ray_throughput.py --ahead).
     AHEAD_PER_CORE = 2
-    EXECUTORS = NodeExecutors  # each command handed to its node's agent
+    EXECUTORS = NodeExecutors  # each command handed to its node's daemon
     cores: tuple[int, ...] = ()  # the nodes' cores are picked there, not pinned from here
 
     def __init__(self, nodes: list[Node], gpus: RayGpuHost | None, *, dispatcher: str,
@@ -239,7 +239,7 @@ class RayBackend:
         self.dispatcher = dispatcher
         self.workdir = workdir
         self.submit = submit
-        self.agents: list[Any] = []  # per node, once start_sandboxes has run
+        self.daemons: list[Any] = []  # per node, once start_sandboxes has run
         self.links: list[NodeLink] = []  # per node, with submit="stream"
         self._submit: dict[tuple[int, int], Any] = {}  # (node, cores) -> task options
         self._where: dict[str, int] = {}  # trajectory -> the node of its sandbox
@@ -262,25 +262,25 @@ class RayBackend:
         return cls(nodes, gpus, dispatcher=dispatcher, workdir=workdir, submit=submit)
 
     async def start_sandboxes(self, config: SandboxConfig, hide: list[str]) -> RemoteSandboxes:
-        """Start each node's agent (its run directory, sandbox server and cgroups).
+        """Start each node's daemon (its run directory, sandbox server and cgroups).
 
         Raises:
             ConfigError: a node cannot confine commands as configured (the message
                 names the node and why).
         """
-        # The agents end with the actor that starts them (the dispatcher's), and their
-        # sandboxes with them. In "agent" mode they hold the dispatcher's cores in Ray.
+        # The daemons end with the actor that starts them (the dispatcher's), and their
+        # sandboxes with them. In "daemon" mode they hold the dispatcher's cores in Ray.
         cpus = len(self.nodes[0].cores) if self.submit != "task" else 0
-        agent = ray.remote(NodeAgent)
-        self.agents = [agent.options(
-            num_cpus=cpus, max_restarts=0, max_concurrency=AGENT_CONCURRENCY,
+        daemon = ray.remote(NodeDaemon)
+        self.daemons = [daemon.options(
+            num_cpus=cpus, max_restarts=0, max_concurrency=DAEMON_CONCURRENCY,
             scheduling_strategy=_pinned(n.name)).remote(config, hide, self.workdir, n.cores)
             for n in self.nodes]
         try:
             facts = await asyncio.wait_for(asyncio.gather(
-                *(a.describe.remote() for a in self.agents)), DESCRIBE_TIMEOUT_S)
+                *(a.describe.remote() for a in self.daemons)), DESCRIBE_TIMEOUT_S)
         except asyncio.TimeoutError:
-            raise ConfigError("sandbox", f"the Ray nodes' agents did not start within "
+            raise ConfigError("sandbox", f"the Ray nodes' daemons did not start within "
                               f"{DESCRIBE_TIMEOUT_S:g} s") from None
         for node, f in zip(self.nodes, facts, strict=True):
             if "error" in f:
@@ -288,46 +288,46 @@ class RayBackend:
         if self.submit == "stream":
             try:
                 self.links = list(await asyncio.wait_for(asyncio.gather(
-                    *(NodeLink.connect(a) for a in self.agents)), DESCRIBE_TIMEOUT_S))
+                    *(NodeLink.connect(a) for a in self.daemons)), DESCRIBE_TIMEOUT_S))
             except (OSError, asyncio.TimeoutError) as e:
-                raise ConfigError("submit", f"stream: cannot reach a node's agent "
+                raise ConfigError("submit", f"stream: cannot reach a node's daemon "
                                   f"({e or type(e).__name__}); the nodes' addresses must "
-                                  f"be reachable on any port, or use submit=agent") from None
+                                  f"be reachable on any port, or use submit=daemon") from None
         return RemoteSandboxes(self, facts, config)
 
     def _task(self, node: int, n_cores: int) -> Any:
-        """``run_on_agent`` with the options of ``n_cores`` on ``node`` (made once)."""
+        """``run_on_daemon`` with the options of ``n_cores`` on ``node`` (made once)."""
         key = (node, n_cores)
         fn = self._submit.get(key)
         if fn is None:
-            fn = self._submit[key] = run_on_agent.options(
+            fn = self._submit[key] = run_on_daemon.options(
                 num_cpus=n_cores, scheduling_strategy=_pinned(self.nodes[node].name))
         return fn
 
     def start_command(self, node: int, n_cores: int, spec: CommandSpec,
                       sandbox: RemoteSandbox | None = None) -> RemoteCommand | StreamedCommand:
-        """Start ``spec`` on ``n_cores`` of ``node``'s cores: the node's agent picks them
+        """Start ``spec`` on ``n_cores`` of ``node``'s cores: the node's daemon picks them
         and starts it in its queue's order (now, when they are free: see the module
-        docstring on pipelining); its Outcome's ``detail["cores"]`` says which."""
+        docstring on handing ahead); its Outcome's ``detail["cores"]`` says which."""
         spec = replace(spec, extra_env={**(spec.extra_env or {}),
                                         DISPATCHER_ENV: self.dispatcher})
         if sandbox is not None and sandbox.key:
             self._where[sandbox.key] = node
         packed = pack(spec, n_cores, sandbox.box() if sandbox is not None else None)
-        agent = self.agents[node]
+        daemon = self.daemons[node]
         if self.submit == "stream":
             return self.links[node].start(packed)
-        if self.submit == "agent":
-            ref = agent.run.remote(packed)
+        if self.submit == "daemon":
+            ref = daemon.run.remote(packed)
         else:
-            ref = self._task(node, n_cores).remote(agent, packed)
+            ref = self._task(node, n_cores).remote(daemon, packed)
         return RemoteCommand(ref)
 
     def close_trajectory(self, key: str) -> None:
         """End trajectory ``key``'s sandbox on its node (nothing waits for it)."""
         node = self._where.pop(key, None)
-        if node is not None and self.agents:
-            self.agents[node].close_trajectory.remote(key)
+        if node is not None and self.daemons:
+            self.daemons[node].close_trajectory.remote(key)
 
     def device_node(self, device: int) -> int:
         node_id = self.gpus.node_ids[device] if self.gpus is not None else None
@@ -355,11 +355,11 @@ class RayBackend:
         links, self.links = self.links, []
         for link in links:
             await link.close()
-        agents, self.agents = self.agents, []
-        if agents:
+        daemons, self.daemons = self.daemons, []
+        if daemons:
             # Each ends its sandboxes and removes what it made before it goes.
-            await asyncio.gather(*(a.close.remote() for a in agents), return_exceptions=True)
-            for a in agents:
+            await asyncio.gather(*(a.close.remote() for a in daemons), return_exceptions=True)
+            for a in daemons:
                 ray.kill(a)
         if self.gpus is not None:
             self.gpus.close()

@@ -1,5 +1,5 @@
 """Commands on a Ray node, as the dispatcher holds them: :class:`RemoteCommand` (a Ray
-task or an agent call, ``submit="task"`` or ``"agent"``), :class:`StreamedCommand` (sent
+task or an daemon call, ``submit="task"`` or ``"daemon"``), :class:`StreamedCommand` (sent
 on the node's stream, ``submit="stream"``) and :class:`NodeLink`, that stream; and
 :func:`lost`, why a Ray task or call failed, on one line.
 """
@@ -18,7 +18,7 @@ from metasched.runtime.ray_backend import channel
 
 class RemoteCommand:
     """A command running on a Ray node (the :class:`~metasched.runtime.backend.Command`
-    of a Ray backend): ``wait()`` awaits its task or agent call; cancelling the wait, or
+    of a Ray backend): ``wait()`` awaits its task or daemon call; cancelling the wait, or
     ``abandon()``, cancels it (its process group is killed on the node, or it leaves
     the node's queue). ``cores`` are the node's to choose: empty until its Outcome
     (``detail["cores"]``) says."""
@@ -68,9 +68,9 @@ class StreamedCommand:
 
 
 class NodeLink:
-    """The dispatcher's stream to one node's agent (``submit="stream"``, see
+    """The dispatcher's stream to one node's daemon (``submit="stream"``, see
     :mod:`.channel`): commands go as ``("start", key, pack(...))``, results come back as
-    ``(key, pickled Outcome)``. If the stream breaks (the agent or its node is lost),
+    ``(key, pickled Outcome)``. If the stream breaks (the daemon or its node is lost),
     every command waiting on it fails with the reason."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -82,14 +82,14 @@ class NodeLink:
         self.reader = asyncio.get_running_loop().create_task(self._read(reader))
 
     @classmethod
-    async def connect(cls, agent: Any) -> NodeLink:
-        """Open ``agent``'s stream: the agent listens, this side answers its challenge.
+    async def connect(cls, daemon: Any) -> NodeLink:
+        """Open ``daemon``'s stream: the daemon listens, this side answers its challenge.
 
         Raises:
-            ConnectionError: the agent's address cannot be reached (or it refused).
+            ConnectionError: the daemon's address cannot be reached (or it refused).
         """
         secret = channel.new_secret()
-        host, port = await agent.open_stream.remote(secret)
+        host, port = await daemon.open_stream.remote(secret)
         reader, writer = await asyncio.open_connection(host, port)
         try:
             await channel.answer_challenge(reader, writer, secret)
@@ -123,7 +123,7 @@ class NodeLink:
                     if fut is not None and not fut.done():
                         fut.set_result(pickle.loads(data))
         except (channel.ChannelError, ConnectionError) as e:
-            self.fail(f"ray: lost the node's agent ({e})")
+            self.fail(f"ray: lost the node's daemon ({e})")
 
     def fail(self, why: str) -> None:
         """Every command waiting on this node ends failed with ``why``."""

@@ -1,5 +1,5 @@
-"""Tasks the dispatcher runs on a Ray node besides its commands (which its node agent
-runs: :mod:`.node_agent`): the node's description, and the removal of commands a dead
+"""Tasks the dispatcher runs on a Ray node besides its commands (which its node daemon
+runs: :mod:`.node_daemon`): the node's description, and the removal of commands a dead
 dispatcher left running."""
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ class RaySettings(Checked):
             machine with ``ray start``, or ``RAY_ADDRESS``).
         name: the actor's name: attached to if it runs, else started.
         namespace: the Ray namespace the name is found in.
-        submit: how a started dispatcher's commands reach their node (``task`` | ``agent``
+        submit: how a started dispatcher's commands reach their node (``task`` | ``daemon``
             | ``batch``).
         cores_per_node: a started dispatcher grants at most this many cores per node.
         ahead_per_core: a started dispatcher hands each node up to this many commands per

@@ -6,7 +6,7 @@ sandbox server that starts commands inside them, the
 cgroup slots commands run in, and the user ids they run as.
 
 :class:`Sandboxes` is created by the dispatcher at start; :meth:`Sandboxes.describe`
-is the one line it logs about confinement.
+is the one line it logs about sandboxes.
 
 The parts: :mod:`.handles` (:class:`Sandbox`, :class:`Started`) and :mod:`.slots` (the
 cgroup slots commands run in).

@@ -21,41 +21,42 @@ _FALLBACK = {"cpuset": "CPU affinity, which a command can widen",
 
 def cgroup_warning(missing: Mapping[str, str]) -> str:
     """The warning where the controllers ``missing`` (name: why) cannot be used."""
-    return ("cgroup confinement incomplete: "
+    return ("sandbox cgroups incomplete: "
             + "; ".join(f"{c}: {why}" for c, why in missing.items())
             + " (fallback: " + ", ".join(_FALLBACK[c] for c in missing) + ")")
 
 
-def describe(boxes: Sandboxes) -> str:
-    """One line: how ``boxes`` confines commands (isolation, user ids, network, user
+def describe(sandboxes: Sandboxes) -> str:
+    """One line: how ``sandboxes`` confines commands (isolation, user ids, network, user
     namespaces, cgroups)."""
-    if boxes.isolated:
-        net = (f"network granted: egress {', '.join(boxes.config.egress) or 'none'} "
-               "through slirp4netns" if boxes.net_tools else "network refused")
+    if sandboxes.isolated:
+        net = (f"network granted: egress {', '.join(sandboxes.config.egress) or 'none'} "
+               "through slirp4netns" if sandboxes.net_tools else "network refused")
         ns = f"pid, mount, ipc, uts, net ({net})"
-        uid = (f"uids {boxes.uids.first}-{boxes.uids.first + boxes.uids.count - 1} (one per "
-               "sandbox)" if not boxes.uids.shared else f"uid {boxes.uids.nobody}")
-        iso = f"{boxes.bwrap_version} namespaces ({ns}), {uid}, minimal root"
-        if boxes.gvisor is not None:
-            iso = (f"gVisor ({boxes.bwrap_version}: a runsc container per sandbox, its "
+        uids = sandboxes.uids
+        uid = (f"uids {uids.first}-{uids.first + uids.count - 1} (one per sandbox)"
+               if not uids.shared else f"uid {uids.nobody}")
+        iso = f"{sandboxes.bwrap_version} namespaces ({ns}), {uid}, minimal root"
+        if sandboxes.gvisor is not None:
+            iso = (f"gVisor ({sandboxes.bwrap_version}: a runsc container per sandbox, its "
                    f"exec server forking each command, gVisor's own kernel; {net}), {uid}, "
                    "minimal root")
-        userns = ("refused" if boxes.gvisor is not None  # (the exec server's filter)
-                  else boxes.server.userns if boxes.server is not None else "open")
+        userns = ("refused" if sandboxes.gvisor is not None  # (the exec server's filter)
+                  else sandboxes.server.userns if sandboxes.server is not None else "open")
         iso += (", no user namespaces" if userns == "refused"
                 else f", user namespaces NOT disabled: {userns}")
     else:
         iso = f"no isolation (host, uid {os.geteuid()})"
-    if boxes.tree is not None:
-        cg = "cgroups " + boxes.hierarchies.describe()
-        if not boxes.isolated:
-            cg += (", entered before the first instruction" if boxes.spawns_on_host
+    if sandboxes.tree is not None:
+        cg = "cgroups " + sandboxes.hierarchies.describe()
+        if not sandboxes.isolated:
+            cg += (", entered before the first instruction" if sandboxes.spawns_on_host
                    else ", entered just after the start")
-        if not boxes.hierarchies.favordynmods:  # harmless: a note, not a warning
+        if not sandboxes.hierarchies.favordynmods:  # harmless: a note, not a warning
             cg += (" (note: mounted without favordynmods, so a command started after "
                    "an idle spell may wait milliseconds for an RCU grace period to "
                    "enter its cgroup; mount -o remount,favordynmods, Linux >= 6.0, "
                    "avoids it)")
     else:
         cg = "no cgroups (affinity and rlimits)"
-    return f"confinement: {iso}; {cg}"
+    return f"sandboxes: {iso}; {cg}"

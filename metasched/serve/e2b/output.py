@@ -44,8 +44,8 @@ _FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 def workspace_fd(dispatcher: Any, trajectory: str) -> int | None:
     """A directory descriptor of ``trajectory``'s workspace as the host sees it, or
     None where there is none (no sandbox of it, or one this process cannot see)."""
-    boxes = getattr(dispatcher, "boxes", None)
-    get = getattr(boxes, "get", None)
+    sandboxes = getattr(dispatcher, "sandboxes", None)
+    get = getattr(sandboxes, "get", None)
     box = get(trajectory) if get is not None else None
     init = getattr(box, "init_pid", -1)
     if not isinstance(init, int) or init <= 0:

@@ -32,7 +32,7 @@ CONTROL = ".e2b"  # the control directory, in the workspace
 HOME = "/home/user"  # E2B's home directory: the workspace here
 PYTHON = ("python3", "-I", "-S")  # isolated (no PYTHON* variables), no site-packages
 
-# Shared by both programs: the workspace's root and the confinement of paths.
+# Shared by both programs: the workspace's root and the sandboxes of paths.
 _PATHS = r"""import os, sys
 ROOT = os.path.realpath(os.getcwd())
 class Refused(Exception):

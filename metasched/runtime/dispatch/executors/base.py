@@ -28,7 +28,7 @@ log = logging.getLogger("metasched.dispatch")
 class Executors:
     """Runs dispatcher ``d``'s grants. Subclasses run commands (cpu, and gpu commands:
     a gpu request without a service): :meth:`start_cpu`, :meth:`run_gpu_command`,
-    :meth:`reserved_ids`, :meth:`release_held` and, with node queues,
+    :meth:`reserved_ids`, :meth:`release_held` and, with ahead queues,
     :meth:`start_ahead`."""
 
     # Whether a command's start is journaled with its process group once it runs (the

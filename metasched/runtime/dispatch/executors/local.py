@@ -38,7 +38,7 @@ class LocalExecutors(Executors):
     def check_ahead(cls, ahead: int) -> None:
         if ahead:
             raise ConfigError("ahead_per_core", "the local backend starts each command on "
-                              "its core itself (no node queue to hand commands to): must be 0")
+                              "its core itself (no ahead queue to hand commands to): must be 0")
 
     def reserved_ids(self, k: int) -> list[int]:
         return self.machine.take_cores(k)
@@ -102,7 +102,7 @@ class LocalExecutors(Executors):
         try:
             proc = launch(
                 req.argv, cores=cores, timeout_s=req.timeout_s, env=d._base_env,
-                request_env=req.env, boxes=d.boxes,
+                request_env=req.env, sandboxes=d.sandboxes,
                 sandbox=sandbox if sandbox is not None else job.sandbox,
                 cwd_root=self.machine.run_dir.path,
                 pids_max=req.pids_max or d.config.sandbox.pids_max,
@@ -141,8 +141,8 @@ class LocalExecutors(Executors):
         cores = await self.reserve_cores(job.request.min_cores)
         job.alloc["cores"] = cores
         try:  # its sandbox with its GPU's device nodes (isolation on)
-            sandbox = (await gpu_sandbox(d.boxes, job.sandbox, dev.nvml_index)
-                       if d.boxes is not None else None)
+            sandbox = (await gpu_sandbox(d.sandboxes, job.sandbox, dev.nvml_index)
+                       if d.sandboxes is not None else None)
         except OSError as e:
             self.unreserve_cores(cores)
             d._complete(job, Outcome(False, f"cannot start: {e.strerror or e}",

@@ -1,7 +1,7 @@
 """Commands on a backend's nodes (:class:`~metasched.runtime.backend.Backend`, e.g. a
 Ray cluster): each is handed to the backend for its node, which picks its cores there
 and confines it as on one machine; cpu commands may be handed ahead of their cores, to
-the node's queue (pipelining). Their starts are journaled at the grant (the next
+the node's queue (handing ahead). Their starts are journaled at the grant (the next
 dispatcher finds them on every node by their action id)."""
 
 from __future__ import annotations

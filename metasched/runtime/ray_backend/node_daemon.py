@@ -1,30 +1,30 @@
-"""The dispatcher's agent on each Ray node: that node's confinement, and the commands
+"""The dispatcher's daemon on each Ray node: that node's sandboxes, and the commands
 granted there.
 
 A sandbox is held by a process for as long as its trajectory lives (the sandbox server
 keeps its namespaces; its workspace is a tmpfs there), which a Ray task, gone when its
 function returns, cannot be. So each node of a Ray-backed dispatcher has one
-:class:`NodeAgent` (an async actor pinned to it, started by the dispatcher and ending
+:class:`NodeDaemon` (an async actor pinned to it, started by the dispatcher and ending
 with it): it makes the node's run directory and
 :class:`~metasched.runtime.sandbox.manager.Sandboxes` as the dispatcher does on one
-machine (:func:`~metasched.runtime.launch.open_confinement`: bwrap namespaces,
+machine (:func:`~metasched.runtime.launch.open_sandboxes`: bwrap namespaces,
 an unprivileged user per trajectory, cgroup slots), and starts each command through
 the same call (:func:`~metasched.runtime.launch.launch`) in its trajectory's
 sandbox on that node: the workspace persists across the trajectory's commands, wherever
 the dispatcher runs. A gpu command (its spec names its GPU's NVML index on this node)
 runs in that sandbox's sandbox for its GPU, which binds that GPU's device node alone
 (:func:`~metasched.runtime.launch.gpu_sandbox`). When the dispatcher's actor
-dies, Ray ends the agents it owns, and with each its sandbox server: every sandbox and
+dies, Ray ends the daemons it owns, and with each its sandbox server: every sandbox and
 command on the node ends too.
 
-Commands reach an agent one call per command (:meth:`NodeAgent.run`), or on the
-dispatcher's direct stream (:meth:`NodeAgent.open_stream`, :mod:`.channel`); which, and
+Commands reach an daemon one call per command (:meth:`NodeDaemon.run`), or on the
+dispatcher's direct stream (:meth:`NodeDaemon.open_stream`, :mod:`.channel`); which, and
 how a command holds its cores in Ray's accounting, is :class:`~.cluster.RayBackend`'s.
 
-Pipelining: the agent holds the node's granted cores (:class:`CoreQueue`) and starts the
+Handing ahead: the daemon holds the node's granted cores (:class:`CoreQueue`) and starts the
 commands it is given in the order they arrive, each as soon as enough of the cores are
 free, so the dispatcher may hand it commands ahead of free cores: the next one starts the
-moment one exits, not a round trip (agent, dispatcher, agent) later.
+moment one exits, not a round trip (daemon, dispatcher, daemon) later.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from typing import Any
 import ray
 
 from metasched.runtime.backend import CommandSpec
-from metasched.runtime.launch import gpu_sandbox, launch, open_confinement
+from metasched.runtime.launch import gpu_sandbox, launch, open_sandboxes
 from metasched.runtime.outcome import Outcome
 from metasched.runtime.ray_backend import channel
 from metasched.runtime.sandbox.config import SandboxConfig
@@ -63,9 +63,9 @@ class BoxSpec:
 
 
 def pack(spec: CommandSpec, cores: list[int] | int, box: BoxSpec | None) -> bytes:
-    """:meth:`NodeAgent.run`'s argument: bytes pass through Ray without its serializer (a
+    """:meth:`NodeDaemon.run`'s argument: bytes pass through Ray without its serializer (a
     dataclass costs it ~10x a pickle of it; this is paid on every action). ``cores``: the
-    core ids to pin it to, or how many of the agent's cores it takes, in its queue's
+    core ids to pin it to, or how many of the daemon's cores it takes, in its queue's
     order (:class:`CoreQueue`)."""
     return pickle.dumps((spec, cores, box), pickle.HIGHEST_PROTOCOL)
 
@@ -120,8 +120,8 @@ class CoreQueue:
         return sum(1 for _, f in self.waiting if not f.done())
 
 
-class NodeAgent:
-    """The confinement and commands of one node (see the module docstring); started by
+class NodeDaemon:
+    """The sandboxes and commands of one node (see the module docstring); started by
     :class:`~.cluster.RayBackend` as a Ray actor pinned to its node.
 
     Args:
@@ -142,34 +142,34 @@ class NodeAgent:
         self._stream_secret = b""
         self._listener: asyncio.Server | None = None
         self.run_dir = None
-        self.boxes = None
+        self.sandboxes = None
         self._starting: asyncio.Task | None = None
 
     async def _ready(self):
-        if self.boxes is None:
+        if self.sandboxes is None:
             if self._starting is None:
                 self._starting = asyncio.ensure_future(self._start())
             await asyncio.shield(self._starting)
-        return self.boxes
+        return self.sandboxes
 
     async def _start(self) -> None:
         from metasched.runtime.machine import default_workdir
 
         workdir = self.workdir if self.workdir is not None else default_workdir()
-        self.run_dir, self.boxes = await open_confinement(workdir, self.config, hide=self.hide)
+        self.run_dir, self.sandboxes = await open_sandboxes(workdir, self.config, hide=self.hide)
 
     async def describe(self) -> dict[str, Any]:
-        """Start the node's confinement; what it is (or ``error``: why it cannot be)."""
+        """Start the node's sandboxes; what it is (or ``error``: why it cannot be)."""
         from metasched.errors import ConfigError
 
         try:
-            boxes = await self._ready()
+            sandboxes = await self._ready()
         except ConfigError as e:
             self._starting = None
             return {"error": str(e)}
         return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
-                "isolated": boxes.isolated, "confinement": boxes.describe(),
-                "warnings": list(boxes.warnings)}
+                "isolated": sandboxes.isolated, "sandboxes": sandboxes.describe(),
+                "warnings": list(sandboxes.warnings)}
 
     async def run(self, packed: bytes) -> bytes:
         """Run the command of :func:`pack` on this node, pinned to its cores, in its
@@ -183,28 +183,28 @@ class NodeAgent:
             turn = self.cores.take(cores)
             try:
                 # The sandbox is made (at a trajectory's first command) while it waits.
-                boxes = await self._ready()
-                sb = await self._sandbox(boxes, box)
+                sandboxes = await self._ready()
+                sb = await self._sandbox(sandboxes, box)
                 cores = await turn
             except BaseException:
                 self.cores.drop(turn)
                 raise
             try:
-                return await self._launch(spec, cores, boxes, sb)
+                return await self._launch(spec, cores, sandboxes, sb)
             finally:
                 self.cores.give(cores)
-        boxes = await self._ready()
-        return await self._launch(spec, cores, boxes, await self._sandbox(boxes, box))
+        sandboxes = await self._ready()
+        return await self._launch(spec, cores, sandboxes, await self._sandbox(sandboxes, box))
 
-    async def _sandbox(self, boxes, box: BoxSpec | None):
+    async def _sandbox(self, sandboxes, box: BoxSpec | None):
         """The command's sandbox on this node (opened at its trajectory's first command),
         or None: outside any."""
         sb = None
-        if box is not None and boxes.isolated:
+        if box is not None and sandboxes.isolated:
             if box.key == "":
-                sb = boxes.shared(box.network)
+                sb = sandboxes.shared(box.network)
             else:
-                sb = boxes.get(box.key) or boxes.open(
+                sb = sandboxes.get(box.key) or sandboxes.open(
                     box.key, size_mb=box.size_mb, template=box.template, network=box.network)
             try:
                 await sb.ready
@@ -212,14 +212,14 @@ class NodeAgent:
                 pass  # launch fails the command with the reason
         return sb
 
-    async def _launch(self, spec: CommandSpec, cores: list[int], boxes, sb) -> bytes:
+    async def _launch(self, spec: CommandSpec, cores: list[int], sandboxes, sb) -> bytes:
         try:  # a gpu command: its sandbox with its GPU's device nodes
-            sb = await gpu_sandbox(boxes, sb, spec.gpu)
+            sb = await gpu_sandbox(sandboxes, sb, spec.gpu)
         except OSError as e:
             return pickle.dumps(Outcome(False, f"cannot start: {e.strerror or e}",
                                         detail={"cores": cores}), pickle.HIGHEST_PROTOCOL)
         proc = launch(spec.argv, cores=cores, timeout_s=spec.timeout_s, env=spec.env or {},
-                      request_env=spec.request_env, boxes=boxes, sandbox=sb,
+                      request_env=spec.request_env, sandboxes=sandboxes, sandbox=sb,
                       cwd_root=self.run_dir.path, pids_max=spec.pids_max,
                       mem_limit_mb=spec.mem_limit_mb, cpu_time_s=spec.cpu_time_s,
                       tail_bytes=spec.tail_bytes, extra_env=spec.extra_env)
@@ -255,7 +255,7 @@ class NodeAgent:
                 result = Outcome(ok=False, reason="cancelled")
             elif task.exception() is not None:
                 e = task.exception()
-                result = Outcome(ok=False, reason=f"node agent: {type(e).__name__}: {e}")
+                result = Outcome(ok=False, reason=f"node daemon: {type(e).__name__}: {e}")
             else:
                 out.put((key, task.result()))
                 return
@@ -284,34 +284,34 @@ class NodeAgent:
 
     def close_trajectory(self, key: str) -> None:
         """End trajectory ``key``'s sandbox here (its workspace, whatever runs in it)."""
-        if self.boxes is not None:
-            self.boxes.close_trajectory(key)
+        if self.sandboxes is not None:
+            self.sandboxes.close_trajectory(key)
 
     def close(self) -> None:
         """End every sandbox and command here, remove the run directory and cgroups."""
         if self._listener is not None:
             self._listener.close()
             self._listener = None
-        if self.boxes is not None:
-            self.boxes.close()
-            self.boxes = None
+        if self.sandboxes is not None:
+            self.sandboxes.close()
+            self.sandboxes = None
         if self.run_dir is not None:
             self.run_dir.remove()
             self.run_dir = None
 
 
 @ray.remote(max_retries=0)
-def run_on_agent(agent: Any, packed: bytes) -> bytes:
+def run_on_daemon(daemon: Any, packed: bytes) -> bytes:
     """A command as a Ray task: it holds its granted cores in Ray's accounting (its
-    ``num_cpus``) while the node's agent runs it. ``ray.cancel`` (non-forced) cancels
-    the agent's call, which kills the command.
+    ``num_cpus``) while the node's daemon runs it. ``ray.cancel`` (non-forced) cancels
+    the daemon's call, which kills the command.
 
     The result is awaited through the reference's future, not ``ray.get``: a task
     blocked in ``ray.get`` lends its CPUs back to Ray until it returns, and the command's
     cores would be counted free while it runs. The wait wakes every
     ``CANCEL_CHECK_S`` so that a cancellation (an exception Ray raises in this thread)
     is seen."""
-    ref = agent.run.remote(packed)
+    ref = daemon.run.remote(packed)
     done = ref.future()
     try:
         while True:
@@ -324,4 +324,4 @@ def run_on_agent(agent: Any, packed: bytes) -> bytes:
         raise
 
 
-__all__ = ["BoxSpec", "CoreQueue", "NodeAgent", "pack", "run_on_agent"]
+__all__ = ["BoxSpec", "CoreQueue", "NodeDaemon", "pack", "run_on_daemon"]

@@ -12,7 +12,7 @@ file (the actions arrive at their recorded times); ``metasched-calibrate`` fits 
 workload profile to it.
 
 The simulator and the live dispatcher write the same lines through one
-:class:`ActionLog`, so a calibration fitted on a simulated trace is fitted by the code
+:class:`TraceWriter`, so a calibration fitted on a simulated trace is fitted by the code
 that reads live ones. Writing is streamed: one line per action, buffered and flushed at
 least every ``flush_s``; what is kept in memory is one float per live trajectory.
 """
@@ -71,7 +71,7 @@ def status_of(ok: bool, reason: str) -> str:
     return TIMEOUT if reason.startswith("timeout") else FAILED
 
 
-class ActionLog:
+class TraceWriter:
     """Appends finished actions to a JSONL trace (see the module docstring).
 
     Args:
@@ -200,7 +200,7 @@ class ActionLog:
         if not self._file.closed:
             self._file.close()
 
-    def __enter__(self) -> ActionLog:
+    def __enter__(self) -> TraceWriter:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -226,4 +226,4 @@ def _origin(path: Path) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
-__all__ = ["ActionLog", "cluster_doc", "services_doc", "status_of"]
+__all__ = ["TraceWriter", "cluster_doc", "services_doc", "status_of"]

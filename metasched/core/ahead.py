@@ -1,8 +1,8 @@
-"""Pipelining: cpu actions handed to a node ahead of its free cores.
+"""Handing ahead: cpu actions handed to a node ahead of its free cores.
 
 A node may hold up to ``ahead_per_node`` pending cpu actions in its own queue and start
 each, in order, as soon as the cores before it free, without waiting for the scheduler.
-:class:`Pipelining` holds the state's part of it; :class:`~metasched.core.state.ClusterState`
+:class:`Ahead` holds the state's part of it; :class:`~metasched.core.state.ClusterState`
 inherits it and owns the attributes it reads (``ahead``, ``ahead_claim``, ``n_ahead``,
 ``ahead_per_node``, the pools and the pending queue).
 """
@@ -19,8 +19,8 @@ if TYPE_CHECKING:
     from metasched.core.pools import CpuPool
 
 
-class Pipelining:
-    """The node queues of actions handed ahead (a mixin of ``ClusterState``)."""
+class Ahead:
+    """The ahead queues of actions handed ahead (a mixin of ``ClusterState``)."""
 
     t: float
     cpu: CpuPool
@@ -58,8 +58,8 @@ class Pipelining:
         return None
 
     def hand_ahead(self, a: Action, node: int, cores: int) -> None:
-        """Hand pending cpu action ``a`` to ``node`` ahead of free cores (pipelining): the
-        node queues it and starts it, with ``cores`` cores, as soon as the actions
+        """Hand pending cpu action ``a`` to ``node`` ahead of free cores (handing ahead): the
+        ahead queues it and starts it, with ``cores`` cores, as soon as the actions
         before it there leave them, without waiting for the scheduler. From now on it is
         neither pending (no scheduler sees or grants it) nor running: it is ``AHEAD``,
         in ``ahead[node]`` (counted in ``n_ahead``), until a :meth:`finish` of an action
@@ -140,4 +140,4 @@ class Pipelining:
         return started
 
 
-__all__ = ["Pipelining"]
+__all__ = ["Ahead"]

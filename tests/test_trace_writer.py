@@ -1,4 +1,4 @@
-"""Traces of finished actions (``ActionLog``): what the simulator and the live dispatcher
+"""Traces of finished actions (``TraceWriter``): what the simulator and the live dispatcher
 record, that replay reads it, and that the reader stays strict about what it adds."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from helpers import COMMAND_PY, shrunk
 
 from metasched.agents import make_scheduler
-from metasched.core.action_log import ActionLog
+from metasched.core.trace_writer import TraceWriter
 from metasched.errors import ConfigError
 from metasched.runtime.dispatch import Dispatcher, DispatcherConfig
 from metasched.sim.simulator import Simulator
@@ -29,8 +29,8 @@ def lines(path: Path) -> list[dict]:
 def test_simulator_records_every_finished_action(name: str, tmp_path: Path) -> None:
     w, c = shrunk(name, load=0.1, steps=2)
     path = tmp_path / "t.jsonl"
-    with ActionLog(path, c, w.services) as log:
-        sim = Simulator(w, c, seed=3, action_log=log)
+    with TraceWriter(path, c, w.services) as log:
+        sim = Simulator(w, c, seed=3, trace_writer=log)
         result = sim.run(make_scheduler("elastic_greedy"))
     rows = lines(path)
     assert rows[0]["type"] == "cluster" and rows[0]["cpu"]["nodes"] == c.cpu_nodes
