@@ -8,7 +8,6 @@ methods, so what a scheduler sees (``ClusterState`` is the ``ClusterView`` hande
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict, deque
 from dataclasses import replace
 
@@ -29,6 +28,7 @@ from metasched.core.cluster_config import ClusterConfig
 from metasched.core.metrics import Recorder
 from metasched.core.pools import ApiPool, CpuPool, GpuPool, ServiceSpec
 from metasched.core.predictor import Predictor
+from metasched.core.readiness import Readiness
 
 KIND_INDEX = {k: i for i, k in enumerate(KINDS)}
 
@@ -38,7 +38,7 @@ def api_key(endpoint: str) -> str:
     return f"api/{endpoint}"
 
 
-class ClusterState(Ahead):
+class ClusterState(Ahead, Readiness):
     """Pools, queue and trajectories at time ``t``; the view every scheduler reads.
 
     Attributes:
@@ -122,9 +122,6 @@ class ClusterState(Ahead):
             return self.cpu.free[a.node] >= need
         return max(self.cpu.free, default=0) >= need
 
-    def api_feasible(self, a: Action) -> bool:
-        return self.api.endpoints[a.spec.endpoint].can_start(a.spec.tokens, self.t)
-
     def feasible(self, a: Action) -> bool:
         """Whether some grant for ``a`` is legal now."""
         k = a.spec.kind
@@ -133,67 +130,6 @@ class ClusterState(Ahead):
         if k == "gpu":
             return any(not d.busy for d in self.gpu.devices)
         return self.api_feasible(a)
-
-    def decision_possible(self) -> bool:
-        """Whether any pending action could be granted now (the scheduler is asked only
-        then)."""
-        p = self.pending
-        if p["cpu"]:
-            cpu = self.cpu
-            free = cpu.free
-            # Nothing can start while no node has a free core and no held core is idle.
-            # The largest free count is found only when an action needs it: it is a pass
-            # over every node (10^3-10^4), and most actions are bound to their sandbox's
-            # node, whose free cores decide alone.
-            held_idle = cpu.held > cpu.held_busy
-            most = -1
-            for a in p["cpu"].values():  # cpu_feasible, inlined: queues run long
-                traj = a.traj
-                need = a.spec.min_cores - (traj.held_cores if traj is not None else 0)
-                if a.node >= 0:
-                    if need > free[a.node]:
-                        continue
-                    if need > 0 or held_idle:
-                        return True  # its node has a free core
-                elif most >= 0 and need > most:
-                    continue
-                if most < 0:
-                    most = max(free, default=0)
-                    if most <= 0 and not held_idle:
-                        break  # no free core anywhere: no cpu action can start
-                if a.node >= 0 or need <= most:
-                    return True
-        if p["gpu"] and any(not d.busy for d in self.gpu.devices):
-            return True
-        if p["api"]:
-            seen = set()
-            for a in p["api"].values():
-                ep = a.spec.endpoint
-                if ep in seen:
-                    continue
-                if self.api_feasible(a):
-                    return True
-                if self.api.endpoints[ep].in_flight >= self.api.endpoints[ep].spec.max_concurrency:
-                    seen.add(ep)
-        return False
-
-    def api_wakeups(self) -> dict[str, float]:
-        """For each endpoint whose waiting calls wait only for tokens: seconds until its
-        smallest waiting call fits the quota window (the clock must look again then)."""
-        smallest: dict[str, int] = {}
-        for a in self.pending["api"].values():
-            ep = a.spec.endpoint
-            if ep not in smallest or a.spec.tokens < smallest[ep]:
-                smallest[ep] = a.spec.tokens
-        out: dict[str, float] = {}
-        for name, tokens in smallest.items():
-            ep = self.api.endpoints[name]
-            if ep.in_flight >= ep.spec.max_concurrency:
-                continue  # a call ending will be the next event
-            wait = ep.ready_in(tokens, self.t)
-            if 0 < wait < math.inf:
-                out[name] = wait
-        return out
 
     # ------------------------------------------------------------------ mutations
 
@@ -364,10 +300,7 @@ class ClusterState(Ahead):
         self.version += 1
         if self.pending["cpu"].get(a.id) is not a:
             raise InvalidGrant(f"action {a.id} is not pending")
-        del self.pending["cpu"][a.id]
-        self.pending_est_s["cpu"] -= a.spec.est_s
-        if not self.pending["cpu"]:
-            self.pending_est_s["cpu"] = 0.0
+        self._unqueue(a)
         a.node, a.cores, a.shared = node, a.spec.min_cores, True
         self.cpu.shared[node] += a.cores
         a.status = RUNNING
@@ -407,37 +340,40 @@ class ClusterState(Ahead):
             self.api.endpoints[a.spec.endpoint].in_flight -= 1
             self.api.busy -= 1
             self.busy_by_task[(api_key(a.spec.endpoint), a.task)] -= 1
+        self.n_running -= 1
+        self._ended(a, ok, reason, a.start_t)
+        return promoted
+
+    def withdraw(self, a: Action, reason: str) -> None:
+        """Take queued action ``a`` out of the queue unstarted (its caller cancelled
+        it): it ends failed with ``reason`` at ``t``, having held nothing."""
+        if a.id not in self.pending[a.spec.kind]:
+            raise ValueError(f"action {a.id} is not queued")
+        self.version += 1
+        self._unqueue(a)
+        self._ended(a, False, reason, self.t)
+
+    def _unqueue(self, a: Action) -> None:
+        """Take queued action ``a`` out of its kind's queue."""
+        kind = a.spec.kind
+        del self.pending[kind][a.id]
+        self.pending_est_s[kind] -= a.spec.est_s
+        if not self.pending[kind]:
+            self.pending_est_s[kind] = 0.0  # no rounding residue in an empty queue
+
+    def _ended(self, a: Action, ok: bool, reason: str, start_t: float) -> None:
+        """Record ``a`` as ended at ``t`` (done if ``ok``, else failed with ``reason``),
+        in the counts, its trajectory's action time and the metrics."""
         a.end_t = self.t
         a.status = DONE if ok else FAILED
         a.reason = reason
-        self.n_running -= 1
         if ok:
             self.n_done += 1
         else:
             self.n_failed += 1
         if a.traj is not None:
             a.traj.act_s += self.t - a.submit_t
-        self.metrics.action(KIND_INDEX[kind], a.task, a.submit_t, a.start_t, self.t, ok,
-                            a.lower_bound_s, reason)
-        return promoted
-
-    def withdraw(self, a: Action, reason: str) -> None:
-        """Take queued action ``a`` out of the queue unstarted (its caller cancelled
-        it): it ends failed with ``reason`` at ``t``, having held nothing."""
-        kind = a.spec.kind
-        if self.pending[kind].pop(a.id, None) is None:
-            raise ValueError(f"action {a.id} is not queued")
-        self.version += 1
-        self.pending_est_s[kind] -= a.spec.est_s
-        if not self.pending[kind]:
-            self.pending_est_s[kind] = 0.0
-        a.end_t = self.t
-        a.status = FAILED
-        a.reason = reason
-        self.n_failed += 1
-        if a.traj is not None:
-            a.traj.act_s += self.t - a.submit_t
-        self.metrics.action(KIND_INDEX[kind], a.task, a.submit_t, self.t, self.t, False,
+        self.metrics.action(KIND_INDEX[a.spec.kind], a.task, a.submit_t, start_t, self.t, ok,
                             a.lower_bound_s, reason)
 
     def release_device(self, device: int) -> None:
