@@ -13,16 +13,16 @@ directory with the same system paths bound read-only at the same places
 the sandbox's kernel, of the sandbox's size each; the workspace is owned by the sandbox's
 user. No network (``--network=none``: a loopback device only).
 
-The container's init is a root agent (:data:`AGENT`) holding only ``CAP_KILL``: it
+The container's init (:data:`INIT`) is a root process holding only ``CAP_KILL``: it
 prints a newline once running, then reads requests from its stdin, a pipe only the
 sandbox server writes to: ``all SID`` or ``- SID`` kills the process group ``SID`` (a
 command's: ``-`` for none) and, with ``all``, every process of the sandbox but itself
 (``kill -9 -1``: shell builtins only, no program started), answering a newline when
 done. When the pipe closes (the server
-ended, however), the agent exits, and with the root container's init the whole sandbox
+ended, however), the init exits, and with it the whole sandbox
 ends (gVisor kills every process in it). (The sandbox server sends no kill request
 today: the sandbox's exec server, :mod:`.gvisor_exec`, kills what is left of each
-command itself; the agent's pipe is what ends the sandbox with the server.)
+command itself; the init's pipe is what ends the sandbox with the server.)
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ from metasched.runtime.sandbox import egress
 from metasched.runtime.sandbox.bwrap import ETC_PATHS, SYSTEM_PATHS, identity_files, within
 from metasched.runtime.sandbox.handles import Sandbox
 
-__all__ = ["AGENT", "Bundles", "find_runsc", "oci_config", "prepare_root", "runsc_argv"]
+__all__ = ["INIT", "Bundles", "find_runsc", "oci_config", "prepare_root", "runsc_argv"]
 
 # The container's init (see the module docstring).
-AGENT = ("/bin/sh", "-c",
+INIT = ("/bin/sh", "-c",
          'echo; while read -r a s; do [ "$s" != - ] && kill -9 -- "-$s"; '
          '[ "$a" = all ] && kill -9 -1; echo; done 2>/dev/null')
 # Loaded by gVisor into every process of the container (``--oci-seccomp``): no user
@@ -176,7 +176,7 @@ def oci_config(*, root: str, files: dict[str, str], uid: int, gid: int, size: in
     kill = ["CAP_KILL"]
     return {
         "ociVersion": "1.0.2",
-        "process": {"user": {"uid": 0, "gid": 0}, "args": list(AGENT),
+        "process": {"user": {"uid": 0, "gid": 0}, "args": list(INIT),
                     "env": ["PATH=/usr/bin:/bin"], "cwd": "/", "noNewPrivileges": True,
                     "capabilities": {"bounding": kill, "effective": kill,
                                      "permitted": kill}},

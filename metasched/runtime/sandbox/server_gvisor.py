@@ -5,11 +5,11 @@ commands are started by its exec server (:mod:`.server_gvisor_exec`).
 Opening: ``runsc run --detach`` starts inside the sandbox's cgroup slot (its
 descriptors come with the ``open`` request), so the sandbox's kernel (the Sentry), its
 file proxy (the Gofer) and every thread running the sandbox's programs are confined by
-it. The container's init is :data:`.gvisor.AGENT`, its stdin a pipe only this server
+it. The container's init is :data:`.gvisor.INIT`, its stdin a pipe only this server
 writes to and its stdout the pipe it answers on: its first newline says it runs; the
 exec server is started then, and the sandbox is ready once that says so.
 
-Closing: the agent's stdin is closed, the agent exits, and with the root container's
+Closing: the init's stdin is closed, the init exits, and with the root container's
 init the sandbox ends (gVisor kills every process in it); ``runsc delete --force``
 then removes the container's state, and the bundle is removed. When the server dies,
 however, the pipe closes and the sandbox ends the same way.
@@ -130,7 +130,7 @@ class GvisorSandboxes:
             pass
 
     def _agent_said(self, sb: _Sandbox) -> None:
-        """The agent's first newline says the container runs (its exec server is
+        """The init's first newline says the container runs (its exec server is
         started then). End of file: the sandbox is gone (its commands are reported when
         the exec server's events end)."""
         if sb.ready_fd < 0:  # closed by an earlier event of the same batch
@@ -149,7 +149,7 @@ class GvisorSandboxes:
                 self._fail_gvisor(sb, f"runsc failed: {self._runsc_error(sb)}")
             return
         if b"\n" in data and not sb.mounted and sb.exec_pid < 0 and sb.exec_fd < 0:
-            self._start_exec(sb, _RUNSC_ENV)  # the agent runs: its exec server next
+            self._start_exec(sb, _RUNSC_ENV)  # the init runs: its exec server next
 
     def _runsc_error(self, sb: _Sandbox) -> str:
         if sb.bwrap_fd >= 0:  # not reaped yet: it is exiting
@@ -171,7 +171,7 @@ class GvisorSandboxes:
     # --- closing ------------------------------------------------------------------------
 
     def _close_gvisor(self, sb: _Sandbox) -> None:
-        """End ``sb``: the agent's stdin closes (the sandbox ends), then runsc deletes
+        """End ``sb``: the init's stdin closes (the sandbox ends), then runsc deletes
         the container and the bundle goes."""
         if sb.ready_fd >= 0:
             self.sel.unregister(sb.ready_fd)

@@ -2,7 +2,7 @@
 sandbox's exec server (:mod:`.gvisor_exec`) started once, by one ``runsc exec`` that
 lives as long as the sandbox, and each command a request to it.
 
-Starting: once the container's init agent is up, ``runsc exec`` (as root in the
+Starting: once the container's init is up, ``runsc exec`` (as root in the
 sandbox, with CAP_SETUID, CAP_SETGID, CAP_KILL and CAP_DAC_READ_SEARCH only) runs the
 sandbox's ``/usr/bin/python3 -I -S -c`` :mod:`.gvisor_exec` with the seccomp program of
 :func:`.userns.bpf`; its stdin is a pipe this server writes requests to, its stdout a
@@ -77,7 +77,7 @@ class GvisorExec:
     _opened: Callable[[_Sandbox], None]
 
     def _start_exec(self, sb: _Sandbox, env: dict[str, str]) -> None:
-        """Start ``sb``'s exec server (its agent is up); ready on its first event."""
+        """Start ``sb``'s exec server (its init is up); ready on its first event."""
         gv = sb.gvisor
         assert gv is not None
         argv = exec_server_argv(gv["runsc"], gv["cid"])
