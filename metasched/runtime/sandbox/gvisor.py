@@ -132,7 +132,8 @@ def _bind(path: str, root: str, mounts: list[dict[str, Any]], bound: list[str]) 
 
 
 def oci_config(*, root: str, files: dict[str, str], uid: int, gid: int, size: int,
-               hide: Sequence[str] = (), system_paths: Sequence[str] = ()) -> dict[str, Any]:
+               hide: Sequence[str] = (), system_paths: Sequence[str] = (),
+               network: bool = False) -> dict[str, Any]:
     """The OCI ``config.json`` of one sandbox's container.
 
     Args:
@@ -143,6 +144,10 @@ def oci_config(*, root: str, files: dict[str, str], uid: int, gid: int, size: in
         size: bytes of each of ``/workspace``, ``/tmp`` and ``/dev/shm``.
         hide: host paths to make invisible where they lie under a bound path.
         system_paths: more host paths bound read-only.
+        network: granted network: no network namespace of its own in the spec, so that
+            runsc (``--network=host``) keeps the sandbox in the namespace it is started
+            in, the one the sandbox server made for it (a ``network`` entry without a
+            path would make runsc start the sandbox in a new, empty one).
     """
     mounts: list[dict[str, Any]] = [
         {"destination": "/proc", "type": "proc", "source": "proc"},
@@ -183,8 +188,8 @@ def oci_config(*, root: str, files: dict[str, str], uid: int, gid: int, size: in
         "root": {"path": root, "readonly": True},
         "hostname": "sandbox",
         "mounts": mounts,
-        "linux": {"namespaces": [{"type": t} for t in
-                                 ("pid", "network", "ipc", "uts", "mount")],
+        "linux": {"namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")
+                                 if not (network and t == "network")],
                   "seccomp": USERNS_SECCOMP},
     }
 
@@ -235,7 +240,7 @@ class Bundles:
             os.chmod(source, 0o444)
             sources[dest] = source
         config = oci_config(root=self.root, files=sources, uid=uid, gid=gid, size=size,
-                            hide=hide, system_paths=system_paths)
+                            hide=hide, system_paths=system_paths, network=network)
         with open(os.path.join(bundle, "config.json"), "w") as f:
             json.dump(config, f)
         cid = f"{self.prefix}{sid}"
