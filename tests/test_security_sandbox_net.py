@@ -5,8 +5,9 @@ the host; and it cannot lift the rules. Allowed egress is shown against a host o
 test's own: a network namespace joined to this one by a veth pair with private
 addresses, running a small server.
 
-Needs bwrap isolation (root), slirp4netns and nftables; the allowed-egress tests also
-``ip netns``. A missing piece skips with the reason (``-rs``).
+Runs under each isolation mode (bwrap; gvisor under ``-m gvisor``). Needs root,
+slirp4netns and nftables; the allowed-egress tests also ``ip netns``. A missing piece
+skips with the reason (``-rs``).
 """
 
 from __future__ import annotations

@@ -11,7 +11,10 @@ directory with the same system paths bound read-only at the same places
 ``/etc/group`` and ``/etc/hosts``, hidden paths covered, and gVisor's own ``/proc``,
 ``/dev`` and ``/sys``. ``/workspace``, ``/tmp`` and ``/dev/shm`` are tmpfs mounts inside
 the sandbox's kernel, of the sandbox's size each; the workspace is owned by the sandbox's
-user. No network (``--network=none``: a loopback device only).
+user. No network (``--network=none``: a loopback device only), or, where granted,
+``--network=host`` in the namespace the sandbox server made for the sandbox, its rules
+loaded and its stack up (:mod:`.egress`; the spec then has no network namespace of its
+own).
 
 The container's init (:data:`INIT`) is a root process holding only ``CAP_KILL``: it
 prints a newline once running, then reads requests from its stdin, a pipe only the

@@ -7,7 +7,10 @@ descriptors come with the ``open`` request), so the sandbox's kernel (the Sentry
 file proxy (the Gofer) and every thread running the sandbox's programs are confined by
 it. The container's init is :data:`.gvisor.INIT`, its stdin a pipe only this server
 writes to and its stdout the pipe it answers on: its first newline says it runs; the
-exec server is started then, and the sandbox is ready once that says so.
+exec server is started then, and the sandbox is ready once that says so. A sandbox
+granted network gets its network namespace, rules and stack first (:mod:`.server_network`),
+and its container is started in that namespace only once both are up: gVisor's sockets
+are the namespace's (``--network=host``), and it reads the interfaces once, at its start.
 
 Closing: the init's stdin is closed, the init exits, and with the root container's
 init the sandbox ends (gVisor kills every process in it); ``runsc delete --force``
