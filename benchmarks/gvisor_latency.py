@@ -19,9 +19,12 @@ gVisor, the bundle written, ``runsc run --detach`` of a container, its init agen
 its exec server up (``gvisor``, ``sandbox.gvisor_warm=0``), or a container started
 ahead taken
 (``gvisor-warm``, ``sandbox.gvisor_warm=1``: the next one has started by then, as when
-trajectories do not all start at once).
+trajectories do not all start at once). ``--net-opens`` times making a sandbox granted
+network (``bwrap-net``, ``gvisor-net``: its network namespace, nftables rules and
+slirp4netns up, and for gVisor the container started in that namespace after them;
+never taken from the warm pool).
 
-    python benchmarks/gvisor_latency.py [--n 200] [--block 10] [--opens 20]
+    python benchmarks/gvisor_latency.py [--n 200] [--block 10] [--opens 20] [--net-opens 10]
 """
 
 from __future__ import annotations
@@ -71,9 +74,9 @@ class Mode:
         if ev["status"] != 0:
             raise SystemExit(f"sandboxed /bin/true failed: {ev}")
 
-    async def opens(self, key: str) -> float:
+    async def opens(self, key: str, network: bool = False) -> float:
         t0 = time.perf_counter()
-        sb = self.sandboxes.open(key, size_mb=64, template=None, network=False)
+        sb = self.sandboxes.open(key, size_mb=64, template=None, network=network)
         await sb.ready
         took = (time.perf_counter() - t0) * 1e3
         self.sandboxes.close_sandbox(sb)
@@ -95,8 +98,8 @@ def pct(xs: list[float], q: float) -> float:
     return statistics.quantiles(xs, n=100, method="inclusive")[int(q) - 1]
 
 
-async def measure(n: int, block: int, opens: int) -> tuple[dict[str, list[float]],
-                                                          dict[str, list[float]]]:
+async def measure(n: int, block: int, opens: int,
+                  net_opens: int = 0) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     modes = {"bwrap": Mode("bwrap"), "gvisor": Mode("gvisor"),
              "gvisor-warm": Mode("gvisor", warm=1)}
     try:
@@ -121,6 +124,11 @@ async def measure(n: int, block: int, opens: int) -> tuple[dict[str, list[float]
                 if name == "gvisor-warm":  # the next one started (as between trajectories)
                     await asyncio.gather(*(b.ready for p in m.sandboxes._warm.values() for b in p))
                 open_ms[name].append(await m.opens(f"open-{i}"))
+        for name in ("bwrap", "gvisor"):
+            open_ms[f"{name}-net"] = []
+        for i in range(net_opens):
+            for name in ("bwrap", "gvisor"):
+                open_ms[f"{name}-net"].append(await modes[name].opens(f"net-{i}", True))
         return times, open_ms
     finally:
         for m in modes.values():
@@ -132,6 +140,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=200, help="commands per design")
     ap.add_argument("--block", type=int, default=10, help="commands per design in a row")
     ap.add_argument("--opens", type=int, default=20, help="sandboxes made per mode, timed")
+    ap.add_argument("--net-opens", type=int, default=10,
+                    help="sandboxes granted network made per mode, timed")
     args = ap.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("SKIPPED: the sandboxes need root")
@@ -139,7 +149,8 @@ def main() -> None:
         path, why = find()
         if path is None:
             raise SystemExit(f"SKIPPED: {why}")
-    times, open_ms = asyncio.run(measure(args.n, max(1, args.block), args.opens))
+    times, open_ms = asyncio.run(measure(args.n, max(1, args.block), args.opens,
+                                         args.net_opens))
     base50, base99 = pct(times["bwrap"], 50), pct(times["bwrap"], 99)
     print(f"{args.n} × /bin/true per design, in interleaved blocks of {args.block}; latency "
           f"from request to observed exit, ms (load average {os.getloadavg()[0]:.2f}, "
@@ -149,12 +160,14 @@ def main() -> None:
     for name, xs in times.items():
         p50, p99 = pct(xs, 50), pct(xs, 99)
         print(f"| {name} | {p50:.1f} | {p99:.1f} | {p50 - base50:+.1f} | {p99 - base99:+.1f} |")
-    if args.opens:
-        print(f"\nmaking a trajectory's sandbox ({args.opens} per mode, alternately), ms")
+    if args.opens or args.net_opens:
+        print(f"\nmaking a trajectory's sandbox ({args.opens} per mode, {args.net_opens} "
+              "granted network; alternately), ms")
         print("| mode | p50 ms | p99 ms |")
         print("|---|---|---|")
         for name, xs in open_ms.items():
-            print(f"| {name} | {pct(xs, 50):.1f} | {pct(xs, 99):.1f} |")
+            if len(xs) > 1:
+                print(f"| {name} | {pct(xs, 50):.1f} | {pct(xs, 99):.1f} |")
 
 
 if __name__ == "__main__":

@@ -39,17 +39,6 @@ def needs_isolation() -> None:
         pytest.skip(f"{MODE['isolation']} isolation unavailable: {why}")
 
 
-# What a command granted network gets under the gvisor mode for now (the docs' Sandboxes
-# page, gvisor: gaps): a failure with this line, never the host's network.
-GVISOR_NO_NET = "network for gVisor sandboxes is not available yet"
-
-
-def refused_network(r) -> bool:
-    """Whether result ``r`` of a command granted network is the gvisor mode's refusal."""
-    return (MODE["isolation"] == "gvisor" and r.status == "failed"
-            and GVISOR_NO_NET in r.reason)
-
-
 @pytest.fixture(scope="module", params=ISOLATION_MODES)
 def isolation(request):
     """Run the test under each isolation mode (skipped, with the reason, where it cannot

@@ -27,7 +27,7 @@ from sandbox_helpers import isolation as isolation  # noqa: F401 (a fixture)
 
 from metasched.errors import ConfigError
 from metasched.runtime.dispatch import Dispatcher
-from metasched.runtime.sandbox import gvisor
+from metasched.runtime.sandbox import egress, gvisor
 from metasched.runtime.sandbox.config import SandboxConfig
 from metasched.runtime.sandbox.manager import Sandboxes
 
@@ -260,3 +260,6 @@ def test_the_startup_line_says_gvisor(gvisor_mode):
     finally:
         sandboxes.close()
     assert line.startswith("sandboxes: gVisor (runsc version"), line
+    if egress.find_tools()[0] is not None:
+        assert ("network granted: egress public through slirp4netns, gVisor's sockets in "
+                "the sandbox's own net namespace") in line, line

@@ -28,7 +28,6 @@ from sandbox_helpers import (  # noqa: F401 (isolation: a fixture)
     MODE,
     isolation,
     needs_controllers,
-    refused_network,
 )
 from sandbox_helpers import sandboxed_config as cfg
 
@@ -395,8 +394,7 @@ async def test_no_network_unless_allowed(server):
                                                               d.submit(cpu(probe, trajectory="t")),
                                                               d.submit(cpu(probe, network=True)))
     assert blocked.stdout.startswith("refused") and blocked_traj.stdout.startswith("refused")
-    assert granted.stdout.startswith("refused") or refused_network(granted), granted  # never
-    # the host (under gvisor, granted network is refused for now)
+    assert granted.stdout.startswith("refused"), granted  # never the host
     connected = socket.create_connection(("127.0.0.1", port), timeout=2)  # it is up
     connected.close()
     time.sleep(0.3)

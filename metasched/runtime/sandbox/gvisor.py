@@ -11,7 +11,10 @@ directory with the same system paths bound read-only at the same places
 ``/etc/group`` and ``/etc/hosts``, hidden paths covered, and gVisor's own ``/proc``,
 ``/dev`` and ``/sys``. ``/workspace``, ``/tmp`` and ``/dev/shm`` are tmpfs mounts inside
 the sandbox's kernel, of the sandbox's size each; the workspace is owned by the sandbox's
-user. No network (``--network=none``: a loopback device only).
+user. No network (``--network=none``: a loopback device only), or, where granted,
+``--network=host`` in the namespace the sandbox server made for the sandbox, its rules
+loaded and its stack up (:mod:`.egress`; the spec then has no network namespace of its
+own).
 
 The container's init (:data:`INIT`) is a root process holding only ``CAP_KILL``: it
 prints a newline once running, then reads requests from its stdin, a pipe only the
@@ -132,7 +135,8 @@ def _bind(path: str, root: str, mounts: list[dict[str, Any]], bound: list[str]) 
 
 
 def oci_config(*, root: str, files: dict[str, str], uid: int, gid: int, size: int,
-               hide: Sequence[str] = (), system_paths: Sequence[str] = ()) -> dict[str, Any]:
+               hide: Sequence[str] = (), system_paths: Sequence[str] = (),
+               network: bool = False) -> dict[str, Any]:
     """The OCI ``config.json`` of one sandbox's container.
 
     Args:
@@ -143,6 +147,10 @@ def oci_config(*, root: str, files: dict[str, str], uid: int, gid: int, size: in
         size: bytes of each of ``/workspace``, ``/tmp`` and ``/dev/shm``.
         hide: host paths to make invisible where they lie under a bound path.
         system_paths: more host paths bound read-only.
+        network: granted network: no network namespace of its own in the spec, so that
+            runsc (``--network=host``) keeps the sandbox in the namespace it is started
+            in, the one the sandbox server made for it (a ``network`` entry without a
+            path would make runsc start the sandbox in a new, empty one).
     """
     mounts: list[dict[str, Any]] = [
         {"destination": "/proc", "type": "proc", "source": "proc"},
@@ -183,8 +191,8 @@ def oci_config(*, root: str, files: dict[str, str], uid: int, gid: int, size: in
         "root": {"path": root, "readonly": True},
         "hostname": "sandbox",
         "mounts": mounts,
-        "linux": {"namespaces": [{"type": t} for t in
-                                 ("pid", "network", "ipc", "uts", "mount")],
+        "linux": {"namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")
+                                 if not (network and t == "network")],
                   "seccomp": USERNS_SECCOMP},
     }
 
@@ -235,7 +243,7 @@ class Bundles:
             os.chmod(source, 0o444)
             sources[dest] = source
         config = oci_config(root=self.root, files=sources, uid=uid, gid=gid, size=size,
-                            hide=hide, system_paths=system_paths)
+                            hide=hide, system_paths=system_paths, network=network)
         with open(os.path.join(bundle, "config.json"), "w") as f:
             json.dump(config, f)
         cid = f"{self.prefix}{sid}"

@@ -65,10 +65,6 @@ class Sandboxes(SlotKeeping, WarmPool):
         # Granted network needs these; without them it is refused, never the host's.
         self.net_tools, self.net_missing = (egress.find_tools() if self.bwrap_path
                                             else (None, ""))
-        if self.gvisor is not None:  # (see the docs' Sandboxes page: gvisor, gaps)
-            self.net_tools, self.net_missing = None, (
-                "network for gVisor sandboxes is not available yet "
-                "(sandbox.isolation=bwrap grants it)")
         if self.bwrap_path is not None and self.net_tools is None:
             if config.network:
                 raise ConfigError("sandbox.network", self.net_missing)

@@ -7,7 +7,10 @@ descriptors come with the ``open`` request), so the sandbox's kernel (the Sentry
 file proxy (the Gofer) and every thread running the sandbox's programs are confined by
 it. The container's init is :data:`.gvisor.INIT`, its stdin a pipe only this server
 writes to and its stdout the pipe it answers on: its first newline says it runs; the
-exec server is started then, and the sandbox is ready once that says so.
+exec server is started then, and the sandbox is ready once that says so. A sandbox
+granted network gets its network namespace, rules and stack first (:mod:`.server_network`),
+and its container is started in that namespace only once both are up: gVisor's sockets
+are the namespace's (``--network=host``), and it reads the interfaces once, at its start.
 
 Closing: the init's stdin is closed, the init exits, and with the root container's
 init the sandbox ends (gVisor kills every process in it); ``runsc delete --force``
@@ -57,6 +60,40 @@ class GvisorSandboxes:
         sb = _Sandbox(sid, msg["uid"], msg["gid"], workspace={}, net=msg.get("net"))
         sb.gvisor = gv
         self.sandboxes[sid] = sb
+        if sb.net is None:
+            self._run_container(sb, cgroups)
+            return
+        # Granted network: the sandbox's namespace, its rules and its stack first; the
+        # container starts in it once both are up (gVisor's sockets are the namespace's,
+        # and it reads the namespace's interfaces and routes once, at its start).
+        entered = False
+        try:
+            try:
+                syscalls.unshare(CLONE_NEWNET)
+                entered = True
+                sb.ns["net"] = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+            finally:
+                self._back_home(False, entered)
+            sb.cgroup_fds = [os.dup(fd) for fd in cgroups]  # (the request's close after it)
+            self._start_network(sb)  # each part reports: _network_up once both are done
+        except OSError as e:
+            self._fail_gvisor(sb, f"cannot give the sandbox network: {e.strerror or e}")
+
+    def _network_up(self, sb: _Sandbox) -> None:
+        """``sb``'s rules are loaded and its stack is up (``tap0`` configured): start its
+        container in its namespace."""
+        cgroups, sb.cgroup_fds = sb.cgroup_fds, []
+        try:
+            self._run_container(sb, cgroups)
+        finally:
+            for fd in cgroups:
+                _close(fd)
+
+    def _run_container(self, sb: _Sandbox, cgroups: list[int]) -> None:
+        """``runsc run --detach`` of ``sb``'s container, in its cgroup slot (and its
+        network namespace, where it has one); ready once its init and exec server run."""
+        gv = sb.gvisor
+        assert gv is not None
         err_path = os.path.join(gv["bundle"], "runsc.err")
         try:
             block_r, sb.block_fd = os.pipe()
@@ -69,10 +106,7 @@ class GvisorSandboxes:
                 for fd in cgroups:
                     os.write(fd, b"0")
                 moved = bool(cgroups)
-                if sb.net is not None:  # runsc starts in a network namespace of its own
-                    syscalls.unshare(CLONE_NEWNET)
-                    entered = True
-                    sb.ns["net"] = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+                entered = self._enter_net(sb)
                 sb.bwrap_pid = os.posix_spawn(
                     argv[0], argv, _RUNSC_ENV,
                     file_actions=[(os.POSIX_SPAWN_DUP2, block_r, 0),
@@ -84,8 +118,6 @@ class GvisorSandboxes:
                 for fd in (block_r, ready_w, err):
                     _close(fd)
             sb.bwrap_fd = os.pidfd_open(sb.bwrap_pid)
-            if sb.net is not None:
-                self._start_network(sb)  # its rules and stack: ready once both are up
         except OSError as e:
             self._fail_gvisor(sb, f"cannot start runsc: {e.strerror or e}")
             return
@@ -184,8 +216,10 @@ class GvisorSandboxes:
         self._delete_container(sb)
         if sb.slirp_ready_fd >= 0:
             self.sel.unregister(sb.slirp_ready_fd)
-        for fd in (sb.slirp_ready_fd, sb.slirp_exit_fd, *sb.ns.values()):  # (its stack ends)
+        for fd in (sb.slirp_ready_fd, sb.slirp_exit_fd, *sb.ns.values(),  # (its stack ends)
+                   *sb.cgroup_fds):
             _close(fd)
+        sb.cgroup_fds = []
         sb.slirp_ready_fd = sb.slirp_exit_fd = -1
         if sb.slirp_fd >= 0:
             self.sel.register(sb.slirp_fd, selectors.EVENT_READ,

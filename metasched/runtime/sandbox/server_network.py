@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import selectors
 import sys
+from collections.abc import Callable
 
 from metasched.runtime.sandbox import syscalls
 from metasched.runtime.sandbox.server_records import _TAIL, _close, _read_all, _Sandbox
@@ -23,6 +24,7 @@ class Networking:
     sandboxes: dict[int, _Sandbox]
     own: dict[str, int]
     devnull: int
+    _network_up: Callable[[_Sandbox], None]
 
     def _start_network(self, sb: _Sandbox) -> None:
         """Load the sandbox's rule set (``nft -f -`` in its net namespace) and start its
@@ -122,8 +124,13 @@ class Networking:
 
     def _net_done(self, sb: _Sandbox, part: str) -> None:
         sb.net_pending.discard(part)
-        if not sb.net_pending and sb.mounted and not sb.ready:
+        if sb.net_pending or self.sandboxes.get(sb.sid) is not sb:
+            return
+        if sb.gvisor is not None and sb.bwrap_pid < 0:
+            self._network_up(sb)  # its container starts now (.server_gvisor)
+        elif sb.mounted and not sb.ready:
             self._opened(sb)
+
     def _reap_slirp(self, sb: _Sandbox) -> None:
         self.sel.unregister(sb.slirp_fd)
         _close(sb.slirp_fd)

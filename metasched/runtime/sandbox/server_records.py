@@ -54,6 +54,7 @@ class _Sandbox:
     # gVisor (:mod:`.server_gvisor`): {"runsc": argv, "bundle": dir, "cid": id}, or None
     gvisor: dict[str, Any] | None = None
     runsc_status: int | None = None
+    cgroup_fds: list[int] = field(default_factory=list)  # its slot's, until runsc runs
     exec_pid: int = -1  # the runsc exec of its exec server (.server_gvisor_exec)
     exec_fd: int = -1  # its stdin: requests
     events_fd: int = -1  # its stdout: events

@@ -38,6 +38,8 @@ def describe(sandboxes: Sandboxes) -> str:
                if not uids.shared else f"uid {uids.nobody}")
         iso = f"{sandboxes.bwrap_version} namespaces ({ns}), {uid}, minimal root"
         if sandboxes.gvisor is not None:
+            if sandboxes.net_tools:  # (runsc --network=host in the sandbox's namespace)
+                net += ", gVisor's sockets in the sandbox's own net namespace"
             iso = (f"gVisor ({sandboxes.bwrap_version}: a runsc container per sandbox, its "
                    f"exec server forking each command, gVisor's own kernel; {net}), {uid}, "
                    "minimal root")
