@@ -24,6 +24,7 @@ import threading
 import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import httpx
 import psutil
@@ -223,6 +224,24 @@ async def test_the_network_stack_ends_with_its_sandbox():
             await asyncio.sleep(0.02)
         before, after = stacks, _stacks(server)
     assert r.status == "done" and len(before) == 1 and after == [], (before, after)
+
+
+async def test_a_networked_sandbox_leaves_the_hosts_mounts_alone():
+    # slirp4netns's own sandbox remakes its view of the file system; started in the
+    # host's mount namespace it unmounted the host's shared mounts, e.g. the named
+    # network namespaces of `ip netns` (a later `ip netns exec` failed: Invalid argument).
+    name = f"ms-mounts-{os.getpid()}"
+    _ip("netns", "add", name)
+    try:
+        async with Dispatcher(cfg()) as d:
+            r = await d.submit(probe(network=True, trajectory="t"))
+            d.close_trajectory("t")
+        mounted = f"/run/netns/{name}" in Path("/proc/self/mountinfo").read_text()
+        still = subprocess.run(["ip", "netns", "exec", name, "true"], capture_output=True,
+                               text=True, timeout=30)
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+    assert r.status == "done" and mounted and still.returncode == 0, still.stderr
 
 
 def _stacks(server: int) -> list[int]:

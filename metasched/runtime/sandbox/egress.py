@@ -176,8 +176,9 @@ def find_tools() -> tuple[tuple[str, str] | None, str]:
     in one line."""
     slirp = shutil.which("slirp4netns", path=_TOOL_PATH)
     nft = shutil.which("nft", path=_TOOL_PATH)
-    missing = [name for name, path in (("slirp4netns", slirp), ("nftables", nft))
-               if path is None]
+    unshare = shutil.which("unshare", path=_TOOL_PATH)  # see slirp_argv
+    missing = [name for name, path in (("slirp4netns", slirp), ("nftables", nft),
+                                       ("util-linux", unshare)) if path is None]
     if missing:
         return None, (f"network for sandboxes needs {' and '.join(missing)} (Debian/Ubuntu: "
                       f"apt-get install {' '.join(missing)}; `make sandbox-tools` does it "
@@ -188,6 +189,14 @@ def find_tools() -> tuple[tuple[str, str] | None, str]:
 
 def slirp_argv(slirp: str) -> list[str]:
     """slirp4netns's command line, less what the server adds: ``--ready-fd``,
-    ``--exit-fd``, the namespace's pid and the tap device's name."""
-    return [slirp, "--configure", "--mtu=65520", "--disable-host-loopback",
-            "--enable-sandbox", "--enable-seccomp"]
+    ``--exit-fd``, the namespace's pid and the tap device's name.
+
+    It starts in a mount namespace of its own with private propagation (``unshare
+    --mount``): ``--enable-sandbox`` remakes its view of the file system, and from the
+    host's mount namespace, whose mounts are shared, its unmounts reached the host's
+    own mounts (``ip netns``'s ``/run/netns/<name>`` among them)."""
+    unshare = shutil.which("unshare", path=_TOOL_PATH)
+    if unshare is None:
+        raise FileNotFoundError("unshare (util-linux) is needed to start slirp4netns")
+    return [unshare, "--mount", "--propagation", "private", slirp, "--configure",
+            "--mtu=65520", "--disable-host-loopback", "--enable-sandbox", "--enable-seccomp"]
