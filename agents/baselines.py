@@ -15,6 +15,11 @@ from metasched.agents.rate_greedy import (
     RateGreedyStepPredictedScheduler,
     RateGreedyStepScheduler,
 )
+from metasched.agents.slack_first import (
+    SlackFirstOracleScheduler,
+    SlackFirstPredictedScheduler,
+    SlackFirstScheduler,
+)
 from metasched.agents.step_order import (
     CriticalPathPredictedScheduler,
     CriticalPathScheduler,
@@ -31,15 +36,15 @@ from metasched.errors import ConfigError
 _HEURISTICS: tuple[type[Scheduler], ...] = (
     StaticScheduler, TaskIsolatedScheduler, FifoScheduler, SjfScheduler,
     ElasticGreedyScheduler, RateGreedyScheduler, RandomScheduler, RateGreedyStepScheduler,
-    CriticalPathScheduler, LeastSlackScheduler)
+    CriticalPathScheduler, LeastSlackScheduler, SlackFirstScheduler)
 # References that read what schedulers may not (true durations): run by name, never a
 # heuristic (not a point's best heuristic, not an advisor, not for the live dispatcher).
-_ORACLES: tuple[type[Scheduler], ...] = (OracleScheduler,)
+_ORACLES: tuple[type[Scheduler], ...] = (OracleScheduler, SlackFirstOracleScheduler)
 # The step heuristics fed the learned remaining-work predictor (``estimates: predictor``):
 # run by name, compared with the heuristics on static estimates, never one of them.
 _PREDICTED: tuple[type[Scheduler], ...] = (
     RateGreedyStepPredictedScheduler, CriticalPathPredictedScheduler,
-    LeastSlackPredictedScheduler)
+    LeastSlackPredictedScheduler, SlackFirstPredictedScheduler)
 # A learned priority rule over the predictor (run by name; :mod:`metasched.core.ranker`).
 _LEARNED_RULES: tuple[type[Scheduler], ...] = (LearnedPriorityScheduler,)
 REGISTRY: dict[str, type[Scheduler]] = {

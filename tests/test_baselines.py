@@ -55,7 +55,7 @@ class Spy(Scheduler):
 def test_baselines_are_registered():
     assert set(BASELINES) == {"static", "task_isolated", "fifo", "sjf", "elastic_greedy",
                               "rate_greedy", "random", "rate_greedy_step", "critical_path",
-                              "least_slack"}
+                              "least_slack", "slack_first"}
     for name in BASELINES:
         assert make_scheduler(name).name == name
     with pytest.raises(ConfigError, match="unknown scheduler 'nope'"):

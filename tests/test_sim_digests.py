@@ -91,7 +91,7 @@ DEFAULT_PAIRS = {("coding-nodes", "checkpoints/default"), ("coding", "elastic_gr
                  ("mixed", "rate_greedy"), ("mixed-guard", "sjf"), ("search", "fifo"),
                  ("rm_math", "static"), ("rm_math", "random"), ("retool", "task_isolated"),
                  ("retool", "critical_path"), ("coding", "least_slack"),
-                 ("mixed", "rate_greedy_step")}
+                 ("mixed", "rate_greedy_step"), ("retool", "slack_first")}
 
 
 def _params() -> list:
