@@ -44,10 +44,11 @@ sandbox-tools:
 
 install: $(STAMP)
 
-# The first run: a contended point (one GPU for rm_math's three reward models), where
-# schedulers differ, with today's practice, the heuristics and the shipped policy side by side.
-RUN_ARGS ?= workload=rm_math cluster.gpu.devices=1 \
-	'schedulers=[static,fifo,elastic_greedy,rate_greedy,checkpoints/default]'
+# The first run: the step story at a tool-bound point in GRPO prompt groups (576 code-tool
+# trajectories on 10 cores), today's practice, the best heuristics by ACT and by step, the
+# slack rule on static estimates and fed the learned predictor, and the shipped policy.
+RUN_ARGS ?= workload=retool_grouped_c10 \
+	'schedulers=[static,rate_greedy,critical_path,slack_first,slack_first_predicted,checkpoints/default]'
 
 run: $(STAMP)
 	$(VENV)/bin/metasched-eval $(RUN_ARGS)

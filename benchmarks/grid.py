@@ -45,8 +45,8 @@ from metasched.compose import compose, load_profile
 from metasched.errors import ConfigError
 from metasched.evaluation.report import fmt_ci
 from metasched.evaluation.runs import compare_paired, eval_jobs, results_document, run_jobs
-from metasched.evaluation.statistics import paired_ratio
 from metasched.evaluation.step_bound import mean_step_lower_bound
+from metasched.evaluation.step_story import ratio_entry, step_ratios
 from metasched.sim.sampling import sample_workload, workload_rng
 
 # point id -> (profile, metasched-eval overrides). The default cluster of every profile,
@@ -134,49 +134,6 @@ def step_lower_bounds(point: str, seeds: list[int]) -> list[float] | None:
             for seed in seeds]
 
 
-def _ratio(x: list[float], ref: list[float]) -> dict[str, Any]:
-    r, ci = paired_ratio(x, ref)
-    return {"ratio": r, "ratio_ci95": ci}
-
-
-def step_ratios(doc: dict[str, Any], heuristics: list[str], lower_bound: list[float] | None,
-                oracle: str | None = None, predicted: tuple[str, ...] = PREDICTED
-                ) -> dict[str, Any]:
-    """The step comparison of one point's results document: the best heuristic by mean
-    step and by mean ACT (among ``heuristics``), and per scheduler, paired by seed with
-    95% intervals: ``step_vs_best`` (step ÷ the best by step), ``act_vs_best`` (ACT ÷ the
-    best by ACT), ``step_vs_predicted`` (step ÷ the best of ``predicted`` by step; None
-    when none ran), ``step_vs_oracle`` (step ÷ ``oracle``'s; None when it did not run)
-    and ``step_vs_bound`` (step ÷ ``lower_bound``, per seed; None when there is none)."""
-    sch = doc["schedulers"]
-    cands = [n for n in heuristics if n in sch]
-    best_step = min(cands, key=lambda n: sch[n]["mean_step_s"], default=None)
-    best_act = min(cands, key=lambda n: sch[n]["mean_act_s"], default=None)
-    best_pred = min((n for n in predicted if n in sch), key=lambda n: sch[n]["mean_step_s"],
-                    default=None)
-    if oracle is not None and oracle not in sch:
-        oracle = None
-    rows: dict[str, Any] = {}
-    for n, s in sch.items():
-        step, act = s["per_seed"]["mean_step_s"], s["per_seed"]["mean_act_s"]
-        rows[n] = {
-            "mean_step_s": s["mean_step_s"], "mean_act_s": s["mean_act_s"],
-            "step_vs_best": (_ratio(step, sch[best_step]["per_seed"]["mean_step_s"])
-                             if best_step else None),
-            "act_vs_best": (_ratio(act, sch[best_act]["per_seed"]["mean_act_s"])
-                            if best_act else None),
-            "step_vs_predicted": (_ratio(step, sch[best_pred]["per_seed"]["mean_step_s"])
-                                  if best_pred else None),
-            "step_vs_oracle": (_ratio(step, sch[oracle]["per_seed"]["mean_step_s"])
-                               if oracle else None),
-            "step_vs_bound": _ratio(step, lower_bound) if lower_bound else None,
-        }
-    return {"best_by_step": best_step, "best_by_act": best_act, "best_predicted": best_pred,
-            "oracle": oracle,
-            "lower_bound_s": (sum(lower_bound) / len(lower_bound)) if lower_bound else None,
-            "schedulers": rows}
-
-
 def step_table(grid: dict[str, Any]) -> str:
     """The step table (markdown): per synchronous point, every scheduler against the best
     heuristic by step and by ACT, the best heuristic fed the predictor, the oracle and the
@@ -193,7 +150,7 @@ def step_table(grid: dict[str, Any]) -> str:
         if is_async(entry):
             continue
         st = step_ratios(entry["results"], list(BASELINES), entry.get("step_lower_bound"),
-                         ORACLES[0])
+                         ORACLES[0], PREDICTED)
         lb = st["lower_bound_s"]
         pred = f", best predicted: {st['best_predicted']}" if st["best_predicted"] else ""
         label = (f"{p} (best step: {st['best_by_step']}, best ACT: {st['best_by_act']}{pred}, "
@@ -228,7 +185,7 @@ def async_ratios(doc: dict[str, Any], heuristics: list[str]) -> dict[str, Any]:
     for n, s in sch.items():
         rows[n] = {m: s[m] for m in (*best, "max_staleness")}
         for m, b in best.items():
-            rows[n][f"{m}_vs_best"] = (_ratio(s["per_seed"][m], sch[b]["per_seed"][m])
+            rows[n][f"{m}_vs_best"] = (ratio_entry(s["per_seed"][m], sch[b]["per_seed"][m])
                                        if b else None)
     return {"best": best, "schedulers": rows}
 

@@ -24,6 +24,7 @@ from metasched.evaluation.step_bound import (
     mean_step_lower_bound,
     step_lower_bounds,
 )
+from metasched.evaluation.step_story import step_ratios, story_lines
 from metasched.sim.sampling import TrajectorySpec, WorkloadInstance
 from metasched.sim.simulator import Simulator
 
@@ -134,7 +135,7 @@ def test_step_ratios_by_hand():
                 "fast_step": ([10.0, 12.0, 11.0, 13.0], [2.0, 2.0, 2.0, 2.0]),
                 "oracle": ([5.0, 6.0, 5.5, 6.5], [3.0, 3.0, 3.0, 3.0]),
                 "learned": ([10.0, 12.0, 11.0, 13.0], [1.5, 1.5, 1.5, 1.5])})
-    st = _grid().step_ratios(doc, ["fast_act", "fast_step"], [5.0, 5.0, 6.0, 6.0], "oracle")
+    st = step_ratios(doc, ["fast_act", "fast_step"], [5.0, 5.0, 6.0, 6.0], "oracle")
     assert st["best_by_step"] == "fast_step" and st["best_by_act"] == "fast_act"
     assert st["lower_bound_s"] == 5.5
     r = st["schedulers"]["learned"]
@@ -152,14 +153,34 @@ def test_step_ratios_by_hand():
         assert stats.ttest_rel(x, end * y).pvalue == pytest.approx(0.05, abs=1e-9)
     assert (lo, hi) == tuple(paired_ratio(x, y)[1])
     # The best of the predictor-fed ones by step ("learned" standing for one here).
-    st = _grid().step_ratios(doc, ["fast_act", "fast_step"], None, "oracle",
+    st = step_ratios(doc, ["fast_act", "fast_step"], None, "oracle",
                              predicted=("learned", "absent"))
     assert st["best_predicted"] == "learned"
     assert st["schedulers"]["fast_act"]["step_vs_predicted"]["ratio"] == pytest.approx(13 / 11.5)
     # No oracle run, no bound: those columns are empty.
-    st = _grid().step_ratios(doc, ["fast_act", "fast_step"], None, "absent")
+    st = step_ratios(doc, ["fast_act", "fast_step"], None, "absent")
     assert st["oracle"] is None and st["schedulers"]["learned"]["step_vs_oracle"] is None
     assert st["schedulers"]["learned"]["step_vs_bound"] is None and st["lower_bound_s"] is None
+
+
+def test_step_story_by_hand():
+    """The eval report's step story: the best heuristic by step and by ACT named, every
+    scheduler against both, and what a learned one buys in a sentence (a tie where the
+    interval holds 1)."""
+    doc = _doc({"fast_act": ([12.0, 14.0, 12.0, 14.0], [1.0, 1.0, 1.0, 1.0]),
+                "fast_step": ([10.0, 12.0, 11.0, 13.0], [2.0, 2.1, 1.9, 2.0]),
+                "learned": ([9.0, 10.8, 9.9, 11.7], [1.0, 1.0, 1.0, 1.0])})
+    lines = story_lines(doc, ["fast_act", "fast_step"], ["learned", "absent"])
+    text = "\n".join(lines)
+    assert "best heuristic by mean step (`fast_step`, 11.5 s)" in text
+    assert "by mean ACT (`fast_act`, 1 s)" in text
+    assert "| learned | 10.4 | 0.900 (0.900–0.900) | 1 | 1.000 (1.000–1.000) |" in lines
+    assert ("`learned`: a step 10% shorter than `fast_step` (the best heuristic by step) and "
+            "the same mean ACT as `fast_act` (the best by ACT)") in text
+    assert "`absent`" not in text
+    assert story_lines(doc, [], ["learned"]) == []  # no heuristic: no story
+    doc["schedulers"]["learned"]["trajectories_per_hour"] = 1.0
+    assert story_lines(doc, ["fast_act"], ["learned"]) == []  # asynchronous: no step
 
 
 def test_grid_has_the_grouped_points():

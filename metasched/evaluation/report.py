@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from metasched.evaluation.step_story import story_lines
+
 
 def fmt(x: float) -> str:
     """A number for a results table: three significant digits, thousands separated above
@@ -36,6 +38,7 @@ def results_table(doc: dict[str, Any]) -> str:
             f"| {s['guard_fired']} |")
     lines += rollout_table(doc)
     lines += paired_table(doc)
+    lines += story_lines(doc, doc.get("heuristics", ()), doc.get("learned", ()))
     return "\n".join(lines) + "\n"
 
 

@@ -293,14 +293,19 @@ def results_document(workload: str, schedulers: Sequence[str], seeds: Sequence[i
     """The results document of one evaluation's runs: schedulers in the given order,
     each compared, paired by seed, with ``reference`` (default: the best heuristic of the
     run by mean ACT; see :func:`compare_paired`)."""
-    from metasched.agents import BASELINES
+    from metasched.agents import BASELINES, ORACLES
 
     paths = paths or {}
     order = {s: i for i, s in enumerate(schedulers)}
     doc = aggregate(workload, list(seeds), runs)
     doc["schedulers"] = dict(sorted(doc["schedulers"].items(), key=lambda kv: order[kv[0]]))
-    return compare_paired(doc, [s for s in schedulers if paths.get(s, s) in BASELINES],
-                          reference)
+    heuristics = [s for s in schedulers if paths.get(s, s) in BASELINES]
+    # What the step story judges against the heuristics: neither a heuristic nor an
+    # oracle (learned checkpoints, the rules fed the learned predictor).
+    doc["heuristics"] = heuristics
+    doc["learned"] = [s for s in schedulers
+                      if s not in heuristics and paths.get(s, s) not in ORACLES]
+    return compare_paired(doc, heuristics, reference)
 
 
 def evaluate(workload: WorkloadConfig, cluster: ClusterConfig, schedulers: Sequence[str],
