@@ -5,9 +5,10 @@ Draws one RL step of a CPU-only profile (``coding`` by default) with ``--traject
 trajectories, scales every duration by ``--scale``, and runs it (a) in the simulator
 on a cluster of this machine's cores and (b) live, ``--repeats`` times: one coroutine
 per trajectory sleeps through each LLM generation gap, then submits the turn's action
-and waits for its result; the action is a command that sleeps for its true duration at
-the granted core count (Amdahl, from ``OMP_NUM_THREADS``), so a grant of more cores
-really shortens it. The profile's sandbox start-up is left out of the simulated side
+and waits for its result (with its trajectory's ``prompt`` where the profile groups
+trajectories, as the simulator's have it); the action is a command that sleeps for its
+true duration at the granted core count (Amdahl, from ``OMP_NUM_THREADS``), so a grant
+of more cores really shortens it. The profile's sandbox start-up is left out of the simulated side
 (its delay is folded into the first generation gap); live, each command runs in its
 trajectory's sandbox by default (``--isolation``: ``bwrap``, or ``off`` for commands on
 the host without cgroups; several modes are run one after the other per scheduler).
@@ -84,7 +85,8 @@ MAX_WAIT_S = 300.0  # the dispatcher's default guard, on both sides
 
 
 def scaled_step(profile_name: str, n: int, scale: float, seed: int):
-    """One step of ``n`` trajectories, every duration times ``scale``, no sandboxes."""
+    """One step of ``n`` trajectories, every duration times ``scale``, no sandboxes (the
+    prompts kept: a grouped profile's siblings share theirs, live as in simulation)."""
     w, _ = profile(profile_name)
     w = replace(w, trajectories_per_step=n, steps=1)
     inst = sample_workload(w, np.random.default_rng(seed))
@@ -102,7 +104,7 @@ def scaled_step(profile_name: str, n: int, scale: float, seed: int):
             turns.append(Turn(gen * scale, replace(
                 a, true_s=a.true_s * scale, est_s=a.est_s * scale,
                 timeout_s=a.timeout_s * scale)))
-        trajs.append(TrajectorySpec(t.task, tuple(turns), None))
+        trajs.append(TrajectorySpec(t.task, tuple(turns), None, t.prompt))
     return w, WorkloadInstance(steps=[trajs])
 
 
@@ -238,7 +240,8 @@ async def live(inst, cores: list[int], sched: str, online: bool, isolation: str,
                     "timeout_s": a.timeout_s, "min_cores": a.min_cores,
                     "max_cores": a.max_cores, "parallel_fraction": a.parallel_fraction,
                     "est_s": a.est_s, "task": spec.task, "name": a.name,
-                    "trajectory": f"t{i}", "turn": k, "reward": a.reward})
+                    "trajectory": f"t{i}", "prompt": spec.prompt, "turn": k,
+                    "reward": a.reward})
                 if r.status == "done" and not r.allocation.get("shared"):
                     # (a time-shared command's run is stretched by its neighbours)
                     k = len(r.allocation["cores"])

@@ -16,7 +16,8 @@
 given, ``timeout_s`` the client's default when not) and returns its
 :class:`~metasched.runtime.requests.Result`; ``submit`` returns its id once it is
 durable, ``result(id)`` the result or None, ``cancel(id)`` cancels it. In a trajectory
-each action gets the trajectory's name, task and the next turn. Bad input comes back as
+each action gets the trajectory's name, task, prompt (GRPO's responses to one prompt
+share it: ``client.trajectory(name, prompt="p-3")``) and the next turn. Bad input comes back as
 a ``rejected`` result, as from the dispatcher itself; a refused HTTP request (authentication, size)
 raises :class:`ServiceError`.
 """
@@ -100,6 +101,8 @@ def _trajectory_headers(context: Mapping[str, Any]) -> dict[str, str]:
     out = {"X-Trajectory-Id": str(context["trajectory"]), "X-Turn": str(context["turn"])}
     if context.get("task") is not None:
         out["X-Task"] = str(context["task"])
+    if context.get("prompt") is not None:
+        out["X-Prompt-Id"] = str(context["prompt"])
     return out
 
 
@@ -212,25 +215,30 @@ class Client:
             _raise(resp)
 
     def trajectory(self, name: str | None = None, *, task: str | None = None,
-                   turn: int = 0) -> Trajectory:
+                   turn: int = 0, prompt: str | None = None) -> Trajectory:
         """A trajectory's context (a fresh name when None): its actions carry its name,
-        ``task`` and successive turns from ``turn``; leaving the ``with`` block closes
+        ``task``, ``prompt`` (the prompt it answers; GRPO's responses to one prompt
+        share it) and successive turns from ``turn``; leaving the ``with`` block closes
         it."""
-        return Trajectory(self, name or f"traj-{uuid.uuid4().hex[:12]}", task, turn)
+        return Trajectory(self, name or f"traj-{uuid.uuid4().hex[:12]}", task, turn, prompt)
 
 
 class Trajectory:
     """One trajectory's actions through a :class:`Client` (see
     :meth:`Client.trajectory`)."""
 
-    def __init__(self, client: Client, name: str, task: str | None, turn: int) -> None:
+    def __init__(self, client: Client, name: str, task: str | None, turn: int,
+                 prompt: str | None = None) -> None:
         self.client, self.name, self.task, self.turn = client, name, task, turn
+        self.prompt = prompt
         self.closed = False
 
     def _context(self) -> dict[str, Any]:
         ctx = {"trajectory": self.name, "turn": self.turn}
         if self.task is not None:
             ctx["task"] = self.task
+        if self.prompt is not None:
+            ctx["prompt"] = self.prompt
         self.turn += 1
         return ctx
 
@@ -343,8 +351,9 @@ class AsyncClient:
             _raise(resp)
 
     def trajectory(self, name: str | None = None, *, task: str | None = None,
-                   turn: int = 0) -> AsyncTrajectory:
-        return AsyncTrajectory(self, name or f"traj-{uuid.uuid4().hex[:12]}", task, turn)
+                   turn: int = 0, prompt: str | None = None) -> AsyncTrajectory:
+        return AsyncTrajectory(self, name or f"traj-{uuid.uuid4().hex[:12]}", task, turn,
+                               prompt)
 
 
 class AsyncTrajectory(Trajectory):

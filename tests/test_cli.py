@@ -384,6 +384,30 @@ def test_live_replay_benchmark_prints_sim_and_live_side_by_side():
     assert lo <= ratio <= hi
 
 
+async def test_live_replay_sends_a_grouped_profiles_prompts(monkeypatch):
+    """Replayed live, a grouped profile's trajectories name their prompts, as in
+    simulation: the live dispatcher opens each trajectory with its prompt."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "live_replay", Path(__file__).resolve().parents[1] / "benchmarks" / "live_replay.py")
+    lr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lr)
+    opened = {}
+
+    class Recording(lr.Dispatcher):
+        def _submit(self, job, traj):
+            opened.setdefault(job.request.trajectory, traj.prompt)
+            super()._submit(job, traj)
+
+    monkeypatch.setattr(lr, "Dispatcher", Recording)
+    _, inst = lr.scaled_step("retool_grouped", 4, 1e-4, 0)
+    prompts = [t.prompt for t in inst.steps[0]]
+    assert None not in prompts and len(set(prompts)) < len(prompts)  # siblings share one
+    await lr.live(inst, [0], "fifo", True, "off")
+    assert opened == {f"t{i}": p for i, p in enumerate(prompts)}
+
+
 @pytest.mark.subprocess
 @pytest.mark.parametrize("args, field", [(["--isolation", "docker"], "isolation"),
                                          (["--scale", "0"], "scale"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 from serve_helpers import serving
 
@@ -46,6 +47,34 @@ def test_trajectory_context_gives_name_task_and_successive_turns(served):
         traj = max(trajs.values(), key=lambda x: x.id)
         assert (traj.task, traj.turn) == ("swe", 7)  # turns 5 and 6 ran
         assert t.turn == 7
+
+
+@pytest.mark.parametrize("prompt", ["p-3", None])
+def test_a_trajectory_sends_its_prompt_with_each_action(served, prompt):
+    name = f"t-prompt-{prompt}"
+    with Client(served.url) as c, c.trajectory(name, prompt=prompt) as t:
+        assert t.run(argv=["true"]).ok
+        assert served.dispatcher.trajectories.get(name).prompt == prompt
+
+
+async def test_an_async_trajectory_sends_its_prompt(served):
+    async with AsyncClient(served.url) as c, c.trajectory("t-async-prompt", prompt="p-4") as t:
+        assert (await t.run(argv=["true"])).ok
+        assert served.dispatcher.trajectories.get("t-async-prompt").prompt == "p-4"
+
+
+@pytest.mark.parametrize("prompt, header", [("p-3", "p-3"), (None, None)])
+def test_run_code_in_a_trajectory_sends_the_prompt_header(prompt, header):
+    seen = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers.get("X-Prompt-Id"))
+        return httpx.Response(200, json={"status": "Success"})
+
+    with Client("http://sf", transport=httpx.MockTransport(answer)) as c:
+        t = c.trajectory("t-1", prompt=prompt)
+        assert t.run_code("print(1)")["status"] == "Success"
+    assert seen == [header]
 
 
 def test_wait_gives_up_at_its_deadline(served):

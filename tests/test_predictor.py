@@ -249,3 +249,53 @@ def test_the_learned_priority_orders_pairs_better_than_the_static_estimate() -> 
     learned = pair_accuracy((x - ranker.mean) / ranker.sd @ ranker.w, y, step, t)
     static, median = pair_accuracy(x[:, 0], y, step, t), pair_accuracy(x[:, -2], y, step, t)
     assert learned > static + 0.1 and learned >= median - 0.01
+
+
+async def test_live_trajectories_of_one_prompt_are_siblings_and_their_trace_says_so(
+        tmp_path) -> None:
+    """Requests naming a prompt: the dispatcher's trajectories carry it (a later request
+    naming another does not change it), the predictor groups the siblings under one key
+    and forgets the group with its last trajectory, and the live trace records each
+    action's prompt, which a predictor fitted on it groups by again."""
+    import asyncio
+    import json
+
+    from helpers import cpu
+    from helpers import dispatcher_config as cfg
+
+    from metasched.core.predictor import records_of_trace
+    from metasched.evaluation.recording import record_trace
+    from metasched.runtime.dispatch import Dispatcher
+    from metasched.sim.trace import scan_trace
+
+    w, c = profile("retool_grouped")
+    fitted, live = tmp_path / "fitted.jsonl", tmp_path / "live.jsonl"
+    record_trace(replace(w, steps=1, trajectories_per_step=64), c, fitted, "fifo", seed=5)
+    prompts = {"a": "p-1", "b": "p-1", "c": "p-2"}
+
+    def act(traj: str, turn: int, prompt: str, action: str = "code_interpreter",
+            **kw) -> dict:
+        return cpu("/bin/true", trajectory=traj, prompt=prompt, turn=turn,
+                   task="retool_math", name=action, **kw)
+
+    async with Dispatcher(cfg(scheduler="critical_path_predicted", predictor=str(fitted),
+                              trace=str(live))) as d:
+        p = d.state.predictor
+        first = await asyncio.gather(*(d.submit(act(n, 0, pr)) for n, pr in prompts.items()))
+        assert all(r.ok for r in first)
+        assert (await d.submit(act("a", 1, "p-9"))).ok  # the first request's prompt stands
+        ids = {n: d.trajectories.get(n).id for n in prompts}
+        assert {t.id: t.prompt for t in d.state.trajectories.values()} == {
+            ids[n]: pr for n, pr in prompts.items()}
+        assert p.groups == {(0, "p-1"): [ids["a"], ids["b"]], (0, "p-2"): [ids["c"]]}
+        left = []
+        for n in prompts:
+            assert (await d.submit(act(n, 2, prompts[n], "reward", reward=True))).ok
+            left.append(sorted(g[1] for g in p.groups))
+        assert left == [["p-1", "p-2"], ["p-2"], []] and p.trajs == {}
+    lines = [json.loads(line) for line in live.read_text().splitlines()]
+    seen = [(x["measured"]["trajectory"], x["measured"]["prompt"])
+            for x in lines if x["type"] == "action"]
+    assert sorted(seen) == sorted([*prompts.items(), ("a", "p-1"), *prompts.items()])
+    groups = sorted(r.group[1] for r in records_of_trace(scan_trace(live)))
+    assert groups == ["p-1", "p-1", "p-2"]

@@ -25,7 +25,8 @@ def test_cpu_request_defaults_and_signature():
 
 
 @pytest.mark.parametrize("req", [
-    dict(CPU, id="a", trajectory="t1", turn=3, reward=True, est_s=0.5, min_cores=2,
+    dict(CPU, id="a", trajectory="t1", prompt="p-7", turn=3, reward=True, est_s=0.5,
+         min_cores=2,
          max_cores=8, parallel_fraction=0.9, mem_limit_mb=512, cpu_time_s=10,
          env={"A": "1"}, name="pytest"),
     {"kind": "gpu", "id": "g", "service": "orm", "payload": [1, 2], "timeout_s": 3},
@@ -57,6 +58,12 @@ def test_round_trip_through_json(req):
     (dict(CPU, turn=10**7), "turn: must be <= 1000000 (got 10000000)"),
     (dict(CPU, timeout_s=float("inf")), "timeout_s: must be a finite number (got inf)"),
     (dict(CPU, workspace_mb=64), "workspace_mb: only a trajectory has a workspace"),
+    (dict(CPU, trajectory="t", prompt=["p"]), "prompt: must be a string (got ['p'])"),
+    (dict(CPU, trajectory="t", prompt=""), "prompt: must not be empty"),
+    (dict(CPU, trajectory="t", prompt=True), "prompt: must be a string (got True)"),
+    (dict(CPU, prompt="p"), "prompt: only a trajectory answers a prompt (give its trajectory"),
+    ({"kind": "api", "timeout_s": 1, "endpoint": "e", "http": {"url": "http://h"},
+      "prompt": "p"}, "prompt: only a trajectory answers a prompt"),
     (dict(CPU, call="f"), "call: unknown field"),
     ({"kind": "api", "timeout_s": 1, "endpoint": "e", "http": {"url": "http://h", "x": 1}},
      "http.x: unknown field (expected one of: body, headers, json, method, url)"),
@@ -84,6 +91,13 @@ def test_bad_requests_fail_with_one_line_naming_the_field(req, message):
         parse_request(req, "jobs.jsonl:7")
     text = str(e.value)
     assert message in text and text.startswith("jobs.jsonl:7") and "\n" not in text
+
+
+@pytest.mark.parametrize("given, prompt", [("p-3", "p-3"), (17, "17"), (None, None)])
+def test_prompt_is_text_like_the_trajectory(given, prompt):
+    r = parse_request(dict(CPU, trajectory="t", prompt=given))
+    assert r.prompt == prompt
+    assert ("prompt" in r.to_dict()) == (prompt is not None)
 
 
 def test_api_request_with_a_callable_is_not_replayable():
@@ -162,7 +176,8 @@ def test_one_of(value, kw, ok):
 
 
 @given(st.dictionaries(st.sampled_from(sorted({
-    "id", "kind", "task", "name", "trajectory", "turn", "reward", "timeout_s", "est_s", "argv",
+    "id", "kind", "task", "name", "trajectory", "prompt", "turn", "reward", "timeout_s", "est_s",
+    "argv",
     "env", "min_cores", "max_cores", "parallel_fraction", "mem_limit_mb", "cpu_time_s",
     "service", "payload", "endpoint", "tokens", "http", "bogus"})),
     st.one_of(st.none(), st.booleans(), st.integers(-5, 10**20), st.floats(), st.text(max_size=5),

@@ -75,6 +75,7 @@ def test_rejected_requests_are_422_with_a_line_naming_the_field(http, body, mess
     ({"X-Turn": "-1"}, "X-Turn: must be >= 0"),
     ({"X-Reward": "maybe"}, "X-Reward: must be true or false (got 'maybe')"),
     ({"X-Trajectory-Id": ""}, "X-Trajectory-Id: must not be empty"),
+    ({"X-Trajectory-Id": "t", "X-Prompt-Id": ""}, "X-Prompt-Id: must not be empty"),
 ])
 def test_bad_trajectory_headers_are_422_naming_the_header(http, headers, message):
     r = http.post("/v1/actions", json=ECHO, headers=headers)
@@ -107,12 +108,17 @@ def test_bodies_that_are_not_a_request_are_422(http, content, message):
 def test_trajectory_headers_fill_the_request(served, http):
     before = len(served.dispatcher.state.trajectories)
     r = http.post("/v1/actions", json=ECHO, params={"wait": 10},
-                  headers={"X-Trajectory-Id": "hdr-traj", "X-Turn": "3", "X-Task": "swe"})
+                  headers={"X-Trajectory-Id": "hdr-traj", "X-Turn": "3", "X-Task": "swe",
+                           "X-Prompt-Id": "p-2"})
     assert r.json()["status"] == "done"
     trajs = served.dispatcher.state.trajectories
     assert len(trajs) == before + 1
     t = max(trajs.values(), key=lambda t: t.id)
-    assert (t.task, t.turn) == ("swe", 4)  # the next turn after turn 3
+    assert (t.task, t.turn, t.prompt) == ("swe", 4, "p-2")  # the next turn after turn 3
+    alone = http.post("/v1/actions", json=ECHO, headers={"X-Prompt-Id": "p-2"})
+    assert alone.status_code == 422
+    assert alone.json()["reason"] == ("request: prompt: only a trajectory answers a prompt "
+                                      "(give its trajectory too)")
     bad = http.post("/v1/actions", json=ECHO, headers={"X-Turn": "three"})
     assert bad.status_code == 422 and bad.json()["detail"].startswith("X-Turn: must be")
 

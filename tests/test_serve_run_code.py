@@ -165,6 +165,32 @@ def test_a_named_trajectory_keeps_its_workspace_across_requests(served):
     assert doc["run_result"]["stdout"] == "False\n"
 
 
+@pytest.mark.parametrize("headers, body, prompt", [
+    ({"X-Prompt-Id": "p-5"}, {}, "p-5"),
+    ({}, {"prompt": "p-6"}, "p-6"),
+    ({}, {"prompt": 7}, "7"),
+    ({"X-Prompt-Id": "p-5"}, {"prompt": "p-6"}, "p-6"),  # the body wins
+], ids=["header", "body", "number", "both"])
+def test_the_prompt_reaches_the_trajectory(served, headers, body, prompt):
+    name = f"traj-prompt-{prompt}-{len(headers)}"
+    r = post(served.url, {"code": "print(1)", "trajectory": name, **body}, headers=headers)
+    assert r.json()["status"] == "Success"
+    assert served.dispatcher.trajectories.get(name).prompt == prompt
+    httpx.post(f"{served.url}/v1/trajectories/{name}/close", timeout=30)
+
+
+@pytest.mark.parametrize("headers, body, message", [
+    ({"X-Prompt-Id": "p"}, {}, "prompt: only a trajectory answers a prompt"),
+    ({}, {"prompt": "p"}, "prompt: only a trajectory answers a prompt"),
+    ({"X-Trajectory-Id": "t"}, {"prompt": ["p"]}, "prompt: must be a string (got ['p'])"),
+    ({"X-Trajectory-Id": "t", "X-Prompt-Id": ""}, {}, "X-Prompt-Id: must not be empty"),
+], ids=["header-alone", "body-alone", "body-type", "header-empty"])
+def test_a_bad_prompt_is_422_in_one_line(served, headers, body, message):
+    r = post(served.url, {"code": "print(1)", **body}, headers=headers)
+    assert r.status_code == 422
+    assert r.json()["detail"].startswith(message) and "\n" not in r.json()["detail"]
+
+
 def test_unsupported_language_is_a_sandbox_error_naming_it(served):
     doc = verl(served.url, "print 1", language="cobol")
     assert doc["status"] == "SandboxError"

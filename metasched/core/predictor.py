@@ -80,7 +80,7 @@ class Decision:
     action_s: float
 
 
-def _group(traj) -> object:
+def group_of(traj) -> object:
     """The group key of a live trajectory: ``(step, prompt)``, None without a prompt."""
     return None if traj.prompt is None else (traj.step, traj.prompt)
 
@@ -193,14 +193,14 @@ class Predictor:
         traj = a.traj
         if traj is None:
             return
-        self.observe(traj.id, traj.task, _group(traj), a.spec.name, run_s)
+        self.observe(traj.id, traj.task, group_of(traj), a.spec.name, run_s)
 
     def observe_gap(self, traj, gap_s: float) -> None:
         """Learn a generation gap of ``traj`` (a
         :class:`~metasched.core.actions.Trajectory`) that has just ended."""
         # The first gap overlaps the sandbox's start-up, and recorded traces lack it: a
         # trajectory's clock starts when its first action is queued.
-        self.observe(traj.id, traj.task, _group(traj), GEN, gap_s if traj.turn else 0.0)
+        self.observe(traj.id, traj.task, group_of(traj), GEN, gap_s if traj.turn else 0.0)
         self.trajs[traj.id].turn = traj.turn
 
     def finish(self, key: object, turns: int | None = None) -> None:
@@ -322,7 +322,7 @@ class Predictor:
         """:meth:`remaining` of a :class:`~metasched.core.actions.Trajectory` whose
         current turn has been submitted (``traj.turn`` counts it); ``name``: the type of
         the action it queues."""
-        tr = self._traj(traj.id, traj.task, _group(traj))
+        tr = self._traj(traj.id, traj.task, group_of(traj))
         tr.turn = max(0, traj.turn - 1)
         return self.remaining(traj.id, name=name)
 
@@ -464,4 +464,4 @@ def replay(p: Predictor, records: list[TrajRecord]) -> Iterator[tuple[Decision, 
 
 
 __all__ = ["DESIGNS", "GEN", "QUANTILES", "REWARD", "Decision", "Predictor", "Quantiles",
-           "TrajRecord", "records_of", "records_of_trace", "replay"]
+           "TrajRecord", "group_of", "records_of", "records_of_trace", "replay"]

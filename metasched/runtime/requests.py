@@ -24,6 +24,10 @@ A request is one action. Fields every kind has:
 - ``trajectory``, ``turn`` (at most 1,000,000), ``reward``: the trajectory the action
   belongs to, its turn, and whether it is the trajectory's last (reward) action; the
   scheduler sees trajectories as in simulation.
+- ``prompt``: the prompt the trajectory answers (text, as ``trajectory``; a number is its
+  decimal text); GRPO's n responses to one prompt share it, and the remaining-work
+  predictor reads the trajectory's siblings through it. Only a request with a
+  ``trajectory`` may give it; the trajectory's first request decides it (as its task).
 - ``est_s``: the caller's estimate of the run time (one core, or one request alone; at
   most 30 days), used until the cost model has measured the signature.
 - ``deadline_s``: seconds from acceptance after which the caller stops waiting (when
@@ -85,8 +89,8 @@ from metasched.errors import ConfigError, short, validation_error
 from metasched.runtime.api_calls import HttpSpec
 
 # Which fields each kind has (besides the common ones), for the messages that say so.
-_COMMON = {"id", "kind", "task", "name", "trajectory", "turn", "reward", "timeout_s", "est_s",
-           "deadline_s"}
+_COMMON = {"id", "kind", "task", "name", "trajectory", "prompt", "turn", "reward", "timeout_s",
+           "est_s", "deadline_s"}
 # What a command (a cpu request, or a gpu request with an argv) may ask of its sandbox.
 _SANDBOX = ("pids_max", "network", "workspace_template", "workspace_mb")
 _BY_KIND = {
@@ -139,6 +143,11 @@ _Env = dict[Annotated[str, Field(strict=True), AfterValidator(_env_name)],
             Annotated[str, Field(strict=True), AfterValidator(_no_nul)]]
 
 
+# A prompt groups trajectories: one given without its trajectory would make a request
+# alone a sibling of its group.
+PROMPT_NEEDS_TRAJECTORY = "only a trajectory answers a prompt (give its trajectory too)"
+
+
 def _positive(hi: float = math.inf, lo: float = 0.0, open_lo: bool = True) -> Any:
     bound = {"gt": lo} if open_lo else {"ge": lo}
     return Annotated[float, Field(strict=True, allow_inf_nan=False,
@@ -163,6 +172,7 @@ class Request(Checked, Demand):
     task: Text = "default"
     name: Text = ""  # the command's basename, the service or the endpoint when not given
     trajectory: TrajectoryId = None
+    prompt: TrajectoryId = None  # GRPO's responses to one prompt share it
     turn: Turn = 0
     reward: Flag = False
     est_s: Seconds | None = None
@@ -215,6 +225,8 @@ class Request(Checked, Demand):
                 if d.get(key) is not None:
                     raise ConfigError(key, "only a trajectory has a workspace to set up "
                                       "(a request without one gets a fresh, empty one)")
+        if d.get("prompt") is not None and d.get("trajectory") is None:
+            raise ConfigError("prompt", PROMPT_NEEDS_TRAJECTORY)
         for key in ("timeout_s", "deadline_s", "env", "mem_limit_mb", "cpu_time_s",
                     "pids_max", "network", "workspace_template", "workspace_mb"):
             if key in d and d[key] is None:
@@ -373,5 +385,5 @@ class Result:
 
 _RESULT_FIELDS = tuple(f.name for f in fields(Result))
 
-__all__ = ["CANCELLED", "DONE", "FAILED", "MAX_SECONDS", "MAX_TURN", "REJECTED", "Request",
-           "Result", "parse_request"]
+__all__ = ["CANCELLED", "DONE", "FAILED", "MAX_SECONDS", "MAX_TURN", "PROMPT_NEEDS_TRAJECTORY",
+           "REJECTED", "Request", "Result", "parse_request"]

@@ -1,7 +1,9 @@
 """Which trajectory an HTTP request's actions belong to: from optional headers
-(``X-Trajectory-Id``, ``X-Turn``, ``X-Task``, ``X-Reward``) or the same fields in the
-JSON body (``trajectory``, ``turn``, ``task``, ``reward``; the body wins). Without
-them, a request is a trajectory of its own.
+(``X-Trajectory-Id``, ``X-Turn``, ``X-Task``, ``X-Reward``, ``X-Prompt-Id``) or the same
+fields in the JSON body (``trajectory``, ``turn``, ``task``, ``reward``, ``prompt``; the
+body wins). Without them, a request is a trajectory of its own. ``X-Prompt-Id`` names
+the prompt the trajectory answers (GRPO's responses to one prompt share it: the
+scheduler's remaining-work predictor reads the siblings).
 
 Frameworks that speak SandboxFusion's contract send neither, and get one trajectory per
 request; a rollout worker that wants the scheduler to see its trajectories (their
@@ -22,7 +24,7 @@ __all__ = ["HEADERS", "TrajectoryContext", "context_from"]
 
 # Header -> the request field it fills.
 HEADERS = {"x-trajectory-id": "trajectory", "x-turn": "turn", "x-task": "task",
-           "x-reward": "reward"}
+           "x-reward": "reward", "x-prompt-id": "prompt"}
 _Header = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1)]
 
 
@@ -38,6 +40,7 @@ class TrajectoryContext(BaseModel):
     turn: Annotated[int, Field(ge=0, le=MAX_TURN)] | None = Field(None, alias="X-Turn")
     task: _Header | None = Field(None, alias="X-Task")
     reward: bool | None = Field(None, alias="X-Reward")
+    prompt: _Header | None = Field(None, alias="X-Prompt-Id")
 
     def fields(self) -> dict[str, Any]:
         """The given fields, as request fields."""

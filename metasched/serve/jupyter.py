@@ -6,8 +6,8 @@ one cell may run; 0: bounded only by the total), ``total_timeout`` (seconds for 
 cells, 45 as in SandboxFusion), ``memory_limit_MB`` (the kernel's; -1: the dispatcher's
 ``limits.mem_mb``), ``kernel`` (``python3``), ``files`` (path -> base64, written into
 the workspace first), ``fetch_files`` (read back after the cells), and the trajectory
-fields of ``/run_code`` (``trajectory``, ``turn``, ``task``, or the ``X-Trajectory-Id``
-... headers).
+fields of ``/run_code`` (``trajectory``, ``turn``, ``task``, ``reward``, ``prompt``, or
+the ``X-Trajectory-Id`` ... headers).
 
 Without a trajectory, the cells run in a fresh kernel, ended with the request (as
 SandboxFusion does). With one, the kernel, its variables and its workspace persist
@@ -86,6 +86,7 @@ class RunJupyterRequest(BaseModel):
     turn: Turn | None = None
     task: Text | None = None
     reward: Flag | None = None
+    prompt: TrajectoryId = None
 
 
 class CellRunResult(BaseModel):
@@ -139,7 +140,8 @@ async def run_jupyter(service: Service, req: RunJupyterRequest, context: dict[st
     trajectory = given.get("trajectory") or f"jupyter-{uuid.uuid4().hex}"
     common: dict[str, Any] = {"kind": "cpu", "trajectory": trajectory,
                               "turn": given.get("turn", 0),
-                              "task": given.get("task") or service.config.task}
+                              "task": given.get("task") or service.config.task,
+                              "prompt": given.get("prompt")}
     tail = int(getattr(getattr(service.dispatcher, "config", None), "tail_bytes", 4096))
     loop = asyncio.get_running_loop()
     t0 = loop.time()
@@ -222,6 +224,7 @@ def jupyter_router(service: Service) -> APIRouter:
     async def run_jupyter_route(req: RunJupyterRequest, request: Request):
         try:
             context = context_from(request.headers).fields()
+            given = trajectory_fields(req, context)
             limits = service.limits
             if req.memory_limit_MB > 0:
                 limits.cap(req.memory_limit_MB, "memory_limit_MB", "max_mem_mb", " MiB")
@@ -229,8 +232,7 @@ def jupyter_router(service: Service) -> APIRouter:
         except ConfigError as e:
             return error(422, str(e))
         try:
-            service.owners.claim(trajectory_fields(req, context).get("trajectory"),
-                                 request.scope.get(CLIENT))
+            service.owners.claim(given.get("trajectory"), request.scope.get(CLIENT))
         except ConfigError as e:
             return error(403, str(e))
         ids: list[str] = []

@@ -100,4 +100,7 @@ TRAJECTORY_HEADERS: list[dict[str, Any]] = [
      "schema": {"type": "string", "minLength": 1}},
     {"name": "X-Reward", "in": "header", "required": False,
      "description": "whether this is its reward action", "schema": {"type": "boolean"}},
+    {"name": "X-Prompt-Id", "in": "header", "required": False,
+     "description": "the prompt its trajectory answers (GRPO's responses to one prompt "
+     "share it)", "schema": {"type": "string", "minLength": 1}},
 ]

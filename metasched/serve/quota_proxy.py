@@ -11,10 +11,11 @@ answer. A call that runs past the endpoint's ``timeout_s`` is answered 504, a ca
 never reached the upstream 502.
 
 Headers: the caller's are forwarded, except hop-by-hop ones, the service's own
-(``X-Trajectory-Id``, ``X-Turn``, ``X-Task``, ``X-Reward``, ``X-Tokens``) and, when the
-service has a token, ``Authorization`` (that is the service's); the upstream's configured
-``headers`` replace the caller's of the same name. ``X-Tokens`` says how many tokens the
-call counts against the endpoint's TPM (default: the endpoint's ``tokens``).
+(``X-Trajectory-Id``, ``X-Turn``, ``X-Task``, ``X-Reward``, ``X-Prompt-Id``, ``X-Tokens``)
+and, when the service has a token, ``Authorization`` (that is the service's); the
+upstream's configured ``headers`` replace the caller's of the same name. ``X-Tokens``
+says how many tokens the call counts against the endpoint's TPM (default: the
+endpoint's ``tokens``).
 
 A caller that disconnects before its call starts is not forwarded (the quota it was
 granted is spent unused); one that disconnects later does not stop the upstream call.

@@ -6,8 +6,9 @@ SandboxFusion), ``memory_limit_MB`` (MiB; -1 or not given: the dispatcher's defa
 ``limits.mem_mb``, never unlimited), ``stdin``,
 ``files`` (path -> base64, written beside the code), ``fetch_files`` (paths read back
 after the run). Fields it does not know are ignored, as SandboxFusion does; the
-trajectory fields ``trajectory``, ``turn``, ``task``, ``reward`` (or the headers
-``X-Trajectory-Id`` ...) say whose action it is.
+trajectory fields ``trajectory``, ``turn``, ``task``, ``reward``, ``prompt`` (or the
+headers ``X-Trajectory-Id`` ..., ``X-Prompt-Id``) say whose action it is (a prompt
+only with a trajectory: 422 otherwise).
 
 Response: ``status`` (``Success``, ``Failed`` or ``SandboxError``), ``message``,
 ``compile_result`` and ``run_result`` (each ``{status: Finished | Error |
@@ -60,6 +61,7 @@ from metasched.runtime.limits import RequestLimits
 from metasched.runtime.requests import (
     DONE,
     FAILED,
+    PROMPT_NEEDS_TRAJECTORY,
     REJECTED,
     Flag,
     Result,
@@ -84,6 +86,7 @@ from metasched.serve.openapi import GATED, TRAJECTORY_HEADERS, ErrorDetail, resp
 from metasched.serve.security import CLIENT
 
 if TYPE_CHECKING:
+    from metasched.serve.jupyter import RunJupyterRequest
     from metasched.serve.service import Service
 
 __all__ = ["CommandRunResult", "RunCodeRequest", "RunCodeResponse", "probe_languages",
@@ -126,6 +129,7 @@ class RunCodeRequest(BaseModel):
     turn: Turn | None = None
     task: Text | None = None
     reward: Flag | None = None
+    prompt: TrajectoryId = None
 
 
 class CommandRunResult(BaseModel):
@@ -189,12 +193,22 @@ def run_status(*steps: CommandRunResult | None) -> tuple[RunStatus, str]:
     return "Success", ""
 
 
-def trajectory_fields(req: RunCodeRequest, context: dict[str, Any]) -> dict[str, Any]:
+def trajectory_fields(req: RunCodeRequest | RunJupyterRequest,
+                      context: dict[str, Any]) -> dict[str, Any]:
     """The trajectory fields of a request: the headers' (``context``), overridden by
-    the body's."""
-    return {**context, **{k: v for k, v in (("trajectory", req.trajectory),
-                                            ("turn", req.turn), ("task", req.task),
-                                            ("reward", req.reward)) if v is not None}}
+    the body's.
+
+    Raises:
+        ConfigError: a prompt without a trajectory (a request alone is no sibling).
+    """
+    given = {**context, **{k: getattr(req, k) for k in _TRAJECTORY_FIELDS
+                           if getattr(req, k) is not None}}
+    if "prompt" in given and "trajectory" not in given:
+        raise ConfigError("prompt", PROMPT_NEEDS_TRAJECTORY)
+    return given
+
+
+_TRAJECTORY_FIELDS = ("trajectory", "turn", "task", "reward", "prompt")
 
 
 def check_caps(limits: RequestLimits, req: RunCodeRequest) -> None:
@@ -269,7 +283,7 @@ async def run_code(service: Service, req: RunCodeRequest, context: dict[str, Any
         inputs[layout.stdin] = base64.b64encode(req.stdin.encode()).decode()
     common: dict[str, Any] = {
         "kind": "cpu", "trajectory": trajectory, "turn": given.get("turn", 0),
-        "task": given.get("task") or service.config.task}
+        "task": given.get("task") or service.config.task, "prompt": given.get("prompt")}
     if req.memory_limit_MB > 0:  # else the dispatcher's default (limits.mem_mb)
         common["mem_limit_mb"] = req.memory_limit_MB
     files_s = min(FILES_TIMEOUT_S, service.limits.max_timeout_s)
@@ -402,6 +416,7 @@ def run_code_router(service: Service) -> APIRouter:
         received = time.monotonic()
         try:
             context = context_from(request.headers).fields()
+            given = trajectory_fields(req, context)
             check_caps(service.limits, req)
             wait_s = header_deadline(request.headers)
         except ConfigError as e:
@@ -411,8 +426,7 @@ def run_code_router(service: Service) -> APIRouter:
                                        service.limits.timeout_s)
         # None: each step gets the dispatcher's deadlines.default_s, if any.
         try:
-            service.owners.claim(trajectory_fields(req, context).get("trajectory"),
-                                 request.scope.get(CLIENT))
+            service.owners.claim(given.get("trajectory"), request.scope.get(CLIENT))
         except ConfigError as e:
             return error(403, str(e))
         ids: list[str] = []

@@ -61,7 +61,8 @@ class Cancellation:
             d.state.withdraw(a, REASON)
             if d.trace_writer is not None:
                 # It never ran: no work to replay (a microsecond, the schema's least).
-                d.trace_writer.record(a, trajectory=job.request.trajectory, duration_s=0.0)
+                d.trace_writer.record(a, trajectory=job.request.trajectory, duration_s=0.0,
+                                      prompt=None if a.traj is None else a.traj.prompt)
             self._ended(job, a.traj)
             d._kick()
             return "cancelled"

@@ -27,7 +27,8 @@ def complete(d: Dispatcher, job: Job, out: Outcome) -> None:
         d.trace_writer.record(a, batch=job.alloc.get("batch", 1),
                         setup_s=float(out.detail.get("restore_s", 0.0)),
                         exit_code=out.exit_code, core_ids=job.alloc.get("cores"),
-                        trajectory=job.request.trajectory)
+                        trajectory=job.request.trajectory,
+                        prompt=None if a.traj is None else a.traj.prompt)
     if out.ok and a.start_t == a.start_t and not was_ahead:
         d.cost.learn(a, state.t - a.start_t - float(out.detail.get("restore_s", 0.0)))
     finished_at = d._wall0 + state.t

@@ -97,7 +97,8 @@ class DispatcherConfig(Checked):
             simulated recording) to fit the remaining-work predictor on at construction
             (``metasched.core.predictor``, design ``boost``): schedulers see it as
             ``state.predictor`` (``estimates: predictor``), and the dispatcher updates
-            it online with measured runs, generation gaps and trajectory ends. None: no
+            it online with measured runs, generation gaps and trajectory ends (a
+            trajectory's siblings: those whose requests name its ``prompt``). None: no
             predictor.
     """
 

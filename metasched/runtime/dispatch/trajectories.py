@@ -2,9 +2,15 @@
 core's state (its first one) and keeps it alive; it ends once its reward action (or
 :meth:`Dispatcher.close_trajectory`) has come and nothing of it is queued or running,
 or when it has been idle for ``trajectory_idle_s``. Ending it releases its held cores,
-its sandbox memory and its sandbox. A remaining-work predictor (the ``predictor``
-setting: :func:`fit_predictor`) learns each turn's generation gap (from the trajectory's
-last event to a request that finds nothing of it queued or running) and each end."""
+its sandbox memory and its sandbox. Its first request decides its task and its prompt
+(``prompt``: GRPO's responses to one prompt share it; a later request naming another
+is taken as the first said). A remaining-work predictor (the ``predictor`` setting:
+:func:`fit_predictor`) learns each turn's generation gap (from the trajectory's last
+event to a request that finds nothing of it queued or running) and each end, and reads
+a trajectory's open and finished siblings (those with its prompt) as the simulator's
+does; once none of a prompt's trajectories is open, its group is forgotten, so that a
+long-running dispatcher's predictor state stays bounded (and a prompt sampled again in
+a later RL step starts a new group, as groups are per step in training)."""
 
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from metasched.core.actions import Trajectory
-from metasched.core.predictor import Predictor, records_of_trace
+from metasched.core.predictor import Predictor, group_of, records_of_trace
 from metasched.errors import ConfigError
 from metasched.runtime.requests import Request
 from metasched.sim.trace import scan_trace
@@ -41,6 +47,7 @@ class Trajectories:
         self._live: dict[int, int] = {}  # trajectory id -> actions queued or running
         self._ended: set[int] = set()
         self._seen: dict[int, float] = {}
+        self._prompts: dict[str, int] = {}  # prompt -> its open trajectories
         self._next = 0
 
     def get(self, name: str) -> Trajectory | None:
@@ -52,8 +59,10 @@ class Trajectories:
             return None
         traj = self.by_name.get(req.trajectory)
         if traj is None:
-            traj = Trajectory(self._next, req.task, 0, [], None)
+            traj = Trajectory(self._next, req.task, 0, [], None, req.prompt)
             self._next += 1
+            if traj.prompt is not None:
+                self._prompts[traj.prompt] = self._prompts.get(traj.prompt, 0) + 1
             traj.start_t = t
             self.d.state.open_trajectory(traj)
             self.by_name[req.trajectory] = traj
@@ -82,6 +91,12 @@ class Trajectories:
         d.state.close_trajectory(traj)
         if d.state.predictor is not None:
             d.state.predictor.close(traj.id, traj.turn)
+        if traj.prompt is not None:
+            self._prompts[traj.prompt] -= 1
+            if not self._prompts[traj.prompt]:  # its group's last: nobody reads it now
+                del self._prompts[traj.prompt]
+                if d.state.predictor is not None:
+                    d.state.predictor.forget_group(group_of(traj))
         d.executors.release_held(traj.id)
         if d.trace_writer is not None:
             d.trace_writer.forget(traj.id)
