@@ -12,7 +12,10 @@ queue in two:
 - a trajectory whose remaining work is within ``margin`` × ``H`` of ``H`` is
   *critical*: its actions go first, most remaining work first;
 - the others go in ``rate_greedy``'s order (shortest estimate first, less
-  ``progress_s`` per turn come), so mean ACT stays close to ``rate_greedy``'s.
+  ``progress_s`` per turn come), so mean ACT stays close to ``rate_greedy``'s; with
+  ``rest="trajectory"``, least remaining work of their trajectory first instead (the
+  trajectories' shortest-remaining-first: for mean trajectory latency, e.g. in
+  asynchronous rollouts).
 
 API calls: least quota first, then the same split (keyed when they arrive). GPU and
 core counts: ``rate_greedy``'s.
@@ -47,14 +50,22 @@ class SlackFirstScheduler(CriticalPathScheduler):
         margin: a trajectory within this fraction of the step's horizon is critical.
         refresh_s: seconds of the clock between recomputations of the horizon.
         progress_s: ``rate_greedy``'s order credit per turn come, for the others.
+        quantile: with ``estimates: predictor``, the predictor's quantile an action's
+            trajectory is judged and ordered by (the horizon takes medians).
+        rest: the others' order: ``action`` (``rate_greedy``'s) or ``trajectory``
+            (least remaining work first).
     """
 
     name = "slack_first"
 
     def __init__(self, headroom: float = 0.25, min_gain_s: float = 0.0, recent_s: float = 30.0,
                  defer: float = 8.0, estimates: str = "given", margin: float = 0.7,
-                 refresh_s: float = 2.0, progress_s: float = 0.5, quantile: str = "p50") -> None:
+                 refresh_s: float = 2.0, progress_s: float = 0.5, quantile: str = "p50",
+                 rest: str = "action") -> None:
         super().__init__(headroom, min_gain_s, recent_s, defer, estimates)
+        if rest not in ("action", "trajectory"):
+            raise ValueError(f"rest must be action or trajectory (got {rest!r})")
+        self.rest = rest
         if quantile not in ("p10", "p50", "p90"):
             raise ValueError(f"quantile must be one of p10, p50, p90 (got {quantile!r})")
         self.quantile = quantile
@@ -139,6 +150,8 @@ class SlackFirstScheduler(CriticalPathScheduler):
         r = self._r[a.id]
         if r >= self._cut:
             return (0, -r, a.id)
+        if self.rest == "trajectory":  # least remaining work first: the trajectory's SRPT
+            return (1, r, a.id)
         s = a.spec
         turns = a.traj.turn if a.traj is not None else 0
         return (1, s.est_s / s.speedup(s.max_cores) - self.progress_s * turns, a.id)
@@ -152,9 +165,10 @@ class SlackFirstOracleScheduler(SlackFirstScheduler, OracleScheduler):
 
     def __init__(self, headroom: float = 0.25, min_gain_s: float = 0.0, recent_s: float = 30.0,
                  defer: float = 8.0, estimates: str = "given", margin: float = 0.5,
-                 refresh_s: float = 2.0, progress_s: float = 0.5, quantile: str = "p50") -> None:
+                 refresh_s: float = 2.0, progress_s: float = 0.5, quantile: str = "p50",
+                 rest: str = "action") -> None:
         super().__init__(headroom, min_gain_s, recent_s, defer, estimates, margin, refresh_s,
-                         progress_s, quantile)
+                         progress_s, quantile, rest)
 
     def traj_work(self, traj: Trajectory) -> tuple[float, float]:
         path, work = 0.0, 0.0
@@ -174,6 +188,7 @@ class SlackFirstPredictedScheduler(SlackFirstScheduler):
 
     def __init__(self, headroom: float = 0.25, min_gain_s: float = 0.0, recent_s: float = 30.0,
                  defer: float = 8.0, estimates: str = "predictor", margin: float = 0.5,
-                 refresh_s: float = 2.0, progress_s: float = 0.5, quantile: str = "p90") -> None:
+                 refresh_s: float = 2.0, progress_s: float = 0.5, quantile: str = "p90",
+                 rest: str = "action") -> None:
         super().__init__(headroom, min_gain_s, recent_s, defer, estimates, margin, refresh_s,
-                         progress_s, quantile)
+                         progress_s, quantile, rest)

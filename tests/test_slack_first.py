@@ -20,13 +20,15 @@ def _cpu(name: str, true_s: float) -> ActionSpec:
     return ActionSpec(kind="cpu", name=name, true_s=true_s, est_s=true_s, timeout_s=600.0)
 
 
-def _starts(make_workload, make_cluster, scheduler) -> dict[str, float]:
-    """Start time of each action of a hand-made step on one core: a long trajectory (a
-    5 s action, 0.5 s of generation, a 50 s action) and two one-action ones (3 s, 1 s),
-    all submitted at 0."""
-    trajs = [TrajectorySpec("t", (Turn(0.0, _cpu("L1", 5.0)), Turn(0.5, _cpu("L2", 50.0))), None),
-             TrajectorySpec("t", (Turn(0.0, _cpu("M", 3.0)),), None),
-             TrajectorySpec("t", (Turn(0.0, _cpu("S", 1.0)),), None)]
+LONG_STEP = [  # a long trajectory (5 s, 0.5 s of generation, 50 s) and two short ones
+    TrajectorySpec("t", (Turn(0.0, _cpu("L1", 5.0)), Turn(0.5, _cpu("L2", 50.0))), None),
+    TrajectorySpec("t", (Turn(0.0, _cpu("M", 3.0)),), None),
+    TrajectorySpec("t", (Turn(0.0, _cpu("S", 1.0)),), None)]
+
+
+def _starts(make_workload, make_cluster, scheduler, trajs=LONG_STEP) -> dict[str, float]:
+    """Start time of each action of a hand-made step on one core (``LONG_STEP`` by
+    default), every trajectory's first action submitted at 0."""
     w = make_workload({"kind": "cpu", "duration_s": {"median": 1.0, "p90": 2.0},
                        "timeout_s": 60})
     sim = Simulator(w, make_cluster(nodes=1, cores=1), seed=0,
@@ -57,6 +59,18 @@ def test_critical_trajectory_first_the_rest_shortest_first(make_workload, make_c
     assert rg == {"S": 0.0, "M": 1.0, "L1": 4.0, "L2": 9.5}
 
 
+@pytest.mark.parametrize(("rest", "expected"), [("action", {"A1": 0.0, "B": 2.0, "A2": 5.0}),
+                                                ("trajectory", {"B": 0.0, "A1": 3.0, "A2": 5.5})])
+def test_the_rest_by_action_or_by_trajectory(make_workload, make_cluster, rest, expected):
+    # A: 2 s, 0.5 s of generation, 2 s (4.5 s of remaining work); B: 3 s. With margin 0
+    # neither is critical (the horizon is their 7 s of work on one core): by action, A's
+    # shorter first action goes first; by trajectory, B's smaller remaining work.
+    trajs = [TrajectorySpec("t", (Turn(0.0, _cpu("A1", 2.0)), Turn(0.5, _cpu("A2", 2.0))), None),
+             TrajectorySpec("t", (Turn(0.0, _cpu("B", 3.0)),), None)]
+    s = make_scheduler("slack_first_oracle", margin=0.0, refresh_s=0.01, rest=rest)
+    assert _starts(make_workload, make_cluster, s, trajs) == expected
+
+
 @pytest.mark.parametrize(("name", "reference"), [("slack_first", "critical_path"),
                                                   ("slack_first_oracle", "oracle")])
 @pytest.mark.parametrize("workload", ["retool_grouped", "swe_grouped"])
@@ -79,7 +93,8 @@ def test_registered_where_it_belongs():
 
 @pytest.mark.parametrize(("kw", "match"), [({"margin": 1.5}, "margin"),
                                            ({"refresh_s": 0.0}, "refresh_s"),
-                                           ({"quantile": "p99"}, "quantile")])
+                                           ({"quantile": "p99"}, "quantile"),
+                                           ({"rest": "group"}, "rest")])
 def test_bad_parameters_are_refused(kw, match):
     with pytest.raises(ValueError, match=match):
         SlackFirstScheduler(**kw)
