@@ -52,6 +52,17 @@ workload's expected demand per task (for ``static`` and ``task_isolated``). One
 instance of a step is chaotic: a few ms more or less on one action reorders the queue
 behind it, so the simulator's figure is the mean of ``--sim-runs`` runs that differ in
 their start-up draws, as live runs differ.
+
+A scheduler that reads the learned remaining-work predictor (``estimates: predictor``:
+``metasched.agents.PREDICTED``, ``learned_priority``) gets the one an evaluation fits
+for the profile (``metasched.evaluation.predictors``: training seed 0's trajectories,
+never the replayed seed, which may then not be 0), fitted on those trajectories
+time-scaled by ``--scale`` as the replay is (its trees split on absolute log times: a
+model fitted unscaled would misread a scaled run), and ``learned_priority`` its ranker
+fitted on the same. Each simulated run gets a fresh copy of its online state, and so
+does each live run's dispatcher (``Dispatcher(..., predictor=...)``), which updates it
+online with measured runs, generation gaps, trajectory ends and, on a grouped profile,
+the prompt groups the requests name.
 """
 
 from __future__ import annotations
@@ -73,13 +84,17 @@ from metasched.compose import profile
 from metasched.core.actions import Turn, amdahl_run_s
 from metasched.core.cluster_config import ClusterConfig
 from metasched.core.cost_model import CostModel
+from metasched.core.predictor import Predictor
+from metasched.core.scheduler import Scheduler
 from metasched.errors import ConfigError
+from metasched.evaluation.predictors import TRAIN_SEED, fitted_predictor, fitted_ranker
 from metasched.evaluation.statistics import paired_comparison
 from metasched.runtime.dispatch import Dispatcher, DispatcherConfig
 from metasched.runtime.dispatch.deadline_config import DeadlineConfig
 from metasched.runtime.sandbox.config import SandboxConfig
 from metasched.sim.sampling import TrajectorySpec, WorkloadInstance, sample_workload
 from metasched.sim.simulator import Simulator
+from metasched.sim.workload_config import WorkloadConfig
 
 MAX_WAIT_S = 300.0  # the dispatcher's default guard, on both sides
 
@@ -159,13 +174,34 @@ def dispatcher_cost_model() -> CostModel:
     return CostModel(d["cost_alpha"], d["default_est_s"])
 
 
-def simulate(w, inst, cluster: ClusterConfig, sched: str, seed: int, online: bool
+def fed(sched: str, train: WorkloadConfig | None, scale: float
+        ) -> tuple[Scheduler, Predictor | None]:
+    """A fresh ``sched`` and, where it reads one, the predictor an evaluation fits for
+    profile workload ``train`` (on training seed ``TRAIN_SEED``'s trajectories),
+    time-scaled by ``scale`` as the replay is, with online state of its own (and
+    ``learned_priority``'s ranker, fitted on the same)."""
+    s = make_scheduler(resolve_scheduler(sched))
+    if getattr(s, "estimates", None) != "predictor":
+        return s, None
+    if train is None:
+        raise ConfigError("schedulers", f"{sched} reads the predictor: no workload to fit "
+                          "it for")
+    if getattr(s, "ranker", False) is None:  # a learned priority, not yet fitted
+        s.ranker = fitted_ranker(train, scale)
+    return s, fitted_predictor(train, scale)
+
+
+def simulate(w, inst, cluster: ClusterConfig, sched: str, seed: int, online: bool,
+             train: WorkloadConfig | None = None, scale: float = 1.0
              ) -> tuple[float, float, int]:
     """Mean ACT, step time and failures of one simulated run (``seed``: the scheduler's
-    and the start-up draws' generators; the instance is fixed)."""
+    and the start-up draws' generators; the instance is fixed; ``train``: the profile
+    workload a predictor-fed scheduler's predictor is fitted for, at ``scale``)."""
+    s, predictor = fed(sched, train, scale)
     sim = Simulator(w, cluster, seed, instance=inst, max_wait_s=MAX_WAIT_S,
-                    cost_model=dispatcher_cost_model() if online else None)
-    r = sim.run(make_scheduler(resolve_scheduler(sched)))
+                    cost_model=dispatcher_cost_model() if online else None,
+                    predictor=predictor)
+    r = sim.run(s)
     shared = sim.deadlines.fired if sim.deadlines is not None else 0
     return float(r.act.mean()), float(r.step_s[0]), int(r.counters["failed"]), shared
 
@@ -212,18 +248,22 @@ def sigma_from_mean(median_s: float, mean_s: float) -> float:
 
 
 async def live(inst, cores: list[int], sched: str, online: bool, isolation: str,
-               slack_s: float | None = None, work: str = "sleep"
+               slack_s: float | None = None, work: str = "sleep",
+               train: WorkloadConfig | None = None, scale: float = 1.0
                ) -> tuple[float, float, int, float, float]:
     """Mean ACT, step time, failures, the median and mean start-up of a command (its
     measured run less the sleep it was asked for) and every command's start-up, of one
-    live run."""
+    live run (``train``, ``scale``: as :func:`simulate`'s; the dispatcher updates the
+    predictor online)."""
     cfg = DispatcherConfig(scheduler=sched, cores=cores, sample_interval_s=0.5,
                            max_wait_s=MAX_WAIT_S, task_demand=inst.demand_by_task(),
                            estimates="online" if online else "given",
                            sandbox=sandbox_config(isolation),
                            deadlines=DeadlineConfig(idle_share=False))
     command = amdahl_spin if work == "spin" else amdahl_sleep
-    async with Dispatcher(cfg) as d:
+    s, predictor = fed(sched, train, scale)
+    given = s if getattr(s, "ranker", None) is not None else None  # learned_priority's
+    async with Dispatcher(cfg, scheduler=given, predictor=predictor) as d:
         if d.fallback_reason:
             raise ConfigError("schedulers", f"{sched}: {d.fallback_reason}")
 
@@ -336,8 +376,16 @@ def replay(args: argparse.Namespace) -> int:
     base = ClusterConfig(name="local", cpu_nodes=1, cores_per_node=len(cores),
                          mem_gb_per_node=64.0, gpu_devices=0, gpu_mem_gb=0.0, endpoints={})
     scheds = args.schedulers.split(",")
-    for s in scheds:
-        make_scheduler(resolve_scheduler(s))  # a bad name fails before anything runs
+    # (A bad name fails before anything runs.) A scheduler that reads the predictor
+    # gets the one an evaluation of the profile fits, for the replay's time scale.
+    reads = [getattr(make_scheduler(resolve_scheduler(s)), "estimates", None) == "predictor"
+             for s in scheds]  # as an evaluation asks (PREDICTED, learned_priority)
+    train = profile(args.profile)[0] if any(reads) else None
+    if train is not None:
+        if args.seed == TRAIN_SEED:
+            raise ConfigError("seed", f"{TRAIN_SEED} is the predictor's training seed: "
+                              "replay another")
+        fitted_predictor(train, args.scale)  # fitted once, before any run
     n_actions = sum(len(t.turns) for t in inst.steps[0])
     slack = args.deadline_slack_s
     dl = "none" if slack is None else f"timeout + {slack:g} s"
@@ -373,7 +421,8 @@ def replay(args: argparse.Namespace) -> int:
                               cpu_launch_sigma=sigma_from_mean(median, mean))
             for i in range(args.sim_runs):
                 sims[sched, mode].append(simulate(w, sim_inst, cluster, sched, args.seed + i,
-                                                  args.estimates == "online"))
+                                                  args.estimates == "online", train,
+                                                  args.scale))
                 bar.update()
 
     if args.launch_s != "live":
@@ -384,7 +433,7 @@ def replay(args: argparse.Namespace) -> int:
         for sched, mode in keys:
             lives[sched, mode].append(asyncio.run(live(
                 inst, cores, sched, args.estimates == "online", mode, args.deadline_slack_s,
-                args.work)))
+                args.work, train, args.scale)))
             bar.update()
     if args.launch_s == "live":
         simulate_all()

@@ -408,6 +408,55 @@ async def test_live_replay_sends_a_grouped_profiles_prompts(monkeypatch):
     assert opened == {f"t{i}": p for i, p in enumerate(prompts)}
 
 
+def test_live_replay_feeds_predictor_schedulers_the_same_fitted_predictor(monkeypatch):
+    """A predictor-fed scheduler replayed on a grouped profile: every simulated and
+    live run gets its own copy of one predictor, fitted for the replay's time scale,
+    whose groups are the step's prompt groups (the live one fed by the dispatcher)."""
+    import asyncio
+    import importlib.util
+    import math
+
+    from metasched.core.predictor import Predictor
+    from metasched.evaluation import predictors
+
+    spec = importlib.util.spec_from_file_location(
+        "live_replay", Path(__file__).resolve().parents[1] / "benchmarks" / "live_replay.py")
+    lr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lr)
+    monkeypatch.setattr(predictors, "TRAIN_TRAJECTORIES", 320)  # a smaller fit, same code
+    finished: dict[int, tuple[Predictor, bool, set]] = {}
+    finish = Predictor.finish
+
+    def spy(self, key, turns=None):
+        if self.boost is None:  # the fit's own replay of its training trajectories
+            return finish(self, key, turns)
+        try:
+            asyncio.get_running_loop()
+            is_live = True  # the live runs run in an event loop, the simulated ones not
+        except RuntimeError:
+            is_live = False
+        finished.setdefault(id(self), (self, is_live, set()))[2].add(self.trajs[key].group)
+        finish(self, key, turns)
+
+    monkeypatch.setattr(Predictor, "finish", spy)
+    n, scale = 4, 0.001
+    assert lr.main(["--profile", "retool_grouped", "--trajectories", str(n), "--scale",
+                    str(scale), "--schedulers", "slack_first_predicted", "--repeats", "1",
+                    "--sim-runs", "2", "--isolation", "off"]) == 0
+    _, inst = lr.scaled_step("retool_grouped", n, scale, 1_000_000)
+    groups = {(0, t.prompt) for t in inst.steps[0]}
+    assert len(groups) < n  # siblings share a prompt
+    runs = list(finished.values())
+    assert sorted(is_live for _, is_live, _ in runs) == [False, False, True]
+    assert all(seen == groups for _, _, seen in runs)
+    assert len({id(p.boost) for p, _, _ in runs}) == 1  # one fitted model on both sides
+    # fitted on the training trajectories time-scaled as the replay is
+    unscaled = predictors.fitted_predictor(lr.profile("retool_grouped")[0])
+    for name, mu in unscaled.mu.items():
+        assert runs[0][0].mu[name] == pytest.approx(mu + math.log(scale))
+        assert runs[0][0].sd[name] == pytest.approx(unscaled.sd[name])
+
+
 @pytest.mark.subprocess
 @pytest.mark.parametrize("args, field", [(["--isolation", "docker"], "isolation"),
                                          (["--scale", "0"], "scale"),
@@ -416,6 +465,9 @@ async def test_live_replay_sends_a_grouped_profiles_prompts(monkeypatch):
                                          # the live runs' start-up needs live runs
                                          (["--launch-s", "live"], "launch-s"),
                                          (["--schedulers", "fifo,nope"], "schedulers"),
+                                         # the predictor's training seed
+                                         (["--schedulers", "critical_path_predicted",
+                                           "--seed", "0"], "seed"),
                                          (["--profile", "rm_math"], "profile")])
 def test_live_replay_bad_arguments_are_one_line(args, field):
     root = Path(__file__).resolve().parent.parent

@@ -238,6 +238,30 @@ async def test_the_dispatcher_builds_and_feeds_a_predictor(tmp_path) -> None:
     assert p.trajs == {}
 
 
+async def test_the_dispatcher_takes_a_fitted_predictor(monkeypatch, tmp_path) -> None:
+    """``Dispatcher(..., predictor=p)``: a fitted predictor instead of a trace's, shown
+    to the scheduler and fed online; with a trace as well, a one-line ConfigError."""
+    from helpers import cpu
+    from helpers import dispatcher_config as cfg
+
+    from metasched.errors import ConfigError
+    from metasched.evaluation import predictors
+    from metasched.runtime.dispatch import Dispatcher
+
+    monkeypatch.setattr(predictors, "TRAIN_TRAJECTORIES", 320)  # a smaller fit, same code
+    p = predictors.fitted_predictor(profile("retool_grouped")[0])
+    with pytest.raises(ConfigError, match="predictor.*not both"):
+        Dispatcher(cfg(predictor=str(tmp_path / "trace.jsonl")), predictor=p)
+    async with Dispatcher(cfg(scheduler="critical_path_predicted"), predictor=p) as d:
+        assert d.state.predictor is p and not d.fallback_reason
+        assert d.scheduler.name == "critical_path_predicted"
+        for turn in range(2):
+            assert (await d.submit(cpu("/bin/true", trajectory="t", prompt="q", turn=turn,
+                                       task="retool_math", name="code_interpreter"))).ok
+        tid = d.trajectories.get("t").id
+        assert p.groups == {(0, "q"): [tid]} and p.trajs[tid].n == 3  # 2 runs, 1 gap
+
+
 def test_the_learned_priority_orders_pairs_better_than_the_static_estimate() -> None:
     """Fitted on seed 0, the pairwise ranker orders close-in-time pairs of seed 1 by
     remaining time far better than the static estimate, and no worse than the median."""

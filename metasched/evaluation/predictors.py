@@ -7,8 +7,15 @@ trajectories of whole RL steps of the evaluated workload, sampled with training 
 the first cut where their turns (decision points) pass ``TRAIN_DECISIONS`` (long
 trajectories: ``swe_grouped`` keeps 17 steps, 1,088 trajectories): the runs then update
 it online on their own clock. A trace workload trains it on the trace itself.
-One fit per workload and process; every run gets a fresh copy of its online state.
-``learned_priority`` gets a ranker fitted on the same trajectories (:func:`fitted_ranker`).
+One fit per workload (and time scale) and process; every run gets a fresh copy of its
+online state. ``learned_priority`` gets a ranker fitted on the same trajectories
+(:func:`fitted_ranker`).
+
+A replay that runs the workload faster (every duration and gap times ``time_scale``, as
+``benchmarks/live_replay.py`` does) fits on the training trajectories scaled alike: a
+pure time scale shifts every log duration by the same constant, which the type
+residuals absorb, but not the fitted trees, which split on absolute log times (the
+static estimate, the type's mean, ``log1p`` of the elapsed time).
 """
 
 from __future__ import annotations
@@ -33,8 +40,8 @@ _RANKERS: dict[bytes, Ranker] = {}
 _RECORDS: dict[bytes, list[TrajRecord]] = {}
 
 
-def _records(workload: WorkloadConfig) -> list[TrajRecord]:
-    key = pickle.dumps(workload)
+def _records(workload: WorkloadConfig, time_scale: float = 1.0) -> list[TrajRecord]:
+    key = pickle.dumps((workload, time_scale))
     recs = _RECORDS.get(key)
     if recs is None:
         if workload.trace is not None:
@@ -47,27 +54,33 @@ def _records(workload: WorkloadConfig) -> list[TrajRecord]:
                                     np.random.default_rng(TRAIN_SEED)).steps
             turns = np.cumsum([sum(len(t.turns) for t in step) for step in steps])
             steps = steps[:max(1, int(np.searchsorted(turns, TRAIN_DECISIONS, side="right")))]
-        recs = _RECORDS[key] = records_of(steps)
+        recs = _RECORDS[key] = [
+            TrajRecord(r.task, r.group, tuple((n, g * time_scale, d * time_scale)
+                                              for n, g, d in r.turns))
+            for r in records_of(steps)]
     return recs
 
 
-def fitted_predictor(workload: WorkloadConfig) -> Predictor:
+def fitted_predictor(workload: WorkloadConfig, time_scale: float = 1.0) -> Predictor:
     """A predictor fitted for ``workload`` (see the module docstring), its online state
-    empty and its own."""
-    key = pickle.dumps(workload)
+    empty and its own; ``time_scale``: for a replay of it with every duration and gap
+    times this."""
+    key = pickle.dumps((workload, time_scale))
     p = _FITTED.get(key)
     if p is None:
-        p = _FITTED[key] = Predictor.fit(_records(workload), DESIGN)
+        p = _FITTED[key] = Predictor.fit(_records(workload, time_scale), DESIGN)
     return replace(p, trajs={}, groups={}, finished={})
 
 
-def fitted_ranker(workload: WorkloadConfig) -> Ranker:
+def fitted_ranker(workload: WorkloadConfig, time_scale: float = 1.0) -> Ranker:
     """The learned priority (:mod:`metasched.core.ranker`) fitted on the same training
-    trajectories through :func:`fitted_predictor`'s predictor."""
-    key = pickle.dumps(workload)
+    trajectories through :func:`fitted_predictor`'s predictor (``time_scale`` as
+    there)."""
+    key = pickle.dumps((workload, time_scale))
     r = _RANKERS.get(key)
     if r is None:
-        r = _RANKERS[key] = fit_ranker(fitted_predictor(workload), _records(workload))
+        r = _RANKERS[key] = fit_ranker(fitted_predictor(workload, time_scale),
+                                       _records(workload, time_scale))
     return r
 
 

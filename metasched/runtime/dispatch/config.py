@@ -99,7 +99,8 @@ class DispatcherConfig(Checked):
             ``state.predictor`` (``estimates: predictor``), and the dispatcher updates
             it online with measured runs, generation gaps and trajectory ends (a
             trajectory's siblings: those whose requests name its ``prompt``). None: no
-            predictor.
+            predictor (or the one given to the dispatcher, fitted: its ``predictor``
+            keyword).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")

@@ -34,6 +34,7 @@ from metasched.core.guard import WaitGuard
 from metasched.core.metrics import Recorder, Ring, RunResult
 from metasched.core.observation import ObservationEncoder
 from metasched.core.pools import ServiceSpec
+from metasched.core.predictor import Predictor
 from metasched.core.scheduler import Scheduler
 from metasched.core.state import ClusterState, InvalidGrant
 from metasched.core.trace_writer import TraceWriter
@@ -68,6 +69,9 @@ class Dispatcher:
             unless NVML finds one, no API endpoints, no journal).
         services: live GPU services by name (see ``metasched.runtime.gpu``).
         scheduler: a ``Scheduler`` object instead of ``config.scheduler``.
+        predictor: a fitted remaining-work predictor (``metasched.core.predictor``)
+            instead of one fitted on ``config.predictor``'s trace: the dispatcher
+            updates its online state as its own (give it a fresh copy).
         clock: monotonic seconds (tests inject a fake clock).
         backend: where actions run (default: this machine, a :class:`LocalBackend` the
             dispatcher makes from ``config`` and ``services``, and closes; see
@@ -80,6 +84,7 @@ class Dispatcher:
     def __init__(self, config: DispatcherConfig | None = None, *,
                  services: Mapping[str, LiveService] | None = None,
                  scheduler: Scheduler | None = None,
+                 predictor: Predictor | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  backend: Backend | None = None) -> None:
         self.config = cfg = config or DispatcherConfig()
@@ -119,8 +124,11 @@ class Dispatcher:
         self.state.task_demand.update({k: dict(v) for k, v in cfg.task_demand.items()})
         self.state.metrics = Recorder(max_actions=cfg.metrics_window)
         self.guard = WaitGuard(cfg.max_wait_s)
-        self.cost = CostModel(cfg.cost_alpha, cfg.default_est_s,
-                              predictor=fit_predictor(cfg.predictor) if cfg.predictor else None)
+        if predictor is not None and cfg.predictor:
+            raise ConfigError("predictor", "a trace to fit on or a fitted predictor, not both")
+        if predictor is None and cfg.predictor:
+            predictor = fit_predictor(cfg.predictor)
+        self.cost = CostModel(cfg.cost_alpha, cfg.default_est_s, predictor=predictor)
         self.state.predictor = self.cost.predictor
         one_of(cfg.estimates, ("online", "given"), "estimates")
         self._given_estimates = cfg.estimates == "given"
