@@ -380,7 +380,10 @@ def test_live_replay_benchmark_prints_sim_and_live_side_by_side():
     assert m, paired[0]
     ratio, lo, hi = (float(x) for x in m.groups())
     policy = live_acts[str(root / "checkpoints" / "default")]
-    assert ratio == pytest.approx(policy / live_acts["fifo"], rel=0.01)
+    # The means are printed to 4 decimals (ms-scale ACTs here), the ratio to 3: equal
+    # within what that rounding allows.
+    rel = 0.5e-4 / policy + 0.5e-4 / live_acts["fifo"] + 0.5e-3 / ratio
+    assert ratio == pytest.approx(policy / live_acts["fifo"], rel=rel + 1e-9)
     assert lo <= ratio <= hi
 
 
