@@ -23,7 +23,7 @@ the machine's load and the rounds pair.
         [--schedulers static,...,checkpoints/default] [--repeats 3] [--sim-runs 10]
         [--seed 1000000] [--estimates online|given] [--launch-s live|auto|<s>]
         [--launch-mean-s <s>] [--isolation bwrap,off] [--deadline-slack-s <s>]
-        [--work sleep|spin]
+        [--work sleep|spin] [--trace <file>]
 
 Deadlines (``--deadline-slack-s S``): every action's caller waits its (scaled) timeout
 plus ``S`` seconds: live, each request's ``deadline_s``; in the simulator, each action's
@@ -249,17 +249,17 @@ def sigma_from_mean(median_s: float, mean_s: float) -> float:
 
 async def live(inst, cores: list[int], sched: str, online: bool, isolation: str,
                slack_s: float | None = None, work: str = "sleep",
-               train: WorkloadConfig | None = None, scale: float = 1.0
-               ) -> tuple[float, float, int, float, float]:
+               train: WorkloadConfig | None = None, scale: float = 1.0,
+               trace: str | None = None) -> tuple[float, float, int, float, float]:
     """Mean ACT, step time, failures, the median and mean start-up of a command (its
     measured run less the sleep it was asked for) and every command's start-up, of one
     live run (``train``, ``scale``: as :func:`simulate`'s; the dispatcher updates the
-    predictor online)."""
+    predictor online; ``trace``: a file the dispatcher appends the run's actions to)."""
     cfg = DispatcherConfig(scheduler=sched, cores=cores, sample_interval_s=0.5,
                            max_wait_s=MAX_WAIT_S, task_demand=inst.demand_by_task(),
                            estimates="online" if online else "given",
                            sandbox=sandbox_config(isolation),
-                           deadlines=DeadlineConfig(idle_share=False))
+                           deadlines=DeadlineConfig(idle_share=False), trace=trace)
     command = amdahl_spin if work == "spin" else amdahl_sleep
     s, predictor = fed(sched, train, scale)
     given = s if getattr(s, "ranker", None) is not None else None  # learned_priority's
@@ -332,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
                     "waits its action's timeout plus this (default: no deadlines)")
     ap.add_argument("--work", default="sleep", choices=("sleep", "spin"),
                     help="live commands sleep or burn CPU for their duration")
+    ap.add_argument("--trace", default=None, help="append every live run's actions to this "
+                    "trace (JSONL, the dispatcher's trace=)")
     args = ap.parse_args(argv)
     try:
         return replay(args)
@@ -433,7 +435,7 @@ def replay(args: argparse.Namespace) -> int:
         for sched, mode in keys:
             lives[sched, mode].append(asyncio.run(live(
                 inst, cores, sched, args.estimates == "online", mode, args.deadline_slack_s,
-                args.work, train, args.scale)))
+                args.work, train, args.scale, args.trace)))
             bar.update()
     if args.launch_s == "live":
         simulate_all()

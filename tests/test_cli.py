@@ -348,7 +348,7 @@ def test_a_stop_signal_ends_an_evaluation_and_its_workers_at_once(tmp_path, sig,
 
 
 @pytest.mark.subprocess
-def test_live_replay_benchmark_prints_sim_and_live_side_by_side():
+def test_live_replay_benchmark_prints_sim_and_live_side_by_side(tmp_path):
     """One tiny step (one trajectory, durations x 0.005) simulated and replayed live, two
     rounds of a heuristic and the shipped policy: the table, and the policy's paired
     ratio against the heuristic with its interval."""
@@ -356,9 +356,15 @@ def test_live_replay_benchmark_prints_sim_and_live_side_by_side():
     r = subprocess.run([sys.executable, str(root / "benchmarks" / "live_replay.py"),
                         "--trajectories", "1", "--scale", "0.005", "--repeats", "2",
                         "--sim-runs", "2", "--launch-samples", "8", "--isolation", "off",
-                        "--schedulers", f"fifo,{root / 'checkpoints' / 'default'}"],
+                        "--schedulers", f"fifo,{root / 'checkpoints' / 'default'}",
+                        "--trace", str(tmp_path / "live.jsonl")],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
+    # --trace: every live run's actions (2 schedulers x 2 rounds of the one trajectory)
+    lines = [json.loads(x) for x in (tmp_path / "live.jsonl").read_text().splitlines()]
+    acts = [x for x in lines if x.get("type") == "action"]
+    assert acts and len(acts) % 4 == 0
+    assert all(x["measured"]["trajectory"] == "t0" for x in acts)
     live_acts = {}
     for name in ("fifo", str(root / "checkpoints" / "default")):
         rows = [ln for ln in r.stdout.splitlines() if ln.startswith(f"| {name} | off |")]
