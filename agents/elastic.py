@@ -101,6 +101,14 @@ class ElasticGreedyScheduler(Scheduler):
             key = self._api_key(eps[a.spec.endpoint].spec, a)
             self._api_q.setdefault(a.spec.endpoint, PendingQueue()).push(key, a)
 
+    def _requeue_cpu(self, state: ClusterState, key) -> None:
+        """Rebuild the per-node CPU queues of every pending CPU action under ``key`` (an
+        order that changed for what is already queued)."""
+        self._cpu_q = {}
+        for a in state.pending["cpu"].values():
+            self._cpu_q.setdefault(a.node, PendingQueue()).push(key(a), a)
+        self._cpu_busy = set(self._cpu_q)
+
     def _cpu_key(self, a: Action) -> tuple:
         """Priority of a CPU action among those bound for its node (smallest first): the
         shortest estimated run at its maximum cores."""

@@ -34,7 +34,6 @@ from __future__ import annotations
 import math
 
 from metasched.agents.elastic import ElasticGreedyScheduler, _quota_s
-from metasched.agents.pending_queue import PendingQueue
 from metasched.agents.predicted import (
     check_estimates,
     predicted_remaining_s,
@@ -108,10 +107,7 @@ class RateGreedyScheduler(ElasticGreedyScheduler):
                 and state.step_total - state.step_done <= self.endgame * state.step_total)
         if late != self._late:  # the step entered (or left) its end: re-key the cpu queues
             self._late = late
-            self._cpu_q = {}
-            for a in state.pending["cpu"].values():
-                self._cpu_q.setdefault(a.node, PendingQueue()).push(self._cpu_key(a), a)
-            self._cpu_busy = set(self._cpu_q)
+            self._requeue_cpu(state, self._cpu_key)
 
     def _cpu_key(self, a: Action) -> tuple:
         s = a.spec

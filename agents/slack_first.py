@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import math
 
-from metasched.agents.pending_queue import PendingQueue
 from metasched.agents.step_order import CriticalPathScheduler, OracleScheduler, true_run_s
 from metasched.core.actions import Action, Trajectory
 from metasched.core.state import ClusterState
@@ -125,12 +124,9 @@ class SlackFirstScheduler(CriticalPathScheduler):
             cut = (1.0 - self.margin) * h
             if cut != self._cut:  # re-key what is queued under the new split
                 self._cut = cut
-                self._cpu_q = {}
                 pending = state.pending["cpu"]
                 self._r = {i: r for i, r in self._r.items() if i in pending}
-                for a in pending.values():
-                    self._cpu_q.setdefault(a.node, PendingQueue()).push(self._split(a), a)
-                self._cpu_busy = set(self._cpu_q)
+                self._requeue_cpu(state, self._split)
 
     def remaining_s(self, a: Action) -> float:
         if self.estimates != "predictor" or self.quantile == "p50" or a.traj is None:

@@ -62,7 +62,7 @@ def step_ratios(doc: dict[str, Any], heuristics: list[str], lower_bound: list[fl
 
 
 def _pct(r: float) -> str:
-    """A ratio as a change in percent: 0.94 -> "6% shorter"-style magnitude and sign."""
+    """How far a ratio is from 1, in percent (0.94 -> "6%"); the caller says which way."""
     return f"{abs(r - 1.0):.0%}"
 
 
