@@ -61,9 +61,13 @@ def step_ratios(doc: dict[str, Any], heuristics: list[str], lower_bound: list[fl
 
 
 
-def _pct(r: float) -> str:
-    """How far a ratio is from 1, in percent (0.94 -> "6%"); the caller says which way."""
-    return f"{abs(r - 1.0):.0%}"
+def _compared(r: dict[str, Any], metric: str, less: str, more: str) -> str:
+    """"the same <metric> as" where the ratio's interval holds 1, else "a <metric> N%
+    <less|more> than"."""
+    lo, hi = r["ratio_ci95"]
+    if lo <= 1.0 <= hi:
+        return f"the same {metric} as"
+    return f"a {metric} {abs(r['ratio'] - 1.0):.0%} {less if r['ratio'] < 1 else more} than"
 
 
 def story_lines(doc: dict[str, Any], heuristics: Sequence[str],
@@ -94,11 +98,8 @@ def story_lines(doc: dict[str, Any], heuristics: Sequence[str],
         r = st["schedulers"].get(name)
         if r is None:
             continue
-        s, a = r["step_vs_best"], r["act_vs_best"]
-        step = ("the same step as" if s["ratio_ci95"][0] <= 1.0 <= s["ratio_ci95"][1]
-                else f"a step {_pct(s['ratio'])} {'shorter' if s['ratio'] < 1 else 'longer'} than")
-        act = ("the same mean ACT as" if a["ratio_ci95"][0] <= 1.0 <= a["ratio_ci95"][1]
-               else f"a mean ACT {_pct(a['ratio'])} {'lower' if a['ratio'] < 1 else 'higher'} than")
+        step = _compared(r["step_vs_best"], "step", "shorter", "longer")
+        act = _compared(r["act_vs_best"], "mean ACT", "lower", "higher")
         lines.append("")
         lines.append(f"`{name}`: {step} `{bs}` (the best heuristic by step) and {act} "
                      f"`{ba}` (the best by ACT), within the 95% intervals above.")
