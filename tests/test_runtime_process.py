@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import tracemalloc
 from pathlib import Path
@@ -69,18 +70,37 @@ def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def my_zombies() -> list[int]:
-    """Children of this process that exited and were never reaped."""
+def start_ticks(stat: str) -> int:
+    """A /proc stat line's start time, in clock ticks since boot."""
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def ticks_now() -> int:
+    """Now, on the clock /proc's start times count (a new thread's own start time, so
+    a container's virtual uptime cannot skew it)."""
+    box: list[int] = []
+    thread = threading.Thread(
+        target=lambda: box.append(start_ticks(Path("/proc/thread-self/stat").read_text())))
+    thread.start()
+    thread.join()
+    return box[0]
+
+
+def my_zombies(born_since: int = 0) -> list[int]:
+    """Children of this process that exited and were never reaped, started at or after
+    ``born_since`` (clock ticks since boot): a child an earlier test left running may
+    exit, unreaped, during a later test, and is not that test's leak."""
     me = os.getpid()
     out = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
         try:
-            fields = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()
+            stat = Path(f"/proc/{name}/stat").read_text()
         except OSError:
             continue
-        if fields[0] == "Z" and int(fields[1]) == me:
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[0] == "Z" and int(fields[1]) == me and start_ticks(stat) >= born_since:
             out.append(int(name))
     return out
 
@@ -419,10 +439,10 @@ def test_cannot_start(tmp_path, make_argv, why):
     work = tmp_path / "work"
     work.mkdir()
     fds = open_fds()
-    stale = set(my_zombies())  # an earlier test's, not this run's
+    since = ticks_now()
     out = run(make_argv(tmp_path), cwd_root=str(work))
     assert out == Outcome(ok=False, reason=f"cannot start: {why}", detail={"cores": CPUS[:1]})
-    assert open_fds() == fds and list(work.iterdir()) == [] and set(my_zombies()) <= stale
+    assert open_fds() == fds and list(work.iterdir()) == [] and my_zombies(since) == []
 
 
 def test_cannot_start_without_a_working_directory(tmp_path):
@@ -504,7 +524,7 @@ def test_many_concurrent_runs_leak_nothing(tmp_path):
 
     run(["/bin/true"])  # first-use allocations (e.g. asyncio's) are not leaks
     fds = open_fds()
-    stale = set(my_zombies())
+    since = ticks_now()
     outs = asyncio.run(many())
     reasons = [o.reason for o in outs[:len(cases)]]
     assert reasons == ["", "exit code 1", "", "cannot start: metasched-no-such-program: "
@@ -512,13 +532,13 @@ def test_many_concurrent_runs_leak_nothing(tmp_path):
                        "timeout after 0.2 s", "memory limit exceeded (300 MB)"]
     assert all(o.stdout == "hello\n" for o in outs[2::len(cases)])
     assert open_fds() == fds
-    assert set(my_zombies()) <= stale
+    assert my_zombies(since) == []
     assert list(tmp_path.iterdir()) == []
 
 
 def test_exit_is_noticed_without_pidfds(monkeypatch):
     # Old kernels (or seccomp profiles) refuse pidfd_open: a thread waits instead.
-    stale = set(my_zombies())  # an earlier test's, not this run's
+    since = ticks_now()
 
     def refuse(pid: int, flags: int = 0) -> int:
         raise OSError(38, "Function not implemented")
@@ -527,7 +547,7 @@ def test_exit_is_noticed_without_pidfds(monkeypatch):
     assert run(["/bin/echo", "hi"]).stdout == "hi\n"
     out = run(["sleep", "5"], timeout_s=0.2)
     assert out.reason == "timeout after 0.2 s" and gone(out.detail["pid"])
-    assert set(my_zombies()) <= stale
+    assert my_zombies(since) == []
 
 
 def test_kill_group():
