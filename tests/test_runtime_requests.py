@@ -22,6 +22,8 @@ def test_cpu_request_defaults_and_signature():
     assert r.name == "echo" and r.signature == "cpu:swe:echo"
     assert len(r.id) == 32  # a fresh key when none is given
     assert parse_request(dict(CPU)).id != r.id
+    # a name not given is never the error: a program's overlong basename is cut to 256
+    assert parse_request(dict(CPU, argv=["/x/" + "p" * 300])).name == "p" * 256
 
 
 @pytest.mark.parametrize("req", [
@@ -62,6 +64,10 @@ def test_round_trip_through_json(req):
     (dict(CPU, trajectory="t", prompt=""), "prompt: must not be empty"),
     (dict(CPU, trajectory="t", prompt=True), "prompt: must be a string (got True)"),
     (dict(CPU, prompt="p"), "prompt: only a trajectory answers a prompt (give its trajectory"),
+    (dict(CPU, trajectory="t", prompt="p" * 257), "prompt: must have at most 256 characters"),
+    (dict(CPU, trajectory="t" * 257), "trajectory: must have at most 256 characters"),
+    (dict(CPU, id="i" * 257), "id: must have at most 256 characters"),
+    (dict(CPU, task="k" * 257), "task: must have at most 256 characters"),
     ({"kind": "api", "timeout_s": 1, "endpoint": "e", "http": {"url": "http://h"},
       "prompt": "p"}, "prompt: only a trajectory answers a prompt"),
     (dict(CPU, call="f"), "call: unknown field"),

@@ -4,7 +4,7 @@ from it (valid and invalid ones, and sequences of them) against a real
 ``/v1/actions``, and checks that no answer is a 500 and that every status, content type
 and body is one the document declares.
 
-The run lasts ``METASCHED_SCHEMATHESIS_S`` seconds (default 60: the default suite's
+The run lasts ``METASCHED_SCHEMATHESIS_S`` seconds (default 30: the default suite's
 time; set it higher for a longer search). The service has no
 proxied endpoint, so no generated request reaches beyond this machine (an ``api``
 action needs a configured endpoint, and the proxy forwards to configured upstreams
@@ -25,7 +25,7 @@ from metasched.serve import ServeConfig
 
 pytestmark = pytest.mark.subprocess
 
-DURATION_S = int(os.environ.get("METASCHED_SCHEMATHESIS_S", "60"))
+DURATION_S = int(os.environ.get("METASCHED_SCHEMATHESIS_S", "30"))
 CHECKS = "not_a_server_error,status_code_conformance,content_type_conformance," \
          "response_schema_conformance"
 # schemathesis' own entry point (the `st` command) in this interpreter.

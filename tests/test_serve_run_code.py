@@ -184,7 +184,10 @@ def test_the_prompt_reaches_the_trajectory(served, headers, body, prompt):
     ({}, {"prompt": "p"}, "prompt: only a trajectory answers a prompt"),
     ({"X-Trajectory-Id": "t"}, {"prompt": ["p"]}, "prompt: must be a string (got ['p'])"),
     ({"X-Trajectory-Id": "t", "X-Prompt-Id": ""}, {}, "X-Prompt-Id: must not be empty"),
-], ids=["header-alone", "body-alone", "body-type", "header-empty"])
+    ({"X-Trajectory-Id": "t", "X-Prompt-Id": "p" * 257}, {},
+     "X-Prompt-Id: must have at most 256 characters"),
+    ({}, {"trajectory": "t", "prompt": "p" * 257}, "prompt: must have at most 256 characters"),
+], ids=["header-alone", "body-alone", "body-type", "header-empty", "header-long", "body-long"])
 def test_a_bad_prompt_is_422_in_one_line(served, headers, body, message):
     r = post(served.url, {"code": "print(1)", **body}, headers=headers)
     assert r.status_code == 422

@@ -53,6 +53,11 @@ def Number(*, gt: float | None = None, ge: float | None = None,  # noqa: N802 - 
 
 Text = Annotated[str, Field(strict=True, min_length=1)]
 """A non-empty string."""
+MAX_KEY = 256
+Key = Annotated[str, Field(strict=True, min_length=1, max_length=MAX_KEY)]
+"""A name the core keeps per action or trajectory (an id, a task, a prompt): non-empty,
+at most 256 characters, so that no request can make the scheduler's state grow by its
+own size."""
 Flag = Annotated[bool, Field(strict=True)]
 """``true`` or ``false`` (not 1, not ``"yes"``)."""
 Fraction = Number(ge=0.0, le=1.0)

@@ -15,6 +15,7 @@ A request is one action. Fields every kind has:
   action is killed (cpu), reported failed (gpu) or abandoned (api) this long after it
   starts; when not given, the dispatcher's default (``limits.timeout_s``, see
   :mod:`metasched.runtime.limits`, which also caps what a request may ask).
+- ``id``, ``task``, ``name``, ``trajectory``, ``prompt``: each at most 256 characters.
 - ``id``: idempotency key (default: a fresh one). Submitting a key again with the same
   request returns the first submission's result instead of running it twice; with a
   different request it is rejected.
@@ -84,7 +85,7 @@ from pydantic.json_schema import SkipJsonSchema
 
 from metasched.core.actions import KINDS
 from metasched.core.cost_model import signature
-from metasched.core.schema import Checked, Count, Demand, Flag, Text
+from metasched.core.schema import MAX_KEY, Checked, Count, Demand, Flag, Key, Text
 from metasched.errors import ConfigError, short, validation_error
 from metasched.runtime.api_calls import HttpSpec
 
@@ -137,7 +138,7 @@ Seconds = Annotated[float, Field(strict=True, gt=0, allow_inf_nan=False),
                     AfterValidator(_at_most_30_days)]
 """A duration: > 0 and at most 30 days."""
 Turn = Count(0, MAX_TURN)
-TrajectoryId = Annotated[Text | None, BeforeValidator(_trajectory)]
+TrajectoryId = Annotated[Key | None, BeforeValidator(_trajectory)]
 _Arg = Annotated[str, Field(strict=True), AfterValidator(_no_nul)]
 _Env = dict[Annotated[str, Field(strict=True), AfterValidator(_env_name)],
             Annotated[str, Field(strict=True), AfterValidator(_no_nul)]]
@@ -168,9 +169,9 @@ class Request(Checked, Demand):
 
     kind: Literal[KINDS]  # type: ignore[valid-type]  # the core's kinds: cpu, gpu, api
     timeout_s: Seconds | None = None  # the dispatcher's default (limits.timeout_s)
-    id: Text = ""  # a fresh key when not given (the validator makes it)
-    task: Text = "default"
-    name: Text = ""  # the command's basename, the service or the endpoint when not given
+    id: Key = ""  # a fresh key when not given (the validator makes it)
+    task: Key = "default"
+    name: Key = ""  # the command's basename, the service or the endpoint when not given
     trajectory: TrajectoryId = None
     prompt: TrajectoryId = None  # GRPO's responses to one prompt share it
     turn: Turn = 0
@@ -257,7 +258,7 @@ class Request(Checked, Demand):
         if isinstance(argv, (list, tuple)) and argv and isinstance(argv[0], str):
             default_name = os.path.basename(argv[0])
         if "name" not in d and isinstance(default_name, str) and default_name:
-            d["name"] = default_name
+            d["name"] = default_name[:MAX_KEY]  # a name not given is never the error
         return d
 
     @model_validator(mode="after")

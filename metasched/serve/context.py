@@ -17,6 +17,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
+from metasched.core.schema import MAX_KEY
 from metasched.errors import validation_error
 from metasched.runtime.requests import MAX_TURN
 
@@ -25,7 +26,8 @@ __all__ = ["HEADERS", "TrajectoryContext", "context_from"]
 # Header -> the request field it fills.
 HEADERS = {"x-trajectory-id": "trajectory", "x-turn": "turn", "x-task": "task",
            "x-reward": "reward", "x-prompt-id": "prompt"}
-_Header = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1)]
+_Header = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1,
+                                          max_length=MAX_KEY)]
 
 
 class TrajectoryContext(BaseModel):
