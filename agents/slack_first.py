@@ -23,7 +23,8 @@ core counts: ``rate_greedy``'s.
 A trajectory that waits keeps its remaining work while ``H`` falls with the work done,
 so it turns critical in time; one served at full speed keeps its slack. ``H`` and the
 split are recomputed every ``refresh_s`` seconds of the clock (the queues re-keyed when
-the split changes; an action keeps the remaining work it was queued with). Remaining
+the split changes; an action keeps the remaining work it was queued with, or with
+``rekey`` has it read again at every refresh). Remaining
 work comes from ``estimates`` as in ``critical_path``: ``given`` (type-level turn counts
 and seconds per turn; ``margin`` 0.7) or ``predictor`` (``slack_first_predicted``: the
 horizon from the learned predictor's medians, an action's trajectory judged and ordered
@@ -53,6 +54,8 @@ class SlackFirstScheduler(CriticalPathScheduler):
             trajectory is judged and ordered by (the horizon takes medians).
         rest: the others' order: ``action`` (``rate_greedy``'s) or ``trajectory``
             (least remaining work first).
+        rekey: re-read every queued action's remaining work at each refresh (news of
+            its trajectory's siblings, with the predictor), not only when queued.
     """
 
     name = "slack_first"
@@ -60,8 +63,9 @@ class SlackFirstScheduler(CriticalPathScheduler):
     def __init__(self, headroom: float = 0.25, min_gain_s: float = 0.0, recent_s: float = 30.0,
                  defer: float = 8.0, estimates: str = "given", margin: float = 0.7,
                  refresh_s: float = 2.0, progress_s: float = 0.5, quantile: str = "p50",
-                 rest: str = "action") -> None:
+                 rest: str = "action", rekey: bool = False) -> None:
         super().__init__(headroom, min_gain_s, recent_s, defer, estimates)
+        self.rekey = rekey
         if rest not in ("action", "trajectory"):
             raise ValueError(f"rest must be action or trajectory (got {rest!r})")
         self.rest = rest
@@ -120,13 +124,21 @@ class SlackFirstScheduler(CriticalPathScheduler):
             self._next_t = -math.inf
         if state.t >= self._next_t:
             self._next_t = state.t + self.refresh_s
-            h = self._horizon(state)
-            cut = (1.0 - self.margin) * h
-            if cut != self._cut:  # re-key what is queued under the new split
-                self._cut = cut
-                pending = state.pending["cpu"]
-                self._r = {i: r for i, r in self._r.items() if i in pending}
-                self._requeue_cpu(state, self._split)
+            self._refresh(state)
+
+    def _refresh(self, state: ClusterState) -> None:
+        """Recompute the split (with ``rekey``, every queued action's remaining work
+        too) and re-key what is queued where it changed."""
+        cut = (1.0 - self.margin) * self._horizon(state)
+        pending = state.pending["cpu"]
+        if self.rekey:
+            self._r = {i: self.remaining_s(pending[i]) for i in self._r if i in pending}
+        elif cut == self._cut:
+            return
+        else:
+            self._r = {i: r for i, r in self._r.items() if i in pending}
+        self._cut = cut
+        self._requeue_cpu(state, self._split)
 
     def remaining_s(self, a: Action) -> float:
         if self.estimates != "predictor" or self.quantile == "p50" or a.traj is None:
@@ -162,9 +174,9 @@ class SlackFirstOracleScheduler(SlackFirstScheduler, OracleScheduler):
     def __init__(self, headroom: float = 0.25, min_gain_s: float = 0.0, recent_s: float = 30.0,
                  defer: float = 8.0, estimates: str = "given", margin: float = 0.5,
                  refresh_s: float = 2.0, progress_s: float = 0.5, quantile: str = "p50",
-                 rest: str = "action") -> None:
+                 rest: str = "action", rekey: bool = False) -> None:
         super().__init__(headroom, min_gain_s, recent_s, defer, estimates, margin, refresh_s,
-                         progress_s, quantile, rest)
+                         progress_s, quantile, rest, rekey)
 
     def traj_work(self, traj: Trajectory) -> tuple[float, float]:
         path, work = 0.0, 0.0
@@ -185,6 +197,6 @@ class SlackFirstPredictedScheduler(SlackFirstScheduler):
     def __init__(self, headroom: float = 0.25, min_gain_s: float = 0.0, recent_s: float = 30.0,
                  defer: float = 8.0, estimates: str = "predictor", margin: float = 0.5,
                  refresh_s: float = 2.0, progress_s: float = 0.5, quantile: str = "p90",
-                 rest: str = "action") -> None:
+                 rest: str = "action", rekey: bool = False) -> None:
         super().__init__(headroom, min_gain_s, recent_s, defer, estimates, margin, refresh_s,
-                         progress_s, quantile, rest)
+                         progress_s, quantile, rest, rekey)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from metasched.agents import BASELINES, ORACLES, PREDICTED, make_scheduler
-from metasched.agents.slack_first import SlackFirstScheduler
+from metasched.agents.slack_first import SlackFirstOracleScheduler, SlackFirstScheduler
 from metasched.compose import profile
 from metasched.core.actions import ActionSpec, Turn
 from metasched.sim.sampling import TrajectorySpec, WorkloadInstance
@@ -68,6 +68,31 @@ def test_the_rest_by_action_or_by_trajectory(make_workload, make_cluster, rest, 
     trajs = [TrajectorySpec("t", (Turn(0.0, _cpu("A1", 2.0)), Turn(0.5, _cpu("A2", 2.0))), None),
              TrajectorySpec("t", (Turn(0.0, _cpu("B", 3.0)),), None)]
     s = make_scheduler("slack_first_oracle", margin=0.0, refresh_s=0.01, rest=rest)
+    assert _starts(make_workload, make_cluster, s, trajs) == expected
+
+
+class _News(SlackFirstOracleScheduler):
+    """Remaining work that changes while the actions wait: at 0.5 s B's falls and C's
+    rises (as siblings' news moves the predictor's readings)."""
+
+    def _sync(self, state) -> None:
+        self.now = state.t
+        super()._sync(state)
+
+    def remaining_s(self, a) -> float:
+        if self.now < 0.5:
+            return {"A": 30.0, "B": 20.0, "C": 10.0}[a.spec.name]
+        return {"A": 30.0, "B": 1.0, "C": 20.0}[a.spec.name]
+
+
+@pytest.mark.parametrize(("rekey", "expected"), [(False, {"A": 0.0, "B": 1.0, "C": 2.0}),
+                                                 (True, {"A": 0.0, "C": 1.0, "B": 2.0})])
+def test_rekey_reads_the_queued_actions_remaining_work_again(make_workload, make_cluster,
+                                                             rekey, expected):
+    # Three 1 s actions on one core, all critical (margin 1): A first (most remaining
+    # work); then, the news in, C before B only where the queue reads it again.
+    trajs = [TrajectorySpec("t", (Turn(0.0, _cpu(n, 1.0)),), None) for n in "ABC"]
+    s = _News(margin=1.0, refresh_s=0.01, rekey=rekey)
     assert _starts(make_workload, make_cluster, s, trajs) == expected
 
 
