@@ -127,17 +127,22 @@ class SlackFirstScheduler(CriticalPathScheduler):
             self._refresh(state)
 
     def _refresh(self, state: ClusterState) -> None:
-        """Recompute the split (with ``rekey``, every queued action's remaining work
-        too) and re-key what is queued where it changed."""
+        """Recompute the split, and re-key what is queued where it changed (with
+        ``rekey``, always)."""
         cut = (1.0 - self.margin) * self._horizon(state)
+        if cut == self._cut and not self.rekey:
+            return
+        self._cut = cut
+        self._requeue(state)
+
+    def _requeue(self, state: ClusterState) -> None:
+        """Re-key the queued CPU actions under the split in force (with ``rekey``, each
+        one's remaining work read again)."""
         pending = state.pending["cpu"]
         if self.rekey:
             self._r = {i: self.remaining_s(pending[i]) for i in self._r if i in pending}
-        elif cut == self._cut:
-            return
         else:
             self._r = {i: r for i, r in self._r.items() if i in pending}
-        self._cut = cut
         self._requeue_cpu(state, self._split)
 
     def remaining_s(self, a: Action) -> float:
@@ -153,10 +158,14 @@ class SlackFirstScheduler(CriticalPathScheduler):
         self._r[a.id] = self.remaining_s(a)
         return self._split(a)
 
+    def _critical(self, a: Action) -> bool:
+        """Whether queued ``a``'s trajectory is critical under the split in force."""
+        return self._r[a.id] >= self._cut
+
     def _split(self, a: Action) -> tuple:
         """``a``'s key under the split in force, from its remaining work when queued."""
         r = self._r[a.id]
-        if r >= self._cut:
+        if self._critical(a):
             return (0, -r, a.id)
         if self.rest == "trajectory":  # least remaining work first: the trajectory's SRPT
             return (1, r, a.id)

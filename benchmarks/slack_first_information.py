@@ -81,7 +81,7 @@ class Probable(SlackFirstPredictedScheduler):
         super().__init__(rekey=True)
         self.tau = tau
         self.draws = draws
-        self._critical: dict[int, bool] = {}
+        self._critical_ids: set[int] = set()
 
     def _refresh(self, state) -> None:
         trajs = list(state.trajectories.values())
@@ -98,18 +98,11 @@ class Probable(SlackFirstPredictedScheduler):
         cores = sum(state.cpu.cores)
         h = np.maximum(r.max(axis=0, initial=0.0), work / cores if cores else 0.0)
         share = (r >= (1.0 - self.margin) * h).mean(axis=1)
-        self._critical = {t.id: bool(c >= self.tau) for t, c in zip(trajs, share, strict=True)}
-        pending = state.pending["cpu"]
-        self._r = {i: self.remaining_s(pending[i]) for i in self._r if i in pending}
-        self._requeue_cpu(state, self._split)
+        self._critical_ids = {t.id for t, c in zip(trajs, share, strict=True) if c >= self.tau}
+        self._requeue(state)
 
-    def _split(self, a):
-        r = self._r[a.id]
-        if a.traj is not None and self._critical.get(a.traj.id, False):
-            return (0, -r, a.id)
-        s = a.spec
-        turns = a.traj.turn if a.traj is not None else 0
-        return (1, s.est_s / s.speedup(s.max_cores) - self.progress_s * turns, a.id)
+    def _critical(self, a) -> bool:
+        return a.traj is not None and a.traj.id in self._critical_ids
 
 
 VARIANTS = {"predicted": SlackFirstPredictedScheduler, "true horizon": TrueHorizon,
