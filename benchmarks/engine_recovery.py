@@ -9,6 +9,7 @@ cost, the true value, the fitted range over the seeds and the largest relative e
 (the target: 10%).
 
     python benchmarks/engine_recovery.py [--seeds 3] [--replicas 2] [--trajectories 32]
+        [--preemption swap]
 """
 
 from __future__ import annotations
@@ -33,12 +34,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--trajectories", type=int, default=32)
     ap.add_argument("--prefill-base-s", type=float, default=0.002)
+    ap.add_argument("--preemption", choices=("recompute", "swap"), default="recompute")
     a = ap.parse_args(argv)
     w, c = load_profile(compose("eval", [
         "workload=swe_grouped", "+generation=swe_grouped", "workload.steps=1",
         f"workload.trajectories_per_step={a.trajectories}",
         f"generation.replicas={a.replicas}",
-        f"+generation.engine.prefill_base_s={a.prefill_base_s}"]))
+        f"+generation.engine.prefill_base_s={a.prefill_base_s}",
+        f"+generation.engine.preemption={a.preemption}"]))
     true = w.generation.engine
     fitted: dict[str, list[float]] = {k: [] for k in COSTS}
     told: dict[str, bool] = {}
