@@ -128,29 +128,29 @@ def test_a_full_kv_cache_preempts_and_everything_still_finishes(preemption):
         assert any(q.swap_tokens > 0 for q in c.finished)
 
 
-def _small(overrides: list[str]):
-    return load_profile(compose("eval", ["workload=swe_grouped", "+generation=swe_grouped",
-                                         "workload.trajectories_per_step=16",
-                                         "workload.steps=1", *overrides]))
+def _small(overrides: list[str], pool: bool = True, trajectories: int = 8):
+    return load_profile(compose("eval", [
+        "workload=swe_grouped", *(["+generation=swe_grouped"] if pool else []),
+        f"workload.trajectories_per_step={trajectories}", "workload.steps=1", *overrides]))
 
 
 def test_the_pool_is_opt_in_and_a_run_with_it_is_deterministic():
-    w, c = load_profile(compose("eval", ["workload=swe_grouped"]))
-    assert w.generation is None and Simulator(w, c, 0).llm is None
     w, c = _small(["generation.replicas=2"])
+    off = _small([], pool=False)[0]
+    assert off.generation is None and Simulator(off, c, 0).llm is None
     steps = []
     for _ in range(2):
         sim = Simulator(w, c, 3)
         r = sim.run(make_scheduler("rate_greedy"))
         steps.append(r.step_s.tolist())
-        assert sim.llm.pool.summary()["requests"] > 16
+        assert sim.llm.pool.summary()["requests"] > 8
         assert all(t.end_t == t.end_t for t in sim.step_trajs)  # every trajectory ended
     assert steps[0] == steps[1]
 
 
 def test_more_replicas_shorten_a_contended_step():
-    w1, c = _small(["generation.replicas=1"])
-    w8, _ = _small(["generation.replicas=8"])
+    w1, c = _small(["generation.replicas=1"], trajectories=16)
+    w8, _ = _small(["generation.replicas=8"], trajectories=16)
     s1 = Simulator(w1, c, 0).run(make_scheduler("rate_greedy")).step_s.mean()
     s8 = Simulator(w8, c, 0).run(make_scheduler("rate_greedy")).step_s.mean()
     assert s8 < 0.8 * s1
