@@ -29,6 +29,7 @@ longer knows (:meth:`LeaseBook.renew`), which count again from then on.
 
 from __future__ import annotations
 
+import heapq
 import json
 import math
 import os
@@ -89,14 +90,56 @@ class Lease:
     ask: str = ""  # the asking call's key: a retried call gets the same leases
 
 
-    def end(self) -> float:
-        """When its call reached the upstream at the latest (``inf``: still held)."""
-        return self.released if self.released is not None else math.inf
-
     def to_row(self) -> dict[str, Any]:
         return {"id": self.id, "pool": self.pool, "holder": self.holder,
                 "tokens": self.tokens, "granted": self.granted, "expires": self.expires,
                 "released": self.released, "ask": self.ask}
+
+
+class _PoolState:
+    """One pool's leases that count: those held (with a heap of their expiries, stale
+    entries skipped) and those ended within a window (a heap of their ends), so every
+    call costs O(log n) in the leases a window holds."""
+
+    __slots__ = ("held", "expiring", "ended", "tokens")
+
+    def __init__(self) -> None:
+        self.held: dict[str, Lease] = {}
+        self.expiring: list[tuple[float, str]] = []
+        self.ended: list[tuple[float, str, Lease]] = []
+        self.tokens = 0.0  # of every lease that counts
+
+    def add(self, lease: Lease) -> None:
+        self.tokens += lease.tokens
+        if lease.released is None:
+            self.held[lease.id] = lease
+            heapq.heappush(self.expiring, (lease.expires, lease.id))
+        else:
+            heapq.heappush(self.ended, (lease.released, lease.id, lease))
+
+    def extend(self, lease: Lease, expires: float) -> None:
+        lease.expires = expires
+        heapq.heappush(self.expiring, (expires, lease.id))
+
+    def end(self, lease: Lease, at: float) -> None:
+        del self.held[lease.id]
+        lease.released = at
+        heapq.heappush(self.ended, (at, lease.id, lease))
+
+    def prune(self, now: float, window_s: float) -> list[Lease]:
+        """Lapse the held leases past their expiry (their holder is gone: see the module
+        docstring); return those ended before the window, no longer counted."""
+        while self.expiring and self.expiring[0][0] <= now:
+            at, lid = heapq.heappop(self.expiring)
+            lease = self.held.get(lid)
+            if lease is not None and lease.expires == at:
+                self.end(lease, at)
+        gone = []
+        while self.ended and self.ended[0][0] <= now - window_s:
+            lease = heapq.heappop(self.ended)[2]
+            self.tokens -= lease.tokens
+            gone.append(lease)
+        return gone
 
 
 @dataclass(frozen=True)
@@ -128,7 +171,7 @@ class LeaseBook:
         self.clock = clock
         self.path = Path(path) if path is not None else None
         # Per pool, every lease that still counts (held, or ended within a window).
-        self.leases: dict[str, dict[str, Lease]] = {p: {} for p in self.pools}
+        self._state = {p: _PoolState() for p in self.pools}
         self._by_id: dict[str, Lease] = {}
         self._asks: dict[str, dict[str, Lease]] = {}
         self._seq = 0
@@ -145,18 +188,21 @@ class LeaseBook:
     def _read(self) -> None:
         if not self.path.exists():
             return
+        rows: dict[str, dict[str, Any]] = {}
         for line in self.path.read_text().splitlines():
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a line cut by a crash mid-write: its answer never left
-            if row.get("pool") not in self.pools:
-                continue
+            if row.get("pool") in self.pools:
+                rows[row["id"]] = row  # a later line of the same lease wins
+        for row in rows.values():
             lease = Lease(**row)
-            self._put(lease)  # a later line of the same lease wins
+            self._put(lease)
             self._seq = max(self._seq, int(lease.id.rsplit("-", 1)[-1], 16) + 1)
         self.restored = len(self._by_id)
-        self._prune(self.clock())
+        for pool in self.pools:
+            self._prune(pool, self.clock())
         self._compact()
 
     def _write(self, leases: Iterable[Lease]) -> None:
@@ -185,46 +231,34 @@ class LeaseBook:
     # ------------------------------------------------------------------ state
 
     def _put(self, lease: Lease) -> None:
-        self.leases[lease.pool][lease.id] = lease
+        self._state[lease.pool].add(lease)
         self._by_id[lease.id] = lease
         if lease.ask:
             self._asks.setdefault(lease.ask, {})[lease.id] = lease
 
-    def _prune(self, now: float) -> None:
-        """Lapse leases past their expiry; forget those no window counts any more."""
-        for pool, leases in self.leases.items():
-            window = self.pools[pool].window_s
-            for lease in list(leases.values()):
-                if lease.released is None and lease.expires <= now:
-                    lease.released = lease.expires  # its holder is gone: see above
-                if lease.released is not None and lease.released <= now - window:
-                    del leases[lease.id]
-                    del self._by_id[lease.id]
-                    self._asks.pop(lease.ask, None)
+    def _prune(self, pool: str, now: float) -> None:
+        """Lapse ``pool``'s leases past their expiry; forget those no window counts."""
+        for lease in self._state[pool].prune(now, self.pools[pool].window_s):
+            del self._by_id[lease.id]
+            self._asks.pop(lease.ask, None)
 
-    def _room(self, pool: str, now: float) -> tuple[int, float | None]:
+    def _room(self, pool: str) -> tuple[int, float | None]:
         """How many leases of ``pool`` could be granted now (ignoring tokens), and
         when more could be (None: once one is released)."""
-        lim = self.pools[pool]
-        leases = self.leases[pool].values()
+        lim, st = self.pools[pool], self._state[pool]
         room = math.inf
         retry: float | None = None
         if lim.max_held is not None:
-            room = lim.max_held - sum(1 for lease in leases if lease.released is None)
+            room = lim.max_held - len(st.held)
         if lim.calls is not None:
-            ends = sorted(lease.end() for lease in leases if lease.end() > now - lim.window_s)
-            room = min(room, lim.calls - len(ends))
-            if room <= 0 and ends and math.isfinite(ends[0]):
-                retry = ends[0] + lim.window_s  # when the oldest counted call leaves
+            room = min(room, lim.calls - len(st.held) - len(st.ended))
+            if room <= 0 and st.ended:
+                retry = st.ended[0][0] + lim.window_s  # when the oldest ended call leaves
         return max(0, int(room) if math.isfinite(room) else 1 << 30), retry
 
-    def _tokens_free(self, pool: str, now: float) -> float:
-        lim = self.pools[pool]
-        if lim.tokens is None:
-            return math.inf
-        used = sum(lease.tokens for lease in self.leases[pool].values()
-                   if lease.end() > now - lim.window_s)
-        return lim.tokens - used
+    def _tokens_free(self, pool: str) -> float:
+        lim, st = self.pools[pool], self._state[pool]
+        return math.inf if lim.tokens is None else lim.tokens - st.tokens
 
     # ------------------------------------------------------------------ calls
 
@@ -247,10 +281,10 @@ class LeaseBook:
         if ask and ask in self._asks:
             return Grant([x for x in self._asks[ask].values() if x.released is None])
         now = self.clock()
-        self._prune(now)
-        room, retry = self._room(pool, now)
+        self._prune(pool, now)
+        room, retry = self._room(pool)
         out = []
-        free = self._tokens_free(pool, now)
+        free = self._tokens_free(pool)
         for _ in range(min(n, room)):
             if tokens > free:
                 retry = now + 0.1 if retry is None else retry
@@ -274,7 +308,7 @@ class LeaseBook:
         for lid in ids:
             lease = self._by_id.get(lid)
             if lease is not None and lease.released is None:
-                lease.released = now
+                self._state[lease.pool].end(lease, now)
                 done.append(lease)
         self._write(done)
         return len(done)
@@ -296,7 +330,7 @@ class LeaseBook:
                 again += 1
             elif lease.released is not None:
                 continue  # lapsed: counted as ended by its expiry already
-            lease.expires = now + self.ttl_s
+            self._state[lease.pool].extend(lease, now + self.ttl_s)
             changed.append(lease)
         self._write(changed)
         return again
@@ -304,11 +338,8 @@ class LeaseBook:
     def load(self) -> dict[str, dict[str, float]]:
         """Per pool: leases held now, and calls its window counts."""
         now = self.clock()
-        self._prune(now)
         out = {}
-        for pool, leases in self.leases.items():
-            lim = self.pools[pool]
-            out[pool] = {"held": sum(1 for x in leases.values() if x.released is None),
-                         "in_window": sum(1 for x in leases.values()
-                                          if x.end() > now - lim.window_s)}
+        for pool, st in self._state.items():
+            self._prune(pool, now)
+            out[pool] = {"held": len(st.held), "in_window": len(st.held) + len(st.ended)}
         return out

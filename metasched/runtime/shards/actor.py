@@ -1,6 +1,7 @@
 """One dispatcher shard: a whole :class:`~metasched.runtime.dispatch.Dispatcher` in a
-Ray actor, over its own nodes' CPU pools, with its own journal
-(``<journal_dir>/<name>.sqlite``), asking the lease service for the shared pools.
+Ray actor, over its own nodes' CPU pools (the Ray nodes whose ids hash to it), with its
+own journal (``<journal_dir>/<name>.sqlite``), asking the lease service for the shared
+pools (API quotas; a shard's dispatcher has no GPU of its own).
 
 Its calls are the dispatcher actor's (:class:`~metasched.runtime.ray_backend.actor.
 DispatcherActor`: ``accept_batch`` and a ``results`` stream per client), so a
@@ -28,11 +29,13 @@ import ray
 
 from metasched import __version__
 from metasched.errors import ConfigError
+from metasched.runtime.backend import Node
 from metasched.runtime.dispatch import Dispatcher, DispatcherConfig
 from metasched.runtime.leases.service import LEASE_SERVICE, NAMESPACE, LeaseClient
 from metasched.runtime.ray_backend.actor import YIELD_INTERVAL_S, ResultBox, dumps
-from metasched.runtime.ray_backend.cluster import DEFAULT_SUBMIT, RayBackend
+from metasched.runtime.ray_backend.cluster import DEFAULT_SUBMIT, RayBackend, cluster_view
 from metasched.runtime.requests import Request, Result, parse_request
+from metasched.runtime.shards.ring import ShardRing
 from metasched.runtime.shards.standin import StandinBackend
 
 __all__ = ["ShardActor", "journal_of"]
@@ -56,11 +59,20 @@ class ShardActor:
             nothing runs) instead of the Ray cluster's nodes.
         shared: the endpoints whose quota the lease service holds.
         lease_ttl_s: the lease service's TTL.
+        submit: how commands reach the nodes' daemons (see
+            :class:`~metasched.runtime.ray_backend.cluster.RayBackend`).
+        yield_s: a results stream yields at most this often (shorter: results sooner,
+            for about 0.4 ms of the shard's CPU per yield).
+        shards: every shard started with this one (the Ray nodes are split among them
+            by hashing; default: this one alone).
     """
 
     def __init__(self, name: str, config: DispatcherConfig, journal_dir: str | None,
                  standin: Mapping[str, Any] | None = None, shared: tuple[str, ...] = (),
-                 lease_ttl_s: float = 5.0, submit: str = DEFAULT_SUBMIT) -> None:
+                 lease_ttl_s: float = 5.0, submit: str = DEFAULT_SUBMIT,
+                 yield_s: float = YIELD_INTERVAL_S, shards: tuple[str, ...] = ()) -> None:
+        self.yield_s = yield_s
+        self.shards = tuple(shards) or (name,)
         self.name = name
         self.config = config
         self.journal_dir = journal_dir
@@ -95,12 +107,23 @@ class ShardActor:
         if self.standin is not None:
             backend: Any = StandinBackend(owner, **self.standin)
         else:
-            backend = await RayBackend.create(dispatcher=owner, workdir=cfg.workdir,
-                                              submit=self.submit_mode)
+            backend = RayBackend(await self._nodes_of(owner), None, dispatcher=owner,
+                                 workdir=cfg.workdir, submit=self.submit_mode)
         d = Dispatcher(cfg, backend=backend)
         await d.start()
         self.dispatchers[owner] = d
         return d
+
+    async def _nodes_of(self, owner: str) -> list[Node]:
+        """The Ray nodes shard ``owner`` schedules over: each node goes to the shard its
+        id hashes to among all the shards started together (so an adopter takes over
+        exactly the dead shard's nodes)."""
+        ring = ShardRing(self.shards)
+        nodes = [n for n in await cluster_view() if ring.hashed(n.name) == owner]
+        if not nodes:
+            raise ConfigError("shards", f"{owner} has no Ray node: fewer nodes than "
+                              f"shards ({len(self.shards)}); start fewer shards")
+        return nodes
 
     def _lease_client(self) -> LeaseClient:
         if self._leases is None:
@@ -184,7 +207,7 @@ class ShardActor:
     def _box(self, client: str) -> ResultBox:
         box = self._boxes.get(client)
         if box is None:
-            box = self._boxes[client] = ResultBox(YIELD_INTERVAL_S)
+            box = self._boxes[client] = ResultBox(self.yield_s)
         return box
 
     async def results(self, client: str) -> AsyncIterator[bytes]:

@@ -27,6 +27,7 @@ from metasched.errors import ConfigError
 from metasched.runtime.dispatch import DispatcherConfig
 from metasched.runtime.leases.book import PoolLimit
 from metasched.runtime.leases.service import LEASE_SERVICE, NAMESPACE, start_lease_service
+from metasched.runtime.ray_backend.actor import YIELD_INTERVAL_S
 from metasched.runtime.ray_backend.client import DispatcherHandle
 from metasched.runtime.ray_backend.commands import lost
 from metasched.runtime.requests import Request, Result
@@ -49,7 +50,7 @@ def start_shards(n: int, config: DispatcherConfig | None = None, *,
                  journal_dir: str | None = None, standin: Mapping[str, Any] | None = None,
                  pools: Mapping[str, PoolLimit] | None = None, lease_ttl_s: float = 5.0,
                  lease_file: str | None = None, prefix: str = "metasched-shard",
-                 timeout_s: float = 300.0) -> ShardRouter:
+                 yield_s: float = YIELD_INTERVAL_S, timeout_s: float = 300.0) -> ShardRouter:
     """Start the lease service (when ``pools`` name shared pools) and ``n`` shards on
     this node (where the journals are), each a named, detached actor; a router to them.
 
@@ -65,6 +66,8 @@ def start_shards(n: int, config: DispatcherConfig | None = None, *,
         lease_ttl_s: a lease's life unless renewed.
         lease_file: the lease service's file (what a restarted one reads back).
         prefix: the shards' names' prefix (``<prefix>-<i>``).
+        yield_s: how often a shard's results stream may yield (see
+            :class:`~metasched.runtime.shards.actor.ShardActor`).
 
     Raises:
         ConfigError: a shard cannot start (one line, naming the setting).
@@ -85,7 +88,8 @@ def start_shards(n: int, config: DispatcherConfig | None = None, *,
         name=name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
         num_cpus=0, max_restarts=0, max_concurrency=MAX_CONCURRENCY,
         scheduling_strategy=strategy,
-    ).remote(name, config, journal_dir, standin, tuple(pools), lease_ttl_s)
+    ).remote(name, config, journal_dir, standin, tuple(pools), lease_ttl_s,
+             yield_s=yield_s, shards=tuple(names))
         for name in names]
     infos = ray.get([a.ready.remote() for a in actors], timeout=timeout_s)
     for info in infos:
