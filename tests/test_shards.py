@@ -95,3 +95,31 @@ def test_a_quota_shared_by_two_shards_holds_in_every_window(kill):
     assert len(doc["done_per_shard"]) == 2
     if kill is not None:
         assert doc["lease_service_restart"]["back_within_s"] <= 5.0
+
+
+def test_a_shard_on_the_clusters_nodes_runs_commands_there(ray_cluster, tmp_path):
+    """Without stand-ins a shard schedules over the Ray nodes that hash to it (here the
+    one node) and runs commands there; more shards than nodes is a one-line error."""
+    from metasched.errors import ConfigError
+    from metasched.runtime.dispatch import DispatcherConfig
+    from metasched.runtime.sandbox.config import SandboxConfig
+    from metasched.runtime.shards import start_shards, stop_shards
+
+    cfg = DispatcherConfig(scheduler="elastic_greedy", sandbox=SandboxConfig(isolation="none"))
+    prefix = f"test-{uuid.uuid4().hex[:6]}"
+    router = start_shards(1, cfg, journal_dir=str(tmp_path), prefix=prefix)
+    try:
+        async def run():
+            out = await asyncio.gather(*(router.submit(
+                {"kind": "cpu", "argv": ["sh", "-c", "echo $((6*7))"], "trajectory": "t",
+                 "turn": i, "id": f"c{i}"}) for i in range(3)))
+            await router.aclose()
+            return out
+
+        results = asyncio.run(run())
+    finally:
+        stop_shards(router.names, drain=False, leases=False)
+    assert [(r.status, r.stdout.strip()) for r in results] == [("done", "42")] * 3
+    with pytest.raises(ConfigError, match="fewer nodes than shards"):
+        start_shards(2, cfg, journal_dir=str(tmp_path), prefix=f"{prefix}-two")
+    stop_shards([f"{prefix}-two-0", f"{prefix}-two-1"], drain=False, leases=False)
