@@ -16,7 +16,7 @@ run starts, ``ceil(seconds / window)``; the acceptance figure, >= 95%), and the 
 service's restart time.
 
     python benchmarks/shared_quota.py [--rpm 60] [--window-s 60] [--shards 2]
-        [--clients 4] [--seconds 170] [--kill-leases-at S] [--json]
+        [--clients 4] [--seconds 170] [--kill-leases-at S] [--lease-block 1] [--json]
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def _watch_restart(kill_at: float, out: dict) -> None:
 
 
 def measure(rpm: float, window_s: float, shards: int, clients: int, seconds: float,
-            kill_leases_at: float | None = None, cpus: int = 2) -> dict:
+            kill_leases_at: float | None = None, cpus: int = 2, lease_block: int = 1) -> dict:
     import ray
 
     from metasched.core.pools import EndpointSpec
@@ -83,7 +83,7 @@ def measure(rpm: float, window_s: float, shards: int, clients: int, seconds: flo
             RateLimitedServer(quota, window_s=window_s) as upstream:
         router = start_shards(shards, cfg, journal_dir=tmp, standin={"nodes": 1, "cores": 4},
                               pools={"search": PoolLimit.endpoint(spec)},
-                              lease_file=f"{tmp}/leases.jsonl")
+                              lease_file=f"{tmp}/leases.jsonl", lease_block=lease_block)
         # ``clients`` trajectories placed on each shard.
         names: dict[str, list[str]] = {s: [] for s in router.names}
         i = 0
@@ -135,7 +135,7 @@ def measure(rpm: float, window_s: float, shards: int, clients: int, seconds: flo
         rejected = upstream.rejected
     windows = math.ceil(seconds / window_s)
     return {"rpm": rpm, "window_s": window_s, "quota": quota, "shards": shards,
-            "clients_per_shard": clients, "seconds": seconds,
+            "clients_per_shard": clients, "seconds": seconds, "lease_block": lease_block,
             "upstream_requests": len(arrivals), "upstream_ok": ok,
             "busiest_window": max_in_window(arrivals, window_s), "upstream_429": rejected,
             "answered": dict(statuses), "done_per_shard": dict(per_shard),
@@ -152,16 +152,19 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=170.0)
     p.add_argument("--kill-leases-at", type=float, default=None, metavar="S",
                    help="SIGKILL the lease service S seconds into the run")
+    p.add_argument("--lease-block", type=int, default=1,
+                   help="leases a shard asks for in one call")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     if (not args.rpm > 0 or not args.window_s > 0 or args.shards < 1 or args.clients < 1
-            or not args.seconds > 0):
-        p.error("--rpm, --window-s, --shards, --clients, --seconds: must be > 0")
+            or not args.seconds > 0 or args.lease_block < 1):
+        p.error("--rpm, --window-s, --shards, --clients, --seconds, --lease-block: must be "
+                "> 0")
     if args.rpm * args.window_s / 60.0 < 1:
         p.error("--rpm, --window-s: the quota (rpm x window / 60) must be >= 1 request")
     print(f"started {time.strftime('%H:%M:%S')} load {os.getloadavg()}", flush=True)
     r = measure(args.rpm, args.window_s, args.shards, args.clients, args.seconds,
-                args.kill_leases_at)
+                args.kill_leases_at, lease_block=args.lease_block)
     if args.json:
         print(json.dumps(r))
         return

@@ -65,12 +65,16 @@ class ShardActor:
             for about 0.4 ms of the shard's CPU per yield).
         shards: every shard started with this one (the Ray nodes are split among them
             by hashing; default: this one alone).
+        lease_block: leases asked per call to the lease service (see
+            :class:`~metasched.runtime.leases.service.LeaseClient`).
     """
 
     def __init__(self, name: str, config: DispatcherConfig, journal_dir: str | None,
                  standin: Mapping[str, Any] | None = None, shared: tuple[str, ...] = (),
                  lease_ttl_s: float = 5.0, submit: str = DEFAULT_SUBMIT,
-                 yield_s: float = YIELD_INTERVAL_S, shards: tuple[str, ...] = ()) -> None:
+                 yield_s: float = YIELD_INTERVAL_S, shards: tuple[str, ...] = (),
+                 lease_block: int = 1) -> None:
+        self.lease_block = lease_block
         self.yield_s = yield_s
         self.shards = tuple(shards) or (name,)
         self.name = name
@@ -128,7 +132,8 @@ class ShardActor:
     def _lease_client(self) -> LeaseClient:
         if self._leases is None:
             service = ray.get_actor(LEASE_SERVICE, namespace=NAMESPACE)
-            self._leases = LeaseClient(service, self.name, self.lease_ttl_s)
+            self._leases = LeaseClient(service, self.name, self.lease_ttl_s,
+                                       self.lease_block)
         return self._leases
 
     # ---------------------------------------------------------------- calls

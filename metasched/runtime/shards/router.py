@@ -50,7 +50,8 @@ def start_shards(n: int, config: DispatcherConfig | None = None, *,
                  journal_dir: str | None = None, standin: Mapping[str, Any] | None = None,
                  pools: Mapping[str, PoolLimit] | None = None, lease_ttl_s: float = 5.0,
                  lease_file: str | None = None, prefix: str = "metasched-shard",
-                 yield_s: float = YIELD_INTERVAL_S, timeout_s: float = 300.0) -> ShardRouter:
+                 yield_s: float = YIELD_INTERVAL_S, lease_block: int = 1,
+                 timeout_s: float = 300.0) -> ShardRouter:
     """Start the lease service (when ``pools`` name shared pools) and ``n`` shards on
     this node (where the journals are), each a named, detached actor; a router to them.
 
@@ -68,6 +69,9 @@ def start_shards(n: int, config: DispatcherConfig | None = None, *,
         prefix: the shards' names' prefix (``<prefix>-<i>``).
         yield_s: how often a shard's results stream may yield (see
             :class:`~metasched.runtime.shards.actor.ShardActor`).
+        lease_block: leases a shard asks the lease service for in one call (the spare
+            ones serve its next calls; see
+            :class:`~metasched.runtime.leases.service.LeaseClient`).
 
     Raises:
         ConfigError: a shard cannot start (one line, naming the setting).
@@ -89,7 +93,7 @@ def start_shards(n: int, config: DispatcherConfig | None = None, *,
         num_cpus=0, max_restarts=0, max_concurrency=MAX_CONCURRENCY,
         scheduling_strategy=strategy,
     ).remote(name, config, journal_dir, standin, tuple(pools), lease_ttl_s,
-             yield_s=yield_s, shards=tuple(names))
+             yield_s=yield_s, shards=tuple(names), lease_block=lease_block)
         for name in names]
     infos = ray.get([a.ready.remote() for a in actors], timeout=timeout_s)
     for info in infos:
