@@ -124,3 +124,40 @@ def test_a_shard_on_the_clusters_nodes_runs_commands_there(ray_cluster, tmp_path
     with pytest.raises(ConfigError, match="fewer nodes than shards"):
         start_shards(2, cfg, journal_dir=str(tmp_path), prefix=f"{prefix}-two")
     stop_shards([f"{prefix}-two-0", f"{prefix}-two-1"], drain=False, leases=False)
+
+
+def test_the_http_front_doors_route_each_trajectory_to_its_shard(ray_cluster, tmp_path):
+    """The HTTP service in front of two shards: each action posted to ``/v1/actions``
+    runs on the shard its trajectory hashes to, and ``/v1/status`` shows both."""
+    import httpx
+
+    from metasched.runtime.dispatch import DispatcherConfig
+    from metasched.runtime.shards import ShardedDispatcher, ShardRing, start_shards, stop_shards
+    from metasched.serve import BackgroundServer, ServeConfig, create_app
+
+    prefix = f"test-{uuid.uuid4().hex[:6]}"
+    router = start_shards(2, DispatcherConfig(scheduler="elastic_greedy"),
+                          journal_dir=str(tmp_path), standin={"nodes": 1, "cores": 8},
+                          prefix=prefix)
+    names = router.names
+    trajectories = [f"sb-{i}" for i in range(12)]
+    try:
+        app = create_app(lambda: ShardedDispatcher(names), ServeConfig(languages=[]))
+        with BackgroundServer(app) as srv, httpx.Client(base_url=srv.url, timeout=60) as c:
+            got = [c.post("/v1/actions", params={"wait": 30}, json={
+                "kind": "cpu", "argv": ["true"], "trajectory": t, "max_cores": 1}).json()
+                for t in trajectories]
+            status = c.get("/v1/status").json()
+        stats = asyncio.run(_shard_stats(names))
+    finally:
+        stop_shards(names, drain=False, leases=False)
+    assert [r["status"] for r in got] == ["done"] * len(trajectories)
+    assert sorted(status["shards"]) == sorted(names)
+    expected = Counter(ShardRing(names).hashed(t) for t in trajectories)
+    assert {n: s["dispatchers"][n]["done"] for n, s in stats.items()} == dict(expected)
+
+
+async def _shard_stats(names: list[str]) -> dict:
+    from metasched.runtime.shards import ShardRouter
+
+    return await ShardRouter(names).astats()

@@ -236,6 +236,19 @@ class ShardActor:
                 "lease_waits": leases.waits if leases else 0,
                 "lease_outages": leases.outages if leases else 0}
 
+    async def status(self) -> dict[str, Any]:
+        """Its own dispatcher's status (the pools now)."""
+        d = await self._dispatcher(self.name)
+        return {**d.status(), "backend": "shards", "shard": self.name}
+
+    async def find(self, rid: str) -> tuple[str, Result | None] | None:
+        """Where request ``rid`` stands in any dispatcher it runs (None: in none)."""
+        for d in self.dispatchers.values():
+            got = d.find(rid)
+            if got is not None:
+                return got
+        return None
+
     async def close_trajectory(self, owner: str, name: str) -> None:
         """End trajectory ``name`` of shard ``owner``'s journal (this one's or one it
         adopted)."""

@@ -188,10 +188,14 @@ class ShardRouter:
         """The shard whose journal ``request`` goes to."""
         return self.ring.owner(self.key(request))
 
+    def handle_of(self, request: Request | Mapping[str, Any]) -> DispatcherHandle:
+        """The handle ``request`` is submitted through (its shard's)."""
+        return self._handle(self.owner(request))
+
     def accept(self, request: Request | Mapping[str, Any], *, call: Any = None
                ) -> asyncio.Future[Result]:
         """Accept ``request`` on its shard; the future of its result."""
-        return self._handle(self.owner(request)).accept(request, call=call)
+        return self.handle_of(request).accept(request, call=call)
 
     async def submit(self, request: Request | Mapping[str, Any], *, call: Any = None
                      ) -> Result:
