@@ -168,10 +168,9 @@ class ShardActor:
         acks: list[Result | None] = []
         journaled = False
         for i, req in enumerate(requests):
-            if self.shared:
+            if self.shared and self._on_shared_pool(req):
                 req = self._parsed(req)
-                if isinstance(req, Request) and req.kind == "api" and \
-                        req.endpoint in self.shared:
+                if isinstance(req, Request):
                     acks.append(None)
                     asyncio.ensure_future(self._leased(d, req, calls.get(i), box))
                     continue
@@ -185,6 +184,12 @@ class ShardActor:
         if journaled and d.journal is not None:
             d.flush()  # durable before acknowledged (as Dispatcher.enqueue)
         return dumps(acks)
+
+    def _on_shared_pool(self, req: Any) -> bool:
+        """Whether ``req`` is an API call on a shared pool (read before it is parsed:
+        only those are parsed here; the rest as the dispatcher parses them)."""
+        get = req.get if isinstance(req, Mapping) else lambda k: getattr(req, k, None)
+        return get("kind") == "api" and get("endpoint") in self.shared
 
     @staticmethod
     def _parsed(req: Any) -> Any:
