@@ -98,6 +98,7 @@ def test_a_quota_shared_by_two_shards_holds_in_every_window(kill, block):
         assert doc["lease_service_restart"]["back_within_s"] <= 5.0
 
 
+@pytest.mark.slow
 def test_a_shard_on_the_clusters_nodes_runs_commands_there(ray_cluster, tmp_path):
     """Without stand-ins a shard schedules over the Ray nodes that hash to it (here the
     one node) and runs commands there; more shards than nodes is a one-line error."""
