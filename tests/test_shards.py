@@ -162,3 +162,51 @@ async def _shard_stats(names: list[str]) -> dict:
     from metasched.runtime.shards import ShardRouter
 
     return await ShardRouter(names).astats()
+
+
+def test_a_router_started_after_a_shard_died_sends_its_trajectories_to_the_adopter(
+        ray_cluster, tmp_path):
+    """A shard dies (killed, no restart) with actions in its journal; a router made
+    afterwards sends that shard's trajectories to the shard that adopts its journal
+    (finished ids answered from it), and new ones to the live shard."""
+    import ray
+
+    from metasched.runtime.dispatch import DispatcherConfig
+    from metasched.runtime.leases.service import NAMESPACE
+    from metasched.runtime.shards import ShardRouter, start_shards, stop_shards
+
+    prefix = f"test-{uuid.uuid4().hex[:6]}"
+    first = start_shards(2, DispatcherConfig(scheduler="elastic_greedy"),
+                         journal_dir=str(tmp_path), standin={"nodes": 1, "cores": 8},
+                         prefix=prefix)
+    names = first.names
+    reqs = [{"kind": "cpu", "argv": ["true"], "trajectory": f"t{i}", "id": f"a{i}",
+             "max_cores": 1} for i in range(16)]
+    try:
+        async def before():
+            out = await asyncio.gather(*(first.accept(r) for r in reqs))
+            await first.aclose()
+            return out
+
+        answered = {r.id: r for r in asyncio.run(before())}
+        ray.kill(ray.get_actor(names[0], namespace=NAMESPACE), no_restart=True)
+
+        async def after():
+            router = ShardRouter(names)
+            again = await asyncio.gather(*(router.accept(r) for r in reqs))
+            fresh = await asyncio.gather(*(router.accept(
+                {**r, "id": f"b{i}", "trajectory": f"new{i}"}) for i, r in enumerate(reqs)))
+            stats = await router.astats()
+            await router.aclose()
+            return again, fresh, stats
+
+        again, fresh, stats = asyncio.run(after())
+    finally:
+        stop_shards(names, drain=False, leases=False)
+    # Answered from the dead shard's journal or the live one's: none run again.
+    assert [(r.id, r.status, r.attempts) for r in again] == \
+        [(r["id"], "done", answered[r["id"]].attempts) for r in reqs]
+    assert all(r.attempts == 1 for r in again)
+    assert [r.status for r in fresh] == ["done"] * len(reqs)
+    assert list(stats) == [names[1]]
+    assert sorted(stats[names[1]]["dispatchers"]) == sorted(names)

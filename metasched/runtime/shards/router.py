@@ -30,7 +30,7 @@ from metasched.runtime.leases.service import LEASE_SERVICE, NAMESPACE, start_lea
 from metasched.runtime.ray_backend.actor import YIELD_INTERVAL_S
 from metasched.runtime.ray_backend.client import DispatcherHandle
 from metasched.runtime.ray_backend.commands import lost
-from metasched.runtime.requests import Request, Result
+from metasched.runtime.requests import REJECTED, Request, Result
 from metasched.runtime.shards.actor import ShardActor
 from metasched.runtime.shards.ring import ShardRing
 
@@ -39,6 +39,9 @@ __all__ = ["ShardRouter", "shard_names", "start_shards", "stop_shards"]
 log = logging.getLogger("metasched.shards")
 
 MAX_CONCURRENCY = 10_000
+# How long a dead shard's journal may stay locked (its process still exiting) before
+# its unanswered requests are rejected.
+ADOPT_WAIT_S = 30.0
 
 
 def shard_names(n: int, prefix: str = "metasched-shard") -> list[str]:
@@ -146,13 +149,36 @@ class _ShardHandle(DispatcherHandle):
                 return self._send_pending()
         except ray.exceptions.RayActorError:
             pass
-        adopter = self.router.ring.leave(self.owner)
-        actor = ray.get_actor(adopter, namespace=NAMESPACE)
-        info = await actor.adopt.remote(self.owner, self.client)
-        log.warning("shard %s is gone: %s took over its journal (%d requests recovered)",
-                    self.owner, adopter, info["recovered"])
-        self.actor = actor
+        self.actor = ray.get_actor(self.router.ring.leave(self.owner), namespace=NAMESPACE)
+        await self._adopt()
         self.served_again_s = time.monotonic() - t0
+
+    def adopt_first(self) -> None:
+        """This handle's shard was gone before its first use: have the actor it holds
+        (the adopter) adopt it before anything is sent (sends wait meanwhile)."""
+        self._recovering = asyncio.get_running_loop().create_task(self._adopt())
+
+    async def _adopt(self) -> None:
+        """Have ``self.actor`` adopt this handle's dead shard, then send what is
+        unanswered. A dead shard's process may hold its journal a moment longer (an
+        actor killed by Ray exits gracefully): the adopter tries again until
+        ``ADOPT_WAIT_S`` has passed, then every unanswered request is rejected."""
+        deadline = time.monotonic() + ADOPT_WAIT_S
+        while True:
+            try:
+                info = await self.actor.adopt.remote(self.owner, self.client)
+                break
+            except ray.exceptions.RayTaskError as e:
+                if time.monotonic() > deadline:
+                    gone = f"shard {self.owner} is gone and its journal could not be " \
+                           f"adopted within {ADOPT_WAIT_S:g} s: {lost(e)}"
+                    for rid in list(self._sent):
+                        self._answer(Result(rid, REJECTED, gone))
+                    self._recovering = None
+                    return
+                await asyncio.sleep(0.2)
+        log.warning("shard %s is gone: %s took over its journal (%d requests recovered)",
+                    self.owner, info["shard"], info["recovered"])
         self._send_pending()
 
     def _send_pending(self) -> None:
@@ -173,8 +199,16 @@ class ShardRouter:
     def _handle(self, owner: str) -> _ShardHandle:
         h = self._handles.get(owner)
         if h is None:
-            actor = ray.get_actor(self.ring.serving(owner), namespace=NAMESPACE)
-            h = self._handles[owner] = _ShardHandle(actor, owner, self)
+            try:
+                actor = ray.get_actor(self.ring.serving(owner), namespace=NAMESPACE)
+            except ValueError:  # gone before this router first used it
+                actor = None
+            if actor is not None:
+                h = self._handles[owner] = _ShardHandle(actor, owner, self)
+            else:
+                adopter = ray.get_actor(self.ring.leave(owner), namespace=NAMESPACE)
+                h = self._handles[owner] = _ShardHandle(adopter, owner, self)
+                h.adopt_first()
         return h
 
     def key(self, request: Request | Mapping[str, Any]) -> str:
