@@ -1,10 +1,10 @@
 """A local HTTP server that speaks the OpenAI completions format, streamed (SSE) and
 not: **not vLLM**, no model. It answers at once with ``--chunks`` fixed chunks, so that
 what is measured through it is the HTTP path alone (the front door's overhead and its
-byte-for-byte pass-through), and it echoes the request's ``priority`` in each chunk's
-``metasched_priority`` field so a test can see the stamp arrive.
+byte-for-byte pass-through). With ``--echo-priority`` each answer carries the request's
+``priority`` in a ``metasched_priority`` field, so a test can see the stamp arrive.
 
-    python benchmarks/openai_stub.py --port 18940 [--chunks 16]
+    python benchmarks/openai_stub.py --port 18940 [--chunks 16] [--echo-priority]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 
-def make_app(chunks: int) -> Starlette:
+def make_app(chunks: int, echo_priority: bool = False) -> Starlette:
     """The stub's application (``/v1/completions``, ``/v1/chat/completions``,
     ``/health``)."""
 
@@ -28,8 +28,9 @@ def make_app(chunks: int) -> Starlette:
         chat = request.url.path.endswith("/chat/completions")
         prompt = body.get("prompt")
         n_prompt = len(prompt) if isinstance(prompt, list) else 4
-        head = {"id": "cmpl-stub", "created": 0, "model": body["model"],
-                "metasched_priority": body.get("priority")}
+        head = {"id": "cmpl-stub", "created": 0, "model": body["model"]}
+        if echo_priority:
+            head["metasched_priority"] = body.get("priority")
 
         def choice(i: int) -> dict:
             if chat:
@@ -66,8 +67,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--chunks", type=int, default=16, help="output chunks per answer")
+    ap.add_argument("--echo-priority", action="store_true",
+                    help="answer with the request's priority (metasched_priority)")
     args = ap.parse_args()
-    uvicorn.run(make_app(args.chunks), host="127.0.0.1", port=args.port, log_level="warning")
+    uvicorn.run(make_app(args.chunks, args.echo_priority), host="127.0.0.1", port=args.port,
+                log_level="warning")
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ def _predictor() -> Predictor:
 def stubs():
     """Two stub replicas (separate processes)."""
     ports = [free_port(), free_port()]
-    procs = [subprocess.Popen([sys.executable, str(STUB), "--port", str(p)],
+    procs = [subprocess.Popen([sys.executable, str(STUB), "--port", str(p), "--echo-priority"],
                               stderr=subprocess.PIPE) for p in ports]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     try:

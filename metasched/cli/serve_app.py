@@ -39,7 +39,7 @@ def serve_config(cfg: dict[str, Any], upstreams: dict[str, Any]):
     from metasched.serve.config import ServeConfig
 
     keys = ("host", "port", "token", "tokens", "max_body_mb", "header_timeout_s",
-            "body_timeout_s", "max_connections", "languages", "task", "keep_results")
+            "body_timeout_s", "max_connections", "languages", "task", "keep_results", "generation")
     return ServeConfig(upstreams=upstreams, **{k: cfg[k] for k in keys if cfg.get(k) is not None})
 
 

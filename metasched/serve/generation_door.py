@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 
 from metasched.core.predictor import group_of
+from metasched.runtime.api_http import make_client
 from metasched.serve.config import GenerationReplicas
 
 __all__ = ["GenerationDoor", "Generation", "count_tokens"]
@@ -111,9 +112,8 @@ class GenerationDoor:
     def __init__(self, config: GenerationReplicas, dispatcher: Any) -> None:
         self.config = config
         self._dispatcher = dispatcher
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(config.timeout_s, connect=10.0),
-                                      limits=httpx.Limits(max_connections=None,
-                                                          max_keepalive_connections=256))
+        self.http = make_client(max_keepalive=256)  # the API calls' pooled client
+        self._timeout = httpx.Timeout(config.timeout_s, connect=10.0)
         self.in_flight = [0] * len(config.replicas)
         self._affinity: OrderedDict[str, int] = OrderedDict()
 
@@ -177,7 +177,7 @@ class GenerationDoor:
         fwd["accept-encoding"] = "identity"  # the bytes relayed are the bytes counted
         req = self.http.build_request(
             "POST", self.config.replicas[gen.replica] + path, headers=fwd,
-            content=json.dumps(body, separators=(",", ":")).encode())
+            content=json.dumps(body, separators=(",", ":")).encode(), timeout=self._timeout)
         self.in_flight[gen.replica] += 1
         try:
             return await self.http.send(req, stream=True)
@@ -185,27 +185,36 @@ class GenerationDoor:
             self.in_flight[gen.replica] -= 1
             raise
 
-    async def relay(self, resp: httpx.Response, gen: Generation, *, stream: bool
-                    ) -> AsyncIterator[bytes]:
-        """The replica's body, byte for byte; counts the output as it passes and, at the
-        end, writes the trace's line (a request the client left is not recorded)."""
+    async def relay(self, resp: httpx.Response, gen: Generation) -> AsyncIterator[bytes]:
+        """A streamed answer's body, byte for byte as it comes; counts the output as it
+        passes and, at the end, writes the trace's line (not if the client left)."""
         tail = b""
         done = False
         try:
             async for chunk in resp.aiter_raw():
-                if stream:
-                    tail = self._count_sse(tail + chunk, gen)
-                else:
-                    tail += chunk
+                tail = self._count_sse(tail + chunk, gen)
                 yield chunk
             done = True
         finally:
-            self.in_flight[gen.replica] -= 1
-            await resp.aclose()
-            if done and resp.status_code == 200:
-                if not stream:
-                    self._count_json(tail, gen)
-                self._record(gen)
+            await self._closed(resp, gen)
+        if done and resp.status_code == 200:
+            self._record(gen)
+
+    async def read(self, resp: httpx.Response, gen: Generation) -> bytes:
+        """A whole (not streamed) answer's body, as sent; its ``usage`` counted and the
+        trace's line written."""
+        try:
+            body = b"".join([chunk async for chunk in resp.aiter_raw()])
+        finally:
+            await self._closed(resp, gen)
+        if resp.status_code == 200:
+            self._count_json(body, gen)
+            self._record(gen)
+        return body
+
+    async def _closed(self, resp: httpx.Response, gen: Generation) -> None:
+        self.in_flight[gen.replica] -= 1
+        await resp.aclose()
 
     def _count_sse(self, buf: bytes, gen: Generation) -> bytes:
         """Count the complete events in ``buf``; return what is left (a partial one)."""

@@ -23,6 +23,7 @@ from metasched.errors import ConfigError, validation_error
 from metasched.serve.context import context_from
 from metasched.serve.generation_door import Generation, GenerationDoor, count_tokens
 from metasched.serve.native import error, read_json
+from metasched.serve.security import CLIENT
 from metasched.serve.service import Service
 
 __all__ = ["ChatCompletionRequest", "CompletionRequest", "openai_router"]
@@ -74,6 +75,10 @@ def openai_router(service: Service) -> APIRouter:
         except ConfigError as e:
             return error(422, str(e))
         trajectory = ctx.get("trajectory")
+        try:
+            service.owners.claim(trajectory, request.scope.get(CLIENT))
+        except ConfigError as e:
+            return error(403, str(e))
         priority = door.priority_for(trajectory, ctx.get("task", service.config.task),
                                      ctx.get("prompt"))
         if priority is not None:
@@ -87,8 +92,11 @@ def openai_router(service: Service) -> APIRouter:
             return error(502, f"generation: replica {door.config.replicas[gen.replica]} "
                               f"unreachable ({type(e).__name__})")
         headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP}
-        return StreamingResponse(door.relay(resp, gen, stream=req.stream),
-                                 status_code=resp.status_code, headers=headers)
+        if req.stream:
+            return StreamingResponse(door.relay(resp, gen), status_code=resp.status_code,
+                                     headers=headers)
+        return Response(await door.read(resp, gen), status_code=resp.status_code,
+                        headers=headers)
 
     @router.post("/v1/chat/completions", openapi_extra={"requestBody": {
         "content": {"application/json": {"schema": ChatCompletionRequest.model_json_schema()}}}})
