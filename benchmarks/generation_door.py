@@ -18,6 +18,7 @@ p50 overhead, and how many of the door's answers were byte for byte the direct o
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import subprocess
 import sys
@@ -71,6 +72,58 @@ def start_stub(chunks: int) -> tuple[subprocess.Popen, str]:
         time.sleep(0.1)
 
 
+def side_by_side(http: httpx.Client, replica: str, door: str, model: str, max_tokens: int,
+                 stream: bool, calls: int, warmup: int) -> tuple[list[float], list[float], int]:
+    """``calls`` requests each way (after ``warmup``), alternated: the times (ms) direct
+    and through the door, and how many answers were the same bytes both ways."""
+    times: dict[str, list[float]] = {replica: [], door: []}
+    same = 0
+    for i in range(warmup + calls):
+        body = {"model": model, "prompt": [1, 2, 3, i % 997], "max_tokens": max_tokens,
+                "stream": stream}
+        hdr = {"X-Trajectory-Id": f"bench-{i % 16}", "X-Task": "long"}
+        got = []
+        for base in (replica, door):
+            t0 = time.perf_counter()
+            r = http.post(base + "/v1/completions", json=body, headers=hdr)
+            dt = time.perf_counter() - t0
+            if r.status_code != 200:
+                raise SystemExit(f"error: {base}: {r.status_code} {r.text[:200]}")
+            got.append(r.content)
+            if i >= warmup:
+                times[base].append(dt * 1e3)
+        same += i >= warmup and got[0] == got[1]
+    return times[replica], times[door], same
+
+
+async def contention(door: str, model: str, low: int, out_tokens: int = 150
+                     ) -> tuple[list[float], list[float]]:
+    """``low`` one-turn ``short`` trajectories (``out_tokens`` each) sent through the
+    door at once, then, 0.3 s later, a ``long`` trajectory's three turns (20 tokens,
+    one after another): when each finished (s from the first submission)."""
+    t0 = time.perf_counter()
+
+    async def turn(http: httpx.AsyncClient, traj: str, task: str, i: int, n: int) -> float:
+        body = {"model": model, "prompt": [7, 8, 9, i + 10], "max_tokens": n,
+                "ignore_eos": True, "stream": True}
+        async with http.stream("POST", "/v1/completions", json=body, headers={
+                "X-Trajectory-Id": traj, "X-Task": task, "X-Turn": str(i)}) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"{r.status_code}: {(await r.aread())[:200]!r}")
+            async for _ in r.aiter_raw():
+                pass
+        return time.perf_counter() - t0
+
+    async def high(http: httpx.AsyncClient) -> list[float]:
+        await asyncio.sleep(0.3)
+        return [await turn(http, "hi", "long", i, 20) for i in range(3)]
+
+    async with httpx.AsyncClient(base_url=door, timeout=600) as http:
+        *lows, hi = await asyncio.gather(
+            *[turn(http, f"lo{k}", "short", 0, out_tokens) for k in range(low)], high(http))
+    return lows, hi
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=400, help="calls per path and mode")
@@ -90,26 +143,13 @@ def main() -> None:
     try:
         with BackgroundServer(app) as srv, httpx.Client(timeout=120) as http:
             for stream in (True, False):
-                times: dict[str, list[float]] = {"direct": [], "door": []}
-                same = 0
-                for i in range(args.warmup + args.calls):
-                    body = {"model": args.model, "prompt": [1, 2, 3, i % 997],
-                            "max_tokens": args.max_tokens, "stream": stream}
-                    hdr = {"X-Trajectory-Id": f"bench-{i % 16}", "X-Task": "long"}
-                    got = {}
-                    for path, base in (("direct", replica), ("door", srv.url)):
-                        t0 = time.perf_counter()
-                        r = http.post(base + "/v1/completions", json=body, headers=hdr)
-                        got[path] = r.content
-                        dt = time.perf_counter() - t0
-                        assert r.status_code == 200, r.text
-                        if i >= args.warmup:
-                            times[path].append(dt * 1e3)
-                    same += i >= args.warmup and got["direct"] == got["door"]
-                d50, p50 = percentile(times["direct"], 0.5), percentile(times["door"], 0.5)
+                direct, door, same = side_by_side(http, replica, srv.url, args.model,
+                                                  args.max_tokens, stream, args.calls,
+                                                  args.warmup)
+                d50, p50 = percentile(direct, 0.5), percentile(door, 0.5)
                 print(f"{'streamed' if stream else 'not streamed'}: direct p50 {d50:.2f} "
-                      f"p99 {percentile(times['direct'], 0.99):.2f} ms; door p50 {p50:.2f} "
-                      f"p99 {percentile(times['door'], 0.99):.2f} ms; overhead p50 "
+                      f"p99 {percentile(direct, 0.99):.2f} ms; door p50 {p50:.2f} "
+                      f"p99 {percentile(door, 0.99):.2f} ms; overhead p50 "
                       f"{p50 - d50:.2f} ms; identical bytes {same}/{args.calls}")
     finally:
         if proc is not None:
