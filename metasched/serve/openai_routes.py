@@ -23,6 +23,7 @@ from metasched.errors import ConfigError, validation_error
 from metasched.serve.context import context_from
 from metasched.serve.generation_door import Generation, GenerationDoor, count_tokens
 from metasched.serve.native import error, read_json
+from metasched.serve.openapi import GATED, TRAJECTORY_HEADERS, responses
 from metasched.serve.security import CLIENT
 from metasched.serve.service import Service
 
@@ -98,13 +99,24 @@ def openai_router(service: Service) -> APIRouter:
         return Response(await door.read(resp, gen), status_code=resp.status_code,
                         headers=headers)
 
-    @router.post("/v1/chat/completions", openapi_extra={"requestBody": {
-        "content": {"application/json": {"schema": ChatCompletionRequest.model_json_schema()}}}})
+    def route(contract: type[_OpenAIRequest], what: str) -> dict[str, Any]:
+        return {"summary": f"{what}, forwarded to a vLLM or SGLang replica",
+                "description": "The OpenAI-compatible front door: the request goes to the "
+                "`generation` setting's replicas (a trajectory's to the one its first went "
+                "to), its `priority` stamped from the dispatcher's remaining-work "
+                "predictor; the replica's answer, streamed (server-sent events) or not, "
+                "comes back byte for byte, with its status.",
+                "responses": {**responses(*GATED, 403, 404, 422, 502),
+                              200: {"description": "the replica's answer, as it sent it"}},
+                "openapi_extra": {"parameters": TRAJECTORY_HEADERS, "requestBody": {
+                    "required": True, "content": {"application/json": {
+                        "schema": contract.model_json_schema()}}}}}
+
+    @router.post("/v1/chat/completions", **route(ChatCompletionRequest, "Chat completion"))
     async def chat_completions(request: Request) -> Response:
         return await forward(request, "/v1/chat/completions", ChatCompletionRequest)
 
-    @router.post("/v1/completions", openapi_extra={"requestBody": {
-        "content": {"application/json": {"schema": CompletionRequest.model_json_schema()}}}})
+    @router.post("/v1/completions", **route(CompletionRequest, "Completion"))
     async def completions(request: Request) -> Response:
         return await forward(request, "/v1/completions", CompletionRequest)
 
