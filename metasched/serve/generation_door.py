@@ -138,11 +138,12 @@ class GenerationDoor:
                 self._affinity.popitem(last=False)
         return i
 
-    def priority_for(self, trajectory: str | None, task: str, prompt: str | None
+    def priority_for(self, trajectory: str | None, task: str, turn: int | None = None
                      ) -> int | None:
         """The priority to stamp (None: ``fifo``, or no predictor to ask): minus the
         predicted remaining seconds (``least_slack``: plus the time since the
-        trajectory opened), in milliseconds."""
+        trajectory opened), in milliseconds. A trajectory the dispatcher has not seen
+        act gets its task's estimate at ``turn`` (``X-Turn``)."""
         if self.config.order == "fifo" or trajectory is None:
             return None
         d = self._dispatcher()
@@ -152,10 +153,10 @@ class GenerationDoor:
             return None
         trajs = getattr(d, "trajectories", None)
         traj = trajs.get(trajectory) if trajs is not None else None
-        if traj is None:  # its first turn: nothing run yet, the task's estimate
+        if traj is None:  # nothing run yet: the task's estimate at its turn
             if task not in p.static:
                 return None
-            remaining, since = p.static_remaining(task, 0), 0.0
+            remaining, since = p.static_remaining(task, turn or 0), 0.0
         else:
             remaining = p.remaining(traj.id, traj.task, group_of(traj)).p50
             since = max(0.0, state.t - traj.start_t) if traj.start_t is not None else 0.0

@@ -81,7 +81,7 @@ def openai_router(service: Service) -> APIRouter:
         except ConfigError as e:
             return error(403, str(e))
         priority = door.priority_for(trajectory, ctx.get("task", service.config.task),
-                                     ctx.get("prompt"))
+                                     ctx.get("turn"))
         if priority is not None:
             body["priority"] = priority
         gen = Generation(trajectory, ctx.get("turn"), door.replica_for(trajectory),
