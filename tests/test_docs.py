@@ -115,3 +115,14 @@ def test_the_route_table_holds_every_route_of_the_app() -> None:
     assert mounts and all(f"{m}/…" in found for m in mounts)
     assert {"/e2b/sandboxes", "/e2b/files", "/e2b/health"} <= found
     assert all(r.summary for r in routes(app))
+
+
+REPEATED = re.compile(r"(\b[A-Z][^.:!?`]{20,}[.:!?]) \1")
+
+
+@pytest.mark.parametrize("page", sorted(p.relative_to(ROOT).as_posix() for p in
+                                        [ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]))
+def test_no_sentence_is_said_twice_in_a_row(page: str) -> None:
+    text = " ".join((ROOT / page).read_text().split())
+    m = REPEATED.search(text)
+    assert m is None, f"{page} repeats {m[1]!r}"
