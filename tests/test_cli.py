@@ -150,7 +150,7 @@ def test_plan_finds_a_cluster_no_larger_than_full(tmp_path):
     cfg = compose("plan", [*PLAN, "scheduler=elastic_greedy"])
     doc = run_plan(cfg, tmp_path, progress=False)
     saved = json.loads((tmp_path / "plan.json").read_text())
-    assert list(saved["schedulers"]) == ["elastic_greedy"]
+    assert list(saved["schedulers"]) == ["elastic_greedy"] and saved["complete"] is True
     plan = doc["schedulers"]["elastic_greedy"]
     assert saved["schedulers"]["elastic_greedy"]["scale"] == plan["scale"]
     assert 0 < plan["scale"] <= 1
@@ -175,6 +175,37 @@ def test_plan_every_scheduler_learned_included_in_one_table(tmp_path):
         scale = plan["scale"]
         assert (f"| {scale:.3f} |" if scale is not None else "| misses at full size |") in row
     assert doc["schedulers"]["checkpoints/default"]["scale"] is not None
+
+
+@pytest.mark.subprocess
+def test_plan_keeps_each_finished_plan_through_ctrl_c(tmp_path):
+    """plan.json is rewritten whole as each plan finishes: a SIGINT mid-run (Ctrl-C)
+    leaves every finished plan in it, marked incomplete, and says so in one line."""
+    import signal
+    import time
+
+    exe = Path(sys.executable).parent / "metasched-plan"
+    p = subprocess.Popen([str(exe), *PLAN, "schedulers=[fifo,elastic_greedy,sjf,rate_greedy]",
+                          "target_step_s=200", f"hydra.run.dir={tmp_path}"], cwd="/tmp",
+                         text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    saved = tmp_path / "plan.json"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not saved.exists() and p.poll() is None:
+            time.sleep(0.05)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 130, err
+    doc = json.loads(saved.read_text())
+    kept = list(doc["schedulers"])
+    assert doc["complete"] is False and kept and kept == ["fifo", "elastic_greedy", "sjf",
+                                                          "rate_greedy"][:len(kept)]
+    assert doc["schedulers"]["fifo"]["trials"]
+    assert "[1/" in out and "plans finished, kept in" in err and "Traceback" not in err
+    assert err.strip().endswith("interrupted (SIGINT)")
+    assert not list(tmp_path.glob(".plan.json.*"))  # no half-written file left
 
 
 @pytest.mark.parametrize("tolerance, meets", [(0.0, False), (0.01, True)])
