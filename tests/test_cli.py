@@ -46,6 +46,31 @@ def test_eval_outputs(tmp_path):
     assert doc["schedulers"]["elastic_greedy"]["idle_held_resource_s"]["cpu"] == 0
 
 
+def test_eval_says_under_each_table_what_every_column_means(tmp_path):
+    """A line under each table names each of its columns (``failed``, ``guard`` ...), says
+    why ``failed`` is what it is where every scheduler has the same, and introduces
+    ``static`` as today's practice."""
+    run_eval(eval_cfg("+workload.max_offpolicyness=1"), tmp_path, progress=False)
+    lines = (tmp_path / "results.md").read_text().splitlines()
+    heads = [i for i, ln in enumerate(lines) if ln.startswith("| scheduler |")]
+    assert len(heads) >= 3  # results, asynchronous rollouts, paired
+    notes = []
+    for i in heads:
+        end = next(j for j in range(i, len(lines)) if not lines[j].startswith("|"))
+        note = lines[end + 1]
+        notes.append(note)
+        assert lines[end] == "" and note.startswith("Columns: "), lines[i]
+        for col in lines[i].strip("| ").split(" | ")[1:]:
+            name = re.sub(r" \(.*\)$", "", col)
+            name = {"p50": "p50/p95/p99", "p95": "p50/p95/p99", "p99": "p50/p95/p99",
+                    "util cpu/gpu/api": "util", "trajectories/h ÷ ref": "÷ ref",
+                    "latency ÷ ref": "÷ ref", "mean ACT ÷ ref": "÷ ref",
+                    "mean step ÷ ref": "÷ ref", "mean ACT − ref s": "− ref",
+                    "mean step − ref s": "− ref"}.get(name, name)
+            assert f"{name}:" in note, f"{name} is not explained under its table"
+    assert "`static` is today's practice" in notes[0]
+
+
 def test_eval_reports_paired_comparison_against_the_best_heuristic(tmp_path):
     doc = run_eval(eval_cfg("workload=rm_math", "plots=false",
                             "schedulers=[static,fifo,elastic_greedy,checkpoints/default]"),
