@@ -716,6 +716,34 @@ def test_plots_draw_identical_series_once_labelled_with_every_name(tmp_path):
         "act_cdf.png", "utilisation.png", "step_time.png"]
 
 
+def test_utilisation_legend_is_beside_the_data_and_coinciding_lines_stay_visible():
+    """utilisation.png: each pool's legend lies right of its axes (never over the data),
+    and its schedulers' lines are drawn widest first, so lines that coincide (every
+    scheduler at full use) each show as a stripe of its own colour."""
+    import matplotlib.pyplot as plt
+
+    from metasched.cli.eval_app import eval_settings
+    from metasched.compose import load_profile
+    from metasched.evaluation.report import plot_figures
+    from metasched.evaluation.runs import evaluate
+
+    cfg = eval_cfg("schedulers=[static,fifo,elastic_greedy]")
+    w, c = load_profile(cfg)
+    s = eval_settings(cfg)
+    doc, runs = evaluate(w, c, s["schedulers"], s["seeds"], params=s["params"], workers=1,
+                         timeline_dt=s["timeline_dt"], max_wait_s=s["max_wait_s"],
+                         paths=s["paths"], progress=False)
+    fig = plot_figures(doc, runs)["utilisation"]
+    fig.canvas.draw()
+    for ax in fig.axes:
+        legend = ax.get_legend().get_window_extent()
+        assert legend.x0 >= ax.get_window_extent().x1, "the legend overlaps the axes"
+        solid = [ln.get_linewidth() for ln in ax.get_lines() if ln.get_linestyle() == "-"]
+        assert len(solid) >= 2 and solid == sorted(solid, reverse=True)
+        assert len(set(solid)) == len(solid)
+    plt.close("all")
+
+
 SCRIPTS = sorted(__import__("tomllib").loads(
     (Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["scripts"])
 

@@ -191,23 +191,27 @@ def plot_figures(doc: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, A
     figs["act_cdf"] = fig
 
     pools = [p for p in ("cpu", "gpu", "api") if any(by[n][0]["timeline"][p] for n in names)]
-    fig, axes = plt.subplots(len(pools) or 1, 1, figsize=(8, 2.6 * max(1, len(pools))),
+    fig, axes = plt.subplots(len(pools) or 1, 1, figsize=(10, 3.0 * max(1, len(pools))),
                              squeeze=False)
     for ax, pool in zip(axes[:, 0], pools, strict=False):
         tls = {n: by[n][0]["timeline"] for n in names}
         series = {n: (tls[n]["t"], tls[n][pool], tls[n].get(f"{pool}_held") or [])
                   for n in names}
-        for group in tied_groups(series):
+        groups = [g for g in tied_groups(series) if tls[g[0]][pool]]
+        for i, group in enumerate(groups):
             tl = tls[group[0]]
-            if tl[pool]:
-                (line,) = ax.plot(tl["t"], tl[pool], label=tie_label(group), lw=1)
-                held = tl.get(f"{pool}_held")
-                if held and any(h > b + 1e-9 for h, b in zip(held, tl[pool], strict=True)):
-                    ax.plot(tl["t"], held, ls="--", lw=1, color=line.get_color())
+            # Widest first, each drawn over the last: where lines coincide (every
+            # scheduler at full use) each still shows as a stripe of its own colour.
+            lw = _stripe_width(i, len(groups))
+            (line,) = ax.plot(tl["t"], tl[pool], label=tie_label(group), lw=lw)
+            held = tl.get(f"{pool}_held")
+            if held and any(h > b + 1e-9 for h, b in zip(held, tl[pool], strict=True)):
+                ax.plot(tl["t"], held, ls="--", lw=lw, color=line.get_color())
         ax.set_ylabel(f"{pool} utilisation")
-        ax.set_ylim(0, 1.05)
+        ax.set_ylim(0, 1.08)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, ncol=3)
+        # Beside the axes, never over the data.
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     axes[-1, 0].set_xlabel(f"time (s), seed {doc['seeds'][0]}")
     axes[0, 0].set_title(f"Utilisation over time — {doc['workload']} "
                          "(dashed: busy or held for a trajectory/task)")
@@ -223,6 +227,12 @@ def plot_figures(doc: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, A
     ax.grid(alpha=0.3, axis="y")
     figs["step_time"] = fig
     return figs
+
+
+def _stripe_width(i: int, n: int, thin: float = 0.9, wide: float = 3.2) -> float:
+    """The line width of the ``i``-th of ``n`` lines drawn in order: from ``wide`` down
+    to ``thin``."""
+    return thin if n == 1 else wide - (wide - thin) * i / (n - 1)
 
 
 def _save(fig, path: Path) -> Path:
