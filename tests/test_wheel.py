@@ -212,3 +212,10 @@ def test_every_package_under_metasched_is_declared():
     found = {".".join(p.parent.relative_to(ROOT).parts)
              for p in (ROOT / "metasched").rglob("__init__.py")}
     assert found - declared == set(), "add these to [tool.setuptools] packages"
+    # Each folder of package data too (setuptools takes data only from a declared
+    # package's own folder): a new config group's folder must be named there.
+    data = {".".join(("metasched", *d.relative_to(ROOT).parts))
+            for top in ("configs", "checkpoints") for d in (ROOT / top).rglob("*")
+            if d.is_dir() and any(f.is_file() for f in d.iterdir())
+            and d.name != "__pycache__"}
+    assert data - declared == set(), "add these to [tool.setuptools] packages"
