@@ -216,6 +216,16 @@ class ServeConfig(Checked):
                               f"address may go without")
         return self
 
+    @model_validator(mode="after")
+    def _languages(self) -> ServeConfig:
+        from metasched.serve.languages import LANGUAGES
+
+        for name in self.languages or ():  # known before anything listens
+            if name not in LANGUAGES:
+                raise ConfigError("languages", f"unknown language {name!r} (known: "
+                                  f"{', '.join(LANGUAGES)})")
+        return self
+
     @property
     def clients(self) -> dict[str, str]:
         """Token -> client name, for every configured token (empty: authentication

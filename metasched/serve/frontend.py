@@ -47,6 +47,17 @@ class DispatcherLike(Protocol):
     def close_trajectory(self, name: str) -> None: ...
 
 
+@runtime_checkable
+class RecoversLater(Protocol):
+    """A dispatcher that starts without its journal's unfinished requests
+    (``start(recover=False)``) and takes them up when told (``recover()``): the service
+    probes its languages first, so that its start does not wait behind them."""
+
+    async def start(self, *, recover: bool = True) -> None: ...
+
+    def recover(self) -> None: ...
+
+
 class Submissions:
     """The requests accepted through the service: the futures of those in flight, and the
     last ``keep`` results (older ones are asked of the dispatcher, whose journal keeps

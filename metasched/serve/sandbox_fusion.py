@@ -429,6 +429,7 @@ def run_code_router(service: Service) -> APIRouter:
             service.owners.claim(given.get("trajectory"), request.scope.get(CLIENT))
         except ConfigError as e:
             return error(403, str(e))
+        await service.probed()  # the languages offered are known from then on
         ids: list[str] = []
         try:
             resp = await unless_disconnected(

@@ -188,8 +188,9 @@ class Dispatcher:
     async def __aexit__(self, exc_type, exc, tb) -> None:
         await self.close(drain=exc_type is None)
 
-    async def start(self) -> None:
-        """Load the scheduler, set up sandboxes, recover the journal, start sampling.
+    async def start(self, *, recover: bool = True) -> None:
+        """Load the scheduler, set up sandboxes, recover the journal (unless
+        ``recover`` is false: then :meth:`recover` does, later), start sampling.
         A start that fails or is interrupted (cancelled, Ctrl-C) closes what it had
         opened, the journal's lock included, before the error goes on.
 
@@ -198,12 +199,25 @@ class Dispatcher:
                 what is missing).
         """
         try:
-            await self._start_up()
+            await self._start_up(recover)
         except BaseException:
             await self.close(drain=False)
             raise
 
-    async def _start_up(self) -> None:
+    def recover(self) -> None:
+        """Take up what a previous dispatcher on this journal left unfinished (see
+        :meth:`Admission.recover`): after ``start(recover=False)``, once the caller is
+        ready (a service that has probed its languages, so that its own start does
+        not wait behind recovered work). Ids accepted since stay with their jobs."""
+        if self.journal is None:
+            return
+        try:
+            self.admission.recover()
+        except sqlite3.DatabaseError as e:
+            self._unreadable(e)
+        self._kick()
+
+    async def _start_up(self, recover: bool) -> None:
         self._loop = asyncio.get_running_loop()
         self.scheduler = load_scheduler(self, self._scheduler_given)
         endpoints = self.state.api.endpoints.values()
@@ -221,11 +235,8 @@ class Dispatcher:
                 self._unreadable(e)
         # Each node's commands are confined there (this machine's here).
         self.sandboxes = await self.backend.start_sandboxes(self.config.sandbox, self._hidden())
-        if self.journal is not None:
-            try:
-                self.admission.recover()
-            except sqlite3.DatabaseError as e:
-                self._unreadable(e)
+        if recover:
+            self.recover()
         self._ticker = asyncio.create_task(self._tick())
         self.sharing.start()
         self._kick()

@@ -96,7 +96,10 @@ class Sandbox:
             "turn": self.turn, "task": f"e2b:{self.template}", "name": name,
             "timeout_s": min(timeout_s, self.service.limits.max_timeout_s),
             "min_cores": self.cores, "max_cores": self.cores,
-            "id": uuid.uuid4().hex}
+            "id": uuid.uuid4().hex,
+            # The sandbox lives in the service's memory: one that did not survive a
+            # crash is gone with its commands, none of which runs again.
+            "on_restart": "cancel"}
         if env:
             req["env"] = dict(env)
         if self.memory_mb is not None:

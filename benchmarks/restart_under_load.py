@@ -1,0 +1,211 @@
+"""kill -9 of ``metasched-serve`` under load, and its restart on the same journal.
+
+``--scenario run_code`` (each round): ``metasched-serve`` starts with a fresh journal;
+once ``/v1/health`` says ok, ``--requests`` (60) ``/run_code`` calls are sent at once,
+each a Python program that sleeps 3 s; ``--kill-after-s`` (2 s) later the service gets
+SIGKILL, and a new one starts on the same journal. A round passes when the new one
+answers ``GET /v1/ping`` within 10 s of its start, runs a new ``/run_code`` request, and
+leaves no journal row queued or running 30 s after its start.
+
+``--scenario e2b``: the ``e2b`` SDK creates 3 sandboxes and starts in each a background
+command (``sleep 120``, ``timeout=0``) that appends a line to a file of this host's per
+start; SIGKILL once all three have started, a restart on the journal, 20 s of waiting:
+the round passes when no command started again (the files still hold one line each)
+and ``GET /e2b/sandboxes`` lists none.
+
+    python benchmarks/restart_under_load.py [--isolation bwrap|gvisor] [--rounds 20]
+        [--scenario run_code|e2b] [--requests 60] [--kill-after-s 2] [--json]
+        [-- extra settings ...]
+
+Printed: each round's figures (time to the first ping, to the new request's answer, to
+the last unfinished row finished; the rows left), and how many rounds passed, with the
+load average at the start and the end (the machine's load moves the start-up time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+SERVE = str(Path(sys.executable).with_name("metasched-serve"))
+PING_S, SETTLE_S = 10.0, 30.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _unfinished(db: Path) -> int:
+    with sqlite3.connect(db) as con:
+        return con.execute("SELECT count(*) FROM requests WHERE state != 'finished'"
+                           ).fetchone()[0]
+
+
+class Service:
+    """One ``metasched-serve`` process on ``port`` with ``journal``, logging to ``log``."""
+
+    def __init__(self, port: int, db: Path, isolation: str, extra: list[str], log: Path,
+                 env: dict[str, str] | None = None) -> None:
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen(
+            [SERVE, f"port={port}", f"journal={db}", f"sandbox.isolation={isolation}",
+             f"hydra.run.dir={db.parent / 'hydra'}", *extra],
+            stdout=log.open("a"), stderr=subprocess.STDOUT, env=env)
+        self.url = f"http://127.0.0.1:{port}"
+
+    async def wait(self, c: httpx.AsyncClient, path: str, limit_s: float) -> float | None:
+        """Seconds from the start until ``path`` answers 200 (None: not within limit)."""
+        while time.monotonic() - self.t0 < limit_s and self.proc.poll() is None:
+            try:
+                if (await c.get(self.url + path, timeout=1)).status_code == 200:
+                    return time.monotonic() - self.t0
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.1)
+        return None
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+async def run_code_round(args: argparse.Namespace, work: Path) -> dict:
+    db, port, log = work / "journal.db", _free_port(), work / "serve.log"
+    body = {"code": "import time; time.sleep(3); print('ok')", "language": "python"}
+    out: dict = {}
+    first = Service(port, db, args.isolation, args.extra, log)
+    try:
+        async with httpx.AsyncClient(timeout=120) as c:
+            if await first.wait(c, "/v1/health", 180) is None:
+                raise RuntimeError(f"the first service did not start: see {log}")
+            calls = [asyncio.ensure_future(c.post(first.url + "/run_code", json=body))
+                     for _ in range(args.requests)]
+            await asyncio.sleep(args.kill_after_s)
+            first.kill()
+            await asyncio.gather(*calls, return_exceptions=True)
+            out["left_by_kill"] = _unfinished(db)
+            second = Service(port, db, args.isolation, args.extra, log)
+            try:
+                out["ping_s"] = await second.wait(c, "/v1/ping", 60)
+                r = await c.post(second.url + "/run_code",
+                                 json={"code": "print('new')", "language": "python"})
+                out["new_ok"] = r.status_code == 200 and r.json().get("status") == "Success"
+                out["new_s"] = time.monotonic() - second.t0
+                while _unfinished(db) and time.monotonic() - second.t0 < SETTLE_S:
+                    await asyncio.sleep(0.2)
+                out["unfinished_at_30s"] = _unfinished(db)
+                out["settled_s"] = time.monotonic() - second.t0
+            finally:
+                second.stop()
+    finally:
+        first.kill()
+    out["passed"] = bool(out.get("ping_s") is not None and out["ping_s"] <= PING_S
+                         and out.get("new_ok") and out.get("unfinished_at_30s") == 0)
+    return out
+
+
+async def e2b_round(args: argparse.Namespace, work: Path) -> dict:
+    import e2b
+
+    db, port, log = work / "journal.db", _free_port(), work / "serve.log"
+    marks = work / "marks"
+    marks.mkdir(mode=0o777)
+    first = Service(port, db, args.isolation,
+                    [*args.extra, f"sandbox.system_paths=[{marks}]"], log)
+    out: dict = {}
+    try:
+        async with httpx.AsyncClient(timeout=60) as c:
+            if await first.wait(c, "/v1/health", 180) is None:
+                raise RuntimeError(f"the first service did not start: see {log}")
+            opts = {"api_url": first.url + "/e2b", "sandbox_url": first.url + "/e2b",
+                    "api_key": "unused"}
+            files = []
+            for i in range(3):
+                sb = await e2b.AsyncSandbox.create(**opts)
+                f = marks / f"m{i}"
+                f.touch()
+                f.chmod(0o666)
+                await sb.commands.run(f"echo started >> {f}; sleep 120", background=True,
+                                      timeout=0)
+                files.append(f)
+            t = time.monotonic()
+            while any(not f.read_text() for f in files) and time.monotonic() - t < 60:
+                await asyncio.sleep(0.1)
+            first.kill()
+            second = Service(port, db, args.isolation,
+                             [*args.extra, f"sandbox.system_paths=[{marks}]"], log)
+            try:
+                out["ping_s"] = await second.wait(c, "/v1/ping", 60)
+                await second.wait(c, "/v1/health", 120)
+                await asyncio.sleep(20)
+                out["starts"] = [f.read_text().count("started") for f in files]
+                r = await c.get(second.url + "/e2b/sandboxes")
+                out["listed"] = len(r.json()) if r.status_code == 200 else r.status_code
+                out["unfinished"] = _unfinished(db)
+            finally:
+                second.stop()
+    finally:
+        first.kill()
+    out["passed"] = out.get("starts") == [1, 1, 1] and out.get("listed") == 0
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--isolation", default="bwrap", choices=["bwrap", "gvisor"])
+    p.add_argument("--scenario", default="run_code", choices=["run_code", "e2b"])
+    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--requests", type=int, default=60)
+    p.add_argument("--kill-after-s", type=float, default=2.0)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("extra", nargs="*", help="settings passed to metasched-serve")
+    args = p.parse_args()
+    load0 = os.getloadavg()[0]
+    rounds = []
+    for i in range(args.rounds):
+        with tempfile.TemporaryDirectory(prefix="restart-") as tmp:
+            one = e2b_round if args.scenario == "e2b" else run_code_round
+            r = asyncio.run(one(args, Path(tmp)))
+        r["load"] = round(os.getloadavg()[0], 1)
+        rounds.append(r)
+        print(f"round {i + 1}: " + ", ".join(
+            f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()),
+            flush=True)
+    passed = sum(r["passed"] for r in rounds)
+    summary = {"scenario": args.scenario, "isolation": args.isolation, "rounds": len(rounds),
+               "passed": passed, "load_start": round(load0, 1),
+               "load_end": round(os.getloadavg()[0], 1)}
+    if args.scenario == "run_code":
+        pings = sorted(r["ping_s"] for r in rounds if r.get("ping_s") is not None)
+        summary["ping_s_max"] = round(pings[-1], 2) if pings else None
+        summary["settled_s_max"] = round(max(r.get("settled_s", 0) for r in rounds), 2)
+    print(json.dumps(summary) if args.json else
+          f"{passed}/{len(rounds)} rounds passed ({summary})")
+    sys.exit(0 if passed == len(rounds) else 1)
+
+
+if __name__ == "__main__":
+    main()
