@@ -13,7 +13,8 @@ dispatcher, and no granted core that sits idle keeps a command waiting.
   Commands on a backend's nodes (Ray) do not time-share: there a command at its latest
   start waits its turn, unless refused.
   A command recovered from the journal after a restart has ``deadlines.recovered_s``
-  from the restart to start, and is refused then (its caller's connection has gone). A trajectory's first command waiting for sandbox memory at its latest
+  from the restart to start, and is refused then (its caller's connection has gone).
+  A trajectory's first command waiting for sandbox memory at its latest
   start gets its sandbox then, the memory overcommitted (a workspace's size caps what
   it may hold; what it holds is mostly far less), as a host runs more sandboxes than
   their caps add up to.
