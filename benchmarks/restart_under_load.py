@@ -17,9 +17,11 @@ and ``GET /e2b/sandboxes`` lists none.
         [--scenario run_code|e2b] [--requests 60] [--kill-after-s 2] [--json]
         [-- extra settings ...]
 
-Printed: each round's figures (time to the first ping, to the new request's answer, to
-the last unfinished row finished; the rows left), and how many rounds passed, with the
-load average at the start and the end (the machine's load moves the start-up time).
+Printed: each round's figures (time to the first ping and the CPU time the restarted
+service had used by then, to the new request's answer, to the last unfinished row
+finished; the rows left), and how many rounds passed, with the load average at the
+start and the end: on a loaded machine the start-up's wall time is its CPU time over
+the share of a core it gets, so the 10 s target needs a quiet machine.
 """
 
 from __future__ import annotations
@@ -78,6 +80,13 @@ class Service:
             await asyncio.sleep(0.1)
         return None
 
+    def cpu_s(self) -> float:
+        """CPU seconds the service (and the children it has waited for) used so far:
+        what its start costs whatever the machine's load (the wall time is that over
+        the share of a core it gets)."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
@@ -110,6 +119,7 @@ async def run_code_round(args: argparse.Namespace, work: Path) -> dict:
             second = Service(port, db, args.isolation, args.extra, log)
             try:
                 out["ping_s"] = await second.wait(c, "/v1/ping", 60)
+                out["ping_cpu_s"] = second.cpu_s()
                 r = await c.post(second.url + "/run_code",
                                  json={"code": "print('new')", "language": "python"})
                 out["new_ok"] = r.status_code == 200 and r.json().get("status") == "Success"
@@ -201,6 +211,7 @@ def main() -> None:
     if args.scenario == "run_code":
         pings = sorted(r["ping_s"] for r in rounds if r.get("ping_s") is not None)
         summary["ping_s_max"] = round(pings[-1], 2) if pings else None
+        summary["ping_cpu_s_max"] = round(max(r.get("ping_cpu_s", 0) for r in rounds), 2)
         summary["settled_s_max"] = round(max(r.get("settled_s", 0) for r in rounds), 2)
     print(json.dumps(summary) if args.json else
           f"{passed}/{len(rounds)} rounds passed ({summary})")
