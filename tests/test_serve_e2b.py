@@ -153,6 +153,25 @@ def test_process_in_a_subdirectory_streams_and_is_killed(served, stdin):
     sb.kill()
 
 
+@pytest.mark.parametrize("cwd", ["/etc", "..", "/home/user/../..", "~/../x", "/home"])
+def test_cwd_outside_the_workspace_is_refused(served, cwd):
+    sb = e2b.Sandbox.create(**opts(served))
+    with pytest.raises(e2b.InvalidArgumentException, match="outside the sandbox's workspace"):
+        sb.commands.run("pwd", cwd=cwd)
+    assert sb.commands.run("pwd", cwd="~/.").stdout.strip()  # inside: runs
+    sb.kill()
+
+
+@pytest.mark.parametrize("stdin", [False, True])
+def test_cwd_through_a_link_out_is_refused(served, stdin):
+    sb = e2b.Sandbox.create(**opts(served))
+    sb.commands.run("ln -s / out")
+    with pytest.raises(e2b.CommandExitException) as info:
+        sb.commands.run("pwd", cwd="out/etc", stdin=stdin)
+    assert "leads outside the sandbox's workspace" in info.value.stderr
+    sb.kill()
+
+
 def test_stdin_reaches_a_background_process(served):
     sb = e2b.Sandbox.create(**opts(served))
     handle = sb.commands.run("cat", background=True, stdin=True)

@@ -136,6 +136,10 @@ class ProcessService:
         if request.tag and any(p.tag == request.tag and not p.result.done()
                                for p in sb.procs.values()):
             raise ConnectError(Code.ALREADY_EXISTS, f"tag {request.tag!r} is in use")
+        try:
+            programs.checked_cwd(cfg.cwd or "")
+        except ValueError as e:
+            raise ConnectError(Code.INVALID_ARGUMENT, str(e)) from None
         pid = sb.new_pid()
         remaining = ctx.timeout_ms
         timeout_s = (remaining / 1000.0 if remaining is not None
