@@ -177,6 +177,10 @@ class ServeConfig(Checked):
         max_connections: client connections open at once; one more is answered 503 and
             closed as soon as it is accepted (None: this process's descriptor limit less
             a reserve, see :func:`~metasched.serve.connections.default_max_connections`).
+        client_commands: E2B commands (background or not) one client may have running
+            at once; one more is refused (``resource exhausted``, one line) and other
+            clients are unaffected (None: from the descriptor limit, see
+            :func:`~metasched.serve.connections.default_client_commands`).
         upstreams: the quota proxy's endpoints (see :class:`Upstream`); their quotas
             are the dispatcher's endpoints of the same names.
         languages: the ``/run_code`` languages to offer (None: every one whose toolchain
@@ -194,6 +198,7 @@ class ServeConfig(Checked):
     header_timeout_s: Number(gt=0.0, le=24 * 3600.0) = 30.0
     body_timeout_s: Number(gt=0.0, le=24 * 3600.0) = 120.0
     max_connections: Count(1) | None = None
+    client_commands: Count(1) | None = None
     upstreams: dict[str, Upstream] = {}
     languages: list[Text] | None = None
     task: Text = "run_code"
