@@ -58,15 +58,16 @@ def _unfinished(db: Path) -> int:
 
 
 class Service:
-    """One ``metasched-serve`` process on ``port`` with ``journal``, logging to ``log``."""
+    """One ``metasched-serve`` process on ``port`` with ``journal``, logging to ``log``
+    (its command line after ``wrap``, e.g. ``prlimit ... --``)."""
 
     def __init__(self, port: int, db: Path, isolation: str, extra: list[str], log: Path,
-                 env: dict[str, str] | None = None) -> None:
+                 wrap: tuple[str, ...] = ()) -> None:
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen(
-            [SERVE, f"port={port}", f"journal={db}", f"sandbox.isolation={isolation}",
+            [*wrap, SERVE, f"port={port}", f"journal={db}", f"sandbox.isolation={isolation}",
              f"hydra.run.dir={db.parent / 'hydra'}", *extra],
-            stdout=log.open("a"), stderr=subprocess.STDOUT, env=env)
+            stdout=log.open("a"), stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{port}"
 
     async def wait(self, c: httpx.AsyncClient, path: str, limit_s: float) -> float | None:
@@ -193,6 +194,12 @@ def main() -> None:
     p.add_argument("--json", action="store_true")
     p.add_argument("extra", nargs="*", help="settings passed to metasched-serve")
     args = p.parse_args()
+    # An installed package has its bytecode; an editable checkout run with
+    # PYTHONDONTWRITEBYTECODE would compile every module at each start, in the time measured.
+    import compileall
+
+    import metasched
+    compileall.compile_dir(Path(metasched.__file__).parent, quiet=1)
     load0 = os.getloadavg()[0]
     rounds = []
     for i in range(args.rounds):
