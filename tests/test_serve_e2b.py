@@ -409,3 +409,16 @@ def test_a_client_at_its_command_cap_is_refused_and_others_are_not():
         assert a.commands.run("echo again").stdout == "again\n"  # below its cap again
         a.kill()
         b.kill()
+
+
+def test_a_download_over_max_file_mb_is_refused_in_one_line():
+    config = ServeConfig(languages=[], max_file_mb=1.0)
+    with serving(DispatcherConfig(scheduler="elastic_greedy", tail_bytes=65536), config) as srv:
+        sb = e2b.Sandbox.create(**opts(srv))
+        sb.commands.run("head -c 3000000 /dev/zero > big; head -c 900000 /dev/zero > small")
+        with pytest.raises(e2b.SandboxException, match=r"'big' holds 3000000 bytes, more "
+                           r"than a download may \(1048576: max_file_mb\)"):
+            sb.files.read("big", format="bytes")
+        # under the cap: streamed in pieces of under 64 KiB, whole
+        assert sb.files.read("small", format="bytes") == bytes(900000)
+        sb.kill()

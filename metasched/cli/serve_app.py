@@ -38,7 +38,7 @@ def serve_config(cfg: dict[str, Any], upstreams: dict[str, Any]):
     """The service's settings from the composed config."""
     from metasched.serve.config import ServeConfig
 
-    keys = ("host", "port", "token", "tokens", "max_body_mb", "header_timeout_s",
+    keys = ("host", "port", "token", "tokens", "max_body_mb", "max_file_mb", "header_timeout_s",
             "body_timeout_s", "max_connections", "client_commands", "languages", "task",
             "keep_results")
     return ServeConfig(upstreams=upstreams, **{k: cfg[k] for k in keys if cfg.get(k) is not None})

@@ -168,7 +168,10 @@ class ServeConfig(Checked):
             (``token`` or ``tokens``), each token is one client: a trajectory belongs to
             the client that opened it, and only that client may act on it, close it or
             read its actions' results. Without it, every client is the same, trusted.
-        max_body_mb: request bodies larger than this are refused (413).
+        max_body_mb: request bodies larger than this are refused (413); an E2B upload
+            is one, streamed to the sandbox as it comes.
+        max_file_mb: an E2B download of a larger file is refused (413, one line); a
+            smaller one is streamed as it is read (the service holds one piece of it).
         header_timeout_s: a request's headers must arrive within this many seconds of
             the connection's opening (of its next request's first byte, on a kept-alive
             connection); later, 408 and the connection is closed.
@@ -195,6 +198,7 @@ class ServeConfig(Checked):
     token: Token | None = None
     tokens: dict[Annotated[str, BeforeValidator(str)], Token] = {}
     max_body_mb: Number(gt=0.0) = 64.0
+    max_file_mb: Number(gt=0.0) = 4096.0
     header_timeout_s: Number(gt=0.0, le=24 * 3600.0) = 30.0
     body_timeout_s: Number(gt=0.0, le=24 * 3600.0) = 120.0
     max_connections: Count(1) | None = None
@@ -239,6 +243,10 @@ class ServeConfig(Checked):
         if self.token is not None:
             out[self.token] = DEFAULT_CLIENT
         return out
+
+    @property
+    def max_file_bytes(self) -> int:
+        return int(self.max_file_mb * 2**20)
 
     @property
     def max_body_bytes(self) -> int:
