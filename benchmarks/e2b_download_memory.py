@@ -44,7 +44,8 @@ async def downloads(args: argparse.Namespace, work: Path) -> dict:
                 raise RuntimeError(f"the service did not start: see {work / 'serve.log'}")
             opts = {"api_url": svc.url + "/e2b", "sandbox_url": svc.url + "/e2b",
                     "api_key": "unused"}
-            boxes = [await e2b.AsyncSandbox.create(**opts) for _ in range(args.downloads)]
+            boxes = [await e2b.AsyncSandbox.create(timeout=3600, **opts)
+                     for _ in range(args.downloads)]
             for sb in boxes:
                 await sb.commands.run(f"head -c {args.mb * MB} /dev/urandom > big",
                                       timeout=600)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from email.parser import BytesParser
@@ -31,6 +32,8 @@ from metasched.serve.e2b.lifecycle import e2b_error
 from metasched.serve.e2b.sandboxes import Sandbox, Sandboxes
 
 __all__ = ["FilesystemService", "files_router", "run_fs"]
+
+log = logging.getLogger("metasched.serve")
 
 _TYPES = {"file": pb.FileType.FILE, "dir": pb.FileType.DIRECTORY,
           "symlink": pb.FileType.SYMLINK}
@@ -241,6 +244,9 @@ def files_router(sandboxes: Sandboxes) -> APIRouter:
                 yield first
                 async for piece in pieces:
                     yield piece
+            except FsError as e:  # the client sees the response cut short
+                log.warning("e2b download cut short: %s", e.message)
+                raise
             finally:
                 await pieces.aclose()
 
