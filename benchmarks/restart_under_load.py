@@ -8,10 +8,10 @@ answers ``GET /v1/ping`` within 10 s of its start, runs a new ``/run_code`` requ
 leaves no journal row queued or running 30 s after its start.
 
 ``--scenario e2b``: the ``e2b`` SDK creates 3 sandboxes and starts in each a background
-command (``sleep 120``, ``timeout=0``) that appends a line to a file of this host's per
-start; SIGKILL once all three have started, a restart on the journal, 20 s of waiting:
-the round passes when no command started again (the files still hold one line each)
-and ``GET /e2b/sandboxes`` lists none.
+command (``sleep 120`` with a marker, ``timeout=0``); SIGKILL once all three run (seen
+in this host's process table), a restart on the journal, 20 s of waiting: the round
+passes when none of the commands runs again (no process with the marker, no journal
+row of theirs with a second attempt) and ``GET /e2b/sandboxes`` lists none.
 
     python benchmarks/restart_under_load.py [--isolation bwrap|gvisor] [--rounds 20]
         [--scenario run_code|e2b] [--requests 60] [--kill-after-s 2] [--json]
@@ -138,14 +138,32 @@ async def run_code_round(args: argparse.Namespace, work: Path) -> dict:
     return out
 
 
+def _processes_with(marker: str) -> int:
+    """How many of this machine's processes have ``marker`` in their command line."""
+    n = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            n += marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            pass
+    return n
+
+
+def _attempts(db: Path, marker: str) -> list[tuple[str, int, str | None]]:
+    """``(state, attempts, result status)`` of the journal rows whose request holds
+    ``marker``."""
+    with sqlite3.connect(db) as con:
+        rows = con.execute("SELECT state, attempts, result FROM requests WHERE request "
+                           "LIKE ?", (f"%{marker}%",)).fetchall()
+    return [(st, n, json.loads(res)["status"] if res else None) for st, n, res in rows]
+
+
 async def e2b_round(args: argparse.Namespace, work: Path) -> dict:
     import e2b
 
     db, port, log = work / "journal.db", _free_port(), work / "serve.log"
-    marks = work / "marks"
-    marks.mkdir(mode=0o777)
-    first = Service(port, db, args.isolation,
-                    [*args.extra, f"sandbox.system_paths=[{marks}]"], log)
+    marker = f"m{os.getpid()}x{time.monotonic_ns()}"
+    first = Service(port, db, args.isolation, args.extra, log)
     out: dict = {}
     try:
         async with httpx.AsyncClient(timeout=60) as c:
@@ -153,34 +171,31 @@ async def e2b_round(args: argparse.Namespace, work: Path) -> dict:
                 raise RuntimeError(f"the first service did not start: see {log}")
             opts = {"api_url": first.url + "/e2b", "sandbox_url": first.url + "/e2b",
                     "api_key": "unused"}
-            files = []
-            for i in range(3):
+            for _ in range(3):
                 sb = await e2b.AsyncSandbox.create(**opts)
-                f = marks / f"m{i}"
-                f.touch()
-                f.chmod(0o666)
-                await sb.commands.run(f"echo started >> {f}; sleep 120", background=True,
-                                      timeout=0)
-                files.append(f)
+                await sb.commands.run(f"sleep 120 # {marker}", background=True, timeout=0)
             t = time.monotonic()
-            while any(not f.read_text() for f in files) and time.monotonic() - t < 60:
+            while _processes_with(marker) < 3 and time.monotonic() - t < 60:
                 await asyncio.sleep(0.1)
+            out["running_before"] = _processes_with(marker)
             first.kill()
-            second = Service(port, db, args.isolation,
-                             [*args.extra, f"sandbox.system_paths=[{marks}]"], log)
+            second = Service(port, db, args.isolation, args.extra, log)
             try:
                 out["ping_s"] = await second.wait(c, "/v1/ping", 60)
                 await second.wait(c, "/v1/health", 120)
                 await asyncio.sleep(20)
-                out["starts"] = [f.read_text().count("started") for f in files]
+                out["running_after"] = _processes_with(marker)
+                rows = _attempts(db, marker)
+                out["rows"] = sorted({f"{st}/{n}/{res}" for st, n, res in rows})
+                out["rerun"] = sum(n > 1 for _, n, _ in rows)
                 r = await c.get(second.url + "/e2b/sandboxes")
                 out["listed"] = len(r.json()) if r.status_code == 200 else r.status_code
-                out["unfinished"] = _unfinished(db)
             finally:
                 second.stop()
     finally:
         first.kill()
-    out["passed"] = out.get("starts") == [1, 1, 1] and out.get("listed") == 0
+    out["passed"] = (out.get("running_before", 0) >= 3 and out.get("running_after") == 0
+                     and out.get("rerun") == 0 and out.get("listed") == 0)
     return out
 
 
