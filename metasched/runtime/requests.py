@@ -40,7 +40,8 @@ A request is one action. Fields every kind has:
   caller that can come back for its result, as a native client can, with a deadline:
   ``deadlines.recovered_s``) or ``"cancel"`` (finished ``cancelled``, reason
   ``restart: ...``: its caller waited on a connection that died with the dispatcher, as
-  ``/run_code``'s, ``/run_jupyter``'s and E2B's do; such front doors set it).
+  ``/run_code``'s, ``/run_jupyter``'s, E2B's and the quota proxy's do; such front doors
+  set it).
 
 Per kind:
 

@@ -247,7 +247,7 @@ def proxy_router(service: Service) -> APIRouter:
 
         doc: dict[str, Any] = {"kind": "api", "endpoint": name, "tokens": tokens,
                                "timeout_s": up.timeout_s, "id": uuid.uuid4().hex,
-                               "name": name,
+                               "name": name, "on_restart": "cancel",  # its caller waits here
                                **with_scoped_prompt(ctx.fields(), request.scope.get(CLIENT))}
         future = service.dispatcher.accept(doc, call=forward if remote else call)
         service.track(doc["id"], future, "api")
