@@ -98,21 +98,23 @@ class Admission:
         self.d._enqueue(Job(req, future, stored.queued_at, attempts))
         return future
 
-    def recover(self) -> None:
+    def recover(self, left: list[tuple[str, str, int]]) -> None:
         """Finish or re-queue what a previous dispatcher accepted but did not finish, by
         each request's ``on_restart``: ``cancel`` (its caller waited on a connection
         that died with that dispatcher) is finished ``cancelled``; ``run`` is queued
         again, its trajectory ending once its recovered actions have (a sandbox does
         not survive a crash: a later request naming it opens it anew). A row this
         version cannot run (written by an older one, or damaged) is finished
-        ``failed`` with the reason, and reported once, never fatal. Ids already
-        accepted here are left to their job."""
+        ``failed`` with the reason, and reported once, never fatal. ``left``: the
+        journal's unfinished rows as this dispatcher found them at its start (rows it
+        wrote itself are its own); ids accepted here since, or finished, are left
+        alone."""
         d = self.d
         skipped: list[str] = []
         cancelled = 0
         trajectories: set[str] = set()
-        for key, text, attempts in d.journal.unfinished():
-            if key in d._jobs:
+        for key, text, attempts in left:
+            if key in d._jobs or d.journal.status(key) == "finished":
                 continue
             try:
                 stored = StoredRequest.parse(text)

@@ -174,6 +174,7 @@ class Dispatcher:
         self.n_decisions = 0
         self.n_rejected = 0
         self._ticker: asyncio.Task | None = None
+        self._left: list[tuple[str, str, int]] | None = None  # the journal's, until recovered
         if self._owns_backend:  # its run directory's place; NVML is held from now on
             backend.open(self.workdir)
         self.executors = backend.EXECUTORS(self, backend)
@@ -209,10 +210,11 @@ class Dispatcher:
         :meth:`Admission.recover`): after ``start(recover=False)``, once the caller is
         ready (a service that has probed its languages, so that its own start does
         not wait behind recovered work). Ids accepted since stay with their jobs."""
-        if self.journal is None:
+        if self.journal is None or self._left is None:
             return
+        left, self._left = self._left, None
         try:
-            self.admission.recover()
+            self.admission.recover(left)
         except sqlite3.DatabaseError as e:
             self._unreadable(e)
         self._kick()
@@ -235,6 +237,11 @@ class Dispatcher:
                 self._unreadable(e)
         # Each node's commands are confined there (this machine's here).
         self.sandboxes = await self.backend.start_sandboxes(self.config.sandbox, self._hidden())
+        if self.journal is not None:
+            try:  # what the previous dispatcher left, before this one accepts anything
+                self._left = self.journal.unfinished()
+            except sqlite3.DatabaseError as e:
+                self._unreadable(e)
         if recover:
             self.recover()
         self._ticker = asyncio.create_task(self._tick())
