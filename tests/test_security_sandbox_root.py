@@ -331,6 +331,23 @@ async def test_user_namespaces_are_refused(argv):
     assert "Operation not permitted" in r.stdout + r.stderr
 
 
+# What a command has no use for: io_uring, the (not namespaced) key rings, perf events.
+_REFUSED_CALLS = {"io_uring_setup": (425, "0, 0"), "keyctl": (250, "0, 0"),
+                  "add_key": (248, "b'user', b'k', b'v', 1, -2"),
+                  "perf_event_open": (298, "0, 0, -1, -1, 0")}
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86-64 system call numbers")
+@pytest.mark.parametrize("name", sorted(_REFUSED_CALLS))
+async def test_kernel_surface_calls_are_refused(name):
+    nr, args = _REFUSED_CALLS[name]
+    probe = (f"import ctypes, os; libc = ctypes.CDLL(None, use_errno=True); "
+             f"r = libc.syscall({nr}, {args}); e = ctypes.get_errno(); "
+             f"print(r, os.strerror(e)); raise SystemExit(0 if e == 1 else 1)")
+    (r,) = await run_all([{"kind": "cpu", "argv": [PY, "-c", probe], "timeout_s": 30}])
+    assert r.ok and "Operation not permitted" in r.stdout, (r.stdout, r.stderr)
+
+
 def test_the_startup_line_says_user_namespaces_are_refused():
     sandboxes = Sandboxes(SandboxConfig(isolation=MODE["isolation"], cgroups="none"))
     try:

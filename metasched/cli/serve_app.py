@@ -38,8 +38,9 @@ def serve_config(cfg: dict[str, Any], upstreams: dict[str, Any]):
     """The service's settings from the composed config."""
     from metasched.serve.config import ServeConfig
 
-    keys = ("host", "port", "token", "tokens", "max_body_mb", "header_timeout_s",
-            "body_timeout_s", "max_connections", "languages", "task", "keep_results")
+    keys = ("host", "port", "token", "tokens", "max_body_mb", "max_file_mb", "header_timeout_s",
+            "body_timeout_s", "max_connections", "client_commands", "languages", "task",
+            "keep_results")
     return ServeConfig(upstreams=upstreams, **{k: cfg[k] for k in keys if cfg.get(k) is not None})
 
 
@@ -61,6 +62,11 @@ def run_serve(cfg: dict[str, Any], out_dir: Path) -> None:
     one_of(level, _LOG_LEVELS, "log_level")
     services = load_services(cfg.get("services"))
     out.mkdir(parents=True, exist_ok=True)
+    from metasched.serve.connections import raise_descriptor_limit
+
+    before, now = raise_descriptor_limit()  # before the caps derived from it
+    log.info("descriptors: limit %d%s", now, f" (raised from {before})" if now > before
+             else " (the hard limit: ulimit -n raises it)")
     if on_ray is None:
         dispatcher = Dispatcher(dcfg, services=services)  # a bad setting fails here
         log.info("journal: %s", dcfg.journal)

@@ -83,6 +83,7 @@ from metasched.serve.files import decoded_size, fetch_argv, parse_fetched, stdin
 from metasched.serve.languages import LANGUAGES, Language
 from metasched.serve.native import error
 from metasched.serve.openapi import GATED, TRAJECTORY_HEADERS, ErrorDetail, responses
+from metasched.serve.ownership import scoped_prompt, with_scoped_prompt
 from metasched.serve.security import CLIENT
 
 if TYPE_CHECKING:
@@ -429,6 +430,11 @@ def run_code_router(service: Service) -> APIRouter:
             service.owners.claim(given.get("trajectory"), request.scope.get(CLIENT))
         except ConfigError as e:
             return error(403, str(e))
+        await service.probed()  # the languages offered are known from then on
+        client = request.scope.get(CLIENT)
+        context = with_scoped_prompt(context, client)
+        if req.prompt is not None:
+            req = req.model_copy(update={"prompt": scoped_prompt(req.prompt, client)})
         ids: list[str] = []
         try:
             resp = await unless_disconnected(

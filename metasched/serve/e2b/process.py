@@ -29,7 +29,7 @@ from metasched.runtime.requests import REJECTED, Result
 from metasched.serve.e2b import programs
 from metasched.serve.e2b.envd import process_pb as pb
 from metasched.serve.e2b.output import Output, workspace_fd
-from metasched.serve.e2b.sandboxes import Proc, Sandbox, Sandboxes
+from metasched.serve.e2b.sandboxes import AtCap, Proc, Sandbox, Sandboxes
 
 __all__ = ["ProcessService", "sandbox_of"]
 
@@ -136,6 +136,14 @@ class ProcessService:
         if request.tag and any(p.tag == request.tag and not p.result.done()
                                for p in sb.procs.values()):
             raise ConnectError(Code.ALREADY_EXISTS, f"tag {request.tag!r} is in use")
+        try:
+            programs.checked_cwd(cfg.cwd or "")
+        except ValueError as e:
+            raise ConnectError(Code.INVALID_ARGUMENT, str(e)) from None
+        try:
+            self.sandboxes.check_share(sb.client)
+        except AtCap as e:
+            raise ConnectError(Code.RESOURCE_EXHAUSTED, str(e)) from None
         pid = sb.new_pid()
         remaining = ctx.timeout_ms
         timeout_s = (remaining / 1000.0 if remaining is not None
