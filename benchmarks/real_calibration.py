@@ -80,7 +80,7 @@ def main() -> None:
                          "quiet": True, "base": None})
     cw = parse_workload(yaml.safe_load((out / "workload" / "real.yaml").read_text()))
     g = doc["groups"] or {}
-    if cw.groups is not None and cw.groups.size > 1:  # the profile's own shares, measured as the source's
+    if cw.groups is not None and cw.groups.size > 1:  # its shares, measured as the source's
         inst = sample_workload(replace(cw, steps=a.steps), np.random.default_rng(a.seed))
         fitted = group_figures(records_of(inst))
         how = f"{a.steps} steps sampled, seed {a.seed}"
