@@ -10,6 +10,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from metasched.errors import ConfigError
@@ -66,3 +67,22 @@ def test_a_damaged_gzip_trace_is_a_one_line_error(tmp_path: Path) -> None:
     path.write_bytes(gzip.compress(b'{"type": "trajectory"}\n' * 50)[:30])
     with pytest.raises(ConfigError, match=r"t\.jsonl\.gz:1: .*cannot read trace"):
         read_trace(path)
+
+
+def test_prompt_features_read_the_text_and_the_repository(tmp_path: Path) -> None:
+    from metasched.core.prompt_features import NAMES, PromptFeaturizer, PromptInfo, read_prompts
+
+    infos = read_prompts(REAL / "agentcgroup.prompts.jsonl.gz")
+    fx = PromptFeaturizer.fit(infos.values())
+    rows = {k: fx.row(k, v) for k, v in infos.items()}
+    assert all(len(r) == len(NAMES) and not np.isnan(r).any() for r in rows.values())
+    # Distinct texts, distinct bags of words (some instances share a statement).
+    texts = {v.text for v in infos.values()}
+    assert len({tuple(np.round(r[3:-1], 6)) for r in rows.values()}) == len(texts)
+    unseen = fx.row("new", PromptInfo("Fix the parser", "someone/elsewhere", "python"))
+    assert np.isnan(unseen[-1]) and not np.isnan(unseen[:-1]).any()
+    assert np.isnan(fx.row("none", None)).all()
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"prompt": "a", "text": "x"}\n[1, 2]\n')
+    with pytest.raises(ConfigError, match=r"p\.jsonl:2: not a prompt line"):
+        read_prompts(bad)

@@ -53,7 +53,7 @@ def read_prompts(path: str | Path) -> dict[str, PromptInfo]:
                     d = json.loads(line)
                     out[str(d["prompt"])] = PromptInfo(d.get("text"), d.get("repo"),
                                                        d.get("language"))
-                except (ValueError, KeyError, TypeError):
+                except (ValueError, KeyError, TypeError, AttributeError):
                     raise ConfigError(f"{name}:{lineno}", "not a prompt line (a JSON object "
                                       "with \"prompt\")") from None
     except (OSError, EOFError) as e:
