@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -165,6 +166,8 @@ def main() -> None:
                 name = "gbm" if design == "gbm_no_prompt" else design
                 p = Predictor.fit(train, name, known if design == "gbm" else {})
                 out[design] += score(p, test, aware)
+            print(f"repeat {rep + 1}, fold {k + 1} of {a.folds} done", file=sys.stderr,
+                  flush=True)
     rng = np.random.default_rng(0)
     n_dec = len(next(iter(out.values())))
     print(f"source {a.source} ({len(recs)} trajectories, {len(ids)} prompts), fitted on "
