@@ -13,7 +13,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -c $(CONSTRAINTS) -e '.[dev,train,ray,docs,e2b]'
+	$(PIP) install --quiet -c $(CONSTRAINTS) -e '.[dev,train,ray,docs,e2b,predict]'
 	@$(MAKE) --no-print-directory sandbox-tools
 	touch $(STAMP)
 

@@ -22,6 +22,7 @@ import logging
 import sqlite3
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -127,6 +128,10 @@ class Dispatcher:
         if predictor is not None and cfg.predictor:
             raise ConfigError("predictor", "a trace to fit on or a fitted predictor, not both")
         if predictor is None and cfg.predictor:
+            if cfg.trace and Path(cfg.trace).resolve() == Path(cfg.predictor).resolve():
+                raise ConfigError("predictor", "fit it on another trace than the one this "
+                                  f"run records to ({cfg.trace}): its figures would be read "
+                                  "off its own training data")
             predictor = fit_predictor(cfg.predictor)
         self.cost = CostModel(cfg.cost_alpha, cfg.default_est_s, predictor=predictor)
         self.state.predictor = self.cost.predictor
