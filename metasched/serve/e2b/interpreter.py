@@ -57,38 +57,30 @@ KERNEL_DIR = f"{programs.CONTROL}/kernels"  # in the workspace
 KERNEL_PATH = f"{KERNEL_DIR}/kernel.py"
 KERNEL_SOURCE = (Path(__file__).with_name("interpreter_kernel.py")).read_text()
 KERNEL_START_S = 10.0  # how long a cell waits for a kernel just started to listen
+WATCH_S = 0.5  # how often a running cell's kernel is looked at (ended: the cell too)
 KERNEL_LIFETIME_S = 30 * 24 * 3600.0  # its sandbox ends it first
 CONTEXT_TIMEOUT_S = 30.0  # the actions that make a context
 PYTHON = "python3"
 END = b'{"type": "end_of_execution"}\n'  # a kernel's answer's last line, and /execute's
 
-# A cell's action: connect to the kernel's socket (argv[1]; waiting up to argv[2] s for
-# a kernel just started), send the cell (argv[3:], joined) and copy the kernel's
-# events to stdout as they come. Its end closes the connection: a cell not over is
-# interrupted.
-CELL_CLIENT = r"""import os, socket, sys, time
-deadline = time.monotonic() + float(sys.argv[2])
-while True:
-    s = socket.socket(socket.AF_UNIX)
-    try:
-        s.connect(sys.argv[1])
-        break
-    except OSError as e:
-        s.close()
-        if time.monotonic() > deadline:
-            sys.exit(f"kernel: not running ({e.strerror})")
-        time.sleep(0.01)
-s.sendall("".join(sys.argv[3:]).encode() + b"\n")
-tail = b""
-while True:
-    chunk = s.recv(65536)
-    if not chunk:
-        break
-    tail = (tail + chunk)[-64:]
-    while chunk:
-        chunk = chunk[os.write(1, chunk):]
-if not tail.endswith(b'"end_of_execution"}\n'):
-    sys.exit("kernel: it ended while it ran the cell")
+# A cell's action, in sh (a python3 client would cost its start-up: tens of ms): once
+# the kernel's FIFO argv[1] is there (up to 10 s after its start), the request
+# (argv[3:], joined) is written to argv[2].req, the FIFO argv[2].out made, the kernel
+# told (this shell's pid and argv[2]), and what the kernel writes to argv[2].out
+# copied to stdout as it comes. A client that ends before its cell (cancelled: the
+# SDK's timeout) interrupts it.
+CELL_CLIENT = r"""k=$PWD/$1 c=$PWD/$2
+shift 2
+n=0
+while [ ! -p "$k" ]; do
+  n=$((n + 1))
+  if [ "$n" -gt 1000 ]; then echo "kernel: not running" >&2; exit 1; fi
+  sleep 0.01
+done
+mkfifo -m 600 "$c.out" || exit 1
+printf '%s' "$@" > "$c.req" || exit 1
+printf '%s %s\n' "$$" "$c" > "$k" || exit 1
+exec cat "$c.out"
 """
 
 
@@ -101,8 +93,8 @@ class Context:
     cwd: str
 
     @property
-    def socket(self) -> str:
-        return f"{KERNEL_DIR}/{self.id}.sock"
+    def fifo(self) -> str:
+        return f"{KERNEL_DIR}/{self.id}.in"
 
     def info(self) -> dict[str, str]:
         return {"id": self.id, "language": self.language, "cwd": self.cwd}
@@ -164,7 +156,7 @@ class Interpreter:
             kept.written = True
         ctx = Context(id=uuid.uuid4().hex[:16], language=lang, cwd=cwd)
         r = await self._run(sb, ["/bin/sh", "-c", 'cd "$1" && rm -f "$2"', "context", cwd,
-                                 ctx.socket], "interpreter:context")
+                                 ctx.fifo], "interpreter:context")
         if not r.ok:
             raise Refused(400, f"cwd: {cwd!r} is not a directory of the sandbox")
         self._start(sb, ctx)
@@ -177,7 +169,7 @@ class Interpreter:
             raise Refused(500, "kernels run only on a dispatcher of this process")
         why = kernels.start(sb.trajectory, python=PYTHON, name=ctx.id,
                             mem_limit_mb=sb.memory_mb, lifetime_s=KERNEL_LIFETIME_S,
-                            argv=[PYTHON, KERNEL_PATH, ctx.socket, ctx.language, ctx.cwd],
+                            argv=[PYTHON, KERNEL_PATH, ctx.fifo, ctx.language, ctx.cwd],
                             env={**template_env(sb.spec), **sb.env,
                                  "HOME": programs.HOME})
         if why is not None:
@@ -227,7 +219,7 @@ class Interpreter:
             if not kernels.alive(sb.trajectory, ctx.id):
                 break
             await asyncio.sleep(0.01)
-        await self._run(sb, ["/bin/rm", "-f", ctx.socket], "interpreter:context")
+        await self._run(sb, ["/bin/rm", "-f", ctx.fifo], "interpreter:context")
         self._start(sb, ctx)
 
     async def execute(self, sb: Sandbox, ctx: Context, code: str,
@@ -237,12 +229,14 @@ class Interpreter:
         kernels = self.service.dispatcher.kernels
         if not kernels.alive(sb.trajectory, ctx.id):
             kernels.ended.pop((sb.trajectory, ctx.id), None)
+            # The old kernel's FIFO goes first: a cell must not write to it.
+            await self._run(sb, ["/bin/rm", "-f", ctx.fifo], "interpreter:context")
             self._start(sb, ctx)
         pid = sb.new_pid()
         ws_fd = workspace_fd(self.service.dispatcher, sb.trajectory)
         body = json.dumps({"code": code, "env_vars": env_vars})
         argv = programs.process_argv(pid, [
-            PYTHON, "-I", "-S", "-c", CELL_CLIENT, ctx.socket, str(KERNEL_START_S),
+            "/bin/sh", "-c", CELL_CLIENT, "cell", ctx.fifo, f"{KERNEL_DIR}/c{pid}",
             *(body[i:i + PIECE] for i in range(0, len(body), PIECE))],
             files=ws_fd is not None)
         left = max(1.0, sb.end_at - time.time())
@@ -256,22 +250,26 @@ class Interpreter:
         output = Output(pid, ws_fd, future)
         pending = b""
         errors = b""
+        ended = False  # the kernel's answer was complete
         result: Result | None = None
         try:
-            async for kind, value in output.events(True, 3600.0):
+            async for kind, value in output.events(True, WATCH_S):
                 if kind == "stdout":
                     pending += value
                     end = pending.rfind(b"\n") + 1
                     if end:
+                        ended = ended or END in pending[:end]
                         yield pending[:end].replace(END, b"")  # the service's own ends it
                         pending = pending[end:]
                 elif kind == "stderr":
                     errors += value
+                elif kind == "keepalive" and not kernels.alive(sb.trajectory, ctx.id):
+                    self.service.cancel(req["id"], "request")  # nothing would answer it
                 elif kind == "end":
                     result = value
             if pending:
                 yield pending + b"\n"
-            if result is None or not result.ok:
+            if result is None or not result.ok or not ended:
                 for _ in range(50):  # the kernel's end is seen a moment after the cell's
                     if not kernels.alive(sb.trajectory, ctx.id):
                         break
@@ -297,6 +295,8 @@ def _failure(result: Result | None, errors: bytes, kernel_end: str | None) -> by
         name, value = "SandboxError", "the service stopped while the cell ran"
     elif result.status == REJECTED:
         name, value = "SandboxError", result.reason
+    elif result.ok:
+        name, value = "KernelError", "the context's kernel ended while it ran the cell"
     elif result.reason.startswith("timeout"):
         name, value = "TimeoutError", f"the cell ran past the sandbox's lifetime ({result.reason})"
     else:

@@ -3,17 +3,18 @@ writes this file into the sandbox's workspace and starts it there; it imports no
 but the standard library), one per context, that keeps the context's state and runs
 its cells one at a time.
 
-``python3 interpreter_kernel.py SOCKET LANGUAGE CWD``: it listens on the Unix socket
-``SOCKET`` (a path in the workspace); each connection brings one cell, a JSON object
-(``code``, ``env_vars``), and gets back the cell's events as they happen, one JSON
-object a line, as E2B's code interpreter streams them: ``stdout`` and ``stderr``
-(``text``, ``timestamp``), ``result`` (the MIME bundle of a displayed value under
-E2B's names: ``text``, ``html``, ``markdown``, ``svg``, ``png``, ``jpeg``, ``pdf``,
-``latex``, ``json``, ``javascript``, and ``is_main_result`` for the value of a last
-bare expression), ``error`` (``name``, ``value``, ``traceback``) and
-``number_of_executions``, then ``end_of_execution`` and the connection's close; a client that
-closes its end first interrupts the cell (``KeyboardInterrupt`` in Python, SIGINT to
-bash's commands): that is how a cell's timeout reaches it.
+``python3 interpreter_kernel.py FIFO LANGUAGE CWD``: it reads cells from the FIFO
+``FIFO`` (a path in the workspace), one line each: the client's pid and the path
+``P`` of its cell, whose request (a JSON object: ``code``, ``env_vars``) is in the file
+``P.req``; it writes the cell's events, as they happen, to the FIFO ``P.out`` that the
+client reads, one JSON object a line, as E2B's code interpreter streams them:
+``stdout`` and ``stderr`` (``text``, ``timestamp``), ``result`` (the MIME bundle of a
+displayed value under E2B's names: ``text``, ``html``, ``markdown``, ``svg``, ``png``,
+``jpeg``, ``pdf``, ``latex``, ``json``, ``javascript``, and ``is_main_result`` for the
+value of a last bare expression), ``error`` (``name``, ``value``, ``traceback``) and
+``number_of_executions``, then ``end_of_execution``, and closes it. A client that ends
+before its cell interrupts the cell (``KeyboardInterrupt`` in Python, SIGINT to bash's
+commands): that is how a cell's timeout reaches it.
 
 ``LANGUAGE`` is ``python`` (one namespace; matplotlib draws with a backend that sends
 each figure shown, or left open at the end of the cell, as a PNG result) or ``bash``
@@ -25,16 +26,17 @@ import ast
 import base64
 import contextlib
 import datetime
+import errno
 import io
 import json
 import os
 import secrets
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import threading
+import time
 import traceback
 
 # E2B's result fields, by the MIME type an object's _repr_*_ or a display gives.
@@ -47,6 +49,8 @@ REPR_METHODS = {"text/html": "_repr_html_", "text/markdown": "_repr_markdown_",
                 "image/jpeg": "_repr_jpeg_", "application/pdf": "_repr_pdf_",
                 "text/latex": "_repr_latex_", "application/json": "_repr_json_",
                 "application/javascript": "_repr_javascript_"}
+WATCH_S = 0.05  # how often a cell's client is looked for while the cell runs
+FLUSH_S = 0.2  # a stream's output waits this long for more before it is sent
 BACKEND = "_metasched_inline"  # the matplotlib backend module this kernel provides
 BACKEND_SOURCE = """from matplotlib.backends.backend_agg import FigureCanvasAgg as FigureCanvas
 import sys
@@ -62,10 +66,10 @@ def now() -> str:
 
 
 class Cell:
-    """One cell's connection: its events are written to it as they come."""
+    """One cell's answer: its events are written to the client's FIFO as they come."""
 
-    def __init__(self, conn: socket.socket) -> None:
-        self.conn = conn
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
         self.lock = threading.Lock()
         self.open = True
 
@@ -75,8 +79,9 @@ class Cell:
             if not self.open:
                 return
             try:
-                self.conn.sendall(data)
-            except OSError:
+                while data:
+                    data = data[os.write(self.fd, data):]
+            except OSError:  # the client is gone
                 self.open = False
 
     def text(self, stream: str, text: str) -> None:
@@ -85,30 +90,38 @@ class Cell:
 
 
 class Stream(io.TextIOBase):
-    """A cell's stdout or stderr: sent a line at a time as it is written (the rest at
-    a flush and at the cell's end)."""
+    """A cell's stdout or stderr: what is written is sent :data:`FLUSH_S` after the
+    first write since the last send (and at a flush, and at the cell's end), so that
+    prints in quick succession come as one event, as Jupyter's kernel sends them."""
 
     def __init__(self, name: str, fileno: int) -> None:
         self.name_ = name
         self.fileno_ = fileno
         self.cell: Cell | None = None
         self.pending = ""
+        self.lock = threading.Lock()
+        self.timer: threading.Timer | None = None
 
     def writable(self) -> bool:
         return True
 
     def write(self, text: str) -> int:
-        self.pending += str(text)
-        end = self.pending.rfind("\n") + 1
-        if end and self.cell is not None:
-            self.cell.text(self.name_, self.pending[:end])
-            self.pending = self.pending[end:]
+        with self.lock:
+            self.pending += str(text)
+            if self.timer is None and self.cell is not None:
+                self.timer = threading.Timer(FLUSH_S, self.flush)
+                self.timer.daemon = True
+                self.timer.start()
         return len(text)
 
     def flush(self) -> None:
-        if self.pending and self.cell is not None:
-            self.cell.text(self.name_, self.pending)
-        self.pending = ""
+        with self.lock:
+            if self.timer is not None:
+                self.timer.cancel()
+                self.timer = None
+            text, self.pending = self.pending, ""
+            if text and self.cell is not None:
+                self.cell.text(self.name_, text)
 
     def fileno(self) -> int:
         return self.fileno_
@@ -310,47 +323,81 @@ def send_figures() -> None:
         CONTEXT.figures()
 
 
-def watch(conn: socket.socket, done: threading.Event, context: object) -> None:
-    """Interrupt the cell when its client goes before it ends."""
-    with contextlib.suppress(OSError):
-        conn.recv(1)  # nothing more comes: this returns when the client closes
-    if not done.is_set():
-        context.interrupt()  # type: ignore[attr-defined]
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def watch(pid: int, done: threading.Event, context: object) -> None:
+    """Interrupt the cell when its client (``pid``) ends before it."""
+    while not done.wait(WATCH_S):
+        if not alive(pid):
+            if not done.is_set():
+                context.interrupt()  # type: ignore[attr-defined]
+            return
+
+
+def reply_fd(path: str, pid: int) -> int | None:
+    """The cell's FIFO opened for writing, once its client opens it for reading (None:
+    the client ended first)."""
+    while True:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as e:
+            if e.errno != errno.ENXIO or not alive(pid):  # ENXIO: no reader yet
+                return None
+            time.sleep(0.001)
+            continue
+        os.set_blocking(fd, True)
+        return fd
 
 
 def main() -> None:
+    global CONTEXT
     path, language, cwd = sys.argv[1:4]
     path = sys.argv[1] = os.path.abspath(path)  # before the cell's directory
     os.chdir(cwd)
     os.environ["PWD"] = cwd
-    global CONTEXT
     context = CONTEXT = Python() if language == "python" else Bash()
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    srv = socket.socket(socket.AF_UNIX)
-    srv.bind(path + ".new")
+    os.mkfifo(path + ".new", 0o600)
     os.rename(path + ".new", path)
-    srv.listen(8)
+    fifo = os.open(path, os.O_RDWR)  # its own writer too: never at its end
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    count = 0
+    count, pending = 0, b""
     while True:
         try:
-            serve(srv, context, count := count + 1)
+            while b"\n" not in pending:
+                pending += os.read(fifo, 4096)
+            line, pending = pending.split(b"\n", 1)
+            pid, cell = line.decode().split(" ", 1)
+            count += 1
+            serve(int(pid), cell, context, count)
         except KeyboardInterrupt:  # a cell's interrupt that came after its end
             pass
+        except (ValueError, OSError) as e:  # a malformed line: only a client's mistake
+            sys.stderr.write(f"kernel: a cell was not run: {e}\n")
 
 
-def serve(srv: socket.socket, context: "Python | Bash", count: int) -> None:
-    """Run the next cell (the ``count``-th)."""
-    conn, _ = srv.accept()
-    with conn:
-        data = b""
-        while not data.endswith(b"\n"):
-            chunk = conn.recv(65536)
-            if not chunk:
-                break
-            data += chunk
-        cell = Cell(conn)
+def serve(pid: int, cell_path: str, context: "Python | Bash", count: int) -> None:
+    """Run the ``count``-th cell, the one of client ``pid`` at ``cell_path``."""
+    try:
+        with open(cell_path + ".req", "rb") as f:
+            data = f.read()
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(cell_path + ".req")
+    fd = reply_fd(cell_path + ".out", pid)
+    if fd is None:
+        return
+    cell = Cell(fd)
+    try:
         try:
             req = json.loads(data)
             code = str(req["code"])
@@ -364,7 +411,7 @@ def serve(srv: socket.socket, context: "Python | Bash", count: int) -> None:
         if isinstance(context, Python):  # bash's are exported in its cell
             os.environ.update(env)
         done = threading.Event()
-        threading.Thread(target=watch, args=(conn, done, context), daemon=True).start()
+        threading.Thread(target=watch, args=(pid, done, context), daemon=True).start()
         try:
             context.run(cell, code, env)
         finally:
@@ -374,10 +421,11 @@ def serve(srv: socket.socket, context: "Python | Bash", count: int) -> None:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
-            cell.send({"type": "end_of_execution"})  # what tells a complete answer
-            with contextlib.suppress(OSError):  # the answer's end, whoever holds conn
-                conn.shutdown(socket.SHUT_RDWR)
-
+        cell.send({"type": "end_of_execution"})  # what tells a complete answer
+    finally:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(cell_path + ".out")
 
 if __name__ == "__main__":
     main()
