@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -44,12 +43,14 @@ def percentile(xs: list[float], q: float) -> float:
 
 @contextmanager
 def served(templates: dict[str, E2BTemplate] | None = None,
-           layers: dict[str, str] | None = None) -> Iterator[tuple[Any, dict[str, str]]]:
+           layers: dict[str, Any] | None = None,
+           cache: str | None = None) -> Iterator[tuple[Any, dict[str, str]]]:
     """A service; its dispatcher, and the SDK's connection options."""
     config = DispatcherConfig(scheduler="elastic_greedy",
-                              sandbox=SandboxConfig(templates=layers or {}))
+                              sandbox=SandboxConfig(**(layers or {})))
     app = create_app(lambda: Dispatcher(config),
-                     ServeConfig(languages=[], e2b_templates=templates or {}))
+                     ServeConfig(languages=[], e2b_templates=templates or {},
+                                 e2b_cache=cache))
     with BackgroundServer(app) as srv:
         yield app.state.service.dispatcher, {"api_url": f"{srv.url}/e2b",
                                              "sandbox_url": f"{srv.url}/e2b",
@@ -126,15 +127,15 @@ def template(args: argparse.Namespace) -> None:
     with_pkg = E2BTemplate(packages={"pip": [args.package]})
     plain = E2BTemplate()
     templates = {"with-package": with_pkg, "plain": plain}
-    cache = args.cache or tempfile.mkdtemp(prefix="e2b-layers-")
+    cache = args.cache
     t0 = time.perf_counter()
     layers = build_layers(templates, cache)
     built = time.perf_counter() - t0
     t0 = time.perf_counter()
     assert build_layers(templates, cache) == layers
     cached = time.perf_counter() - t0
-    print(f"layers built in {built:.1f} s (at {cache}); found again in {cached * 1000:.0f} ms")
-    with served(templates, layers) as (_, opts):
+    print(f"layers built (or found) in {built:.1f} s; found again in {cached * 1000:.0f} ms")
+    with served(templates, layers, cache) as (_, opts):
 
         async def imported() -> str:
             sb = await AsyncSandbox.create("with-package", timeout=600, **opts)
@@ -175,7 +176,8 @@ def main() -> None:
     p.add_argument("--package", default="tabulate==0.9.0")
     p.add_argument("--sandboxes", type=int, default=16)
     p.add_argument("--rounds", type=int, default=20)
-    p.add_argument("--cache", default=None, help="layers' cache (default: a new one)")
+    p.add_argument("--cache", default=None, help="layers' cache (default: the service's "
+                   "default; not under /tmp, which sandboxes have their own of)")
     args = ap.parse_args()
     {"overhead": overhead, "concurrent": concurrent, "template": template}[args.what](args)
 

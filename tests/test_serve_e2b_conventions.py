@@ -71,3 +71,20 @@ def test_another_user_is_refused_in_one_line(served, user):
         assert sb.commands.run("id -u", user="user").exit_code == 0
     finally:
         sb.kill()
+
+
+def test_every_e2b_route_is_on_the_http_page():
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from metasched.serve.e2b.filesystem import files_router
+    from metasched.serve.e2b.interpreter import Interpreter, interpreter_router
+    from metasched.serve.e2b.lifecycle import lifecycle_router
+
+    page = (Path(__file__).parent.parent / "docs" / "api" / "http.md").read_text()
+    routers = [lifecycle_router(None, None), files_router(None),
+               interpreter_router(Interpreter(SimpleNamespace(service=None)))]
+    for router in routers:
+        for route in router.routes:
+            for method in route.methods:
+                assert f"`{method} /e2b{route.path}`" in page, (method, route.path)

@@ -133,7 +133,7 @@ async def test_matplotlib_figures_come_back_as_png(tmp_path_factory):
     wanted = {"code-interpreter-v1": templates["code-interpreter-v1"]}
     layers = build_layers(wanted)
     with serving(DispatcherConfig(scheduler="elastic_greedy",
-                                  sandbox=SandboxConfig(templates=layers)),
+                                  sandbox=SandboxConfig(**layers)),
                  ServeConfig(languages=[], e2b_templates=wanted)) as srv:
         sb = await ci.AsyncSandbox.create(**opts(srv, request_timeout=600))
         try:

@@ -9,12 +9,7 @@ import time
 import pytest
 
 from metasched.errors import ConfigError
-from metasched.serve.e2b.templates import (
-    PACKAGES_DIR,
-    E2BTemplate,
-    build_layers,
-    load_templates,
-)
+from metasched.serve.e2b.templates import E2BTemplate, build_layers, layer_of, load_templates
 
 
 def test_templates_load_from_a_file_or_a_directory(tmp_path):
@@ -40,17 +35,35 @@ def test_a_bad_template_is_one_line(tmp_path, text, expected):
     assert expected in str(info.value) and "\n" not in str(info.value).strip()
 
 
-def test_a_layer_is_built_once_and_found_again(tmp_path):
+def test_a_layer_is_built_once_and_found_again(tmp_path, monkeypatch):
+    import metasched.serve.e2b.templates as templates
+
+    runs = []
+    real = templates.subprocess.run
+    monkeypatch.setattr(templates.subprocess, "run",
+                        lambda argv, **kw: runs.append(argv) or real(argv, **kw))
     files = tmp_path / "files"
     files.mkdir()
-    (files / "README").write_text("task\n")
-    t = {"files-only": E2BTemplate(files=str(files))}
+    # A package from a local directory: installed as from a registry, no network.
+    pkg = tmp_path / "pkg"
+    (pkg / "tinypkg").mkdir(parents=True)
+    (pkg / "tinypkg" / "__init__.py").write_text("VALUE = 7\n")
+    (pkg / "pyproject.toml").write_text(
+        '[project]\nname = "tinypkg"\nversion = "1.0"\n'
+        '[build-system]\nrequires = []\nbuild-backend = "setuptools.build_meta"\n')
+    t = {"tiny": E2BTemplate(files=str(files), packages={"pip": [
+        "--no-build-isolation", "--no-index", str(pkg)]})}
     first = build_layers(t, str(tmp_path / "cache"))
-    (files / "README").write_text("changed after the build\n")
+    layer = layer_of("tiny", t["tiny"], str(tmp_path / "cache"))
+    assert first == {"system_paths": [str(layer)], "templates": {"tiny": str(files)}}
+    assert (layer / "tinypkg" / "__init__.py").read_text() == "VALUE = 7\n"
+    assert len(runs) == 1
     assert build_layers(t, str(tmp_path / "cache")) == first  # the same template: cached
-    assert (tmp_path / "cache").joinpath(first["files-only"], "README").read_text() == "task\n"
-    changed = {"files-only": E2BTemplate(files=str(files), env={"A": "1"})}
+    assert len(runs) == 1
+    changed = {"tiny": E2BTemplate(files=str(files), packages=t["tiny"].packages,
+                                   env={"A": "1"})}
     assert build_layers(changed, str(tmp_path / "cache")) != first  # another digest
+    assert len(runs) == 2
 
 
 def test_packages_that_cannot_install_say_why_in_one_line(tmp_path):
@@ -61,7 +74,7 @@ def test_packages_that_cannot_install_say_why_in_one_line(tmp_path):
 
 
 @pytest.mark.slow  # installs one small package from the registry
-async def test_a_package_template_is_built_once_and_importable_in_16_sandboxes(tmp_path):
+async def test_a_package_template_is_built_once_and_importable_in_16_sandboxes():
     ci = pytest.importorskip("e2b_code_interpreter")
     from metasched.runtime.dispatch import DispatcherConfig
     from metasched.runtime.sandbox.config import SandboxConfig
@@ -70,14 +83,16 @@ async def test_a_package_template_is_built_once_and_importable_in_16_sandboxes(t
     from tests.test_serve_e2b import opts
 
     templates = {"tab": E2BTemplate(packages={"pip": ["tabulate==0.9.0"]})}
-    layers = build_layers(templates, str(tmp_path / "cache"))
-    assert (tmp_path / "cache").joinpath(layers["tab"], PACKAGES_DIR, "tabulate").exists()
+    cache = None  # the default: sandboxes see no path under the host's /tmp
+    layers = build_layers(templates, cache)
+    layer = layer_of("tab", templates["tab"], cache)
+    assert (layer / "tabulate").exists()
     t0 = time.monotonic()
-    assert build_layers(templates, str(tmp_path / "cache")) == layers
+    assert build_layers(templates, cache) == layers
     assert time.monotonic() - t0 < 1.0  # found, not installed again
     with serving(DispatcherConfig(scheduler="elastic_greedy",
-                                  sandbox=SandboxConfig(templates=layers)),
-                 ServeConfig(languages=[], e2b_templates=templates)) as srv:
+                                  sandbox=SandboxConfig(**layers)),
+                 ServeConfig(languages=[], e2b_templates=templates, e2b_cache=cache)) as srv:
 
         async def one() -> str:
             sb = await ci.AsyncSandbox.create("tab", **opts(srv, request_timeout=600))
@@ -90,7 +105,7 @@ async def test_a_package_template_is_built_once_and_importable_in_16_sandboxes(t
                 await sb.kill()
 
         paths = await asyncio.gather(*(one() for _ in range(16)))
-        assert set(paths) == {f"/home/user/{PACKAGES_DIR}/tabulate/__init__.py"}
+        assert set(paths) == {f"{layer}/tabulate/__init__.py"}
         sb = await ci.AsyncSandbox.create(**opts(srv))  # without the template: not there
         try:
             assert (await sb.run_code("import tabulate")).error.name == "ModuleNotFoundError"

@@ -42,12 +42,13 @@ def serve_config(cfg: dict[str, Any], upstreams: dict[str, Any],
     keys = ("host", "port", "token", "tokens", "max_body_mb", "header_timeout_s",
             "body_timeout_s", "max_connections", "languages", "task", "keep_results")
     return ServeConfig(upstreams=upstreams, e2b_templates=templates or {},
+                       e2b_cache=cfg.get("e2b_cache"),
                        **{k: cfg[k] for k in keys if cfg.get(k) is not None})
 
 
 def with_e2b_layers(cfg: dict[str, Any], templates: dict[str, Any]) -> dict[str, Any]:
     """``cfg`` with the E2B templates' layers (built here where not cached) among the
-    dispatcher's workspace templates (``sandbox.templates``)."""
+    dispatcher's ``sandbox.system_paths``, their files among its ``sandbox.templates``."""
     from metasched.serve.e2b.templates import build_layers
 
     if not templates:
@@ -58,8 +59,10 @@ def with_e2b_layers(cfg: dict[str, Any], templates: dict[str, Any]) -> dict[str,
         if name in known:
             raise ConfigError("e2b_templates", f"{name!r}: also a sandbox.templates entry "
                               f"(name one of them otherwise)")
-    known.update(build_layers(templates, cfg.get("e2b_cache")))
-    sandbox["templates"] = known
+    built = build_layers(templates, cfg.get("e2b_cache"))
+    sandbox["templates"] = {**known, **built["templates"]}
+    sandbox["system_paths"] = [*(sandbox.get("system_paths") or []),
+                               *built["system_paths"]]
     return {**cfg, "sandbox": sandbox}
 
 

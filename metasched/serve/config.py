@@ -184,8 +184,10 @@ class ServeConfig(Checked):
             works here, found by running a small program in each at start).
         task: the task of ``/run_code`` actions that do not name one.
         e2b_templates: the E2B templates with packages (see
-            :mod:`metasched.serve.e2b.templates`), their layers built and given to the
-            dispatcher as workspace templates of the same names.
+            :mod:`metasched.serve.e2b.templates`): their packages' layers, built in
+            ``e2b_cache`` (None: ``~/.cache/metasched/e2b-templates``), are among the
+            dispatcher's ``sandbox.system_paths``, their files its workspace templates.
+        e2b_cache: where the templates' layers are (see ``e2b_templates``).
         keep_results: finished results kept in memory for ``GET /v1/actions/{id}``
             (older ones are answered from the dispatcher's journal, where it has one).
     """
@@ -203,6 +205,7 @@ class ServeConfig(Checked):
     task: Text = "run_code"
     keep_results: Count(0) = 100_000
     e2b_templates: dict[str, E2BTemplate] = {}
+    e2b_cache: Text | None = None
 
     one_line_root = 'settings'
 

@@ -43,7 +43,6 @@ from metasched.runtime.requests import REJECTED, Result
 from metasched.serve.e2b import programs
 from metasched.serve.e2b.output import Output, workspace_fd
 from metasched.serve.e2b.sandboxes import Proc, Sandbox, Sandboxes
-from metasched.serve.e2b.templates import template_env
 from metasched.serve.files import PIECE
 
 if TYPE_CHECKING:
@@ -170,7 +169,7 @@ class Interpreter:
         why = kernels.start(sb.trajectory, python=PYTHON, name=ctx.id,
                             mem_limit_mb=sb.memory_mb, lifetime_s=KERNEL_LIFETIME_S,
                             argv=[PYTHON, KERNEL_PATH, ctx.fifo, ctx.language, ctx.cwd],
-                            env={**template_env(sb.spec), **sb.env,
+                            env={**sb.template_env(), **sb.env,
                                  "HOME": programs.HOME})
         if why is not None:
             raise Refused(500, f"the kernel could not start: {why}")

@@ -92,6 +92,11 @@ class Sandbox:
         (``e2b_templates``)."""
         return getattr(self.service.config, "e2b_templates", {}).get(self.template)
 
+    def template_env(self) -> dict[str, str]:
+        """What its template gives its commands' environment (its packages' paths)."""
+        return template_env(self.template, self.spec,
+                            getattr(self.service.config, "e2b_cache", None))
+
     def new_pid(self) -> int:
         """A new process id; the process starts the sandbox's next turn."""
         self.turn += 1
@@ -108,15 +113,17 @@ class Sandbox:
             "min_cores": self.cores, "max_cores": self.cores,
             "id": uuid.uuid4().hex}
         spec = self.spec
-        env = {**template_env(spec), **(env or {})}
+        env = {**self.template_env(), **(env or {})}
         if env:
             req["env"] = env
         if spec is not None and spec.network:
             req["network"] = True
         if self.memory_mb is not None:
             req["mem_limit_mb"] = self.memory_mb
-        if self.template not in BUILT_IN_TEMPLATES or self.template in _configured(
-                self.service):
+        # A workspace template: one configured (an E2B template's files among them), or
+        # an unknown name (the dispatcher says so); built-in or files-less: none.
+        if self.template in _configured(self.service) or (
+                self.template not in BUILT_IN_TEMPLATES and spec is None):
             req["workspace_template"] = self.template
         return req
 

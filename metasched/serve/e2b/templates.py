@@ -12,12 +12,11 @@ file, or a directory of ``*.yaml`` files, each mapping template names to
 
 Each template's packages are installed once, when the service starts, into a layer
 cached on this host (``<e2b_cache>/<name>-<digest of the template>``; a later start
-with the same template finds it there): the layer is the template's workspace
-directory, its files copied in and the packages installed under ``.packages``. It is
-given to the dispatcher as a workspace template (``sandbox.templates``), which each
-sandbox of it mounts copy-on-write: nothing is installed or copied per sandbox. Its
-commands and kernels find the packages through ``PYTHONPATH`` (and their programs on
-``PATH``).
+with the same template finds it there). Every sandbox sees that layer read-only at the
+same path (the dispatcher's ``sandbox.system_paths``) and finds it through
+``PYTHONPATH`` (its programs on ``PATH``): nothing is installed, copied or changed per
+sandbox. A template's ``files`` are its workspace template (``sandbox.templates``),
+mounted copy-on-write.
 """
 
 from __future__ import annotations
@@ -29,25 +28,23 @@ import os
 import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 from pydantic import BeforeValidator, Field
 
 from metasched.core.schema import Strict, Text, parse
 from metasched.errors import ConfigError
 
-__all__ = ["PACKAGES_DIR", "E2BTemplate", "Packages", "build_layers", "load_templates",
+__all__ = ["E2BTemplate", "Packages", "build_layers", "layer_of", "load_templates",
            "template_env"]
 
 log = logging.getLogger("metasched.serve")
 
-PACKAGES_DIR = ".packages"  # in the layer: the workspace's
-HOME = "/home/user"
 DEFAULT_CACHE = "~/.cache/metasched/e2b-templates"
 INSTALL_TIMEOUT_S = 1800.0
+LAYOUT = 2  # how a layer is laid out: in its digest, so that a new layout builds anew
 
 
 class Packages(Strict):
@@ -78,7 +75,7 @@ class E2BTemplate(Strict):
 
     def digest(self) -> str:
         """What identifies its layer: the template, and the Python it is built for."""
-        doc = {**self.model_dump(), "python": sys.version_info[:2]}
+        doc = {**self.model_dump(), "python": sys.version_info[:2], "layout": LAYOUT}
         return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -130,18 +127,16 @@ def _installer(t: E2BTemplate, target: Path) -> list[list[str]]:
     return out
 
 
+def layer_of(name: str, t: E2BTemplate, cache: str | None = None) -> Path:
+    """Where ``t``'s packages are (or are to be) installed."""
+    return Path(cache or DEFAULT_CACHE).expanduser().absolute() / f"{name}-{t.digest()}"
+
+
 def _build(name: str, t: E2BTemplate, layer: Path) -> None:
-    """Make ``layer``: ``t``'s files, its packages under :data:`PACKAGES_DIR`."""
+    """Install ``t``'s packages into ``layer`` (made whole, or not at all)."""
     work = Path(tempfile.mkdtemp(prefix=f".{layer.name}-", dir=layer.parent))
     try:
-        if t.files:
-            src = Path(t.files).expanduser()
-            if src.is_dir():
-                shutil.copytree(src, work, symlinks=True, dirs_exist_ok=True)
-            else:
-                with tarfile.open(src) as tar:
-                    tar.extractall(work, filter="data")
-        for argv in _installer(t, work / PACKAGES_DIR):
+        for argv in _installer(t, work):
             log.info("template %s: installing %s (once: cached at %s)", name,
                      " ".join(t.packages.pip + t.packages.uv), layer)
             r = subprocess.run(argv, capture_output=True, text=True,
@@ -158,34 +153,41 @@ def _build(name: str, t: E2BTemplate, layer: Path) -> None:
 
 
 def build_layers(templates: dict[str, E2BTemplate], cache: str | None = None
-                 ) -> dict[str, str]:
-    """Each template's layer (built where it is not cached yet): name -> its directory,
-    the workspace template the dispatcher mounts (``sandbox.templates``).
+                 ) -> dict[str, dict[str, list[str] | dict[str, str]]]:
+    """Each template's packages installed where they are not cached yet; what the
+    dispatcher needs for them: ``system_paths`` (the layers, bound read-only into every
+    sandbox) and ``templates`` (name -> ``files``, the workspace templates).
 
     Raises:
         ConfigError: a template whose files are missing or whose packages could not be
             installed (one line).
     """
-    root = Path(cache or DEFAULT_CACHE).expanduser()
-    root.mkdir(parents=True, exist_ok=True)
-    out = {}
+    paths: list[str] = []
+    files: dict[str, str] = {}
     for name, t in templates.items():
-        if t.files and not Path(t.files).expanduser().exists():
-            raise ConfigError(f"e2b_templates.{name}.files", f"{t.files}: not found")
-        layer = root / f"{name}-{t.digest()}"
-        if not layer.is_dir():
-            _build(name, t, layer)
-        out[name] = str(layer)
-    return out
+        if t.files:
+            src = Path(t.files).expanduser()
+            if not src.exists():
+                raise ConfigError(f"e2b_templates.{name}.files", f"{t.files}: not found")
+            files[name] = str(src)
+        if t.packages.pip or t.packages.uv:
+            layer = layer_of(name, t, cache)
+            layer.parent.mkdir(parents=True, exist_ok=True)
+            if not layer.is_dir():
+                _build(name, t, layer)
+            paths.append(str(layer))
+    return {"system_paths": paths, "templates": files}
 
 
-def template_env(t: E2BTemplate | None) -> dict[str, Any]:
-    """The environment a template gives its commands (``PYTHONPATH`` and ``PATH`` for
-    its packages, then its ``env``)."""
+def template_env(name: str, t: E2BTemplate | None, cache: str | None = None
+                 ) -> dict[str, str]:
+    """The environment template ``name`` gives its commands (``PYTHONPATH`` and
+    ``PATH`` for its packages, then its ``env``)."""
     if t is None:
         return {}
-    env: dict[str, Any] = {}
+    env: dict[str, str] = {}
     if t.packages.pip or t.packages.uv:
-        env["PYTHONPATH"] = f"{HOME}/{PACKAGES_DIR}"
-        env["PATH"] = f"{HOME}/{PACKAGES_DIR}/bin:/usr/local/bin:/usr/bin:/bin"
+        layer = layer_of(name, t, cache)
+        env["PYTHONPATH"] = str(layer)
+        env["PATH"] = f"{layer}/bin:/usr/local/bin:/usr/bin:/bin"
     return {**env, **t.env}
