@@ -12,7 +12,8 @@ machine's cores, bubblewrap sandboxes).
 - ``template``: a template with one small pure-Python package from the registry
   (``--package``): its layer built (then found in the cache), the package imported in
   ``--sandboxes`` sandboxes at once, and the creation time of a second sandbox of it
-  against one of a template without packages, ``--rounds`` pairs in turn (median).
+  against one of a template without packages, ``--rounds`` pairs in turn, the order
+  alternating (median).
 
     python benchmarks/e2b_interpreter.py overhead [--calls 200] [--warmup 10]
     python benchmarks/e2b_interpreter.py concurrent [--sandboxes 16] [--cells 20]
@@ -153,8 +154,8 @@ def template(args: argparse.Namespace) -> None:
         times: dict[str, list[float]] = {"with-package": [], "plain": []}
         for name in times:  # each template's first sandbox: not counted
             Sandbox.create(name, **opts).kill()
-        for _ in range(args.rounds):
-            for name in times:
+        for i in range(args.rounds):  # the order alternates: each follows the other's kill
+            for name in (list(times) if i % 2 == 0 else list(times)[::-1]):
                 t0 = time.perf_counter()
                 sb = Sandbox.create(name, **opts)
                 times[name].append((time.perf_counter() - t0) * 1000)
@@ -175,7 +176,7 @@ def main() -> None:
     p = sub.add_parser("template")
     p.add_argument("--package", default="tabulate==0.9.0")
     p.add_argument("--sandboxes", type=int, default=16)
-    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--cache", default=None, help="layers' cache (default: the service's "
                    "default; not under /tmp, which sandboxes have their own of)")
     args = ap.parse_args()
