@@ -37,8 +37,11 @@ from metasched.runtime.sandbox.config import SandboxConfig
 from metasched.runtime.sandbox.manager import Sandboxes
 
 PY = "/usr/bin/python3"  # the system's: in every sandbox
-HOST_DIRS = [d for d in ("/root", "/home", "/var", "/srv", "/mnt", "/media", "/run", "/opt",
+HOST_DIRS = [d for d in ("/root", "/var", "/srv", "/mnt", "/media", "/run", "/opt",
                          "/boot", "/work") if os.path.isdir(d)]
+# /home holds only user, the workspace mounted again (E2B's home): none of the host's.
+HOST_HOMES = [os.path.join("/home", d) for d in os.listdir("/home") if d != "user"] \
+    if os.path.isdir("/home") else []
 ROOT_ONLY = [f for f in ("/etc/shadow", "/etc/gshadow", "/etc/sudoers", "/etc/ssh",
                          "/etc/ssl/private") if os.path.lexists(f)]
 
@@ -93,7 +96,7 @@ async def test_home_root_var_and_the_rest_of_the_host_are_not_in_the_sandbox(net
     planted.write_text("secret")
     planted.chmod(0o644)
     try:
-        paths = [*HOST_DIRS, str(planted)]
+        paths = [*HOST_DIRS, *HOST_HOMES, str(planted)]
         assert await seen(paths, network=network) == dict.fromkeys(paths, False)
     finally:
         planted.unlink()

@@ -15,6 +15,7 @@ from metasched.core.cluster_config import _Endpoint
 from metasched.core.pools import EndpointSpec
 from metasched.core.schema import Checked, Count, Number, Strict, Text, parse
 from metasched.errors import ConfigError
+from metasched.serve.e2b.templates import E2BTemplate
 
 __all__ = ["DEFAULT_CLIENT", "LOOPBACK", "ServeConfig", "Upstream", "derated", "is_loopback",
            "parse_upstreams"]
@@ -189,6 +190,11 @@ class ServeConfig(Checked):
         languages: the ``/run_code`` languages to offer (None: every one whose toolchain
             works here, found by running a small program in each at start).
         task: the task of ``/run_code`` actions that do not name one.
+        e2b_templates: the E2B templates with packages (see
+            :mod:`metasched.serve.e2b.templates`): their packages' layers, built in
+            ``e2b_cache`` (None: ``~/.cache/metasched/e2b-templates``), are among the
+            dispatcher's ``sandbox.system_paths``, their files its workspace templates.
+        e2b_cache: where the templates' layers are (see ``e2b_templates``).
         keep_results: finished results kept in memory for ``GET /v1/actions/{id}``
             (older ones are answered from the dispatcher's journal, where it has one).
     """
@@ -207,6 +213,8 @@ class ServeConfig(Checked):
     languages: list[Text] | None = None
     task: Text = "run_code"
     keep_results: Count(0) = 100_000
+    e2b_templates: dict[str, E2BTemplate] = {}
+    e2b_cache: Text | None = None
 
     one_line_root = 'settings'
 

@@ -189,7 +189,7 @@ async def run_jupyter(service: Service, req: RunJupyterRequest, context: dict[st
                 driver = "TimeLimitExceeded"
                 message = f"cell {len(cells) - 1}: ran past its time limit ({limit:g} s)"
                 if how == "stuck":
-                    kernels.stop(trajectory)  # deaf to its alarm: a new kernel next time
+                    kernels.stop(trajectory, "")  # deaf to its alarm: a new kernel next time
                 break
             if how == "died":
                 driver, message = "Error", f"cell {len(cells) - 1}: {cell.error[0]['evalue']}"

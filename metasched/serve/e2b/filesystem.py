@@ -30,6 +30,7 @@ from metasched.serve.e2b import programs
 from metasched.serve.e2b.envd import filesystem_pb as pb
 from metasched.serve.e2b.lifecycle import e2b_error
 from metasched.serve.e2b.sandboxes import Sandbox, Sandboxes
+from metasched.serve.e2b.users import user_refusal
 
 __all__ = ["FilesystemService", "files_router", "run_fs"]
 
@@ -225,6 +226,9 @@ def files_router(sandboxes: Sandboxes) -> APIRouter:
         if sb is None:
             raise FsError("not_found", f"sandbox {sid!r} not found (killed, timed out, "
                           f"or another access token's)")
+        why = user_refusal(request.query_params.get("username"))
+        if why is not None:
+            raise FsError("denied", why)
         return sb
 
     @router.get("/files")
@@ -267,7 +271,13 @@ def files_router(sandboxes: Sandboxes) -> APIRouter:
             return e.http()
 
     @router.get("/health")
-    async def health() -> Response:
+    async def health(request: Request) -> Response:
+        # 502 is what the SDK reads as "not running" (is_running() False): a sandbox
+        # killed, past its timeout, unknown, or another access token's.
+        sb = sandboxes.by_token(request.headers.get("e2b-sandbox-id", ""),
+                                request.headers.get("x-access-token"))
+        if sb is None:
+            return e2b_error(502, "sandbox not running (killed, timed out or unknown)")
         return Response(status_code=204)
 
     return router

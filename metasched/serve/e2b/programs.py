@@ -69,11 +69,11 @@ argv = sys.argv[6:]
 ctl = os.path.join(ROOT, ctl)
 os.makedirs(ctl, exist_ok=True)
 base = os.path.join(ctl, pid)
-env = dict(os.environ, HOME=ROOT, PWD=ROOT)
+HOME = "/home/user" if os.path.isdir("/home/user") else ROOT  # the workspace there
+env = dict(os.environ, HOME=HOME, PWD=HOME)
 try:
-    if cwd:
-        cwd = real(place(cwd))
-        env["PWD"] = cwd
+    cwd = HOME + real(place(cwd))[len(ROOT):] if cwd else HOME
+    env["PWD"] = cwd
 except Refused as e:
     sys.stderr.write(f"cwd: {sys.argv[4]!r} {e}\n")
     sys.exit(126)
@@ -272,19 +272,23 @@ except (OSError, ValueError) as e:
 _SH_WATCH = r"""ctl=$PWD/$1 pid=$2 cwd=$3 files=$4
 shift 4
 mkdir -p "$ctl" || exit 126
-export HOME="$PWD"
+home=$PWD
+if [ -d /home/user ]; then home=/home/user; fi
+export HOME="$home"
+# The workspace as the kernel names it, under both of its paths (/home/user is the
+# workspace mounted a second time where the sandbox has it).
 root=$(pwd -P)
+hroot=$(cd -- "$home" && pwd -P) || exit 126
 case $cwd in
-  /home/user|/home/user/*) cwd=$PWD${cwd#/home/user} ;;
-  "~"|"~/"*) cwd=$PWD${cwd#"~"} ;;
+  /home/user|/home/user/*) cwd=$home${cwd#/home/user} ;;
+  "~"|"~/"*) cwd=$home${cwd#"~"} ;;
+  "") cwd=$home ;;
 esac
-if [ -n "$cwd" ]; then
-  cd -- "$cwd" || exit 126
-  case $(pwd -P) in
-    "$root"|"$root"/*) ;;
-    *) echo "cwd: '$3' leads outside the sandbox's workspace (a symbolic link)" >&2; exit 126 ;;
-  esac
-fi
+cd -- "$cwd" || exit 126
+case $(pwd -P) in
+  "$root"|"$root"/*|"$hroot"|"$hroot"/*) ;;
+  *) echo "cwd: '$3' leads outside the sandbox's workspace (a symbolic link)" >&2; exit 126 ;;
+esac
 if [ "$files" = 1 ]; then
   exec >"$ctl/$pid.out" 2>"$ctl/$pid.err"
 fi

@@ -24,18 +24,22 @@ from typing import TYPE_CHECKING, Any
 
 from metasched.runtime.requests import REJECTED, Result
 from metasched.serve.e2b import programs
+from metasched.serve.e2b.templates import E2BTemplate, template_env
 
 if TYPE_CHECKING:
     from metasched.serve.e2b.output import Output
     from metasched.serve.service import Service
 
-__all__ = ["CREATE_S", "DEFAULT_TEMPLATE", "ENVD_VERSION", "AtCap", "Busy", "Proc", "Sandbox",
-           "Sandboxes"]
+__all__ = ["BUILT_IN_TEMPLATES", "CREATE_S", "DEFAULT_TEMPLATE", "ENVD_VERSION", "AtCap", "Busy",
+           "Proc", "Sandbox", "Sandboxes"]
 
 log = logging.getLogger("metasched.serve")
 
 ENVD_VERSION = "0.5.7"  # the envd contract served (stdin, close_stdin, octet-stream upload)
 DEFAULT_TEMPLATE = "base"  # E2B's default: a plain workspace
+# Built in: plain workspaces too (code-interpreter-v1 also serves the code interpreter,
+# see .interpreter), unless the operator configures a template of the same name.
+BUILT_IN_TEMPLATES = (DEFAULT_TEMPLATE, "code-interpreter-v1")
 DEFAULT_TIMEOUT_S = 300  # E2B's default sandbox timeout
 MAX_TIMEOUT_S = 24 * 3600
 CORES_ENV = "METASCHED_CORES"  # sandbox env vars that size its commands
@@ -92,6 +96,17 @@ class Sandbox:
     def trajectory(self) -> str:
         return f"e2b-{self.id}"
 
+    @property
+    def spec(self) -> E2BTemplate | None:
+        """Its template's packages, network and env, where the operator wrote them
+        (``e2b_templates``)."""
+        return getattr(self.service.config, "e2b_templates", {}).get(self.template)
+
+    def template_env(self) -> dict[str, str]:
+        """What its template gives its commands' environment (its packages' paths)."""
+        return template_env(self.template, self.spec,
+                            getattr(self.service.config, "e2b_cache", None))
+
     def new_pid(self) -> int:
         """A new process id; the process starts the sandbox's next turn."""
         self.turn += 1
@@ -110,11 +125,18 @@ class Sandbox:
             # The sandbox lives in the service's memory: one that did not survive a
             # crash is gone with its commands, none of which runs again.
             "on_restart": "cancel"}
+        spec = self.spec
+        env = {**self.template_env(), **(env or {})}
         if env:
-            req["env"] = dict(env)
+            req["env"] = env
+        if spec is not None and spec.network:
+            req["network"] = True
         if self.memory_mb is not None:
             req["mem_limit_mb"] = self.memory_mb
-        if self.template != DEFAULT_TEMPLATE:
+        # A workspace template: one configured (an E2B template's files among them), or
+        # an unknown name (the dispatcher says so); built-in or files-less: none.
+        if self.template in _configured(self.service) or (
+                self.template not in BUILT_IN_TEMPLATES and spec is None):
             req["workspace_template"] = self.template
         return req
 
@@ -148,6 +170,12 @@ class Sandbox:
         if self.token is not None:
             out["envdAccessToken"] = self.token
         return out
+
+
+def _configured(service: Service) -> Any:
+    """The workspace templates the operator configured (none known: empty)."""
+    config = getattr(service.dispatcher, "config", None)
+    return getattr(getattr(config, "sandbox", None), "templates", None) or {}
 
 
 def _iso(t: float) -> str:
