@@ -16,7 +16,7 @@ QUIET_BUILD := PYTHONWARNINGS="ignore:Editable installation"
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(QUIET_BUILD) $(PIP) install --quiet -c $(CONSTRAINTS) -e '.[dev,train,ray,docs,e2b]'
+	$(QUIET_BUILD) $(PIP) install --quiet -c $(CONSTRAINTS) -e '.[dev,train,ray,docs,e2b,predict]'
 	@$(MAKE) --no-print-directory sandbox-tools
 	touch $(STAMP)
 
