@@ -7,13 +7,16 @@ PIP    := $(VENV)/bin/pip
 # pyproject, which keeps a range) so installs take the local CPU wheel.
 CONSTRAINTS := constraints.txt
 STAMP  := $(VENV)/.installed
+# The one note setuptools prints on every editable install of this layout (the folders
+# mapped into metasched need its import finder): information, not a problem to fix.
+QUIET_BUILD := PYTHONWARNINGS="ignore:Editable installation"
 
 .PHONY: install run test test-all lint bench docs clean sandbox-tools
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -c $(CONSTRAINTS) -e '.[dev,train,ray,docs,e2b,predict]'
+	$(QUIET_BUILD) $(PIP) install --quiet -c $(CONSTRAINTS) -e '.[dev,train,ray,docs,e2b,predict]'
 	@$(MAKE) --no-print-directory sandbox-tools
 	touch $(STAMP)
 

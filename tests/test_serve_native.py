@@ -132,6 +132,30 @@ def test_status_names_pools_queue_and_policy(http):
     assert s["service"]["ready"] is True
 
 
+def _leaves(node, path=""):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _leaves(v, f"{path}.{k}" if path else k)
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _leaves(v, f"{path}[{i}]")
+    else:
+        yield path, node
+
+
+def test_status_repeats_no_string_under_two_keys(http):
+    """A string (the sandboxes' description, ~400 characters) is said once: a renamed
+    counter's old name points at the new one instead of repeating its value."""
+    s = http.get("/v1/status").json()
+    seen: dict[str, str] = {}
+    for path, value in _leaves(s):
+        if isinstance(value, str) and len(value) > 20:
+            assert value not in seen, f"{path} repeats {seen[value]}: {value[:60]!r}"
+            seen[value] = path
+    assert s["sandboxes"] and s["renamed"] == {"confinement": "sandboxes",
+                                               "queued_at_node": "ahead_at_node"}
+
+
 def test_metrics_count_requests_and_read_the_dispatcher(http):
     http.post("/v1/actions", json=ECHO, params={"wait": 10})
     text = http.get("/metrics").text

@@ -223,6 +223,8 @@ def jupyter_router(service: Service) -> APIRouter:
                  responses=responses(*GATED, 403, 422),
                  openapi_extra={"parameters": TRAJECTORY_HEADERS})
     async def run_jupyter_route(req: RunJupyterRequest, request: Request):
+        """SandboxFusion's run_jupyter: run cells in order in one Python kernel, each
+        cell's output and the kernel's state kept across them."""
         try:
             context = context_from(request.headers).fields()
             given = trajectory_fields(req, context)

@@ -202,6 +202,8 @@ def proxy_router(service: Service) -> APIRouter:
     router = APIRouter()
 
     async def forward(name: str, path: str, request: Request) -> Response:
+        """The quota proxy: forward the call to endpoint ``name``'s upstream under its
+        one RPM/TPM/concurrency quota, shared by every client."""
         up = service.config.upstreams.get(name)
         if up is None:
             known = ", ".join(sorted(service.config.upstreams)) or "none"

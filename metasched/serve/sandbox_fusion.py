@@ -424,6 +424,9 @@ def run_code_router(service: Service) -> APIRouter:
                             504: {**REFUSED_504, "model": ErrorDetail}},
                  openapi_extra={"parameters": [*TRAJECTORY_HEADERS, DEADLINE_PARAM]})
     async def run_code_route(req: RunCodeRequest, request: Request):
+        """SandboxFusion's run_code: compile and run one program (its files, stdin,
+        compile and run timeouts) in the trajectory's sandbox; its answer as SandboxFusion
+        gives it."""
         received = time.monotonic()
         try:
             context = context_from(request.headers).fields()
