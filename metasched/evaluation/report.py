@@ -8,13 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from metasched.evaluation.formatting import fmt, fmt_ci
 from metasched.evaluation.step_story import story_lines
-
-
-def fmt(x: float) -> str:
-    """A number for a results table: three significant digits, thousands separated above
-    100, a dash for NaN."""
-    return "—" if x != x else (f"{x:.3g}" if abs(x) < 100 else f"{x:,.0f}")
 
 
 def results_table(doc: dict[str, Any]) -> str:
@@ -65,11 +60,6 @@ def rollout_table(doc: dict[str, Any]) -> list[str]:
                      f"| {fmt(s['mean_traj_latency_s'])} ({fmt(cl[0])}–{fmt(cl[1])}) "
                      f"| {ratio[0]} | {ratio[1]} | {s['max_staleness']} |")
     return lines
-
-
-def fmt_ci(v: float, ci: list[float], digits: int = 3) -> str:
-    """``v (lo–hi)`` with ``digits`` decimals."""
-    return f"{v:.{digits}f} ({ci[0]:.{digits}f}–{ci[1]:.{digits}f})"
 
 
 def paired_table(doc: dict[str, Any]) -> list[str]:
