@@ -11,22 +11,51 @@ import asyncio
 import math
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from metasched.core.actions import Action, ActionSpec, Trajectory
+from metasched.core.cost_model import CostModel
 from metasched.errors import ConfigError
 from metasched.runtime.dispatch.jobs import COMMAND_SERVICE, Job
+from metasched.runtime.dispatch.journal_writer import JournalWriter
+from metasched.runtime.dispatch.sandbox_gate import SandboxGate
+from metasched.runtime.dispatch.shared import Shared
+from metasched.runtime.dispatch.sharing import Sharing
+from metasched.runtime.dispatch.trajectories import Trajectories
+from metasched.runtime.gpu import GpuHost, LiveDevice
+from metasched.runtime.journal import Journal
 from metasched.runtime.journal_rows import StoredRequest, store
 from metasched.runtime.requests import FAILED, REJECTED, Request, Result, parse_request
 
-if TYPE_CHECKING:
-    from metasched.runtime.dispatch.dispatcher import Dispatcher
+
+class AdmissionHost(Shared, Protocol):
+    """What admission asks of its dispatcher
+    (the :class:`~.dispatcher.Dispatcher`)."""
+
+    cost: CostModel
+    devices: list[LiveDevice]
+    gate: SandboxGate
+    given_estimates: bool
+    host: GpuHost
+    journal: Journal | None
+    n_rejected: int
+    no_gpu_reason: str
+    sandboxes: Any  # the backend's sandboxes (made at start)
+    sharing: Sharing
+    trajectories: Trajectories
+    writer: JournalWriter | None
+
+    def enqueue_job(self, job: Job) -> None: ...
+
+    def submit_job(self, job: Job, traj: Trajectory | None) -> None: ...
+
+    def finish_job(self, job: Job, result: Result) -> None: ...
 
 
 class Admission:
     """Accepts requests for dispatcher ``d`` (see :meth:`Dispatcher.accept`)."""
 
-    def __init__(self, d: Dispatcher) -> None:
+    def __init__(self, d: AdmissionHost) -> None:
         self.d = d
         # Recovered requests whose env was not journaled, by id, until resubmitted.
         self.held: dict[str, tuple[StoredRequest, int]] = {}
@@ -35,16 +64,15 @@ class Admission:
                call: Callable[[], Any] | None = None) -> asyncio.Future[Result]:
         """See :meth:`Dispatcher.accept`."""
         d = self.d
-        loop = d._loop or asyncio.get_running_loop()
-        future: asyncio.Future[Result] = loop.create_future()
-        now_wall = d._wall0 + d._now()  # the dispatcher's clock, as wall time
+        future: asyncio.Future[Result] = d.loop.future()
+        now_wall = d.loop.wall0 + d.loop.now()  # the dispatcher's clock, as wall time
         try:
-            if d._closed or d._loop is None:
+            if not d.loop.running:
                 raise ConfigError("dispatcher", "not running (use `async with Dispatcher()`)")
             submitted = (request if isinstance(request, Request)
                          else parse_request(request, call=call))
             req = self.check(submitted)
-            known = d._jobs.get(req.id)
+            known = d.jobs.get(req.id)
             if known is not None:
                 if not same_request(known.request, req):
                     raise ConfigError("id", taken(req.id))
@@ -65,11 +93,11 @@ class Admission:
             return future
         job = Job(req, future, now_wall)
         if d.writer is None:
-            d._enqueue(job)
+            d.enqueue_job(job)
             return future
         # Group commit: journaled with everything else of this loop turn, and queued
         # only once that is durable (``flush`` forces it now).
-        d._jobs[req.id] = job
+        d.jobs.add(job)
         d.writer.add(job, doc, digest)
         return future
 
@@ -82,7 +110,7 @@ class Admission:
         if stored.digest != digest:
             raise ConfigError("id", taken(req.id))
         del self.held[req.id]
-        self.d._enqueue(Job(req, future, stored.queued_at, attempts))
+        self.d.enqueue_job(Job(req, future, stored.queued_at, attempts))
         return future
 
     def recover(self) -> None:
@@ -97,7 +125,7 @@ class Admission:
                 self.held[key] = (stored, attempts)
                 continue
             queued_at = stored.queued_at
-            future = d._loop.create_future()
+            future = d.loop.future()
             doc = stored.request or {}
             try:
                 if stored.request is None:
@@ -110,11 +138,11 @@ class Admission:
                 # A placeholder (not validated: it never runs) to carry the failure.
                 job = Job(Request.model_construct(kind="cpu", timeout_s=1.0, id=key),
                           future, queued_at, attempts)
-                d._jobs[key] = job
-                d._finish_job(job, Result(key, FAILED, why, queued_at=queued_at,
+                d.jobs.add(job)
+                d.finish_job(job, Result(key, FAILED, why, queued_at=queued_at,
                                           finished_at=time.time(), attempts=attempts))
                 continue
-            d._enqueue(Job(req, future, queued_at, attempts))
+            d.enqueue_job(Job(req, future, queued_at, attempts))
 
     def check(self, req: Request) -> Request:
         """What the request asks of this dispatcher's resources (ConfigError if it can
@@ -163,27 +191,27 @@ class Admission:
         return req
 
 
-def enqueue(d: Dispatcher, job: Job) -> None:
+def enqueue(d: AdmissionHost, job: Job) -> None:
     """An accepted job, durable: its trajectory lives on, and it is queued once its
     sandbox is ready (see :mod:`.sandbox_gate`)."""
     req = job.request
-    t = d._now()
+    t = d.loop.now()
     d.state.advance(t)
-    d._jobs[req.id] = job
+    d.jobs.add(job)
     traj = d.trajectories.arrived(req, t)
     if req.argv and d.sandboxes is not None and d.sandboxes.isolated:
         if not d.gate.ready_for(job, traj):
             return  # held until its sandbox is ready (it waits for memory or starts)
-    d._submit(job, traj)
+    d.submit_job(job, traj)
 
 
-def submit(d: Dispatcher, job: Job, traj: Trajectory | None) -> None:
+def submit(d: AdmissionHost, job: Job, traj: Trajectory | None) -> None:
     """Queue an accepted job in the state: the scheduler sees it from now on."""
     req = job.request
     state = d.state
-    t = d._now()
+    t = d.loop.now()
     state.advance(t)
-    if d._given_estimates and req.est_s is not None:
+    if d.given_estimates and req.est_s is not None:
         est = req.est_s
     else:
         est = d.cost.estimate(req.signature, req.est_s)
@@ -195,13 +223,11 @@ def submit(d: Dispatcher, job: Job, traj: Trajectory | None) -> None:
         endpoint=req.endpoint, tokens=req.tokens, reward=req.reward,
         start_by_s=d.sharing.start_by(job))
     # Submitted when it was first accepted (a re-queued request keeps its age).
-    submit_t = min(t, job.queued_at - d._wall0)
-    a = Action(d._next_action, spec, req.task, traj, req.turn, submit_t)
-    d._next_action += 1
-    job.action = a
-    d._by_action[a.id] = job
+    submit_t = min(t, job.queued_at - d.loop.wall0)
+    a = d.jobs.new_action(job, lambda aid: Action(aid, spec, req.task, traj, req.turn,
+                                                   submit_t))
     state.submit(a)
-    d._kick()
+    d.loop.kick()
 
 
 def taken(rid: str) -> str:

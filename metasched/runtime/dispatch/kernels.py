@@ -17,15 +17,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
+from metasched.runtime.backend import Backend
+from metasched.runtime.dispatch.shared import Shared
 from metasched.runtime.launch import launch
 from metasched.runtime.process import Process
 
-if TYPE_CHECKING:
-    from metasched.runtime.dispatch.dispatcher import Dispatcher
+__all__ = ["CELL_CLIENT", "DRIVER", "DRIVER_PATH", "SOCKET", "KernelHost", "Kernels"]
 
-__all__ = ["CELL_CLIENT", "DRIVER", "DRIVER_PATH", "SOCKET", "Kernels"]
+
+class KernelHost(Shared, Protocol):
+    """What the kernels ask of their dispatcher
+    (the :class:`~.dispatcher.Dispatcher`)."""
+
+    backend: Backend
+    base_env: dict[str, str]
+    cores: list[int]
+    sandboxes: Any  # the backend's sandboxes (made at start)
+
 
 log = logging.getLogger("metasched.dispatch")
 
@@ -148,7 +158,7 @@ sys.stdout.write(data.decode())
 class Kernels:
     """The kernels of dispatcher ``d``'s trajectories (see the module docstring)."""
 
-    def __init__(self, d: Dispatcher) -> None:
+    def __init__(self, d: KernelHost) -> None:
         self.d = d
         self.running: dict[str, tuple[Process, asyncio.Task]] = {}
 
@@ -171,12 +181,12 @@ class Kernels:
         if sandbox is None or run_dir is None or not d.cores:
             return f"trajectory {trajectory!r} has no sandbox on this machine"
         proc = launch([python, DRIVER_PATH, SOCKET], cores=list(d.cores), timeout_s=lifetime_s,
-                      env=d._base_env, sandboxes=d.sandboxes, sandbox=sandbox,
+                      env=d.base_env, sandboxes=d.sandboxes, sandbox=sandbox,
                       cwd_root=run_dir.path,
                       pids_max=d.config.sandbox.pids_max,
                       mem_limit_mb=mem_limit_mb or d.config.limits.mem_mb,
                       tail_bytes=d.config.tail_bytes)
-        task = d._loop.create_task(self._watch(trajectory, proc))
+        task = d.loop.task(self._watch(trajectory, proc))
         self.running[trajectory] = (proc, task)
         return None
 
