@@ -199,8 +199,10 @@ class ObservationEncoder:
         grants = self._ask_advisor(state)
         advice = {i: self._size_frac(state, g) for i, g in grants.items()}
         p = state.pending
-        merged = heapq.merge(p["cpu"].values(), p["gpu"].values(), p["api"].values(),
-                             key=lambda a: (a.submit_t, a.id))
+        queues = [q for q in (p["cpu"], p["gpu"], p["api"]) if q]
+        # one queue is already in its order: merged, it would be the same, at a key each
+        merged = (iter(queues[0].values()) if len(queues) == 1 else
+                  heapq.merge(*(q.values() for q in queues), key=lambda a: (a.submit_t, a.id)))
         k = self.cfg.k_slots
         advised: list[Action] = []
         ready: list[Action] = []
