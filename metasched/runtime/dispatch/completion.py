@@ -30,8 +30,6 @@ class CompletionHost(Shared, Protocol):
     trajectories: Trajectories
     writer: JournalWriter | None
 
-    def schedule(self) -> None: ...
-
     def note_started(self, promoted: list[Action]) -> None: ...
 
     def finish_job(self, job: Job, result: Result) -> None: ...
@@ -60,10 +58,10 @@ def complete(d: CompletionHost, job: Job, out: Outcome) -> None:
         if a.spec.kind != "gpu":
             if a.spec.kind == "cpu" and d.executors.core_waiters:
                 d.executors.serve_core_waiters()
-            # Now, not a loop turn later, and before the result is built and
-            # journaled: the time from an exit to the next start is what leaves a
-            # freed core idle.
-            d.schedule()
+            # Now (the turn's first exit), not a loop turn later, and before the result
+            # is built and journaled: the time from an exit to the next start is what
+            # leaves a freed core idle. The turn's later exits share one pass after it.
+            d.loop.pass_now()
     finally:
         attempts = out.attempts if a.spec.kind == "api" else job.attempts
         d.finish_job(job, Result(

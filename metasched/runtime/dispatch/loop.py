@@ -32,6 +32,7 @@ class DispatchLoop:
         self.aio: asyncio.AbstractEventLoop | None = None  # set by bind() (at start)
         self.closed = False  # nothing new starts once set
         self._kick_pending = False
+        self._turn_passed = False  # a pass ran for an event of this loop turn
         self._wake: asyncio.TimerHandle | None = None  # the next quota refill or deadline
 
     def bind(self) -> None:
@@ -60,6 +61,22 @@ class DispatchLoop:
         if not self._kick_pending and self.aio is not None and not self.closed:
             self._kick_pending = True
             self.aio.call_soon(self._on_pass)
+
+    def pass_now(self) -> None:
+        """A pass now, for the first event of a loop turn that frees resources (the
+        time from an exit to the next start is what leaves a freed core idle); the
+        turn's later ones get one pass after the turn (:meth:`kick`), not one each: a
+        frame of results from a node is one pass or two, not one per result."""
+        if self._turn_passed:
+            self.kick()
+            return
+        self._turn_passed = True
+        assert self.aio is not None, "not started"
+        self.aio.call_soon(self._next_turn)
+        self._on_pass()
+
+    def _next_turn(self) -> None:
+        self._turn_passed = False
 
     def pass_started(self) -> None:
         """A scheduling pass runs now (asked for or not): a kick from here on asks for
