@@ -43,7 +43,8 @@ __all__ = ["ESTIMATES", "SimulationError", "Simulator", "cost_model_for"]
 
 # Event types, in the order events at the same instant are handled. SHARE: a queued
 # action reaches its latest start (metasched.core.deadlines).
-END, DEVICE_FREE, ARRIVE, INDEPENDENT, WAKE, DEADLINE, STEP, SHARE = range(8)
+# GEN: a generation pool's replica reaches a step boundary (metasched.sim.generation).
+END, DEVICE_FREE, ARRIVE, INDEPENDENT, WAKE, DEADLINE, STEP, SHARE, GEN = range(9)
 
 
 class SimulationError(RuntimeError):
@@ -95,6 +96,11 @@ class Simulator:
     A cpu action runs its command's start-up (``cluster.cpu_launch_s``, or a log-normal
     draw around it when ``cluster.cpu_launch_sigma`` > 0, from the run's own generator)
     plus its true duration at the granted cores, holding the cores throughout.
+
+    Generation: with the profile's ``generation`` set, each turn's LLM generation is a
+    request to a pool of inference replicas (:mod:`metasched.sim.llm_turns`,
+    :mod:`metasched.sim.generation`) instead of a fixed gap; without it (every
+    profile's default) the run is as it always was.
 
     Deadlines: an action whose spec has ``start_by_s`` and is still queued then is started
     time-shared on busy cores, and its node's actions slow down while it is
@@ -170,6 +176,13 @@ class Simulator:
         # into its own heap)
         self.sharing = NodeSharing([cluster.cores_per_node] * cluster.cpu_nodes,
                                    self._push_moved_end)
+        # The LLM's generation as a pool (a profile's ``generation:``); None: each turn's
+        # generation is a fixed gap, as always.
+        self.llm = None
+        if workload.generation is not None:
+            from metasched.sim.llm_turns import LLMTurns
+
+            self.llm = LLMTurns(self, workload.generation, seed, GEN, ARRIVE)
         self.rollout = None
         if workload.max_offpolicyness is not None:
             from metasched.sim.async_rollout import AsyncRollout
@@ -358,6 +371,8 @@ class Simulator:
                 self._start_next_step()
             elif etype == WAKE:  # tokens have refilled; nothing to do but ask again
                 self._wake_at.pop(obj, None)
+            elif etype == GEN:
+                self.llm.pool.on_event(obj, t)
             # DEADLINE: an action reached the guard's limit; the guard acts next
             # SHARE: an action reached its latest start; the deadline rule acts next
             if self.check_invariants:
@@ -426,9 +441,14 @@ class Simulator:
             return
         nxt = self._next_turn[traj.id]
         if nxt < traj.n_turns:
-            self._push(self.state.t + traj.turns[nxt].gen_s, ARRIVE, traj)
+            if self.llm is not None:
+                self.llm.turn(traj, nxt, self.state.t)
+            else:
+                self._push(self.state.t + traj.turns[nxt].gen_s, ARRIVE, traj)
             return
         del self._next_turn[traj.id]
+        if self.llm is not None:
+            self.llm.close(traj)
         self.turns_done.pop(traj.id, None)
         traj.end_t = self.state.t
         if self.predictor is not None:
@@ -498,6 +518,9 @@ class Simulator:
         """``traj``'s sandbox is placed: its first action arrives after the first LLM
         generation, which sandbox creation overlaps."""
         startup = traj.sandbox.startup_s if traj.sandbox is not None else 0.0
+        if self.llm is not None:
+            self.llm.open(traj, self.state.t, startup)
+            return
         self._push(self.state.t + max(traj.turns[0].gen_s, startup), ARRIVE, traj)
 
     def _schedule_api_wakeups(self) -> None:

@@ -2,7 +2,9 @@
 
 A trace holds a :class:`~metasched.sim.sampling.WorkloadInstance` one JSON object per line:
 ``{"type": "trajectory", ...}`` lines (grouped into RL steps by their ``step``) and
-``{"type": "action", ...}`` lines (independent actions with explicit arrival times).
+``{"type": "action", ...}`` lines (independent actions with explicit arrival times);
+``{"type": "generation", ...}`` lines (LLM turns a generation pool served:
+:class:`~metasched.core.engine.GenerationLine`) are read for calibration, not replayed.
 Blank lines and lines starting with ``#`` are ignored. The format is described for users
 in ``docs/concepts/traces.md``.
 
@@ -22,7 +24,9 @@ from typing import Any
 
 from metasched.core.actions import KINDS, ActionSpec, SandboxSpec, Turn
 from metasched.core.cluster_config import ClusterConfig, parse_cluster
+from metasched.core.engine import GenerationLine
 from metasched.core.pools import ServiceSpec
+from metasched.core.schema import parse
 from metasched.core.validate import Field, json_object, number, required, short, string
 from metasched.errors import ConfigError, one_of
 from metasched.sim.sampling import (
@@ -94,6 +98,7 @@ class TraceRecord:
     action: IndependentAction | None = None
     measured: Measured | None = None
     header: TraceHeader | None = None
+    generation: GenerationLine | None = None
 
 
 def _parse_action(value: Any, at: Field) -> ActionSpec:
@@ -258,8 +263,11 @@ def _parse_record(text: str, loc: str, lineno: int = 0) -> TraceRecord:
         return TraceRecord(lineno, action=action, measured=measured)
     if kind == "cluster":
         return TraceRecord(lineno, header=_parse_header(d, at))
-    raise ConfigError(str(at["type"]),
-                      f'must be "trajectory", "action" or "cluster" (got {short(kind)})')
+    if kind == "generation":
+        line = parse(GenerationLine, {k: v for k, v in d.items() if k != "type"}, loc)
+        return TraceRecord(lineno, generation=line)
+    raise ConfigError(str(at["type"]), f'must be "trajectory", "action", "cluster" or '
+                      f'"generation" (got {short(kind)})')
 
 
 # ---------------------------------------------------------------- reading and writing
