@@ -313,6 +313,11 @@ class Simulator:
         self._seq += 1
         heapq.heappush(self._heap, (t, etype, self._seq, obj))
 
+    def push_event(self, t: float, etype: int, obj: object) -> None:
+        """An event of type ``etype`` at ``t`` (for the parts the simulator composes:
+        the generation pool's turns)."""
+        self._push(t, etype, obj)
+
     def _push_cpu_end(self, a: Action, t: float) -> None:
         """The end of cpu action ``a`` started at ``t`` on its ``a.cores``."""
         launch = self._launch_s
