@@ -13,7 +13,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -c $(CONSTRAINTS) -e '.[dev,train,ray,docs,e2b]'
+	$(PIP) install --quiet -c $(CONSTRAINTS) -e '.[dev,train,ray,docs,e2b,predict]'
 	@$(MAKE) --no-print-directory sandbox-tools
 	touch $(STAMP)
 
@@ -46,9 +46,10 @@ install: $(STAMP)
 
 # The first run: the step story at a tool-bound point in GRPO prompt groups (576 code-tool
 # trajectories on 10 cores), today's practice, the best heuristics by ACT and by step, the
-# slack rule on static estimates and fed the learned predictor, and the shipped policy.
+# slack rule on static estimates and fed the learned predictor, the shipped policy, and
+# the meta-policies over the rules (objective step, objective ACT).
 RUN_ARGS ?= workload=retool_grouped_c10 \
-	'schedulers=[static,rate_greedy,critical_path,slack_first,slack_first_predicted,checkpoints/default]'
+	'schedulers=[static,rate_greedy,critical_path,slack_first,slack_first_predicted,checkpoints/default,checkpoints/meta_step,checkpoints/meta_act]'
 
 run: $(STAMP)
 	$(VENV)/bin/metasched-eval $(RUN_ARGS)

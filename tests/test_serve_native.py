@@ -211,3 +211,25 @@ def test_the_openapi_document_builds_without_warnings():
     proxy = paths["/v1/endpoints/{name}/{path}"]
     assert {op["operationId"] for op in proxy.values()} == {
         f"proxy_{m}" for m in ("get", "post", "put", "patch", "delete")}
+
+
+def test_a_prompt_id_is_its_clients_alone():
+    tokens = {"a": "a" * 16 + "-client-token", "b": "b" * 16 + "-client-token"}
+    with serving(config=ServeConfig(languages=[], tokens=tokens)) as s:
+        def act(client: str, trajectory: str, how: str) -> None:
+            auth = {"Authorization": f"Bearer {tokens[client]}"}
+            if how == "header":
+                r = httpx.post(f"{s.url}/v1/actions", json={
+                    "kind": "cpu", "argv": ["true"], "trajectory": trajectory},
+                    headers={**auth, "X-Prompt-Id": "shared"}, timeout=60)
+            else:
+                r = httpx.post(f"{s.url}/v1/actions", json={
+                    "kind": "cpu", "argv": ["true"], "trajectory": trajectory,
+                    "prompt": "shared"}, headers=auth, timeout=60)
+            assert r.status_code in (200, 202), r.text
+
+        act("a", "ta1", "body")
+        act("a", "ta2", "header")
+        act("b", "tb1", "body")  # names a's prompt id: a group of its own
+        prompts = {t: s.dispatcher.trajectories.get(t).prompt for t in ("ta1", "ta2", "tb1")}
+        assert prompts["ta1"] == prompts["ta2"] != prompts["tb1"]

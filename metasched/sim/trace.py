@@ -16,6 +16,7 @@ one-line message naming the file, the line number and the field, e.g.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 from collections.abc import Iterator
@@ -281,11 +282,18 @@ def scan_trace(path: PathLike) -> Iterator[TraceRecord]:
         ConfigError: as :func:`read_trace` (except that an empty file yields nothing).
     """
     name = str(path)
-    try:
-        f = open(path, "rb")  # noqa: SIM115 - closed below
+    try:  # a name ending in .gz is read through gzip
+        f = (gzip.open(path, "rb") if name.endswith(".gz")  # noqa: SIM115 - closed below
+             else open(path, "rb"))  # noqa: SIM115
     except OSError as e:
         raise ConfigError(name, f"cannot read trace ({e.strerror or type(e).__name__})") from None
     with f:
+        yield from _scan_lines(f, name)
+
+
+def _scan_lines(f, name: str) -> Iterator[TraceRecord]:
+    lineno = 0
+    try:
         for lineno, raw in enumerate(f, start=1):
             loc = f"{name}:{lineno}"
             try:
@@ -295,6 +303,8 @@ def scan_trace(path: PathLike) -> Iterator[TraceRecord]:
             if not text or text.startswith("#"):
                 continue
             yield _parse_record(text, loc, lineno)
+    except (OSError, EOFError) as e:  # a damaged gzip stream
+        raise ConfigError(f"{name}:{lineno + 1}", f"cannot read trace ({e})") from None
 
 
 def read_trace(path: PathLike) -> WorkloadInstance:

@@ -8,6 +8,7 @@ sandbox is ready."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -25,7 +26,14 @@ from metasched.runtime.dispatch.trajectories import Trajectories
 from metasched.runtime.gpu import GpuHost, LiveDevice
 from metasched.runtime.journal import Journal
 from metasched.runtime.journal_rows import StoredRequest, store
-from metasched.runtime.requests import FAILED, REJECTED, Request, Result, parse_request
+from metasched.runtime.requests import (
+    CANCELLED,
+    FAILED,
+    REJECTED,
+    Request,
+    Result,
+    parse_request,
+)
 
 
 class AdmissionHost(Shared, Protocol):
@@ -50,6 +58,11 @@ class AdmissionHost(Shared, Protocol):
     def submit_job(self, job: Job, traj: Trajectory | None) -> None: ...
 
     def finish_job(self, job: Job, result: Result) -> None: ...
+
+log = logging.getLogger("metasched.dispatch")
+# The reason of a recovered request finished unrun because its caller could not come back.
+RESTART_REASON = ("restart: the dispatcher restarted after this request's caller had "
+                  "gone with its connection (on_restart: cancel)")
 
 
 class Admission:
@@ -113,36 +126,70 @@ class Admission:
         self.d.enqueue_job(Job(req, future, stored.queued_at, attempts))
         return future
 
-    def recover(self) -> None:
-        """Re-queue what a previous dispatcher accepted but did not finish."""
+    def recover(self, left: list[tuple[str, str, int]]) -> None:
+        """Finish or re-queue what a previous dispatcher accepted but did not finish, by
+        each request's ``on_restart``: ``cancel`` (its caller waited on a connection
+        that died with that dispatcher) is finished ``cancelled``; ``run`` is queued
+        again, its trajectory ending once its recovered actions have (a sandbox does
+        not survive a crash: a later request naming it opens it anew). A row this
+        version cannot run (written by an older one, or damaged) is finished
+        ``failed`` with the reason, and reported once, never fatal. ``left``: the
+        journal's unfinished rows as this dispatcher found them at its start (rows it
+        wrote itself are its own); ids accepted here since, or finished, are left
+        alone."""
         d = self.d
-        for key, text, attempts in d.journal.unfinished():
+        skipped: list[str] = []
+        cancelled = 0
+        trajectories: set[str] = set()
+        for key, text, attempts in left:
+            if d.jobs.get(key) is not None or d.journal.status(key) == "finished":
+                continue
             try:
                 stored = StoredRequest.parse(text)
-            except ValueError:
+            except (ValueError, TypeError):
                 stored = StoredRequest(time.time(), "", None)
             if stored.env_withheld:  # runs once resubmitted with its env (see accept)
                 self.held[key] = (stored, attempts)
                 continue
             queued_at = stored.queued_at
-            future = d.loop.future()
             doc = stored.request or {}
+            if doc.get("on_restart") == "cancel":
+                self._finish_recovered(key, queued_at, attempts, CANCELLED, RESTART_REASON)
+                cancelled += 1
+                continue
             try:
                 if stored.request is None:
-                    raise ConfigError(f"journal:{key}", "unreadable in the journal")
-                req = self.check(parse_request(doc, f"journal:{key}"))
+                    raise ConfigError(f"journal:{key[:40]}", "unreadable in the journal")
+                req = self.check(parse_request(doc, f"journal:{key[:40]}"))
             except ConfigError as e:
                 why = ("not replayable after a restart (an api call given as a Python "
                        "callable): resubmit it" if doc.get("kind") == "api"
                        and "http" not in doc else f"cannot run here: {e}")
-                # A placeholder (not validated: it never runs) to carry the failure.
-                job = Job(Request.model_construct(kind="cpu", timeout_s=1.0, id=key),
-                          future, queued_at, attempts)
-                d.jobs.add(job)
-                d.finish_job(job, Result(key, FAILED, why, queued_at=queued_at,
-                                          finished_at=time.time(), attempts=attempts))
+                self._finish_recovered(key, queued_at, attempts, FAILED, why)
+                skipped.append(why)
                 continue
-            d.enqueue_job(Job(req, future, queued_at, attempts))
+            d.enqueue_job(Job(req, d.loop.future(), queued_at, attempts))
+            if req.trajectory is not None:
+                trajectories.add(req.trajectory)
+        for name in trajectories:
+            d.trajectories.end(name)
+        if cancelled:
+            log.info("journal: %d requests whose callers could not come back were "
+                     "cancelled (on_restart: cancel)", cancelled)
+        if skipped:
+            log.warning("journal: %d requests could not be recovered, finished failed "
+                        "(first: %s)", len(skipped), skipped[0][:300])
+
+    def _finish_recovered(self, key: str, queued_at: float, attempts: int, status: str,
+                          why: str) -> None:
+        """Finish a recovered row that will not run, with ``why``."""
+        d = self.d
+        # A placeholder (not validated: it never runs) to carry the result.
+        job = Job(Request.model_construct(kind="cpu", timeout_s=1.0, id=key),
+                  d.loop.future(), queued_at, attempts)
+        d.jobs.add(job)
+        d.finish_job(job, Result(key, status, why, queued_at=queued_at,
+                                  finished_at=time.time(), attempts=attempts))
 
     def check(self, req: Request) -> Request:
         """What the request asks of this dispatcher's resources (ConfigError if it can

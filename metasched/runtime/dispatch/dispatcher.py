@@ -22,6 +22,7 @@ import logging
 import sqlite3
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -128,6 +129,10 @@ class Dispatcher:
         if predictor is not None and cfg.predictor:
             raise ConfigError("predictor", "a trace to fit on or a fitted predictor, not both")
         if predictor is None and cfg.predictor:
+            if cfg.trace and Path(cfg.trace).resolve() == Path(cfg.predictor).resolve():
+                raise ConfigError("predictor", "fit it on another trace than the one this "
+                                  f"run records to ({cfg.trace}): its figures would be read "
+                                  "off its own training data")
             predictor = fit_predictor(cfg.predictor)
         self.cost = CostModel(cfg.cost_alpha, cfg.default_est_s, predictor=predictor)
         self.state.predictor = self.cost.predictor
@@ -167,6 +172,7 @@ class Dispatcher:
         self.n_decisions = 0
         self.n_rejected = 0
         self._ticker: asyncio.Task | None = None
+        self._left: list[tuple[str, str, int]] | None = None  # the journal's, until recovered
         if self._owns_backend:  # its run directory's place; NVML is held from now on
             backend.open(self.workdir)
         self.executors = backend.EXECUTORS(self, backend)
@@ -181,8 +187,9 @@ class Dispatcher:
     async def __aexit__(self, exc_type, exc, tb) -> None:
         await self.close(drain=exc_type is None)
 
-    async def start(self) -> None:
-        """Load the scheduler, set up sandboxes, recover the journal, start sampling.
+    async def start(self, *, recover: bool = True) -> None:
+        """Load the scheduler, set up sandboxes, recover the journal (unless
+        ``recover`` is false: then :meth:`recover` does, later), start sampling.
         A start that fails or is interrupted (cancelled, Ctrl-C) closes what it had
         opened, the journal's lock included, before the error goes on.
 
@@ -191,12 +198,26 @@ class Dispatcher:
                 what is missing).
         """
         try:
-            await self._start_up()
+            await self._start_up(recover)
         except BaseException:
             await self.close(drain=False)
             raise
 
-    async def _start_up(self) -> None:
+    def recover(self) -> None:
+        """Take up what a previous dispatcher on this journal left unfinished (see
+        :meth:`Admission.recover`): after ``start(recover=False)``, once the caller is
+        ready (a service that has probed its languages, so that its own start does
+        not wait behind recovered work). Ids accepted since stay with their jobs."""
+        if self.journal is None or self._left is None:
+            return
+        left, self._left = self._left, None
+        try:
+            self.admission.recover(left)
+        except sqlite3.DatabaseError as e:
+            self._unreadable(e)
+        self.loop.kick()
+
+    async def _start_up(self, recover: bool) -> None:
         self.loop.bind()
         self.scheduler = load_scheduler(self, self._scheduler_given)
         endpoints = self.state.api.endpoints.values()
@@ -215,10 +236,12 @@ class Dispatcher:
         # Each node's commands are confined there (this machine's here).
         self.sandboxes = await self.backend.start_sandboxes(self.config.sandbox, self._hidden())
         if self.journal is not None:
-            try:
-                self.admission.recover()
+            try:  # what the previous dispatcher left, before this one accepts anything
+                self._left = self.journal.unfinished()
             except sqlite3.DatabaseError as e:
                 self._unreadable(e)
+        if recover:
+            self.recover()
         self._ticker = asyncio.create_task(self._tick())
         self.sharing.start()
         self.loop.kick()

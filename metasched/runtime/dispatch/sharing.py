@@ -12,8 +12,9 @@ dispatcher, and no granted core that sits idle keeps a command waiting.
   ``deadlines.on_deadline: refuse`` it is failed then instead (``deadline: ...``).
   Commands on a backend's nodes (Ray) do not time-share: there a command at its latest
   start waits its turn, unless refused.
-  A request recovered from the journal after a restart has no deadline: its caller
-  has gone. A trajectory's first command waiting for sandbox memory at its latest
+  A command recovered from the journal after a restart has ``deadlines.recovered_s``
+  from the restart to start, and is refused then (its caller's connection has gone).
+  A trajectory's first command waiting for sandbox memory at its latest
   start gets its sandbox then, the memory overcommitted (a workspace's size caps what
   it may hold; what it holds is mostly far less), as a host runs more sandboxes than
   their caps add up to.
@@ -96,12 +97,19 @@ class Sharing:
     def start_by(self, job: Job) -> float | None:
         """The latest start of ``job`` after its acceptance (None: no deadline)."""
         req = job.request
-        if req.kind != "cpu" or job.queued_at < self.d.loop.wall0:
-            return None  # only commands time-share; a recovered request's caller is gone
+        if req.kind != "cpu":
+            return None  # only commands time-share
+        if self.recovered(job):  # from the restart on
+            due = self.cfg.recovered_s
+            return None if due is None else self.d.loop.wall0 - job.queued_at + due
         deadline = req.deadline_s if req.deadline_s is not None else self.cfg.default_s
         if deadline is None:
             return None
         return deadline - req.timeout_s - self.cfg.margin_s
+
+    def recovered(self, job: Job) -> bool:
+        """Whether ``job`` was recovered from the journal (accepted before this start)."""
+        return job.queued_at < self.d.loop.wall0
 
     def serve(self) -> None:
         """Act on the commands whose latest start has come (before the scheduler is
@@ -141,7 +149,7 @@ class Sharing:
 
     def _due(self, a: Action, node: int) -> None:
         d = self.d
-        if self.cfg.on_deadline == "refuse":
+        if self.cfg.on_deadline == "refuse" or self.recovered(d.jobs.of_action(a.id)):
             # A loop turn later: failing it completes it, which schedules again.
             d.loop.call_soon(self._refuse, a)
             return
@@ -159,9 +167,11 @@ class Sharing:
         d.state.start_shared(a, max(a.node, 0))
         self.n_refused += 1
         waited = d.loop.wall0 + d.state.t - job.queued_at
-        d.complete(job, Outcome(False, f"{DEADLINE_REASON} not started after {waited:.1f} s "
-                                 f"in the queue, with {job.request.timeout_s:g} s to run "
-                                 f"before its caller's deadline"))
+        why = (f"not started within {self.cfg.recovered_s:g} s of the restart that "
+               f"recovered it (deadlines.recovered_s)" if self.recovered(job) else
+               f"not started after {waited:.1f} s in the queue, with "
+               f"{job.request.timeout_s:g} s to run before its caller's deadline")
+        d.complete(job, Outcome(False, f"{DEADLINE_REASON} {why}"))
 
     def least_shared(self, k: int) -> list[int]:
         """``k`` core ids with the fewest time-shared commands (lowest id on ties)."""
