@@ -63,8 +63,11 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m ''
 
+# ruff, then the import contracts of pyproject.toml and no import circles, checked on
+# the package as it installs (tools/import_contracts.py).
 lint: $(STAMP)
-	$(VENV)/bin/ruff check metasched envs agents tests benchmarks
+	$(VENV)/bin/ruff check metasched envs agents tests benchmarks tools
+	$(PY) tools/import_contracts.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/sim_throughput.py

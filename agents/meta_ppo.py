@@ -26,7 +26,7 @@ from metasched.agents.meta_policy import MetaNetwork
 
 @dataclass(frozen=True)
 class PPOSettings:
-    """PPO's settings for the choice (see ``configs/meta_train.yaml``)."""
+    """PPO's settings for the choice (see ``configs/train-meta.yaml``)."""
 
     iterations: int = 300
     samples: int = 4          # actions sampled per instance per iteration

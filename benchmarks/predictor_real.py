@@ -19,6 +19,10 @@ Designs: ``shrinkage``, ``linear``, ``boost`` (:mod:`metasched.core.predictor`),
 :mod:`metasched.core.prompt_features`), ``gbm_no_prompt`` (LightGBM without the prompt's
 features), and ``bound``: ``gbm`` told, beside every feature, the true mean log total time
 of the test trajectory's prompt over its runs (what knowing the prompt exactly is worth).
+
+The sources' traces are not kept in the repository: write them first with
+``benchmarks/real_traces.py`` from the public repositories
+(``benchmarks/data/real/SOURCES.md`` gives the commands).
 """
 
 from __future__ import annotations
@@ -34,14 +38,17 @@ from metasched.core.predictor import REWARD, Predictor, TrajRecord, fit_gbm, rec
 from metasched.core.prompt_features import read_prompts
 from metasched.sim.trace import read_trace
 
-DATA = Path(__file__).resolve().parent / "data" / "real"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from real_traces import OUT as DATA  # noqa: E402  (where the converter writes them)
+from real_traces import produced  # noqa: E402
+
 DESIGNS = ("shrinkage", "linear", "boost", "gbm", "gbm_no_prompt", "bound")
 
 
 def load(source: str) -> tuple[list[TrajRecord], dict]:
     """A source's records (group ``(step, prompt)``) and prompts."""
-    recs = records_of(read_trace(DATA / f"{source}.jsonl.gz").steps)
-    return recs, read_prompts(DATA / f"{source}.prompts.jsonl.gz")
+    recs = records_of(read_trace(produced(DATA / f"{source}.jsonl.gz")).steps)
+    return recs, read_prompts(produced(DATA / f"{source}.prompts.jsonl.gz"))
 
 
 def prompt_of(r: TrajRecord) -> str:

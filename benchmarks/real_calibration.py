@@ -12,12 +12,16 @@ that recording with ``metasched-calibrate``'s code, samples ``--steps`` RL steps
 profile and prints each share beside the trace's, with the plain share of group means
 (the variance of the prompts' means over the total; biased upward for small groups) for
 comparison.
+
+The trace is not kept in the repository: write it first with ``benchmarks/real_traces.py``
+from the public repositories (``benchmarks/data/real/SOURCES.md`` gives the commands).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -32,6 +36,9 @@ from metasched.sim.groups import anova_share
 from metasched.sim.sampling import sample_workload
 from metasched.sim.trace import read_trace
 from metasched.sim.workload_config import parse_workload
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from real_traces import produced  # noqa: E402  (the traces are written, not kept)
 
 ROWS = ("turns", "tool_s", "generation_total_s")
 
@@ -67,7 +74,7 @@ def main() -> None:
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    trace = read_trace(a.trace)
+    trace = read_trace(produced(a.trace))
     source = group_figures(records_of(trace))
     # An uncontended replay: one node with a core for every trajectory of a step.
     width = max(len(s) for s in trace.steps) * 4

@@ -1,14 +1,19 @@
 """Convert public agent trajectories with per-turn timings into the trace format.
 
-    python benchmarks/real_traces.py --agentcgroup PATH/TO/agentcgroup.git \\
-        --mini-swe-agent PATH/TO/mini-swe-agent.git [--out benchmarks/data/real]
+    python benchmarks/real_traces.py --agentcgroup PATH/TO/agentcgroup \\
+        --agentcgroup-commit 5af9e7b8f37a93513206c331c7ec0ff149e89f27 \\
+        --mini-swe-agent PATH/TO/mini-swe-agent \\
+        --mini-swe-agent-commit d12a71affd95403b036b2bdbd827349b77bfffb9 \\
+        [--out benchmarks/data/real]
 
-Each source is a git directory (read with ``git show``, at ``HEAD`` or ``--*-commit``);
-the output is one gzipped JSONL trace per source (``trajectory`` lines with prompt ids,
-replayable with ``workload.trace=``) and one gzipped JSONL of its prompts (``prompt``,
-``repo``, ``language``, ``text``: what a framework knows before the first turn).
-``benchmarks/data/real/SOURCES.md`` names each source, its license, its commit and what
-each field is made of. Nothing here reaches the network.
+Each source is a clone of its public repository (a checkout or a bare git directory, read
+with ``git show`` at ``HEAD`` or ``--*-commit``, so the checkout's files are not read);
+the output, written into ``--out`` (git ignores the generated files there), is one
+gzipped JSONL trace per source (``trajectory`` lines with prompt ids, replayable with
+``workload.trace=``) and one gzipped JSONL of its prompts (``prompt``, ``repo``,
+``language``, ``text``: what a framework knows before the first turn).
+``benchmarks/data/real/SOURCES.md`` names each source, its license, its commit, how to
+clone it and what each field is made of. Nothing here reaches the network.
 
 ``agentcgroup``: Claude Code runs on SWE-rebench instances (two models; some instances
 run several times): every tool call's start and end (ms). A turn is a tool call; its
@@ -41,17 +46,23 @@ NOMINAL_S = 0.001  # an action the source does not time
 TIMEOUT_S = 3600.0
 PROMPT_CHARS = 4000  # the prompt text kept per prompt (the issue's statement)
 STEP_TRAJECTORIES = 24  # about this many trajectories per RL step; a prompt's runs together
+OUT = Path(__file__).resolve().parent / "data" / "real"  # where the benchmarks read them
+MINI_SWE_AGENT_TRAJS = "swebench_results/20251118_gemini-3-pro-74pct/trajs"
 
 
 class Git:
-    """Read files of one commit of a git directory."""
+    """Read files of one commit of a clone (a checkout or a bare git directory)."""
 
-    def __init__(self, gitdir: str, commit: str = "HEAD") -> None:
-        self.gitdir, self.commit = gitdir, commit
-        self.sha = self._run("rev-parse", commit).strip()
+    def __init__(self, repo: str, commit: str = "HEAD") -> None:
+        self.repo, self.commit = repo, commit
+        r = subprocess.run(["git", "-C", repo, "rev-parse", "--verify", f"{commit}^{{commit}}"],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise SystemExit(f"error: {repo}: no commit {commit} in a git repository there")
+        self.sha = r.stdout.strip()
 
     def _run(self, *args: str) -> str:
-        return subprocess.run(["git", "--git-dir", self.gitdir, *args], check=True,
+        return subprocess.run(["git", "-C", self.repo, *args], check=True,
                               capture_output=True, text=True).stdout
 
     def files(self, under: str) -> list[str]:
@@ -60,9 +71,20 @@ class Git:
 
     def text(self, path: str) -> str | None:
         """A file's text (None if absent)."""
-        r = subprocess.run(["git", "--git-dir", self.gitdir, "show", f"{self.sha}:{path}"],
+        r = subprocess.run(["git", "-C", self.repo, "show", f"{self.sha}:{path}"],
                            capture_output=True, text=True)
         return r.stdout if r.returncode == 0 else None
+
+
+def produced(path: str | Path) -> Path:
+    """``path``, or a one-line exit saying how to produce it where it is absent (the real
+    traces are written by this converter, not kept in the repository)."""
+    path = Path(path)
+    if not path.exists():
+        raise SystemExit(f"error: {path} is absent: write it with benchmarks/real_traces.py "
+                         "from the public repositories (benchmarks/data/real/SOURCES.md "
+                         "gives the commands)")
+    return path
 
 
 def _t(stamp: str) -> float:
@@ -240,23 +262,27 @@ def write(runs: list[dict], out: Path, source: str) -> tuple[int, int, int]:
     return len(runs), len(by_prompt), n_turns
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """The command line (``argv``: its arguments; None: ``sys.argv``'s)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--agentcgroup", help="git directory of the agentcgroup repository")
+    ap.add_argument("--agentcgroup", help="a clone of the agentcgroup repository")
     ap.add_argument("--agentcgroup-commit", default="HEAD")
-    ap.add_argument("--mini-swe-agent", help="git directory of the mini-swe-agent fork with "
-                    "the Gemini 3 Pro SWE-bench Verified trajectories")
+    ap.add_argument("--mini-swe-agent", help="a clone of the mini-swe-agent fork with the "
+                    "Gemini 3 Pro SWE-bench Verified trajectories")
     ap.add_argument("--mini-swe-agent-commit", default="HEAD")
-    ap.add_argument("--out", default="benchmarks/data/real")
-    a = ap.parse_args()
-    out = Path(a.out)
+    ap.add_argument("--out", type=Path, default=OUT,
+                    help="folder to write into (default: benchmarks/data/real)")
+    a = ap.parse_args(argv)
+    if not (a.agentcgroup or a.mini_swe_agent):
+        ap.error("give --agentcgroup, --mini-swe-agent or both")
+    out = a.out
     if a.agentcgroup:
         g = Git(a.agentcgroup, a.agentcgroup_commit)
         n = write(list(agentcgroup_runs(g)), out, "agentcgroup")
         print(f"agentcgroup @ {g.sha}: {n[0]} trajectories, {n[1]} prompts, {n[2]} turns")
     if a.mini_swe_agent:
         g = Git(a.mini_swe_agent, a.mini_swe_agent_commit)
-        runs = list(mini_swe_agent_runs(g, "swebench_results/20251118_gemini-3-pro-74pct/trajs"))
+        runs = list(mini_swe_agent_runs(g, MINI_SWE_AGENT_TRAJS))
         n = write(runs, out, "mini_swe_agent")
         print(f"mini_swe_agent @ {g.sha}: {n[0]} trajectories, {n[1]} prompts, {n[2]} turns")
 

@@ -461,9 +461,9 @@ async def test_live_replay_sends_a_grouped_profiles_prompts(monkeypatch):
     opened = {}
 
     class Recording(lr.Dispatcher):
-        def _submit(self, job, traj):
+        def submit_job(self, job, traj):
             opened.setdefault(job.request.trajectory, traj.prompt)
-            super()._submit(job, traj)
+            super().submit_job(job, traj)
 
     monkeypatch.setattr(lr, "Dispatcher", Recording)
     _, inst = lr.scaled_step("retool_grouped", 4, 1e-4, 0)

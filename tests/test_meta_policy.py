@@ -135,7 +135,7 @@ def test_meta_train_app_trains_a_checkpoint_that_runs(tmp_path):
     from metasched.cli.meta_train_app import run_meta_train
     from metasched.compose import compose
 
-    cfg = compose("meta_train", [
+    cfg = compose("train-meta", [
         "per_point=1", "workers=1", "ppo.iterations=3", "options=[rate_greedy,critical_path]",
         f"out={tmp_path / 'ckpt'}"])
     cfg["points"] = {"retool_grouped": ["retool_grouped", [
@@ -160,5 +160,5 @@ def test_bad_training_settings_are_one_line_errors(override, field):
     from metasched.compose import compose
 
     with pytest.raises(ConfigError) as e:
-        meta_settings(compose("meta_train", [override]))
+        meta_settings(compose("train-meta", [override]))
     assert e.value.field == field

@@ -58,7 +58,7 @@ async def test_restart_cancels_or_reruns_by_on_restart(tmp_path, caplog):
     caplog.set_level(logging.INFO, "metasched.dispatch")
     async with Dispatcher(_config(db)) as d:
         for _ in range(250):  # the rerun's trajectory ends once its action has
-            if not d.trajectories.by_name and not d._jobs:
+            if not d.trajectories.by_name and not len(d.jobs):
                 break
             await asyncio.sleep(0.02)
         assert d.trajectories.by_name == {}
@@ -83,7 +83,7 @@ async def test_recovered_command_gets_a_deadline(tmp_path):
     _leave(db, rows)
     cfg = _config(db, cores=[0], deadlines={"recovered_s": 0.5, "idle_share": False})
     async with Dispatcher(cfg) as d:
-        while d._jobs:
+        while len(d.jobs):
             await asyncio.sleep(0.05)
     with Journal(db) as j:
         first, second = (json.loads(j.result(k)) for k in rows)

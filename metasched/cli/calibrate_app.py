@@ -65,6 +65,7 @@ def run_calibrate(cfg: dict[str, Any], out_dir: str | Path | None = None) -> dic
     ``calibration.json`` holds."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
+    from metasched.calibration import profile_yaml
     from metasched.calibration.engine_fit import COSTS, engine_table, fit_engine
     from metasched.calibration.profile import calibrate
     from metasched.calibration.report import fit_table, qq_plot, quantile_rows
@@ -91,7 +92,7 @@ def run_calibrate(cfg: dict[str, Any], out_dir: str | Path | None = None) -> dic
         bar.update(task, completed=total)
     cal = calibrate(samples, name, base)
     engine = fit_engine(samples.generations)
-    workload_yaml, cluster_yaml = cal.workload_yaml(), cal.cluster_yaml()
+    workload_yaml, cluster_yaml = profile_yaml.workload_yaml(cal), profile_yaml.cluster_yaml(cal)
     _check(workload_yaml, cluster_yaml, out)
     try:
         (out / "workload").mkdir(parents=True, exist_ok=True)

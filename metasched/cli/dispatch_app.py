@@ -262,7 +262,7 @@ async def dispatch_all(path: str | Path, dcfg, services: dict[str, Any], out: Te
 def live_table(name: str, jobs_file: str, summary: dict[str, Any], stats: dict[str, Any],
                tally: Tally, where: str = "on this machine", note: str = "") -> str:
     """The results table of a live run (markdown)."""
-    from metasched.evaluation.report import fmt
+    from metasched.evaluation.formatting import fmt
 
     s = summary
     n_rej = tally.count(REJECTED)

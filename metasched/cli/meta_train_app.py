@@ -4,7 +4,7 @@
 Examples::
 
     metasched-train-meta                                   # objective step, every point
-    metasched-train-meta objective=act table=outputs/meta_train/<run>/table.json
+    metasched-train-meta objective=act table=outputs/train-meta/<run>/table.json
     metasched-train-meta +caps.act=1.10 out=checkpoints/step_act110
 
 The run directory holds ``table.json`` (every option on every training instance: reused
@@ -149,7 +149,7 @@ def run_meta_train(cfg: dict[str, Any], out_dir: Path, progress: bool = True) ->
     return summary
 
 
-main = make_main("meta_train", run_meta_train)
+main = make_main("train-meta", run_meta_train)
 
 
 if __name__ == "__main__":

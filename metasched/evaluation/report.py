@@ -8,13 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from metasched.evaluation.formatting import fmt, fmt_ci
 from metasched.evaluation.step_story import story_lines
-
-
-def fmt(x: float) -> str:
-    """A number for a results table: three significant digits, thousands separated above
-    100, a dash for NaN."""
-    return "—" if x != x else (f"{x:.3g}" if abs(x) < 100 else f"{x:,.0f}")
 
 
 def results_table(doc: dict[str, Any]) -> str:
@@ -102,11 +97,6 @@ def rollout_table(doc: dict[str, Any]) -> list[str]:
               "each paired by seed with the reference; largest staleness: the most trainer "
               "versions between a trajectory's start and the batch that trains on it."]
     return lines
-
-
-def fmt_ci(v: float, ci: list[float], digits: int = 3) -> str:
-    """``v (lo–hi)`` with ``digits`` decimals."""
-    return f"{v:.{digits}f} ({ci[0]:.{digits}f}–{ci[1]:.{digits}f})"
 
 
 def paired_table(doc: dict[str, Any]) -> list[str]:

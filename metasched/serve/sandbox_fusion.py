@@ -87,7 +87,6 @@ from metasched.serve.ownership import scoped_prompt, with_scoped_prompt
 from metasched.serve.security import CLIENT
 
 if TYPE_CHECKING:
-    from metasched.serve.jupyter import RunJupyterRequest
     from metasched.serve.service import Service
 
 __all__ = ["CommandRunResult", "RunCodeRequest", "RunCodeResponse", "probe_languages",
@@ -204,10 +203,10 @@ def run_status(*steps: CommandRunResult | None) -> tuple[RunStatus, str]:
     return "Success", ""
 
 
-def trajectory_fields(req: RunCodeRequest | RunJupyterRequest,
-                      context: dict[str, Any]) -> dict[str, Any]:
+def trajectory_fields(req: BaseModel, context: dict[str, Any]) -> dict[str, Any]:
     """The trajectory fields of a request: the headers' (``context``), overridden by
-    the body's.
+    the body's (``req``: a body with the trajectory fields, ``/run_code``'s or
+    ``/run_jupyter``'s).
 
     Raises:
         ConfigError: a prompt without a trajectory (a request alone is no sibling).

@@ -24,19 +24,29 @@ Orders (the priority a request is stamped with, lower first):
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from metasched.core.actions import Trajectory
-from metasched.core.predictor import group_of
+from metasched.core.predictor import Predictor, group_of
+from metasched.core.state import ClusterState
+from metasched.core.trace_writer import TraceWriter
 from metasched.errors import ConfigError
 from metasched.sim.generation import GenerationConfig, GenerationPool, GenRequest
 
-if TYPE_CHECKING:
-    from metasched.sim.simulator import Simulator
+__all__ = ["GenerationHost", "LLMTurns", "true_remaining_s"]
 
-__all__ = ["LLMTurns", "true_remaining_s"]
+
+class GenerationHost(Protocol):
+    """What the generation pool's turns ask of their simulator
+    (:class:`~metasched.sim.simulator.Simulator`)."""
+
+    state: ClusterState
+    predictor: Predictor | None
+    trace_writer: TraceWriter | None
+
+    def push_event(self, t: float, etype: int, obj: object) -> None: ...
 
 
 def true_remaining_s(traj: Trajectory, turn: int) -> float:
@@ -56,7 +66,7 @@ class LLMTurns:
         arrive: the simulator's event type for a turn's action arriving.
     """
 
-    def __init__(self, sim: Simulator, config: GenerationConfig, seed: int, event: int,
+    def __init__(self, sim: GenerationHost, config: GenerationConfig, seed: int, event: int,
                  arrive: int) -> None:
         self.sim = sim
         self.config = config
@@ -94,7 +104,7 @@ class LLMTurns:
         """Generate ``traj``'s turn ``i`` from ``t`` (its action arrives after)."""
         prompts, outs = self._tokens[traj.id]
         if outs[i] == 0:  # no generation before it (an action submitted with another)
-            self.sim._push(max(t, self._not_before.pop(traj.id, t)), self._arrive, traj)
+            self.sim.push_event(max(t, self._not_before.pop(traj.id, t)), self._arrive, traj)
             return
         self.pool.submit(GenRequest(traj, i, prompts[i], outs[i], t), t)
 
@@ -120,11 +130,11 @@ class LLMTurns:
         self._tokens[traj.id] = (prompts, outs)
 
     def _push(self, t: float, payload: object) -> None:
-        self.sim._push(t, self._event, payload)
+        self.sim.push_event(t, self._event, payload)
 
     def _done(self, q: GenRequest) -> None:
         t = q.end_t
-        self.sim._push(max(t, self._not_before.pop(q.traj.id, t)), self._arrive, q.traj)
+        self.sim.push_event(max(t, self._not_before.pop(q.traj.id, t)), self._arrive, q.traj)
         writer = self.sim.trace_writer
         if writer is not None:
             writer.record_generation({"step": q.traj.step, **q.record()})

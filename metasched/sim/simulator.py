@@ -30,6 +30,7 @@ from metasched.core.scheduler import Scheduler
 from metasched.core.state import ClusterState
 from metasched.core.trace_writer import TraceWriter
 from metasched.sim.sampling import (
+    TrajectorySpec,
     WorkloadInstance,
     run_seed_sequences,
     sample_workload,
@@ -312,6 +313,11 @@ class Simulator:
         self._seq += 1
         heapq.heappush(self._heap, (t, etype, self._seq, obj))
 
+    def push_event(self, t: float, etype: int, obj: object) -> None:
+        """An event of type ``etype`` at ``t`` (for the parts the simulator composes:
+        the generation pool's turns)."""
+        self._push(t, etype, obj)
+
     def _push_cpu_end(self, a: Action, t: float) -> None:
         """The end of cpu action ``a`` started at ``t`` on its ``a.cores``."""
         launch = self._launch_s
@@ -456,7 +462,7 @@ class Simulator:
         if self.rollout is not None:
             self.rollout.done(traj)
             return
-        self._open_waiting_sandboxes()
+        self.open_waiting_sandboxes()
         self.state.step_done += 1
         if self.state.step_done == self.state.step_total:
             self.state.metrics.steps.append((self.state.step_start_t, self.state.t))
@@ -486,18 +492,32 @@ class Simulator:
         state.prompts = {}
         self.step_trajs = []
         for ts in specs:
-            traj = Trajectory(self._next_traj_id, ts.task, self._step, list(ts.turns), ts.sandbox,
-                              ts.prompt)
-            self._next_traj_id += 1
-            traj.start_t = t
-            if ts.prompt is not None:
-                state.prompts.setdefault(ts.prompt, []).append(traj)
-            self.step_trajs.append(traj)
-            self._sandbox_queue.append(traj)
-        self._open_waiting_sandboxes()
+            self.start_trajectory(ts, self._step)
+        self.open_waiting_sandboxes()
 
-    def _open_waiting_sandboxes(self) -> None:
+    def start_trajectory(self, ts: TrajectorySpec, version: int) -> Trajectory:
+        """A trajectory of ``ts`` at trainer version ``version`` starts now: it joins the
+        step's trajectories (and its prompt group's) and waits for its sandbox
+        (:meth:`open_waiting_sandboxes` places those that fit)."""
+        state = self.state
+        traj = Trajectory(self._next_traj_id, ts.task, version, list(ts.turns), ts.sandbox,
+                          ts.prompt)
+        self._next_traj_id += 1
+        traj.start_t = state.t
+        if ts.prompt is not None:
+            state.prompts.setdefault(ts.prompt, []).append(traj)
+        self.step_trajs.append(traj)
+        self._sandbox_queue.append(traj)
+        return traj
+
+    def open_waiting_sandboxes(self) -> None:
+        """Place the sandboxes of waiting trajectories that fit now, in order."""
         self._sandbox_queue.open_waiting(self._opened)
+
+    def train_until(self, t: float) -> None:
+        """The trainer is busy until ``t``: its step (or, for asynchronous rollouts,
+        its batch) ends then."""
+        self._push(t, STEP, None)
 
     def _opened(self, traj: Trajectory) -> None:
         """``traj``'s sandbox is placed: its first action arrives after the first LLM

@@ -19,15 +19,25 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
+from metasched.runtime.backend import Backend
+from metasched.runtime.dispatch.shared import Shared
 from metasched.runtime.launch import launch
 from metasched.runtime.process import Process
 
-if TYPE_CHECKING:
-    from metasched.runtime.dispatch.dispatcher import Dispatcher
+__all__ = ["CELL_CLIENT", "DRIVER", "DRIVER_PATH", "SOCKET", "KernelHost", "Kernels"]
 
-__all__ = ["CELL_CLIENT", "DRIVER", "DRIVER_PATH", "SOCKET", "Kernels"]
+
+class KernelHost(Shared, Protocol):
+    """What the kernels ask of their dispatcher
+    (the :class:`~.dispatcher.Dispatcher`)."""
+
+    backend: Backend
+    base_env: dict[str, str]
+    cores: list[int]
+    sandboxes: Any  # the backend's sandboxes (made at start)
+
 
 log = logging.getLogger("metasched.dispatch")
 
@@ -150,7 +160,7 @@ sys.stdout.write(data.decode())
 class Kernels:
     """The kernels of dispatcher ``d``'s trajectories (see the module docstring)."""
 
-    def __init__(self, d: Dispatcher) -> None:
+    def __init__(self, d: KernelHost) -> None:
         self.d = d
         # (trajectory, name) -> its kernel: /run_jupyter's is named "", the code
         # interpreter's by their contexts.
@@ -180,7 +190,7 @@ class Kernels:
         if sandbox is None or run_dir is None or not d.cores:
             return f"trajectory {trajectory!r} has no sandbox on this machine"
         proc = launch(argv or [python, DRIVER_PATH, SOCKET], cores=list(d.cores),
-                      timeout_s=lifetime_s, env=d._base_env, request_env=env,
+                      timeout_s=lifetime_s, env=d.base_env, request_env=env,
                       sandboxes=d.sandboxes, sandbox=sandbox,
                       cwd_root=run_dir.path,
                       pids_max=d.config.sandbox.pids_max,
@@ -188,7 +198,7 @@ class Kernels:
                       tail_bytes=d.config.tail_bytes)
         key = (trajectory, name)
         self.ended.pop(key, None)
-        task = d._loop.create_task(self._watch(key, proc))
+        task = d.loop.task(self._watch(key, proc))
         self.running[key] = (proc, task)
         return None
 
