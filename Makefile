@@ -7,13 +7,16 @@ PIP    := $(VENV)/bin/pip
 # pyproject, which keeps a range) so installs take the local CPU wheel.
 CONSTRAINTS := constraints.txt
 STAMP  := $(VENV)/.installed
+# The one note setuptools prints on every editable install of this layout (the folders
+# mapped into metasched need its import finder): information, not a problem to fix.
+QUIET_BUILD := PYTHONWARNINGS="ignore:Editable installation"
 
 .PHONY: install run test test-all lint bench docs clean sandbox-tools
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -c $(CONSTRAINTS) -e '.[dev,train,ray,docs,e2b]'
+	$(QUIET_BUILD) $(PIP) install --quiet -c $(CONSTRAINTS) -e '.[dev,train,ray,docs,e2b,predict]'
 	@$(MAKE) --no-print-directory sandbox-tools
 	touch $(STAMP)
 
@@ -46,9 +49,10 @@ install: $(STAMP)
 
 # The first run: the step story at a tool-bound point in GRPO prompt groups (576 code-tool
 # trajectories on 10 cores), today's practice, the best heuristics by ACT and by step, the
-# slack rule on static estimates and fed the learned predictor, and the shipped policy.
+# slack rule on static estimates and fed the learned predictor, the shipped policy, and
+# the meta-policies over the rules (objective step, objective ACT).
 RUN_ARGS ?= workload=retool_grouped_c10 \
-	'schedulers=[static,rate_greedy,critical_path,slack_first,slack_first_predicted,checkpoints/default]'
+	'schedulers=[static,rate_greedy,critical_path,slack_first,slack_first_predicted,checkpoints/default,checkpoints/meta_step,checkpoints/meta_act]'
 
 run: $(STAMP)
 	$(VENV)/bin/metasched-eval $(RUN_ARGS)
@@ -59,8 +63,11 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m ''
 
+# ruff, then the import contracts of pyproject.toml and no import circles, checked on
+# the package as it installs (tools/import_contracts.py).
 lint: $(STAMP)
-	$(VENV)/bin/ruff check metasched envs agents tests benchmarks
+	$(VENV)/bin/ruff check metasched envs agents tests benchmarks tools
+	$(PY) tools/import_contracts.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/sim_throughput.py

@@ -22,8 +22,13 @@ from metasched.errors import ConfigError
 
 def make_scheduler(name: str, **params: Any) -> Scheduler:
     """A fresh scheduler by name (one of ``BASELINES``) with optional parameters, or the
-    learned scheduler of a checkpoint directory when ``name`` is its path."""
+    learned scheduler of a checkpoint directory when ``name`` is its path (a meta-policy
+    over the rules, :mod:`.meta_policy`, or a per-decision policy, :mod:`.learned`)."""
     if name not in REGISTRY and is_checkpoint(name):
+        from metasched.agents.meta_policy import is_meta_checkpoint, load_meta_checkpoint
+
+        if is_meta_checkpoint(name):  # a meta-policy over the rules
+            return load_meta_checkpoint(name, **params)
         from metasched.agents.learned import LearnedScheduler
 
         return LearnedScheduler(name, **params)

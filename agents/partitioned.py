@@ -130,10 +130,17 @@ class StaticScheduler(PartitionedScheduler):
         grants: list[Grant] = []
         c = self.c
         any_free = max(led.free, default=0) > 0
+        holders: bool | None = None  # whether any trajectory holds its c cores (once asked)
         for a in state.pending["cpu"].values():
             traj = a.traj
             if not any_free and (traj is None or traj.held_cores < c):
-                continue  # only a trajectory holding its c cores can start anything now
+                # Only a trajectory holding its c cores can start anything now; with none,
+                # the rest of the queue cannot (no pass over a deep queue for nothing).
+                if holders is None:
+                    holders = any(t.held_cores >= c for t in state.trajectories.values())
+                if not holders:
+                    break
+                continue
             node, room = led.cpu_room(a)
             spec = a.spec
             if traj is None:  # no trajectory to bind to: a plain action-level grant
@@ -169,7 +176,21 @@ class TaskIsolatedScheduler(PartitionedScheduler):
         led = Ledger(state)
         grants: list[Grant] = []
         planned: dict[str, int] = defaultdict(int)
+        exhausted = not any(led.free)
+        holders: bool | None = None  # whether any trajectory holds cores (once asked)
+        # cores each task may still be granted (an action asks one at least)
+        left = {t: n - state.busy_by_task.get(("cpu", t), 0) for t, n in self.cores.items()}
+        full = max(left.values(), default=0) < 1
         for a in state.pending["cpu"].values():
+            if full:
+                break  # every task's partition is full: the rest of the queue waits
+            if exhausted:
+                # No core left on any node: only an action of a trajectory holding cores
+                # could start; with none, the rest of the queue cannot.
+                if holders is None:
+                    holders = any(t.held_cores for t in state.trajectories.values())
+                if not holders:
+                    break
             k = a.spec.min_cores
             used = state.busy_by_task[("cpu", a.task)] + planned[a.task]
             if used + k > self.cores.get(a.task, 0):
@@ -178,6 +199,9 @@ class TaskIsolatedScheduler(PartitionedScheduler):
             if room >= k:
                 planned[a.task] += k
                 grants.append(led.take_cpu(a, node, k))
+                exhausted = not any(led.free)
+                left[a.task] -= k
+                full = max(left.values()) < 1
         if state.pending["gpu"] and led.idle:
             self.gpu_grants(state, led, grants)
         if state.pending["api"]:

@@ -43,7 +43,7 @@ from metasched.cli.eval_app import eval_settings
 from metasched.cli.output import json_safe
 from metasched.compose import compose, load_profile
 from metasched.errors import ConfigError
-from metasched.evaluation.report import fmt_ci
+from metasched.evaluation.formatting import fmt_ci
 from metasched.evaluation.runs import compare_paired, eval_jobs, results_document, run_jobs
 from metasched.evaluation.step_bound import mean_step_lower_bound
 from metasched.evaluation.step_story import ratio_entry, step_ratios

@@ -16,7 +16,7 @@ median per turn index and type), a least-squares predictor that knows the siblin
 true totals, and the bound: boosted trees (as the ``boost`` design) given, beside every
 feature, each trajectory's true latents (its prompt's difficulty, the prompt's turn
 latent, its own persistence; read from the sampler), which is about what any predictor
-could get.
+could get. Real traces, out of sample by prompt: ``benchmarks/predictor_real.py``.
 """
 
 from __future__ import annotations

@@ -61,7 +61,12 @@ def load_profile(cfg: dict[str, Any]) -> tuple[WorkloadConfig, ClusterConfig]:
         raise ConfigError("workload", "is required")
     if "cluster" not in cfg:
         raise ConfigError("cluster", "is required")
-    w = parse_workload(cfg["workload"])
+    workload = cfg["workload"]
+    if cfg.get("generation") is not None:  # +generation=NAME: the LLM's turns as a pool
+        if not isinstance(workload, dict):
+            raise ConfigError("workload", "must be a mapping")
+        workload = {**workload, "generation": cfg["generation"]}
+    w = parse_workload(workload)
     c = parse_cluster(cfg["cluster"])
     if w.trace is not None:
         from metasched.sim.trace import read_trace, validate_against

@@ -37,6 +37,16 @@ def short(value: Any, limit: int = 60) -> str:
     return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
+def nearest(name: str, known: Iterable[str]) -> str | None:
+    """The known name closest to ``name`` (a likely typo of it: ``n_seed`` -> ``n_seeds``),
+    or None when none is close; names compare case-insensitively."""
+    import difflib
+
+    by_lower = {str(k).lower(): str(k) for k in known}
+    match = difflib.get_close_matches(str(name).lower(), list(by_lower), n=1, cutoff=0.6)
+    return by_lower[match[0]] if match else None
+
+
 def one_of(value: Any, choices: Iterable[Any], field: object, *, what: str = "",
            null: bool = False) -> Any:
     """``value`` if it is one of ``choices`` (or None, if ``null``), else a ConfigError
@@ -175,8 +185,9 @@ def validation_error(errors: Sequence[Mapping[str, Any]], loc: str = "", *,
     if kind in ("value_error", "assertion_error") and cause is not None:
         problem = str(cause)
     elif unknown:
-        problem = "unknown field" + (f" (expected one of: {', '.join(known)})" if known
-                                     else "")
+        near = nearest(str(parts[-1]), known) if known and parts else None
+        problem = "unknown field" + (f", did you mean {near}?" if near else "") \
+            + (f" (expected one of: {', '.join(known)})" if known else "")
     elif kind in _MESSAGES:
         try:
             problem = _MESSAGES[kind](ctx)
@@ -193,4 +204,4 @@ def validation_error(errors: Sequence[Mapping[str, Any]], loc: str = "", *,
     return ConfigError(field, problem)
 
 
-__all__ = ["ConfigError", "one_of", "short", "validation_error"]
+__all__ = ["ConfigError", "nearest", "one_of", "short", "validation_error"]

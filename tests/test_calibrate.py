@@ -295,7 +295,7 @@ def test_base_profile_supplies_the_cluster_and_sandboxes(tmp_path: Path) -> None
     ("plain", [], "no measured actions"),
     ("bad", [], r"error: .*t.jsonl:2: measured.status: must be one of"),
     ("good", ["name=a b"], "error: name: must be letters"),
-    ("good", ["bogus=1"], "error: bogus: Could not override 'bogus'"),
+    ("good", ["bogus=1"], "error: bogus: not a setting; --cfg job prints every setting"),
     ("good", ["base=nosuch"], "error: base: .*workload/nosuch"),
     ("good", ["plot=maybe"], "error: plot: must be true or false"),
     ("good", ["out=[1]"], "error: out: must be a non-empty string"),

@@ -46,6 +46,31 @@ def test_eval_outputs(tmp_path):
     assert doc["schedulers"]["elastic_greedy"]["idle_held_resource_s"]["cpu"] == 0
 
 
+def test_eval_says_under_each_table_what_every_column_means(tmp_path):
+    """A line under each table names each of its columns (``failed``, ``guard`` ...), says
+    why ``failed`` is what it is where every scheduler has the same, and introduces
+    ``static`` as today's practice."""
+    run_eval(eval_cfg("+workload.max_offpolicyness=1"), tmp_path, progress=False)
+    lines = (tmp_path / "results.md").read_text().splitlines()
+    heads = [i for i, ln in enumerate(lines) if ln.startswith("| scheduler |")]
+    assert len(heads) >= 3  # results, asynchronous rollouts, paired
+    notes = []
+    for i in heads:
+        end = next(j for j in range(i, len(lines)) if not lines[j].startswith("|"))
+        note = lines[end + 1]
+        notes.append(note)
+        assert lines[end] == "" and note.startswith("Columns: "), lines[i]
+        for col in lines[i].strip("| ").split(" | ")[1:]:
+            name = re.sub(r" \(.*\)$", "", col)
+            name = {"p50": "p50/p95/p99", "p95": "p50/p95/p99", "p99": "p50/p95/p99",
+                    "util cpu/gpu/api": "util", "trajectories/h ÷ ref": "÷ ref",
+                    "latency ÷ ref": "÷ ref", "mean ACT ÷ ref": "÷ ref",
+                    "mean step ÷ ref": "÷ ref", "mean ACT − ref s": "− ref",
+                    "mean step − ref s": "− ref"}.get(name, name)
+            assert f"{name}:" in note, f"{name} is not explained under its table"
+    assert "`static` is today's practice" in notes[0]
+
+
 def test_eval_reports_paired_comparison_against_the_best_heuristic(tmp_path):
     doc = run_eval(eval_cfg("workload=rm_math", "plots=false",
                             "schedulers=[static,fifo,elastic_greedy,checkpoints/default]"),
@@ -150,7 +175,7 @@ def test_plan_finds_a_cluster_no_larger_than_full(tmp_path):
     cfg = compose("plan", [*PLAN, "scheduler=elastic_greedy"])
     doc = run_plan(cfg, tmp_path, progress=False)
     saved = json.loads((tmp_path / "plan.json").read_text())
-    assert list(saved["schedulers"]) == ["elastic_greedy"]
+    assert list(saved["schedulers"]) == ["elastic_greedy"] and saved["complete"] is True
     plan = doc["schedulers"]["elastic_greedy"]
     assert saved["schedulers"]["elastic_greedy"]["scale"] == plan["scale"]
     assert 0 < plan["scale"] <= 1
@@ -175,6 +200,37 @@ def test_plan_every_scheduler_learned_included_in_one_table(tmp_path):
         scale = plan["scale"]
         assert (f"| {scale:.3f} |" if scale is not None else "| misses at full size |") in row
     assert doc["schedulers"]["checkpoints/default"]["scale"] is not None
+
+
+@pytest.mark.subprocess
+def test_plan_keeps_each_finished_plan_through_ctrl_c(tmp_path):
+    """plan.json is rewritten whole as each plan finishes: a SIGINT mid-run (Ctrl-C)
+    leaves every finished plan in it, marked incomplete, and says so in one line."""
+    import signal
+    import time
+
+    exe = Path(sys.executable).parent / "metasched-plan"
+    p = subprocess.Popen([str(exe), *PLAN, "schedulers=[fifo,elastic_greedy,sjf,rate_greedy]",
+                          "target_step_s=200", f"hydra.run.dir={tmp_path}"], cwd="/tmp",
+                         text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    saved = tmp_path / "plan.json"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not saved.exists() and p.poll() is None:
+            time.sleep(0.05)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 130, err
+    doc = json.loads(saved.read_text())
+    kept = list(doc["schedulers"])
+    assert doc["complete"] is False and kept and kept == ["fifo", "elastic_greedy", "sjf",
+                                                          "rate_greedy"][:len(kept)]
+    assert doc["schedulers"]["fifo"]["trials"]
+    assert "[1/" in out and "plans finished, kept in" in err and "Traceback" not in err
+    assert err.strip().endswith("interrupted (SIGINT)")
+    assert not list(tmp_path.glob(".plan.json.*"))  # no half-written file left
 
 
 @pytest.mark.parametrize("tolerance, meets", [(0.0, False), (0.01, True)])
@@ -405,9 +461,9 @@ async def test_live_replay_sends_a_grouped_profiles_prompts(monkeypatch):
     opened = {}
 
     class Recording(lr.Dispatcher):
-        def _submit(self, job, traj):
+        def submit_job(self, job, traj):
             opened.setdefault(job.request.trajectory, traj.prompt)
-            super()._submit(job, traj)
+            super().submit_job(job, traj)
 
     monkeypatch.setattr(lr, "Dispatcher", Recording)
     _, inst = lr.scaled_step("retool_grouped", 4, 1e-4, 0)
@@ -658,6 +714,34 @@ def test_plots_draw_identical_series_once_labelled_with_every_name(tmp_path):
         plt.close(fig)
     assert [p.name for p in plot_all(doc, runs, tmp_path)] == [
         "act_cdf.png", "utilisation.png", "step_time.png"]
+
+
+def test_utilisation_legend_is_beside_the_data_and_coinciding_lines_stay_visible():
+    """utilisation.png: each pool's legend lies right of its axes (never over the data),
+    and its schedulers' lines are drawn widest first, so lines that coincide (every
+    scheduler at full use) each show as a stripe of its own colour."""
+    import matplotlib.pyplot as plt
+
+    from metasched.cli.eval_app import eval_settings
+    from metasched.compose import load_profile
+    from metasched.evaluation.report import plot_figures
+    from metasched.evaluation.runs import evaluate
+
+    cfg = eval_cfg("schedulers=[static,fifo,elastic_greedy]")
+    w, c = load_profile(cfg)
+    s = eval_settings(cfg)
+    doc, runs = evaluate(w, c, s["schedulers"], s["seeds"], params=s["params"], workers=1,
+                         timeline_dt=s["timeline_dt"], max_wait_s=s["max_wait_s"],
+                         paths=s["paths"], progress=False)
+    fig = plot_figures(doc, runs)["utilisation"]
+    fig.canvas.draw()
+    for ax in fig.axes:
+        legend = ax.get_legend().get_window_extent()
+        assert legend.x0 >= ax.get_window_extent().x1, "the legend overlaps the axes"
+        solid = [ln.get_linewidth() for ln in ax.get_lines() if ln.get_linestyle() == "-"]
+        assert len(solid) >= 2 and solid == sorted(solid, reverse=True)
+        assert len(set(solid)) == len(solid)
+    plt.close("all")
 
 
 SCRIPTS = sorted(__import__("tomllib").loads(

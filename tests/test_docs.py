@@ -5,6 +5,7 @@ reference from the docstrings)."""
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import re
@@ -85,7 +86,43 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
     assert len(schema["paths"]) >= 9, schema["paths"]
     for route in schema["paths"]:
         assert route in http, f"the HTTP API page lacks {route}"
+    # ... and every route the application answers, the schema's and the others (E2B's).
+    from metasched.serve.route_table import routes
+
+    text = " ".join(html.unescape(http).split())
+    for r in routes(create_app(lambda: None, owns=False)):
+        assert f"{', '.join(r.methods) or 'any'} {r.path} " in text, \
+            f"the HTTP API page lacks {r.path}"
+
     python = (site / "api" / "python" / "index.html").read_text()
     for name in ("Client", "Dispatcher", "start_dispatcher", "ActionSchedulingEnv",
                  "make_scheduler"):
         assert name in python, f"the Python API page lacks {name}"
+
+
+def test_the_route_table_holds_every_route_of_the_app() -> None:
+    """The table the HTTP API page shows walks the included routers and the mounts: every
+    path of the schema, E2B's (left out of it) and the mounted /e2b application."""
+    from starlette.routing import Mount
+
+    from metasched.serve.app import create_app
+    from metasched.serve.route_table import routes
+
+    app = create_app(lambda: None, owns=False)
+    found = {re.sub(r":path}", "}", r.path) for r in routes(app)}
+    assert set(app.openapi()["paths"]) <= found
+    mounts = [r.path for r in app.routes if isinstance(r, Mount)]
+    assert mounts and all(f"{m}/…" in found for m in mounts)
+    assert {"/e2b/sandboxes", "/e2b/files", "/e2b/health"} <= found
+    assert all(r.summary for r in routes(app))
+
+
+REPEATED = re.compile(r"(\b[A-Z][^.:!?`]{20,}[.:!?]) \1")
+
+
+@pytest.mark.parametrize("page", sorted(p.relative_to(ROOT).as_posix() for p in
+                                        [ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]))
+def test_no_sentence_is_said_twice_in_a_row(page: str) -> None:
+    text = " ".join((ROOT / page).read_text().split())
+    m = REPEATED.search(text)
+    assert m is None, f"{page} repeats {m[1]!r}"

@@ -5,66 +5,29 @@ functions included), so the check cannot pass by seeing nothing.
 The contracts are checked on the package as it installs, ``agents/`` and ``envs/`` inside
 ``metasched/`` (setuptools' ``package-dir``), in a copy under the test's temporary
 directory; each check runs in a fresh interpreter with that copy first on its path (this
-one has ``metasched`` imported from the checkout already).
+one has ``metasched`` imported from the checkout already). ``tools/import_contracts.py``
+does both (``make lint`` runs it). No modules import each other in a circle, and a
+circle added is seen.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
+import importlib.util
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIG = ROOT / "pyproject.toml"
+_spec = importlib.util.spec_from_file_location("import_contracts",
+                                               ROOT / "tools" / "import_contracts.py")
+contracts = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(contracts)
+installed_layout, lint, circles = contracts.installed_layout, contracts.lint, contracts.circles
+
 LAYERS = "metasched in layers"
 RUNTIME = "runtime in layers: sandbox below process"
 ENV = "the Gymnasium env is not built on training"
 CONTRACTS = (LAYERS, RUNTIME, ENV)
-
-# import-linter's API in the fresh interpreter: it prints its report, and says by its exit
-# status whether every contract is kept (a configuration it cannot use raises).
-LINT = """
-import sys
-from importlinter import api  # noqa: F401  (sets import-linter's adapters up)
-from importlinter.application import use_cases
-kept = use_cases.lint_imports(sys.argv[1], cache_dir=None, no_logo=True, is_debug_mode=True)
-sys.exit(0 if kept else 1)
-"""
-
-
-def installed_layout(dest: Path) -> Path:
-    """A copy of the package as it installs, under ``dest``; returns ``dest``."""
-    skip = shutil.ignore_patterns("__pycache__", "*.pyc")
-
-    def top(folder: str, names: list[str]) -> set[str]:
-        # metasched/agents and metasched/envs, where a checkout links them, come below
-        extra = {"agents", "envs"} if Path(folder) == ROOT / "metasched" else set()
-        return set(skip(folder, names)) | (extra & set(names))
-
-    shutil.copytree(ROOT / "metasched", dest / "metasched", ignore=top)
-    for sub in ("agents", "envs"):
-        shutil.copytree(ROOT / sub, dest / "metasched" / sub, ignore=skip)
-    return dest
-
-
-def lint(tree: Path) -> tuple[dict[str, bool], str]:
-    """The contracts checked on the package under ``tree``: whether each is kept (by
-    name), and the report."""
-    env = {**os.environ, "PYTHONPATH": str(tree), "COLUMNS": "200"}
-    p = subprocess.run([sys.executable, "-c", LINT, str(CONFIG)], cwd=tree, env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode in (0, 1), p.stdout + p.stderr
-    kept = {}
-    for line in p.stdout.splitlines():
-        name, _, status = line.strip().rpartition(" ")
-        if status in ("KEPT", "BROKEN"):
-            kept[name] = status == "KEPT"
-    assert (p.returncode == 0) == all(kept.values()), p.stdout
-    return kept, p.stdout
 
 
 def test_the_package_keeps_its_layers(tmp_path):
@@ -103,3 +66,31 @@ def test_an_upward_import_breaks_a_contract(tmp_path, path, code, contract, name
     want[contract] = False
     assert kept == want, text
     assert f"{names} (l." in text, text
+
+
+def test_no_modules_import_each_other_in_a_circle(tmp_path):
+    n, text = circles(installed_layout(tmp_path))
+    assert n == 0, text
+
+
+# (file, code added to its end, a module the circle then holds): lazy and TYPE_CHECKING
+# imports count
+CIRCLES = [
+    ("metasched/runtime/dispatch/jobs.py",
+     "def _later():\n    from metasched.runtime.dispatch.dispatcher import Dispatcher\n",
+     "metasched.runtime.dispatch.dispatcher"),
+    ("metasched/core/state.py",
+     "from typing import TYPE_CHECKING\n"
+     "if TYPE_CHECKING:\n    from metasched.core.guard import WaitGuard\n",
+     "metasched.core.guard"),
+]
+
+
+@pytest.mark.parametrize("path,code,member", CIRCLES, ids=[c[0] for c in CIRCLES])
+def test_a_circle_added_is_seen(tmp_path, path, code, member):
+    tree = installed_layout(tmp_path)
+    with open(tree / path, "a") as f:
+        f.write("\n\n" + code)
+    n, text = circles(tree)
+    assert n == 1, text
+    assert member in text, text

@@ -46,7 +46,7 @@ def test_beats_the_static_estimate_on_a_held_out_seed(design: str) -> None:
         assert diff.mean() < -4 * diff.std() / math.sqrt(len(diff))
 
 
-@pytest.mark.parametrize("design", ["linear", "boost"])
+@pytest.mark.parametrize("design", ["linear", "boost", "gbm"])
 def test_quantiles_are_ordered_and_cover_the_truth(design: str) -> None:
     p = _fitted(design)
     inside = []
@@ -221,6 +221,8 @@ async def test_the_dispatcher_builds_and_feeds_a_predictor(tmp_path) -> None:
     record_trace(replace(w, steps=1, trajectories_per_step=64), c, path, "fifo", seed=5)
     with pytest.raises(ConfigError, match="predictor.*no such trace file"):
         Dispatcher(cfg(predictor=str(tmp_path / "absent.jsonl")))
+    with pytest.raises(ConfigError, match="predictor.*another trace than the one this run"):
+        Dispatcher(cfg(predictor=str(path), trace=str(path)))
     seen = []
     async with Dispatcher(cfg(scheduler="critical_path_predicted", predictor=str(path))) as d:
         p = d.state.predictor

@@ -84,7 +84,7 @@ class LocalSide:
     async def crash(self, d: Dispatcher) -> None:
         """Stop as a crash would: nothing more runs or is recorded, commands are left."""
         d.flush()
-        d._closed = True
+        d.loop.closed = True
         d.journal.close()
 
     async def restarted(self, d, config):

@@ -222,7 +222,7 @@ async def test_api_calls_share_the_dispatchers_pooled_connection():
     try:
         async with Dispatcher(cfg(endpoints=EP)) as d:
             out = [await d.submit(req) for _ in range(4)]
-            client = d._http
+            client = d.http
         results = out
     finally:
         server.shutdown()
@@ -436,7 +436,7 @@ async def test_restart_fails_what_cannot_run_here_and_runs_the_rest(tmp_path):
         d.accept({"id": "a", "kind": "api", "endpoint": "e", "timeout_s": 30}, call=never)
         d.accept(cpu("/bin/true", id="c"))
         d.flush()
-        d._closed = True  # stop here as a crash would: nothing more runs or is recorded
+        d.loop.closed = True  # stop here as a crash would: nothing more runs or is recorded
         d.journal.close()
 
     await first()
@@ -640,7 +640,7 @@ async def test_close_without_drain_kills_commands_whose_task_never_ran(tmp_path)
     d = Dispatcher(cfg(workdir=str(tmp_path)))
     await d.start()
     d.accept(cpu("sleep", marker, id="long"))
-    d._schedule()  # as a completion would: the command starts now
+    d.schedule()  # as a completion would: the command starts now
     (proc,) = d.executors.commands
     assert not proc.not_started
     for _ in range(500):  # blocking: no loop turn, so the task does not run

@@ -37,8 +37,11 @@ from metasched.runtime.sandbox.config import SandboxConfig
 from metasched.runtime.sandbox.manager import Sandboxes
 
 PY = "/usr/bin/python3"  # the system's: in every sandbox
-HOST_DIRS = [d for d in ("/root", "/home", "/var", "/srv", "/mnt", "/media", "/run", "/opt",
+HOST_DIRS = [d for d in ("/root", "/var", "/srv", "/mnt", "/media", "/run", "/opt",
                          "/boot", "/work") if os.path.isdir(d)]
+# /home holds only user, the workspace mounted again (E2B's home): none of the host's.
+HOST_HOMES = [os.path.join("/home", d) for d in os.listdir("/home") if d != "user"] \
+    if os.path.isdir("/home") else []
 ROOT_ONLY = [f for f in ("/etc/shadow", "/etc/gshadow", "/etc/sudoers", "/etc/ssh",
                          "/etc/ssl/private") if os.path.lexists(f)]
 
@@ -93,7 +96,7 @@ async def test_home_root_var_and_the_rest_of_the_host_are_not_in_the_sandbox(net
     planted.write_text("secret")
     planted.chmod(0o644)
     try:
-        paths = [*HOST_DIRS, str(planted)]
+        paths = [*HOST_DIRS, *HOST_HOMES, str(planted)]
         assert await seen(paths, network=network) == dict.fromkeys(paths, False)
     finally:
         planted.unlink()
@@ -329,6 +332,23 @@ async def test_user_namespaces_are_refused(argv):
     (r,) = await run_all([{"kind": "cpu", "argv": argv, "timeout_s": 30}])
     assert not r.ok and "uid=0" not in r.stdout
     assert "Operation not permitted" in r.stdout + r.stderr
+
+
+# What a command has no use for: io_uring, the (not namespaced) key rings, perf events.
+_REFUSED_CALLS = {"io_uring_setup": (425, "0, 0"), "keyctl": (250, "0, 0"),
+                  "add_key": (248, "b'user', b'k', b'v', 1, -2"),
+                  "perf_event_open": (298, "0, 0, -1, -1, 0")}
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86-64 system call numbers")
+@pytest.mark.parametrize("name", sorted(_REFUSED_CALLS))
+async def test_kernel_surface_calls_are_refused(name):
+    nr, args = _REFUSED_CALLS[name]
+    probe = (f"import ctypes, os; libc = ctypes.CDLL(None, use_errno=True); "
+             f"r = libc.syscall({nr}, {args}); e = ctypes.get_errno(); "
+             f"print(r, os.strerror(e)); raise SystemExit(0 if e == 1 else 1)")
+    (r,) = await run_all([{"kind": "cpu", "argv": [PY, "-c", probe], "timeout_s": 30}])
+    assert r.ok and "Operation not permitted" in r.stdout, (r.stdout, r.stderr)
 
 
 def test_the_startup_line_says_user_namespaces_are_refused():

@@ -3,6 +3,7 @@ anything listens; a good one serves until SIGTERM, then exits 128 + 15."""
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -22,6 +23,21 @@ def _serve(tmp_path, *args: str) -> list[str]:
     if not any(a.startswith("languages=") for a in args):
         args = (*args, "languages=[]")
     return [PY, "-m", "metasched.cli.serve_app", *args, f"hydra.run.dir={tmp_path}/out"]
+
+
+def test_help_names_every_front_door():
+    """--help names each front door the application answers at: the first part of every
+    route's path (/run_code, /run_jupyter, /e2b, /v1 and its quota proxy, /metrics)."""
+    from metasched.serve.app import create_app
+    from metasched.serve.route_table import routes
+
+    text = subprocess.run([PY, "-m", "metasched.cli.serve_app", "--help"],
+                          capture_output=True, text=True, timeout=60, check=True).stdout
+    doors = {"/" + r.path.split("/")[1] for r in routes(create_app(lambda: None, owns=False))}
+    assert {"/run_code", "/run_jupyter", "/e2b", "/v1", "/metrics"} <= doors
+    for door in doors:
+        assert re.search(rf"{door}\b", text), f"--help does not name {door}"
+    assert "/v1/endpoints/" in text  # the quota proxy
 
 
 @pytest.mark.parametrize("args, message", [

@@ -153,6 +153,39 @@ def test_process_in_a_subdirectory_streams_and_is_killed(served, stdin):
     sb.kill()
 
 
+def test_a_create_not_served_in_time_is_refused_and_never_served_late(served, monkeypatch):
+    from metasched.serve.e2b import sandboxes
+
+    monkeypatch.setattr(sandboxes, "CREATE_S", 0.001)  # no sandbox starts that fast
+    t0 = time.monotonic()
+    with pytest.raises(e2b.ServiceBusyException, match="could not be created within"):
+        e2b.Sandbox.create(**opts(served))
+    assert time.monotonic() - t0 < 5
+    time.sleep(1)  # its first command, had it run, would have finished by now
+    assert e2b.Sandbox.list(**opts(served)).next_items() == []
+    monkeypatch.undo()
+    e2b.Sandbox.create(**opts(served)).kill()  # the next one is served
+
+
+@pytest.mark.parametrize("cwd", ["/etc", "..", "/home/user/../..", "~/../x", "/home"])
+def test_cwd_outside_the_workspace_is_refused(served, cwd):
+    sb = e2b.Sandbox.create(**opts(served))
+    with pytest.raises(e2b.InvalidArgumentException, match="outside the sandbox's workspace"):
+        sb.commands.run("pwd", cwd=cwd)
+    assert sb.commands.run("pwd", cwd="~/.").stdout.strip()  # inside: runs
+    sb.kill()
+
+
+@pytest.mark.parametrize("stdin", [False, True])
+def test_cwd_through_a_link_out_is_refused(served, stdin):
+    sb = e2b.Sandbox.create(**opts(served))
+    sb.commands.run("ln -s / out")
+    with pytest.raises(e2b.CommandExitException) as info:
+        sb.commands.run("pwd", cwd="out/etc", stdin=stdin)
+    assert "leads outside the sandbox's workspace" in info.value.stderr
+    sb.kill()
+
+
 def test_stdin_reaches_a_background_process(served):
     sb = e2b.Sandbox.create(**opts(served))
     handle = sb.commands.run("cat", background=True, stdin=True)
@@ -359,3 +392,33 @@ def test_example_script_runs_against_the_service(served):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "turn 2: exit 0, stdout 'turn 2 done', file 'hello 2'" in out.stdout
     assert "killed: True" in out.stdout and out.stdout.rstrip().endswith("killed")
+
+
+def test_a_client_at_its_command_cap_is_refused_and_others_are_not():
+    config = ServeConfig(languages=[], tokens={"a": TOKEN_A, "b": TOKEN_B}, client_commands=2)
+    with serving(DispatcherConfig(scheduler="elastic_greedy"), config) as srv:
+        a = e2b.Sandbox.create(**opts(srv, TOKEN_A))
+        held = [a.commands.run("sleep 300", background=True, timeout=0) for _ in range(2)]
+        with pytest.raises(e2b.SandboxException, match="2 commands running.*client_commands"):
+            a.commands.run("echo over", background=True)
+        b = e2b.Sandbox.create(**opts(srv, TOKEN_B))
+        assert b.commands.run("echo ok").stdout == "ok\n"  # another client's share
+        held[0].kill()
+        with pytest.raises(e2b.CommandExitException):
+            held[0].wait()
+        assert a.commands.run("echo again").stdout == "again\n"  # below its cap again
+        a.kill()
+        b.kill()
+
+
+def test_a_download_over_max_file_mb_is_refused_in_one_line():
+    config = ServeConfig(languages=[], max_file_mb=1.0)
+    with serving(DispatcherConfig(scheduler="elastic_greedy", tail_bytes=65536), config) as srv:
+        sb = e2b.Sandbox.create(**opts(srv))
+        sb.commands.run("head -c 3000000 /dev/zero > big; head -c 900000 /dev/zero > small")
+        with pytest.raises(e2b.SandboxException, match=r"'big' holds 3000000 bytes, more "
+                           r"than a download may \(1048576: max_file_mb\)"):
+            sb.files.read("big", format="bytes")
+        # under the cap: streamed in pieces of under 64 KiB, whole
+        assert sb.files.read("small", format="bytes") == bytes(900000)
+        sb.kill()

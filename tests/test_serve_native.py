@@ -132,6 +132,30 @@ def test_status_names_pools_queue_and_policy(http):
     assert s["service"]["ready"] is True
 
 
+def _leaves(node, path=""):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _leaves(v, f"{path}.{k}" if path else k)
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _leaves(v, f"{path}[{i}]")
+    else:
+        yield path, node
+
+
+def test_status_repeats_no_string_under_two_keys(http):
+    """A string (the sandboxes' description, ~400 characters) is said once: a renamed
+    counter's old name points at the new one instead of repeating its value."""
+    s = http.get("/v1/status").json()
+    seen: dict[str, str] = {}
+    for path, value in _leaves(s):
+        if isinstance(value, str) and len(value) > 20:
+            assert value not in seen, f"{path} repeats {seen[value]}: {value[:60]!r}"
+            seen[value] = path
+    assert s["sandboxes"] and s["renamed"] == {"confinement": "sandboxes",
+                                               "queued_at_node": "ahead_at_node"}
+
+
 def test_metrics_count_requests_and_read_the_dispatcher(http):
     http.post("/v1/actions", json=ECHO, params={"wait": 10})
     text = http.get("/metrics").text
@@ -211,3 +235,25 @@ def test_the_openapi_document_builds_without_warnings():
     proxy = paths["/v1/endpoints/{name}/{path}"]
     assert {op["operationId"] for op in proxy.values()} == {
         f"proxy_{m}" for m in ("get", "post", "put", "patch", "delete")}
+
+
+def test_a_prompt_id_is_its_clients_alone():
+    tokens = {"a": "a" * 16 + "-client-token", "b": "b" * 16 + "-client-token"}
+    with serving(config=ServeConfig(languages=[], tokens=tokens)) as s:
+        def act(client: str, trajectory: str, how: str) -> None:
+            auth = {"Authorization": f"Bearer {tokens[client]}"}
+            if how == "header":
+                r = httpx.post(f"{s.url}/v1/actions", json={
+                    "kind": "cpu", "argv": ["true"], "trajectory": trajectory},
+                    headers={**auth, "X-Prompt-Id": "shared"}, timeout=60)
+            else:
+                r = httpx.post(f"{s.url}/v1/actions", json={
+                    "kind": "cpu", "argv": ["true"], "trajectory": trajectory,
+                    "prompt": "shared"}, headers=auth, timeout=60)
+            assert r.status_code in (200, 202), r.text
+
+        act("a", "ta1", "body")
+        act("a", "ta2", "header")
+        act("b", "tb1", "body")  # names a's prompt id: a group of its own
+        prompts = {t: s.dispatcher.trajectories.get(t).prompt for t in ("ta1", "ta2", "tb1")}
+        assert prompts["ta1"] == prompts["ta2"] != prompts["tb1"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -27,9 +28,11 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_JOBS = ROOT / "configs" / "examples" / "jobs.jsonl"
 
 
-def _run(cmd: list[str], cwd: Path, timeout: float = 900, **kw) -> subprocess.CompletedProcess:
+def _run(cmd: list[str], cwd: Path, timeout: float = 900, extra_env: dict[str, str] | None = None,
+         **kw) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "METASCHED_CONFIG_DIR", "VIRTUAL_ENV")}
+    env.update(extra_env or {})
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout, **kw)
 
@@ -41,18 +44,38 @@ def _ok(p: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
-    # Built from a copy of the source: setuptools' build/ folder in the tree could hold
-    # files of modules since removed, and the wheel would carry them.
+def source(tmp_path_factory) -> Path:
+    """A copy of the source: setuptools' build/ folder in the tree could hold files of
+    modules since removed, and a wheel would carry them."""
     src = tmp_path_factory.mktemp("src") / "metasched"
     shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
         ".git", ".venv", "build", "dist", "outputs", "multirun", "*.egg-info", "__pycache__",
         ".pytest_cache", ".ruff_cache", ".hypothesis"))
+    return src
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory, source) -> Path:
     dist = tmp_path_factory.mktemp("dist")
     _ok(_run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(dist),
-              str(src)], cwd=dist))
+              str(source)], cwd=dist))
     (whl,) = dist.glob("metasched-*.whl")
     return whl
+
+
+def test_make_install_builds_without_a_warning(source, tmp_path):
+    """``make install``'s editable install, as the Makefile runs it (its environment, a
+    current pip and setuptools), prints nothing: setuptools warned of the licence table
+    and of package data outside the declared packages (~300 lines)."""
+    make = (ROOT / "Makefile").read_text()
+    quiet = re.search(r'^QUIET_BUILD := (\w+)="([^"]*)"$', make, re.M)
+    assert quiet is not None, "the Makefile's QUIET_BUILD"
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=False).create(env_dir)  # the pip running is this one's
+    p = _ok(_run([sys.executable, "-m", "pip", "--python", str(env_dir / "bin" / "python"),
+                  "install", "--quiet", "--no-deps", "-e", str(source)], cwd=tmp_path,
+                 extra_env={quiet[1]: quiet[2]}))
+    assert (p.stdout + p.stderr).strip() == ""
 
 
 @pytest.fixture(scope="module")
@@ -189,3 +212,10 @@ def test_every_package_under_metasched_is_declared():
     found = {".".join(p.parent.relative_to(ROOT).parts)
              for p in (ROOT / "metasched").rglob("__init__.py")}
     assert found - declared == set(), "add these to [tool.setuptools] packages"
+    # Each folder of package data too (setuptools takes data only from a declared
+    # package's own folder): a new config group's folder must be named there.
+    data = {".".join(("metasched", *d.relative_to(ROOT).parts))
+            for top in ("configs", "checkpoints") for d in (ROOT / top).rglob("*")
+            if d.is_dir() and any(f.is_file() for f in d.iterdir())
+            and d.name != "__pycache__"}
+    assert data - declared == set(), "add these to [tool.setuptools] packages"

@@ -1,4 +1,4 @@
-"""Writing a fitted profile (:class:`~metasched.calibration.profile.Calibration`) as the
+"""Writing a fitted profile (:class:`~metasched.calibration.fitted.Calibration`) as the
 YAML files ``metasched-eval``, ``-plan`` and ``-train`` read: ``workload/<name>.yaml``
 (:func:`workload_yaml`) and ``cluster/<name>.yaml`` (:func:`cluster_yaml`), each value
 with a comment saying where it came from.
@@ -7,15 +7,13 @@ with a comment saying where it came from.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from metasched.calibration.fitted import Calibration, TypeFit
 from metasched.calibration.groups import groups_yaml
 from metasched.calibration.samples import mode
-
-if TYPE_CHECKING:
-    from metasched.calibration.profile import Calibration, TypeFit
 
 COMMENT_COL = 34  # where a value's comment starts, as in the shipped profiles
 

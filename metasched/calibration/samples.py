@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from metasched.core.engine import GenerationLine
 from metasched.errors import ConfigError
 from metasched.sim.trace import TraceHeader, scan_trace
 
@@ -97,6 +98,7 @@ class TraceSamples:
     # When a live service started again on this trace (a later cluster line's
     # ``started_at``, seconds from the first's): from then its API quotas were full.
     restarts_s: list[float] = field(default_factory=list)
+    generations: list[GenerationLine] = field(default_factory=list)  # LLM turns served
     n_lines: int = 0
     n_actions: int = 0  # action lines with measurements
     n_unmeasured: int = 0  # trajectory lines and action lines without measurements
@@ -188,6 +190,9 @@ def read_samples(path: PathLike, progress: Callable[[int], None] | None = None) 
                 out.header = h
             elif h.started_at is not None and first.started_at is not None:
                 out.restarts_s.append(h.started_at - first.started_at)
+            continue
+        if item.generation is not None:
+            out.generations.append(item.generation)
             continue
         if item.action is None or item.measured is None:
             out.n_unmeasured += 1

@@ -81,7 +81,16 @@ def preflight(config_name: str, argv: list[str] | None = None) -> None:
 
     try:
         with initialize_config_dir(CONFIG_PATH, version_base="1.3"):
-            compose(config_name, overrides=args, return_hydra_config=True)
+            try:
+                if any(a.startswith(("+", "~")) and not a.startswith("++") for a in args):
+                    _check_keys(config_name, args)  # a + must not let a typo in
+                compose(config_name, overrides=args, return_hydra_config=True)
+            except (HydraException, OmegaConfBaseException):
+                _check_keys(config_name, args)  # an unknown key: name the nearest
+                raise
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     except yaml.YAMLError as e:  # a config file that is not valid YAML
         mark = getattr(e, "problem_mark", None)
         where = f"{mark.name}:{mark.line + 1}" if mark is not None else "a config file"
@@ -100,6 +109,27 @@ def preflight(config_name: str, argv: list[str] | None = None) -> None:
         field = max((k for k in keys if k in str(e)), key=len, default="overrides")
         print(f"error: {field}: {'; '.join(keep)}", file=sys.stderr)
         sys.exit(2)
+
+
+def _check_keys(config_name: str, args: list[str]) -> None:
+    """:func:`~metasched.cli.override_keys.check_keys` against the config composed with
+    the overrides that choose config groups (``workload=rm_math``)."""
+    from hydra import compose
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from metasched.cli.override_keys import check_keys
+
+    cfg = compose(config_name, overrides=[], return_hydra_config=True)
+    groups = {g for g in cfg.hydra.runtime.choices if not g.startswith("hydra/")}
+    chosen = [a for a in args if a.split("=", 1)[0] in groups]
+    if chosen:
+        try:
+            cfg = compose(config_name, overrides=chosen, return_hydra_config=True)
+        except (HydraException, OmegaConfBaseException):
+            return  # a bad choice: Hydra's own message names it
+    check_keys(OmegaConf.to_container(cfg, resolve=False), args, groups)
 
 
 def make_main(config_name: str, run: Callable[[dict[str, Any], Path], Any]) -> Callable[[], None]:

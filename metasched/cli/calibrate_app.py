@@ -65,6 +65,8 @@ def run_calibrate(cfg: dict[str, Any], out_dir: str | Path | None = None) -> dic
     ``calibration.json`` holds."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
+    from metasched.calibration import profile_yaml
+    from metasched.calibration.engine_fit import COSTS, engine_table, fit_engine
     from metasched.calibration.profile import calibrate
     from metasched.calibration.report import fit_table, qq_plot, quantile_rows
     from metasched.calibration.samples import read_samples
@@ -89,14 +91,15 @@ def run_calibrate(cfg: dict[str, Any], out_dir: str | Path | None = None) -> dic
         samples = read_samples(trace, progress=lambda n: bar.update(task, completed=n))
         bar.update(task, completed=total)
     cal = calibrate(samples, name, base)
-    workload_yaml, cluster_yaml = cal.workload_yaml(), cal.cluster_yaml()
+    engine = fit_engine(samples.generations)
+    workload_yaml, cluster_yaml = profile_yaml.workload_yaml(cal), profile_yaml.cluster_yaml(cal)
     _check(workload_yaml, cluster_yaml, out)
     try:
         (out / "workload").mkdir(parents=True, exist_ok=True)
         (out / "cluster").mkdir(parents=True, exist_ok=True)
         (out / "workload" / f"{name}.yaml").write_text(workload_yaml)
         (out / "cluster" / f"{name}.yaml").write_text(cluster_yaml)
-        table = fit_table(cal)
+        table = fit_table(cal) + ("" if engine is None else engine_table(engine))
         (out / "fit_report.md").write_text(table)
         if s["plot"]:
             qq_plot(cal, out / "qq.png")
@@ -122,7 +125,11 @@ def run_calibrate(cfg: dict[str, Any], out_dir: str | Path | None = None) -> dic
            "groups": None if cal.groups is None else {**cal.groups.config(),
                                                       "prompts": cal.groups.prompts,
                                                       "figures": cal.groups.figures},
-           "report": quantile_rows(cal), "notes": cal.notes}
+           "report": quantile_rows(cal), "notes": cal.notes,
+           "engine": None if engine is None else {
+               "costs": {c: getattr(engine.engine, c) for c in COSTS},
+               "fitted": engine.fitted, "generations": engine.n,
+               "rel_rmse": engine.rel_rmse}}
     (out / "calibration.json").write_text(json.dumps(json_safe(doc), indent=2) + "\n")
     if not s["quiet"]:
         print(table)

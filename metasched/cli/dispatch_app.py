@@ -40,7 +40,6 @@ from metasched.cli.settings import bool_setting, int_setting, max_wait_setting
 from metasched.core.cluster_config import parse_endpoints
 from metasched.core.schema import Number, parse, valid
 from metasched.errors import ConfigError
-from metasched.evaluation.statistics import ci95_of
 from metasched.runtime.requests import REJECTED, Result
 
 
@@ -139,6 +138,10 @@ class Tally:
         if not self.n_act:
             return [math.nan, math.nan]
         sd = math.sqrt(self._m2 / (self.n_act - 1)) if self.n_act > 1 else 0.0
+        # Imported here: scipy.stats is a second of start-up that metasched-serve,
+        # which imports this module, would otherwise pay before it listens.
+        from metasched.evaluation.statistics import ci95_of
+
         return ci95_of(self.n_act, self.mean_act, sd)
 
     def count(self, status: str) -> int:
@@ -259,7 +262,7 @@ async def dispatch_all(path: str | Path, dcfg, services: dict[str, Any], out: Te
 def live_table(name: str, jobs_file: str, summary: dict[str, Any], stats: dict[str, Any],
                tally: Tally, where: str = "on this machine", note: str = "") -> str:
     """The results table of a live run (markdown)."""
-    from metasched.evaluation.report import fmt
+    from metasched.evaluation.formatting import fmt
 
     s = summary
     n_rej = tally.count(REJECTED)

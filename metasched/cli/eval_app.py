@@ -36,7 +36,12 @@ def eval_settings(cfg: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError("timeline_dt", f"must be a number > 0 (got {dt!r})")
     est = cfg.get("estimates", "given")
     one_of(est, ESTIMATES, "estimates")
+    fit_on = (cfg.get("predictor") or {}).get("fit_on", "auto")
+    if not isinstance(fit_on, str) or not fit_on:
+        raise ConfigError("predictor.fit_on", f"must be auto, cross or a trace's path (got "
+                          f"{fit_on!r})")
     return {"schedulers": scheds, "paths": paths, "params": params, "estimates": est,
+            "fit_on": fit_on,
             "seeds": seeds_setting(cfg), "workers": int_setting(cfg, "workers", 1),
             "timeline_dt": float(dt), "plots": bool(cfg.get("plots", True)),
             "max_wait_s": max_wait_setting(cfg), "reference": reference}
@@ -53,7 +58,7 @@ def run_eval(cfg: dict[str, Any], out_dir, progress: bool = True) -> dict[str, A
                          workers=s["workers"], timeline_dt=s["timeline_dt"],
                          max_wait_s=s["max_wait_s"], paths=s["paths"],
                          estimates=s["estimates"], reference=s["reference"],
-                         progress=progress)
+                         fit_on=s["fit_on"], progress=progress)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if s["plots"]:

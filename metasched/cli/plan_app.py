@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import functools
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 from metasched.cli.app import make_main
-from metasched.cli.output import json_safe
+from metasched.cli.output import json_safe, write_atomic
 from metasched.cli.settings import (
     int_setting,
     max_wait_setting,
@@ -61,8 +62,10 @@ def plan_settings(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_plan(cfg: dict[str, Any], out_dir, progress: bool = True) -> dict[str, Any]:
-    """Plan every scheduler as configured; write plan.json and plan.md into ``out_dir``
-    and print each plan's trials, then one table."""
+    """Plan every scheduler as configured, printing each plan's trials; plan.json and
+    plan.md in ``out_dir`` are rewritten whole as each plan finishes (``complete`` false
+    until the last), so a run stopped early keeps every plan it finished; then the table
+    is printed."""
     from metasched.evaluation.planning import limiting_pools, mean_step, plan_capacity
 
     workload, cluster = load_profile(cfg)
@@ -82,38 +85,58 @@ def run_plan(cfg: dict[str, Any], out_dir, progress: bool = True) -> dict[str, A
         source = f"{s['baseline']} on the full cluster"
     doc: dict[str, Any] = {"workload": workload.name, "target_step_s": target,
                            "target_source": source, "tolerance": s["tolerance"],
-                           "scale_pools": list(s["pools"]), "schedulers": {}}
-    plans = {}
+                           "scale_pools": list(s["pools"]), "complete": False,
+                           "schedulers": {}}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    plans: dict[str, Any] = {}
     probe = functools.partial(_probe, cluster=cluster)
-    for name in s["schedulers"]:
-        run = dict(common, params=s["params"][name], target_step_s=target, label=name,
-                   on_trial=probe)
-        title = f"{name}, all of {', '.join(s['pools'])} scaled together"
-        _start(title, target, source, s["tolerance"])
-        plan = plan_capacity(workload, cluster, s["paths"][name], pools=s["pools"], **run)
-        plan.target_source = source
-        _conclude(plan)
-        alone = {}
-        if s["per_pool"] and len(present) > 1:
-            for pool in present:
-                _start(f"{name}, {pool} alone scaled, the rest full", target, source,
-                       s["tolerance"])
-                one = plan_capacity(workload, cluster, s["paths"][name], pools=(pool,), **run)
-                one.target_source = source
-                alone[pool] = one
-                _conclude(one)
+    alone_pools = present if s["per_pool"] and len(present) > 1 else []
+    total, done = len(s["schedulers"]) * (1 + len(alone_pools)), 0
+
+    def finished(name: str, plan, alone: dict[str, Any]) -> None:
+        """Keep a finished plan: plan.json and plan.md rewritten whole with it."""
+        nonlocal done
+        done += 1
         plans[name] = (plan, alone)
         doc["schedulers"][name] = {**plan.to_dict(),
                                    "limited_by": limiting_pools(plan, alone),
                                    "per_pool": {p: one.to_dict() for p, one in alone.items()}}
-    table = plan_table(plans, cluster, target, source, s["tolerance"])
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "plan.json").write_text(json.dumps(json_safe(doc), indent=2) + "\n")
-    (out / "plan.md").write_text(table)
-    print(table)
+        doc["complete"] = done == total
+        _write(out, doc, plan_table(plans, cluster, target, source, s["tolerance"]))
+
+    try:
+        for name in s["schedulers"]:
+            run = dict(common, params=s["params"][name], target_step_s=target, label=name,
+                       on_trial=probe)
+            _start(f"[{done + 1}/{total}] {name}, all of {', '.join(s['pools'])} scaled "
+                   "together", target, source, s["tolerance"])
+            plan = plan_capacity(workload, cluster, s["paths"][name], pools=s["pools"], **run)
+            plan.target_source = source
+            _conclude(plan)
+            alone: dict[str, Any] = {}
+            finished(name, plan, alone)
+            for pool in alone_pools:
+                _start(f"[{done + 1}/{total}] {name}, {pool} alone scaled, the rest full",
+                       target, source, s["tolerance"])
+                one = plan_capacity(workload, cluster, s["paths"][name], pools=(pool,), **run)
+                one.target_source = source
+                alone[pool] = one
+                _conclude(one)
+                finished(name, plan, alone)
+    except KeyboardInterrupt:
+        if done:
+            print(f"\n{done} of {total} plans finished, kept in {out / 'plan.json'}",
+                  file=sys.stderr, flush=True)
+        raise
+    print(plan_table(plans, cluster, target, source, s["tolerance"]))
     print(f"plan written to {out / 'plan.json'}")
     return doc
+
+
+def _write(out: Path, doc: dict[str, Any], table: str) -> None:
+    write_atomic(out / "plan.json", json.dumps(json_safe(doc), indent=2) + "\n")
+    write_atomic(out / "plan.md", table)
 
 
 # Printed under the table: what the joint columns mean, and why they can be far from

@@ -34,13 +34,37 @@ log = logging.getLogger("metasched.serve")
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
-def serve_config(cfg: dict[str, Any], upstreams: dict[str, Any]):
+def serve_config(cfg: dict[str, Any], upstreams: dict[str, Any],
+                 templates: dict[str, Any] | None = None):
     """The service's settings from the composed config."""
     from metasched.serve.config import ServeConfig
 
-    keys = ("host", "port", "token", "tokens", "max_body_mb", "header_timeout_s",
-            "body_timeout_s", "max_connections", "languages", "task", "keep_results")
-    return ServeConfig(upstreams=upstreams, **{k: cfg[k] for k in keys if cfg.get(k) is not None})
+    keys = ("host", "port", "token", "tokens", "max_body_mb", "max_file_mb", "header_timeout_s",
+            "body_timeout_s", "max_connections", "client_commands", "languages", "task",
+            "keep_results")
+    return ServeConfig(upstreams=upstreams, e2b_templates=templates or {},
+                       e2b_cache=cfg.get("e2b_cache"),
+                       **{k: cfg[k] for k in keys if cfg.get(k) is not None})
+
+
+def with_e2b_layers(cfg: dict[str, Any], templates: dict[str, Any]) -> dict[str, Any]:
+    """``cfg`` with the E2B templates' layers (built here where not cached) among the
+    dispatcher's ``sandbox.system_paths``, their files among its ``sandbox.templates``."""
+    from metasched.serve.e2b.templates import build_layers
+
+    if not templates:
+        return cfg
+    sandbox = dict(cfg.get("sandbox") or {})
+    known = dict(sandbox.get("templates") or {})
+    for name in templates:
+        if name in known:
+            raise ConfigError("e2b_templates", f"{name!r}: also a sandbox.templates entry "
+                              f"(name one of them otherwise)")
+    built = build_layers(templates, cfg.get("e2b_cache"))
+    sandbox["templates"] = {**known, **built["templates"]}
+    sandbox["system_paths"] = [*(sandbox.get("system_paths") or []),
+                               *built["system_paths"]]
+    return {**cfg, "sandbox": sandbox}
 
 
 def run_serve(cfg: dict[str, Any], out_dir: Path) -> None:
@@ -48,12 +72,15 @@ def run_serve(cfg: dict[str, Any], out_dir: Path) -> None:
     from metasched.runtime.dispatch import Dispatcher
     from metasched.serve import create_app, serve
     from metasched.serve.config import parse_upstreams
+    from metasched.serve.e2b.templates import load_templates
 
     on_ray = ray_settings(cfg)
     endpoints, upstreams = parse_upstreams(cfg.get("endpoints"), "endpoints")
     out = Path(out_dir)
+    templates = load_templates(cfg.get("e2b_templates"))
+    cfg = with_e2b_layers(cfg, templates)
     dcfg = dispatcher_config(cfg, out, endpoints=endpoints)
-    scfg = serve_config(cfg, upstreams)
+    scfg = serve_config(cfg, upstreams, templates)
     graceful = cfg.get("graceful_s", 30)
     if isinstance(graceful, bool) or not isinstance(graceful, (int, float)) or graceful < 0:
         raise ConfigError("graceful_s", f"must be a number of seconds >= 0 (got {graceful!r})")
@@ -61,6 +88,11 @@ def run_serve(cfg: dict[str, Any], out_dir: Path) -> None:
     one_of(level, _LOG_LEVELS, "log_level")
     services = load_services(cfg.get("services"))
     out.mkdir(parents=True, exist_ok=True)
+    from metasched.serve.connections import raise_descriptor_limit
+
+    before, now = raise_descriptor_limit()  # before the caps derived from it
+    log.info("descriptors: limit %d%s", now, f" (raised from {before})" if now > before
+             else " (the hard limit: ulimit -n raises it)")
     if on_ray is None:
         dispatcher = Dispatcher(dcfg, services=services)  # a bad setting fails here
         log.info("journal: %s", dcfg.journal)

@@ -9,6 +9,7 @@ inherits it and owns the attributes it reads (``ahead``, ``ahead_claim``, ``n_ah
 
 from __future__ import annotations
 
+from itertools import islice
 from typing import TYPE_CHECKING
 
 from metasched.core.actions import AHEAD, RUNNING, Action, InvalidGrant
@@ -96,18 +97,28 @@ class Ahead:
         ahead = self.ahead
         room = sum(limit - len(q) for q in ahead)
         out: list[Action] = []
-        for a in list(self.pending["cpu"].values()):
-            if room <= 0:
+        pending = self.pending["cpu"]
+        skipped = 0  # actions passed over, still first in the queue
+        while room > 0:
+            # The queue's head in chunks, not a copy of all of it: a deep queue costs
+            # nothing when a few actions fill the room (handed ones leave the queue).
+            chunk = list(islice(pending.values(), skipped, skipped + 2 * room + 8))
+            if not chunk:
                 break
-            k = a.spec.min_cores
-            nodes = ([a.node] if a.node >= 0
-                     else sorted(range(len(ahead)), key=lambda n: (len(ahead[n]), n)))
-            for node in nodes:
-                if self.check_ahead(a, node, k) is None:
-                    self.hand_ahead(a, node, k)
-                    out.append(a)
-                    room -= 1
+            for a in chunk:
+                if room <= 0:
                     break
+                k = a.spec.min_cores
+                nodes = ([a.node] if a.node >= 0
+                         else sorted(range(len(ahead)), key=lambda n: (len(ahead[n]), n)))
+                for node in nodes:
+                    if self.check_ahead(a, node, k) is None:
+                        self.hand_ahead(a, node, k)
+                        out.append(a)
+                        room -= 1
+                        break
+                else:
+                    skipped += 1
         return out
 
     def _return_cores(self, node: int, k: int) -> list[Action]:

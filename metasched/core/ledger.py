@@ -33,11 +33,12 @@ class Ledger:
         """(node, cores ``a`` could get now): its sandbox node, or the freest node."""
         held = a.traj.held_cores if a.traj is not None else 0
         node = a.node
+        free = self.free
         if node < 0:
-            node = max(range(len(self.free)), key=self.free.__getitem__, default=-1)
-            if node < 0:
+            if not free:
                 return -1, 0
-        return node, self.free[node] + held
+            node = free.index(max(free))  # the first freest (a pass in C: asked per slot)
+        return node, free[node] + held
 
     def take_cpu(self, a: Action, node: int, cores: int, hold: int = 0) -> Grant:
         held = a.traj.held_cores if a.traj is not None else 0

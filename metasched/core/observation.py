@@ -38,6 +38,7 @@ it chose; the levels choose allocations of the actions it did not advise.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from dataclasses import asdict, dataclass
@@ -123,6 +124,7 @@ def pool_features(cfg: ObsConfig) -> list[str]:
 
 
 @cache  # pure, and asked for every slot of every observation
+@functools.lru_cache(maxsize=4096)  # asked per slot at every decision, of a few ranges
 def cpu_levels(min_cores: int, max_cores: int, levels: int) -> tuple[int, ...]:
     """Core counts of the allocation levels: geometric from min to max; a level that
     repeats the previous count is -1 (never legal)."""
@@ -197,8 +199,10 @@ class ObservationEncoder:
         grants = self._ask_advisor(state)
         advice = {i: self._size_frac(state, g) for i, g in grants.items()}
         p = state.pending
-        merged = heapq.merge(p["cpu"].values(), p["gpu"].values(), p["api"].values(),
-                             key=lambda a: (a.submit_t, a.id))
+        queues = [q for q in (p["cpu"], p["gpu"], p["api"]) if q]
+        # one queue is already in its order: merged, it would be the same, at a key each
+        merged = (iter(queues[0].values()) if len(queues) == 1 else
+                  heapq.merge(*(q.values() for q in queues), key=lambda a: (a.submit_t, a.id)))
         k = self.cfg.k_slots
         advised: list[Action] = []
         ready: list[Action] = []
@@ -339,7 +343,8 @@ class ObservationEncoder:
         # Rows are filled as Python lists and converted once: a NumPy element write
         # costs several times a list's, and a slot has F of them.
         rows: list[list[float]] = []
-        mask = np.zeros(cfg.n_actions, dtype=bool)
+        L = cfg.levels
+        mask = [False] * cfg.n_actions  # (a list: a slice write costs a NumPy array's ~10x)
         nc = self.node_cores
         gpu, api = state.gpu, state.api
         advice = self.advice(state)
@@ -382,7 +387,7 @@ class ObservationEncoder:
                 row[18] = min(1.0, ep.tok / spec.tokens) if spec.tokens else 1.0
                 row[19] = ep.in_flight / ep.spec.max_concurrency
             legal = self._legal_levels(state, led, a, room)
-            mask[i * cfg.levels:(i + 1) * cfg.levels] = legal
+            mask[i * L:(i + 1) * L] = legal
             row[20] = float(any(legal))
             if a.id in advice:
                 row[21] = 1.0
@@ -392,11 +397,12 @@ class ObservationEncoder:
         x = np.zeros((cfg.k_slots, F), dtype=np.float32)
         if rows:
             x[:len(rows)] = rows
-        np.clip(x, 0.0, OBS_HIGH, out=x)
+        np.minimum(np.maximum(x, 0.0, out=x), OBS_HIGH, out=x)  # np.clip's, without its wrapper
         pools = self._pools(state)
         pools[-1] = float(self.advisor is not None and not advice)
         return {"slots": x.reshape(-1), "backlog": self._backlog(state, slots).reshape(-1),
-                "pools": np.clip(pools, 0.0, OBS_HIGH), "action_mask": mask.astype(np.int8)}
+                "pools": np.minimum(np.maximum(pools, 0.0, out=pools), OBS_HIGH, out=pools),
+                "action_mask": np.array(mask, dtype=np.int8)}
 
     def _backlog(self, state: ClusterState, slots: list[Action]) -> np.ndarray:
         b = np.zeros((3, 3), dtype=np.float32)

@@ -25,6 +25,11 @@ Remaining trajectory time has two designs (``design``):
   estimate, the
   posterior effects, the finished siblings' totals and turn counts and log turn index.
 
+The ``boost`` design fits boosted trees (:mod:`metasched.core.boost`) for the median on
+every feature; ``gbm`` fits LightGBM's on those and the prompt's
+(:mod:`metasched.core.prompt_features`: what is known of it before its first turn; the
+``predict`` extra).
+
 Quantiles (p10, p50, p90) add the design's training residual quantiles at the turn
 index (bucketed). Both designs are fitted by replaying training trajectories through
 the same online code that serves predictions (:func:`replay`), on an uncontended clock
@@ -36,15 +41,17 @@ start-up, and absent from recorded traces) is neither evidence nor remaining tim
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from metasched.core.boost import QuantileBoost
 from metasched.core.predictor_stats import GEN, QUANTILES, components, quantile_table, ridge, table
+from metasched.core.prompt_features import PromptFeaturizer, PromptInfo
+from metasched.errors import ConfigError
 
-DESIGNS = ("shrinkage", "linear", "boost")
+DESIGNS = ("shrinkage", "linear", "boost", "gbm")
 REWARD = "reward"  # the type name of a trajectory's final reward action
 _K_CAP = 64  # turn indices above this share the last bucket
 _FEATURES = ("static", "effect", "prompt_effect", "sib_total", "sib_turns", "sib_done",
@@ -159,6 +166,9 @@ class Predictor:
     coef: np.ndarray = field(default_factory=lambda: np.zeros((1, len(_FEATURES) + 1)))
     resid_q: np.ndarray = field(default_factory=lambda: np.zeros((1, 3)))
     boost: QuantileBoost | None = None
+    gbm: object | None = None  # the gbm design's LightGBM booster
+    featurizer: PromptFeaturizer | None = None  # the gbm design's prompt features
+    prompts: dict[str, PromptInfo] = field(default_factory=dict)
     trajs: dict[object, _Traj] = field(default_factory=dict)
     groups: dict[object, list[object]] = field(default_factory=dict)
     finished: dict[object, list[tuple[float, float]]] = field(default_factory=dict)
@@ -281,16 +291,22 @@ class Predictor:
                 it += math.log(s.turn + 1.0) - mk
             else:
                 it += float(tt[min(s.turn, len(tt) - 1)]) - mk
-        return np.array([static, eff, m_p, sib_total, sib_turns, n_f / max(1, len(sibs)),
-                         math.log1p(tr.turn), math.log1p(tr.n), it / (len(sibs) + 1.0),
-                         float(tr.name == REWARD), self.mu.get(tr.name, 0.0),
-                         math.log1p(tr.elapsed_s), tr.r_sum / tr.n if tr.n else 0.0])
+        x = np.array([static, eff, m_p, sib_total, sib_turns, n_f / max(1, len(sibs)),
+                      math.log1p(tr.turn), math.log1p(tr.n), it / (len(sibs) + 1.0),
+                      float(tr.name == REWARD), self.mu.get(tr.name, 0.0),
+                      math.log1p(tr.elapsed_s), tr.r_sum / tr.n if tr.n else 0.0])
+        if self.featurizer is None:
+            return x
+        prompt = str(tr.group[1]) if isinstance(tr.group, tuple) else ""
+        return np.concatenate([x, self.featurizer.row(prompt, self.prompts.get(prompt))])
 
     def _log_median(self, x: np.ndarray) -> float:
         if self.design == "shrinkage":
             return float(x[0] + self.sd_bar * x[1])
         if self.design == "boost":
             return float(self.boost.predict(x)[0])
+        if self.design == "gbm":
+            return float(self.gbm.predict(x[None, :])[0])
         c = self.coef[min(self._bucket_of(x), len(self.coef) - 1)]
         return float(c[0] + c[1:] @ x[:len(_FEATURES)])
 
@@ -314,7 +330,7 @@ class Predictor:
 
     def _q_row(self, tr: _Traj) -> int:
         """The row of ``resid_q`` for a trajectory (boost: row 0 is the reward's)."""
-        if self.design == "boost":
+        if self.design in ("boost", "gbm"):
             return 0 if tr.name == REWARD else min(tr.turn + 1, len(self.resid_q) - 1)
         return min(tr.turn, len(self.resid_q) - 1)
 
@@ -346,6 +362,10 @@ class Predictor:
         """The type-level estimate of remaining time at turn ``turn`` (geometric mean)."""
         return math.exp(float(self.static[task][self._bucket(task, turn)]))
 
+    def add_prompts(self, prompts: Mapping[str, PromptInfo]) -> None:
+        """Tell the predictor about prompts (by id) it will be asked about."""
+        self.prompts.update(prompts)
+
     def reset(self) -> None:
         """Forget all online state (keep the fitted model)."""
         self.trajs.clear(), self.groups.clear(), self.finished.clear()
@@ -353,8 +373,11 @@ class Predictor:
     # ------------------------------------------------------------------ training
 
     @classmethod
-    def fit(cls, records: list[TrajRecord], design: str = "linear") -> Predictor:
-        """Fit to finished trajectories (see the module docstring)."""
+    def fit(cls, records: list[TrajRecord], design: str = "linear",
+            prompts: Mapping[str, PromptInfo] | None = None) -> Predictor:
+        """Fit to finished trajectories (see the module docstring); ``prompts``: what is
+        known of the prompts by id (the ``gbm`` design reads them; a prompt it is later
+        asked about is looked up there too, see :meth:`add_prompts`)."""
         if design not in DESIGNS:
             raise ValueError(f"design must be one of {', '.join(DESIGNS)} (got {design!r})")
         if not records:
@@ -392,12 +415,17 @@ class Predictor:
         turns_tab = {t: table(by_k, np.mean) for t, by_k in turns_by_k.items()}
         p = cls(design, mu, sd, vp, vt, max(1.0 - vp - vt, 0.05), sd_bar, static, turns_tab,
                 task_total)
+        if design == "gbm":
+            p.prompts = dict(prompts or {})
+            seen = {str(r.group[1]) for r in records if isinstance(r.group, tuple)}
+            p.featurizer = PromptFeaturizer.fit(
+                [p.prompts[k] for k in sorted(seen) if k in p.prompts] or [PromptInfo()])
         x, y, k, keys = [], [], [], []
         for d, feats in replay(p, records):
             x.append(feats), y.append(math.log(max(d.remaining_s, 1e-3)))
             k.append(p._bucket(d.task, d.turn)), keys.append(d.key)
         x, y, k = np.array(x), np.array(y), np.array(k)
-        if design == "boost":
+        if design in ("boost", "gbm"):
             p._fit_boost(x, y, np.array(keys), len(records))
             p.reset()
             return p
@@ -426,11 +454,32 @@ class Predictor:
         reward's apart from the others', by turn index): out-of-sample, as served."""
         fit = keys < (1.0 - _HOLDOUT) * n if n >= 8 else np.ones(len(y), bool)
         held = ~fit if (~fit).any() else fit
-        self.boost = QuantileBoost.fit(x[fit], y[fit], 0.5)
-        resid = y[held] - self.boost.predict(x[held])
+        if self.design == "gbm":
+            self.gbm = fit_gbm(x[fit], y[fit], categorical=[x.shape[1] - 1])
+            resid = y[held] - self.gbm.predict(x[held])
+        else:
+            self.boost = QuantileBoost.fit(x[fit], y[fit], 0.5)
+            resid = y[held] - self.boost.predict(x[held])
         turn = np.rint(np.expm1(x[held, 6])).astype(int)
         row = np.where(x[held, 9] > 0.5, 0, np.minimum(turn, _K_CAP) + 1)
         self.resid_q = quantile_table(resid, row)
+
+
+def fit_gbm(x: np.ndarray, y: np.ndarray, categorical: list[int]):
+    """LightGBM's gradient-boosted trees for the median of ``y`` (the L1 objective: the
+    mean |log error| is what is scored), deterministic, on one thread (a prediction of
+    one row on more spins threads for milliseconds on a busy machine)."""
+    try:
+        import lightgbm as lgb
+    except ImportError:
+        raise ConfigError("predictor", "the gbm design needs LightGBM and scikit-learn: "
+                          "pip install 'metasched[predict]'") from None
+    params = {"objective": "l1", "learning_rate": 0.05, "num_leaves": 15,
+              "min_data_in_leaf": 40, "feature_fraction": 0.8, "bagging_fraction": 0.8,
+              "bagging_freq": 1, "lambda_l2": 1.0, "seed": 0, "deterministic": True,
+              "num_threads": 1, "verbose": -1}
+    data = lgb.Dataset(x, y, categorical_feature=categorical, free_raw_data=False)
+    return lgb.train(params, data, num_boost_round=300)
 
 
 def replay(p: Predictor, records: list[TrajRecord]) -> Iterator[tuple[Decision, np.ndarray]]:
@@ -464,4 +513,4 @@ def replay(p: Predictor, records: list[TrajRecord]) -> Iterator[tuple[Decision, 
 
 
 __all__ = ["DESIGNS", "GEN", "QUANTILES", "REWARD", "Decision", "Predictor", "Quantiles",
-           "TrajRecord", "group_of", "records_of", "records_of_trace", "replay"]
+           "TrajRecord", "fit_gbm", "group_of", "records_of", "records_of_trace", "replay"]

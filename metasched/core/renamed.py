@@ -5,8 +5,8 @@ break (docs/concepts/glossary.md lists every rename).
 - :func:`overrides`: command-line overrides (``old.key=v`` -> ``new.key=v``), before the
   config is composed;
 - :func:`settings`: a composed config, its old values (``estimates=profile``);
-- :func:`metrics`: a dispatcher's counters, which report each renamed one under its old
-  name too.
+- :func:`metrics`: a dispatcher's counters, which say under ``renamed`` what each old
+  name is now called (the value is reported once, under the new name).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ VALUES: dict[str, dict[str, str]] = {
     "evaluation.estimates": {"profile": "given"},
     "ray.submit": {"agent": "daemon"},
 }
-# A reported counter's new name -> its old name (reported too, with the same value).
+# A reported counter's new name -> its old name (named under ``renamed``).
 METRICS: dict[str, str] = {"ahead_at_node": "queued_at_node", "sandboxes": "confinement"}
 
 
@@ -85,10 +85,10 @@ def stored(cfg: Any) -> Any:
 
 
 def metrics(counters: dict[str, Any]) -> dict[str, Any]:
-    """``counters`` with each renamed one also under its old name."""
-    for new, old in METRICS.items():
-        if new in counters:
-            counters[old] = counters[new]
+    """``counters`` with ``renamed``: each old name of a counter there -> its new name
+    (a reader of an old name finds where its value went; no value is said twice)."""
+    counters["renamed"] = {old: new for new, old in sorted(METRICS.items(), key=lambda x: x[1])
+                           if new in counters}
     return counters
 
 

@@ -182,6 +182,11 @@ class TraceWriter:
                      "task": a.task, "action": act, "measured": m})
         self.n_written += 1
 
+    def record_generation(self, line: dict[str, Any]) -> None:
+        """Write one finished LLM turn as a ``generation`` line (the fields of
+        :class:`~metasched.core.engine.GenerationLine`)."""
+        self._write({"type": "generation", **line})
+
     def forget(self, trajectory_id: int) -> None:
         """Drop a trajectory that closed without its reward action (its last finish)."""
         self._last_end.pop(trajectory_id, None)

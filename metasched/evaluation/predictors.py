@@ -6,7 +6,12 @@ trajectories of whole RL steps of the evaluated workload, sampled with training 
 ``TRAIN_SEED`` (below the evaluation seeds, which start at 1,000,000), the steps after
 the first cut where their turns (decision points) pass ``TRAIN_DECISIONS`` (long
 trajectories: ``swe_grouped`` keeps 17 steps, 1,088 trajectories): the runs then update
-it online on their own clock. A trace workload trains it on the trace itself.
+it online on their own clock. A trace workload is never replayed through a model fitted
+on it: ``fit_on`` (the evaluation's ``predictor.fit_on``) is ``auto`` (a sampled profile:
+its training seed; a trace: cross-fitted by prompt group, ``FOLDS`` folds, each
+trajectory served by the fold's model that never saw its group,
+:mod:`metasched.core.predictor_folds`), ``cross`` (the same for a trace) or the path of
+another trace to fit on (its every trajectory).
 One fit per workload (and time scale) and process; every run gets a fresh copy of its
 online state. ``learned_priority`` gets a ranker fitted on the same trajectories
 (:func:`fitted_ranker`).
@@ -26,6 +31,7 @@ from dataclasses import replace
 import numpy as np
 
 from metasched.core.predictor import Predictor, TrajRecord, records_of
+from metasched.core.predictor_folds import CrossFitted, folds_of
 from metasched.core.ranker import Ranker, fit_ranker
 from metasched.sim.sampling import sample_workload
 from metasched.sim.workload_config import WorkloadConfig
@@ -34,6 +40,8 @@ TRAIN_SEED = 0
 TRAIN_TRAJECTORIES = 3456  # as benchmarks/predictor_accuracy.py's default
 TRAIN_DECISIONS = 80_000  # the fit's cost grows with them (a replay, then the trees)
 DESIGN = "boost"
+FOLDS = 5  # the folds of a cross-fitted trace replay
+FIT_ON = ("auto", "cross")  # or a trace's path
 
 _FITTED: dict[bytes, Predictor] = {}
 _RANKERS: dict[bytes, Ranker] = {}
@@ -61,15 +69,45 @@ def _records(workload: WorkloadConfig, time_scale: float = 1.0) -> list[TrajReco
     return recs
 
 
-def fitted_predictor(workload: WorkloadConfig, time_scale: float = 1.0) -> Predictor:
+def fitted_predictor(workload: WorkloadConfig, time_scale: float = 1.0,
+                     fit_on: str = "auto") -> Predictor | CrossFitted:
     """A predictor fitted for ``workload`` (see the module docstring), its online state
     empty and its own; ``time_scale``: for a replay of it with every duration and gap
-    times this."""
-    key = pickle.dumps((workload, time_scale))
+    times this; ``fit_on``: ``auto``, ``cross`` or another trace's path.
+
+    Raises:
+        ConfigError: ``fit_on`` is none of those, or cannot be fitted on.
+    """
+    key = pickle.dumps((workload, time_scale, fit_on))
     p = _FITTED.get(key)
     if p is None:
-        p = _FITTED[key] = Predictor.fit(_records(workload, time_scale), DESIGN)
+        p = _FITTED[key] = _fit(workload, time_scale, fit_on)
+    if isinstance(p, CrossFitted):
+        return p.fresh()
     return replace(p, trajs={}, groups={}, finished={})
+
+
+def _fit(workload: WorkloadConfig, time_scale: float, fit_on: str) -> Predictor | CrossFitted:
+    from metasched.errors import ConfigError
+
+    if fit_on not in FIT_ON:
+        other = replace(workload, trace=fit_on)
+        try:
+            return Predictor.fit(_records(other, time_scale), DESIGN)
+        except ValueError as e:
+            raise ConfigError("predictor.fit_on", f"{fit_on}: {e}") from None
+    if workload.trace is None:
+        if fit_on == "cross":
+            raise ConfigError("predictor.fit_on", "cross is for a trace workload (a "
+                              "sampled profile fits on a training seed: use auto)")
+        return Predictor.fit(_records(workload, time_scale), DESIGN)
+    from metasched.sim.trace import read_trace
+
+    folds = folds_of(read_trace(workload.trace).steps, FOLDS)
+    try:
+        return CrossFitted.fit(_records(workload, time_scale), folds, FOLDS, DESIGN)
+    except ValueError as e:
+        raise ConfigError("predictor.fit_on", f"{workload.trace}: {e}") from None
 
 
 def fitted_ranker(workload: WorkloadConfig, time_scale: float = 1.0) -> Ranker:
@@ -79,10 +117,16 @@ def fitted_ranker(workload: WorkloadConfig, time_scale: float = 1.0) -> Ranker:
     key = pickle.dumps((workload, time_scale))
     r = _RANKERS.get(key)
     if r is None:
-        r = _RANKERS[key] = fit_ranker(fitted_predictor(workload, time_scale),
+        p = fitted_predictor(workload, time_scale)
+        if isinstance(p, CrossFitted):
+            from metasched.errors import ConfigError
+
+            raise ConfigError("learned_priority", "its ranker learns from the trajectories "
+                              "it would rank: on a trace workload it is not run")
+        r = _RANKERS[key] = fit_ranker(p,
                                        _records(workload, time_scale))
     return r
 
 
-__all__ = ["DESIGN", "TRAIN_DECISIONS", "TRAIN_SEED", "TRAIN_TRAJECTORIES", "fitted_predictor",
-           "fitted_ranker"]
+__all__ = ["DESIGN", "FIT_ON", "FOLDS", "TRAIN_DECISIONS", "TRAIN_SEED", "TRAIN_TRAJECTORIES",
+           "fitted_predictor", "fitted_ranker"]

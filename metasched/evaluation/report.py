@@ -8,13 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from metasched.evaluation.formatting import fmt, fmt_ci
 from metasched.evaluation.step_story import story_lines
-
-
-def fmt(x: float) -> str:
-    """A number for a results table: three significant digits, thousands separated above
-    100, a dash for NaN."""
-    return "—" if x != x else (f"{x:.3g}" if abs(x) < 100 else f"{x:,.0f}")
 
 
 def results_table(doc: dict[str, Any]) -> str:
@@ -36,10 +31,43 @@ def results_table(doc: dict[str, Any]) -> str:
             f"| {u['cpu']:.1%} / {u['gpu']:.1%} / {u['api']:.1%} "
             f"| {fmt(s['idle_held_resource_s']['cpu'])} | {s['failed']} "
             f"| {s['guard_fired']} |")
+    lines += ["", results_note(doc)]
     lines += rollout_table(doc)
     lines += paired_table(doc)
     lines += story_lines(doc, doc.get("heuristics", ()), doc.get("learned", ()))
     return "\n".join(lines) + "\n"
+
+
+# What the results table's columns mean, said under it.
+RESULTS_COLUMNS = (
+    "mean ACT s: action completion time (queue wait + run), the mean over seeds of each "
+    "seed's mean, 95% CI over seeds; p50/p95/p99: percentiles of every action's ACT; "
+    "ACT/LB: mean ACT over its lower bound (each action started at once on the cores that "
+    "run it fastest); mean step s: the RL step's time (its slowest trajectory), 95% CI; "
+    "max step s: the longest step; util: busy fraction of each pool (api: of the request "
+    "quota); idle-held cpu core-s: core-seconds held for a trajectory or task while idle; "
+    "failed: actions that ended failed, all seeds together{failed}; guard: actions the "
+    "starvation guard started (queued past max_wait_s), all seeds together.")
+# Today's practice, introduced where a run has it.
+PRACTICE = {"static": "today's practice: each trajectory holds its own share of the cores "
+                      "for its whole life, GPU services pinned per task, a fixed semaphore "
+                      "per API tool",
+            "task_isolated": "the other common practice: pools partitioned per task"}
+
+
+def results_note(doc: dict[str, Any]) -> str:
+    """The line under the results table: what each column means, why ``failed`` is what
+    it is where every scheduler has the same failures, and today's practice among the
+    schedulers run."""
+    reasons = [s.get("failure_reasons") or {} for s in doc["schedulers"].values()]
+    failed = ""
+    if reasons and reasons[0] and all(r == reasons[0] for r in reasons):
+        why = ", ".join(f"{k} {v}" for k, v in sorted(reasons[0].items()))
+        failed = f" (the same for every scheduler here: {why}; an action past its timeout " \
+                 "fails whoever schedules it)"
+    practice = [f"`{n}` is {what}" for n, what in PRACTICE.items() if n in doc["schedulers"]]
+    return "Columns: " + RESULTS_COLUMNS.format(failed=failed) + "".join(
+        f" {p[0].upper()}{p[1:]}." for p in practice)
 
 
 def rollout_table(doc: dict[str, Any]) -> list[str]:
@@ -64,12 +92,11 @@ def rollout_table(doc: dict[str, Any]) -> list[str]:
         lines.append(f"| {name} | {fmt(s['trajectories_per_hour'])} ({fmt(ct[0])}–{fmt(ct[1])}) "
                      f"| {fmt(s['mean_traj_latency_s'])} ({fmt(cl[0])}–{fmt(cl[1])}) "
                      f"| {ratio[0]} | {ratio[1]} | {s['max_staleness']} |")
+    lines += ["", "Columns: trajectories/h: trajectories finished per hour of the run, 95% CI "
+              "over seeds; mean trajectory latency s: a trajectory's start to its end; ÷ ref: "
+              "each paired by seed with the reference; largest staleness: the most trainer "
+              "versions between a trajectory's start and the batch that trains on it."]
     return lines
-
-
-def fmt_ci(v: float, ci: list[float], digits: int = 3) -> str:
-    """``v (lo–hi)`` with ``digits`` decimals."""
-    return f"{v:.{digits}f} ({ci[0]:.{digits}f}–{ci[1]:.{digits}f})"
 
 
 def paired_table(doc: dict[str, Any]) -> list[str]:
@@ -92,6 +119,9 @@ def paired_table(doc: dict[str, Any]) -> list[str]:
                      f"| {fmt_ci(a['diff'], a['diff_ci95'], 3)} "
                      f"| {fmt_ci(st['ratio'], st['ratio_ci95'], 4)} "
                      f"| {fmt_ci(st['diff'], st['diff_ci95'], 1)} |")
+    lines += ["", "Columns: ÷ ref: the scheduler's mean over the reference's, − ref: their "
+              "difference, each over the same seeds, 95% CI; below 1 (or 0) is better than "
+              "the reference."]
     return lines
 
 
@@ -151,23 +181,27 @@ def plot_figures(doc: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, A
     figs["act_cdf"] = fig
 
     pools = [p for p in ("cpu", "gpu", "api") if any(by[n][0]["timeline"][p] for n in names)]
-    fig, axes = plt.subplots(len(pools) or 1, 1, figsize=(8, 2.6 * max(1, len(pools))),
+    fig, axes = plt.subplots(len(pools) or 1, 1, figsize=(10, 3.0 * max(1, len(pools))),
                              squeeze=False)
     for ax, pool in zip(axes[:, 0], pools, strict=False):
         tls = {n: by[n][0]["timeline"] for n in names}
         series = {n: (tls[n]["t"], tls[n][pool], tls[n].get(f"{pool}_held") or [])
                   for n in names}
-        for group in tied_groups(series):
+        groups = [g for g in tied_groups(series) if tls[g[0]][pool]]
+        for i, group in enumerate(groups):
             tl = tls[group[0]]
-            if tl[pool]:
-                (line,) = ax.plot(tl["t"], tl[pool], label=tie_label(group), lw=1)
-                held = tl.get(f"{pool}_held")
-                if held and any(h > b + 1e-9 for h, b in zip(held, tl[pool], strict=True)):
-                    ax.plot(tl["t"], held, ls="--", lw=1, color=line.get_color())
+            # Widest first, each drawn over the last: where lines coincide (every
+            # scheduler at full use) each still shows as a stripe of its own colour.
+            lw = _stripe_width(i, len(groups))
+            (line,) = ax.plot(tl["t"], tl[pool], label=tie_label(group), lw=lw)
+            held = tl.get(f"{pool}_held")
+            if held and any(h > b + 1e-9 for h, b in zip(held, tl[pool], strict=True)):
+                ax.plot(tl["t"], held, ls="--", lw=lw, color=line.get_color())
         ax.set_ylabel(f"{pool} utilisation")
-        ax.set_ylim(0, 1.05)
+        ax.set_ylim(0, 1.08)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, ncol=3)
+        # Beside the axes, never over the data.
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     axes[-1, 0].set_xlabel(f"time (s), seed {doc['seeds'][0]}")
     axes[0, 0].set_title(f"Utilisation over time — {doc['workload']} "
                          "(dashed: busy or held for a trajectory/task)")
@@ -183,6 +217,12 @@ def plot_figures(doc: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, A
     ax.grid(alpha=0.3, axis="y")
     figs["step_time"] = fig
     return figs
+
+
+def _stripe_width(i: int, n: int, thin: float = 0.9, wide: float = 3.2) -> float:
+    """The line width of the ``i``-th of ``n`` lines drawn in order: from ``wide`` down
+    to ``thin``."""
+    return thin if n == 1 else wide - (wide - thin) * i / (n - 1)
 
 
 def _save(fig, path: Path) -> Path:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from metasched.evaluation.formatting import fmt, fmt_ci
 from metasched.evaluation.statistics import paired_ratio
 
 
@@ -76,8 +77,6 @@ def story_lines(doc: dict[str, Any], heuristics: Sequence[str],
     heuristic): per scheduler, step ÷ the best heuristic by step and ACT ÷ the best
     heuristic by ACT (95% CIs), then one sentence per scheduler of ``learned`` saying
     what it buys against them."""
-    from metasched.evaluation.report import fmt, fmt_ci  # report imports this module
-
     sch = doc["schedulers"]
     if any("trajectories_per_hour" in s for s in sch.values()):
         return []

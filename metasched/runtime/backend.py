@@ -16,12 +16,11 @@ confines each command on its node as the local backend does here.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from metasched.core.pools import ServiceSpec
-from metasched.runtime.gpu import LiveDevice
+from metasched.runtime.gpu import GpuHost, LiveDevice
 from metasched.runtime.outcome import Outcome
 from metasched.runtime.sandbox.config import SandboxConfig
 
@@ -78,17 +77,6 @@ class Command(Protocol):
     async def wait(self) -> Outcome: ...
 
     def abandon(self) -> None: ...
-
-
-class GpuHost(Protocol):
-    """The GPU services of a backend's devices (:class:`metasched.runtime.gpu.ServiceHost`
-    has this interface on one machine)."""
-
-    @property
-    def specs(self) -> dict[str, ServiceSpec]: ...
-
-    async def run_batch(self, service: str, device: LiveDevice, resident_now: Collection[str],
-                        payloads: list[Any]) -> Outcome: ...
 
 
 class Backend(Protocol):

@@ -35,6 +35,13 @@ A request is one action. Fields every kind has:
   not given: the dispatcher's ``deadlines.default_s``, if any). A cpu command still
   queued when only its ``timeout_s`` is left before then starts time-shared on busy
   cores, or is refused (``deadlines.on_deadline``): see :mod:`metasched.core.deadlines`.
+- ``on_restart``: what a dispatcher restarted on the journal does with the request if
+  the previous one died before its end: ``"run"`` (the default: queued again, for a
+  caller that can come back for its result, as a native client can, with a deadline:
+  ``deadlines.recovered_s``) or ``"cancel"`` (finished ``cancelled``, reason
+  ``restart: ...``: its caller waited on a connection that died with the dispatcher, as
+  ``/run_code``'s, ``/run_jupyter``'s, E2B's and the quota proxy's do; such front doors
+  set it).
 
 Per kind:
 
@@ -91,7 +98,7 @@ from metasched.runtime.api_calls import HttpSpec
 
 # Which fields each kind has (besides the common ones), for the messages that say so.
 _COMMON = {"id", "kind", "task", "name", "trajectory", "prompt", "turn", "reward", "timeout_s",
-           "est_s", "deadline_s"}
+           "est_s", "deadline_s", "on_restart"}
 # What a command (a cpu request, or a gpu request with an argv) may ask of its sandbox.
 _SANDBOX = ("pids_max", "network", "workspace_template", "workspace_mb")
 _BY_KIND = {
@@ -178,6 +185,7 @@ class Request(Checked, Demand):
     reward: Flag = False
     est_s: Seconds | None = None
     deadline_s: Seconds | None = None  # the dispatcher's deadlines.default_s
+    on_restart: Literal["run", "cancel"] = "run"  # if the dispatcher died before its end
     argv: Annotated[tuple[_Arg, ...], Field(min_length=1)] = ()
     env: _Env | None = None
     mem_limit_mb: _positive() | None = None

@@ -15,6 +15,7 @@ from metasched.core.cluster_config import _Endpoint
 from metasched.core.pools import EndpointSpec
 from metasched.core.schema import Checked, Count, Number, Strict, Text, parse
 from metasched.errors import ConfigError
+from metasched.serve.e2b.templates import E2BTemplate
 
 __all__ = ["DEFAULT_CLIENT", "LOOPBACK", "ServeConfig", "Upstream", "derated", "is_loopback",
            "parse_upstreams"]
@@ -168,7 +169,10 @@ class ServeConfig(Checked):
             (``token`` or ``tokens``), each token is one client: a trajectory belongs to
             the client that opened it, and only that client may act on it, close it or
             read its actions' results. Without it, every client is the same, trusted.
-        max_body_mb: request bodies larger than this are refused (413).
+        max_body_mb: request bodies larger than this are refused (413); an E2B upload
+            is one, streamed to the sandbox as it comes.
+        max_file_mb: an E2B download of a larger file is refused (413, one line); a
+            smaller one is streamed as it is read (the service holds one piece of it).
         header_timeout_s: a request's headers must arrive within this many seconds of
             the connection's opening (of its next request's first byte, on a kept-alive
             connection); later, 408 and the connection is closed.
@@ -177,11 +181,20 @@ class ServeConfig(Checked):
         max_connections: client connections open at once; one more is answered 503 and
             closed as soon as it is accepted (None: this process's descriptor limit less
             a reserve, see :func:`~metasched.serve.connections.default_max_connections`).
+        client_commands: E2B commands (background or not) one client may have running
+            at once; one more is refused (``resource exhausted``, one line) and other
+            clients are unaffected (None: from the descriptor limit, see
+            :func:`~metasched.serve.connections.default_client_commands`).
         upstreams: the quota proxy's endpoints (see :class:`Upstream`); their quotas
             are the dispatcher's endpoints of the same names.
         languages: the ``/run_code`` languages to offer (None: every one whose toolchain
             works here, found by running a small program in each at start).
         task: the task of ``/run_code`` actions that do not name one.
+        e2b_templates: the E2B templates with packages (see
+            :mod:`metasched.serve.e2b.templates`): their packages' layers, built in
+            ``e2b_cache`` (None: ``~/.cache/metasched/e2b-templates``), are among the
+            dispatcher's ``sandbox.system_paths``, their files its workspace templates.
+        e2b_cache: where the templates' layers are (see ``e2b_templates``).
         keep_results: finished results kept in memory for ``GET /v1/actions/{id}``
             (older ones are answered from the dispatcher's journal, where it has one).
     """
@@ -191,13 +204,17 @@ class ServeConfig(Checked):
     token: Token | None = None
     tokens: dict[Annotated[str, BeforeValidator(str)], Token] = {}
     max_body_mb: Number(gt=0.0) = 64.0
+    max_file_mb: Number(gt=0.0) = 4096.0
     header_timeout_s: Number(gt=0.0, le=24 * 3600.0) = 30.0
     body_timeout_s: Number(gt=0.0, le=24 * 3600.0) = 120.0
     max_connections: Count(1) | None = None
+    client_commands: Count(1) | None = None
     upstreams: dict[str, Upstream] = {}
     languages: list[Text] | None = None
     task: Text = "run_code"
     keep_results: Count(0) = 100_000
+    e2b_templates: dict[str, E2BTemplate] = {}
+    e2b_cache: Text | None = None
 
     one_line_root = 'settings'
 
@@ -216,6 +233,16 @@ class ServeConfig(Checked):
                               f"address may go without")
         return self
 
+    @model_validator(mode="after")
+    def _languages(self) -> ServeConfig:
+        from metasched.serve.languages import LANGUAGES
+
+        for name in self.languages or ():  # known before anything listens
+            if name not in LANGUAGES:
+                raise ConfigError("languages", f"unknown language {name!r} (known: "
+                                  f"{', '.join(LANGUAGES)})")
+        return self
+
     @property
     def clients(self) -> dict[str, str]:
         """Token -> client name, for every configured token (empty: authentication
@@ -224,6 +251,10 @@ class ServeConfig(Checked):
         if self.token is not None:
             out[self.token] = DEFAULT_CLIENT
         return out
+
+    @property
+    def max_file_bytes(self) -> int:
+        return int(self.max_file_mb * 2**20)
 
     @property
     def max_body_bytes(self) -> int:

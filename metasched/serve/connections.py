@@ -27,7 +27,8 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-__all__ = ["DESCRIPTOR_RESERVE", "GuardedH11Protocol", "default_max_connections"]
+__all__ = ["DESCRIPTOR_RESERVE", "GuardedH11Protocol", "default_client_commands",
+           "default_max_connections", "raise_descriptor_limit"]
 
 log = logging.getLogger("metasched.serve")
 
@@ -36,13 +37,43 @@ log = logging.getLogger("metasched.serve")
 DESCRIPTOR_RESERVE = 256
 
 
+# What one running command holds in the service (its pipes, pidfd, cgroup and workspace
+# files, its output's tails): measured 8 with E2B background commands.
+DESCRIPTORS_PER_COMMAND = 8
+
+
+def _soft_limit() -> int:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return 1 << 20 if soft == resource.RLIM_INFINITY else soft
+
+
+def raise_descriptor_limit() -> tuple[int, int]:
+    """Raise this process's descriptor limit (soft) to its hard limit (at most 2**20),
+    as far as it may; returns the limits before and after."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = min(1 << 20, hard if hard != resource.RLIM_INFINITY else 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError):
+            pass
+    return soft, _soft_limit()
+
+
+def default_client_commands() -> int:
+    """Running commands each client may have at once when none is configured: half of
+    what the descriptors kept beside connections (a quarter of the limit, at least
+    :data:`DESCRIPTOR_RESERVE`) hold at :data:`DESCRIPTORS_PER_COMMAND` each, at least
+    4: one client's commands cannot take every descriptor from the others'."""
+    reserve = max(DESCRIPTOR_RESERVE, _soft_limit() // 4)
+    return max(4, reserve // DESCRIPTORS_PER_COMMAND // 2)
+
+
 def default_max_connections() -> int:
     """The connection cap when none is configured: this process's descriptor limit
     (soft), less :data:`DESCRIPTOR_RESERVE` or a quarter of it, whichever is more, at
     least 16."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        soft = 1 << 20
+    soft = _soft_limit()
     return max(16, soft - max(DESCRIPTOR_RESERVE, soft // 4))
 
 

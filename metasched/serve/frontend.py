@@ -47,16 +47,39 @@ class DispatcherLike(Protocol):
     def close_trajectory(self, name: str) -> None: ...
 
 
+@runtime_checkable
+class RecoversLater(Protocol):
+    """A dispatcher that starts without its journal's unfinished requests
+    (``start(recover=False)``) and takes them up when told (``recover()``): the service
+    probes its languages first, so that its start does not wait behind them."""
+
+    async def start(self, *, recover: bool = True) -> None: ...
+
+    def recover(self) -> None: ...
+
+
+# The output (stdout, stderr) the last results kept in memory may hold together: a
+# download's pieces (each a result of up to tail_bytes) must not pile up in the service.
+KEEP_OUTPUT_BYTES = 8 * 2**20
+
+
+def _output_bytes(r: Result) -> int:
+    return len(r.stdout) + len(r.stderr)
+
+
 class Submissions:
     """The requests accepted through the service: the futures of those in flight, and the
-    last ``keep`` results (older ones are asked of the dispatcher, whose journal keeps
-    every result)."""
+    last ``keep`` results, whose output holds at most ``keep_bytes`` together (older ones
+    are asked of the dispatcher, whose journal keeps every result)."""
 
-    def __init__(self, dispatcher: Callable[[], DispatcherLike], keep: int) -> None:
+    def __init__(self, dispatcher: Callable[[], DispatcherLike], keep: int,
+                 keep_bytes: int = KEEP_OUTPUT_BYTES) -> None:
         self._dispatcher = dispatcher
         self.keep = keep
+        self.keep_bytes = keep_bytes
         self.pending: dict[str, asyncio.Future[Result]] = {}
         self.done: OrderedDict[str, Result] = OrderedDict()
+        self._bytes = 0  # the output the kept results hold
 
     def track(self, rid: str, future: asyncio.Future[Result]) -> None:
         """Remember ``future`` under ``rid`` until its result is in, then the result."""
@@ -71,10 +94,14 @@ class Submissions:
             del self.pending[rid]
         if future.cancelled() or self.keep == 0:
             return
-        self.done[rid] = future.result()
-        self.done.move_to_end(rid)
-        while len(self.done) > self.keep:
-            self.done.popitem(last=False)
+        old = self.done.pop(rid, None)
+        if old is not None:
+            self._bytes -= _output_bytes(old)
+        result = future.result()
+        self.done[rid] = result
+        self._bytes += _output_bytes(result)
+        while self.done and (len(self.done) > self.keep or self._bytes > self.keep_bytes):
+            self._bytes -= _output_bytes(self.done.popitem(last=False)[1])
 
     async def lookup(self, rid: str
                      ) -> tuple[str, Result | None, asyncio.Future[Result] | None]:

@@ -49,6 +49,7 @@ from metasched.serve.disconnect import Gone, unless_disconnected
 from metasched.serve.files import fetch_argv, parse_fetched, write_argvs
 from metasched.serve.native import error
 from metasched.serve.openapi import GATED, TRAJECTORY_HEADERS, responses
+from metasched.serve.ownership import scoped_prompt, with_scoped_prompt
 from metasched.serve.sandbox_fusion import (
     FILES_TIMEOUT_S,
     CommandRunResult,
@@ -188,7 +189,7 @@ async def run_jupyter(service: Service, req: RunJupyterRequest, context: dict[st
                 driver = "TimeLimitExceeded"
                 message = f"cell {len(cells) - 1}: ran past its time limit ({limit:g} s)"
                 if how == "stuck":
-                    kernels.stop(trajectory)  # deaf to its alarm: a new kernel next time
+                    kernels.stop(trajectory, "")  # deaf to its alarm: a new kernel next time
                 break
             if how == "died":
                 driver, message = "Error", f"cell {len(cells) - 1}: {cell.error[0]['evalue']}"
@@ -222,6 +223,8 @@ def jupyter_router(service: Service) -> APIRouter:
                  responses=responses(*GATED, 403, 422),
                  openapi_extra={"parameters": TRAJECTORY_HEADERS})
     async def run_jupyter_route(req: RunJupyterRequest, request: Request):
+        """SandboxFusion's run_jupyter: run cells in order in one Python kernel, each
+        cell's output and the kernel's state kept across them."""
         try:
             context = context_from(request.headers).fields()
             given = trajectory_fields(req, context)
@@ -235,6 +238,10 @@ def jupyter_router(service: Service) -> APIRouter:
             service.owners.claim(given.get("trajectory"), request.scope.get(CLIENT))
         except ConfigError as e:
             return error(403, str(e))
+        context = with_scoped_prompt(context, request.scope.get(CLIENT))
+        if req.prompt is not None:
+            req = req.model_copy(update={"prompt": scoped_prompt(
+                req.prompt, request.scope.get(CLIENT))})
         ids: list[str] = []
         try:
             return await unless_disconnected(

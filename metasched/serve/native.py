@@ -48,6 +48,7 @@ from metasched.serve.openapi import (
     TrajectoryClosing,
     responses,
 )
+from metasched.serve.ownership import with_scoped_prompt
 from metasched.serve.security import CLIENT
 from metasched.serve.targets import check_http_target
 
@@ -178,7 +179,7 @@ def native_router(service: Service) -> APIRouter:
             service.owners.submitted(str(rid), client)
         except ConfigError as e:
             return error(403, str(e))
-        future = await service.dispatcher.enqueue(doc)
+        future = await service.dispatcher.enqueue(with_scoped_prompt(doc, client))
         if isinstance(rid, str):  # any other id is rejected (a result saying so)
             service.track(rid, future, doc.get("kind"))
         try:

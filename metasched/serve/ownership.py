@@ -14,11 +14,38 @@ principal: each may act on, close and read everything (see
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
 
+from metasched.core.schema import MAX_KEY
 from metasched.errors import ConfigError, short
 
-__all__ = ["Owners"]
+__all__ = ["Owners", "scoped_prompt", "with_scoped_prompt"]
+
+
+def scoped_prompt(prompt: Any, client: str | None) -> Any:
+    """``prompt`` in ``client``'s namespace (``client/prompt``, or a digest of both
+    where that is longer than an id may be): another client naming the same prompt id
+    joins another group, so it can neither read nor sway this client's siblings in the
+    remaining-work predictor. Unchanged with authentication off (``client`` None) or
+    without a prompt."""
+    if prompt is None or client is None:
+        return prompt
+    text = str(prompt)
+    scoped = f"{client}/{text}"
+    if len(scoped) <= MAX_KEY:
+        return scoped
+    return "#" + hashlib.sha256(f"{client}\0{text}".encode()).hexdigest()
+
+
+def with_scoped_prompt(fields: Mapping[str, Any], client: str | None) -> dict[str, Any]:
+    """``fields`` (trajectory fields, or a request) with its ``prompt`` scoped."""
+    out = dict(fields)
+    if out.get("prompt") is not None:
+        out["prompt"] = scoped_prompt(out["prompt"], client)
+    return out
 
 
 class _Bounded(OrderedDict):

@@ -49,6 +49,7 @@ from metasched.runtime.requests import REJECTED, Result
 from metasched.serve.context import HEADERS, context_from
 from metasched.serve.native import error
 from metasched.serve.openapi import GATED, TRAJECTORY_HEADERS, responses
+from metasched.serve.ownership import with_scoped_prompt
 from metasched.serve.security import CLIENT
 
 if TYPE_CHECKING:
@@ -201,6 +202,8 @@ def proxy_router(service: Service) -> APIRouter:
     router = APIRouter()
 
     async def forward(name: str, path: str, request: Request) -> Response:
+        """The quota proxy: forward the call to endpoint ``name``'s upstream under its
+        one RPM/TPM/concurrency quota, shared by every client."""
         up = service.config.upstreams.get(name)
         if up is None:
             known = ", ".join(sorted(service.config.upstreams)) or "none"
@@ -246,7 +249,8 @@ def proxy_router(service: Service) -> APIRouter:
 
         doc: dict[str, Any] = {"kind": "api", "endpoint": name, "tokens": tokens,
                                "timeout_s": up.timeout_s, "id": uuid.uuid4().hex,
-                               "name": name, **ctx.fields()}
+                               "name": name, "on_restart": "cancel",  # its caller waits here
+                               **with_scoped_prompt(ctx.fields(), request.scope.get(CLIENT))}
         future = service.dispatcher.accept(doc, call=forward if remote else call)
         service.track(doc["id"], future, "api")
         result = await _until_done(future, request, gone)

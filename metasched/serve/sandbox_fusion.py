@@ -83,10 +83,10 @@ from metasched.serve.files import decoded_size, fetch_argv, parse_fetched, stdin
 from metasched.serve.languages import LANGUAGES, Language
 from metasched.serve.native import error
 from metasched.serve.openapi import GATED, TRAJECTORY_HEADERS, ErrorDetail, responses
+from metasched.serve.ownership import scoped_prompt, with_scoped_prompt
 from metasched.serve.security import CLIENT
 
 if TYPE_CHECKING:
-    from metasched.serve.jupyter import RunJupyterRequest
     from metasched.serve.service import Service
 
 __all__ = ["CommandRunResult", "RunCodeRequest", "RunCodeResponse", "probe_languages",
@@ -159,13 +159,15 @@ FILES_TIMEOUT_S = 60.0  # writing a request's files, fetching them back
 FILES_NEED_S = 2.0  # what a files step is given before its deadline (see step_deadlines)
 # Failures that are the program's running out of time, not the sandbox's fault.
 _TIME_LIMITS = ("timeout after", "cpu time limit exceeded")
+MEMORY_REASON = "memory limit exceeded"  # how the dispatcher names an out-of-memory kill
 
 
 def command_result(result: Result) -> CommandRunResult:
     """A dispatcher result as SandboxFusion reports a command: a program that ran and
     ended (any exit status or signal, a memory or process limit) is ``Finished`` with
-    its return code; one stopped by its time limit is ``TimeLimitExceeded``; one that
-    could not run is ``Error``, its reason in ``stderr``."""
+    its return code (one killed for its memory says so in a last line of ``stderr``);
+    one stopped by its time limit is ``TimeLimitExceeded``; one that could not run is
+    ``Error``, its reason in ``stderr``."""
     took = (result.finished_at - result.started_at
             if result.started_at is not None and result.finished_at is not None else None)
     if result.status == DONE:
@@ -175,9 +177,13 @@ def command_result(result: Result) -> CommandRunResult:
         return CommandRunResult(status="TimeLimitExceeded", execution_time=took,
                                 stdout=result.stdout, stderr=result.stderr)
     if result.status != REJECTED and result.exit_code is not None:
+        stderr = result.stderr
+        if result.reason.startswith(MEMORY_REASON):  # killed: said where it is read
+            stderr += ("\n" if stderr and not stderr.endswith("\n") else "") + \
+                f"{result.reason}: killed for using more memory than its limit\n"
         return CommandRunResult(status="Finished", execution_time=took,
                                 return_code=result.exit_code, stdout=result.stdout,
-                                stderr=result.stderr)
+                                stderr=stderr)
     return CommandRunResult(status="Error", execution_time=took, stdout=result.stdout,
                             stderr=result.reason)
 
@@ -188,15 +194,19 @@ def run_status(*steps: CommandRunResult | None) -> tuple[RunStatus, str]:
     for s in ran:
         if s.status == "Error":
             return "SandboxError", s.stderr or ""
+    for s in ran:
+        last = (s.stderr or "").rstrip("\n").rsplit("\n", 1)[-1]
+        if s.return_code != 0 and last.startswith(MEMORY_REASON):
+            return "Failed", last
     if any(s.status == "TimeLimitExceeded" or s.return_code != 0 for s in ran):
         return "Failed", ""
     return "Success", ""
 
 
-def trajectory_fields(req: RunCodeRequest | RunJupyterRequest,
-                      context: dict[str, Any]) -> dict[str, Any]:
+def trajectory_fields(req: BaseModel, context: dict[str, Any]) -> dict[str, Any]:
     """The trajectory fields of a request: the headers' (``context``), overridden by
-    the body's.
+    the body's (``req``: a body with the trajectory fields, ``/run_code``'s or
+    ``/run_jupyter``'s).
 
     Raises:
         ConfigError: a prompt without a trajectory (a request alone is no sibling).
@@ -413,6 +423,9 @@ def run_code_router(service: Service) -> APIRouter:
                             504: {**REFUSED_504, "model": ErrorDetail}},
                  openapi_extra={"parameters": [*TRAJECTORY_HEADERS, DEADLINE_PARAM]})
     async def run_code_route(req: RunCodeRequest, request: Request):
+        """SandboxFusion's run_code: compile and run one program (its files, stdin,
+        compile and run timeouts) in the trajectory's sandbox; its answer as SandboxFusion
+        gives it."""
         received = time.monotonic()
         try:
             context = context_from(request.headers).fields()
@@ -429,6 +442,11 @@ def run_code_router(service: Service) -> APIRouter:
             service.owners.claim(given.get("trajectory"), request.scope.get(CLIENT))
         except ConfigError as e:
             return error(403, str(e))
+        await service.probed()  # the languages offered are known from then on
+        client = request.scope.get(CLIENT)
+        context = with_scoped_prompt(context, client)
+        if req.prompt is not None:
+            req = req.model_copy(update={"prompt": scoped_prompt(req.prompt, client)})
         ids: list[str] = []
         try:
             resp = await unless_disconnected(

@@ -46,11 +46,25 @@ def uvicorn_config(app: Any, host: str, port: int, *, graceful_s: float | None =
                           timeout_keep_alive=30)
 
 
-async def _run(app: FastAPI, server: uvicorn.Server) -> None:
+async def _run(app: FastAPI, server: uvicorn.Server, *, probe_later: bool = False) -> None:
+    """Start the service and serve until stopped. With ``probe_later`` it listens once
+    the dispatcher runs (``/v1/ping`` answers, ``/v1/health`` says ``starting``) while
+    the languages are probed and the journal's unfinished requests taken up; a probe
+    that fails stops it with the error."""
     service = app.state.service
     try:
-        await service.start()
-        await server.serve()
+        await service.start(probe_later=probe_later)
+        if not probe_later:
+            await server.serve()
+            return
+        serving = asyncio.ensure_future(server.serve())
+        try:
+            await service.probed()
+        except BaseException:
+            server.should_exit = True
+            await asyncio.gather(serving, return_exceptions=True)
+            raise
+        await serving
     finally:
         # Also after a start that failed or was interrupted part way (a stop signal
         # during start-up): what it had started closes.
@@ -75,7 +89,7 @@ def serve(app: FastAPI, host: str, port: int, **kwargs: Any) -> int | None:
 
     previous = signal.signal(signal.SIGHUP, hang_up)  # uvicorn takes SIGINT and SIGTERM
     try:
-        asyncio.run(_run(app, server))
+        asyncio.run(_run(app, server, probe_later=True))
     finally:
         signal.signal(signal.SIGHUP, previous)
     return hung_up[0] if hung_up else None

@@ -16,7 +16,7 @@ import httpx
 from metasched.runtime.limits import RequestLimits
 from metasched.runtime.requests import Result
 from metasched.serve.config import ServeConfig
-from metasched.serve.frontend import DispatcherLike, Submissions
+from metasched.serve.frontend import DispatcherLike, RecoversLater, Submissions
 from metasched.serve.languages import Language
 from metasched.serve.metrics import ServiceMetrics
 from metasched.serve.ownership import Owners
@@ -60,17 +60,25 @@ class Service:
         self.owners = Owners(set(config.clients.values()))
         self.limits = RequestLimits()  # the dispatcher's, once started
         self.ready = False
+        self._probing: asyncio.Future[None] | None = None  # with start(probe_later=True)
 
-    async def start(self) -> None:
+    async def start(self, *, probe_later: bool = False) -> None:
         """Make (if given a function) and start (if the service owns it) the
-        dispatcher, and the proxy's client."""
+        dispatcher, and the proxy's client; then probe the languages and take up the
+        journal's unfinished requests, or, with ``probe_later``, start doing so in
+        the background (:meth:`probed` waits for it: the service answers meanwhile)."""
         from metasched.runtime.api_calls import make_client, warm_up
 
         if self.ready:
             return
         if self._make is not None:
             self.dispatcher = self._make()
-        if self.owns:
+        # Recovered work is taken up once the service is ready: its probe does not wait
+        # behind it, and clients are answered while it runs.
+        later = self.owns and isinstance(self.dispatcher, RecoversLater)
+        if later:
+            await self.dispatcher.start(recover=False)
+        elif self.owns:
             await self.dispatcher.start()
         limits = self.dispatcher.status().get("limits")
         if limits is not None:
@@ -81,7 +89,21 @@ class Service:
                 concurrency[n]["max_concurrency"] for n in self.config.upstreams
                 if n in concurrency)))
             await warm_up()
+        if probe_later:
+            self._probing = asyncio.ensure_future(self._probe_then_recover(later))
+        else:
+            await self._probe_then_recover(later)
+
+    async def probed(self) -> None:
+        """Wait until the languages are probed (ConfigError if one asked for by name
+        does not work)."""
+        if self._probing is not None:
+            await asyncio.shield(self._probing)
+
+    async def _probe_then_recover(self, recover: bool) -> None:
         self.languages, self.unavailable = await self._probe(self, self.config.languages)
+        if recover:
+            self.dispatcher.recover()
         self.ready = True
         stats = self.dispatcher.stats()
         log.info("metasched-serve: scheduler %s%s; /run_code languages: %s; proxied "
@@ -97,6 +119,9 @@ class Service:
         """Stop: the proxy's client closes; an owned dispatcher closes without draining
         (running commands are killed; what did not finish stays in its journal)."""
         self.ready = False
+        if self._probing is not None and not self._probing.done():
+            self._probing.cancel()
+            await asyncio.gather(self._probing, return_exceptions=True)
         if self.http is not None:
             await self.http.aclose()
             self.http = None
@@ -110,8 +135,12 @@ class Service:
 
     async def submit(self, request: dict[str, Any]) -> Result:
         """Submit one request (the dispatcher's JSON), tracked as the native API's are,
-        and wait for its result."""
+        and wait for its result (``on_restart: cancel`` unless it says otherwise: a
+        dispatcher restarted after a crash does not run it again for a caller gone
+        with its connection)."""
         rid = request.setdefault("id", uuid.uuid4().hex)
+        # Its caller waits on this connection: after a crash nobody is there to answer.
+        request.setdefault("on_restart", "cancel")
         future = self.dispatcher.accept(request)
         self.track(rid, future, request.get("kind"))
         # shield: a client that leaves does not cancel its action (it runs to the end).

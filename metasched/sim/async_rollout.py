@@ -21,23 +21,38 @@ summarised as trajectories per hour and mean trajectory latency.
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from metasched.core.actions import Trajectory
 from metasched.core.metrics import RolloutResult
 from metasched.core.staleness import StalenessGate
-from metasched.sim.simulator import STEP
+from metasched.core.state import ClusterState
+from metasched.sim.sampling import TrajectorySpec, WorkloadInstance
+from metasched.sim.workload_config import WorkloadConfig
 
-if TYPE_CHECKING:
-    from metasched.sim.simulator import Simulator
+
+class RolloutHost(Protocol):
+    """What an asynchronous run asks of its simulator
+    (:class:`~metasched.sim.simulator.Simulator`)."""
+
+    state: ClusterState
+    workload: WorkloadConfig
+    instance: WorkloadInstance
+    step_trajs: list[Trajectory]
+
+    def start_trajectory(self, ts: TrajectorySpec, version: int) -> Trajectory: ...
+
+    def open_waiting_sandboxes(self) -> None: ...
+
+    def train_until(self, t: float) -> None: ...
 
 
 class AsyncRollout:
     """The trajectory stream of one asynchronous run, driven by its simulator."""
 
-    def __init__(self, sim: Simulator) -> None:
+    def __init__(self, sim: RolloutHost) -> None:
         self.sim = sim
         w = sim.workload
         self.gate = StalenessGate(w.trajectories_per_step, w.max_offpolicyness)
@@ -59,28 +74,20 @@ class AsyncRollout:
 
     def _admit(self) -> None:
         """Start trajectories while the staleness bound has room for them."""
-        sim, state, gate = self.sim, self.sim.state, self.gate
+        sim, gate = self.sim, self.gate
         n = min(gate.room(), len(self._queue))
         if not n:
             return
         for _ in range(n):
-            ts = self._queue.popleft()
-            traj = Trajectory(sim._next_traj_id, ts.task, gate.version, list(ts.turns),
-                              ts.sandbox, ts.prompt)
-            sim._next_traj_id += 1
-            traj.start_t = state.t
+            traj = sim.start_trajectory(self._queue.popleft(), gate.version)
             self._start_version[traj.id] = gate.start()
-            if ts.prompt is not None:
-                state.prompts.setdefault(ts.prompt, []).append(traj)
-            sim.step_trajs.append(traj)
-            sim._sandbox_queue.append(traj)
-        sim._open_waiting_sandboxes()
+        sim.open_waiting_sandboxes()
 
     def done(self, traj: Trajectory) -> None:
         """``traj`` has ended (its sandbox is closed): count it; a completed batch goes to
         the trainer; start what the bound now allows."""
         sim, state, gate = self.sim, self.sim.state, self.gate
-        sim._open_waiting_sandboxes()
+        sim.open_waiting_sandboxes()
         t = state.t
         # The trainer trains batch k at version k: the staleness of its trajectories.
         self._staleness.append(gate.finished // gate.batch - self._start_version.pop(traj.id))
@@ -98,7 +105,7 @@ class AsyncRollout:
             gap = sim.workload.step_gap_s
             self._trainer_free_at = begin + gap
             if gap > 0:
-                sim._push(self._trainer_free_at, STEP, None)
+                sim.train_until(self._trainer_free_at)
             else:
                 self.trained()
                 return

@@ -30,6 +30,7 @@ from metasched.core.scheduler import Scheduler
 from metasched.core.state import ClusterState
 from metasched.core.trace_writer import TraceWriter
 from metasched.sim.sampling import (
+    TrajectorySpec,
     WorkloadInstance,
     run_seed_sequences,
     sample_workload,
@@ -42,7 +43,8 @@ __all__ = ["ESTIMATES", "SimulationError", "Simulator", "cost_model_for"]
 
 # Event types, in the order events at the same instant are handled. SHARE: a queued
 # action reaches its latest start (metasched.core.deadlines).
-END, DEVICE_FREE, ARRIVE, INDEPENDENT, WAKE, DEADLINE, STEP, SHARE = range(8)
+# GEN: a generation pool's replica reaches a step boundary (metasched.sim.generation).
+END, DEVICE_FREE, ARRIVE, INDEPENDENT, WAKE, DEADLINE, STEP, SHARE, GEN = range(9)
 
 
 class SimulationError(RuntimeError):
@@ -94,6 +96,11 @@ class Simulator:
     A cpu action runs its command's start-up (``cluster.cpu_launch_s``, or a log-normal
     draw around it when ``cluster.cpu_launch_sigma`` > 0, from the run's own generator)
     plus its true duration at the granted cores, holding the cores throughout.
+
+    Generation: with the profile's ``generation`` set, each turn's LLM generation is a
+    request to a pool of inference replicas (:mod:`metasched.sim.llm_turns`,
+    :mod:`metasched.sim.generation`) instead of a fixed gap; without it (every
+    profile's default) the run is as it always was.
 
     Deadlines: an action whose spec has ``start_by_s`` and is still queued then is started
     time-shared on busy cores, and its node's actions slow down while it is
@@ -169,6 +176,13 @@ class Simulator:
         # into its own heap)
         self.sharing = NodeSharing([cluster.cores_per_node] * cluster.cpu_nodes,
                                    self._push_moved_end)
+        # The LLM's generation as a pool (a profile's ``generation:``); None: each turn's
+        # generation is a fixed gap, as always.
+        self.llm = None
+        if workload.generation is not None:
+            from metasched.sim.llm_turns import LLMTurns
+
+            self.llm = LLMTurns(self, workload.generation, seed, GEN, ARRIVE)
         self.rollout = None
         if workload.max_offpolicyness is not None:
             from metasched.sim.async_rollout import AsyncRollout
@@ -299,6 +313,11 @@ class Simulator:
         self._seq += 1
         heapq.heappush(self._heap, (t, etype, self._seq, obj))
 
+    def push_event(self, t: float, etype: int, obj: object) -> None:
+        """An event of type ``etype`` at ``t`` (for the parts the simulator composes:
+        the generation pool's turns)."""
+        self._push(t, etype, obj)
+
     def _push_cpu_end(self, a: Action, t: float) -> None:
         """The end of cpu action ``a`` started at ``t`` on its ``a.cores``."""
         launch = self._launch_s
@@ -357,6 +376,8 @@ class Simulator:
                 self._start_next_step()
             elif etype == WAKE:  # tokens have refilled; nothing to do but ask again
                 self._wake_at.pop(obj, None)
+            elif etype == GEN:
+                self.llm.pool.on_event(obj, t)
             # DEADLINE: an action reached the guard's limit; the guard acts next
             # SHARE: an action reached its latest start; the deadline rule acts next
             if self.check_invariants:
@@ -425,9 +446,14 @@ class Simulator:
             return
         nxt = self._next_turn[traj.id]
         if nxt < traj.n_turns:
-            self._push(self.state.t + traj.turns[nxt].gen_s, ARRIVE, traj)
+            if self.llm is not None:
+                self.llm.turn(traj, nxt, self.state.t)
+            else:
+                self._push(self.state.t + traj.turns[nxt].gen_s, ARRIVE, traj)
             return
         del self._next_turn[traj.id]
+        if self.llm is not None:
+            self.llm.close(traj)
         self.turns_done.pop(traj.id, None)
         traj.end_t = self.state.t
         if self.predictor is not None:
@@ -436,7 +462,7 @@ class Simulator:
         if self.rollout is not None:
             self.rollout.done(traj)
             return
-        self._open_waiting_sandboxes()
+        self.open_waiting_sandboxes()
         self.state.step_done += 1
         if self.state.step_done == self.state.step_total:
             self.state.metrics.steps.append((self.state.step_start_t, self.state.t))
@@ -466,23 +492,40 @@ class Simulator:
         state.prompts = {}
         self.step_trajs = []
         for ts in specs:
-            traj = Trajectory(self._next_traj_id, ts.task, self._step, list(ts.turns), ts.sandbox,
-                              ts.prompt)
-            self._next_traj_id += 1
-            traj.start_t = t
-            if ts.prompt is not None:
-                state.prompts.setdefault(ts.prompt, []).append(traj)
-            self.step_trajs.append(traj)
-            self._sandbox_queue.append(traj)
-        self._open_waiting_sandboxes()
+            self.start_trajectory(ts, self._step)
+        self.open_waiting_sandboxes()
 
-    def _open_waiting_sandboxes(self) -> None:
+    def start_trajectory(self, ts: TrajectorySpec, version: int) -> Trajectory:
+        """A trajectory of ``ts`` at trainer version ``version`` starts now: it joins the
+        step's trajectories (and its prompt group's) and waits for its sandbox
+        (:meth:`open_waiting_sandboxes` places those that fit)."""
+        state = self.state
+        traj = Trajectory(self._next_traj_id, ts.task, version, list(ts.turns), ts.sandbox,
+                          ts.prompt)
+        self._next_traj_id += 1
+        traj.start_t = state.t
+        if ts.prompt is not None:
+            state.prompts.setdefault(ts.prompt, []).append(traj)
+        self.step_trajs.append(traj)
+        self._sandbox_queue.append(traj)
+        return traj
+
+    def open_waiting_sandboxes(self) -> None:
+        """Place the sandboxes of waiting trajectories that fit now, in order."""
         self._sandbox_queue.open_waiting(self._opened)
+
+    def train_until(self, t: float) -> None:
+        """The trainer is busy until ``t``: its step (or, for asynchronous rollouts,
+        its batch) ends then."""
+        self._push(t, STEP, None)
 
     def _opened(self, traj: Trajectory) -> None:
         """``traj``'s sandbox is placed: its first action arrives after the first LLM
         generation, which sandbox creation overlaps."""
         startup = traj.sandbox.startup_s if traj.sandbox is not None else 0.0
+        if self.llm is not None:
+            self.llm.open(traj, self.state.t, startup)
+            return
         self._push(self.state.t + max(traj.turns[0].gen_s, startup), ARRIVE, traj)
 
     def _schedule_api_wakeups(self) -> None:

@@ -2,7 +2,9 @@
 
 A trace holds a :class:`~metasched.sim.sampling.WorkloadInstance` one JSON object per line:
 ``{"type": "trajectory", ...}`` lines (grouped into RL steps by their ``step``) and
-``{"type": "action", ...}`` lines (independent actions with explicit arrival times).
+``{"type": "action", ...}`` lines (independent actions with explicit arrival times);
+``{"type": "generation", ...}`` lines (LLM turns a generation pool served:
+:class:`~metasched.core.engine.GenerationLine`) are read for calibration, not replayed.
 Blank lines and lines starting with ``#`` are ignored. The format is described for users
 in ``docs/concepts/traces.md``.
 
@@ -14,6 +16,7 @@ one-line message naming the file, the line number and the field, e.g.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 from collections.abc import Iterator
@@ -22,7 +25,9 @@ from typing import Any
 
 from metasched.core.actions import KINDS, ActionSpec, SandboxSpec, Turn
 from metasched.core.cluster_config import ClusterConfig, parse_cluster
+from metasched.core.engine import GenerationLine
 from metasched.core.pools import ServiceSpec
+from metasched.core.schema import parse
 from metasched.core.validate import Field, json_object, number, required, short, string
 from metasched.errors import ConfigError, one_of
 from metasched.sim.sampling import (
@@ -94,6 +99,7 @@ class TraceRecord:
     action: IndependentAction | None = None
     measured: Measured | None = None
     header: TraceHeader | None = None
+    generation: GenerationLine | None = None
 
 
 def _parse_action(value: Any, at: Field) -> ActionSpec:
@@ -258,8 +264,11 @@ def _parse_record(text: str, loc: str, lineno: int = 0) -> TraceRecord:
         return TraceRecord(lineno, action=action, measured=measured)
     if kind == "cluster":
         return TraceRecord(lineno, header=_parse_header(d, at))
-    raise ConfigError(str(at["type"]),
-                      f'must be "trajectory", "action" or "cluster" (got {short(kind)})')
+    if kind == "generation":
+        line = parse(GenerationLine, {k: v for k, v in d.items() if k != "type"}, loc)
+        return TraceRecord(lineno, generation=line)
+    raise ConfigError(str(at["type"]), f'must be "trajectory", "action", "cluster" or '
+                      f'"generation" (got {short(kind)})')
 
 
 # ---------------------------------------------------------------- reading and writing
@@ -273,11 +282,18 @@ def scan_trace(path: PathLike) -> Iterator[TraceRecord]:
         ConfigError: as :func:`read_trace` (except that an empty file yields nothing).
     """
     name = str(path)
-    try:
-        f = open(path, "rb")  # noqa: SIM115 - closed below
+    try:  # a name ending in .gz is read through gzip
+        f = (gzip.open(path, "rb") if name.endswith(".gz")  # noqa: SIM115 - closed below
+             else open(path, "rb"))  # noqa: SIM115
     except OSError as e:
         raise ConfigError(name, f"cannot read trace ({e.strerror or type(e).__name__})") from None
     with f:
+        yield from _scan_lines(f, name)
+
+
+def _scan_lines(f, name: str) -> Iterator[TraceRecord]:
+    lineno = 0
+    try:
         for lineno, raw in enumerate(f, start=1):
             loc = f"{name}:{lineno}"
             try:
@@ -287,6 +303,8 @@ def scan_trace(path: PathLike) -> Iterator[TraceRecord]:
             if not text or text.startswith("#"):
                 continue
             yield _parse_record(text, loc, lineno)
+    except (OSError, EOFError) as e:  # a damaged gzip stream
+        raise ConfigError(f"{name}:{lineno + 1}", f"cannot read trace ({e})") from None
 
 
 def read_trace(path: PathLike) -> WorkloadInstance:

@@ -21,6 +21,7 @@ from metasched.core.pools import ServiceSpec
 from metasched.core.schema import Count, Demand, Flag, Fraction, Number, Strict, parse
 from metasched.errors import ConfigError, short
 from metasched.sim.dists import AnyDist, Dist, PositiveDist
+from metasched.sim.generation import GenerationConfig
 from metasched.sim.groups import GroupConfig, parse_groups
 
 _Kind = Literal[KINDS]  # type: ignore[valid-type]
@@ -146,6 +147,9 @@ class WorkloadConfig:
     # Asynchronous rollouts (``metasched.sim.async_rollout``) with this staleness bound
     # (AReaL's ``max_head_offpolicyness``); None (default): synchronous RL steps.
     max_offpolicyness: int | None = None
+    # The LLM's generation as a pool of inference replicas (``metasched.sim.generation``);
+    # None (default): each turn's generation is a fixed gap, uncontended.
+    generation: GenerationConfig | None = None
 
 
 class _Service(Strict):
@@ -291,6 +295,7 @@ class _Workload(Strict):
     step_fresh_quotas: Flag = False
     groups: Any = None  # checked by metasched.sim.groups.parse_groups
     max_offpolicyness: Count(0) | None = None
+    generation: GenerationConfig | None = None
 
     _nulls = _default_if_null("steps", "trajectories_per_step", "estimate_error")
 
@@ -315,7 +320,7 @@ class _Workload(Strict):
             tuple(tasks[t].config(str(t)) for t in sorted(tasks, key=str)),
             {str(k): s.spec() for k, s in (self.services or {}).items()},
             None if self.trace is None else str(self.trace), self.step_gap_s,
-            self.step_fresh_quotas, groups, self.max_offpolicyness)
+            self.step_fresh_quotas, groups, self.max_offpolicyness, self.generation)
 
 
 def parse_workload(d: Mapping, path: str = "workload") -> WorkloadConfig:

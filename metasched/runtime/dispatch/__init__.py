@@ -2,10 +2,15 @@
 
 - :mod:`.dispatcher`: :class:`Dispatcher`, the core's decision step
   (:class:`~metasched.core.decision.DecisionStep`) on the asyncio clock, and the wiring;
+- :mod:`.loop`: :class:`~.loop.DispatchLoop`, the clock, the event loop and the
+  scheduling pass's wake-ups;
+- :mod:`.shared`: what every part is given (each part's module adds, in a protocol of
+  its own, what else it asks of the dispatcher; no part reads another's private
+  attributes);
 - :mod:`.config`: :class:`DispatcherConfig` (:mod:`.deadline_config`: its deadlines);
 - :mod:`.sharing`: deadlines and time-sharing (commands at their latest start, idle
   cores lent);
-- :mod:`.jobs`: what is kept of an accepted request;
+- :mod:`.jobs`: what is kept of an accepted request, and the table of those unfinished;
 - :mod:`.admission`: accepting a request (checks, limits, duplicate ids, recovery);
 - :mod:`.journal_writer`: grouped journal commits;
 - :mod:`.sandbox_gate`: holding commands until their sandbox is ready;

@@ -8,25 +8,67 @@ sandbox is ready."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from metasched.core.actions import Action, ActionSpec, Trajectory
+from metasched.core.cost_model import CostModel
 from metasched.errors import ConfigError
 from metasched.runtime.dispatch.jobs import COMMAND_SERVICE, Job
+from metasched.runtime.dispatch.journal_writer import JournalWriter
+from metasched.runtime.dispatch.sandbox_gate import SandboxGate
+from metasched.runtime.dispatch.shared import Shared
+from metasched.runtime.dispatch.sharing import Sharing
+from metasched.runtime.dispatch.trajectories import Trajectories
+from metasched.runtime.gpu import GpuHost, LiveDevice
+from metasched.runtime.journal import Journal
 from metasched.runtime.journal_rows import StoredRequest, store
-from metasched.runtime.requests import FAILED, REJECTED, Request, Result, parse_request
+from metasched.runtime.requests import (
+    CANCELLED,
+    FAILED,
+    REJECTED,
+    Request,
+    Result,
+    parse_request,
+)
 
-if TYPE_CHECKING:
-    from metasched.runtime.dispatch.dispatcher import Dispatcher
+
+class AdmissionHost(Shared, Protocol):
+    """What admission asks of its dispatcher
+    (the :class:`~.dispatcher.Dispatcher`)."""
+
+    cost: CostModel
+    devices: list[LiveDevice]
+    gate: SandboxGate
+    given_estimates: bool
+    host: GpuHost
+    journal: Journal | None
+    n_rejected: int
+    no_gpu_reason: str
+    sandboxes: Any  # the backend's sandboxes (made at start)
+    sharing: Sharing
+    trajectories: Trajectories
+    writer: JournalWriter | None
+
+    def enqueue_job(self, job: Job) -> None: ...
+
+    def submit_job(self, job: Job, traj: Trajectory | None) -> None: ...
+
+    def finish_job(self, job: Job, result: Result) -> None: ...
+
+log = logging.getLogger("metasched.dispatch")
+# The reason of a recovered request finished unrun because its caller could not come back.
+RESTART_REASON = ("restart: the dispatcher restarted after this request's caller had "
+                  "gone with its connection (on_restart: cancel)")
 
 
 class Admission:
     """Accepts requests for dispatcher ``d`` (see :meth:`Dispatcher.accept`)."""
 
-    def __init__(self, d: Dispatcher) -> None:
+    def __init__(self, d: AdmissionHost) -> None:
         self.d = d
         # Recovered requests whose env was not journaled, by id, until resubmitted.
         self.held: dict[str, tuple[StoredRequest, int]] = {}
@@ -35,16 +77,15 @@ class Admission:
                call: Callable[[], Any] | None = None) -> asyncio.Future[Result]:
         """See :meth:`Dispatcher.accept`."""
         d = self.d
-        loop = d._loop or asyncio.get_running_loop()
-        future: asyncio.Future[Result] = loop.create_future()
-        now_wall = d._wall0 + d._now()  # the dispatcher's clock, as wall time
+        future: asyncio.Future[Result] = d.loop.future()
+        now_wall = d.loop.wall0 + d.loop.now()  # the dispatcher's clock, as wall time
         try:
-            if d._closed or d._loop is None:
+            if not d.loop.running:
                 raise ConfigError("dispatcher", "not running (use `async with Dispatcher()`)")
             submitted = (request if isinstance(request, Request)
                          else parse_request(request, call=call))
             req = self.check(submitted)
-            known = d._jobs.get(req.id)
+            known = d.jobs.get(req.id)
             if known is not None:
                 if not same_request(known.request, req):
                     raise ConfigError("id", taken(req.id))
@@ -65,11 +106,11 @@ class Admission:
             return future
         job = Job(req, future, now_wall)
         if d.writer is None:
-            d._enqueue(job)
+            d.enqueue_job(job)
             return future
         # Group commit: journaled with everything else of this loop turn, and queued
         # only once that is durable (``flush`` forces it now).
-        d._jobs[req.id] = job
+        d.jobs.add(job)
         d.writer.add(job, doc, digest)
         return future
 
@@ -82,39 +123,73 @@ class Admission:
         if stored.digest != digest:
             raise ConfigError("id", taken(req.id))
         del self.held[req.id]
-        self.d._enqueue(Job(req, future, stored.queued_at, attempts))
+        self.d.enqueue_job(Job(req, future, stored.queued_at, attempts))
         return future
 
-    def recover(self) -> None:
-        """Re-queue what a previous dispatcher accepted but did not finish."""
+    def recover(self, left: list[tuple[str, str, int]]) -> None:
+        """Finish or re-queue what a previous dispatcher accepted but did not finish, by
+        each request's ``on_restart``: ``cancel`` (its caller waited on a connection
+        that died with that dispatcher) is finished ``cancelled``; ``run`` is queued
+        again, its trajectory ending once its recovered actions have (a sandbox does
+        not survive a crash: a later request naming it opens it anew). A row this
+        version cannot run (written by an older one, or damaged) is finished
+        ``failed`` with the reason, and reported once, never fatal. ``left``: the
+        journal's unfinished rows as this dispatcher found them at its start (rows it
+        wrote itself are its own); ids accepted here since, or finished, are left
+        alone."""
         d = self.d
-        for key, text, attempts in d.journal.unfinished():
+        skipped: list[str] = []
+        cancelled = 0
+        trajectories: set[str] = set()
+        for key, text, attempts in left:
+            if d.jobs.get(key) is not None or d.journal.status(key) == "finished":
+                continue
             try:
                 stored = StoredRequest.parse(text)
-            except ValueError:
+            except (ValueError, TypeError):
                 stored = StoredRequest(time.time(), "", None)
             if stored.env_withheld:  # runs once resubmitted with its env (see accept)
                 self.held[key] = (stored, attempts)
                 continue
             queued_at = stored.queued_at
-            future = d._loop.create_future()
             doc = stored.request or {}
+            if doc.get("on_restart") == "cancel":
+                self._finish_recovered(key, queued_at, attempts, CANCELLED, RESTART_REASON)
+                cancelled += 1
+                continue
             try:
                 if stored.request is None:
-                    raise ConfigError(f"journal:{key}", "unreadable in the journal")
-                req = self.check(parse_request(doc, f"journal:{key}"))
+                    raise ConfigError(f"journal:{key[:40]}", "unreadable in the journal")
+                req = self.check(parse_request(doc, f"journal:{key[:40]}"))
             except ConfigError as e:
                 why = ("not replayable after a restart (an api call given as a Python "
                        "callable): resubmit it" if doc.get("kind") == "api"
                        and "http" not in doc else f"cannot run here: {e}")
-                # A placeholder (not validated: it never runs) to carry the failure.
-                job = Job(Request.model_construct(kind="cpu", timeout_s=1.0, id=key),
-                          future, queued_at, attempts)
-                d._jobs[key] = job
-                d._finish_job(job, Result(key, FAILED, why, queued_at=queued_at,
-                                          finished_at=time.time(), attempts=attempts))
+                self._finish_recovered(key, queued_at, attempts, FAILED, why)
+                skipped.append(why)
                 continue
-            d._enqueue(Job(req, future, queued_at, attempts))
+            d.enqueue_job(Job(req, d.loop.future(), queued_at, attempts))
+            if req.trajectory is not None:
+                trajectories.add(req.trajectory)
+        for name in trajectories:
+            d.trajectories.end(name)
+        if cancelled:
+            log.info("journal: %d requests whose callers could not come back were "
+                     "cancelled (on_restart: cancel)", cancelled)
+        if skipped:
+            log.warning("journal: %d requests could not be recovered, finished failed "
+                        "(first: %s)", len(skipped), skipped[0][:300])
+
+    def _finish_recovered(self, key: str, queued_at: float, attempts: int, status: str,
+                          why: str) -> None:
+        """Finish a recovered row that will not run, with ``why``."""
+        d = self.d
+        # A placeholder (not validated: it never runs) to carry the result.
+        job = Job(Request.model_construct(kind="cpu", timeout_s=1.0, id=key),
+                  d.loop.future(), queued_at, attempts)
+        d.jobs.add(job)
+        d.finish_job(job, Result(key, status, why, queued_at=queued_at,
+                                  finished_at=time.time(), attempts=attempts))
 
     def check(self, req: Request) -> Request:
         """What the request asks of this dispatcher's resources (ConfigError if it can
@@ -163,27 +238,27 @@ class Admission:
         return req
 
 
-def enqueue(d: Dispatcher, job: Job) -> None:
+def enqueue(d: AdmissionHost, job: Job) -> None:
     """An accepted job, durable: its trajectory lives on, and it is queued once its
     sandbox is ready (see :mod:`.sandbox_gate`)."""
     req = job.request
-    t = d._now()
+    t = d.loop.now()
     d.state.advance(t)
-    d._jobs[req.id] = job
+    d.jobs.add(job)
     traj = d.trajectories.arrived(req, t)
     if req.argv and d.sandboxes is not None and d.sandboxes.isolated:
         if not d.gate.ready_for(job, traj):
             return  # held until its sandbox is ready (it waits for memory or starts)
-    d._submit(job, traj)
+    d.submit_job(job, traj)
 
 
-def submit(d: Dispatcher, job: Job, traj: Trajectory | None) -> None:
+def submit(d: AdmissionHost, job: Job, traj: Trajectory | None) -> None:
     """Queue an accepted job in the state: the scheduler sees it from now on."""
     req = job.request
     state = d.state
-    t = d._now()
+    t = d.loop.now()
     state.advance(t)
-    if d._given_estimates and req.est_s is not None:
+    if d.given_estimates and req.est_s is not None:
         est = req.est_s
     else:
         est = d.cost.estimate(req.signature, req.est_s)
@@ -195,13 +270,11 @@ def submit(d: Dispatcher, job: Job, traj: Trajectory | None) -> None:
         endpoint=req.endpoint, tokens=req.tokens, reward=req.reward,
         start_by_s=d.sharing.start_by(job))
     # Submitted when it was first accepted (a re-queued request keeps its age).
-    submit_t = min(t, job.queued_at - d._wall0)
-    a = Action(d._next_action, spec, req.task, traj, req.turn, submit_t)
-    d._next_action += 1
-    job.action = a
-    d._by_action[a.id] = job
+    submit_t = min(t, job.queued_at - d.loop.wall0)
+    a = d.jobs.new_action(job, lambda aid: Action(aid, spec, req.task, traj, req.turn,
+                                                   submit_t))
     state.submit(a)
-    d._kick()
+    d.loop.kick()
 
 
 def taken(rid: str) -> str:

@@ -13,13 +13,17 @@ and the counters.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from metasched.core.actions import PENDING
+from metasched.core.trace_writer import TraceWriter
+from metasched.runtime.dispatch.journal_writer import JournalWriter
+from metasched.runtime.dispatch.sandbox_gate import SandboxGate
+from metasched.runtime.dispatch.shared import Shared
+from metasched.runtime.dispatch.trajectories import Trajectories
 from metasched.runtime.requests import CANCELLED, FAILED, Result
 
 if TYPE_CHECKING:
-    from metasched.runtime.dispatch.dispatcher import Dispatcher
     from metasched.runtime.dispatch.jobs import Job
 
 __all__ = ["Cancellation", "CancelState"]
@@ -32,10 +36,24 @@ CancelState = Literal["cancelled", "cancelling", "finished", "running", "unknown
 REASON = "cancelled"
 
 
+class CancelHost(Shared, Protocol):
+    """What cancellation asks of its dispatcher
+    (the :class:`~.dispatcher.Dispatcher`)."""
+
+    gate: SandboxGate
+    trace_writer: TraceWriter | None
+    trajectories: Trajectories
+    writer: JournalWriter | None
+
+    def find(self, rid: str) -> tuple[str, Result | None] | None: ...
+
+    def finish_job(self, job: Job, result: Result) -> None: ...
+
+
 class Cancellation:
     """Cancels dispatcher ``d``'s requests (see the module docstring)."""
 
-    def __init__(self, d: Dispatcher) -> None:
+    def __init__(self, d: CancelHost) -> None:
         self.d = d
         self.killing: set[str] = set()  # ids whose command was killed: their end is ours
         self.n = 0  # requests that ended cancelled
@@ -43,7 +61,7 @@ class Cancellation:
     def cancel(self, rid: str) -> CancelState:
         """Cancel request ``rid`` (see the module docstring and :data:`CancelState`)."""
         d = self.d
-        job = d._jobs.get(rid)
+        job = d.jobs.get(rid)
         if job is None:
             return "finished" if d.find(rid) is not None else "unknown"
         if job.future.done():
@@ -57,14 +75,14 @@ class Cancellation:
         if a is None:
             return self._drop_held(job)
         if a.status == PENDING:
-            d.state.advance(d._now())
+            d.state.advance(d.loop.now())
             d.state.withdraw(a, REASON)
             if d.trace_writer is not None:
                 # It never ran: no work to replay (a microsecond, the schema's least).
                 d.trace_writer.record(a, trajectory=job.request.trajectory, duration_s=0.0,
                                       prompt=None if a.traj is None else a.traj.prompt)
             self._ended(job, a.traj)
-            d._kick()
+            d.loop.kick()
             return "cancelled"
         proc = getattr(job, "process", None)
         if proc is None or not hasattr(proc, "cancel"):
@@ -77,12 +95,7 @@ class Cancellation:
     def _drop_held(self, job: Job) -> CancelState:
         """A job held until its trajectory's sandbox is ready: it leaves the gate's
         lists, never having been queued."""
-        gate = self.d.gate
-        for held in (*gate.awaiting.values(), *gate._shared_wait.values()):
-            if job in held:
-                held.remove(job)
-                break
-        else:
+        if not self.d.gate.drop_held(job):
             return "running"  # not held here: being handed on (cannot happen on one loop)
         name = job.request.trajectory
         self._ended(job, self.d.trajectories.get(name) if name is not None else None)
@@ -91,9 +104,9 @@ class Cancellation:
     def _ended(self, job: Job, traj) -> None:
         d = self.d
         if traj is not None:
-            d.trajectories.finished(traj, d._now())
-        now = d._wall0 + d._now()
-        d._finish_job(job, Result(job.request.id, CANCELLED, REASON,
+            d.trajectories.finished(traj, d.loop.now())
+        now = d.loop.wall0 + d.loop.now()
+        d.finish_job(job, Result(job.request.id, CANCELLED, REASON,
                                   queued_at=job.queued_at, started_at=job.started_at,
                                   finished_at=now, attempts=job.attempts))
 

@@ -94,7 +94,8 @@ class DispatcherConfig(Checked):
             command still queued then (time-shared on busy cores, or refused), and the
             lending of idle commands' cores (see :class:`DeadlineConfig`).
         predictor: a recorded trace (an action log, as ``trace`` writes, or a
-            simulated recording) to fit the remaining-work predictor on at construction
+            simulated recording; not the one ``trace`` records to) to fit the
+            remaining-work predictor on at construction
             (``metasched.core.predictor``, design ``boost``): schedulers see it as
             ``state.predictor`` (``estimates: predictor``), and the dispatcher updates
             it online with measured runs, generation gaps and trajectory ends (a

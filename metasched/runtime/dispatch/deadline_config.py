@@ -28,6 +28,11 @@ class DeadlineConfig(Strict):
             wall-clock limit, before the deadline); ``"refuse"`` fails it then instead
             (``deadline: ...``; the SandboxFusion route answers 504, which its clients
             retry), before the caller gives up.
+        recovered_s: the deadline of a command recovered from the journal after a
+            restart (``on_restart: run``), in seconds from the restart: one not started
+            by then is failed (``deadline: ...``), whatever ``on_deadline`` says (its
+            caller has long stopped waiting on a connection; it comes back for the
+            result, if at all). None: it waits its turn, however long.
         idle_share: lend the cores of a running command that measurably does not use
             them (its cgroup's CPU time) to queued commands, time-shared: three
             ``sleep`` commands on two cores do not keep a fourth command waiting.
@@ -41,6 +46,7 @@ class DeadlineConfig(Strict):
     default_s: Number(gt=0.0, le=30 * 24 * 3600.0) | None = None
     margin_s: Number(ge=0.0, le=3600.0) = 8.0
     on_deadline: Literal["share", "refuse"] = "share"
+    recovered_s: Number(gt=0.0, le=30 * 24 * 3600.0) | None = 600.0
     idle_share: Flag = True
     idle_cpu: Number(ge=0.0, le=1.0) = 0.1
     idle_after_s: Number(gt=0.0, le=3600.0) = 0.5

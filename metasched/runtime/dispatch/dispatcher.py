@@ -22,6 +22,7 @@ import logging
 import sqlite3
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -44,10 +45,11 @@ from metasched.runtime.backend import Backend
 from metasched.runtime.dispatch import admission, completion, status
 from metasched.runtime.dispatch.cancellation import Cancellation, CancelState
 from metasched.runtime.dispatch.config import DispatcherConfig
-from metasched.runtime.dispatch.jobs import COMMAND_SERVICE, Job
+from metasched.runtime.dispatch.jobs import COMMAND_SERVICE, JobTable
 from metasched.runtime.dispatch.journal_writer import JournalWriter
 from metasched.runtime.dispatch.kernels import Kernels
 from metasched.runtime.dispatch.local import LocalBackend
+from metasched.runtime.dispatch.loop import DispatchLoop
 from metasched.runtime.dispatch.policy import fall_back, load_scheduler
 from metasched.runtime.dispatch.sandbox_gate import SandboxGate
 from metasched.runtime.dispatch.sharing import Sharing
@@ -127,22 +129,24 @@ class Dispatcher:
         if predictor is not None and cfg.predictor:
             raise ConfigError("predictor", "a trace to fit on or a fitted predictor, not both")
         if predictor is None and cfg.predictor:
+            if cfg.trace and Path(cfg.trace).resolve() == Path(cfg.predictor).resolve():
+                raise ConfigError("predictor", "fit it on another trace than the one this "
+                                  f"run records to ({cfg.trace}): its figures would be read "
+                                  "off its own training data")
             predictor = fit_predictor(cfg.predictor)
         self.cost = CostModel(cfg.cost_alpha, cfg.default_est_s, predictor=predictor)
         self.state.predictor = self.cost.predictor
         one_of(cfg.estimates, ("online", "given"), "estimates")
-        self._given_estimates = cfg.estimates == "given"
+        self.given_estimates = cfg.estimates == "given"
         self.workdir = (check_workdir(cfg.workdir) if cfg.workdir is not None
                         else default_workdir())
         # Last: it takes the journal's lock (a second dispatcher fails here, before it
         # could touch the first one's commands).
         self.journal = Journal(cfg.journal, fsync=cfg.fsync) if cfg.journal else None
-        self._clock = clock
-        self._t0 = clock()
-        self._wall0 = time.time()
+        self.loop = DispatchLoop(clock, self.schedule)  # the clock, the pass's wake-ups
         try:
             self.trace_writer = TraceWriter(cfg.trace, self.cluster, self.host.specs,
-                                        started_at=self._wall0) if cfg.trace else None
+                                            started_at=self.loop.wall0) if cfg.trace else None
         except ConfigError:
             if self.journal is not None:
                 self.journal.close()
@@ -151,13 +155,7 @@ class Dispatcher:
         self.scheduler: Scheduler | None = None
         self.fallback_reason = ""
         self.encoder: ObservationEncoder | None = None
-        self._jobs: dict[str, Job] = {}  # by request id, until finished
-        self._by_action: dict[int, Job] = {}
-        self._next_action = 0
-        self._kick_pending = False
-        self._wake: asyncio.TimerHandle | None = None  # the next quota refill or deadline
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._closed = False
+        self.jobs = JobTable()  # accepted and not finished
         self.writer = JournalWriter(self, self.journal) if self.journal is not None else None
         self.admission = admission.Admission(self)
         self.trajectories = Trajectories(self)
@@ -168,12 +166,13 @@ class Dispatcher:
         self.sandboxes: Any = None  # the backend's sandboxes, made at start
         # What commands get from this process's environment (no secret is in the list);
         # the rest comes from their request's env.
-        self._base_env = allowed_env(cfg.sandbox.env_allow)
-        self._http = None  # the pooled HTTP client of API calls (see start)
+        self.base_env = allowed_env(cfg.sandbox.env_allow)
+        self.http: Any = None  # the pooled HTTP client of API calls (made at start)
         self.latency_ns = Ring(200_000, "q")  # the last decisions' latencies, unboxed
         self.n_decisions = 0
         self.n_rejected = 0
         self._ticker: asyncio.Task | None = None
+        self._left: list[tuple[str, str, int]] | None = None  # the journal's, until recovered
         if self._owns_backend:  # its run directory's place; NVML is held from now on
             backend.open(self.workdir)
         self.executors = backend.EXECUTORS(self, backend)
@@ -188,8 +187,9 @@ class Dispatcher:
     async def __aexit__(self, exc_type, exc, tb) -> None:
         await self.close(drain=exc_type is None)
 
-    async def start(self) -> None:
-        """Load the scheduler, set up sandboxes, recover the journal, start sampling.
+    async def start(self, *, recover: bool = True) -> None:
+        """Load the scheduler, set up sandboxes, recover the journal (unless
+        ``recover`` is false: then :meth:`recover` does, later), start sampling.
         A start that fails or is interrupted (cancelled, Ctrl-C) closes what it had
         opened, the journal's lock included, before the error goes on.
 
@@ -198,20 +198,34 @@ class Dispatcher:
                 what is missing).
         """
         try:
-            await self._start_up()
+            await self._start_up(recover)
         except BaseException:
             await self.close(drain=False)
             raise
 
-    async def _start_up(self) -> None:
-        self._loop = asyncio.get_running_loop()
+    def recover(self) -> None:
+        """Take up what a previous dispatcher on this journal left unfinished (see
+        :meth:`Admission.recover`): after ``start(recover=False)``, once the caller is
+        ready (a service that has probed its languages, so that its own start does
+        not wait behind recovered work). Ids accepted since stay with their jobs."""
+        if self.journal is None or self._left is None:
+            return
+        left, self._left = self._left, None
+        try:
+            self.admission.recover(left)
+        except sqlite3.DatabaseError as e:
+            self._unreadable(e)
+        self.loop.kick()
+
+    async def _start_up(self, recover: bool) -> None:
+        self.loop.bind()
         self.scheduler = load_scheduler(self, self._scheduler_given)
         endpoints = self.state.api.endpoints.values()
         if endpoints:
             # One pooled client for every API call (connections are reused), made now
             # with what its first call would load: the first call must not start later
             # than the quota allows (the CA store, the transport's imports: ~0.1 s).
-            self._http = make_client(
+            self.http = make_client(
                 max_keepalive=max(1, sum(ep.spec.max_concurrency for ep in endpoints)))
             await warm_up()
         if self.journal is not None:
@@ -222,13 +236,15 @@ class Dispatcher:
         # Each node's commands are confined there (this machine's here).
         self.sandboxes = await self.backend.start_sandboxes(self.config.sandbox, self._hidden())
         if self.journal is not None:
-            try:
-                self.admission.recover()
+            try:  # what the previous dispatcher left, before this one accepts anything
+                self._left = self.journal.unfinished()
             except sqlite3.DatabaseError as e:
                 self._unreadable(e)
+        if recover:
+            self.recover()
         self._ticker = asyncio.create_task(self._tick())
         self.sharing.start()
-        self._kick()
+        self.loop.kick()
 
     def _unreadable(self, e: sqlite3.DatabaseError) -> None:
         """The journal is damaged in a way the open-time checks cannot see: a one-line
@@ -248,17 +264,17 @@ class Dispatcher:
         """Stop. With ``drain``, first wait for every accepted request to finish;
         otherwise running commands are killed and unfinished requests stay in the
         journal for the next dispatcher."""
-        if self._closed:
+        if self.loop.closed:
             return
         if not drain:
-            self._closed = True  # nothing new starts while closing
+            self.loop.closed = True  # nothing new starts while closing
         if self.writer is not None:
             self.writer.flush()  # what was accepted this turn is durable and queued
         if drain:
-            futures = [j.future for j in self._jobs.values()]
+            futures = [j.future for j in self.jobs]
             if futures:
                 await asyncio.gather(*futures, return_exceptions=True)
-        self._closed = True
+        self.loop.closed = True
         self.backend.sample()  # the span since the last periodic sample
         await self.kernels.close()
         await self.sharing.close()
@@ -270,14 +286,13 @@ class Dispatcher:
         if self._ticker is not None:
             self._ticker.cancel()
             await asyncio.gather(self._ticker, return_exceptions=True)
-        if self._wake is not None:
-            self._wake.cancel()
-        for job in self._jobs.values():
+        self.loop.stop()
+        for job in self.jobs:
             if not job.future.done():
                 job.future.cancel()
-        if self._http is not None:
-            await self._http.aclose()
-            self._http = None
+        if self.http is not None:
+            await self.http.aclose()
+            self.http = None
         if self.writer is not None:
             self.writer.close()
         if self.trace_writer is not None:
@@ -346,27 +361,22 @@ class Dispatcher:
         if self.writer is not None:
             self.writer.flush()
 
-    _enqueue = admission.enqueue
-    _submit = admission.submit
+    enqueue_job = admission.enqueue
+    submit_job = admission.submit
 
     # ------------------------------------------------------------------ scheduling
 
-    def _now(self) -> float:
-        return self._clock() - self._t0
-
-    def _kick(self) -> None:
-        """Ask for a scheduling pass soon (once per loop turn, however many events)."""
-        if not self._kick_pending and self._loop is not None and not self._closed:
-            self._kick_pending = True
-            self._loop.call_soon(self._schedule)
-
-    def _schedule(self) -> None:
-        self._kick_pending = False
-        if self._closed:
+    def schedule(self) -> None:
+        """A scheduling pass now: commands at their latest start, then the scheduler's
+        grants while a decision is possible, the idle rule, the nodes' queues ahead, and
+        the next wake-up (a part that frees resources runs one at once; others ask for one
+        with ``loop.kick()``)."""
+        self.loop.pass_started()
+        if self.loop.closed:
             return
         state = self.state
         executors = self.executors
-        state.advance(self._now())
+        state.advance(self.loop.now())
         step = self.step  # the core's decision step (the guard's grants start there)
         self.sharing.serve()  # commands at their latest start first (core.deadlines)
         waited = False
@@ -394,10 +404,10 @@ class Dispatcher:
         # An idle cluster is not kept idle (the simulator's rule too): serve what can
         # start, then ask again.
         if waited and step.serve_idle():
-            self._kick()
+            self.loop.kick()
         # Not while a gpu command waits for cores: a node's queue, refilled at every
         # exit, would keep them from it.
-        if state.ahead_per_node and not self._closed and not executors.core_waiters:
+        if state.ahead_per_node and not self.loop.closed and not executors.core_waiters:
             for a in state.fill_ahead():
                 executors.start_ahead(a)
         self._arm_timers()
@@ -416,26 +426,18 @@ class Dispatcher:
             waits.append(max(0.0, due - state.t))
         if not waits:
             return
-        delay = min(waits) + 1e-6
-        loop = self._loop
-        at = loop.time() + delay
-        h = self._wake
-        if h is not None and not h.cancelled() and h.when() <= at and h.when() > loop.time():
-            return
-        if h is not None:
-            h.cancel()
-        self._wake = loop.call_at(at, self._kick)
+        self.loop.wake_in(min(waits) + 1e-6)
 
-    def _note_started(self, promoted: list[Action]) -> None:
+    def note_started(self, promoted: list[Action]) -> None:
         """Actions a node's queue started on cores just left there (a round trip ago at
         most, on the node): their results say they started now."""
         for b in promoted:
-            self._by_action[b.id].started_at = self._wall0 + self.state.t
+            self.jobs.of_action(b.id).started_at = self.loop.wall(self.state.t)
 
     # ------------------------------------------------------------------ completing
 
-    _complete = completion.complete
-    _finish_job = completion.finish_job
+    complete = completion.complete
+    finish_job = completion.finish_job
 
     def cancel(self, rid: str) -> CancelState:
         """Cancel request ``rid``: dropped if it waits, its command killed if it runs;
@@ -456,7 +458,7 @@ class Dispatcher:
         while True:
             await asyncio.sleep(interval)
             self.backend.sample()
-            self.trajectories.close_idle(self._now(), self.config.trajectory_idle_s)
+            self.trajectories.close_idle(self.loop.now(), self.config.trajectory_idle_s)
 
     # ------------------------------------------------------------------ reading
 
@@ -464,7 +466,7 @@ class Dispatcher:
         """The policy's observation of the live state now (same encoder as the env)."""
         if self.encoder is None:
             raise RuntimeError("the machine exceeds the observation's sizes")
-        self.state.advance(self._now())
+        self.state.advance(self.loop.now())
         return self.encoder.observe(self.state)
 
     def stats(self) -> dict[str, Any]:

@@ -7,26 +7,35 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from metasched.errors import ConfigError
-from metasched.runtime.dispatch.admission import taken
-from metasched.runtime.dispatch.jobs import Job
+from metasched.runtime.dispatch.jobs import Job, taken
+from metasched.runtime.dispatch.shared import Shared
 from metasched.runtime.journal import Journal
 from metasched.runtime.journal_rows import StoredRequest, compacted
 from metasched.runtime.requests import REJECTED, Result
 
-if TYPE_CHECKING:
-    from metasched.runtime.dispatch.dispatcher import Dispatcher
+
+class WriterHost(Shared, Protocol):
+    """What the journal writer asks of its dispatcher
+    (the :class:`~.dispatcher.Dispatcher`)."""
+
+    n_rejected: int
+
+    def enqueue_job(self, job: Job) -> None: ...
+
+    def schedule(self) -> None: ...
+
 
 log = logging.getLogger("metasched.dispatch")
 
 
 class JournalWriter:
-    """Group commits to ``journal`` for dispatcher ``d``: it queues (``d._enqueue``)
+    """Group commits to ``journal`` for dispatcher ``d``: it queues (``d.enqueue_job``)
     the requests it made durable and answers those the journal already finished."""
 
-    def __init__(self, d: Dispatcher, journal: Journal) -> None:
+    def __init__(self, d: WriterHost, journal: Journal) -> None:
         self.d = d
         self.journal = journal
         # Journal writes waiting for the next group commit: starts by key (pid, attempt,
@@ -45,12 +54,12 @@ class JournalWriter:
         self.to_queue.append((job, doc, digest))
         if not self._flush_pending:
             self._flush_pending = True
-            self.d._loop.call_soon(self.flush)
+            self.d.loop.call_soon(self.flush)
 
     async def durable(self) -> None:
         """Return once what was accepted so far is committed (or rejected)."""
         if self.to_queue:
-            waiter = self.d._loop.create_future()
+            waiter = self.d.loop.future()
             self._flush_waiters.append(waiter)
             await waiter
 
@@ -85,7 +94,7 @@ class JournalWriter:
                             skipped)
         except Exception as e:  # noqa: BLE001 - e.g. a full disk: not accepted
             for job, _, _ in accepted:
-                d._jobs.pop(job.request.id, None)
+                d.jobs.drop(job.request.id)
                 d.n_rejected += 1
                 if not job.future.done():
                     job.future.set_result(Result(
@@ -97,13 +106,13 @@ class JournalWriter:
         for (job, _, digest), new in zip(accepted, fresh, strict=True):
             answer = None if new else self._stored_answer(job, digest)
             if answer is None:
-                d._enqueue(job)
+                d.enqueue_job(job)
                 queued = True
             else:  # finished under an earlier dispatcher: its result stands
-                d._jobs.pop(job.request.id, None)
+                d.jobs.drop(job.request.id)
                 job.future.set_result(answer)
         if queued:
-            d._schedule()  # in this callback rather than one more loop callback later
+            d.schedule()  # in this callback rather than one more loop callback later
 
     def _stored_answer(self, job: Job, digest: str) -> Result | None:
         """The answer to a request whose id the journal already held: its stored result
@@ -141,13 +150,13 @@ class JournalWriter:
     def _commit_soon(self) -> None:
         """Group commit within ``journal_delay_s``: a crash before then only means the
         request runs again (its acceptance is already durable)."""
-        if self.timer is None and self.d._loop is not None:
-            self.timer = self.d._loop.call_later(self.d.config.journal_delay_s,
+        if self.timer is None and self.d.loop.aio is not None:
+            self.timer = self.d.loop.call_later(self.d.config.journal_delay_s,
                                                  self._timed_flush)
 
     def _timed_flush(self) -> None:
         self.timer = None
-        if not self.d._closed:
+        if not self.d.loop.closed:
             self.flush()
 
     def compact(self, older_than_s: float, *, vacuum: bool = False) -> int:

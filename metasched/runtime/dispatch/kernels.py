@@ -1,4 +1,5 @@
-"""Kernels: one persistent Python interpreter per trajectory, for ``/run_jupyter``.
+"""Kernels: persistent interpreters of a trajectory: one for ``/run_jupyter``, and one
+per context of E2B's code interpreter (:mod:`metasched.serve.e2b.interpreter`).
 
 A kernel is a process of its trajectory's sandbox, started as a command is (the same
 sandboxes: the sandbox, its user, a cgroup slot with the memory and process limits),
@@ -17,15 +18,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import Any, Protocol
 
+from metasched.runtime.backend import Backend
+from metasched.runtime.dispatch.shared import Shared
 from metasched.runtime.launch import launch
 from metasched.runtime.process import Process
 
-if TYPE_CHECKING:
-    from metasched.runtime.dispatch.dispatcher import Dispatcher
+__all__ = ["CELL_CLIENT", "DRIVER", "DRIVER_PATH", "SOCKET", "KernelHost", "Kernels"]
 
-__all__ = ["CELL_CLIENT", "DRIVER", "DRIVER_PATH", "SOCKET", "Kernels"]
+
+class KernelHost(Shared, Protocol):
+    """What the kernels ask of their dispatcher
+    (the :class:`~.dispatcher.Dispatcher`)."""
+
+    backend: Backend
+    base_env: dict[str, str]
+    cores: list[int]
+    sandboxes: Any  # the backend's sandboxes (made at start)
+
 
 log = logging.getLogger("metasched.dispatch")
 
@@ -148,21 +160,28 @@ sys.stdout.write(data.decode())
 class Kernels:
     """The kernels of dispatcher ``d``'s trajectories (see the module docstring)."""
 
-    def __init__(self, d: Dispatcher) -> None:
+    def __init__(self, d: KernelHost) -> None:
         self.d = d
-        self.running: dict[str, tuple[Process, asyncio.Task]] = {}
+        # (trajectory, name) -> its kernel: /run_jupyter's is named "", the code
+        # interpreter's by their contexts.
+        self.running: dict[tuple[str, str], tuple[Process, asyncio.Task]] = {}
+        # Why a kernel ended on its own (a crash, its memory limit), until read.
+        self.ended: dict[tuple[str, str], str] = {}
 
-    def alive(self, trajectory: str) -> bool:
-        """Whether ``trajectory`` has a kernel that has not ended."""
-        kept = self.running.get(trajectory)
+    def alive(self, trajectory: str, name: str = "") -> bool:
+        """Whether ``trajectory`` has a kernel ``name`` that has not ended."""
+        kept = self.running.get((trajectory, name))
         return kept is not None and not kept[1].done()
 
     def start(self, trajectory: str, *, python: str, mem_limit_mb: float | None,
-              lifetime_s: float) -> str | None:
-        """Start ``trajectory``'s kernel (its sandbox must be ready: one of its commands
-        has run); None, or why it could not start (one line)."""
+              lifetime_s: float, name: str = "", argv: list[str] | None = None,
+              env: Mapping[str, str] | None = None) -> str | None:
+        """Start ``trajectory``'s kernel ``name`` (its sandbox must be ready: one of its
+        commands has run): :data:`DRIVER`, or the program ``argv`` when given, with
+        ``env`` over the sandbox's environment; None, or why it could not start (one
+        line)."""
         d = self.d
-        if self.alive(trajectory):
+        if self.alive(trajectory, name):
             return None
         if d.sandboxes is None or not d.sandboxes.isolated:
             return "kernels need sandboxes (sandbox.isolation=bwrap)"
@@ -170,29 +189,38 @@ class Kernels:
         run_dir = getattr(d.backend, "run_dir", None)
         if sandbox is None or run_dir is None or not d.cores:
             return f"trajectory {trajectory!r} has no sandbox on this machine"
-        proc = launch([python, DRIVER_PATH, SOCKET], cores=list(d.cores), timeout_s=lifetime_s,
-                      env=d._base_env, sandboxes=d.sandboxes, sandbox=sandbox,
+        proc = launch(argv or [python, DRIVER_PATH, SOCKET], cores=list(d.cores),
+                      timeout_s=lifetime_s, env=d.base_env, request_env=env,
+                      sandboxes=d.sandboxes, sandbox=sandbox,
                       cwd_root=run_dir.path,
                       pids_max=d.config.sandbox.pids_max,
                       mem_limit_mb=mem_limit_mb or d.config.limits.mem_mb,
                       tail_bytes=d.config.tail_bytes)
-        task = d._loop.create_task(self._watch(trajectory, proc))
-        self.running[trajectory] = (proc, task)
+        key = (trajectory, name)
+        self.ended.pop(key, None)
+        task = d.loop.task(self._watch(key, proc))
+        self.running[key] = (proc, task)
         return None
 
-    async def _watch(self, trajectory: str, proc: Process) -> None:
+    async def _watch(self, key: tuple[str, str], proc: Process) -> None:
         out = await proc.wait()
         if out.reason and out.reason != "cancelled":
-            log.debug("kernel of %s ended: %s %s", trajectory, out.reason, out.stderr[-300:])
-        kept = self.running.get(trajectory)
+            self.ended[key] = out.reason
+            log.debug("kernel %s of %s ended: %s %s", key[1] or "-", key[0], out.reason,
+                      out.stderr[-300:])
+        kept = self.running.get(key)
         if kept is not None and kept[0] is proc:
-            del self.running[trajectory]
+            del self.running[key]
 
-    def stop(self, trajectory: str) -> None:
-        """Kill ``trajectory``'s kernel (a no-op without one)."""
-        kept = self.running.get(trajectory)
-        if kept is not None:
-            kept[0].cancel()
+    def stop(self, trajectory: str, name: str | None = None) -> None:
+        """Kill ``trajectory``'s kernel ``name`` (None: all its kernels; a no-op without
+        one)."""
+        for key, (proc, _) in list(self.running.items()):
+            if key[0] == trajectory and (name is None or key[1] == name):
+                proc.cancel()
+        for key in [k for k in self.ended if k[0] == trajectory]:
+            if name is None or key[1] == name:
+                del self.ended[key]
 
     async def close(self) -> None:
         """Kill every kernel and wait for them to end."""

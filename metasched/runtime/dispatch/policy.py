@@ -5,22 +5,30 @@ fails to decide or makes an invalid grant."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from metasched.core.observation import ObsConfig, ObservationEncoder
 from metasched.core.scheduler import Scheduler
+from metasched.runtime.dispatch.shared import Shared
 
-if TYPE_CHECKING:
-    from metasched.runtime.dispatch.dispatcher import Dispatcher
+
+class PolicyHost(Shared, Protocol):
+    """What loading the scheduler asks of its dispatcher
+    (the :class:`~.dispatcher.Dispatcher`)."""
+
+    encoder: ObservationEncoder | None
+    fallback_reason: str
+    scheduler: Scheduler | None
+
 
 log = logging.getLogger("metasched.dispatch")
 
 FALLBACK = "elastic_greedy"
 
 
-def load_scheduler(d: Dispatcher, given: Scheduler | None) -> Scheduler:
+def load_scheduler(d: PolicyHost, given: Scheduler | None) -> Scheduler:
     """``given``, or the scheduler ``d.config`` names, reset on ``d``'s state, and the
     observation encoder (``d.encoder``; None if the machine exceeds its sizes)."""
     from metasched.agents import make_advisor, make_scheduler
@@ -46,7 +54,7 @@ def load_scheduler(d: Dispatcher, given: Scheduler | None) -> Scheduler:
     return sched
 
 
-def fall_back(d: Dispatcher, why: str) -> Scheduler:
+def fall_back(d: PolicyHost, why: str) -> Scheduler:
     """Switch ``d`` to the elastic_greedy heuristic, logging the reason once."""
     from metasched.agents import make_advisor, make_scheduler
 

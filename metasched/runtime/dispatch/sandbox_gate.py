@@ -6,23 +6,30 @@ their network setting."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from metasched.core.actions import SandboxSpec, Trajectory
 from metasched.core.sandbox_queue import SandboxQueue
 from metasched.errors import ConfigError
 from metasched.runtime.dispatch.jobs import Job
+from metasched.runtime.dispatch.shared import Shared
 from metasched.runtime.requests import Request
 from metasched.runtime.sandbox.manager import Sandbox
 
-if TYPE_CHECKING:
-    from metasched.runtime.dispatch.dispatcher import Dispatcher
+
+class GateHost(Shared, Protocol):
+    """What the sandbox gate asks of its dispatcher
+    (the :class:`~.dispatcher.Dispatcher`)."""
+
+    sandboxes: Any  # the backend's sandboxes (made at start)
+
+    def submit_job(self, job: Job, traj: Trajectory | None) -> None: ...
 
 
 class SandboxGate:
     """Holds dispatcher ``d``'s commands until their sandboxes are ready."""
 
-    def __init__(self, d: Dispatcher) -> None:
+    def __init__(self, d: GateHost) -> None:
         self.d = d
         self.wait = SandboxQueue(d.state)  # waiting for sandbox memory
         # trajectory id -> its jobs, until its sandbox is ready
@@ -72,7 +79,7 @@ class SandboxGate:
                 return True
             if own or getattr(sb, "throwaway", False):  # submitted again once it is ready
                 sb.ready.add_done_callback(
-                    lambda _: None if self.d._closed else self.d._submit(job, None))
+                    lambda _: None if self.d.loop.closed else self.d.submit_job(job, None))
                 return False
             held = self._shared_wait.setdefault(network, [])
             if not held:
@@ -109,16 +116,41 @@ class SandboxGate:
 
     def _release_awaiting(self, traj: Trajectory, sb: Sandbox) -> None:
         jobs = self.awaiting.pop(traj.id, [])
-        if self.d._closed:
+        if self.d.loop.closed:
             return
         for job in jobs:
             job.sandbox = sb
-            self.d._submit(job, traj)
+            self.d.submit_job(job, traj)
 
     def _release_shared(self, network: bool) -> None:
         for job in self._shared_wait.pop(network, []):
-            if not self.d._closed:
-                self.d._submit(job, None)
+            if not self.d.loop.closed:
+                self.d.submit_job(job, None)
+
+    def drop_held(self, job: Job) -> bool:
+        """Take ``job`` out of the jobs held for their sandbox (it is cancelled); False
+        if it was not held."""
+        for held in (*self.awaiting.values(), *self._shared_wait.values()):
+            if job in held:
+                held.remove(job)
+                return True
+        return False
+
+    def open_overcommitted(self, traj: Trajectory) -> None:
+        """Open the sandbox of ``traj``, waiting for sandbox memory, now (its first held
+        command has reached its latest start): on the node with the most memory free,
+        overcommitting it; returned when the trajectory closes."""
+        req = self.awaiting[traj.id][0].request
+        spec = self._spec(req)
+        state = self.d.state
+        cpu = state.cpu
+        node = max(range(cpu.n_nodes), key=lambda n: (cpu.mem_free[n], -n))
+        cpu.mem_free[node] -= spec.mem_gb
+        cpu.sandboxes[node] += 1
+        traj.sandbox, traj.node = spec, node
+        state.version += 1
+        self.wait.remove(traj)
+        self._open(traj, req)
 
     def open_waiting(self) -> None:
         """Sandbox memory was freed: open the sandboxes of trajectories waiting for it,

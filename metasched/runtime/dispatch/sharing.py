@@ -12,8 +12,9 @@ dispatcher, and no granted core that sits idle keeps a command waiting.
   ``deadlines.on_deadline: refuse`` it is failed then instead (``deadline: ...``).
   Commands on a backend's nodes (Ray) do not time-share: there a command at its latest
   start waits its turn, unless refused.
-  A request recovered from the journal after a restart has no deadline: its caller
-  has gone. A trajectory's first command waiting for sandbox memory at its latest
+  A command recovered from the journal after a restart has ``deadlines.recovered_s``
+  from the restart to start, and is refused then (its caller's connection has gone).
+  A trajectory's first command waiting for sandbox memory at its latest
   start gets its sandbox then, the memory overcommitted (a workspace's size caps what
   it may hold; what it holds is mostly far less), as a host runs more sandboxes than
   their caps add up to.
@@ -33,15 +34,27 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from metasched.core.actions import PENDING, Action
 from metasched.core.deadlines import DeadlineRule, serve_due
+from metasched.runtime.dispatch.executors.base import Executors
 from metasched.runtime.dispatch.jobs import Job
+from metasched.runtime.dispatch.sandbox_gate import SandboxGate
+from metasched.runtime.dispatch.shared import Shared
 from metasched.runtime.outcome import Outcome
 
-if TYPE_CHECKING:
-    from metasched.runtime.dispatch.dispatcher import Dispatcher
+
+class SharingHost(Shared, Protocol):
+    """What the deadline rule and core lending ask of their dispatcher
+    (the :class:`~.dispatcher.Dispatcher`)."""
+
+    cores: list[int]
+    executors: Executors
+    gate: SandboxGate
+
+    def complete(self, job: Job, out: Outcome) -> None: ...
+
 
 log = logging.getLogger("metasched.dispatch")
 
@@ -65,7 +78,7 @@ class _Watch:
 class Sharing:
     """Dispatcher ``d``'s deadline rule and core lending (see the module docstring)."""
 
-    def __init__(self, d: Dispatcher) -> None:
+    def __init__(self, d: SharingHost) -> None:
         self.d = d
         self.cfg = d.config.deadlines
         self.rule = DeadlineRule()
@@ -84,12 +97,19 @@ class Sharing:
     def start_by(self, job: Job) -> float | None:
         """The latest start of ``job`` after its acceptance (None: no deadline)."""
         req = job.request
-        if req.kind != "cpu" or job.queued_at < self.d._wall0:
-            return None  # only commands time-share; a recovered request's caller is gone
+        if req.kind != "cpu":
+            return None  # only commands time-share
+        if self.recovered(job):  # from the restart on
+            due = self.cfg.recovered_s
+            return None if due is None else self.d.loop.wall0 - job.queued_at + due
         deadline = req.deadline_s if req.deadline_s is not None else self.cfg.default_s
         if deadline is None:
             return None
         return deadline - req.timeout_s - self.cfg.margin_s
+
+    def recovered(self, job: Job) -> bool:
+        """Whether ``job`` was recovered from the journal (accepted before this start)."""
+        return job.queued_at < self.d.loop.wall0
 
     def serve(self) -> None:
         """Act on the commands whose latest start has come (before the scheduler is
@@ -119,27 +139,19 @@ class Sharing:
             start_by = self.start_by(jobs[0]) if jobs else None
             if start_by is None:
                 continue
-            due = jobs[0].queued_at - d._wall0 + start_by
+            due = jobs[0].queued_at - d.loop.wall0 + start_by
             if due > now:
                 nxt = min(nxt, due)
                 continue
-            spec = gate._spec(jobs[0].request)
-            cpu = state.cpu
-            node = max(range(cpu.n_nodes), key=lambda n: (cpu.mem_free[n], -n))
-            cpu.mem_free[node] -= spec.mem_gb  # returned when the trajectory closes
-            cpu.sandboxes[node] += 1
-            traj.sandbox, traj.node = spec, node
-            state.version += 1
-            gate.wait.remove(traj)
+            gate.open_overcommitted(traj)
             self.n_overcommitted += 1
-            gate._open(traj, jobs[0].request)
         self._box_due, self._box_seen = nxt, len(gate.wait)
 
     def _due(self, a: Action, node: int) -> None:
         d = self.d
-        if self.cfg.on_deadline == "refuse":
+        if self.cfg.on_deadline == "refuse" or self.recovered(d.jobs.of_action(a.id)):
             # A loop turn later: failing it completes it, which schedules again.
-            d._loop.call_soon(self._refuse, a)
+            d.loop.call_soon(self._refuse, a)
             return
         if not d.executors.SHARES:
             return  # a backend that cannot time-share (Ray's nodes): it waits its turn
@@ -148,16 +160,18 @@ class Sharing:
 
     def _refuse(self, a: Action) -> None:
         d = self.d
-        if d._closed or a.status != PENDING:
+        if d.loop.closed or a.status != PENDING:
             return  # started meanwhile, or gone
-        job = d._by_action[a.id]
-        d.state.advance(d._now())
+        job = d.jobs.of_action(a.id)
+        d.state.advance(d.loop.now())
         d.state.start_shared(a, max(a.node, 0))
         self.n_refused += 1
-        waited = d._wall0 + d.state.t - job.queued_at
-        d._complete(job, Outcome(False, f"{DEADLINE_REASON} not started after {waited:.1f} s "
-                                 f"in the queue, with {job.request.timeout_s:g} s to run "
-                                 f"before its caller's deadline"))
+        waited = d.loop.wall0 + d.state.t - job.queued_at
+        why = (f"not started within {self.cfg.recovered_s:g} s of the restart that "
+               f"recovered it (deadlines.recovered_s)" if self.recovered(job) else
+               f"not started after {waited:.1f} s in the queue, with "
+               f"{job.request.timeout_s:g} s to run before its caller's deadline")
+        d.complete(job, Outcome(False, f"{DEADLINE_REASON} {why}"))
 
     def least_shared(self, k: int) -> list[int]:
         """``k`` core ids with the fewest time-shared commands (lowest id on ties)."""
@@ -169,8 +183,8 @@ class Sharing:
         d.state.start_shared(a, node)
         for c in cores:
             self.sharers[c] = self.sharers.get(c, 0) + 1
-        job = d._by_action[a.id]
-        d.executors.mark_started(job, d._wall0 + d.state.t)
+        job = d.jobs.of_action(a.id)
+        d.executors.mark_started(job, d.loop.wall0 + d.state.t)
         d.executors.start_shared(job, cores, lambda: self._unshare(cores))
 
     def _unshare(self, cores: list[int]) -> None:
@@ -184,7 +198,7 @@ class Sharing:
         that could not start is not)."""
         if isinstance(proc, Exception):
             return
-        self.watched[job.request.id] = _Watch(proc, cores, self.d._clock())
+        self.watched[job.request.id] = _Watch(proc, cores, self.d.loop.monotonic())
 
     def ended(self, job: Job) -> None:
         self.watched.pop(job.request.id, None)
@@ -204,7 +218,7 @@ class Sharing:
         period = self.cfg.idle_after_s / 2
         while True:
             await asyncio.sleep(period)
-            if self.d._closed:
+            if self.d.loop.closed:
                 return
             try:
                 self.lend()
@@ -220,7 +234,7 @@ class Sharing:
             for w in self.watched.values():
                 w.cpu = None  # measured afresh once commands wait
             return 0
-        now = d._clock()
+        now = d.loop.monotonic()
         busy_cores: set[int] = set()
         for w in self.watched.values():
             cpu = w.proc.cpu_seconds()
@@ -236,7 +250,7 @@ class Sharing:
                 if c not in busy_cores]
         idle = sorted(set(idle), key=lambda c: (self.sharers.get(c, 0), c))
         n = 0
-        state.advance(d._now())
+        state.advance(d.loop.now())
         for a in list(state.pending["cpu"].values()):
             k = a.spec.min_cores
             if k > len(idle) or (a.node >= 0 and a.node != 0):
@@ -250,7 +264,7 @@ class Sharing:
             if not idle:
                 break
         if n:
-            d._kick()
+            d.loop.kick()
         return n
 
     def stats(self) -> dict[str, Any]:

@@ -4,19 +4,47 @@ pools as they are now (:func:`status`), its measurements in the simulator's form
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from metasched.core import renamed
-from metasched.core.metrics import RunResult
+from metasched.core.guard import WaitGuard
+from metasched.core.metrics import Ring, RunResult
+from metasched.core.scheduler import Scheduler
+from metasched.runtime.backend import Backend
+from metasched.runtime.dispatch.admission import Admission
+from metasched.runtime.dispatch.cancellation import Cancellation
+from metasched.runtime.dispatch.journal_writer import JournalWriter
+from metasched.runtime.dispatch.shared import Shared
+from metasched.runtime.dispatch.sharing import Sharing
+from metasched.runtime.journal import Journal
 from metasched.runtime.requests import Result
 
-if TYPE_CHECKING:
-    from metasched.runtime.dispatch.dispatcher import Dispatcher
+
+class StatusHost(Shared, Protocol):
+    """What stats and status read of their dispatcher
+    (the :class:`~.dispatcher.Dispatcher`)."""
+
+    admission: Admission
+    ahead_per_core: int
+    backend: Backend
+    cancellation: Cancellation
+    cores: list[int]
+    fallback_reason: str
+    guard: WaitGuard
+    journal: Journal | None
+    latency_ns: Ring
+    n_decisions: int
+    n_rejected: int
+    no_gpu_reason: str
+    sandboxes: Any  # the backend's sandboxes (made at start)
+    scheduler: Scheduler | None
+    sharing: Sharing
+    writer: JournalWriter | None
 
 
-def stats(d: Dispatcher) -> dict[str, Any]:
+def stats(d: StatusHost) -> dict[str, Any]:
     """See :meth:`Dispatcher.stats`."""
     s = d.state
     lat = d.latency_ns.array(float) / 1e3
@@ -45,10 +73,10 @@ def stats(d: Dispatcher) -> dict[str, Any]:
             **d.sharing.stats()})
 
 
-def run_result(d: Dispatcher) -> RunResult:
+def run_result(d: StatusHost) -> RunResult:
     """See :meth:`Dispatcher.run_result`."""
     s = d.state
-    s.advance(d._now())
+    s.advance(d.loop.now())
     counters = {"decisions": d.n_decisions, "grants": s.n_grants,
                 "submitted": s.n_submitted, "completed": s.n_done, "failed": s.n_failed,
                 "pending": s.n_pending + s.n_running, "gpu_restores": s.gpu.restores,
@@ -61,10 +89,10 @@ def run_result(d: Dispatcher) -> RunResult:
         counters)
 
 
-def status(d: Dispatcher) -> dict[str, Any]:
+def status(d: StatusHost) -> dict[str, Any]:
     """See :meth:`Dispatcher.status`."""
     s = d.state
-    s.advance(d._now())
+    s.advance(d.loop.now())
     cpu = s.cpu
     devices = [{"index": dev.index, "mem_gb": dev.mem_gb, "busy": dev.busy,
                 "resident": sorted(dev.resident)} for dev in s.gpu.devices]
@@ -87,9 +115,9 @@ def status(d: Dispatcher) -> dict[str, Any]:
             "uptime_s": s.t}
 
 
-def find(d: Dispatcher, rid: str) -> tuple[str, Result | None] | None:
+def find(d: StatusHost, rid: str) -> tuple[str, Result | None] | None:
     """See :meth:`Dispatcher.find`."""
-    job = d._jobs.get(rid)
+    job = d.jobs.get(rid)
     if job is not None:
         return ("queued" if job.started_at is None else "running"), None
     if rid in d.admission.held:

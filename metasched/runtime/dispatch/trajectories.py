@@ -15,16 +15,29 @@ a later RL step starts a new group, as groups are per step in training)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from metasched.core.actions import Trajectory
 from metasched.core.predictor import Predictor, group_of, records_of_trace
+from metasched.core.trace_writer import TraceWriter
 from metasched.errors import ConfigError
+from metasched.runtime.dispatch.executors.base import Executors
+from metasched.runtime.dispatch.kernels import Kernels
+from metasched.runtime.dispatch.sandbox_gate import SandboxGate
+from metasched.runtime.dispatch.shared import Shared
 from metasched.runtime.requests import Request
 from metasched.sim.trace import scan_trace
 
-if TYPE_CHECKING:
-    from metasched.runtime.dispatch.dispatcher import Dispatcher
+
+class TrajectoryHost(Shared, Protocol):
+    """What trajectory life asks of its dispatcher
+    (the :class:`~.dispatcher.Dispatcher`)."""
+
+    executors: Executors
+    gate: SandboxGate
+    kernels: Kernels
+    sandboxes: Any  # the backend's sandboxes (made at start)
+    trace_writer: TraceWriter | None
 
 
 def fit_predictor(path: str | Path) -> Predictor:
@@ -41,7 +54,7 @@ def fit_predictor(path: str | Path) -> Predictor:
 class Trajectories:
     """The trajectories of dispatcher ``d``, by the name requests give them."""
 
-    def __init__(self, d: Dispatcher) -> None:
+    def __init__(self, d: TrajectoryHost) -> None:
         self.d = d
         self.by_name: dict[str, Trajectory] = {}
         self._live: dict[int, int] = {}  # trajectory id -> actions queued or running
@@ -120,14 +133,14 @@ class Trajectories:
         self._ended.add(traj.id)
         if self._live.get(traj.id, 0) == 0:
             self.close(traj)
-            self.d._kick()
+            self.d.loop.kick()
 
     def close_idle(self, t: float, idle_s: float) -> None:
         """Close the trajectories with nothing queued or running for ``idle_s``."""
         for traj in list(self.by_name.values()):
             if self._live.get(traj.id, 0) == 0 and t - self._seen.get(traj.id, t) > idle_s:
                 self.close(traj)
-                self.d._kick()
+                self.d.loop.kick()
 
 
 __all__ = ["Trajectories"]

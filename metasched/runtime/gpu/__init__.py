@@ -21,9 +21,9 @@ from metasched.runtime.gpu.devices import (
 )
 from metasched.runtime.gpu.sampler import GpuSampler
 from metasched.runtime.gpu.scorer import linear_scorer
-from metasched.runtime.gpu.services import LiveService, ServiceHost
+from metasched.runtime.gpu.services import GpuHost, LiveService, ServiceHost
 
 __all__ = [
-    "GIB", "GpuSampler", "LiveDevice", "LiveService", "ServiceHost", "command_env",
+    "GIB", "GpuHost", "GpuSampler", "LiveDevice", "LiveService", "ServiceHost", "command_env",
     "device_minor", "discover_devices", "linear_scorer",
 ]

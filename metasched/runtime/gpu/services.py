@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from metasched.core.pools import ServiceSpec
 from metasched.runtime.gpu.devices import GIB, LiveDevice, _err
@@ -74,6 +74,17 @@ def _sync(device: LiveDevice) -> None:
     torch = _torch()
     if torch is not None and device.torch_device.startswith("cuda"):
         torch.cuda.synchronize(device.torch_device)
+
+
+class GpuHost(Protocol):
+    """The GPU services of a backend's devices (:class:`ServiceHost` has this
+    interface on one machine)."""
+
+    @property
+    def specs(self) -> dict[str, ServiceSpec]: ...
+
+    async def run_batch(self, service: str, device: LiveDevice, resident_now: Collection[str],
+                        payloads: list[Any]) -> Outcome: ...
 
 
 class ServiceHost:

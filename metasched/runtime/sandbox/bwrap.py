@@ -43,7 +43,7 @@ __all__ = ["ETC_PATHS", "STUB", "SYSTEM_PATHS", "find_bwrap", "identity_files",
            "sandbox_argv"]
 
 STUB = ("/bin/sh", "-c", "echo; exec cat")
-_MOUNT_POINTS = ("/workspace", "/tmp", "/.sandbox")
+_MOUNT_POINTS = ("/workspace", "/home/user", "/tmp", "/.sandbox")  # /home/user: E2B's home
 # Bound read-only where they exist (a symlink is made as the same symlink).
 SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32",
                 "/sys/devices/system/cpu", "/sys/devices/system/node")  # CPU, NUMA topology
@@ -87,10 +87,10 @@ def find_bwrap() -> tuple[str | None, str]:
 
 def identity_files(uid: int, gid: int) -> dict[str, str]:
     """The text of ``/etc/passwd``, ``/etc/group`` and ``/etc/hosts`` of a sandbox whose
-    commands run as ``uid``/``gid``: that user is ``sandbox`` (home ``/workspace``), the
-    host is ``sandbox``; ``root`` and ``nobody`` exist as on every system."""
+    commands run as ``uid``/``gid``: that user is ``sandbox`` (home ``/home/user``, the
+    workspace), the host is ``sandbox``; ``root`` and ``nobody`` exist as on every system."""
     users = ["root:x:0:0:root:/root:/usr/sbin/nologin",
-             f"sandbox:x:{uid}:{gid}:sandbox:/workspace:/bin/sh"]
+             f"sandbox:x:{uid}:{gid}:sandbox:/home/user:/bin/sh"]
     groups = ["root:x:0:", f"sandbox:x:{gid}:"]
     if uid != 65534:
         users.append("nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin")

@@ -17,6 +17,7 @@ from metasched.runtime.sandbox.server_records import (
     _NS,
     _SHARED_MOUNTS,
     _TAIL,
+    HOME,
     STAGE,
     WORKSPACE,
     _close,
@@ -283,8 +284,9 @@ class Opening:
 
 def _mount_tmpfs(size: int, uid: int, gid: int, template: str | None) -> None:
     """Mount a tmpfs of ``size`` bytes and bind its parts to ``/workspace`` (owned by
-    ``uid``; an overlay on ``template`` when given), ``/tmp`` and ``/dev/shm`` (in the
-    current mount namespace); the staging mount is detached after."""
+    ``uid``; an overlay on ``template`` when given; bound again at ``/home/user``),
+    ``/tmp`` and ``/dev/shm`` (in the current mount namespace); the staging mount is
+    detached after."""
     syscalls.mount("tmpfs", STAGE, "tmpfs", MS_NOSUID | MS_NODEV,
                    f"size={int(size)},mode=0755,uid=0,gid=0")
     parts = [("ws", 0o700), ("tmp", 0o1777), ("shm", 0o1777)]
@@ -304,6 +306,7 @@ def _mount_tmpfs(size: int, uid: int, gid: int, template: str | None) -> None:
                            f"workdir={STAGE}/work,redirect_dir=on,metacopy=on")
         else:
             syscalls.mount(f"{STAGE}/ws", WORKSPACE, None, MS_BIND)
+        syscalls.mount(WORKSPACE, HOME, None, MS_BIND)
         syscalls.mount(f"{STAGE}/tmp", "/tmp", None, MS_BIND)
         syscalls.mount(f"{STAGE}/shm", "/dev/shm", None, MS_BIND)
     finally:

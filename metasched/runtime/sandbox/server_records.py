@@ -18,9 +18,10 @@ from metasched.runtime.sandbox.syscalls import (
 
 STAGE = "/.sandbox"  # where a sandbox's tmpfs is mounted while its parts are bound out
 WORKSPACE = "/workspace"
+HOME = "/home/user"  # the workspace again, where E2B's programs expect their home
 _NS = (("mnt", CLONE_NEWNS), ("net", CLONE_NEWNET), ("ipc", CLONE_NEWIPC),
        ("uts", CLONE_NEWUTS), ("pid", CLONE_NEWPID))
-_SHARED_MOUNTS = (WORKSPACE, "/tmp", "/dev/shm")  # what a sandbox's tmpfs holds
+_SHARED_MOUNTS = (WORKSPACE, HOME, "/tmp", "/dev/shm")  # what a sandbox's tmpfs holds
 _TAIL = 2048  # bytes of a seeding command's stderr kept for its error message
 _DATA_MAX = 60_000  # bytes of a file given to bwrap through a pipe (its buffer: 64 KiB)
 

@@ -6,12 +6,35 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from metasched.runtime.sandbox.manager import Sandboxes
+from metasched.runtime.sandbox import cgroups, gvisor
+from metasched.runtime.sandbox.cgroup_discovery import Hierarchies
+from metasched.runtime.sandbox.config import SandboxConfig
+from metasched.runtime.sandbox.connection import ServerConnection
+from metasched.runtime.sandbox.uids import UidPool
 
-__all__ = ["cgroup_warning", "describe"]
+__all__ = ["Confinement", "cgroup_warning", "describe"]
+
+
+class Confinement(Protocol):
+    """What :func:`describe` reads of a sandbox manager
+    (:class:`~metasched.runtime.sandbox.manager.Sandboxes`)."""
+
+    config: SandboxConfig
+    net_tools: tuple[str, str] | None
+    uids: UidPool
+    bwrap_version: str | None
+    gvisor: gvisor.Bundles | None
+    server: ServerConnection | None
+    tree: cgroups.CgroupTree | None
+    hierarchies: Hierarchies
+
+    @property
+    def isolated(self) -> bool: ...
+
+    @property
+    def spawns_on_host(self) -> bool: ...
 
 # what stands in for each missing controller
 _FALLBACK = {"cpuset": "CPU affinity, which a command can widen",
@@ -26,7 +49,7 @@ def cgroup_warning(missing: Mapping[str, str]) -> str:
             + " (fallback: " + ", ".join(_FALLBACK[c] for c in missing) + ")")
 
 
-def describe(sandboxes: Sandboxes) -> str:
+def describe(sandboxes: Confinement) -> str:
     """One line: how ``sandboxes`` confines commands (isolation, user ids, network, user
     namespaces, cgroups)."""
     if sandboxes.isolated:

@@ -6,7 +6,9 @@ at it with ``E2B_API_URL`` and ``E2B_SANDBOX_URL`` both ``http://<host>:<port>/e
 - envd's Connect RPC services (:mod:`.process`, :mod:`.filesystem`) and its file
   transfer (``/files``), routed by the ``E2b-Sandbox-Id`` header the SDK sends with
   ``E2B_SANDBOX_URL`` set, checked against the sandbox's access token
-  (``X-Access-Token``) when authentication is on.
+  (``X-Access-Token``) when authentication is on;
+- the code interpreter of E2B's ``code-interpreter-v1`` template (:mod:`.interpreter`):
+  ``/execute`` and ``/contexts``, each context a kernel in the sandbox.
 
 Each sandbox is a trajectory of the dispatcher, each command and file call one of its
 actions (:mod:`.sandboxes`). It needs the ``connectrpc`` and ``protobuf-py`` packages
@@ -39,6 +41,7 @@ def mount_e2b(app: FastAPI, service: Service) -> bool:
         log.info("E2B API (/e2b) off: %s (pip install 'metasched[e2b]')", e)
         return False
     from metasched.serve.e2b.filesystem import FilesystemService, files_router
+    from metasched.serve.e2b.interpreter import Interpreter, interpreter_router
     from metasched.serve.e2b.lifecycle import lifecycle_router
     from metasched.serve.e2b.process import ProcessService
     from metasched.serve.e2b.sandboxes import Sandboxes
@@ -47,6 +50,7 @@ def mount_e2b(app: FastAPI, service: Service) -> bool:
     app.state.e2b = sandboxes
     app.include_router(lifecycle_router(service, sandboxes), prefix=PREFIX)
     app.include_router(files_router(sandboxes), prefix=PREFIX)
+    app.include_router(interpreter_router(Interpreter(sandboxes)), prefix=PREFIX)
     max_bytes = service.config.max_body_bytes
     rpc = {"/process.Process/": ProcessASGIApplication(
                ProcessService(sandboxes), read_max_bytes=max_bytes),  # type: ignore[arg-type]

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import uuid
+from collections.abc import AsyncIterator
 from email.parser import BytesParser
 from email.policy import HTTP
 from typing import Any
@@ -21,20 +23,24 @@ from typing import Any
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from protobuf.wkt.google.protobuf.timestamp_pb import Timestamp
 
 from metasched.serve.e2b import programs
 from metasched.serve.e2b.envd import filesystem_pb as pb
 from metasched.serve.e2b.lifecycle import e2b_error
 from metasched.serve.e2b.sandboxes import Sandbox, Sandboxes
+from metasched.serve.e2b.users import user_refusal
 
 __all__ = ["FilesystemService", "files_router", "run_fs"]
+
+log = logging.getLogger("metasched.serve")
 
 _TYPES = {"file": pb.FileType.FILE, "dir": pb.FileType.DIRECTORY,
           "symlink": pb.FileType.SYMLINK}
 _CODES = {"not_found": (Code.NOT_FOUND, 404), "exists": (Code.ALREADY_EXISTS, 409),
-          "denied": (Code.PERMISSION_DENIED, 403), "invalid": (Code.INVALID_ARGUMENT, 400)}
+          "denied": (Code.PERMISSION_DENIED, 403), "invalid": (Code.INVALID_ARGUMENT, 400),
+          "too_large": (Code.RESOURCE_EXHAUSTED, 413)}
 
 
 class FsError(Exception):
@@ -83,22 +89,37 @@ async def run_fs(sb: Sandbox, op: dict[str, Any], pieces: list[str] | None = Non
 
 
 async def read_file(sb: Sandbox, path: str) -> bytes:
-    """The content of file ``path`` of ``sb``, read in pieces that each fit an action's
-    result.
+    """The content of file ``path`` of ``sb`` (a small one: a spilled answer), read in
+    pieces that each fit an action's result.
 
     Raises:
         FsError: it could not be read.
     """
+    return b"".join([piece async for piece in read_pieces(sb, path)])
+
+
+async def read_pieces(sb: Sandbox, path: str, max_bytes: int | None = None
+                      ) -> AsyncIterator[bytes]:
+    """The content of file ``path`` of ``sb``, piece by piece as each action reads it
+    (one piece in memory at a time).
+
+    Raises:
+        FsError: it could not be read, or (``too_large``, before any piece) it holds
+            more than ``max_bytes``.
+    """
     chunk = max(1, (_output_bytes(sb) - 256) // 4 * 3)
-    parts, offset, size = [], 0, None
+    offset, size = 0, None
     while size is None or offset < size:
         out = await run_fs(sb, {"op": "read", "path": path, "offset": offset,
                                 "length": chunk})
+        if size is None and max_bytes is not None and out["size"] > max_bytes:
+            raise FsError("too_large", f"path: {path!r} holds {out['size']} bytes, more "
+                          f"than a download may ({max_bytes}: max_file_mb)")
         data = base64.b64decode(out["data"])
-        parts.append(data)
         offset += len(data)
         size = out["size"] if data else offset
-    return b"".join(parts)
+        if data:
+            yield data
 
 
 def _output_bytes(sb: Sandbox) -> int:
@@ -205,15 +226,35 @@ def files_router(sandboxes: Sandboxes) -> APIRouter:
         if sb is None:
             raise FsError("not_found", f"sandbox {sid!r} not found (killed, timed out, "
                           f"or another access token's)")
+        why = user_refusal(request.query_params.get("username"))
+        if why is not None:
+            raise FsError("denied", why)
         return sb
 
     @router.get("/files")
     async def download(request: Request) -> Response:
+        """Streamed as it is read: the service holds one piece at a time. An error
+        before the first piece is answered with its status; one after it (the file
+        changed) cuts the response short."""
         try:
-            data = await read_file(find(request), request.query_params.get("path", ""))
-            return Response(data, media_type="application/octet-stream")
+            pieces = read_pieces(find(request), request.query_params.get("path", ""),
+                                 sandboxes.service.config.max_file_bytes)
+            first = await anext(pieces, b"")
         except FsError as e:
             return e.http()
+
+        async def rest() -> AsyncIterator[bytes]:
+            try:
+                yield first
+                async for piece in pieces:
+                    yield piece
+            except FsError as e:  # the client sees the response cut short
+                log.warning("e2b download cut short: %s", e.message)
+                raise
+            finally:
+                await pieces.aclose()
+
+        return StreamingResponse(rest(), media_type="application/octet-stream")
 
     @router.post("/files")
     async def upload(request: Request) -> Response:
@@ -230,7 +271,13 @@ def files_router(sandboxes: Sandboxes) -> APIRouter:
             return e.http()
 
     @router.get("/health")
-    async def health() -> Response:
+    async def health(request: Request) -> Response:
+        # 502 is what the SDK reads as "not running" (is_running() False): a sandbox
+        # killed, past its timeout, unknown, or another access token's.
+        sb = sandboxes.by_token(request.headers.get("e2b-sandbox-id", ""),
+                                request.headers.get("x-access-token"))
+        if sb is None:
+            return e2b_error(502, "sandbox not running (killed, timed out or unknown)")
         return Response(status_code=204)
 
     return router

@@ -26,6 +26,7 @@ from metasched.serve.e2b.sandboxes import (
     DEFAULT_TEMPLATE,
     DEFAULT_TIMEOUT_S,
     MAX_TIMEOUT_S,
+    Busy,
     Sandbox,
     Sandboxes,
 )
@@ -139,6 +140,8 @@ def lifecycle_router(service: Service, sandboxes: Sandboxes) -> APIRouter:
                 metadata=_strings(doc, "metadata"), env=_strings(doc, "envVars"))
         except ValueError as e:
             raise _Refused(400, str(e)) from None
+        except Busy as e:
+            raise _Refused(503, str(e)) from None
         return JSONResponse(sb.created(), status_code=201)
 
     async def listing(request: Request) -> Response:

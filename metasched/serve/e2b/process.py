@@ -29,7 +29,9 @@ from metasched.runtime.requests import REJECTED, Result
 from metasched.serve.e2b import programs
 from metasched.serve.e2b.envd import process_pb as pb
 from metasched.serve.e2b.output import Output, workspace_fd
-from metasched.serve.e2b.sandboxes import Proc, Sandbox, Sandboxes
+from metasched.serve.e2b.sandboxes import AtCap, Proc, Sandbox, Sandboxes
+from metasched.serve.e2b.users import user_from_basic, user_refusal
+from metasched.serve.sandbox_fusion import MEMORY_REASON
 
 __all__ = ["ProcessService", "sandbox_of"]
 
@@ -53,6 +55,9 @@ def sandbox_of(sandboxes: Sandboxes, ctx: Any) -> Sandbox:
     if sb is None:
         raise ConnectError(Code.NOT_FOUND, f"sandbox {sid!r} not found (killed, timed "
                            f"out, or another access token's)")
+    why = user_refusal(user_from_basic(headers.get("authorization")))
+    if why is not None:
+        raise ConnectError(Code.PERMISSION_DENIED, why)
     return sb
 
 
@@ -67,8 +72,10 @@ def _end_event(result: Result) -> pb.ProcessEvent:
         except ValueError:
             name = str(-code)
         status = "signal: killed" if name == "kill" else f"signal: {name}"
+        error = f"{status} ({result.reason})" if result.reason.startswith(MEMORY_REASON) \
+            else status
         return _event("end", pb.ProcessEvent.EndEvent(
-            exit_code=-1, exited=False, status=status, error=status))
+            exit_code=-1, exited=False, status=status, error=error))
     return _event("end", pb.ProcessEvent.EndEvent(
         exit_code=code, exited=True, status=f"exit status {code}"))
 
@@ -124,6 +131,10 @@ class ProcessService:
                                "(the service is stopping)")
         if result.status == REJECTED:
             raise ConnectError(Code.INVALID_ARGUMENT, result.reason)
+        if result.reason.startswith(MEMORY_REASON):  # the kill said where it is read
+            yield wrap(event=_event("data", pb.ProcessEvent.DataEvent(output=Oneof(
+                "stderr", f"{result.reason}: killed for using more memory than its "
+                f"limit\n".encode()))))
         yield wrap(event=_end_event(result))
 
     async def start(self, request: pb.StartRequest, ctx: Any) -> AsyncIterator[pb.StartResponse]:
@@ -136,6 +147,14 @@ class ProcessService:
         if request.tag and any(p.tag == request.tag and not p.result.done()
                                for p in sb.procs.values()):
             raise ConnectError(Code.ALREADY_EXISTS, f"tag {request.tag!r} is in use")
+        try:
+            programs.checked_cwd(cfg.cwd or "")
+        except ValueError as e:
+            raise ConnectError(Code.INVALID_ARGUMENT, str(e)) from None
+        try:
+            self.sandboxes.check_share(sb.client)
+        except AtCap as e:
+            raise ConnectError(Code.RESOURCE_EXHAUSTED, str(e)) from None
         pid = sb.new_pid()
         remaining = ctx.timeout_ms
         timeout_s = (remaining / 1000.0 if remaining is not None

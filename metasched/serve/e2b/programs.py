@@ -21,6 +21,7 @@ what it creates).
 from __future__ import annotations
 
 import json
+import posixpath
 from collections.abc import Iterator, Mapping, Sequence
 
 from metasched.serve.files import PER_COMMAND, PIECE
@@ -68,11 +69,11 @@ argv = sys.argv[6:]
 ctl = os.path.join(ROOT, ctl)
 os.makedirs(ctl, exist_ok=True)
 base = os.path.join(ctl, pid)
-env = dict(os.environ, HOME=ROOT, PWD=ROOT)
+HOME = "/home/user" if os.path.isdir("/home/user") else ROOT  # the workspace there
+env = dict(os.environ, HOME=HOME, PWD=HOME)
 try:
-    if cwd:
-        cwd = real(place(cwd))
-        env["PWD"] = cwd
+    cwd = HOME + real(place(cwd))[len(ROOT):] if cwd else HOME
+    env["PWD"] = cwd
 except Refused as e:
     sys.stderr.write(f"cwd: {sys.argv[4]!r} {e}\n")
     sys.exit(126)
@@ -271,12 +272,23 @@ except (OSError, ValueError) as e:
 _SH_WATCH = r"""ctl=$PWD/$1 pid=$2 cwd=$3 files=$4
 shift 4
 mkdir -p "$ctl" || exit 126
-export HOME="$PWD"
+home=$PWD
+if [ -d /home/user ]; then home=/home/user; fi
+export HOME="$home"
+# The workspace as the kernel names it, under both of its paths (/home/user is the
+# workspace mounted a second time where the sandbox has it).
+root=$(pwd -P)
+hroot=$(cd -- "$home" && pwd -P) || exit 126
 case $cwd in
-  /home/user|/home/user/*) cwd=$PWD${cwd#/home/user} ;;
-  "~"|"~/"*) cwd=$PWD${cwd#"~"} ;;
+  /home/user|/home/user/*) cwd=$home${cwd#/home/user} ;;
+  "~"|"~/"*) cwd=$home${cwd#"~"} ;;
+  "") cwd=$home ;;
 esac
-if [ -n "$cwd" ]; then cd -- "$cwd" || exit 126; fi
+cd -- "$cwd" || exit 126
+case $(pwd -P) in
+  "$root"|"$root"/*|"$hroot"|"$hroot"/*) ;;
+  *) echo "cwd: '$3' leads outside the sandbox's workspace (a symbolic link)" >&2; exit 126 ;;
+esac
 if [ "$files" = 1 ]; then
   exec >"$ctl/$pid.out" 2>"$ctl/$pid.err"
 fi
@@ -299,6 +311,25 @@ if [ "$code" -gt 128 ] && [ "$code" -lt 160 ]; then
 fi
 exit "$code"
 """
+
+
+def checked_cwd(cwd: str) -> str:
+    """``cwd`` if it names a place in the workspace (``/home/user/...``, ``~/...`` or
+    relative to the home), as the watchers read it; else ValueError (one line): a path
+    outside the workspace, even one inside the sandbox (``/etc``, ``..``), is refused
+    before anything runs (a symbolic link out is the watcher's to refuse)."""
+    if "\0" in cwd:
+        raise ValueError(f"cwd: {cwd[:200]!r} holds a NUL character")
+    rel = cwd
+    for home in (HOME, "~"):
+        if rel == home or rel.startswith(home + "/"):
+            rel = rel[len(home):].lstrip("/")
+            break
+    full = posixpath.normpath(posixpath.join(HOME, rel))
+    if full != HOME and not full.startswith(HOME + "/"):
+        raise ValueError(f"cwd: {cwd[:200]!r} is outside the sandbox's workspace "
+                         f"({HOME})")
+    return cwd
 
 
 def process_argv(pid: int, argv: Sequence[str], *, cwd: str = "", stdin: bool = False,

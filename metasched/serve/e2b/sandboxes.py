@@ -24,22 +24,36 @@ from typing import TYPE_CHECKING, Any
 
 from metasched.runtime.requests import REJECTED, Result
 from metasched.serve.e2b import programs
+from metasched.serve.e2b.templates import E2BTemplate, template_env
 
 if TYPE_CHECKING:
     from metasched.serve.e2b.output import Output
     from metasched.serve.service import Service
 
-__all__ = ["DEFAULT_TEMPLATE", "ENVD_VERSION", "Proc", "Sandbox", "Sandboxes"]
+__all__ = ["BUILT_IN_TEMPLATES", "CREATE_S", "DEFAULT_TEMPLATE", "ENVD_VERSION", "AtCap", "Busy",
+           "Proc", "Sandbox", "Sandboxes"]
 
 log = logging.getLogger("metasched.serve")
 
 ENVD_VERSION = "0.5.7"  # the envd contract served (stdin, close_stdin, octet-stream upload)
 DEFAULT_TEMPLATE = "base"  # E2B's default: a plain workspace
+# Built in: plain workspaces too (code-interpreter-v1 also serves the code interpreter,
+# see .interpreter), unless the operator configures a template of the same name.
+BUILT_IN_TEMPLATES = (DEFAULT_TEMPLATE, "code-interpreter-v1")
 DEFAULT_TIMEOUT_S = 300  # E2B's default sandbox timeout
 MAX_TIMEOUT_S = 24 * 3600
 CORES_ENV = "METASCHED_CORES"  # sandbox env vars that size its commands
 MEMORY_ENV = "METASCHED_MEMORY_MB"
 FILES_TIMEOUT_S = 60.0
+CREATE_S = 10.0  # a create answers within this: a sandbox, or 503 (busy)
+
+
+class Busy(Exception):
+    """A sandbox could not be created in time (503, with the reason)."""
+
+
+class AtCap(Exception):
+    """A client runs as many commands as it may (the reason: one line)."""
 
 
 @dataclass
@@ -82,6 +96,17 @@ class Sandbox:
     def trajectory(self) -> str:
         return f"e2b-{self.id}"
 
+    @property
+    def spec(self) -> E2BTemplate | None:
+        """Its template's packages, network and env, where the operator wrote them
+        (``e2b_templates``)."""
+        return getattr(self.service.config, "e2b_templates", {}).get(self.template)
+
+    def template_env(self) -> dict[str, str]:
+        """What its template gives its commands' environment (its packages' paths)."""
+        return template_env(self.template, self.spec,
+                            getattr(self.service.config, "e2b_cache", None))
+
     def new_pid(self) -> int:
         """A new process id; the process starts the sandbox's next turn."""
         self.turn += 1
@@ -96,12 +121,22 @@ class Sandbox:
             "turn": self.turn, "task": f"e2b:{self.template}", "name": name,
             "timeout_s": min(timeout_s, self.service.limits.max_timeout_s),
             "min_cores": self.cores, "max_cores": self.cores,
-            "id": uuid.uuid4().hex}
+            "id": uuid.uuid4().hex,
+            # The sandbox lives in the service's memory: one that did not survive a
+            # crash is gone with its commands, none of which runs again.
+            "on_restart": "cancel"}
+        spec = self.spec
+        env = {**self.template_env(), **(env or {})}
         if env:
-            req["env"] = dict(env)
+            req["env"] = env
+        if spec is not None and spec.network:
+            req["network"] = True
         if self.memory_mb is not None:
             req["mem_limit_mb"] = self.memory_mb
-        if self.template != DEFAULT_TEMPLATE:
+        # A workspace template: one configured (an E2B template's files among them), or
+        # an unknown name (the dispatcher says so); built-in or files-less: none.
+        if self.template in _configured(self.service) or (
+                self.template not in BUILT_IN_TEMPLATES and spec is None):
             req["workspace_template"] = self.template
         return req
 
@@ -135,6 +170,12 @@ class Sandbox:
         if self.token is not None:
             out["envdAccessToken"] = self.token
         return out
+
+
+def _configured(service: Service) -> Any:
+    """The workspace templates the operator configured (none known: empty)."""
+    config = getattr(service.dispatcher, "config", None)
+    return getattr(getattr(config, "sandbox", None), "templates", None) or {}
 
 
 def _iso(t: float) -> str:
@@ -176,7 +217,24 @@ class Sandboxes:
                      service=self.service)
         # Its trajectory is its client's: no other reaches it through /v1 or /run_code.
         self.service.owners.claim(sb.trajectory, client)
-        r = await sb.run(["/bin/mkdir", "-p", programs.CONTROL], "create")
+        # An empty sandbox needs no memory yet (each command is capped by its own
+        # mem_limit_mb): with its caller's deadline CREATE_S, the dispatcher opens it past
+        # the memory pool and starts its first command time-shared rather than let it
+        # wait (its deadline rule); one still not created by then is refused, before the
+        # SDK's request timeout (60 s), and never served late.
+        req = sb.request(["/bin/mkdir", "-p", programs.CONTROL], "create",
+                         timeout_s=CREATE_S)
+        req["deadline_s"] = CREATE_S
+        future = self.service.dispatcher.accept(req)
+        self.service.track(req["id"], future, "cpu")
+        try:
+            r = await asyncio.wait_for(asyncio.shield(future), CREATE_S)
+        except asyncio.TimeoutError:
+            self.service.cancel(req["id"], "request")
+            self.service.dispatcher.close_trajectory(sb.trajectory)
+            raise Busy(f"sandbox could not be created within {CREATE_S:g} s (its first "
+                       f"command had not run by then: the host is busy); retry later"
+                       ) from None
         if not r.ok:
             self.service.dispatcher.close_trajectory(sb.trajectory)
             why = r.reason if r.status == REJECTED else (r.stderr.strip() or r.reason)
@@ -205,6 +263,24 @@ class Sandboxes:
             return None
         sb.last_used = time.monotonic()
         return sb
+
+    def running(self, client: str | None) -> int:
+        """Commands running in ``client``'s sandboxes (every sandbox's, with
+        authentication off: one client)."""
+        return sum(not p.result.done() for sb in self.by_id.values() if sb.client == client
+                   for p in sb.procs.values())
+
+    def check_share(self, client: str | None) -> None:
+        """Raise :class:`AtCap` if ``client`` runs as many commands as it may
+        (``ServeConfig.client_commands``)."""
+        from metasched.serve.connections import default_client_commands
+
+        cap = self.service.config.client_commands or default_client_commands()
+        n = self.running(client)
+        if n >= cap:
+            who = "this client" if client is None else f"client {client!r}"
+            raise AtCap(f"{who} has {n} commands running, as many as a client may "
+                        f"(client_commands: {cap}); wait for one to end, or kill one")
 
     def listed(self, client: str | None) -> list[Sandbox]:
         """The live sandboxes ``client`` may see."""

@@ -11,16 +11,31 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from metasched.core.actions import AHEAD, Action, Grant
 from metasched.runtime.api_calls import call_api
 from metasched.runtime.dispatch.jobs import Job
+from metasched.runtime.dispatch.journal_writer import JournalWriter
+from metasched.runtime.dispatch.shared import Shared
+from metasched.runtime.gpu import GpuHost, LiveDevice
 from metasched.runtime.outcome import Outcome
 from metasched.runtime.requests import Request
 
-if TYPE_CHECKING:
-    from metasched.runtime.dispatch.dispatcher import Dispatcher
+
+class ExecutorHost(Shared, Protocol):
+    """What the executors ask of their dispatcher
+    (the :class:`~.dispatcher.Dispatcher`)."""
+
+    devices: list[LiveDevice]
+    host: GpuHost
+    http: Any  # the pooled HTTP client of API calls (made at start)
+    writer: JournalWriter | None
+
+    def complete(self, job: Job, out: Outcome) -> None: ...
+
+    def note_started(self, promoted: list[Action]) -> None: ...
+
 
 log = logging.getLogger("metasched.dispatch")
 
@@ -37,7 +52,7 @@ class Executors:
     # Whether commands can start time-shared on given (busy) cores (start_shared).
     SHARES = False
 
-    def __init__(self, d: Dispatcher) -> None:
+    def __init__(self, d: ExecutorHost) -> None:
         self.d = d
         # Started commands whose task has not finished waiting for them: on close, any
         # whose task never ran is abandoned (killed and cleaned up) rather than leaked.
@@ -90,8 +105,8 @@ class Executors:
         started, _ = state.start(g)
         if g.action.spec.kind == "gpu":
             resident = set(state.gpu.devices[g.device].resident)
-        now_wall = d._wall0 + state.t
-        jobs = [d._by_action[a.id] for a in started]
+        now_wall = d.loop.wall0 + state.t
+        jobs = [d.jobs.of_action(a.id) for a in started]
         kind = g.action.spec.kind
         for job in jobs:
             self.mark_started(job, now_wall)
@@ -107,7 +122,7 @@ class Executors:
         self.spawn(work, jobs)
 
     def spawn(self, work: Callable[[], Awaitable[None]], jobs: list[Job]) -> None:
-        task = self.d._loop.create_task(self._guarded(work, jobs))
+        task = self.d.loop.task(self._guarded(work, jobs))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
@@ -131,8 +146,9 @@ class Executors:
         except Exception as e:  # noqa: BLE001
             log.exception("executor failed")
             for job in jobs:
-                if job.request.id in self.d._jobs and job.action.status in ("running", AHEAD):
-                    self.d._complete(job, Outcome(False, f"internal error: "
+                if (self.d.jobs.get(job.request.id) is not None
+                        and job.action.status in ("running", AHEAD)):
+                    self.d.complete(job, Outcome(False, f"internal error: "
                                                   f"{type(e).__name__}: {e}"))
 
     # ------------------------------------------------------------ gpu
@@ -148,35 +164,35 @@ class Executors:
             batch = asyncio.ensure_future(d.host.run_batch(
                 first.service, dev, resident, [j.request.payload for j in jobs]))
             waiting = sorted(jobs, key=lambda j: j.request.timeout_s)
-            t_start = d._clock()
+            t_start = d.loop.monotonic()
             while waiting and not batch.done():
-                left = waiting[0].request.timeout_s - (d._clock() - t_start)
+                left = waiting[0].request.timeout_s - (d.loop.monotonic() - t_start)
                 done, _ = await asyncio.wait({batch}, timeout=max(0.0, left))
                 if done:
                     break
                 # The request's timeout passed: it fails now; the device stays busy until
                 # the batch really ends (a forward pass cannot be interrupted).
                 job = waiting.pop(0)
-                d._complete(job, Outcome(False, f"timeout after {job.request.timeout_s:g} s"))
+                d.complete(job, Outcome(False, f"timeout after {job.request.timeout_s:g} s"))
             out = await batch
             for i, job in enumerate(jobs):
                 if job not in waiting:
                     continue
                 value = out.value[i] if out.ok else None
-                d._complete(job, Outcome(out.ok, out.reason, value=value,
+                d.complete(job, Outcome(out.ok, out.reason, value=value,
                                          detail=dict(out.detail)))
         finally:
-            if not d._closed:
-                d.state.advance(d._now())
+            if not d.loop.closed:
+                d.state.advance(d.loop.now())
                 d.state.release_device(device)
-                d._kick()
+                d.loop.kick()
 
     async def reserve_cores(self, k: int, node: int = 0) -> list[int]:
         """``k`` free cores of ``node`` for a gpu command, counted busy in the CPU pool
         (the scheduler does not grant them meanwhile); waits until that many are free.
         Their ids (see :meth:`reserved_ids`)."""
         if not self.d.state.reserve_cores(node, k):
-            waiter = self.d._loop.create_future()
+            waiter = self.d.loop.future()
             self.core_waiters.append((k, node, waiter))
             return await waiter  # reserved for it by serve_core_waiters
         return self.reserved_ids(k)
@@ -186,11 +202,11 @@ class Executors:
         ``cores`` of this machine)."""
         d = self.d
         self.free(cores)
-        if not d._closed:
-            d.state.advance(d._now())
-            d._note_started(d.state.unreserve_cores(node, len(cores) if k is None else k))
+        if not d.loop.closed:
+            d.state.advance(d.loop.now())
+            d.note_started(d.state.unreserve_cores(node, len(cores) if k is None else k))
             self.serve_core_waiters()
-            d._kick()
+            d.loop.kick()
 
     def serve_core_waiters(self) -> None:
         """Cores were freed: gpu commands waiting for cores take them first, in order."""
@@ -212,15 +228,15 @@ class Executors:
         out = await call_api(req.http if req.call is None else req.call,
                              timeout_s=req.timeout_s, retry=self.d.config.retry,
                              before_retry=lambda: self._quota_for_retry(req),
-                             client=self.d._http)
-        self.d._complete(job, out)
+                             client=self.d.http)
+        self.d.complete(job, out)
 
     async def _quota_for_retry(self, req: Request) -> None:
         """A retry is a new request against the endpoint's quota: wait for it."""
         state = self.d.state
         ep = state.api.endpoints[req.endpoint]
         while True:
-            state.advance(self.d._now())
+            state.advance(self.d.loop.now())
             t = state.t
             wait = ep.ready_in(req.tokens, t)
             if wait <= 0.0:

@@ -7,21 +7,39 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from metasched.core.actions import Grant
 from metasched.errors import ConfigError
-from metasched.runtime.dispatch.executors.base import Executors
+from metasched.runtime.dispatch.executors.base import ExecutorHost, Executors
 from metasched.runtime.dispatch.jobs import ACTION_ENV, Job
+from metasched.runtime.dispatch.sharing import Sharing
 from metasched.runtime.gpu import command_env
 from metasched.runtime.launch import gpu_sandbox, launch
 from metasched.runtime.outcome import Outcome
 from metasched.runtime.process import Process
 from metasched.runtime.sandbox.manager import Sandbox
+from metasched.runtime.sandbox.rundir import RunDirectory
 
-if TYPE_CHECKING:
-    from metasched.runtime.dispatch.dispatcher import Dispatcher
-    from metasched.runtime.dispatch.local import LocalBackend
+
+class LocalExecutorHost(ExecutorHost, Protocol):
+    """What commands on this machine ask of their dispatcher, beyond what every
+    executor does (the :class:`~metasched.runtime.dispatch.dispatcher.Dispatcher`)."""
+
+    base_env: dict[str, str]
+    sandboxes: Any  # this machine's Sandboxes (made at start)
+    sharing: Sharing
+
+
+class CoreLedger(Protocol):
+    """This machine's cores as the executors take and return them
+    (:class:`~metasched.runtime.dispatch.local.LocalBackend`)."""
+
+    free_cores: list[int]
+    held_cores: dict[int, list[int]]  # a trajectory's held cores, by its id
+    run_dir: RunDirectory | None
+
+    def take_cores(self, k: int) -> list[int]: ...
 
 
 class LocalExecutors(Executors):
@@ -30,8 +48,9 @@ class LocalExecutors(Executors):
     PIDS_JOURNALED = True
     SHARES = True
 
-    def __init__(self, d: Dispatcher, machine: LocalBackend) -> None:
+    def __init__(self, d: LocalExecutorHost, machine: CoreLedger) -> None:
         super().__init__(d)
+        self.d: LocalExecutorHost = d
         self.machine = machine
 
     @classmethod
@@ -68,7 +87,7 @@ class LocalExecutors(Executors):
             out = await self._wait_command(proc, release)
         finally:
             self.d.sharing.ended(job)
-        self.d._complete(job, out)
+        self.d.complete(job, out)
 
     def _grant_cores(self, g: Grant) -> tuple[list[int], list[int]]:
         """The core ids of a started cpu grant, and those of them it took from the free
@@ -101,7 +120,7 @@ class LocalExecutors(Executors):
         req = job.request
         try:
             proc = launch(
-                req.argv, cores=cores, timeout_s=req.timeout_s, env=d._base_env,
+                req.argv, cores=cores, timeout_s=req.timeout_s, env=d.base_env,
                 request_env=req.env, sandboxes=d.sandboxes,
                 sandbox=sandbox if sandbox is not None else job.sandbox,
                 cwd_root=self.machine.run_dir.path,
@@ -121,7 +140,7 @@ class LocalExecutors(Executors):
             out = await self._wait_command(proc, lambda: self.machine.free_cores.extend(cores))
         finally:
             self.d.sharing.ended(job)
-        self.d._complete(job, out)
+        self.d.complete(job, out)
 
     async def _wait_command(self, proc: Process | Exception,
                             release: Callable[[], None]) -> Outcome:
@@ -145,12 +164,12 @@ class LocalExecutors(Executors):
                        if d.sandboxes is not None else None)
         except OSError as e:
             self.unreserve_cores(cores)
-            d._complete(job, Outcome(False, f"cannot start: {e.strerror or e}",
+            d.complete(job, Outcome(False, f"cannot start: {e.strerror or e}",
                                      detail={"cores": cores}))
             return
         proc = self._start_command(job, cores, extra_env=command_env(dev), sandbox=sandbox)
         out = await self._wait_command(proc, lambda: self.unreserve_cores(cores))
-        d._complete(job, out)
+        d.complete(job, out)
 
 
 __all__ = ["LocalExecutors"]

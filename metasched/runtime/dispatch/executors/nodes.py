@@ -8,25 +8,32 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from metasched.core.actions import Action, Grant
 from metasched.runtime.backend import Backend, Command, CommandSpec
-from metasched.runtime.dispatch.executors.base import Executors
+from metasched.runtime.dispatch.executors.base import ExecutorHost, Executors
 from metasched.runtime.dispatch.jobs import ACTION_ENV, Job
+from metasched.runtime.dispatch.trajectories import Trajectories
 from metasched.runtime.gpu import command_env
 from metasched.runtime.outcome import Outcome
 from metasched.runtime.requests import Request
 
-if TYPE_CHECKING:
-    from metasched.runtime.dispatch.dispatcher import Dispatcher
+
+class NodeExecutorHost(ExecutorHost, Protocol):
+    """What commands on a backend's nodes ask of their dispatcher, beyond what every
+    executor does (the :class:`~metasched.runtime.dispatch.dispatcher.Dispatcher`)."""
+
+    base_env: dict[str, str]
+    trajectories: Trajectories
 
 
 class NodeExecutors(Executors):
     """Runs dispatcher ``d``'s commands on ``backend``'s nodes."""
 
-    def __init__(self, d: Dispatcher, backend: Backend) -> None:
+    def __init__(self, d: NodeExecutorHost, backend: Backend) -> None:
         super().__init__(d)
+        self.d: NodeExecutorHost = d
         self.backend = backend
 
     def reserved_ids(self, k: int) -> list[int]:
@@ -40,8 +47,8 @@ class NodeExecutors(Executors):
         """Hand an action the state put in its node's queue to the backend now: the node
         starts it when the commands before it there exit. For the journal it has started
         (a crash re-queues it, and the next dispatcher kills it where it runs)."""
-        job = self.d._by_action[a.id]
-        self.mark_started(job, self.d._wall0 + self.d.state.t)
+        job = self.d.jobs.of_action(a.id)
+        self.mark_started(job, self.d.loop.wall0 + self.d.state.t)
         cmd = self._start_remote(job, a.node, a.cores)
         self.spawn(partial(self._run_remote, job, cmd), [job])
 
@@ -49,7 +56,7 @@ class NodeExecutors(Executors):
                       gpu: int | None = None) -> CommandSpec:
         # The dispatcher's allow-listed environment, as its own commands get (no secret).
         d = self.d
-        return CommandSpec(req.argv, req.timeout_s, d._base_env, req.mem_limit_mb,
+        return CommandSpec(req.argv, req.timeout_s, d.base_env, req.mem_limit_mb,
                            req.cpu_time_s, d.config.tail_bytes,
                            {ACTION_ENV: req.id, **(extra_env or {})}, req.env,
                            req.pids_max or d.config.sandbox.pids_max, gpu)
@@ -76,10 +83,10 @@ class NodeExecutors(Executors):
             self.commands.discard(cmd)
         if "cores" in out.detail:  # the node chose them (in its queue's order)
             job.alloc["cores"] = list(out.detail["cores"])
-        self.d._complete(job, out)
+        self.d.complete(job, out)
 
     async def run_gpu_command(self, job: Job, device: int) -> None:
-        self.d._complete(job, await self._run_device_command(job, device))
+        self.d.complete(job, await self._run_device_command(job, device))
 
     async def _run_device_command(self, job: Job, device: int) -> Outcome:
         """A gpu command on a backend, confined as on one machine: on its device's node,
