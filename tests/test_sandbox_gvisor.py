@@ -178,7 +178,8 @@ async def test_output_larger_than_a_pipe_arrives_before_the_exit(isolation):  # 
 
 @pytest.mark.gvisor
 async def test_a_trajectorys_end_removes_its_container_and_bundle(gvisor_mode):
-    async with Dispatcher(sandboxed_config()) as d:
+    """(Not wiped for reuse: test_sandbox_gvisor_reuse.py.)"""
+    async with Dispatcher(sandboxed_config(sandbox={"gvisor_reuse": False})) as d:
         r = await d.submit(cpu("/bin/sh", "-c", "echo kept > /workspace/f; cat f",
                                trajectory="t"))
         sid = d.sandboxes.get("t").sid

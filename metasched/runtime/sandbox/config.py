@@ -120,6 +120,15 @@ class SandboxConfig(Checked):
             (a trajectory's without network or template, a trajectory-less command's)
             are kept started ahead, so that a first command does not wait for a
             container's start (see :mod:`~metasched.runtime.sandbox.warm`); 0: none.
+        gvisor_starts: with ``isolation: gvisor``, how many containers may be starting
+            at once on this node; more wait their turn (a burst of starts on a few cores
+            slows every one of them).
+        gvisor_reuse: with ``isolation: gvisor``, whether a sandbox without network or
+            template, its trajectory closed (or its trajectory-less command ended), is
+            wiped (every process killed, ``/workspace``, ``/tmp`` and ``/dev/shm``
+            emptied, checked) and serves the next one asked instead of a new container
+            (:mod:`~metasched.runtime.sandbox.warm`; the docs' Sandboxes page says when
+            that is as safe as a new one).
     """
 
     isolation: Literal[ISOLATION_MODES] = "auto"  # type: ignore[valid-type]
@@ -139,6 +148,8 @@ class SandboxConfig(Checked):
     pids_max: Count(1, 4_194_304) = 1024
     templates: Annotated[dict[Any, Any] | None, AfterValidator(_checked_templates)] = {}
     gvisor_warm: Count(0, 64) = 1
+    gvisor_starts: Count(1, 1024) = 4
+    gvisor_reuse: Flag = True
 
     one_line_at = ("sandbox",)
 

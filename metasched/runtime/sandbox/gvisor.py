@@ -20,8 +20,9 @@ The container's init (:data:`INIT`) is a root process holding only ``CAP_KILL``:
 prints a newline once running, then reads requests from its stdin, a pipe only the
 sandbox server writes to: ``all SID`` or ``- SID`` kills the process group ``SID`` (a
 command's: ``-`` for none) and, with ``all``, every process of the sandbox but itself
-(``kill -9 -1``: shell builtins only, no program started), answering a newline when
-done. When the pipe closes (the server
+(``kill(-1)``), answering a newline when done. It reaps every child it is given: the
+orphans of commands are its children, and none of them is left a zombie that a later
+command would see (gVisor has no ``PR_SET_CHILD_SUBREAPER``). When the pipe closes (the server
 ended, however), the init exits, and with it the whole sandbox
 ends (gVisor kills every process in it). (The sandbox server sends no kill request
 today: the sandbox's exec server, :mod:`.gvisor_exec`, kills what is left of each
@@ -45,10 +46,43 @@ from metasched.runtime.sandbox.handles import Sandbox
 
 __all__ = ["INIT", "Bundles", "find_runsc", "oci_config", "prepare_root", "runsc_argv"]
 
-# The container's init (see the module docstring).
-INIT = ("/bin/sh", "-c",
-         'echo; while read -r a s; do [ "$s" != - ] && kill -9 -- "-$s"; '
-         '[ "$a" = all ] && kill -9 -1; echo; done 2>/dev/null')
+# The container's init (see the module docstring): the sandbox's own python3, the
+# standard library only.
+INIT = ("/usr/bin/python3", "-I", "-S", "-c", """
+import os, selectors, signal, sys
+r, w = os.pipe()
+os.set_blocking(w, False)
+signal.set_wakeup_fd(w)
+signal.signal(signal.SIGCHLD, lambda *_: None)
+sel = selectors.DefaultSelector()
+sel.register(0, selectors.EVENT_READ)
+sel.register(r, selectors.EVENT_READ)
+os.write(1, b"\\n")
+buf = b""
+while True:
+    for key, _ in sel.select():
+        if key.fd == r:
+            os.read(r, 4096)
+            try:
+                while os.waitpid(-1, os.WNOHANG)[0] > 0:
+                    pass
+            except ChildProcessError:
+                pass
+            continue
+        data = os.read(0, 4096)
+        if not data:
+            sys.exit(0)
+        buf += data
+        while b"\\n" in buf:
+            line, buf = buf.split(b"\\n", 1)
+            a, s = (line.split() + [b"", b"-"])[:2]
+            for target in ([-int(s)] if s != b"-" else []) + ([-1] if a == b"all" else []):
+                try:
+                    os.kill(target, signal.SIGKILL)
+                except OSError:
+                    pass
+            os.write(1, b"\\n")
+""")
 # Loaded by gVisor into every process of the container (``--oci-seccomp``): no user
 # namespaces, as in a bubblewrap sandbox (:mod:`.userns`): ``unshare`` and ``clone`` with
 # CLONE_NEWUSER fail with EPERM, ``clone3`` (whose flags a filter cannot see) with ENOSYS.

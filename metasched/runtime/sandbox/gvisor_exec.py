@@ -18,6 +18,9 @@ Requests:
   ``sched_setaffinity`` a no-op: the affinity cannot be widened), then exec of ``argv``
   with ``env`` exactly (``argv[0]`` looked up on its ``PATH``). Its stdout and stderr are
   pipes the server reads.
+- ``{"run": ID, "wipe": true, "uid": U, "gid": G, ...}``: fork the wipe (:func:`wipe`)
+  as ``uid``/``gid`` instead of a program: it exits 0 once the sandbox is as a new one's
+  commands find it (before another command may use it), else 1, its reason on stderr.
 - ``{"kill": ID}``: SIGKILL the command's process group.
 
 Events (kinds): ``1`` and ``2`` a chunk of the command's stdout or stderr; ``3`` it
@@ -36,9 +39,11 @@ import json
 import os
 import selectors
 import signal
+import stat
 import struct
 import subprocess
 import sys
+import time
 
 HEADER = struct.Struct("<IBI")
 OUT, ERR, STARTED, EXITED = 1, 2, 3, 4
@@ -115,12 +120,17 @@ class Server:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         try:
-            p = subprocess.Popen(
-                [os.fsencode(a) for a in msg["argv"]], stdin=subprocess.DEVNULL,
-                stdout=out_w, stderr=err_w, cwd=msg["cwd"],
-                env={os.fsencode(k): os.fsencode(v) for k, v in msg["env"].items()},
-                user=msg["uid"], group=msg["gid"], extra_groups=[],
-                start_new_session=True)
+            if msg.get("wipe"):
+                pid = _fork_wipe(msg["uid"], msg["gid"], err_w)
+            else:
+                p = subprocess.Popen(
+                    [os.fsencode(a) for a in msg["argv"]], stdin=subprocess.DEVNULL,
+                    stdout=out_w, stderr=err_w, cwd=msg["cwd"],
+                    env={os.fsencode(k): os.fsencode(v) for k, v in msg["env"].items()},
+                    user=msg["uid"], group=msg["gid"], extra_groups=[],
+                    start_new_session=True)
+                pid = p.pid
+                self.procs[pid] = p
         except OSError as e:
             for fd in (out_r, err_r):
                 os.close(fd)
@@ -129,15 +139,14 @@ class Server:
         finally:
             os.close(out_w)
             os.close(err_w)
-        self.running[cid] = p.pid
-        self.by_pid[p.pid] = cid
-        self.procs[p.pid] = p
+        self.running[cid] = pid
+        self.by_pid[pid] = cid
         self.pipes[cid] = [out_r, err_r]
         for fd, kind in ((out_r, OUT), (err_r, ERR)):
             os.set_blocking(fd, False)
             self.sel.register(fd, selectors.EVENT_READ,
                               lambda f, c=cid, k=kind: self._output(c, k, f))
-        self.send(cid, STARTED, str(p.pid).encode())
+        self.send(cid, STARTED, str(pid).encode())
 
     def _output(self, cid: int, kind: int, fd: int) -> None:
         try:
@@ -192,6 +201,101 @@ class Server:
         while True:
             for key, _ in self.sel.select():
                 key.data(key.fd)
+
+
+WIPED = ("/workspace", "/tmp", "/dev/shm")
+
+
+def _fork_wipe(uid: int, gid: int, err: int) -> int:
+    """Fork the wipe (:func:`wipe`) as ``uid``/``gid`` in a session of its own, its
+    reason on ``err`` where it fails; its pid."""
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        os.dup2(err, 2)
+        os.setsid()
+        os.setgroups([])
+        os.setgid(gid)
+        os.setuid(uid)
+        os.chdir("/")
+        why = wipe()
+        if why:
+            os.write(2, why.encode() + b"\n")
+        else:
+            code = 0
+    except BaseException as e:  # (the child must end here, whatever happened)
+        try:
+            os.write(2, repr(e).encode() + b"\n")
+        except OSError:
+            pass
+    os._exit(code)
+
+
+def wipe() -> str:
+    """Leave the sandbox as a new one's commands find it (run as the user of the
+    commands before, after their end): "" if done, else why not.
+
+    It fails if a process is left but the init, the exec server and itself (after up
+    to 2 s: killed ones are being reaped by the init); empties ``/workspace``, ``/tmp``
+    and ``/dev/shm`` (directories made writable by their owner first: the commands'
+    user owns all they made there), puts ``/workspace``'s mode back to 0700 and removes
+    its extended attributes; and fails if any of them is not empty then, or if a System
+    V shared memory segment, message queue or semaphore set is left (gVisor keeps them
+    in the sandbox's kernel across commands: counted with ``SHM_INFO``, ``MSG_INFO`` and
+    ``SEM_INFO``)."""
+    me, server = os.getpid(), os.getppid()
+    for _ in range(200):
+        others = [p for p in os.listdir("/proc")
+                  if p.isdigit() and int(p) not in (1, me, server)]
+        if not others:
+            break
+        time.sleep(0.01)
+    else:
+        return "processes left: " + " ".join(others)
+    for top in WIPED:
+        for name in os.listdir(top):
+            try:
+                _remove(os.path.join(top, name))
+            except OSError as e:
+                return f"cannot remove {os.path.join(top, name)}: {e.strerror}"
+    os.chmod("/workspace", 0o700)
+    try:
+        for attr in os.listxattr("/workspace"):
+            os.removexattr("/workspace", attr)
+    except OSError:
+        pass  # (no extended attributes here)
+    st = os.stat("/workspace")
+    if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) != 0o700:
+        return "/workspace is not as made"
+    left = [top for top in WIPED if os.listdir(top)] + _ipc_left()
+    return "left: " + ", ".join(left) if left else ""
+
+
+def _remove(path: str) -> None:
+    if stat.S_ISDIR(os.lstat(path).st_mode):
+        os.chmod(path, 0o700)
+        for name in os.listdir(path):
+            _remove(os.path.join(path, name))
+        os.rmdir(path)
+    else:
+        os.unlink(path)
+
+
+def _ipc_left() -> list[str]:
+    """The System V IPC objects of the sandbox, by kind (where any)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    left = []
+    for name, call, at in (("shm", lambda b: libc.shmctl(0, 14, b), 0),  # SHM_INFO
+                           ("msg", lambda b: libc.msgctl(0, 12, b), 0),  # MSG_INFO
+                           ("sem", lambda b: libc.semctl(0, 0, 19, b), 7)):  # SEM_INFO
+        buf = ctypes.create_string_buffer(128)
+        if call(buf) < 0:
+            left.append(f"{name}: cannot count")
+        elif struct.unpack_from("10i", buf.raw)[at]:
+            left.append(f"{struct.unpack_from('10i', buf.raw)[at]} {name}")
+    return left
 
 
 def _kill(target: int) -> None:

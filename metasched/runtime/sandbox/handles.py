@@ -51,6 +51,10 @@ class Sandbox:
     box_slot: Slot | None = None
     grants: dict[int, tuple[tuple[int, ...], int]] = field(default_factory=dict)
     throwaway: bool = False
+    # gVisor (:mod:`.warm`): whether its container is starting (a turn of the node's
+    # cap on starts), and since when it is idle once wiped
+    starting: bool = False
+    idle_since: float = 0.0
 
     @property
     def shared(self) -> bool:
@@ -70,3 +74,4 @@ class Started:
     uid: int
     spawned: asyncio.Future[int] | None = None
     in_gvisor: bool = False  # in a gVisor sandbox: killed through its exec server
+    wipe: bool = False  # a sandbox's wipe before its reuse (:mod:`.warm`)

@@ -102,6 +102,7 @@ class Sandboxes(SlotKeeping, WarmPool):
         self._sandboxes: dict[str, Sandbox] = {}
         self._shared: dict[bool, Sandbox] = {}
         self._warm: dict[int, list[Sandbox]] = {}  # gVisor's started ahead, by size
+        self._pool_init()  # gVisor's wiped ones and the turns to start (:mod:`.warm`)
         self._next_sid = 1
         self._next_cmd = 1
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -201,7 +202,7 @@ class Sandboxes(SlotKeeping, WarmPool):
 
     def shared(self, network: bool) -> Sandbox:
         """The sandbox of trajectory-less commands (made on first use)."""
-        if self.gvisor is not None:  # a container per trajectory-less command
+        if self.gvisor is not None:  # a container per trajectory-less command (or reused)
             sb = (self._warm_take(self.config.scratch_mb, None, network)
                   or self._new("", self.config.scratch_mb, None, network))
             sb.throwaway = True
@@ -256,20 +257,10 @@ class Sandboxes(SlotKeeping, WarmPool):
         if network and self.net_tools is None:
             self._loop.call_soon(self._opened, sb, {"error": self.net_missing})
             return sb
-        self.server.on("opened", sid, lambda ev: self._opened(sb, ev))
-        if self.gvisor is not None:
-            try:
-                if self.tree is not None:
-                    sb.box_slot = self._take_slot([])
-                    self._confine_box(sb)
-                request, fds = self.gvisor.open_request(
-                    sb, hide=self.hide, system_paths=self.config.system_paths)
-                request["net"] = self._net_spec() if network else None
-                self.server.open(request, fds)
-            except (OSError, ServerGone) as e:
-                self._loop.call_soon(self._opened, sb, {"error": f"cannot open a gVisor "
-                                                                 f"sandbox: {e}"})
+        if self.gvisor is not None:  # (in its turn: it may be given a wiped one instead)
+            self._start_turn(sb, lambda: self._open_gvisor(sb, network))
             return sb
+        self.server.on("opened", sid, lambda ev: self._opened(sb, ev))
         try:
             self.server.open({"sid": sid, "uid": uid, "gid": uid, "workspace": workspace,
                               "env": {"PATH": "/usr/bin:/bin"},
@@ -284,6 +275,21 @@ class Sandboxes(SlotKeeping, WarmPool):
             sb.ready.set_exception(OSError(0, str(e)))
         return sb
 
+    def _open_gvisor(self, sb: Sandbox, network: bool) -> None:
+        assert self._loop is not None and self.server is not None and self.gvisor
+        self.server.on("opened", sb.sid, lambda ev: self._opened(sb, ev))
+        try:
+            if self.tree is not None:
+                sb.box_slot = self._take_slot([])
+                self._confine_box(sb)
+            request, fds = self.gvisor.open_request(
+                sb, hide=self.hide, system_paths=self.config.system_paths)
+            request["net"] = self._net_spec() if network else None
+            self.server.open(request, fds)
+        except (OSError, ServerGone) as e:
+            self._loop.call_soon(self._opened, sb, {"error": f"cannot open a gVisor "
+                                                             f"sandbox: {e}"})
+
     def _net_spec(self) -> dict[str, Any]:
         """What the server needs to give a sandbox network (:mod:`.egress`); the host's
         addresses are read now, so an address added since the last sandbox counts."""
@@ -293,6 +299,7 @@ class Sandboxes(SlotKeeping, WarmPool):
                 "rules": egress.ruleset(self.egress, egress.host_addresses())}
 
     def _opened(self, sb: Sandbox, ev: dict[str, Any]) -> None:
+        self._start_ended(sb)
         if sb.ready.done():
             return
         if ev.get("error"):
@@ -319,12 +326,19 @@ class Sandboxes(SlotKeeping, WarmPool):
         self._forget(sb)
 
     def close_trajectory(self, key: str) -> None:
+        """End trajectory ``key``'s sandbox: wiped for another where it can be
+        (:mod:`.warm`), else closed."""
         sb = self._sandboxes.get(key)
-        if sb is not None:
+        if sb is None:
+            return
+        if sb.running == 0 and not sb.gpus and self._reusable(sb):
+            self._recycle(sb)
+        else:
             self.close_sandbox(sb)
 
     def _forget(self, sb: Sandbox) -> None:
         sb.closed = True
+        self._start_ended(sb)
         if sb.parent is not None and sb.parent.gpus.get(sb.minor) is sb:
             del sb.parent.gpus[sb.minor]
         if self._sandboxes.get(sb.key) is sb:
@@ -353,10 +367,14 @@ class Sandboxes(SlotKeeping, WarmPool):
 
     def start(self, sb: Sandbox | None, *, argv: Sequence[str], env: dict[bytes, bytes],
               cores: Sequence[int], mem_limit_mb: float | None, pids_max: int | None,
-              out_w: int, err_w: int, cwd: str | None = None, wait: bool = True) -> Started:
+              out_w: int, err_w: int, cwd: str | None = None, wait: bool = True,
+              wipe: bool = False) -> Started:
         """Start one command in ``sb`` (ready), or on the host (``sb`` None: as this
         process's user, in ``cwd``; only where :attr:`spawns_on_host`), inside a cgroup
         slot configured for it.
+
+        ``wipe`` (a gVisor sandbox): the command is the sandbox's wipe (``argv`` unused:
+        :func:`.gvisor_exec.wipe`), not a program.
 
         ``wait=False`` (on the attached loop): the request is sent and this returns; the
         Started's ``spawned`` future then says its pid, or why it did not start (its
@@ -382,10 +400,11 @@ class Sandboxes(SlotKeeping, WarmPool):
                 "cwd": WORKSPACE if sb is not None else cwd,
                 "cores": (None if "cpuset" in self.controllers and self.gvisor is None
                           else list(cores)),  # (gVisor: its own affinity per command)
-                "private": sb.size_bytes if sb is not None and sb.shared else None}
+                "private": sb.size_bytes if sb is not None and sb.shared else None,
+                "wipe": wipe}
             fds = [out_w, err_w, *(slot.procs_fds if slot is not None else ())]
             started = Started(cmd, None, slot, uid, in_gvisor=sb is not None
-                              and self.gvisor is not None)
+                              and self.gvisor is not None, wipe=wipe)
             if slot is not None:
                 slot.enforced_by = None
             if sb is not None and sb.box_slot is not None:
@@ -440,7 +459,7 @@ class Sandboxes(SlotKeeping, WarmPool):
             sb.parent.running -= 1
         if sb.grants.pop(started.cmd, None) is not None and not sb.closed:
             self._confine_box(sb)
-        if sb.throwaway:
+        if sb.throwaway and not started.wipe and not self._reusable(sb):
             self.close_sandbox(sb)
         self._release(started.slot, lambda slot: self._done(sb, started, slot))
 
@@ -454,6 +473,8 @@ class Sandboxes(SlotKeeping, WarmPool):
         parent = sb.parent
         if parent is not None and parent.closed and parent.running == 0:
             self._retire(parent)
+        if sb.throwaway and not started.wipe and sb.running == 0 and self._reusable(sb):
+            self._recycle(sb)  # (its slot is back: the wipe takes it)
 
     # --- end ----------------------------------------------------------------------------
 
@@ -463,6 +484,7 @@ class Sandboxes(SlotKeeping, WarmPool):
             sb.closed = True
         self._sandboxes.clear()
         self._shared.clear()
+        self._pool_close()
         if self.server is not None:
             self.server.close()  # it kills every command and ends every sandbox
         if self.tree is not None:
