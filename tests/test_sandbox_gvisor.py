@@ -292,3 +292,31 @@ async def test_writes_through_a_symlink_by_the_workspaces_home_name_land_in_it(
     assert "leads outside the sandbox's workspace" in out.stdout, out
     assert seen.ok and seen.stdout.split() == ["e2b", "link", "e2b"], seen
 
+
+FDS = textwrap.dedent("""
+    import os
+    seen = []
+    for pid in (p for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()):
+        for name in ("fd", "fdinfo"):
+            try:
+                fds = os.listdir(f"/proc/{pid}/{name}")
+            except OSError:
+                continue
+            seen += [f"{pid}/{name}/{fd}" for fd in fds]
+        for fd in range(16):
+            try:
+                seen.append(f"{pid}/fd/{fd} -> " + os.readlink(f"/proc/{pid}/fd/{fd}"))
+            except OSError:
+                pass
+    print("\\n".join(seen) or "none")
+""")
+
+
+@pytest.mark.parametrize("isolation", ISOLATION_MODES, indirect=True)
+async def test_a_command_cannot_list_or_readlink_other_processes_descriptors(
+        isolation):  # noqa: F811
+    """The sandbox's root processes (in gVisor: its init and exec server) are not the
+    commands' to look into: no ``/proc/PID/fd`` entry of theirs is listed or read."""
+    async with Dispatcher(sandboxed_config()) as d:
+        r = await d.submit(cpu("/usr/bin/python3", "-c", FDS, trajectory="t"))
+    assert r.ok and r.stdout.strip() == "none", r
