@@ -25,9 +25,18 @@ Checks, on the first visible GPU:
    unprivileged users may run (every directory above it searchable by others); the
    failure says which of these is missing.
 
+7. The OpenAI front door against a GPU vLLM (``--vllm-url``: a running server, started
+   with ``--scheduling-policy priority --max-num-seqs M`` and passed ``--vllm-seqs M``;
+   skipped without it): through a metasched-serve on 127.0.0.1, its p50 overhead over
+   going direct (one-token answers, streamed and not, alternated) is at most 2 ms, and
+   under contention (``4 M + 8`` lower trajectories first) a later, higher-priority
+   trajectory's three turns end before all but ``4 M`` of them.
+
 Without a GPU (no NVML, or none visible) it prints "SKIPPED: no GPU: ..." and exits 0.
 
     python benchmarks/gpu_check.py [--size-gb S]   # S: each big service (default: auto)
+    python benchmarks/gpu_check.py --vllm-url http://127.0.0.1:8000 --vllm-model NAME \
+        --vllm-seqs 4                              # and the front door on that vLLM
 """
 
 from __future__ import annotations
@@ -259,11 +268,42 @@ async def residency(host: ServiceHost, pool: GpuPool, dev: LiveDevice, sampler: 
           f"evictions {host.evictions}")
 
 
+def door_on_vllm(url: str, model: str, seqs: int) -> None:
+    """Check 7: the front door in front of the vLLM at ``url`` (see the docstring)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import httpx
+    from generation_door import contention, made_up_predictor, percentile, side_by_side
+
+    from metasched.runtime.dispatch import Dispatcher, DispatcherConfig
+    from metasched.serve import BackgroundServer, ServeConfig, create_app
+
+    cfg = ServeConfig(languages=[], generation={"replicas": [url]})
+    app = create_app(lambda: Dispatcher(DispatcherConfig(scheduler="elastic_greedy"),
+                                        predictor=made_up_predictor()), cfg)
+    with BackgroundServer(app) as srv, httpx.Client(timeout=120) as http:
+        for stream in (True, False):
+            direct, door, _ = side_by_side(http, url, srv.url, model, 1, stream, 200, 20)
+            extra = percentile(door, 0.5) - percentile(direct, 0.5)
+            check(f"door overhead ({'streamed' if stream else 'whole'})", extra <= 2.0,
+                  f"p50 {percentile(direct, 0.5):.2f} ms direct, {percentile(door, 0.5):.2f} "
+                  f"ms through the door: +{extra:.2f} ms (load {os.getloadavg()[0]:.1f})")
+        low = 4 * seqs + 8
+        lows, hi = asyncio.run(contention(srv.url, model, low))
+        before = sum(x > hi[-1] for x in lows)
+        check("door priority under contention", before >= low - 4 * seqs,
+              f"{before} of {low} earlier lower turns still running when the higher "
+              f"trajectory's 3 turns were done ({hi[-1]:.2f} s)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size-gb", type=float, default=0.0,
                     help="each big service's size, GiB (default: min(8, 20%% of free GPU "
                          "memory, 15%% of available host memory))")
+    ap.add_argument("--vllm-url", default=None,
+                    help="a running vLLM (--scheduling-policy priority) to check the door on")
+    ap.add_argument("--vllm-model", default=None, help="its model's name")
+    ap.add_argument("--vllm-seqs", type=int, default=4, help="its --max-num-seqs")
     args = ap.parse_args()
 
     # 1. discovery --------------------------------------------------------------
@@ -359,6 +399,15 @@ def main() -> int:
         asyncio.run(confined_gpu_command(devices))
     except Exception as e:  # a check's failure, said as one
         check("confined gpu command runs CUDA", False, f"{type(e).__name__}: {e}")
+
+    # 7. the OpenAI front door on a GPU vLLM ------------------------------------------
+    if args.vllm_url:
+        try:
+            door_on_vllm(args.vllm_url.rstrip("/"), args.vllm_model or "", args.vllm_seqs)
+        except Exception as e:
+            check("door on vLLM", False, f"{type(e).__name__}: {e}")
+    else:
+        print("  door on vLLM: not checked (no --vllm-url)")
     return summary()
 
 

@@ -78,7 +78,7 @@ def dispatcher_config(cfg: dict[str, Any], run_dir: Path, endpoints: dict | None
         raise ConfigError("scheduler", f"unknown scheduler {scheduler!r} (known: "
                           f"{', '.join(BASELINES)}, or a checkpoint directory)")
     config = DispatcherConfig(
-        trace=cfg.get("trace"), scheduler=scheduler,
+        trace=cfg.get("trace"), predictor=cfg.get("predictor"), scheduler=scheduler,
         scheduler_params=cfg.get("scheduler_params") or {}, cores=cfg.get("cores"),
         gpu_standin=int_setting(cfg, "gpu_standin", 0, default=0, hi=64),
         endpoints=(parse_endpoints(cfg.get("endpoints"), "endpoints") if endpoints is None

@@ -26,6 +26,7 @@ from metasched.serve.frontend import DispatcherLike
 from metasched.serve.jupyter import jupyter_router
 from metasched.serve.metrics import ServiceMetrics
 from metasched.serve.native import error, native_router
+from metasched.serve.openai_routes import openai_router
 from metasched.serve.quota_proxy import proxy_router
 from metasched.serve.sandbox_fusion import probe_languages, run_code_router
 from metasched.serve.security import Gate
@@ -111,6 +112,7 @@ def create_app(dispatcher: DispatcherLike | Callable[[], DispatcherLike],
     app.include_router(proxy_router(service))
     app.include_router(run_code_router(service))
     app.include_router(jupyter_router(service))
+    app.include_router(openai_router(service))  # /v1/chat/completions, /v1/completions
     mount_e2b(app, service)  # /e2b: checks its own API keys and access tokens
     # The last added is the outermost: requests refused by the gate are counted too.
     app.add_middleware(Gate, clients=config.clients, max_body=config.max_body_bytes,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
@@ -17,8 +17,8 @@ from metasched.core.schema import Checked, Count, Number, Strict, Text, parse
 from metasched.errors import ConfigError
 from metasched.serve.e2b.templates import E2BTemplate
 
-__all__ = ["DEFAULT_CLIENT", "LOOPBACK", "ServeConfig", "Upstream", "derated", "is_loopback",
-           "parse_upstreams"]
+__all__ = ["DEFAULT_CLIENT", "LOOPBACK", "GenerationReplicas", "ServeConfig", "Upstream",
+           "derated", "is_loopback", "parse_upstreams"]
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
@@ -154,6 +154,32 @@ Token = Annotated[str, Field(strict=True), AfterValidator(_token)]
 """A bearer token: at least 16 printable characters, no spaces."""
 
 
+def _base_url(url: str) -> str:
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"{url!r}: give a base URL (http://host:port)")
+    return url.rstrip("/")
+
+
+class GenerationReplicas(Strict):
+    """The OpenAI-compatible front door's replicas (``/v1/chat/completions``,
+    ``/v1/completions``; :mod:`metasched.serve.generation_door`).
+
+    Attributes:
+        replicas: base URLs of vLLM or SGLang OpenAI servers (``http://host:port``, no
+            ``/v1``); a trajectory stays on the one it first went to (its prefix cache).
+        order: the priority stamped on each request (lower first, as vLLM's
+            ``--scheduling-policy priority`` reads it): ``predicted``, the longest
+            predicted remaining work of the request's trajectory first (the dispatcher's
+            remaining-work predictor); ``least_slack``, the longest time since the
+            trajectory opened plus its predicted remaining work first; ``fifo``, none
+            stamped (the client's own ``priority`` passes through).
+        timeout_s: bound on one forwarded request, its whole stream included.
+    """
+
+    replicas: Annotated[list[Annotated[Text, AfterValidator(_base_url)]], Field(min_length=1)]
+    order: Literal["predicted", "least_slack", "fifo"] = "predicted"
+    timeout_s: Number(gt=0.0, le=24 * 3600.0) = 600.0
+
 class ServeConfig(Checked):
     """How the service runs (the dispatcher behind it is configured on its own).
 
@@ -197,6 +223,8 @@ class ServeConfig(Checked):
         e2b_cache: where the templates' layers are (see ``e2b_templates``).
         keep_results: finished results kept in memory for ``GET /v1/actions/{id}``
             (older ones are answered from the dispatcher's journal, where it has one).
+        generation: the OpenAI-compatible front door's replicas (see
+            :class:`GenerationReplicas`); None: its routes answer 404.
     """
 
     host: Text = "127.0.0.1"
@@ -215,6 +243,7 @@ class ServeConfig(Checked):
     keep_results: Count(0) = 100_000
     e2b_templates: dict[str, E2BTemplate] = {}
     e2b_cache: Text | None = None
+    generation: GenerationReplicas | None = None
 
     one_line_root = 'settings'
 

@@ -55,6 +55,7 @@ class Service:
         self.submissions = Submissions(lambda: self.dispatcher, config.keep_results)
         self.metrics = ServiceMetrics(lambda: self.dispatcher.status())
         self.http: httpx.AsyncClient | None = None
+        self.generation: Any = None  # the OpenAI front door's GenerationDoor, if configured
         self.languages: dict[str, Language] = {}  # /run_code's, once probed
         self.unavailable: dict[str, str] = {}  # the others: why not
         self.owners = Owners(set(config.clients.values()))
@@ -89,6 +90,10 @@ class Service:
                 concurrency[n]["max_concurrency"] for n in self.config.upstreams
                 if n in concurrency)))
             await warm_up()
+        if self.config.generation is not None:
+            from metasched.serve.generation_door import GenerationDoor
+
+            self.generation = GenerationDoor(self.config.generation, lambda: self.dispatcher)
         if probe_later:
             self._probing = asyncio.ensure_future(self._probe_then_recover(later))
         else:
@@ -125,6 +130,9 @@ class Service:
         if self.http is not None:
             await self.http.aclose()
             self.http = None
+        if self.generation is not None:
+            await self.generation.close()
+            self.generation = None
         if self.owns:
             await self.dispatcher.close(drain=False)
         if self._make is not None:

@@ -1,0 +1,255 @@
+"""The OpenAI-compatible front door's forwarding (its routes are
+:mod:`metasched.serve.openai_routes`'s): each ``/v1/chat/completions`` or
+``/v1/completions`` request goes to one of the configured vLLM or SGLang replicas.
+
+- **Priority.** The door stamps the request's ``priority`` (lower first, as vLLM's
+  ``--scheduling-policy priority`` and SGLang's priority scheduling read it) from the
+  dispatcher's remaining-work predictor and the trajectory the request names
+  (``X-Trajectory-Id``, as ``/run_code`` takes it), under the ``order`` setting:
+  ``predicted`` (longest predicted remaining first), ``least_slack`` or ``fifo``. These
+  are the simulator's generation-pool orders (:mod:`metasched.sim.llm_turns`); the
+  stamp is in milliseconds, since vLLM's priority is a whole number.
+- **Affinity.** A trajectory's requests go to the replica its first one went to (its
+  prefix cache holds the trajectory's context); a new trajectory goes to the replica
+  with the fewest requests in flight.
+- **Pass-through.** The replica's answer, streamed (SSE) or not, is sent back byte for
+  byte, its status and content type kept; the door reads the bytes as they pass to
+  count tokens.
+- **Trace.** Each finished generation is a ``generation`` line in the dispatcher's trace
+  (:class:`~metasched.core.engine.GenerationLine`): prompt and output tokens (the
+  replica's ``usage`` where it sends one; else output chunks and token-id prompts),
+  ``queue_s`` (streamed: until the first output chunk, the prefill included; not
+  streamed: 0, the replica does not say) and ``run_s`` (the rest).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from metasched.core.predictor import group_of
+from metasched.runtime.api_http import make_client
+from metasched.serve.config import GenerationReplicas
+
+__all__ = ["GenerationDoor", "Generation", "count_tokens"]
+
+# A trajectory's replica is remembered for this many trajectories (least recent first out).
+_AFFINITY_KEEP = 100_000
+# Request headers not forwarded: the hop's own, and the door's trajectory headers.
+_DROP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding",
+         "accept-encoding", "authorization", "x-trajectory-id", "x-turn", "x-task",
+         "x-reward", "x-prompt-id"}
+
+
+@dataclass(slots=True)
+class Generation:
+    """One forwarded request, as the trace records it."""
+
+    trajectory: str | None
+    turn: int | None
+    replica: int
+    priority: int | None
+    prompt_tokens: int
+    t0: float
+    first_s: float | None = None  # the first output chunk's arrival, from t0
+    output_tokens: int = 0
+    usage: dict[str, Any] | None = None
+
+    def line(self, end: float) -> dict[str, Any]:
+        """The trace's ``generation`` line (without its ``type``)."""
+        total = max(0.0, end - self.t0)
+        queue = min(total, self.first_s or 0.0)
+        usage = self.usage or {}
+        return {"trajectory": self.trajectory, "turn": self.turn, "replica": self.replica,
+                "priority": self.priority,
+                "prompt_tokens": int(usage.get("prompt_tokens", self.prompt_tokens)),
+                "output_tokens": int(usage.get("completion_tokens", self.output_tokens)),
+                "queue_s": queue, "run_s": total - queue}
+
+
+def count_tokens(prompt: Any) -> int:
+    """Tokens of a token-id prompt (a list of ints, or a list of them); 0 for text, which
+    the door does not tokenize (the replica's ``usage`` then says)."""
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(x, int) for x in prompt):
+            return len(prompt)
+        if all(isinstance(x, list) for x in prompt):
+            return sum(len(x) for x in prompt)
+    return 0
+
+
+def _chunk_tokens(choice: dict[str, Any]) -> int:
+    """Output tokens of one streamed choice: its ``token_ids`` where the replica sends
+    them (vLLM's ``return_token_ids``), else one per chunk with output (text, or a
+    completion's chunk before its last: a replica without a tokenizer sends "")."""
+    ids = choice.get("token_ids")
+    if ids:
+        return len(ids)
+    delta = choice.get("delta")
+    if delta is not None:
+        return 1 if delta.get("content") else 0
+    if choice.get("text"):
+        return 1
+    return 1 if "text" in choice and choice.get("finish_reason") is None else 0
+
+
+class GenerationDoor:
+    """The front door's forwarding to ``config.replicas`` (see the module docstring).
+
+    Args:
+        config: the replicas and the order.
+        dispatcher: a function returning the service's dispatcher; its ``state.predictor``
+            (the remaining-work predictor), ``trajectories`` and ``trace_writer`` are read
+            where it has them (a dispatcher elsewhere has none: no stamp, no trace line).
+    """
+
+    def __init__(self, config: GenerationReplicas, dispatcher: Any) -> None:
+        self.config = config
+        self._dispatcher = dispatcher
+        self.http = make_client(max_keepalive=256)  # the API calls' pooled client
+        self._timeout = httpx.Timeout(config.timeout_s, connect=10.0)
+        self.in_flight = [0] * len(config.replicas)
+        self._affinity: OrderedDict[str, int] = OrderedDict()
+
+    async def close(self) -> None:
+        """Close the client (its kept-alive connections)."""
+        await self.http.aclose()
+
+    # ------------------------------------------------------------------ decisions
+
+    def replica_for(self, trajectory: str | None) -> int:
+        """The trajectory's replica (its first request's); a new one (or none given) goes
+        to the replica with the fewest requests in flight."""
+        if trajectory is not None:
+            i = self._affinity.get(trajectory)
+            if i is not None:
+                self._affinity.move_to_end(trajectory)
+                return i
+        i = min(range(len(self.in_flight)), key=self.in_flight.__getitem__)
+        if trajectory is not None:
+            self._affinity[trajectory] = i
+            if len(self._affinity) > _AFFINITY_KEEP:
+                self._affinity.popitem(last=False)
+        return i
+
+    def priority_for(self, trajectory: str | None, task: str, turn: int | None = None
+                     ) -> int | None:
+        """The priority to stamp (None: ``fifo``, or no predictor to ask): minus the
+        predicted remaining seconds (``least_slack``: plus the time since the
+        trajectory opened), in milliseconds. A trajectory the dispatcher has not seen
+        act gets its task's estimate at ``turn`` (``X-Turn``)."""
+        if self.config.order == "fifo" or trajectory is None:
+            return None
+        d = self._dispatcher()
+        state = getattr(d, "state", None)
+        p = getattr(state, "predictor", None)
+        if p is None:
+            return None
+        trajs = getattr(d, "trajectories", None)
+        traj = trajs.get(trajectory) if trajs is not None else None
+        if traj is None:  # nothing run yet: the task's estimate at its turn
+            if task not in p.static:
+                return None
+            remaining, since = p.static_remaining(task, turn or 0), 0.0
+        else:
+            remaining = p.remaining(traj.id, traj.task, group_of(traj)).p50
+            since = max(0.0, state.t - traj.start_t) if traj.start_t is not None else 0.0
+        if self.config.order == "least_slack":
+            remaining += since
+        return -int(round(remaining * 1000.0))
+
+    # ------------------------------------------------------------------ forwarding
+
+    async def open(self, path: str, body: dict[str, Any], headers: dict[str, str],
+                   gen: Generation) -> httpx.Response:
+        """Send ``body`` to ``gen.replica`` at ``path`` (``/v1/...``); the response's
+        headers are in, its body is to be read (:meth:`relay`).
+
+        Raises:
+            httpx.HTTPError: the replica could not be reached.
+        """
+        fwd = {k: v for k, v in headers.items() if k.lower() not in _DROP}
+        fwd["accept-encoding"] = "identity"  # the bytes relayed are the bytes counted
+        req = self.http.build_request(
+            "POST", self.config.replicas[gen.replica] + path, headers=fwd,
+            content=json.dumps(body, separators=(",", ":")).encode(), timeout=self._timeout)
+        self.in_flight[gen.replica] += 1
+        try:
+            return await self.http.send(req, stream=True)
+        except BaseException:
+            self.in_flight[gen.replica] -= 1
+            raise
+
+    async def relay(self, resp: httpx.Response, gen: Generation) -> AsyncIterator[bytes]:
+        """A streamed answer's body, byte for byte as it comes; counts the output as it
+        passes and, at the end, writes the trace's line (not if the client left)."""
+        tail = b""
+        done = False
+        try:
+            async for chunk in resp.aiter_raw():
+                tail = self._count_sse(tail + chunk, gen)
+                yield chunk
+            done = True
+        finally:
+            await self._closed(resp, gen)
+        if done and resp.status_code == 200:
+            self._record(gen)
+
+    async def read(self, resp: httpx.Response, gen: Generation) -> bytes:
+        """A whole (not streamed) answer's body, as sent; its ``usage`` counted and the
+        trace's line written."""
+        try:
+            body = b"".join([chunk async for chunk in resp.aiter_raw()])
+        finally:
+            await self._closed(resp, gen)
+        if resp.status_code == 200:
+            self._count_json(body, gen)
+            self._record(gen)
+        return body
+
+    async def _closed(self, resp: httpx.Response, gen: Generation) -> None:
+        self.in_flight[gen.replica] -= 1
+        await resp.aclose()
+
+    def _count_sse(self, buf: bytes, gen: Generation) -> bytes:
+        """Count the complete events in ``buf``; return what is left (a partial one)."""
+        *events, rest = buf.split(b"\n\n")
+        for event in events:
+            for line in event.split(b"\n"):
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    continue
+                try:
+                    obj = json.loads(data)
+                except ValueError:
+                    continue
+                if obj.get("usage"):
+                    gen.usage = obj["usage"]
+                for choice in obj.get("choices") or ():
+                    n = _chunk_tokens(choice)
+                    if n and gen.first_s is None:
+                        gen.first_s = time.perf_counter() - gen.t0
+                    gen.output_tokens += n
+        return rest
+
+    @staticmethod
+    def _count_json(body: bytes, gen: Generation) -> None:
+        try:
+            obj = json.loads(body)
+        except ValueError:
+            return
+        if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
+            gen.usage = obj["usage"]
+
+    def _record(self, gen: Generation) -> None:
+        writer = getattr(self._dispatcher(), "trace_writer", None)
+        if writer is not None:
+            writer.record_generation(gen.line(time.perf_counter()))

@@ -1,0 +1,148 @@
+"""The OpenAI-compatible front door (``/v1/chat/completions``, ``/v1/completions``)
+against ``benchmarks/openai_stub.py``, a local HTTP server process that speaks the
+OpenAI streaming format and is **not vLLM** (the real-vLLM checks are
+``test_serve_openai_vllm.py``'s): pass-through byte for byte, the priority stamp, a
+trajectory kept on one replica, the trace's ``generation`` lines, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from metasched.core.engine import GenerationLine
+from metasched.core.predictor import Predictor, TrajRecord
+from metasched.runtime.dispatch import DispatcherConfig
+from metasched.serve import ServeConfig
+from tests.helpers import free_port
+from tests.serve_helpers import serving
+
+STUB = Path(__file__).parents[1] / "benchmarks" / "openai_stub.py"
+
+
+def _predictor() -> Predictor:
+    """Fitted on made-up trajectories: task ``long`` has 10 turns of ~5 s, ``short`` one
+    of ~0.2 s."""
+    rng = np.random.default_rng(0)
+    recs = []
+    for _ in range(40):
+        recs.append(TrajRecord("long", None, tuple(
+            ("bash", 2.0 * rng.uniform(0.8, 1.2), 3.0) for _ in range(10))))
+        recs.append(TrajRecord("short", None, (("bash", 0.1 * rng.uniform(0.8, 1.2), 0.1),)))
+    return Predictor.fit(recs)
+
+
+@pytest.fixture(scope="module")
+def stubs():
+    """Two stub replicas (separate processes)."""
+    ports = [free_port(), free_port()]
+    procs = [subprocess.Popen([sys.executable, str(STUB), "--port", str(p), "--echo-priority"],
+                              stderr=subprocess.PIPE) for p in ports]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    try:
+        for url, proc in zip(urls, procs, strict=True):
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.1)
+        yield urls
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(10)
+
+
+def _door(stubs, tmp_path, order: str = "predicted"):
+    dcfg = DispatcherConfig(scheduler="elastic_greedy", trace=str(tmp_path / "trace.jsonl"))
+    cfg = ServeConfig(languages=[], generation={"replicas": stubs, "order": order})
+    return serving(dcfg, cfg, predictor=_predictor())
+
+
+BODIES = [
+    ("/v1/completions", {"model": "m", "prompt": [5, 6, 7], "max_tokens": 8}),
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}]}),
+]
+
+
+@pytest.mark.parametrize("path,body", BODIES)
+@pytest.mark.parametrize("stream", [True, False])
+def test_passes_answer_through_byte_for_byte(stubs, tmp_path, path, body, stream):
+    body = {**body, "stream": stream}
+    with _door(stubs, tmp_path, order="fifo") as s:
+        direct = httpx.post(stubs[0] + path, json=body, timeout=30)
+        through = httpx.post(s.url + path, json=body, timeout=30)
+    assert through.status_code == direct.status_code == 200
+    assert through.content == direct.content
+    assert through.headers["content-type"] == direct.headers["content-type"]
+
+
+def test_stamps_longest_predicted_remaining_first(stubs, tmp_path):
+    body = {"model": "m", "prompt": [1, 2], "stream": True}
+    got = {}
+    with _door(stubs, tmp_path) as s:
+        for task in ("long", "short"):
+            r = httpx.post(s.url + "/v1/completions", json=body, timeout=30,
+                           headers={"X-Trajectory-Id": f"t-{task}", "X-Task": task})
+            first = json.loads(r.text.split("\n\n")[0].removeprefix("data: "))
+            got[task] = first["metasched_priority"]
+        plain = httpx.post(s.url + "/v1/completions", json={**body, "priority": 3},
+                           timeout=30)
+    assert got["long"] < got["short"] < 0  # lower first: the long trajectory's turn
+    assert '"metasched_priority": 3' in plain.text  # no trajectory: the client's own
+
+
+def test_keeps_a_trajectory_on_one_replica_and_traces_its_turns(stubs, tmp_path):
+    body = {"model": "m", "prompt": [1, 2, 3, 4], "stream": True}
+    with _door(stubs, tmp_path) as s:
+        for turn in range(3):
+            for traj in ("a", "b"):
+                r = httpx.post(s.url + "/v1/completions", json=body, timeout=30,
+                               headers={"X-Trajectory-Id": traj, "X-Turn": str(turn),
+                                        "X-Task": "long"})
+                assert r.status_code == 200
+    lines = [json.loads(x) for x in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    gens = [x for x in lines if x["type"] == "generation"]
+    assert len(gens) == 6
+    for g in gens:
+        GenerationLine.model_validate({k: v for k, v in g.items() if k != "type"})
+        assert (g["prompt_tokens"], g["output_tokens"]) == (4, 16)
+        assert g["queue_s"] >= 0 and g["run_s"] >= 0
+    replicas = {t: {g["replica"] for g in gens if g["trajectory"] == t} for t in "ab"}
+    assert all(len(r) == 1 for r in replicas.values())
+    assert [g["turn"] for g in gens if g["trajectory"] == "a"] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("body,says", [
+    ({"prompt": [1]}, "model: "),
+    ({"model": "m"}, "prompt: "),
+    ({"model": "m", "prompt": [1], "stream": "often"}, "stream: "),
+])
+def test_bad_request_is_one_line(stubs, tmp_path, body, says):
+    with _door(stubs, tmp_path) as s:
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 422
+    assert r.json()["detail"].startswith(says) and "\n" not in r.json()["detail"]
+
+
+def test_without_replicas_answers_404():
+    with serving() as s:
+        r = httpx.post(s.url + "/v1/completions", json={"model": "m", "prompt": "x"})
+    assert r.status_code == 404 and "generation.replicas" in r.json()["detail"]
+
+
+def test_unreachable_replica_is_502(tmp_path):
+    cfg = ServeConfig(languages=[], generation={"replicas": [f"http://127.0.0.1:{free_port()}"]})
+    with serving(config=cfg) as s:
+        r = httpx.post(s.url + "/v1/completions", json={"model": "m", "prompt": "x"})
+    assert r.status_code == 502 and "unreachable" in r.json()["detail"]
