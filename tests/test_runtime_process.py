@@ -736,3 +736,21 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+async def test_a_finished_process_still_held_keeps_only_its_outcomes_output():
+    """A finished command still referenced (a process in a reference cycle is freed only
+    when the collector gets to it) holds its output once, in its outcome: the tail it
+    was read into is dropped."""
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        proc = start_process(
+            [sys.executable, "-c", "import sys; sys.stdout.write('x' * 4_000_000)"],
+            cores=CPUS[:1], timeout_s=30, tail_bytes=4_000_000)
+        outcome = await proc.wait()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(outcome.stdout) == 4_000_000
+    assert held < 6_000_000, held  # the outcome's 4 MB, not also a 4 MB tail

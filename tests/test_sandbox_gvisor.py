@@ -11,6 +11,7 @@ Skipped, with the reason, where runsc cannot run (``make sandbox-tools`` install
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
 import subprocess
 import sys
@@ -30,6 +31,8 @@ from metasched.runtime.dispatch import Dispatcher
 from metasched.runtime.sandbox import egress, gvisor
 from metasched.runtime.sandbox.config import SandboxConfig
 from metasched.runtime.sandbox.manager import Sandboxes
+from metasched.serve.e2b import programs as e2b_programs
+from metasched.serve.files import write_argvs
 
 pytestmark = pytest.mark.isolation
 CORES = sorted(os.sched_getaffinity(0))
@@ -264,3 +267,57 @@ def test_the_startup_line_says_gvisor(gvisor_mode):
     if egress.find_tools()[0] is not None:
         assert ("network granted: egress public through slirp4netns, gVisor's sockets in "
                 "the sandbox's own net namespace") in line, line
+
+
+@pytest.mark.parametrize("isolation", ISOLATION_MODES, indirect=True)
+async def test_writes_through_a_symlink_by_the_workspaces_home_name_land_in_it(
+        isolation):  # noqa: F811
+    """``/home/user`` is the workspace in both modes: a symbolic link through it leads
+    back into the workspace, and /run_code's and E2B's writes through one land there;
+    a link leading out of the workspace is still refused by E2B's."""
+    setup = ("mkdir sub && echo old > target.txt && ln -s /home/user/target.txt link "
+             "&& ln -s /home/user/sub dir && ln -s /etc/hostname out")
+    async with Dispatcher(sandboxed_config()) as d:
+        made = await d.submit(cpu("/bin/sh", "-c", setup, trajectory="t"))
+        assert made.ok, made
+        writes = [*write_argvs({"link": base64.b64encode(b"run_code").decode()}),
+                  *e2b_programs.write_argvs("dir/new.txt", b"e2b"),
+                  *e2b_programs.write_argvs("/home/user/link", b"e2b link")]
+        for argv in writes:
+            r = await d.submit(cpu(*argv, trajectory="t"))
+            assert r.ok and '"error"' not in r.stdout, r
+        out = await d.submit(cpu(*next(e2b_programs.write_argvs("out", b"x")),
+                                 trajectory="t"))
+        seen = await d.submit(cpu("/bin/sh", "-c", "cat /workspace/target.txt; echo; "
+                                  "cat /workspace/sub/new.txt", trajectory="t"))
+    assert "leads outside the sandbox's workspace" in out.stdout, out
+    assert seen.ok and seen.stdout.split() == ["e2b", "link", "e2b"], seen
+
+
+FDS = textwrap.dedent("""
+    import os
+    seen = []
+    for pid in (p for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()):
+        for name in ("fd", "fdinfo"):
+            try:
+                fds = os.listdir(f"/proc/{pid}/{name}")
+            except OSError:
+                continue
+            seen += [f"{pid}/{name}/{fd}" for fd in fds]
+        for fd in range(16):
+            try:
+                seen.append(f"{pid}/fd/{fd} -> " + os.readlink(f"/proc/{pid}/fd/{fd}"))
+            except OSError:
+                pass
+    print("\\n".join(seen) or "none")
+""")
+
+
+@pytest.mark.parametrize("isolation", ISOLATION_MODES, indirect=True)
+async def test_a_command_cannot_list_or_readlink_other_processes_descriptors(
+        isolation):  # noqa: F811
+    """The sandbox's root processes (in gVisor: its init and exec server) are not the
+    commands' to look into: no ``/proc/PID/fd`` entry of theirs is listed or read."""
+    async with Dispatcher(sandboxed_config()) as d:
+        r = await d.submit(cpu("/usr/bin/python3", "-c", FDS, trajectory="t"))
+    assert r.ok and r.stdout.strip() == "none", r

@@ -118,6 +118,12 @@ class Stream:
     def text(self) -> str:
         return self.tail.buf.decode("utf-8", errors="replace")
 
+    def release(self) -> None:
+        """Drop the kept output once it is in the outcome (a finished child may be held
+        a while longer, in reference cycles the collector reaches late: its tail
+        must not be)."""
+        self.tail.buf = bytearray()
+
 
 class ChildBase:
     """What the executor uses of a started command, whoever started it (this process:

@@ -417,6 +417,8 @@ class Process:
         self._outcome = command_not_found(
             outcome_of(child, *self._limits, self._detail, pids_max=self._pids_max),
             self.program)
+        child.out.release()
+        child.err.release()
         return self._outcome
 
     def _read_slot(self) -> None:

@@ -11,7 +11,10 @@ directory with the same system paths bound read-only at the same places
 ``/etc/group`` and ``/etc/hosts``, hidden paths covered, and gVisor's own ``/proc``,
 ``/dev`` and ``/sys``. ``/workspace``, ``/tmp`` and ``/dev/shm`` are tmpfs mounts inside
 the sandbox's kernel, of the sandbox's size each; the workspace is owned by the sandbox's
-user. No network (``--network=none``: a loopback device only), or, where granted,
+user, and ``/home/user`` (E2B's home) is a symlink to it in the root, so that a path or
+a symbolic link through either leads to the same files, as in a bubblewrap sandbox
+(where it is a second mount of the workspace). No network (``--network=none``: a
+loopback device only), or, where granted,
 ``--network=host`` in the namespace the sandbox server made for the sandbox, its rules
 loaded and its stack up (:mod:`.egress`; the spec then has no network namespace of its
 own).
@@ -43,6 +46,7 @@ from typing import Any
 from metasched.runtime.sandbox import egress
 from metasched.runtime.sandbox.bwrap import ETC_PATHS, SYSTEM_PATHS, identity_files, within
 from metasched.runtime.sandbox.handles import Sandbox
+from metasched.runtime.sandbox.server_records import HOME
 
 __all__ = ["INIT", "Bundles", "find_runsc", "oci_config", "prepare_root", "runsc_argv"]
 
@@ -133,12 +137,14 @@ def runsc_argv(runsc: str, state: str) -> list[str]:
 def prepare_root(directory: str) -> str:
     """Make the containers' root under ``directory``: an empty directory holding the
     mount points of every bind (and ``/bin``, ``/lib*``, ``/sbin`` as the symlinks
-    they are on the host); returns its path. Every container's root is this one,
-    read-only."""
+    they are on the host; ``/home/user`` a symlink to ``/workspace``); returns its
+    path. Every container's root is this one, read-only."""
     root = os.path.join(directory, "rootfs")
     os.makedirs(root, mode=0o755, exist_ok=True)
-    for point in ("/proc", "/dev", "/sys", "/etc", "/workspace", "/tmp"):
+    for point in ("/proc", "/dev", "/sys", "/etc", "/workspace", "/tmp", "/home"):
         os.makedirs(root + point, mode=0o755, exist_ok=True)
+    if not os.path.lexists(root + HOME):
+        os.symlink("/workspace", root + HOME)
     return root
 
 

@@ -4,10 +4,11 @@ against a whole ``runsc exec`` per command), with the confinement a bubblewrap s
 gives each command.
 
 This file runs inside the container, as root (``runsc exec --cap`` CAP_SETUID,
-CAP_SETGID, CAP_KILL), by the sandbox's own ``/usr/bin/python3 -I -S``: the standard
-library only, no import of the project. Its stdin carries requests, one JSON object a
-line; its stdout carries events, each a frame: a header ``<IBI`` (command id, kind,
-length) and that many bytes.
+CAP_SETGID, CAP_KILL, CAP_DAC_READ_SEARCH, and CAP_SYS_ADMIN, given up once it has
+hidden the root processes' descriptors: :func:`hide_descriptors`), by the sandbox's
+own ``/usr/bin/python3 -I -S``: the standard library only, no import of the project.
+Its stdin carries requests, one JSON object a line; its stdout carries events, each a
+frame: a header ``<IBI`` (command id, kind, length) and that many bytes.
 
 Requests:
 
@@ -50,6 +51,8 @@ OUT, ERR, STARTED, EXITED = 1, 2, 3, 4
 _PR_SET_NO_NEW_PRIVS = 38
 _PR_SET_SECCOMP = 22
 _SECCOMP_MODE_FILTER = 2
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
+_CAP_V3, _CAP_SYS_ADMIN = 0x20080522, 21
 OWNER = 0x7FFFFFF0  # the affinity setter's id in the program as made (.userns.bpf)
 
 
@@ -73,6 +76,30 @@ def confine(program: bytes) -> None:
         raise OSError(ctypes.get_errno(), "cannot load the seccomp filter")
 
 
+def hide_descriptors(pids: tuple[int, ...]) -> None:
+    """Lay an empty read-only tmpfs over ``/proc/PID/fd`` and ``fdinfo`` of each of
+    ``pids`` (the init and this server, both root), then give up ``CAP_SYS_ADMIN`` for
+    good. gVisor's ``/proc/PID/fd`` is readable by every user (it has neither
+    ``hidepid`` nor Linux's ptrace check there): without this a command could list
+    and ``readlink`` where the root processes' descriptors lead."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for pid in pids:
+        for name in ("fd", "fdinfo"):
+            path = f"/proc/{pid}/{name}".encode()
+            if libc.mount(b"none", path, b"tmpfs", _MS_RDONLY | _MS_NOSUID | _MS_NODEV
+                          | _MS_NOEXEC, b"size=4096,mode=0555") != 0:
+                e = ctypes.get_errno()
+                raise OSError(e, f"cannot hide {path.decode()}: {os.strerror(e)}")
+    header = (ctypes.c_uint32 * 2)(_CAP_V3, 0)
+    data = (ctypes.c_uint32 * 6)()  # (effective, permitted, inheritable) x 2
+    if libc.capget(header, data) != 0:
+        raise OSError(ctypes.get_errno(), "cannot read its capabilities")
+    for i in (0, 1, 2):
+        data[i] &= ~(1 << _CAP_SYS_ADMIN)
+    if libc.capset(header, data) != 0:
+        raise OSError(ctypes.get_errno(), "cannot give up CAP_SYS_ADMIN")
+
+
 class Server:
     def __init__(self, program: bytes) -> None:
         self.program = program
@@ -86,6 +113,7 @@ class Server:
         self.pid = os.getpid()
         self.cpus = sorted(os.sched_getaffinity(0))
         self.procs: dict[int, subprocess.Popen] = {}  # by pid, until reaped here
+        hide_descriptors((1, self.pid))
         confine(program)
         rfd, self.wake = os.pipe()
         os.set_blocking(rfd, False)

@@ -3,8 +3,9 @@ sandbox's exec server (:mod:`.gvisor_exec`) started once, by one ``runsc exec`` 
 lives as long as the sandbox, and each command a request to it.
 
 Starting: once the container's init is up, ``runsc exec`` (as root in the
-sandbox, with CAP_SETUID, CAP_SETGID, CAP_KILL and CAP_DAC_READ_SEARCH only) runs the
-sandbox's ``/usr/bin/python3 -I -S -c`` :mod:`.gvisor_exec` with the seccomp program of
+sandbox, with CAP_SETUID, CAP_SETGID, CAP_KILL and CAP_DAC_READ_SEARCH only, and
+CAP_SYS_ADMIN until it has hidden the root processes' descriptors) runs the sandbox's
+``/usr/bin/python3 -I -S -c`` :mod:`.gvisor_exec` with the seccomp program of
 :func:`.userns.bpf`; its stdin is a pipe this server writes requests to, its stdout a
 pipe it reads events from. Its first event says the sandbox is ready.
 
@@ -36,7 +37,7 @@ from metasched.runtime.sandbox.server_records import _close, _Sandbox
 
 _SOURCE: str | None = None
 _PROGRAM: str | None = None
-_CAPS = ("CAP_SETUID", "CAP_SETGID", "CAP_KILL", "CAP_DAC_READ_SEARCH")
+_CAPS = ("CAP_SETUID", "CAP_SETGID", "CAP_KILL", "CAP_DAC_READ_SEARCH", "CAP_SYS_ADMIN")
 _HEADER = gvisor_exec.HEADER
 
 

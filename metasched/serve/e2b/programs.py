@@ -36,10 +36,13 @@ PYTHON = ("python3", "-I", "-S")  # isolated (no PYTHON* variables), no site-pac
 # Shared by both programs: the workspace's root and the sandboxes of paths.
 _PATHS = r"""import os, sys
 ROOT = os.path.realpath(os.getcwd())
+# the workspace's other names: /home/user where it is the workspace again (a second mount)
+SAME = [ROOT] + [h for h in ("/home/user",) if h != ROOT and os.path.isdir(h)
+                 and os.path.samefile(h, ROOT)]
 class Refused(Exception):
     pass
 def inside(p):
-    return p == ROOT or p.startswith(ROOT.rstrip("/") + "/")
+    return any(p == r or p.startswith(r.rstrip("/") + "/") for r in SAME)
 def place(p):
     if "\0" in p:
         raise Refused("holds a NUL character")
