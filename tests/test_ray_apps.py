@@ -231,7 +231,7 @@ def test_serve_fronts_the_actor(ray_cluster, tmp_path):
     ({"backend": "ray", "ray": 3}, "ray", "must be a JSON object"),
     ({"backend": "ray", "ray": {"keep": "yes"}}, "ray.keep", "true or false"),
     ({"backend": "ray", "ray": {"adress": "auto"}}, "ray.adress",
-     "unknown field (expected one of: address,"),
+     "unknown field, did you mean address? (expected one of: address,"),
 ])
 def test_bad_backend_settings_are_one_line(cfg, field, message):
     pytest.importorskip("ray", reason="needs the ray extra")
