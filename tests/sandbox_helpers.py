@@ -39,6 +39,19 @@ def needs_isolation() -> None:
         pytest.skip(f"{MODE['isolation']} isolation unavailable: {why}")
 
 
+@pytest.fixture
+def gvisor_mode():
+    """The gvisor mode for the test (skipped where runsc cannot run)."""
+    MODE["isolation"] = "gvisor"
+    try:
+        path, why = gvisor.find_runsc()
+        if path is None:
+            pytest.skip(f"gvisor isolation unavailable: {why}")
+        yield
+    finally:
+        MODE["isolation"] = "bwrap"
+
+
 @pytest.fixture(scope="module", params=ISOLATION_MODES)
 def isolation(request):
     """Run the test under each isolation mode (skipped, with the reason, where it cannot

@@ -23,7 +23,8 @@ from pathlib import Path
 import psutil
 import pytest
 from helpers import COMMAND_PY, cpu
-from sandbox_helpers import ISOLATION_MODES, MODE, sandboxed_config
+from sandbox_helpers import ISOLATION_MODES, sandboxed_config
+from sandbox_helpers import gvisor_mode as gvisor_mode  # noqa: F401 (a fixture)
 from sandbox_helpers import isolation as isolation  # noqa: F401 (a fixture)
 
 from metasched.errors import ConfigError
@@ -37,19 +38,6 @@ from metasched.serve.files import write_argvs
 pytestmark = pytest.mark.isolation
 CORES = sorted(os.sched_getaffinity(0))
 ROOT = str(Path(__file__).resolve().parents[1])
-
-
-@pytest.fixture
-def gvisor_mode():
-    """The gvisor mode for the test (skipped where runsc cannot run)."""
-    MODE["isolation"] = "gvisor"
-    try:
-        path, why = gvisor.find_runsc()
-        if path is None:
-            pytest.skip(f"gvisor isolation unavailable: {why}")
-        yield
-    finally:
-        MODE["isolation"] = "bwrap"
 
 
 def _containers(tag: str) -> list[tuple[int, str]]:

@@ -17,10 +17,10 @@ import uuid
 
 import pytest
 from helpers import cpu
-from sandbox_helpers import MODE, sandboxed_config
+from sandbox_helpers import gvisor_mode as gvisor_mode  # noqa: F401 (a fixture)
+from sandbox_helpers import sandboxed_config
 
 from metasched.runtime.dispatch import Dispatcher
-from metasched.runtime.sandbox import gvisor
 
 pytestmark = [pytest.mark.isolation, pytest.mark.gvisor]
 
@@ -57,19 +57,6 @@ LEAVES = {
                  "(nohup sleep 300 </dev/null >/dev/null 2>&1 &); sleep 0.3",
     "environment": "export LEAKED=1; echo LEAKED=1 >> /workspace/.profile",
 }
-
-
-@pytest.fixture
-def gvisor_mode():
-    """The gvisor mode for the test (skipped where runsc cannot run)."""
-    MODE["isolation"] = "gvisor"
-    try:
-        path, why = gvisor.find_runsc()
-        if path is None:
-            pytest.skip(f"gvisor isolation unavailable: {why}")
-        yield
-    finally:
-        MODE["isolation"] = "bwrap"
 
 
 def _config():
