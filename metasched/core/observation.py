@@ -211,10 +211,15 @@ class ObservationEncoder:
         advised: list[Action] = []
         ready: list[Action] = []
         blocked: list[Action] = []
+        # cpu feasibility (state.cpu_feasible) with the freest node's cores read once
+        cpu_free = state.cpu.free
+        freest = max(cpu_free, default=0)
         for a in merged:
             if a.id in advice:
                 advised.append(a)
-            elif state.feasible(a):
+            elif (((cpu_free[a.node] if a.node >= 0 else freest) >= a.spec.min_cores
+                   - (a.traj.held_cores if a.traj is not None else 0))
+                  if a.spec.kind == "cpu" else state.feasible(a)):
                 if len(ready) < k:
                     ready.append(a)
             elif len(blocked) < k:
