@@ -50,6 +50,7 @@ YIELD_INTERVAL_S = 0.02
 # Results sent on a client's direct connection (:meth:`DispatcherActor.open_results`)
 # go at most this often: a frame costs tens of µs, so results wait far less.
 FRAME_INTERVAL_S = 0.002
+OPEN_RESULTS_S = 60.0  # how long a client has to connect once it asked to
 
 
 class ResultBox:
@@ -218,6 +219,8 @@ class DispatcherActor:
             box = self._boxes[client] = ResultBox(YIELD_INTERVAL_S)
         server = await asyncio.start_server(
             lambda r, w: self._serve_results(client, secret, box, server, r, w), host, 0)
+        # A client that never comes (it died meanwhile) leaves no listener behind.
+        asyncio.get_running_loop().call_later(OPEN_RESULTS_S, server.close)
         return host, server.sockets[0].getsockname()[1]
 
     async def _serve_results(self, client: str, secret: bytes, box: ResultBox,
