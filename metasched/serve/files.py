@@ -4,8 +4,12 @@ The service does not reach into a sandbox: what a request brings (its code, its
 ``files``, its ``stdin``) is written by a small Python program run as one more ``cpu``
 action of the request's trajectory, in its workspace, as the sandbox's user; what it
 fetches (``fetch_files``) is read back by another, which prints the files as one JSON
-object. So files go wherever the dispatcher's commands go, whichever dispatcher (or
-backend) the service fronts, with the sandbox's own limits and permissions.
+object, those that fit one command's output whole, the larger ones by size, each then
+read in pieces by one more command per piece as the answer streams
+(:class:`FetchStream`). So files go wherever the dispatcher's commands go, whichever
+dispatcher (or backend) the service fronts, with the sandbox's own limits and
+permissions (what a fetch may read is what the sandbox's user may, as the sandbox sees
+it: reading the workspace from the host instead would follow links out of it).
 
 A command line holds at most ``ARG_MAX`` bytes (2 MiB on Linux, environment included)
 and one argument at most 128 KiB, so the base64 text travels in pieces of

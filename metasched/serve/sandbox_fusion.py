@@ -16,9 +16,10 @@ TimeLimitExceeded, execution_time, return_code, stdout, stderr}`` or null), ``fi
 (path -> base64 of each fetched file that could be read) and, beyond SandboxFusion's
 fields (its clients ignore it), ``fetch_errors`` (path -> why not, one line, for each
 other path of ``fetch_files``: a file that is missing or unreadable does not fail the
-request). ``SandboxError`` is a fault of the
-sandbox (a command that could not start, a request the dispatcher rejected, a language
-not offered here), ``Failed`` a compile error, a non-zero exit or a time limit, and
+request; files larger than one command's output stream in the answer as they are
+read, and those past ``max_file_mb`` in all are named there). ``SandboxError`` is a
+fault of the sandbox (a command that could not start, a request the dispatcher
+rejected, a language not offered here), ``Failed`` a compile error, a non-zero exit or a time limit, and
 ``Success`` everything else. A compile that fails is not followed by a run
 (``run_result`` null). Every answer is ``200`` but for a body that is not a request or
 asks more than the dispatcher's ``limits`` allow (``422``, one line), a trajectory
