@@ -26,7 +26,8 @@ CAP_MB = 3.0  # max_file_mb here: the largest upload
 
 @pytest.fixture(scope="module")
 def served():
-    dcfg = DispatcherConfig(scheduler="elastic_greedy", cores=[0, 1])
+    # Results keep 1 MiB of output (as configs/serve.yaml): a file reads back in a few.
+    dcfg = DispatcherConfig(scheduler="elastic_greedy", cores=[0, 1], tail_bytes=1 << 20)
     with serving(dcfg, ServeConfig(languages=[], max_file_mb=CAP_MB)) as s:
         yield s
 
@@ -63,12 +64,13 @@ def settled(sb, want: list[str], within_s: float = 30.0) -> bool:
     return True
 
 
-@pytest.mark.parametrize("kind", ["str", "bytes", "file", "file-multipart"])
+@pytest.mark.parametrize("kind", ["str", "bytes", "file", "file-multipart", "gzip"])
 def test_an_upload_round_trips_whole_past_one_piece(sandbox, kind):
     data = blob(PIECE_BYTES * 2 + 12345)  # three writing pieces
-    given = {"str": base64.b64encode(data).decode(), "bytes": data,
+    given = {"str": base64.b64encode(data).decode(), "bytes": data, "gzip": data,
              "file": io.BytesIO(data), "file-multipart": io.BytesIO(data)}[kind]
-    extra = {"use_octet_stream": False} if kind == "file-multipart" else {}
+    extra = {"file-multipart": {"use_octet_stream": False},
+             "gzip": {"gzip": True}}.get(kind, {})
     info = sandbox.files.write("up/data.bin", given, **extra)
     assert info.path == "/home/user/up/data.bin"
     want = given.encode() if kind == "str" else data
@@ -110,6 +112,13 @@ def test_an_upload_over_max_file_mb_is_refused_in_one_line_and_leaves_nothing(
     assert "request body over 3145728 bytes" in message and "\n" not in message
     assert bytes(sandbox.files.read("kept.bin", format="bytes")) == b"before"
     assert settled(sandbox, ["./kept.bin"])
+
+
+def test_a_gzip_body_over_max_file_mb_once_decompressed_is_refused(sandbox):
+    with pytest.raises(e2b.SandboxException, match=r"upload: more than 3145728 bytes once "
+                       r"decompressed \(max_file_mb\)"):
+        sandbox.files.write("bomb.bin", bytes(4 << 20), gzip=True)  # about 4 KiB sent
+    assert settled(sandbox, [])
 
 
 def test_a_multipart_body_cut_before_its_end_writes_nothing(served, sandbox):

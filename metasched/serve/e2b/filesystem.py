@@ -236,7 +236,8 @@ def files_router(sandboxes: Sandboxes) -> APIRouter:
         """Written as it comes in, each file under its name once the body is whole
         (see :mod:`.uploads`); a body refused on the way leaves none of its files."""
         try:
-            return JSONResponse(await receive_upload(request, find(request), run_fs))
+            return JSONResponse(await receive_upload(
+                request, find(request), run_fs, sandboxes.service.config.max_file_bytes))
         except FsError as e:
             return e.http()
         except UploadRefused as e:

@@ -20,7 +20,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Awaitable, Callable
+import zlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -161,10 +162,12 @@ def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
 
-async def receive_upload(request: Request, sb: Sandbox, run: RunFs) -> list[dict[str, Any]]:
+async def receive_upload(request: Request, sb: Sandbox, run: RunFs,
+                         cap: int) -> list[dict[str, Any]]:
     """Write the files of ``request``'s body into ``sb`` as it comes in, each action
     by ``run`` (:func:`.filesystem.run_fs`); the entries of the files written (name,
-    type, path), in the body's order.
+    type, path), in the body's order. ``cap``: the most bytes a gzip body may hold
+    once decompressed (the body itself is capped as it comes, by the service's gate).
 
     Raises:
         UploadRefused: the body was refused (its files are not written).
@@ -184,14 +187,18 @@ async def receive_upload(request: Request, sb: Sandbox, run: RunFs) -> list[dict
                 if not f.name:
                     raise UploadRefused(400, "file: a part names no file (filename=...)")
         else:
-            if request.headers.get("content-encoding", "identity") not in ("identity", ""):
-                raise UploadRefused(400, "Content-Encoding: compressed uploads are not "
-                                    "accepted")
+            encoding = request.headers.get("content-encoding", "identity").strip().lower()
+            if encoding not in ("identity", "", "gzip"):
+                raise UploadRefused(400, f"Content-Encoding: {encoding!r} is not accepted "
+                                    f"(gzip or none)")
             if not path:
                 raise UploadRefused(400, "path: required for an application/octet-stream "
                                     "upload")
             upload.files.append(_File(path))
-            async for chunk in request.stream():
+            pieces = request.stream()
+            if encoding == "gzip":
+                pieces = _gunzipped(pieces, cap)
+            async for chunk in pieces:
                 await upload.add(chunk)
         written = await upload.commit()
         done = True
@@ -204,6 +211,31 @@ async def receive_upload(request: Request, sb: Sandbox, run: RunFs) -> list[dict
     finally:
         if not done:
             upload.forget()
+
+
+async def _gunzipped(pieces: AsyncIterator[bytes], cap: int) -> AsyncIterator[bytes]:
+    """The gzip body ``pieces`` decompressed, at most :data:`PIECE_BYTES` at a time,
+    ``cap`` bytes in all (more: a 413, however small the body was).
+
+    Raises:
+        UploadRefused: not gzip, cut short, or more than ``cap`` bytes once decompressed.
+    """
+    unzip = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    total = 0
+    try:
+        async for piece in pieces:
+            while piece:
+                out = unzip.decompress(piece, PIECE_BYTES)
+                piece = unzip.unconsumed_tail
+                total += len(out)
+                if total > cap:
+                    raise UploadRefused(413, f"upload: more than {cap} bytes once "
+                                        f"decompressed (max_file_mb)")
+                yield out
+    except zlib.error as e:
+        raise UploadRefused(400, f"body: not gzip ({e})") from None
+    if not unzip.eof:
+        raise UploadRefused(400, "body: the gzip stream ended before its end")
 
 
 async def _multipart(request: Request, upload: _Upload, kind: str) -> None:
