@@ -9,6 +9,8 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+import json
+import socket
 import time
 
 import httpx
@@ -130,3 +132,29 @@ def test_a_multipart_body_cut_before_its_end_writes_nothing(served, sandbox):
     assert r.status_code == 400, r.text
     assert r.json()["message"] == "body: the multipart body ended before its last boundary"
     assert settled(sandbox, [])
+
+
+def test_an_upload_that_stops_sending_is_cut_off_and_leaves_nothing():
+    """A streamed body has no deadline as a whole (its pace is the writes'), but each
+    piece must come within body_timeout_s: a client that stops is answered 408 and
+    its connection closed."""
+    with serving(DispatcherConfig(scheduler="elastic_greedy"),
+                 ServeConfig(languages=[], body_timeout_s=1.0)) as srv:
+        sb = e2b.Sandbox.create(api_url=f"{srv.url}/e2b", sandbox_url=f"{srv.url}/e2b",
+                                api_key="unused")
+        host, port = srv.url.removeprefix("http://").split(":")
+        sock = socket.create_connection((host, int(port)), timeout=10)
+        first = blob(PIECE_BYTES + 1)  # past one piece: a temporary file is written
+        sock.sendall(f"POST /e2b/files?path=stalled.bin HTTP/1.1\r\nHost: x\r\n"
+                     f"E2b-Sandbox-Id: {sb.sandbox_id}\r\nContent-Type: application/"
+                     f"octet-stream\r\nContent-Length: {2 * len(first)}\r\n\r\n".encode()
+                     + first)
+        answer = b""
+        while chunk := sock.recv(65536):  # until the service closes the connection
+            answer += chunk
+        sock.close()
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408 "), answer[:300]
+        assert json.loads(body)["message"] == "upload: body: no data for 1 s (body_timeout_s)"
+        assert settled(sb, [])
+        sb.kill()
