@@ -108,6 +108,13 @@ def test_door_settings_refused_in_one_line(settings, said):
         ServeConfig(e2b_sdk1_ports=True, **settings)
 
 
+def test_serve_setting_reaches_the_service():
+    from metasched.cli.serve_app import serve_config
+
+    assert serve_config({"e2b_sdk1_ports": True}, {}).e2b_sdk1_ports
+    assert not serve_config({}, {}).e2b_sdk1_ports
+
+
 def test_door_routes_to_the_one_live_sandbox_and_refuses_two(door):
     first = _create(API)
     assert first["envdAccessToken"], "a door sandbox needs a token: envd calls find it so"
