@@ -7,6 +7,8 @@ object of what the SDK saw.
   nothing in debug mode) and ``is_running()`` once the sandbox is killed by id;
 - ``rllm``: rllm's ``E2BPythonInterpreter`` (from ``PYTHONPATH``), unmodified, through
   a multi-turn loop of tool calls that build on each other's state;
+- ``rllm_restart``: that tool's own restart after a cell that does not end (with
+  ``e2b_sdk1_replace`` on the service);
 - ``cells N``: the seconds of N ``run_code("1")``, one by one.
 """
 
@@ -75,6 +77,23 @@ def rllm() -> dict:
     return {"id": sid, "calls": calls}
 
 
+def rllm_restart() -> dict:
+    """rllm's own way out of a cell that does not end: three timeouts, then its
+    ``_restart_sandbox`` (a kill, sent nothing, and a new sandbox)."""
+    from rllm.tools.code_tools.e2b_tool import E2BPythonInterpreter
+
+    tool = E2BPythonInterpreter(n_sandboxes=1, api_key="unused")
+    first = tool.sandboxes[0].sandbox_id
+    calls = [tool(code="x = 5\nprint(x)", timeout=20),
+             tool(code="print('spin')\nwhile True:\n    pass", timeout=1),
+             tool(code="print('x' in globals())", timeout=20),
+             tool(code="x = 7\nprint(x * 6)", timeout=20)]
+    second = tool.sandboxes[0].sandbox_id
+    httpx.delete(f"{API}/sandboxes/{second}")
+    return {"ids": [first, second], "calls": [
+        {"stdout": o.stdout, "stderr": o.stderr, "error": o.error} for o in calls]}
+
+
 def cells(n: int) -> dict:
     from e2b_code_interpreter import Sandbox
 
@@ -93,5 +112,6 @@ def cells(n: int) -> dict:
 
 if __name__ == "__main__":
     mode = sys.argv[1]
-    result = sdk() if mode == "sdk" else rllm() if mode == "rllm" else cells(int(sys.argv[2]))
+    modes = {"sdk": sdk, "rllm": rllm, "rllm_restart": rllm_restart}
+    result = modes[mode]() if mode in modes else cells(int(sys.argv[2]))
     print(json.dumps(result))

@@ -100,19 +100,59 @@ def test_door_port_taken_is_one_line_at_start():
 
 
 @pytest.mark.parametrize("settings, said", [
-    ({"token": "t" * 16}, "sends no credential"),
-    ({"port": 3000}, "port 3000 is one of SDK 1.x's"),
+    ({"e2b_sdk1_ports": True, "token": "t" * 16}, "sends no credential"),
+    ({"e2b_sdk1_ports": True, "port": 3000}, "port 3000 is one of SDK 1.x's"),
+    ({"e2b_sdk1_replace": True}, "needs e2b_sdk1_ports"),
 ])
 def test_door_settings_refused_in_one_line(settings, said):
     with pytest.raises(ConfigError, match=said):
-        ServeConfig(e2b_sdk1_ports=True, **settings)
+        ServeConfig(**settings)
 
 
 def test_serve_setting_reaches_the_service():
     from metasched.cli.serve_app import serve_config
 
-    assert serve_config({"e2b_sdk1_ports": True}, {}).e2b_sdk1_ports
+    both = serve_config({"e2b_sdk1_ports": True, "e2b_sdk1_replace": True}, {})
+    assert both.e2b_sdk1_ports and both.e2b_sdk1_replace
     assert not serve_config({}, {}).e2b_sdk1_ports
+
+
+def test_door_replaces_its_sandbox_with_e2b_sdk1_replace():
+    # Its own service, before the module's door is made.
+    why = _ports_free()
+    if why:
+        pytest.skip(why)
+    with serving(config=ServeConfig(languages=[], e2b_sdk1_ports=True,
+                                    e2b_sdk1_replace=True)):
+        first = _create(API)
+        assert _execute("x = 1")[0] == 200
+        second = _create(API)
+        assert httpx.get(f"{ENVD}/health", headers={
+            "X-Access-Token": first["envdAccessToken"]}).status_code == 502  # ended
+        status, events = _execute("'x' in globals()")
+        assert status == 200 and _text(events) == "False"  # the new one's kernel
+        assert [s["sandboxID"] for s in httpx.get(f"{API}/sandboxes").json()] == [
+            second["sandboxID"]]
+        httpx.delete(f"{API}/sandboxes/{second['sandboxID']}")
+
+
+@pytest.mark.slow
+def test_rllm_restarts_its_sandbox_after_a_cell_that_does_not_end(rllm_path):
+    # Its own service (e2b_sdk1_replace), before the module's door is made.
+    python = _sdk1_python()
+    why = _ports_free()
+    if why:
+        pytest.skip(why)
+    with serving(config=ServeConfig(languages=[], e2b_sdk1_ports=True,
+                                    e2b_sdk1_replace=True)) as srv:
+        seen = _drive(python, "rllm_restart", pythonpath=rllm_path)
+        assert httpx.get(f"{srv.url}/e2b/sandboxes").json() == []
+    first, second = seen["ids"]
+    calls = seen["calls"]
+    assert first != second and calls[0]["stdout"] == "5\n"
+    assert calls[1]["error"] == "Sandbox error, please try again."  # rllm's own words
+    assert calls[2]["stdout"] == "False\n"  # a new sandbox: nothing of the old one
+    assert calls[3]["stdout"] == "42\n" and calls[3]["error"] is None
 
 
 def test_door_routes_to_the_one_live_sandbox_and_refuses_two(door):

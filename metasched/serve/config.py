@@ -230,6 +230,11 @@ class ServeConfig(Checked):
             49983, 49999: its debug mode, ``E2B_DEBUG=true``) and serve its API, envd
             and code interpreter there (see :mod:`metasched.serve.e2b.sdk1_door`);
             only without tokens.
+        e2b_sdk1_replace: a sandbox made through SDK 1.x's door ends the door sandboxes
+            made before it (SDK 1.x in debug mode sends no kill): for one sandbox at a
+            time, whose replacement then works (rllm's ``E2BPythonInterpreter`` with
+            ``n_sandboxes=1`` restarting its sandbox); off, a second one live makes
+            the code interpreter refuse its calls.
         keep_results: finished results kept in memory for ``GET /v1/actions/{id}``
             (older ones are answered from the dispatcher's journal, where it has one).
         generation: the OpenAI-compatible front door's replicas (see
@@ -253,6 +258,7 @@ class ServeConfig(Checked):
     e2b_templates: dict[str, E2BTemplate] = {}
     e2b_cache: Text | None = None
     e2b_sdk1_ports: bool = False
+    e2b_sdk1_replace: bool = False
     generation: GenerationReplicas | None = None
 
     one_line_root = 'settings'
@@ -275,6 +281,9 @@ class ServeConfig(Checked):
     @model_validator(mode="after")
     def _sdk1_door(self) -> ServeConfig:
         if not self.e2b_sdk1_ports:
+            if self.e2b_sdk1_replace:
+                raise ConfigError("e2b_sdk1_replace", "needs e2b_sdk1_ports (the door it "
+                                  "is a rule of)")
             return self
         if self.clients:
             raise ConfigError("e2b_sdk1_ports", "SDK 1.x's code interpreter sends no "

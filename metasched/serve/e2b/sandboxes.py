@@ -207,7 +207,7 @@ class Sandboxes:
         """A new sandbox: its trajectory opened by a first action (its workspace made,
         its template checked: a ``ValueError`` says why it could not be). One made
         through SDK 1.x's door (``door``) always gets an access token: the door finds
-        it by the token.
+        it by the token; with ``e2b_sdk1_replace`` it ends the door's earlier ones.
 
         Raises:
             ValueError: the sandbox could not be made (one line).
@@ -245,6 +245,10 @@ class Sandboxes:
             why = r.reason if r.status == REJECTED else (r.stderr.strip() or r.reason)
             raise ValueError(f"sandbox could not be created: {why}")
         self.by_id[sb.id] = sb
+        if door and getattr(self.service.config, "e2b_sdk1_replace", False):
+            for old in self.door_sandboxes():
+                if old is not sb:
+                    self.kill(old, "replaced by a newer sandbox through SDK 1.x's door")
         self._start_reaper()
         return sb
 

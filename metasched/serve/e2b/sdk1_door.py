@@ -17,8 +17,9 @@ routes a 2.x SDK reaches, naming the sandbox as they expect (``E2b-Sandbox-Id``)
   than one, they are refused in one line.
 
 SDK 1.x in debug mode never sends its kill (nor ``set_timeout``): a door sandbox ends
-at its timeout, when idle, or when killed through the API by id. A service with
-tokens has no door: the interpreter's calls carry no credential.
+at its timeout, when idle, when killed through the API by id, or, with
+``e2b_sdk1_replace``, when the next door sandbox is made. A service with tokens has no
+door: the interpreter's calls carry no credential.
 """
 
 from __future__ import annotations
