@@ -180,6 +180,7 @@ class GenerationReplicas(Strict):
     order: Literal["predicted", "least_slack", "fifo"] = "predicted"
     timeout_s: Number(gt=0.0, le=24 * 3600.0) = 600.0
 
+
 # E2B SDK 1.x's fixed ports in its debug mode, where ``e2b_sdk1_ports`` listens too
 # (metasched.serve.e2b.sdk1_door): its API, envd, code interpreter.
 E2B_SDK1_PORTS = {3000: "API", 49983: "envd", 49999: "code interpreter"}
