@@ -178,6 +178,7 @@ def test_door_routes_to_the_one_live_sandbox_and_refuses_two(door):
     assert httpx.get(f"{ENVD}/health", headers=token).status_code == 502  # not running
     status, message = _execute("x")
     assert status == 404 and message.startswith("no sandbox made through SDK 1.x's door")
+    assert httpx.get(f"{ENVD}/health").status_code == 502  # no token, none live
     httpx.delete(f"{door.url}/e2b/sandboxes/{other['sandboxID']}")
 
 

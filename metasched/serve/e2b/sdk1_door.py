@@ -107,7 +107,9 @@ class SDK1Door:
             try:
                 sb = self._sandbox(scope, port)
             except _Refused as e:
-                await _answer(send, e.status, e.message, plain=port == INTERPRETER_PORT)
+                # The health check's "not running" is 502 (is_running() reads False).
+                status = 502 if scope["path"] == "/health" else e.status
+                await _answer(send, status, e.message, plain=port == INTERPRETER_PORT)
                 return
             headers.append((b"e2b-sandbox-id", sb.id.encode() if sb is not None else b""))
             if sb is not None and sb.token is not None:
