@@ -140,8 +140,9 @@ class SDK1Door:
         raise _Refused(409, f"{len(live)} sandboxes made through SDK 1.x's door are live "
                        f"({ids}): SDK 1.x's code interpreter cannot name its sandbox; keep "
                        f"one live (in debug mode SDK 1.x sends no kill: DELETE "
-                       f"http://{HOST}:{API_PORT}/sandboxes/<id> ends one), or use SDK "
-                       f"2.x with E2B_SANDBOX_URL")
+                       f"http://{HOST}:{API_PORT}/sandboxes/<id> ends one; the service's "
+                       f"e2b_sdk1_replace=true ends the older ones at each create), or use "
+                       f"SDK 2.x with E2B_SANDBOX_URL")
 
 
 async def _answer(send: Send, status: int, message: str, *, plain: bool) -> None:
