@@ -56,8 +56,9 @@ async def _run(app: FastAPI, server: uvicorn.Server, *, probe_later: bool = Fals
     the languages are probed and the journal's unfinished requests taken up; a probe
     that fails stops it with the error."""
     service = app.state.service
-    sockets = _door_sockets(app, server)
+    sockets = None
     try:
+        sockets = _door_sockets(app, server)
         await service.start(probe_later=probe_later)
         if not probe_later:
             await server.serve(sockets=sockets)
