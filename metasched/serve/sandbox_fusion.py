@@ -19,10 +19,10 @@ other path of ``fetch_files``: a file that is missing or unreadable does not fai
 request; files larger than one command's output stream in the answer as they are
 read, and those past ``max_file_mb`` in all are named there). ``SandboxError`` is a
 fault of the sandbox (a command that could not start, a request the dispatcher
-rejected, a language not offered here), ``Failed`` a compile error, a non-zero exit or a time limit, and
-``Success`` everything else. A compile that fails is not followed by a run
-(``run_result`` null). Every answer is ``200`` but for a body that is not a request or
-asks more than the dispatcher's ``limits`` allow (``422``, one line), a trajectory
+rejected, a language not offered here), ``Failed`` a compile error, a non-zero exit
+or a time limit, and ``Success`` everything else. A compile that fails is not followed
+by a run (``run_result`` null). Every answer is ``200`` but for a body that is not a
+request or asks more than the dispatcher's ``limits`` allow (``422``, one line), a trajectory
 of another client (``403``, with authentication on), and, with the dispatcher's
 ``deadlines.on_deadline: refuse``, a request that could not start in time (``504``,
 one line, before its caller gives up: SandboxFusion's clients retry it).
