@@ -7,6 +7,7 @@ unreadable file, ``/proc``), and files past ``max_file_mb`` named in ``fetch_err
 from __future__ import annotations
 
 import base64
+import time
 
 import httpx
 import pytest
@@ -97,3 +98,19 @@ def test_a_streamed_answer_is_the_json_a_whole_one_would_be(served):
     whole = RunCodeResponse.model_validate_json(r.content)  # what FastAPI would write
     assert whole.files == {"big.bin": base64.b64encode(bytes(200000)).decode()}
     assert r.content == whole.model_dump_json().encode()
+
+
+def test_a_client_that_leaves_a_streamed_answer_ends_its_trajectory(served):
+    def open_runs() -> list[str]:  # /run_code's own trajectories still open
+        return [n for n in list(served.dispatcher.trajectories.by_name) if n.startswith("run-")]
+
+    assert open_runs() == []
+    with httpx.stream("POST", f"{served.url}/run_code", timeout=120, json={
+            "code": "open('big.bin', 'wb').write(bytes(2 << 20))",
+            "fetch_files": ["big.bin"]}) as r:
+        first = next(r.iter_raw())
+        assert first.startswith(b'{"status":"Success"') and open_runs() != []
+    deadline = time.monotonic() + 30  # the client is gone mid-answer
+    while open_runs() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert open_runs() == []
