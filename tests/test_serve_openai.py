@@ -20,6 +20,7 @@ from metasched.core.engine import GenerationLine
 from metasched.core.predictor import Predictor, TrajRecord
 from metasched.runtime.dispatch import DispatcherConfig
 from metasched.serve import ServeConfig
+from metasched.serve.generation_door import Generation
 from tests.helpers import free_port
 from tests.serve_helpers import serving
 
@@ -146,3 +147,29 @@ def test_unreachable_replica_is_502(tmp_path):
     with serving(config=cfg) as s:
         r = httpx.post(s.url + "/v1/completions", json={"model": "m", "prompt": "x"})
     assert r.status_code == 502 and "unreachable" in r.json()["detail"]
+
+
+def _sse(n: int) -> bytes:
+    """A streamed completion of ``n`` one-token chunks, then its usage and [DONE]."""
+    events = [json.dumps({"choices": [{"index": 0, "text": f"t{i}", "finish_reason": None}]})
+              for i in range(n)]
+    events.append(json.dumps({"choices": [], "usage": {"prompt_tokens": 3,
+                                                       "completion_tokens": n}}))
+    return b"".join(f"data: {e}\n\n".encode() for e in [*events, "[DONE]"])
+
+
+@pytest.mark.parametrize("n,cut", [(16, 7), (16, 1000), (20_000, 4093)])
+def test_counts_a_stream_cut_anywhere(n, cut):
+    # The door passes on whatever pieces the replica's reads give; the count must not
+    # depend on where they cut the events, nor on whether it ran at the end or (a long
+    # answer, over what the door holds) as the pieces passed.
+    whole = _sse(n)
+    gen = Generation(None, None, 0, None, 3, t0=0.0, stream=True)
+    pieces = [whole[i:i + cut] for i in range(0, len(whole), cut)]
+    for k, piece in enumerate(pieces):
+        gen.arrived(piece, 1.0 + k)
+    gen.count()
+    assert (gen.output_tokens, gen.usage["completion_tokens"]) == (n, n)
+    first_end = whole.index(b"\n\n") + 1  # the first event's last byte
+    assert gen.first_s == 1.0 + first_end // cut  # the piece that completed it
+    assert not gen.held and gen.rest == b""

@@ -24,11 +24,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -45,11 +46,15 @@ _AFFINITY_KEEP = 100_000
 _DROP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding",
          "accept-encoding", "authorization", "x-trajectory-id", "x-turn", "x-task",
          "x-reward", "x-prompt-id"}
+# Bytes of an answer held before they are counted: short answers are counted once, after
+# the client has them; a long one as it passes, so that what is held stays small.
+_HOLD = 256 * 1024
 
 
 @dataclass(slots=True)
 class Generation:
-    """One forwarded request, as the trace records it."""
+    """One forwarded request, as the trace records it, and its answer's bytes as they
+    passed (held until counted)."""
 
     trajectory: str | None
     turn: int | None
@@ -57,13 +62,63 @@ class Generation:
     priority: int | None
     prompt_tokens: int
     t0: float
+    stream: bool = False
     first_s: float | None = None  # the first output chunk's arrival, from t0
     output_tokens: int = 0
     usage: dict[str, Any] | None = None
+    complete: bool = False  # the whole answer passed
+    end: float = 0.0  # when it had
+    held: list[tuple[float, bytes]] = field(default_factory=list)
+    held_bytes: int = 0
+    rest: bytes = b""  # a streamed answer's partial event, counted with what follows
 
-    def line(self, end: float) -> dict[str, Any]:
+    def arrived(self, piece: bytes, t: float) -> None:
+        """``piece`` passed at ``t``; counted later, or now if :data:`_HOLD` bytes are
+        held."""
+        self.held.append((t, piece))
+        self.held_bytes += len(piece)
+        if self.held_bytes > _HOLD:
+            self.count()
+
+    def count(self) -> None:
+        """Count the held bytes: a streamed answer's events (output tokens, the first
+        one's time, the ``usage`` where sent), a whole answer's ``usage``."""
+        held, self.held, self.held_bytes = self.held, [], 0
+        if not self.stream:
+            try:
+                obj = json.loads(b"".join(piece for _, piece in held))
+            except ValueError:
+                return
+            if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
+                self.usage = obj["usage"]
+            return
+        for t, piece in held:
+            *events, self.rest = (self.rest + piece).split(b"\n\n")
+            for event in events:
+                self._count_event(event, t)
+
+    def _count_event(self, event: bytes, t: float) -> None:
+        for line in event.split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                continue
+            try:
+                obj = json.loads(data)
+            except ValueError:
+                continue
+            if obj.get("usage"):
+                self.usage = obj["usage"]
+            for choice in obj.get("choices") or ():
+                n = _chunk_tokens(choice)
+                if n and self.first_s is None:
+                    self.first_s = t - self.t0
+                self.output_tokens += n
+
+    def line(self) -> dict[str, Any]:
         """The trace's ``generation`` line (without its ``type``)."""
-        total = max(0.0, end - self.t0)
+        total = max(0.0, self.end - self.t0)
         queue = min(total, self.first_s or 0.0)
         usage = self.usage or {}
         return {"trajectory": self.trajectory, "turn": self.turn, "replica": self.replica,
@@ -187,69 +242,65 @@ class GenerationDoor:
             raise
 
     async def relay(self, resp: httpx.Response, gen: Generation) -> AsyncIterator[bytes]:
-        """A streamed answer's body, byte for byte as it comes; counts the output as it
-        passes and, at the end, writes the trace's line (not if the client left)."""
-        tail = b""
-        done = False
+        """A streamed answer's body, byte for byte. What has come from the replica by the
+        time the client's side is free goes out as one piece: a read of the replica's
+        connection often holds many events, and a write per event was most of what the
+        door cost. Counting waits for :meth:`finish` (or for :data:`_HOLD` bytes),
+        after the client has the bytes."""
+        pending: list[bytes] = []
+        came = asyncio.Event()
+
+        async def pump() -> None:
+            try:
+                async for chunk in resp.aiter_raw():
+                    pending.append(chunk)
+                    came.set()
+            finally:
+                came.set()
+
+        reader = asyncio.ensure_future(pump())
         try:
-            async for chunk in resp.aiter_raw():
-                tail = self._count_sse(tail + chunk, gen)
-                yield chunk
-            done = True
+            while True:
+                if not pending:
+                    if reader.done():
+                        break
+                    await came.wait()
+                    came.clear()
+                    continue
+                piece = pending[0] if len(pending) == 1 else b"".join(pending)
+                pending.clear()
+                gen.arrived(piece, time.perf_counter())
+                yield piece
+            reader.result()  # the replica's connection failed: the client's does too
+            gen.complete, gen.end = True, time.perf_counter()
         finally:
+            if not reader.done():
+                reader.cancel()
+                await asyncio.gather(reader, return_exceptions=True)
             await self._closed(resp, gen)
-        if done and resp.status_code == 200:
-            self._record(gen)
 
     async def read(self, resp: httpx.Response, gen: Generation) -> bytes:
-        """A whole (not streamed) answer's body, as sent; its ``usage`` counted and the
-        trace's line written."""
+        """A whole (not streamed) answer's body, as sent (:meth:`finish` counts it)."""
         try:
             body = b"".join([chunk async for chunk in resp.aiter_raw()])
         finally:
             await self._closed(resp, gen)
-        if resp.status_code == 200:
-            self._count_json(body, gen)
-            self._record(gen)
+        gen.complete, gen.end = True, time.perf_counter()
+        gen.arrived(body, gen.end)
         return body
+
+    def finish(self, gen: Generation, status: int) -> None:
+        """After the answer went out: count what is left of it and, if it came whole
+        with status 200, write the trace's line."""
+        if gen.complete and status == 200:
+            gen.count()
+            self._record(gen)
 
     async def _closed(self, resp: httpx.Response, gen: Generation) -> None:
         self.in_flight[gen.replica] -= 1
         await resp.aclose()
 
-    def _count_sse(self, buf: bytes, gen: Generation) -> bytes:
-        """Count the complete events in ``buf``; return what is left (a partial one)."""
-        *events, rest = buf.split(b"\n\n")
-        for event in events:
-            for line in event.split(b"\n"):
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    continue
-                try:
-                    obj = json.loads(data)
-                except ValueError:
-                    continue
-                if obj.get("usage"):
-                    gen.usage = obj["usage"]
-                for choice in obj.get("choices") or ():
-                    n = _chunk_tokens(choice)
-                    if n and gen.first_s is None:
-                        gen.first_s = time.perf_counter() - gen.t0
-                    gen.output_tokens += n
-        return rest
-
-    @staticmethod
-    def _count_json(body: bytes, gen: Generation) -> None:
-        try:
-            obj = json.loads(body)
-        except ValueError:
-            return
-        if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
-            gen.usage = obj["usage"]
-
     def _record(self, gen: Generation) -> None:
         writer = getattr(self._dispatcher(), "trace_writer", None)
         if writer is not None:
-            writer.record_generation(gen.line(time.perf_counter()))
+            writer.record_generation(gen.line())
