@@ -13,13 +13,18 @@
   prefix cache holds the trajectory's context); a new trajectory goes to the replica
   with the fewest requests in flight.
 - **Pass-through.** The replica's answer, streamed (SSE) or not, is sent back byte for
-  byte, its status and content type kept; the door reads the bytes as they pass to
-  count tokens.
+  byte, its status and content type kept; streamed, what has arrived when the client's
+  side is free goes out in one write.
 - **Trace.** Each finished generation is a ``generation`` line in the dispatcher's trace
   (:class:`~metasched.core.engine.GenerationLine`): prompt and output tokens (the
   replica's ``usage`` where it sends one; else output chunks and token-id prompts),
   ``queue_s`` (streamed: until the first output chunk, the prefill included; not
-  streamed: 0, the replica does not say) and ``run_s`` (the rest).
+  streamed: 0, the replica does not say) and ``run_s`` (the rest); counted once the
+  client has the answer.
+- **Predictor.** The generation's time (queue and run) goes to the dispatcher's
+  trajectory (:meth:`~metasched.runtime.dispatch.trajectories.Trajectories.generated`):
+  the remaining-work predictor learns the turn's generation gap from it instead of the
+  wall time between the trajectory's requests.
 """
 
 from __future__ import annotations
@@ -291,16 +296,19 @@ class GenerationDoor:
 
     def finish(self, gen: Generation, status: int) -> None:
         """After the answer went out: count what is left of it and, if it came whole
-        with status 200, write the trace's line."""
-        if gen.complete and status == 200:
-            gen.count()
-            self._record(gen)
+        with status 200, write the trace's line and tell the dispatcher's trajectory
+        (its predictor learns the turn's generation time from it)."""
+        if not (gen.complete and status == 200):
+            return
+        gen.count()
+        d = self._dispatcher()
+        writer = getattr(d, "trace_writer", None)
+        if writer is not None:
+            writer.record_generation(gen.line())
+        trajs = getattr(d, "trajectories", None)
+        if trajs is not None and gen.trajectory is not None:
+            trajs.generated(gen.trajectory, gen.end - gen.t0, d.loop.now())
 
     async def _closed(self, resp: httpx.Response, gen: Generation) -> None:
         self.in_flight[gen.replica] -= 1
         await resp.aclose()
-
-    def _record(self, gen: Generation) -> None:
-        writer = getattr(self._dispatcher(), "trace_writer", None)
-        if writer is not None:
-            writer.record_generation(gen.line())
