@@ -11,9 +11,10 @@ stamp is computed for every request), each request in one of 16 trajectories
 ``metasched`` package as it was at git revision ``REV`` of this checkout, beside this
 tree's. One client, one request at a time, the paths alternated so that the machine's
 load falls on all alike, each request's whole answer read. Prints p50 and p99 (ms,
-client side) of each path, streamed and not, each door's p50 overhead, and how many of
-each door's answers were byte for byte the direct one's (the stub only: a model's
-answers differ between calls).
+client side) of each path, streamed and not, each door's p50 overhead, its process's CPU
+time per request (user and system: what the machine's load does not change), and how
+many of each door's answers were byte for byte the direct one's (the stub only: a
+model's answers differ between calls).
 
     python benchmarks/generation_door.py [--calls 400] [--warmup 20] [--chunks 16]
                                          [--baseline REV]
@@ -34,6 +35,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import psutil
 
 from metasched.core.predictor import Predictor, TrajRecord
 
@@ -96,6 +98,12 @@ def start_door(tree: Path, replica: str) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     return start([__file__, "--serve-door", str(port), "--replica", replica],
                  f"{url}/v1/ping", env), url
+
+
+def cpu_s(proc: psutil.Process) -> float:
+    """CPU seconds ``proc`` has used (user and system)."""
+    t = proc.cpu_times()
+    return t.user + t.system
 
 
 def export(rev: str, into: Path) -> Path:
@@ -208,7 +216,7 @@ def main() -> None:
             else:
                 proc, replica = start_stub(args.chunks)
                 procs.append(proc)
-            names, doors = [], []
+            names, doors, door_procs = [], [], []
             trees = [("door", ROOT)]
             if args.baseline:
                 trees.insert(0, (f"door@{args.baseline}", export(args.baseline, Path(tmp))))
@@ -217,20 +225,24 @@ def main() -> None:
                 procs.append(proc)
                 names.append(name)
                 doors.append(url)
+                door_procs.append(psutil.Process(proc.pid))
             print(f"load before: {os.getloadavg()[0]:.1f}")
             with httpx.Client(timeout=120) as http:
                 for stream in (True, False):
+                    cpu0 = [cpu_s(p) for p in door_procs]
                     direct, times, same = side_by_side(http, replica, doors, args.model,
                                                        args.max_tokens, stream, args.calls,
                                                        args.warmup)
+                    cpu = [(cpu_s(p) - c) * 1e3 / (args.calls + args.warmup)
+                           for p, c in zip(door_procs, cpu0, strict=True)]
                     d50 = percentile(direct, 0.5)
                     print(f"{'streamed' if stream else 'not streamed'}: direct p50 "
                           f"{d50:.2f} p99 {percentile(direct, 0.99):.2f} ms")
-                    for name, ts, n in zip(names, times, same, strict=True):
+                    for name, ts, n, c in zip(names, times, same, cpu, strict=True):
                         p50 = percentile(ts, 0.5)
                         print(f"  {name}: p50 {p50:.2f} p99 {percentile(ts, 0.99):.2f} ms; "
-                              f"overhead p50 {p50 - d50:.2f} ms; identical bytes "
-                              f"{n}/{args.calls}")
+                              f"overhead p50 {p50 - d50:.2f} ms; CPU {c:.2f} ms a request; "
+                              f"identical bytes {n}/{args.calls}")
         finally:
             for proc in procs:
                 proc.terminate()

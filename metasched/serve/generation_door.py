@@ -294,10 +294,11 @@ class GenerationDoor:
         gen.arrived(body, gen.end)
         return body
 
-    def finish(self, gen: Generation, status: int) -> None:
+    async def finish(self, gen: Generation, status: int) -> None:
         """After the answer went out: count what is left of it and, if it came whole
         with status 200, write the trace's line and tell the dispatcher's trajectory
-        (its predictor learns the turn's generation time from it)."""
+        (its predictor learns the turn's generation time from it). A coroutine, so that
+        it runs on the dispatcher's loop: Starlette runs a plain function in a thread."""
         if not (gen.complete and status == 200):
             return
         gen.count()
