@@ -3,7 +3,8 @@
 ``/v1/completions`` request goes to one of the configured vLLM or SGLang replicas.
 
 - **Priority.** The door stamps the request's ``priority`` (lower first, as vLLM's
-  ``--scheduling-policy priority`` and SGLang's priority scheduling read it) from the
+  ``--scheduling-policy priority`` reads it, and SGLang's priority scheduling with
+  ``--schedule-low-priority-values-first``: without it, higher first) from the
   dispatcher's remaining-work predictor and the trajectory the request names
   (``X-Trajectory-Id``, as ``/run_code`` takes it), under the ``order`` setting:
   ``predicted`` (longest predicted remaining first), ``least_slack`` or ``fifo``. These
@@ -203,11 +204,13 @@ class GenerationDoor:
         """The priority to stamp (None: ``fifo``, or no predictor to ask): minus the
         predicted remaining seconds (``least_slack``: plus the time since the
         trajectory opened), in milliseconds. A trajectory the dispatcher has not seen
-        act gets its task's estimate at ``turn`` (``X-Turn``)."""
-        if self.config.order == "fifo" or trajectory is None:
-            return None
+        act gets its task's estimate at ``turn`` (``X-Turn``). The order is the one
+        the dispatcher's scheduler asks for (a meta-policy option's), else ``order``."""
         d = self._dispatcher()
         state = getattr(d, "state", None)
+        order = getattr(state, "generation_order", None) or self.config.order
+        if order == "fifo" or trajectory is None:
+            return None
         p = getattr(state, "predictor", None)
         if p is None:
             return None
@@ -220,7 +223,7 @@ class GenerationDoor:
         else:
             remaining = p.remaining(traj.id, traj.task, group_of(traj)).p50
             since = max(0.0, state.t - traj.start_t) if traj.start_t is not None else 0.0
-        if self.config.order == "least_slack":
+        if order == "least_slack":
             remaining += since
         return -int(round(remaining * 1000.0))
 
