@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import httpx
+import aiohttp
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -90,16 +90,16 @@ def openai_router(service: Service) -> APIRouter:
                          count_tokens(body.get("prompt")), time.perf_counter(), req.stream)
         try:
             resp = await door.open(path, body, dict(request.headers), gen)
-        except httpx.HTTPError as e:
+        except (aiohttp.ClientError, TimeoutError) as e:
             return error(502, f"generation: replica {door.config.replicas[gen.replica]} "
                               f"unreachable ({type(e).__name__})")
         headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP}
         # Counted and traced once the answer is out (not on the client's time).
-        after = BackgroundTask(door.finish, gen, resp.status_code)
+        after = BackgroundTask(door.finish, gen, resp.status)
         if req.stream:
-            return StreamingResponse(door.relay(resp, gen), status_code=resp.status_code,
+            return StreamingResponse(door.relay(resp, gen), status_code=resp.status,
                                      headers=headers, background=after)
-        return Response(await door.read(resp, gen), status_code=resp.status_code,
+        return Response(await door.read(resp, gen), status_code=resp.status,
                         headers=headers, background=after)
 
     def route(contract: type[_OpenAIRequest], what: str) -> dict[str, Any]:
