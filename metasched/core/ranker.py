@@ -64,7 +64,12 @@ def rows(p: Predictor, records: list[TrajRecord]) -> tuple[np.ndarray, ...]:
 def fit_ranker(p: Predictor, records: list[TrajRecord], window: int = 8,
                penalty: float = 1e-3, iters: int = 8) -> Ranker:
     """Fit on ``records`` replayed through ``p`` (see the module docstring)."""
-    x, y, step, t = rows(p, records)
+    return fit_ranker_rows(*rows(p, records), window=window, penalty=penalty, iters=iters)
+
+
+def fit_ranker_rows(x: np.ndarray, y: np.ndarray, step: np.ndarray, t: np.ndarray,
+                    window: int = 8, penalty: float = 1e-3, iters: int = 8) -> Ranker:
+    """Fit on :func:`rows`' arrays (see the module docstring)."""
     mean, sd = x.mean(0), x.std(0)
     sd[sd < 1e-9] = 1.0
     z = (x - mean) / sd
@@ -100,4 +105,4 @@ def pair_accuracy(score: np.ndarray, y: np.ndarray, step: np.ndarray, t: np.ndar
     return hit / max(n, 1)
 
 
-__all__ = ["Ranker", "fit_ranker", "pair_accuracy", "row", "rows"]
+__all__ = ["Ranker", "fit_ranker", "fit_ranker_rows", "pair_accuracy", "row", "rows"]
