@@ -1,5 +1,6 @@
-"""The predictor's trees and ranker: the hand-written ones against well-kept libraries, on
-the same features, out of sample.
+"""The predictor's trees and ranker against other libraries' on the same features, out of
+sample (the hand-written numpy ones they replaced were measured here too, at commit
+9dc0c60: docs/benchmarks/quality.md).
 
     python benchmarks/predictor_libraries.py                      # profiles and agentcgroup
     python benchmarks/predictor_libraries.py --profiles swe_grouped --no-real
@@ -38,19 +39,15 @@ from predictor_real import load, prompt_of  # noqa: E402
 Fitter = Callable[[np.ndarray, np.ndarray], Callable[[np.ndarray], np.ndarray]]
 
 
-def _numpy(x: np.ndarray, y: np.ndarray):
-    from metasched.core.boost import QuantileBoost
-
-    return QuantileBoost.fit(x, y, 0.5).predict
-
-
 def _lgb(params: dict, rounds: int) -> Fitter:
     def fit(x: np.ndarray, y: np.ndarray):
         import lightgbm as lgb
 
         base = {"seed": 0, "deterministic": True, "num_threads": 1, "verbose": -1}
         model = lgb.train({**base, **params}, lgb.Dataset(x, y), num_boost_round=rounds)
-        return model.predict
+        # Prediction does not take the training's num_threads: on a busy machine more
+        # threads spin for milliseconds on one row.
+        return lambda xs: model.predict(xs, num_threads=1)
     return fit
 
 
@@ -61,13 +58,20 @@ def _hgb(x: np.ndarray, y: np.ndarray):
                                       learning_rate=0.1, max_depth=4, max_leaf_nodes=16,
                                       min_samples_leaf=50, max_bins=32,
                                       early_stopping=False, random_state=0)
-    return m.fit(x, y).predict
+    m.fit(x, y)
+
+    def predict(xs: np.ndarray) -> np.ndarray:
+        from threadpoolctl import threadpool_limits
+
+        with threadpool_limits(1):  # one row on more threads spins on a busy machine
+            return m.predict(xs)
+    return predict
 
 
-# LightGBM at the numpy booster's size (150 depth-4 trees, rate 0.1, 50 rows a leaf, 32
-# bins, 70% of rows a tree), and as the gbm design runs it (L1, 300 trees of 15 leaves).
+# LightGBM at the size of the numpy booster it replaced (150 depth-4 trees, rate 0.1, 50
+# rows a leaf, 32 bins, 70% of rows a tree), and as the predictor fits it (L1, 300 trees
+# of 15 leaves: metasched.core.predictor_stats.fit_gbm).
 FITTERS: dict[str, Fitter] = {
-    "numpy": _numpy,
     "lgb_quantile": _lgb({"objective": "quantile", "alpha": 0.5, "learning_rate": 0.1,
                           "num_leaves": 16, "max_depth": 4, "min_data_in_leaf": 50,
                           "max_bin": 32, "bagging_fraction": 0.7, "bagging_freq": 1}, 150),
@@ -128,61 +132,49 @@ def trees_on_real(source: str, a: argparse.Namespace) -> None:
     err: dict[str, list[float]] = {f: [] for f in a.fitters}
     times: dict[str, list[dict]] = {f: [] for f in a.fitters}
     static: list[float] = []
+    prompts: list[str] = []
     n_fit = 0
     for k in range(5):
         test = [r for r in recs if fold_of[prompt_of(r)] == k]
         train = [r for r in recs if fold_of[prompt_of(r)] != k]
         p = Predictor.fit(train, "shrinkage")
         x, y, _, _ = rows_of(p, train, False)
-        xt, yt, st, _ = rows_of(p, test, True)
+        xt, yt, st, gt = rows_of(p, test, True)
         static += list(np.abs(st - yt))
+        prompts += list(gt)
         n_fit += len(x)
         for fitter in a.fitters:
             r = time_fitter(FITTERS[fitter], x, y, xt)
             err[fitter] += list(np.abs(r["pred"] - yt))
             times[fitter].append(r)
     s = float(np.mean(static))
+    first = a.fitters[0]
     for fitter in a.fitters:
         e = float(np.mean(err[fitter]))
         t = times[fitter]
+        lo, hi = _ratio_ci(np.array(err[fitter]), np.array(err[first]), np.array(prompts))
         print(f"| {source} (5 folds by prompt) | {fitter} | {n_fit // 5:,} / {len(static):,} | "
-              f"{e:.3f} ({e / s:.3f}) | {np.mean([r['fit_s'] for r in t]):.2f} | "
+              f"{e:.3f} ({e / s:.3f}; ÷ {first} {e / np.mean(err[first]):.3f}, 95% CI "
+              f"{lo:.3f}–{hi:.3f}) | {np.mean([r['fit_s'] for r in t]):.2f} | "
               f"{np.mean([r['batch_us'] for r in t]):.2f} | "
               f"{np.median([r['one_us'] for r in t]):.0f} |", flush=True)
 
 
-def _pairs(z: np.ndarray, y: np.ndarray, step: np.ndarray, t: np.ndarray,
-           window: int = 8) -> tuple[np.ndarray, np.ndarray]:
-    """The ranker's training pairs (as :func:`metasched.core.ranker.fit_ranker` forms them):
-    row differences and whether the first has the more remaining time."""
-    order = np.lexsort((t, step))
-    i_all, j_all = [], []
-    for off in range(1, window + 1):
-        i, j = order[:-off], order[off:]
-        keep = (step[i] == step[j]) & (y[i] != y[j])
-        i_all.append(i[keep]), j_all.append(j[keep])
-    i, j = np.concatenate(i_all), np.concatenate(j_all)
-    return z[i] - z[j], (y[i] > y[j]).astype(int)
+def _ratio_ci(a: np.ndarray, b: np.ndarray, groups: np.ndarray) -> tuple[float, float]:
+    """95% bootstrap interval (over ``groups``, 1,000 draws) of mean ``a`` ÷ mean ``b``."""
+    keys, inv = np.unique(groups, return_inverse=True)
+    sa, sb = np.bincount(inv, a, len(keys)), np.bincount(inv, b, len(keys))
+    rng = np.random.default_rng(0)
+    draws = [sa[i].sum() / sb[i].sum()
+             for i in rng.integers(0, len(keys), (1000, len(keys)))]
+    return tuple(np.percentile(draws, [2.5, 97.5]))
 
 
-def _rank_numpy(x, y, step, t):
+def _rank_logistic(x, y, step, t):
     from metasched.core.ranker import fit_ranker_rows
 
     r = fit_ranker_rows(x, y, step, t)
     return lambda xs: (xs - r.mean) / r.sd @ r.w
-
-
-def _rank_logistic(x, y, step, t):
-    from sklearn.linear_model import LogisticRegression
-
-    mean, sd = x.mean(0), x.std(0)
-    sd[sd < 1e-9] = 1.0
-    dz, lab = _pairs((x - mean) / sd, y, step, t)
-    # The numpy ranker's L2 penalty 1e-3 on the mean loss: C = 1 / (penalty x pairs).
-    m = LogisticRegression(C=1.0 / (1e-3 * len(lab)), fit_intercept=False,
-                           solver="newton-cholesky").fit(dz, lab)
-    w = m.coef_[0]
-    return lambda xs: (xs - mean) / sd @ w
 
 
 def _rank_lgb(objective: str):
@@ -207,11 +199,12 @@ def _rank_lgb(objective: str):
                   "min_data_in_leaf": 40, "seed": 0, "deterministic": True, "num_threads": 1,
                   "verbose": -1, "label_gain": list(range(17))}
         data = lgb.Dataset(x[o], lab[o], group=np.bincount(qid[o])[np.unique(qid[o])])
-        return lgb.train(params, data, num_boost_round=200).predict
+        model = lgb.train(params, data, num_boost_round=200)
+        return lambda xs: model.predict(xs, num_threads=1)
     return fit
 
 
-RANKERS = {"numpy": _rank_numpy, "sklearn_logistic": _rank_logistic,
+RANKERS = {"sklearn_logistic": _rank_logistic,
            "lgb_lambdarank": _rank_lgb("lambdarank"), "lgb_rank_xendcg": _rank_lgb("rank_xendcg")}
 
 
