@@ -15,12 +15,15 @@ stdout. Modes:
   reused, containers starting at once capped: :mod:`metasched.runtime.sandbox.warm`);
 - ``gvisor-new`` (with ``--new``): ``sandbox.gvisor_reuse=false
   sandbox.gvisor_starts=1024``: a new container for each request, no cap (the design
-  before reuse).
+  before reuse);
+- ``gvisor-exec`` (with ``--exec``): ``sandbox.gvisor_zygote=false``: each
+  ``python3`` of a request (its files' writer and its code) an exec and an interpreter
+  start-up, as before the zygote.
 
 Prints each run (wall, errors, latency p50/p99, the load average before it) and, per
 round, gVisor's wall over bubblewrap's.
 
-    python benchmarks/run_code_burst.py [--n 1000] [--rounds 1] [--new]
+    python benchmarks/run_code_burst.py [--n 1000] [--rounds 1] [--new] [--exec]
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ MODES = {
     "gvisor": ["sandbox.isolation=gvisor"],
     "gvisor-new": ["sandbox.isolation=gvisor", "sandbox.gvisor_reuse=false",
                    "sandbox.gvisor_starts=1024"],
+    "gvisor-exec": ["sandbox.isolation=gvisor", "sandbox.gvisor_zygote=false"],
 }
 BODY = {"language": "python", "code": "print(6 * 7)"}
 
@@ -133,10 +137,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--new", action="store_true",
                     help="also gvisor-new: a new container per request, no cap")
+    ap.add_argument("--exec", action="store_true",
+                    help="also gvisor-exec: no zygote (an exec per python3)")
     args = ap.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # (n connections each side)
-    modes = ["bwrap", "gvisor"] + (["gvisor-new"] if args.new else [])
+    modes = (["bwrap", "gvisor"] + (["gvisor-new"] if args.new else [])
+             + (["gvisor-exec"] if args.exec else []))
     print(f"{args.n} concurrent /run_code (python), {args.rounds} round(s); "
           f"load {os.getloadavg()[0]:.1f} at start")
     print("| round | mode | wall s | errors | p50 s | p99 s | load (1 min) before |")

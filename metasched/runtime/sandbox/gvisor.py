@@ -294,11 +294,11 @@ class Bundles:
         return {"runsc": argv, "bundle": bundle, "cid": cid, "seen": seen}
 
     def open_request(self, sb: Sandbox, *, hide: Sequence[str], system_paths: Sequence[str],
-                     env: dict[str, str]) -> tuple[dict[str, Any], list[int]]:
+                     env: dict[str, str] | None) -> tuple[dict[str, Any], list[int]]:
         """The sandbox server's ``open`` request for ``sb`` (its bundle written) and the
         descriptors that go with it (its slot's ``cgroup.procs``: the container starts
         in it); ``env``: the environment its commands get where a request adds none
-        (its zygote's Python environment: :mod:`.gvisor_zygote`)."""
+        (its zygote's Python environment: :mod:`.gvisor_zygote`; None: no zygote)."""
         files = identity_files(sb.uid, sb.uid)
         if sb.network:  # names the user-mode stack's resolver (see .egress)
             with open(egress.RESOLV_CONF) as f:
@@ -306,7 +306,8 @@ class Bundles:
         request = self.bundle(sb.sid, uid=sb.uid, gid=sb.uid, size=sb.size_bytes,
                               files=files, hide=hide, system_paths=system_paths,
                               network=sb.network)
-        request["python_env"] = gvisor_exec.python_env(env)
+        if env is not None:
+            request["python_env"] = gvisor_exec.python_env(env)
         fds = list(sb.box_slot.procs_fds) if sb.box_slot is not None else []
         return {"sid": sb.sid, "uid": sb.uid, "gid": sb.uid, "gvisor": request}, fds
 

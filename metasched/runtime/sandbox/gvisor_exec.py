@@ -137,6 +137,7 @@ class Server:
         self.forking: collections.deque = collections.deque()  # ids the zygote forks
         self.kill_asked: set[int] = set()  # ids killed before their pid was known
         self.held: list[dict] = []  # requests for the zygote while it starts
+        self.forked: set[int] = set()  # pids of the zygote's running children
         if zygote:
             self.zsock = self._start_zygote(zygote, program)
             self.sel.register(self.zsock, selectors.EVENT_READ, self._zygote_said)
@@ -286,7 +287,8 @@ class Server:
 
     def _zygote_said(self, fd: int) -> None:
         """The zygote is up, forked a command (its pid, or why not), or a command ended;
-        at end of file it is gone: commands waiting for it are refused."""
+        at end of file it is gone: commands waiting for it are refused, its running
+        ones killed (reported so), held ones run by exec."""
         try:
             data = self.zsock.recv(256)
         except OSError:
@@ -298,6 +300,9 @@ class Server:
                 cid = self.forking.popleft()
                 self._drop_pipes(cid)
                 self.send(cid, STARTED, b"-%d" % errno.ESRCH)
+            for pid in list(self.forked):  # their exits would never be told: killed
+                _kill(-pid)
+                self._exited(pid, int(signal.SIGKILL), 0, 0.0)
             self._run_held()  # by exec now
             return
         words = data.split()
@@ -305,6 +310,7 @@ class Server:
             self.zygote_ready = True
             self._run_held()
         elif words[0] == b"x":
+            self.forked.discard(int(words[1]))
             self._exited(int(words[1]), int(words[2]), int(words[3]), float(words[4]))
         else:
             cid, pid, why = self.forking.popleft(), int(words[0]), int(words[1])
@@ -312,6 +318,7 @@ class Server:
                 self._drop_pipes(cid)
                 self.send(cid, STARTED, b"-%d" % why)
                 return
+            self.forked.add(pid)
             self._started(cid, pid)
             if cid in self.kill_asked:
                 self.kill_asked.discard(cid)
@@ -443,8 +450,9 @@ def wipe(spared: tuple[int, ...] = ()) -> str:
     zygote) and itself (after up to 2 s: killed ones are being reaped by the init);
     empties ``/workspace``, ``/tmp`` and ``/dev/shm`` (directories made writable by
     their owner first: the commands' user owns all they made there), puts
-    ``/workspace``'s mode back to 0700 and removes its extended attributes; and fails if any of them is not empty then, or if a System
-    V shared memory segment, message queue or semaphore set is left (gVisor keeps them
+    ``/workspace``'s mode back to 0700 and removes its extended attributes; and fails
+    if any of them is not empty then, or if a System V shared memory segment, message
+    queue or semaphore set is left (gVisor keeps them
     in the sandbox's kernel across commands: counted with ``SHM_INFO``, ``MSG_INFO`` and
     ``SEM_INFO``)."""
     me, server = os.getpid(), os.getppid()

@@ -284,7 +284,8 @@ class Sandboxes(SlotKeeping, WarmPool):
                 self._confine_box(sb)
             request, fds = self.gvisor.open_request(
                 sb, hide=self.hide, system_paths=self.config.system_paths,
-                env={**allowed_env(self.config.env_allow), **SANDBOX_ENV})
+                env=({**allowed_env(self.config.env_allow), **SANDBOX_ENV}
+                     if self.config.gvisor_zygote else None))
             request["net"] = self._net_spec() if network else None
             self.server.open(request, fds)
         except (OSError, ServerGone) as e:
