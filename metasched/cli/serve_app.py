@@ -41,7 +41,7 @@ def serve_config(cfg: dict[str, Any], upstreams: dict[str, Any],
 
     keys = ("host", "port", "token", "tokens", "max_body_mb", "max_file_mb", "header_timeout_s",
             "body_timeout_s", "max_connections", "client_commands", "languages", "task",
-            "keep_results", "generation")
+            "keep_results", "generation", "e2b_sdk1_ports", "e2b_sdk1_replace")
     return ServeConfig(upstreams=upstreams, e2b_templates=templates or {},
                        e2b_cache=cfg.get("e2b_cache"),
                        **{k: cfg[k] for k in keys if cfg.get(k) is not None})

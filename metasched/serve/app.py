@@ -118,4 +118,9 @@ def create_app(dispatcher: DispatcherLike | Callable[[], DispatcherLike],
     app.add_middleware(Gate, clients=config.clients, max_body=config.max_body_bytes,
                        body_timeout_s=config.body_timeout_s, own_auth=(E2B_PREFIX + "/",))
     app.add_middleware(_CountRequests, metrics=service.metrics)
+    if config.e2b_sdk1_ports and getattr(app.state, "e2b", None) is not None:
+        from metasched.serve.e2b.sdk1_door import SDK1Door
+
+        # Outermost: what came on SDK 1.x's ports is gated and counted as /e2b's.
+        app.add_middleware(SDK1Door, sandboxes=app.state.e2b)
     return app

@@ -17,8 +17,8 @@ from metasched.core.schema import Checked, Count, Number, Strict, Text, parse
 from metasched.errors import ConfigError
 from metasched.serve.e2b.templates import E2BTemplate
 
-__all__ = ["DEFAULT_CLIENT", "LOOPBACK", "GenerationReplicas", "ServeConfig", "Upstream",
-           "derated", "is_loopback", "parse_upstreams"]
+__all__ = ["DEFAULT_CLIENT", "E2B_SDK1_PORTS", "LOOPBACK", "GenerationReplicas", "ServeConfig",
+           "Upstream", "derated", "is_loopback", "parse_upstreams"]
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
@@ -180,6 +180,12 @@ class GenerationReplicas(Strict):
     order: Literal["predicted", "least_slack", "fifo"] = "predicted"
     timeout_s: Number(gt=0.0, le=24 * 3600.0) = 600.0
 
+
+# E2B SDK 1.x's fixed ports in its debug mode, where ``e2b_sdk1_ports`` listens too
+# (metasched.serve.e2b.sdk1_door): its API, envd, code interpreter.
+E2B_SDK1_PORTS = {3000: "API", 49983: "envd", 49999: "code interpreter"}
+
+
 class ServeConfig(Checked):
     """How the service runs (the dispatcher behind it is configured on its own).
 
@@ -221,6 +227,15 @@ class ServeConfig(Checked):
             ``e2b_cache`` (None: ``~/.cache/metasched/e2b-templates``), are among the
             dispatcher's ``sandbox.system_paths``, their files its workspace templates.
         e2b_cache: where the templates' layers are (see ``e2b_templates``).
+        e2b_sdk1_ports: also listen on 127.0.0.1 at E2B SDK 1.x's fixed ports (3000,
+            49983, 49999: its debug mode, ``E2B_DEBUG=true``) and serve its API, envd
+            and code interpreter there (see :mod:`metasched.serve.e2b.sdk1_door`);
+            only without tokens.
+        e2b_sdk1_replace: a sandbox made through SDK 1.x's door ends the door sandboxes
+            made before it (SDK 1.x in debug mode sends no kill): for one sandbox at a
+            time, whose replacement then works (rllm's ``E2BPythonInterpreter`` with
+            ``n_sandboxes=1`` restarting its sandbox); off, a second one live makes
+            the code interpreter refuse its calls.
         keep_results: finished results kept in memory for ``GET /v1/actions/{id}``
             (older ones are answered from the dispatcher's journal, where it has one).
         generation: the OpenAI-compatible front door's replicas (see
@@ -243,6 +258,8 @@ class ServeConfig(Checked):
     keep_results: Count(0) = 100_000
     e2b_templates: dict[str, E2BTemplate] = {}
     e2b_cache: Text | None = None
+    e2b_sdk1_ports: bool = False
+    e2b_sdk1_replace: bool = False
     generation: GenerationReplicas | None = None
 
     one_line_root = 'settings'
@@ -260,6 +277,22 @@ class ServeConfig(Checked):
             raise ConfigError("token", f"listening on {self.host} needs a token (set "
                               f"METASCHED_SERVE_TOKEN, or token=...): only a loopback "
                               f"address may go without")
+        return self
+
+    @model_validator(mode="after")
+    def _sdk1_door(self) -> ServeConfig:
+        if not self.e2b_sdk1_ports:
+            if self.e2b_sdk1_replace:
+                raise ConfigError("e2b_sdk1_replace", "needs e2b_sdk1_ports (the door it "
+                                  "is a rule of)")
+            return self
+        if self.clients:
+            raise ConfigError("e2b_sdk1_ports", "SDK 1.x's code interpreter sends no "
+                              "credential, so its door serves only a service without "
+                              "tokens (on 127.0.0.1)")
+        if self.port in E2B_SDK1_PORTS:
+            raise ConfigError("e2b_sdk1_ports", f"port {self.port} is one of SDK 1.x's "
+                              f"({', '.join(map(str, E2B_SDK1_PORTS))}): listen on another")
         return self
 
     @model_validator(mode="after")

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import signal
+import socket
 import threading
 from types import TracebackType
 from typing import Any
@@ -23,6 +25,8 @@ from metasched.serve.config import ServeConfig
 from metasched.serve.connections import GuardedH11Protocol, default_max_connections
 
 __all__ = ["BackgroundServer", "serve", "uvicorn_config"]
+
+log = logging.getLogger("metasched.serve")
 
 
 def uvicorn_config(app: Any, host: str, port: int, *, graceful_s: float | None = 30.0,
@@ -52,12 +56,14 @@ async def _run(app: FastAPI, server: uvicorn.Server, *, probe_later: bool = Fals
     the languages are probed and the journal's unfinished requests taken up; a probe
     that fails stops it with the error."""
     service = app.state.service
+    sockets = None
     try:
+        sockets = _door_sockets(app, server)
         await service.start(probe_later=probe_later)
         if not probe_later:
-            await server.serve()
+            await server.serve(sockets=sockets)
             return
-        serving = asyncio.ensure_future(server.serve())
+        serving = asyncio.ensure_future(server.serve(sockets=sockets))
         try:
             await service.probed()
         except BaseException:
@@ -70,6 +76,29 @@ async def _run(app: FastAPI, server: uvicorn.Server, *, probe_later: bool = Fals
         # during start-up): what it had started closes.
         if service.dispatcher is not None:
             await service.close()
+        for sock in sockets or ():
+            sock.close()
+
+
+def _door_sockets(app: FastAPI, server: uvicorn.Server) -> list[socket.socket] | None:
+    """With ``e2b_sdk1_ports``, the sockets to serve: the service's, then SDK 1.x's
+    (:func:`~metasched.serve.e2b.sdk1_door.bind_door`); None: uvicorn binds its own.
+
+    Raises:
+        ConfigError: one of SDK 1.x's ports is taken, or the E2B API is off.
+    """
+    from metasched.errors import ConfigError
+    from metasched.serve.e2b.sdk1_door import SDK1_PORTS, bind_door
+
+    if not app.state.service.config.e2b_sdk1_ports:
+        return None
+    if getattr(app.state, "e2b", None) is None:
+        raise ConfigError("e2b_sdk1_ports", "the E2B API is off here (pip install "
+                          "'metasched[e2b]')")
+    door = bind_door()
+    log.info("E2B SDK 1.x door: 127.0.0.1:%s (E2B_DEBUG=true)",
+             ", ".join(map(str, SDK1_PORTS)))
+    return [server.config.bind_socket(), *door]
 
 
 def serve(app: FastAPI, host: str, port: int, **kwargs: Any) -> int | None:

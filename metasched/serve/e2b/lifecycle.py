@@ -30,6 +30,7 @@ from metasched.serve.e2b.sandboxes import (
     Sandbox,
     Sandboxes,
 )
+from metasched.serve.e2b.sdk1_door import DOOR
 
 if TYPE_CHECKING:
     from metasched.serve.service import Service
@@ -137,7 +138,8 @@ def lifecycle_router(service: Service, sandboxes: Sandboxes) -> APIRouter:
         try:
             sb = await sandboxes.create(
                 template=template, timeout_s=timeout or DEFAULT_TIMEOUT_S, client=client,
-                metadata=_strings(doc, "metadata"), env=_strings(doc, "envVars"))
+                metadata=_strings(doc, "metadata"), env=_strings(doc, "envVars"),
+                door=bool(request.scope.get(DOOR)))
         except ValueError as e:
             raise _Refused(400, str(e)) from None
         except Busy as e:

@@ -91,6 +91,7 @@ class Sandbox:
     _pids: Any = field(default_factory=lambda: itertools.count(1000))
     turn: int = 0  # its commands so far: each starts a turn, file calls are in it
     alive: bool = True
+    door: bool = False  # made through SDK 1.x's door (see .sdk1_door)
 
     @property
     def trajectory(self) -> str:
@@ -201,9 +202,12 @@ class Sandboxes:
     # ---------------------------------------------------------------- lifecycle
 
     async def create(self, *, template: str, timeout_s: float, client: str | None,
-                     metadata: Mapping[str, str], env: Mapping[str, str]) -> Sandbox:
+                     metadata: Mapping[str, str], env: Mapping[str, str],
+                     door: bool = False) -> Sandbox:
         """A new sandbox: its trajectory opened by a first action (its workspace made,
-        its template checked: a ``ValueError`` says why it could not be).
+        its template checked: a ``ValueError`` says why it could not be). One made
+        through SDK 1.x's door (``door``) always gets an access token: the door finds
+        it by the token; with ``e2b_sdk1_replace`` it ends the door's earlier ones.
 
         Raises:
             ValueError: the sandbox could not be made (one line).
@@ -211,10 +215,11 @@ class Sandboxes:
         cores, memory = _sizes(env)
         now = time.time()
         sb = Sandbox(id=f"ms{uuid.uuid4().hex[:18]}", template=template, client=client,
-                     token=secrets.token_urlsafe(24) if self.service.config.clients else None,
+                     token=secrets.token_urlsafe(24) if self.service.config.clients or door
+                     else None,
                      metadata=dict(metadata), env=dict(env), started_at=now,
                      end_at=now + timeout_s, cores=cores, memory_mb=memory,
-                     service=self.service)
+                     service=self.service, door=door)
         # Its trajectory is its client's: no other reaches it through /v1 or /run_code.
         self.service.owners.claim(sb.trajectory, client)
         # An empty sandbox needs no memory yet (each command is capped by its own
@@ -240,6 +245,10 @@ class Sandboxes:
             why = r.reason if r.status == REJECTED else (r.stderr.strip() or r.reason)
             raise ValueError(f"sandbox could not be created: {why}")
         self.by_id[sb.id] = sb
+        if door and getattr(self.service.config, "e2b_sdk1_replace", False):
+            for old in self.door_sandboxes():
+                if old is not sb:
+                    self.kill(old, "replaced by a newer sandbox through SDK 1.x's door")
         self._start_reaper()
         return sb
 
@@ -263,6 +272,21 @@ class Sandboxes:
             return None
         sb.last_used = time.monotonic()
         return sb
+
+    def by_access_token(self, token: str) -> Sandbox | None:
+        """The live sandbox whose envd access token is ``token`` (None: none)."""
+        found = None
+        for sb in list(self.by_id.values()):  # all of them: the time tells nothing
+            if sb.alive and sb.token is not None and hmac.compare_digest(
+                    token.encode(), sb.token.encode()):
+                found = sb
+        if found is not None:
+            found.last_used = time.monotonic()
+        return found
+
+    def door_sandboxes(self) -> list[Sandbox]:
+        """The live sandboxes made through SDK 1.x's door."""
+        return [sb for sb in self.by_id.values() if sb.alive and sb.door]
 
     def running(self, client: str | None) -> int:
         """Commands running in ``client``'s sandboxes (every sandbox's, with
