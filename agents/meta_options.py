@@ -32,6 +32,7 @@ class Option:
     name: str
     rule: str
     params: dict[str, Any] = field(default_factory=dict)
+    generation: str | None = None  # the generation pool's order it sets (None: as set)
 
     def build(self) -> Scheduler:
         """A fresh instance of the rule."""
@@ -55,7 +56,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("least_slack", "least_slack"),
     Option("slack_first", "slack_first"),
 )
-OPTIONS_BY_NAME: dict[str, Option] = {o.name: o for o in OPTIONS}
+# Options that also set the generation pool's order (a profile's ``generation:``; the
+# front door's order live): the default set, then these, appended so that a checkpoint's
+# option indices keep their meaning. A checkpoint names its options: one trained on
+# ``OPTIONS`` loads as it was; train on this set by naming it (``options=``).
+GENERATION_OPTIONS: tuple[Option, ...] = OPTIONS + (
+    Option("rate_greedy+generation=predicted", "rate_greedy", generation="predicted"),
+)
+OPTIONS_BY_NAME: dict[str, Option] = {o.name: o for o in GENERATION_OPTIONS}
 
 FEATURES: tuple[str, ...] = (
     "log_cores", "log_cores_per_node", "log_gpu_devices", "n_endpoints", "log_api_rpm",
@@ -66,7 +74,7 @@ FEATURES: tuple[str, ...] = (
 
 
 def option(name: str) -> Option:
-    """The default option called ``name`` (ValueError for an unknown one)."""
+    """The known option called ``name`` (ValueError for an unknown one)."""
     if name not in OPTIONS_BY_NAME:
         raise ValueError(f"unknown option {name!r} (known: {', '.join(OPTIONS_BY_NAME)})")
     return OPTIONS_BY_NAME[name]
@@ -98,4 +106,5 @@ def workload_features(state: ClusterState) -> np.ndarray:
     ], dtype=np.float64)
 
 
-__all__ = ["FEATURES", "OPTIONS", "OPTIONS_BY_NAME", "Option", "option", "workload_features"]
+__all__ = ["FEATURES", "GENERATION_OPTIONS", "OPTIONS", "OPTIONS_BY_NAME", "Option", "option",
+           "workload_features"]

@@ -137,6 +137,7 @@ class MetaScheduler(Scheduler):
 
     def _hand_to(self, state: ClusterState, k: int) -> None:
         self.active = self.options[k]
+        state.generation_order = self.active.generation
         self._rule = self.active.build()
         self._rule.reset(state, self._rng)
 
@@ -194,7 +195,9 @@ def save_meta_checkpoint(path: str | Path, network: MetaNetwork, options: list[O
     network.save(out / META_WEIGHTS)
     meta = {"meta_policy": {
         "version": META_VERSION, "objective": objective, "caps": caps, "fallback": fallback,
-        "options": [{"name": o.name, "rule": o.rule, "params": o.params} for o in options],
+        "options": [{"name": o.name, "rule": o.rule, "params": o.params,
+                     **({"generation": o.generation} if o.generation else {})}
+                    for o in options],
         "features": list(FEATURES),
         "values": {"coef": values.coef.tolist(), "spread": values.spread.tolist()}},
         **extra}
@@ -210,7 +213,8 @@ def load_meta_checkpoint(path: str | Path, gate: bool = True) -> MetaScheduler:
         meta = json.loads((p / "metadata.json").read_text())["meta_policy"]
         net = MetaNetwork.load(p / META_WEIGHTS)
         version, feats = meta["version"], meta["features"]
-        opts = [Option(o["name"], o["rule"], o["params"]) for o in meta["options"]]
+        opts = [Option(o["name"], o["rule"], o["params"], o.get("generation"))
+                for o in meta["options"]]
         coef, spread = np.asarray(meta["values"]["coef"]), np.asarray(meta["values"]["spread"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError("checkpoint", f"{p} is an unreadable meta-policy ({e!r})") from None

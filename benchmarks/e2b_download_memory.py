@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 
 import httpx
-import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from restart_under_load import Service, _free_port  # noqa: E402
+from stream_memory import RssPeak  # noqa: E402
 
 MB = 10**6
 
@@ -49,16 +49,6 @@ async def downloads(args: argparse.Namespace, work: Path) -> dict:
             for sb in boxes:
                 await sb.commands.run(f"head -c {args.mb * MB} /dev/urandom > big",
                                       timeout=600)
-            proc = psutil.Process(svc.proc.pid)
-            await asyncio.sleep(2)
-            out["rss_before_mb"] = proc.memory_info().rss / MB
-            peak = [out["rss_before_mb"]]
-            done = asyncio.Event()
-
-            async def sample() -> None:
-                while not done.is_set():
-                    peak.append(proc.memory_info().rss / MB)
-                    await asyncio.sleep(0.2)
 
             async def one(sb) -> int:
                 got = 0
@@ -67,15 +57,15 @@ async def downloads(args: argparse.Namespace, work: Path) -> dict:
                     got += len(piece)
                 return got
 
-            sampler = asyncio.ensure_future(sample())
-            t0, load0 = time.monotonic(), os.getloadavg()[0]
-            got = await asyncio.gather(*(one(sb) for sb in boxes))
-            out["seconds"] = time.monotonic() - t0
-            done.set()
-            await sampler
+            async with RssPeak(svc.proc.pid) as rss:
+                await asyncio.sleep(2)
+                out["rss_before_mb"] = rss.peak = rss.now()
+                t0, load0 = time.monotonic(), os.getloadavg()[0]
+                got = await asyncio.gather(*(one(sb) for sb in boxes))
+                out["seconds"] = time.monotonic() - t0
             await asyncio.sleep(5)
-            out.update(bytes=got, expected=args.mb * MB, rss_peak_mb=max(peak),
-                       rss_after_mb=proc.memory_info().rss / MB,
+            out.update(bytes=got, expected=args.mb * MB, rss_peak_mb=rss.peak,
+                       rss_after_mb=rss.now(),
                        load_start=round(load0, 1), load_end=round(os.getloadavg()[0], 1))
             out["rss_rise_mb"] = out["rss_peak_mb"] - out["rss_before_mb"]
             for sb in boxes:

@@ -2,17 +2,22 @@
 
 One replica: ``benchmarks/openai_stub.py`` in its own process (a local HTTP server that
 speaks the OpenAI format and answers at once, **not vLLM**: what is timed is the HTTP
-path, not a model), or ``--replica URL --model NAME`` (a running vLLM or SGLang). One
-metasched-serve on 127.0.0.1 (this process, its own thread) with ``generation`` set to
-it, order ``predicted`` over a remaining-work predictor (fitted on made-up trajectories:
-the stamp is computed for every request), each request in one of 16 trajectories
-(``X-Trajectory-Id``, ``X-Task``). One client, one request at a time, the two paths
-alternated so that the machine's load falls on both alike, each request's whole answer
-read. Prints p50 and p99 (ms, client side) of each path, streamed and not, the door's
-p50 overhead, and how many of the door's answers were byte for byte the direct one's
-(the stub only: a model's answers differ between calls).
+path, not a model), or ``--replica URL --model NAME`` (a running vLLM or SGLang). The
+door: one metasched-serve process on 127.0.0.1 (as deployed: its own process, the
+uvicorn settings ``metasched-serve`` runs with) with ``generation`` set to the replica,
+order ``predicted`` over a remaining-work predictor (fitted on made-up trajectories: the
+stamp is computed for every request), each request in one of 16 trajectories
+(``X-Trajectory-Id``, ``X-Task``). With ``--baseline REV`` a second door runs the
+``metasched`` package as it was at git revision ``REV`` of this checkout, beside this
+tree's. One client, one request at a time, the paths alternated so that the machine's
+load falls on all alike, each request's whole answer read. Prints p50 and p99 (ms,
+client side) of each path, streamed and not, each door's p50 overhead, its process's CPU
+time per request (user and system: what the machine's load does not change), and how
+many of each door's answers were byte for byte the direct one's (the stub only: a
+model's answers differ between calls).
 
     python benchmarks/generation_door.py [--calls 400] [--warmup 20] [--chunks 16]
+                                         [--baseline REV]
 """
 
 from __future__ import annotations
@@ -20,19 +25,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import socket
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
 import numpy as np
+import psutil
 
 from metasched.core.predictor import Predictor, TrajRecord
-from metasched.runtime.dispatch import Dispatcher, DispatcherConfig
-from metasched.serve import BackgroundServer, ServeConfig, create_app
 
 STUB = Path(__file__).parent / "openai_stub.py"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def made_up_predictor() -> Predictor:
@@ -50,40 +58,97 @@ def percentile(xs: list[float], q: float) -> float:
     return ys[min(len(ys) - 1, max(0, round(q * len(ys)) - 1))]
 
 
-def start_stub(chunks: int) -> tuple[subprocess.Popen, str]:
-    """The stub replica on a free port, once it answers."""
-    import socket
-
+def free_port() -> int:
+    """A free port on 127.0.0.1."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, str(STUB), "--port", str(port),
-                             "--chunks", str(chunks)])
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
+        return s.getsockname()[1]
+
+
+def start(args: list[str], probe: str, env: dict[str, str] | None = None
+          ) -> subprocess.Popen:
+    """A server process (``python args...``), once ``probe`` answers 200."""
+    proc = subprocess.Popen([sys.executable, *args], env=env)
+    deadline = time.monotonic() + 90
     while True:
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
+            if httpx.get(probe, timeout=2).status_code == 200:
+                return proc
         except httpx.TransportError:
             pass
         if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit("error: the stub replica did not start")
+            proc.kill()
+            raise SystemExit(f"error: {' '.join(args[:2])} did not start")
         time.sleep(0.1)
 
 
-def side_by_side(http: httpx.Client, replica: str, door: str, model: str, max_tokens: int,
-                 stream: bool, calls: int, warmup: int) -> tuple[list[float], list[float], int]:
-    """``calls`` requests each way (after ``warmup``), alternated: the times (ms) direct
-    and through the door, and how many answers were the same bytes both ways."""
-    times: dict[str, list[float]] = {replica: [], door: []}
-    same = 0
+def start_stub(chunks: int) -> tuple[subprocess.Popen, str]:
+    """The stub replica on a free port, once it answers."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    return start([str(STUB), "--port", str(port), "--chunks", str(chunks)],
+                 f"{url}/health"), url
+
+
+def start_door(tree: Path, replica: str) -> tuple[subprocess.Popen, str]:
+    """A metasched-serve process with the ``metasched`` package of ``tree`` (a checkout's
+    root) in front of ``replica``, once it answers."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    return start([__file__, "--serve-door", str(port), "--replica", replica],
+                 f"{url}/v1/ping", env), url
+
+
+def cpu_s(proc: psutil.Process) -> float:
+    """CPU seconds ``proc`` has used (user and system)."""
+    t = proc.cpu_times()
+    return t.user + t.system
+
+
+def export(rev: str, into: Path) -> Path:
+    """The ``metasched`` package as it was at git revision ``rev`` of this checkout,
+    written under ``into``."""
+    try:
+        tar = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "metasched"],
+                             capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        why = getattr(e, "stderr", b"") or str(e).encode()
+        raise SystemExit(f"error: --baseline {rev}: {why.decode().strip()}") from None
+    with tempfile.TemporaryFile() as f:
+        f.write(tar)
+        f.seek(0)
+        with tarfile.open(fileobj=f) as t:
+            t.extractall(into, filter="data")
+    return into
+
+
+def serve_door(port: int, replica: str) -> None:
+    """Serve the door (the ``--serve-door`` process) until stopped."""
+    from metasched.runtime.dispatch import Dispatcher, DispatcherConfig
+    from metasched.serve import ServeConfig, create_app
+    from metasched.serve.server import serve
+
+    cfg = ServeConfig(languages=[], generation={"replicas": [replica]})
+    app = create_app(lambda: Dispatcher(DispatcherConfig(scheduler="elastic_greedy"),
+                                        predictor=made_up_predictor()), cfg)
+    serve(app, "127.0.0.1", port, log_level="warning")
+
+
+def side_by_side(http: httpx.Client, replica: str, doors: list[str], model: str,
+                 max_tokens: int, stream: bool, calls: int, warmup: int
+                 ) -> tuple[list[float], list[list[float]], list[int]]:
+    """``calls`` requests direct and through each door (after ``warmup``), alternated:
+    the times (ms) direct and through each door, and how many of each door's answers
+    were the direct answer's bytes."""
+    times: list[list[float]] = [[] for _ in range(len(doors) + 1)]
+    same = [0] * len(doors)
     for i in range(warmup + calls):
         body = {"model": model, "prompt": [1, 2, 3, i % 997], "max_tokens": max_tokens,
                 "stream": stream}
         hdr = {"X-Trajectory-Id": f"bench-{i % 16}", "X-Task": "long"}
         got = []
-        for base in (replica, door):
+        for k, base in enumerate((replica, *doors)):
             t0 = time.perf_counter()
             r = http.post(base + "/v1/completions", json=body, headers=hdr)
             dt = time.perf_counter() - t0
@@ -91,9 +156,11 @@ def side_by_side(http: httpx.Client, replica: str, door: str, model: str, max_to
                 raise SystemExit(f"error: {base}: {r.status_code} {r.text[:200]}")
             got.append(r.content)
             if i >= warmup:
-                times[base].append(dt * 1e3)
-        same += i >= warmup and got[0] == got[1]
-    return times[replica], times[door], same
+                times[k].append(dt * 1e3)
+        if i >= warmup:
+            for k in range(len(doors)):
+                same[k] += got[k + 1] == got[0]
+    return times[0], times[1:], same
 
 
 async def contention(door: str, model: str, low: int, out_tokens: int = 150
@@ -133,28 +200,53 @@ def main() -> None:
                     "(default: start the stub)")
     ap.add_argument("--model", default="stub", help="the model name to ask for")
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--baseline", default=None, metavar="REV",
+                    help="also time the door of this git revision (e.g. main)")
+    ap.add_argument("--serve-door", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.serve_door is not None:
+        serve_door(args.serve_door, args.replica)
+        return
 
-    proc, replica = (None, args.replica.rstrip("/")) if args.replica else start_stub(args.chunks)
-    cfg = ServeConfig(languages=[], generation={"replicas": [replica]})
-    app = create_app(lambda: Dispatcher(DispatcherConfig(scheduler="elastic_greedy"),
-                                        predictor=made_up_predictor()), cfg)
-    print(f"load before: {os.getloadavg()[0]:.1f}")
-    try:
-        with BackgroundServer(app) as srv, httpx.Client(timeout=120) as http:
-            for stream in (True, False):
-                direct, door, same = side_by_side(http, replica, srv.url, args.model,
-                                                  args.max_tokens, stream, args.calls,
-                                                  args.warmup)
-                d50, p50 = percentile(direct, 0.5), percentile(door, 0.5)
-                print(f"{'streamed' if stream else 'not streamed'}: direct p50 {d50:.2f} "
-                      f"p99 {percentile(direct, 0.99):.2f} ms; door p50 {p50:.2f} "
-                      f"p99 {percentile(door, 0.99):.2f} ms; overhead p50 "
-                      f"{p50 - d50:.2f} ms; identical bytes {same}/{args.calls}")
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(10)
+    procs: list[subprocess.Popen] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            if args.replica:
+                replica = args.replica.rstrip("/")
+            else:
+                proc, replica = start_stub(args.chunks)
+                procs.append(proc)
+            names, doors, door_procs = [], [], []
+            trees = [("door", ROOT)]
+            if args.baseline:
+                trees.insert(0, (f"door@{args.baseline}", export(args.baseline, Path(tmp))))
+            for name, tree in trees:
+                proc, url = start_door(tree, replica)
+                procs.append(proc)
+                names.append(name)
+                doors.append(url)
+                door_procs.append(psutil.Process(proc.pid))
+            print(f"load before: {os.getloadavg()[0]:.1f}")
+            with httpx.Client(timeout=120) as http:
+                for stream in (True, False):
+                    cpu0 = [cpu_s(p) for p in door_procs]
+                    direct, times, same = side_by_side(http, replica, doors, args.model,
+                                                       args.max_tokens, stream, args.calls,
+                                                       args.warmup)
+                    cpu = [(cpu_s(p) - c) * 1e3 / (args.calls + args.warmup)
+                           for p, c in zip(door_procs, cpu0, strict=True)]
+                    d50 = percentile(direct, 0.5)
+                    print(f"{'streamed' if stream else 'not streamed'}: direct p50 "
+                          f"{d50:.2f} p99 {percentile(direct, 0.99):.2f} ms")
+                    for name, ts, n, c in zip(names, times, same, cpu, strict=True):
+                        p50 = percentile(ts, 0.5)
+                        print(f"  {name}: p50 {p50:.2f} p99 {percentile(ts, 0.99):.2f} ms; "
+                              f"overhead p50 {p50 - d50:.2f} ms; CPU {c:.2f} ms a request; "
+                              f"identical bytes {n}/{args.calls}")
+        finally:
+            for proc in procs:
+                proc.terminate()
+                proc.wait(10)
     print(f"load after: {os.getloadavg()[0]:.1f}")
 
 

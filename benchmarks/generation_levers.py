@@ -19,7 +19,10 @@ counts; the tool actions are scheduled by ``rate_greedy`` throughout. Levers:
 - ``partial``: partial rollouts under a staleness bound of one step (the simulator's
   asynchronous rollouts, ``max_offpolicyness: 1``: a batch is the first
   ``trajectories_per_step`` to finish, the rest go on into the next; the "step" is then
-  the interval between two batches), FIFO generation.
+  the interval between two batches), FIFO generation;
+- ``overprovision_1``, ``overprovision_2``: 1 or 2 responses per prompt group launched
+  beyond its size, the first ``size`` to finish kept, the rest aborted (RollPacker's
+  over-provisioning, ``metasched.sim.overprovision``), FIFO generation.
 
 Prints, per point and replica count, FIFO's mean step, the step with the pool's
 generation off (the profile's fixed gaps), and each lever's mean step ÷ FIFO's with
@@ -57,7 +60,9 @@ LEVERS = {"fifo": ("fifo", False, ()), "oracle": ("oracle", False, ()),
           "predicted_affinity": ("predicted", True, ()),
           "oracle_preempt": ("oracle", False, ("generation.priority_preemption=true",)),
           "oracle_preempt_affinity": ("oracle", True, ("generation.priority_preemption=true",)),
-          "partial": ("fifo", False, ("+workload.max_offpolicyness=1",))}
+          "partial": ("fifo", False, ("+workload.max_offpolicyness=1",)),
+          "overprovision_1": ("fifo", False, ("generation.overprovision=1",)),
+          "overprovision_2": ("fifo", False, ("generation.overprovision=2",))}
 
 
 def step_s(point: str, replicas: int | None, lever: str, seed: int) -> tuple[float, dict]:

@@ -282,7 +282,8 @@ def door_on_vllm(url: str, model: str, seqs: int) -> None:
                                         predictor=made_up_predictor()), cfg)
     with BackgroundServer(app) as srv, httpx.Client(timeout=120) as http:
         for stream in (True, False):
-            direct, door, _ = side_by_side(http, url, srv.url, model, 1, stream, 200, 20)
+            direct, (door,), _ = side_by_side(http, url, [srv.url], model, 1, stream, 200,
+                                              20)
             extra = percentile(door, 0.5) - percentile(direct, 0.5)
             check(f"door overhead ({'streamed' if stream else 'whole'})", extra <= 2.0,
                   f"p50 {percentile(direct, 0.5):.2f} ms direct, {percentile(door, 0.5):.2f} "

@@ -24,7 +24,10 @@ best heuristic by ACT, paired by seed with 95% intervals.
 
 Prints the table (markdown) and writes ``grid.md`` and ``grid.json`` under ``--out``.
 ``--versus NAME`` adds a second table from the same runs: every scheduler paired against
-``NAME`` at every point.
+``NAME`` at every point. A scheduler fed the predictor named ``NAME@DESIGN`` runs with the
+predictor of that design (:data:`metasched.core.predictor.DESIGNS`; the evaluation's
+``predictor.design``), beside ``NAME`` with the default: ``slack_first_predicted@reward_static``
+is the rule fed the reward-aware static baseline.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import json
 import resource
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +46,7 @@ from metasched.agents import BASELINES, ORACLES, PREDICTED
 from metasched.cli.eval_app import eval_settings
 from metasched.cli.output import json_safe
 from metasched.compose import compose, load_profile
+from metasched.core.predictor import DESIGNS
 from metasched.errors import ConfigError
 from metasched.evaluation.formatting import fmt_ci
 from metasched.evaluation.runs import compare_paired, eval_jobs, results_document, run_jobs
@@ -98,12 +103,17 @@ def run_grid(points: list[str], schedulers: list[str], n_seeds: int, seed_offset
              workers: int, reference: str | None, progress: bool = True) -> dict[str, Any]:
     """Run every point's evaluation (all runs in one pool) and return the grid document."""
     jobs, settings = [], {}
+    base = list(dict.fromkeys(n.split("@")[0] for n in schedulers))
     for p in points:
-        workload, cluster, s = point_settings(p, schedulers, n_seeds, seed_offset)
+        workload, cluster, s = point_settings(p, base, n_seeds, seed_offset)
+        for name in schedulers:
+            sched, _, design = name.partition("@")
+            one = eval_jobs(workload, cluster, [sched], s["seeds"], params=s["params"],
+                            timeline_dt=s["timeline_dt"], max_wait_s=s["max_wait_s"],
+                            paths=s["paths"], group=p, design=design or "boost")
+            jobs += [replace(j, label=name) for j in one]
+        s = {**s, "schedulers": list(schedulers)}
         settings[p] = (workload, s)
-        jobs += eval_jobs(workload, cluster, s["schedulers"], s["seeds"], params=s["params"],
-                          timeline_dt=s["timeline_dt"], max_wait_s=s["max_wait_s"],
-                          paths=s["paths"], group=p)
     t0 = time.perf_counter()
     cpu0 = _cpu_s()
     runs = run_jobs(jobs, workers=workers, progress=progress)
@@ -297,6 +307,11 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("points", f"unknown point(s) {unknown} (known: {', '.join(POINTS)})")
         if args.seeds < 1:
             raise ConfigError("seeds", f"must be >= 1 (got {args.seeds})")
+        for name in schedulers:
+            sched, at, design = name.partition("@")
+            if at and (sched not in PREDICTED or design not in DESIGNS):
+                raise ConfigError("schedulers", f"{name}: NAME@DESIGN is for a scheduler fed "
+                                  f"the predictor and one of {', '.join(DESIGNS)}")
         for opt in ("reference", "versus"):
             v = getattr(args, opt)
             if v is not None and v not in schedulers:

@@ -30,12 +30,12 @@ import numpy as np
 
 import metasched.sim.sampling as sampling
 from metasched.compose import profile
-from metasched.core.boost import QuantileBoost
 from metasched.core.predictor import (
     DESIGNS,
     REWARD,
     Predictor,
     TrajRecord,
+    fit_gbm,
     records_of,
     records_of_trace,
     replay,
@@ -112,7 +112,7 @@ def references(name: str, a: argparse.Namespace) -> dict[str, float]:
             m, mb = (ka == k) & (ra == r), (kb == k) & (rb == r)
             if mb.any():
                 typed[mb] = np.median(ya[m] if m.sum() >= 30 else ya[ra == r])
-    bound = QuantileBoost.fit(xa, ya, 0.5).predict(xb)
+    bound = fit_gbm(xa, ya, []).predict(xb)
     return {"typed_static": float(np.abs(typed - yb).mean()),
             "latents": float(np.abs(bound - yb).mean())}
 

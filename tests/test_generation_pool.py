@@ -9,13 +9,22 @@ import numpy as np
 import pytest
 
 from metasched.agents import make_scheduler
+from metasched.agents.meta_options import FEATURES, GENERATION_OPTIONS, OPTIONS
+from metasched.agents.meta_policy import (
+    MetaNetwork,
+    ValueEstimates,
+    load_meta_checkpoint,
+    save_meta_checkpoint,
+)
 from metasched.calibration.engine_fit import COSTS, fit_engine
 from metasched.calibration.samples import read_samples
 from metasched.compose import compose, load_profile
 from metasched.core.engine import EngineModel
 from metasched.core.trace_writer import TraceWriter
 from metasched.errors import ConfigError
+from metasched.evaluation.predictors import fitted_predictor
 from metasched.sim.generation import GenerationConfig, GenerationPool, GenRequest
+from metasched.sim.seeds import EVAL_SEED_OFFSET
 from metasched.sim.simulator import Simulator
 
 
@@ -76,6 +85,20 @@ def test_an_arrival_joins_the_batch_at_the_next_step():
     short = next(q for q in c.finished if q.traj.id == 1)
     assert short.start_t < t + ENGINE.step_s(1, 2000)  # admitted within one step
     assert short.end_t < c.finished[-1].end_t
+
+
+def test_an_aborted_request_leaves_its_batch_at_once_and_never_finishes():
+    c = _Clock(ENGINE.model_copy(update={"max_seqs": 1}))
+    for i, out in enumerate((1000, 10, 10)):
+        c.pool.submit(GenRequest(_Traj(i), 0, prompt=100, out=out, submit_t=0.0), 0.0)
+    t = 1.0  # 0 runs (its 1,000 steps take ~11 s), 1 and 2 wait
+    c.pool.abort(0, t)
+    c.pool.abort(1, t)
+    c.run()
+    assert [q.traj.id for q in c.finished] == [2]
+    (q,) = c.finished
+    assert t < q.start_t < t + ENGINE.step_s(1, 1100)  # took the freed batch at once
+    assert c.pool.replicas[0].ctx == 0 and not c.pool.replicas[0].running
 
 
 @pytest.mark.parametrize("order", ["fifo", "priority"])
@@ -160,6 +183,8 @@ def test_more_replicas_shorten_a_contended_step():
     (["generation.order=predicted"], "workload.generation.order"),
     (["generation.replicas=0"], "workload.generation.replicas"),
     (["+generation.engine.kv_tokens=-1"], "workload.generation.engine.kv_tokens"),
+    (["generation.overprovision=1", "+workload.max_offpolicyness=1"],
+     "workload.generation.overprovision"),
 ])
 def test_bad_generation_settings_are_one_line_errors(overrides, field):
     with pytest.raises(ConfigError) as e:
@@ -186,3 +211,53 @@ def test_the_engine_model_is_recovered_from_a_simulated_trace(tmp_path):
         assert getattr(fit.engine, cost) == pytest.approx(getattr(true, cost), rel=0.10), cost
     assert not fit.fitted["swap_per_token_s"]  # recompute: no swap in the trace
     assert np.isfinite(fit.rel_rmse)
+
+
+def test_a_meta_policy_option_sets_the_generation_order(tmp_path):
+    """The meta-policy's generation option stamps later turns from the predictor (fitted
+    on training seed 0; run on an evaluation seed); the plain rule leaves FIFO; the
+    option and its order survive a checkpoint."""
+    w, c = _small(["generation.replicas=1"])
+    opts = list(GENERATION_OPTIONS)
+    k = [o.name for o in opts].index("rate_greedy+generation=predicted")
+    f, n = len(FEATURES), len(opts)
+    b2 = np.zeros(n)
+    b2[k] = 1.0
+    net = MetaNetwork(np.zeros((f, 4)), np.zeros(4), np.zeros((4, n)), b2, np.zeros(f),
+                      np.ones(f))
+    save_meta_checkpoint(tmp_path / "m", net, opts, "rate_greedy", "step",
+                         {}, ValueEstimates(np.zeros((n, f + 1)), np.ones(n), np.zeros(f),
+                                            np.ones(f)), {})
+    meta = load_meta_checkpoint(tmp_path / "m", gate=False)
+    assert meta.options[k].generation == "predicted"
+    assert [o.name for o in meta.options[:len(OPTIONS)]] == [o.name for o in OPTIONS]
+    stamps = {}
+    for name, sched in (("meta", meta), ("plain", make_scheduler("rate_greedy"))):
+        path = tmp_path / f"{name}.jsonl"
+        with TraceWriter(path, c, w.services) as tw:
+            sim = Simulator(w, c, EVAL_SEED_OFFSET, predictor=fitted_predictor(w),
+                            trace_writer=tw)
+            sim.run(sched)
+        assert all(t.end_t == t.end_t for t in sim.step_trajs)  # every trajectory ended
+        stamps[name] = [x["priority"] for x in map(json.loads, path.read_text().splitlines())
+                        if x["type"] == "generation"]
+    assert meta.choice.name == "rate_greedy+generation=predicted"
+    assert any(p < 0 for p in stamps["meta"])  # longest predicted remaining first
+    assert not any(stamps["plain"])  # FIFO: no stamp
+
+
+def test_overprovisioning_keeps_the_first_to_finish_and_aborts_the_rest():
+    w, c = _small(["generation.replicas=2", "generation.overprovision=3"])
+    sim = Simulator(w, c, 0)
+    r = sim.run(make_scheduler("rate_greedy"))
+    trajs = sim.step_trajs
+    aborted = [t for t in trajs if t.id in sim.over.aborted]
+    kept = [t for t in trajs if t.id not in sim.over.aborted]
+    assert (len(trajs), len(kept), len(aborted)) == (11, 8, 3)  # one group of 8, +3
+    last = max(t.end_t for t in kept)
+    assert all(t.end_t == last for t in aborted)  # aborted as the 8th finished
+    assert r.step_s.tolist() == [last - trajs[0].start_t]
+    assert not sim.state.trajectories  # every one closed, its sandbox freed
+    base = Simulator(_small(["generation.replicas=2"])[0], c, 0)
+    base.run(make_scheduler("rate_greedy"))
+    assert [t.turns for t in base.step_trajs] == [t.turns for t in trajs[:8]]  # same draws

@@ -5,6 +5,7 @@ and its feeding by the simulator through the cost model."""
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import replace
 from functools import cache
 
@@ -46,7 +47,7 @@ def test_beats_the_static_estimate_on_a_held_out_seed(design: str) -> None:
         assert diff.mean() < -4 * diff.std() / math.sqrt(len(diff))
 
 
-@pytest.mark.parametrize("design", ["linear", "boost", "gbm"])
+@pytest.mark.parametrize("design", ["reward_static", "linear", "boost", "gbm"])
 def test_quantiles_are_ordered_and_cover_the_truth(design: str) -> None:
     p = _fitted(design)
     inside = []
@@ -136,6 +137,21 @@ def test_fit_rejects_bad_input() -> None:
         Predictor.fit([], "linear")
 
 
+@pytest.mark.parametrize("design", ["boost", "gbm"])
+def test_the_tree_designs_without_lightgbm_say_which_extra_in_one_line(
+        design: str, monkeypatch) -> None:
+    """Without LightGBM (the ``predict`` extra) a tree design's fit is one line naming the
+    extra, before any replay; the numpy designs still fit."""
+    from metasched.errors import ConfigError
+
+    monkeypatch.setitem(sys.modules, "lightgbm", None)  # import lightgbm: ImportError
+    records = list(_records("retool_grouped", 1, 0, 16))
+    with pytest.raises(ConfigError, match=r"metasched\[predict\]") as e:
+        Predictor.fit(records, design)
+    assert "\n" not in str(e.value)
+    assert Predictor.fit(records, "linear").remaining(0, records[0].task).p50 > 0
+
+
 def test_it_trains_on_a_recorded_trace(tmp_path) -> None:
     """A recorded trace gives back each trajectory's turns (types, gaps) and prompt group,
     and a predictor fitted on it predicts."""
@@ -203,6 +219,29 @@ def test_heuristics_fed_the_predictor_run_in_an_evaluation(monkeypatch) -> None:
             ClusterState(c, w.services), np.random.default_rng(0))
     with pytest.raises(Exception, match="estimates must be one of"):
         make_scheduler("least_slack", estimates="oracle")
+
+
+def test_an_evaluation_feeds_the_reward_aware_static_baseline_when_asked(monkeypatch) -> None:
+    """``predictor.design: reward_static`` feeds the same rule the static estimate told
+    which queued action is the reward, so the predicted rules have their baseline beside
+    them; another design name is one line."""
+    from metasched.cli.eval_app import eval_settings
+    from metasched.errors import ConfigError
+    from metasched.evaluation import predictors
+    from metasched.evaluation.runs import eval_jobs, run_job
+
+    monkeypatch.setattr(predictors, "TRAIN_TRAJECTORIES", 640)  # a smaller fit, same code
+    w, c = profile("retool_grouped_c10")
+    w = replace(w, steps=1, trajectories_per_step=64)
+    runs = {d: run_job(eval_jobs(w, c, ["critical_path_predicted"], [3], design=d)[0])
+            for d in ("boost", "reward_static")}
+    assert runs["boost"]["act"].size == runs["reward_static"]["act"].size
+    assert runs["boost"]["act"].tolist() != runs["reward_static"]["act"].tolist()
+    assert predictors.fitted_predictor(w, design="reward_static").design == "reward_static"
+    with pytest.raises(ConfigError, match="predictor.design") as e:
+        eval_settings({"schedulers": ["critical_path_predicted"], "n_seeds": 1,
+                       "predictor": {"design": "forest"}})
+    assert "\n" not in str(e.value)
 
 
 async def test_the_dispatcher_builds_and_feeds_a_predictor(tmp_path) -> None:

@@ -20,22 +20,28 @@ from metasched.core.engine import GenerationLine
 from metasched.core.predictor import Predictor, TrajRecord
 from metasched.runtime.dispatch import DispatcherConfig
 from metasched.serve import ServeConfig
+from metasched.serve.generation_door import Generation
 from tests.helpers import free_port
 from tests.serve_helpers import serving
 
 STUB = Path(__file__).parents[1] / "benchmarks" / "openai_stub.py"
 
 
-def _predictor() -> Predictor:
-    """Fitted on made-up trajectories: task ``long`` has 10 turns of ~5 s, ``short`` one
-    of ~0.2 s."""
+def _records() -> list[TrajRecord]:
+    """Made-up trajectories: task ``long`` has 10 turns of ~5 s, ``short`` one of
+    ~0.2 s."""
     rng = np.random.default_rng(0)
     recs = []
     for _ in range(40):
         recs.append(TrajRecord("long", None, tuple(
             ("bash", 2.0 * rng.uniform(0.8, 1.2), 3.0) for _ in range(10))))
         recs.append(TrajRecord("short", None, (("bash", 0.1 * rng.uniform(0.8, 1.2), 0.1),)))
-    return Predictor.fit(recs)
+    return recs
+
+
+def _predictor() -> Predictor:
+    """Fitted on :func:`_records`."""
+    return Predictor.fit(_records())
 
 
 @pytest.fixture(scope="module")
@@ -146,3 +152,74 @@ def test_unreachable_replica_is_502(tmp_path):
     with serving(config=cfg) as s:
         r = httpx.post(s.url + "/v1/completions", json={"model": "m", "prompt": "x"})
     assert r.status_code == 502 and "unreachable" in r.json()["detail"]
+
+
+def _sse(n: int) -> bytes:
+    """A streamed completion of ``n`` one-token chunks, then its usage and [DONE]."""
+    events = [json.dumps({"choices": [{"index": 0, "text": f"t{i}", "finish_reason": None}]})
+              for i in range(n)]
+    events.append(json.dumps({"choices": [], "usage": {"prompt_tokens": 3,
+                                                       "completion_tokens": n}}))
+    return b"".join(f"data: {e}\n\n".encode() for e in [*events, "[DONE]"])
+
+
+@pytest.mark.parametrize("n,cut", [(16, 7), (16, 1000), (20_000, 4093)])
+def test_counts_a_stream_cut_anywhere(n, cut):
+    # The door passes on whatever pieces the replica's reads give; the count must not
+    # depend on where they cut the events, nor on whether it ran at the end or (a long
+    # answer, over what the door holds) as the pieces passed.
+    whole = _sse(n)
+    gen = Generation(None, None, 0, None, 3, t0=0.0, stream=True)
+    pieces = [whole[i:i + cut] for i in range(0, len(whole), cut)]
+    for k, piece in enumerate(pieces):
+        gen.arrived(piece, 1.0 + k)
+    gen.count()
+    assert (gen.output_tokens, gen.usage["completion_tokens"]) == (n, n)
+    first_end = whole.index(b"\n\n") + 1  # the first event's last byte
+    assert gen.first_s == 1.0 + first_end // cut  # the piece that completed it
+    assert not gen.held and gen.rest == b""
+
+
+class _Recording(Predictor):
+    """The predictor, keeping the generation gaps it is given (by trajectory)."""
+
+    def observe(self, key, task, group, name, seconds, **kw):
+        if name == "gen":
+            self.__dict__.setdefault("gaps", {}).setdefault(key, []).append(seconds)
+        super().observe(key, task, group, name, seconds, **kw)
+
+
+def test_feeds_the_predictor_the_generation_it_measured(stubs, tmp_path):
+    # Two trajectories with the same timeline: an action, 1 s of the client's own
+    # time around a generation, a second action. Only a's generation goes through the
+    # door: its gap is learned as the generation's measured time; b's as the wall gap.
+    # (The predictor is fitted on made-up trajectories; nothing here is scored.)
+    echo = {"kind": "cpu", "argv": ["true"], "timeout_s": 10}
+    body = {"model": "m", "prompt": [1, 2, 3], "stream": True}
+    dcfg = DispatcherConfig(scheduler="elastic_greedy", trace=str(tmp_path / "trace.jsonl"))
+    cfg = ServeConfig(languages=[], generation={"replicas": stubs})
+    p = _Recording.fit(_records())
+    with serving(dcfg, cfg, predictor=p) as s, \
+            httpx.Client(base_url=s.url, timeout=30) as http:
+        for traj, base in (("a", s.url), ("b", stubs[0])):
+            hdr = {"X-Trajectory-Id": traj, "X-Task": "long"}
+            r = http.post("/v1/actions", json=echo, params={"wait": 10},
+                          headers={**hdr, "X-Turn": "0"})
+            assert r.json()["status"] == "done"
+            time.sleep(0.5)
+            assert httpx.post(base + "/v1/completions", json=body, headers=hdr).is_success
+            time.sleep(0.5)
+            r = http.post("/v1/actions", json=echo, params={"wait": 10},
+                          headers={**hdr, "X-Turn": "1"})
+            assert r.json()["status"] == "done"
+        ids = {t: s.dispatcher.trajectories.get(t).id for t in "ab"}
+        feats = {t: p.features(ids[t]) for t in "ab"}
+        est = {t: p.remaining(ids[t]).p50 for t in "ab"}
+    line = next(json.loads(x) for x in (tmp_path / "trace.jsonl").read_text().splitlines()
+                if '"generation"' in x)
+    measured = line["queue_s"] + line["run_s"]
+    gaps = p.__dict__["gaps"]
+    assert gaps[ids["a"]][-1] == pytest.approx(measured, abs=1e-6)
+    assert gaps[ids["b"]][-1] >= 1.0  # the wall gap, the client's time in it
+    assert feats["a"][11] < feats["b"][11]  # log elapsed
+    assert est["a"] != est["b"]

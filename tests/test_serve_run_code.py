@@ -13,6 +13,7 @@ import base64
 import hashlib
 import json
 import shutil
+import uuid
 
 import httpx
 import pytest
@@ -273,3 +274,32 @@ def test_without_sandboxes_no_language_is_offered_and_the_answer_says_why():
     assert doc["status"] == "SandboxError"
     assert "commands have no trajectory workspace here" in doc["message"]
     assert status["languages"] == [] and "python" in status["unavailable"]
+
+
+@pytest.mark.parametrize("route", ["/run_code", "/v1/actions"])
+def test_a_daemon_started_by_a_request_ends_with_its_step(served, route):
+    """A background process (double fork, its own session) does not outlive the step
+    that started it, even in a trajectory still open: no per-client cap is needed for
+    ``/run_code`` or native actions, only E2B's background commands run past their
+    request."""
+    import psutil
+
+    marker = f"daemon-{uuid.uuid4().hex[:12]}"
+    # It runs while the step does: the step finds it by its shell's command line (the
+    # marker is spelt whole there alone, and the pattern does not match itself).
+    script = (f"x=aemon-{marker[7:]}; (setsid sh -c \"sleep 300; echo d$x\" </dev/null "
+              f">/dev/null 2>&1 &); sleep 0.3; "
+              f"grep -l '[d]aemon-{marker[7:]}' /proc/[0-9]*/cmdline 2>/dev/null | wc -l")
+    head = {"X-Trajectory-Id": f"traj-{marker}", "X-Turn": "0"}
+    if route == "/run_code":
+        r = post(served.url, {"code": script, "language": "bash"}, headers=head)
+        out = r.json()["run_result"]["stdout"]
+    else:
+        r = httpx.post(f"{served.url}/v1/actions", params={"wait": 60}, timeout=120, json={
+            "kind": "cpu", "argv": ["sh", "-c", script], "timeout_s": 30,
+            "trajectory": f"traj-{marker}"})
+        out = r.json()["stdout"]
+    assert int(out) >= 1, r.text  # its trajectory stays open (named), the daemon does not
+    alive = [p.pid for p in psutil.process_iter(["cmdline"])
+             if any(marker in part for part in p.info["cmdline"] or [])]
+    assert alive == []

@@ -1,6 +1,8 @@
 """Dispatcher shards on Ray: trajectories placed by their hash and every action run; a
 shard killed under load loses nothing; one API quota shared by two shards through the
-lease service is never exceeded, and holds across the lease service's kill."""
+lease service is never exceeded, and holds across the lease service's kill; a GPU
+service's slots shared so too; ``metasched-serve``'s ``shards`` setting refused in one
+line where it cannot work."""
 
 from __future__ import annotations
 
@@ -96,6 +98,43 @@ def test_a_quota_shared_by_two_shards_holds_in_every_window(kill, block):
     assert len(doc["done_per_shard"]) == 2
     if kill is not None:
         assert doc["lease_service_restart"]["back_within_s"] <= 5.0
+
+
+@pytest.mark.parametrize("leased", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_a_gpu_service_shared_by_two_shards_never_runs_more_than_its_slots(
+        ray_cluster, tmp_path, leased):
+    """One GPU service with 2 slots shared by 2 shards of 2 stand-in GPUs each: never
+    more than 2 of its requests run at once over both (each shard alone would run 2);
+    without the shared pool (the control, with the slow tests), more do."""
+    from metasched.runtime.dispatch import DispatcherConfig
+    from metasched.runtime.leases.book import PoolLimit
+    from metasched.runtime.shards import ShardRing, start_shards, stop_shards
+
+    prefix = f"test-{uuid.uuid4().hex[:6]}"
+    standin = {"nodes": 1, "cores": 4, "gpus": 2, "seconds": 0.3,
+               "services": {"rm": {"mem_gb": 1.0, "restore_s": 0.0, "max_batch": 1}}}
+    router = start_shards(2, DispatcherConfig(scheduler="elastic_greedy"),
+                          journal_dir=str(tmp_path), standin=standin, prefix=prefix,
+                          pools={"rm": PoolLimit.service(2)} if leased else None)
+    reqs = [{"kind": "gpu", "service": "rm", "payload": i, "trajectory": f"t{i}",
+             "id": f"g{i}"} for i in range(16)]
+    try:
+        async def run():
+            results = await asyncio.gather(*(router.accept(r) for r in reqs))
+            await router.aclose()
+            return results
+
+        results = asyncio.run(run())
+    finally:
+        stop_shards(router.names, drain=False, leases=leased)
+    assert [r.status for r in results] == ["done"] * len(reqs), results[0]
+    assert len({ShardRing(router.names).hashed(r["trajectory"]) for r in reqs}) == 2
+    edges = sorted([(r.started_at, 1) for r in results] + [(r.finished_at, -1) for r in results])
+    running = most = 0
+    for _, step in edges:  # (an end sorts before a start at the same instant)
+        running += step
+        most = max(most, running)
+    assert most <= 2 if leased else most > 2, most
 
 
 @pytest.mark.slow
@@ -210,3 +249,32 @@ def test_a_router_started_after_a_shard_died_sends_its_trajectories_to_the_adopt
     assert [r.status for r in fresh] == ["done"] * len(reqs)
     assert list(stats) == [names[1]]
     assert sorted(stats[names[1]]["dispatchers"]) == sorted(names)
+
+
+@pytest.mark.parametrize("cfg, problem", [
+    ({"shards": 2}, "need backend=ray"),
+    ({"shards": 0, "backend": "ray"}, "whole number >= 1"),
+    ({"shards": "two", "backend": "ray"}, "whole number >= 1"),
+    ({"shards": 2, "backend": "ray", "services": {"rm": "m:f"}}, "GPU services"),
+])
+def test_a_bad_shards_setting_is_refused_in_one_line(cfg, problem):
+    pytest.importorskip("ray")
+    from metasched.cli.backend_settings import ray_settings, shard_count
+    from metasched.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=problem) as e:
+        shard_count(cfg, ray_settings(cfg))
+    assert str(e.value).startswith("shards: ") and "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_serves_shards_need_as_many_nodes_as_shards(ray_cluster, tmp_path):
+    """``metasched-serve backend=ray shards=2`` on a one-node cluster: one line."""
+    from metasched.cli.backend_settings import open_shards, ray_settings
+    from metasched.errors import ConfigError
+    from metasched.runtime.dispatch import DispatcherConfig
+
+    settings = ray_settings({"backend": "ray", "ray": {"name": f"t{uuid.uuid4().hex[:6]}"}})
+    with pytest.raises(ConfigError, match="fewer nodes than shards") as e:
+        open_shards(2, settings, DispatcherConfig(scheduler="elastic_greedy"), tmp_path)
+    assert str(e.value).startswith("shards: ")

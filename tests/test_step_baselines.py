@@ -189,3 +189,12 @@ def test_grid_has_the_grouped_points():
         assert grid.POINTS[p] == (p, ())
     assert "oracle" in grid.DEFAULT_SCHEDULERS
     assert math.isfinite(grid.step_lower_bounds("retool_grouped_c10", [0])[0])
+
+
+@pytest.mark.parametrize("name", ["critical_path@reward_static", "slack_first_predicted@forest"])
+def test_grid_design_variants_are_for_predicted_rules_and_known_designs(name, capsys):
+    """``NAME@DESIGN`` runs a predictor-fed rule with another predictor design; on any
+    other rule, or with an unknown design, the grid says so in one line before any run."""
+    assert _grid().main(["--points", "retool_grouped", "--schedulers", name]) == 2
+    err = capsys.readouterr().err
+    assert "NAME@DESIGN" in err and len(err.strip().splitlines()) == 1

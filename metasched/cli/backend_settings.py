@@ -72,6 +72,45 @@ def on_this_node(dcfg):
                         workdir=absolute(dcfg.workdir))
 
 
+def shard_count(cfg: dict[str, Any], on_ray: RaySettings | None) -> int:
+    """The ``shards`` setting: how many dispatcher shards (1: one dispatcher).
+
+    Raises:
+        ConfigError: not a whole number >= 1, more than one without ``backend=ray``, or
+            with GPU ``services`` (the shards do not split the cluster's GPUs).
+    """
+    n = cfg.get("shards", 1)
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError("shards", f"must be a whole number >= 1 (got {n!r})")
+    if n > 1 and on_ray is None:
+        raise ConfigError("shards", f"{n} shards need backend=ray (they are Ray actors)")
+    if n > 1 and cfg.get("services"):
+        raise ConfigError("shards", "GPU services are not served by shards yet (the "
+                          "cluster's GPUs are not split among them): shards=1")
+    return n
+
+
+def open_shards(n: int, settings: RaySettings, dcfg, out_dir: Path):
+    """``n`` dispatcher shards started on this node (journals under ``out_dir``), each
+    endpoint's quota shared among them through the lease service; a dispatcher over
+    them (:class:`~metasched.runtime.shards.ShardedDispatcher`) and their names."""
+    from metasched.cli.app import install_stop_handlers
+    from metasched.runtime.leases import PoolLimit
+    from metasched.runtime.ray_backend.remote import init_ray
+    from metasched.runtime.shards import ShardedDispatcher, start_shards
+
+    init_ray(settings.address, settings.namespace)
+    install_stop_handlers()
+    out = Path(out_dir).resolve()
+    pools = {name: PoolLimit.endpoint(spec) for name, spec in dcfg.endpoints.items()}
+    router = start_shards(n, on_this_node(dcfg), journal_dir=str(out / "shards"),
+                          pools=pools, lease_file=str(out / "leases.jsonl"),
+                          prefix=f"{settings.name}-shard")
+    return ShardedDispatcher(router.names), router.names
+
+
 def open_on_ray(settings: RaySettings, dcfg, services: dict[str, Any], cfg: dict[str, Any],
                 endpoints: list[str] | None = None):
     """The dispatcher actor the settings name (attached, or started with ``dcfg``)."""
@@ -86,5 +125,5 @@ def open_on_ray(settings: RaySettings, dcfg, services: dict[str, Any], cfg: dict
                            journal_given=cfg.get("journal") is not None, endpoints=endpoints)
 
 
-__all__ = ["BACKENDS", "NOT_ON_RAY", "on_this_node", "open_on_ray", "ray_overrides",
-           "ray_settings"]
+__all__ = ["BACKENDS", "NOT_ON_RAY", "on_this_node", "open_on_ray", "open_shards",
+           "ray_overrides", "ray_settings", "shard_count"]

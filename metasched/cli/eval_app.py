@@ -22,6 +22,7 @@ from metasched.cli.settings import (
     seeds_setting,
 )
 from metasched.compose import load_profile
+from metasched.core.predictor import DESIGNS
 from metasched.errors import ConfigError, one_of
 from metasched.sim.simulator import ESTIMATES
 
@@ -37,11 +38,13 @@ def eval_settings(cfg: dict[str, Any]) -> dict[str, Any]:
     est = cfg.get("estimates", "given")
     one_of(est, ESTIMATES, "estimates")
     fit_on = (cfg.get("predictor") or {}).get("fit_on", "auto")
+    design = (cfg.get("predictor") or {}).get("design", "boost")
+    one_of(design, DESIGNS, "predictor.design")
     if not isinstance(fit_on, str) or not fit_on:
         raise ConfigError("predictor.fit_on", f"must be auto, cross or a trace's path (got "
                           f"{fit_on!r})")
     return {"schedulers": scheds, "paths": paths, "params": params, "estimates": est,
-            "fit_on": fit_on,
+            "fit_on": fit_on, "design": design,
             "seeds": seeds_setting(cfg), "workers": int_setting(cfg, "workers", 1),
             "timeline_dt": float(dt), "plots": bool(cfg.get("plots", True)),
             "max_wait_s": max_wait_setting(cfg), "reference": reference}
@@ -58,7 +61,7 @@ def run_eval(cfg: dict[str, Any], out_dir, progress: bool = True) -> dict[str, A
                          workers=s["workers"], timeline_dt=s["timeline_dt"],
                          max_wait_s=s["max_wait_s"], paths=s["paths"],
                          estimates=s["estimates"], reference=s["reference"],
-                         fit_on=s["fit_on"], progress=progress)
+                         fit_on=s["fit_on"], design=s["design"], progress=progress)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if s["plots"]:

@@ -8,6 +8,7 @@ Examples::
     metasched-serve '+endpoints={search: {rpm: 600, max_concurrency: 64, url: "http://..."}}'
     METASCHED_SERVE_TOKEN=... metasched-serve host=0.0.0.0  # any other address needs a token
     metasched-serve backend=ray ray.name=metasched         # in front of the actor on Ray
+    metasched-serve backend=ray shards=4                   # in front of 4 dispatcher shards
 
 Point SandboxFusion clients at it (verl: ``sandbox_fusion_url=http://127.0.0.1:8080/
 run_code``; SkyRL: ``SANDBOX_FUSION_URL=http://127.0.0.1:8080``), native clients at
@@ -16,6 +17,11 @@ run_code``; SkyRL: ``SANDBOX_FUSION_URL=http://127.0.0.1:8080``), native clients
 ``graceful_s`` to finish, then running commands are killed and what did not finish
 stays in the journal (a restart on the same journal runs it). On Ray, a dispatcher the
 service started is stopped so too (unless ``ray.keep``); one it attached to goes on.
+With ``shards`` > 1 (``backend=ray``), the service starts that many dispatcher shards
+on this node (docs/deployment/kuberay.md), each endpoint's quota shared among them by
+the lease service, routes each request to the shard of its trajectory, and stops them
+when it stops; the cluster's nodes are split among them at their start (a node that
+joins later is given to none until the service starts again).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from metasched.cli.app import Interrupted, make_main
-from metasched.cli.backend_settings import open_on_ray, ray_settings
+from metasched.cli.backend_settings import open_on_ray, open_shards, ray_settings, shard_count
 from metasched.cli.dispatch_app import dispatcher_config, load_services
 from metasched.errors import ConfigError, one_of
 
@@ -75,6 +81,7 @@ def run_serve(cfg: dict[str, Any], out_dir: Path) -> None:
     from metasched.serve.e2b.templates import load_templates
 
     on_ray = ray_settings(cfg)
+    n_shards = shard_count(cfg, on_ray)
     endpoints, upstreams = parse_upstreams(cfg.get("endpoints"), "endpoints")
     out = Path(out_dir)
     templates = load_templates(cfg.get("e2b_templates"))
@@ -93,18 +100,27 @@ def run_serve(cfg: dict[str, Any], out_dir: Path) -> None:
     before, now = raise_descriptor_limit()  # before the caps derived from it
     log.info("descriptors: limit %d%s", now, f" (raised from {before})" if now > before
              else " (the hard limit: ulimit -n raises it)")
+    shards: list[str] = []
     if on_ray is None:
         dispatcher = Dispatcher(dcfg, services=services)  # a bad setting fails here
         log.info("journal: %s", dcfg.journal)
+    elif n_shards > 1:  # started here, stopped below
+        dispatcher, shards = open_shards(n_shards, on_ray, dcfg, out)
+        log.info("%s; journals in %s; nodes joining later are given to no shard until "
+                 "the service starts again", dispatcher.describe(), out / "shards")
     else:  # attached or started here; a bad setting fails here too
         dispatcher = open_on_ray(on_ray, dcfg, services, cfg, endpoints=sorted(upstreams))
         log.info("%s", dispatcher.describe())
-    app = create_app(dispatcher, scfg)
     try:
+        app = create_app(dispatcher, scfg)
         stopped_by = serve(app, scfg.host, scfg.port, graceful_s=float(graceful),
                            log_level=level)
     finally:
-        if on_ray is not None:
+        if shards:
+            from metasched.runtime.shards import stop_shards
+
+            stop_shards(shards, drain=True)
+        elif on_ray is not None:
             dispatcher.discard()  # started here and not closed (the server did not start)
     if stopped_by is not None:
         raise Interrupted(stopped_by)

@@ -16,7 +16,12 @@ Everything is in log space, where the grouped workload model's latents are norma
   given the siblings' and the trajectory's own residuals is ``effect``;
 * a queued action's duration is ``exp(mu_n + sd_n * effect)``.
 
-Remaining trajectory time has two designs (``design``):
+Remaining trajectory time has these designs (``design``):
+
+* ``"reward_static"``: the static estimate told whether the queued action is the reward
+  (the median log remaining time of the task at the turn index over the decisions
+  queueing a tool, and over those queueing the reward); the baseline a learned design
+  must beat, since a trajectory queueing its reward has only the reward left.
 
 * ``"shrinkage"``: the static estimate (mean log remaining time of the task at this
   turn index) shifted by ``sd_bar * effect``, ``sd_bar`` the types' duration-weighted sd;
@@ -25,10 +30,10 @@ Remaining trajectory time has two designs (``design``):
   estimate, the
   posterior effects, the finished siblings' totals and turn counts and log turn index.
 
-The ``boost`` design fits boosted trees (:mod:`metasched.core.boost`) for the median on
-every feature; ``gbm`` fits LightGBM's on those and the prompt's
-(:mod:`metasched.core.prompt_features`: what is known of it before its first turn; the
-``predict`` extra).
+The ``boost`` design fits LightGBM's gradient-boosted trees (the L1 objective) for the
+median on every feature; ``gbm`` fits them on those and the prompt's
+(:mod:`metasched.core.prompt_features`: what is known of it before its first turn). Both
+need the ``predict`` extra; ``shrinkage`` and ``linear`` need numpy alone.
 
 Quantiles (p10, p50, p90) add the design's training residual quantiles at the turn
 index (bucketed). Both designs are fitted by replaying training trajectories through
@@ -46,12 +51,19 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from metasched.core.boost import QuantileBoost
-from metasched.core.predictor_stats import GEN, QUANTILES, components, quantile_table, ridge, table
+from metasched.core.predictor_stats import (
+    GEN,
+    QUANTILES,
+    components,
+    fit_gbm,
+    lightgbm,
+    quantile_table,
+    ridge,
+    table,
+)
 from metasched.core.prompt_features import PromptFeaturizer, PromptInfo
-from metasched.errors import ConfigError
 
-DESIGNS = ("shrinkage", "linear", "boost", "gbm")
+DESIGNS = ("reward_static", "shrinkage", "linear", "boost", "gbm")
 REWARD = "reward"  # the type name of a trajectory's final reward action
 _K_CAP = 64  # turn indices above this share the last bucket
 _FEATURES = ("static", "effect", "prompt_effect", "sib_total", "sib_turns", "sib_done",
@@ -165,8 +177,10 @@ class Predictor:
     task_total: dict[str, tuple[float, float]]  # per task: mean log total s, log(turns+1)
     coef: np.ndarray = field(default_factory=lambda: np.zeros((1, len(_FEATURES) + 1)))
     resid_q: np.ndarray = field(default_factory=lambda: np.zeros((1, 3)))
-    boost: QuantileBoost | None = None
-    gbm: object | None = None  # the gbm design's LightGBM booster
+    boost: object | None = None  # the boost and gbm designs' LightGBM booster
+    # reward_static: per task, the median log remaining per turn bucket queueing a tool,
+    # and queueing the reward
+    aware: dict[str, tuple[np.ndarray, float]] = field(default_factory=dict)
     featurizer: PromptFeaturizer | None = None  # the gbm design's prompt features
     prompts: dict[str, PromptInfo] = field(default_factory=dict)
     trajs: dict[object, _Traj] = field(default_factory=dict)
@@ -300,13 +314,16 @@ class Predictor:
         prompt = str(tr.group[1]) if isinstance(tr.group, tuple) else ""
         return np.concatenate([x, self.featurizer.row(prompt, self.prompts.get(prompt))])
 
-    def _log_median(self, x: np.ndarray) -> float:
+    def _log_median(self, x: np.ndarray, task: str) -> float:
+        if self.design == "reward_static":
+            tool, reward = self.aware.get(task, (np.zeros(1), 0.0))
+            return reward if x[9] > 0.5 else float(tool[min(self._bucket_of(x), len(tool) - 1)])
         if self.design == "shrinkage":
             return float(x[0] + self.sd_bar * x[1])
-        if self.design == "boost":
-            return float(self.boost.predict(x)[0])
-        if self.design == "gbm":
-            return float(self.gbm.predict(x[None, :])[0])
+        if self.design in ("boost", "gbm"):
+            # One thread: prediction does not take the fit's num_threads, and on a busy
+            # machine more threads spin for milliseconds on one row.
+            return float(self.boost.predict(x[None, :], num_threads=1)[0])
         c = self.coef[min(self._bucket_of(x), len(self.coef) - 1)]
         return float(c[0] + c[1:] @ x[:len(_FEATURES)])
 
@@ -324,13 +341,13 @@ class Predictor:
         if name is not None:
             tr.name = name
         x = self.features(key)
-        m = self._log_median(x)
+        m = self._log_median(x, tr.task)
         q = self.resid_q[self._q_row(tr)]
         return Quantiles(*(math.exp(m + d) for d in q))
 
     def _q_row(self, tr: _Traj) -> int:
         """The row of ``resid_q`` for a trajectory (boost: row 0 is the reward's)."""
-        if self.design in ("boost", "gbm"):
+        if self.design in ("reward_static", "boost", "gbm"):
             return 0 if tr.name == REWARD else min(tr.turn + 1, len(self.resid_q) - 1)
         return min(tr.turn, len(self.resid_q) - 1)
 
@@ -382,6 +399,8 @@ class Predictor:
             raise ValueError(f"design must be one of {', '.join(DESIGNS)} (got {design!r})")
         if not records:
             raise ValueError("no training trajectories")
+        if design in ("boost", "gbm"):
+            lightgbm()  # missing: one line now, not after the replay
         logs: dict[str, list[float]] = {}
         for r in records:
             for k, (name, gen, dur) in enumerate(r.turns):
@@ -420,11 +439,15 @@ class Predictor:
             seen = {str(r.group[1]) for r in records if isinstance(r.group, tuple)}
             p.featurizer = PromptFeaturizer.fit(
                 [p.prompts[k] for k in sorted(seen) if k in p.prompts] or [PromptInfo()])
-        x, y, k, keys = [], [], [], []
+        x, y, k, keys, tasks = [], [], [], [], []
         for d, feats in replay(p, records):
             x.append(feats), y.append(math.log(max(d.remaining_s, 1e-3)))
-            k.append(p._bucket(d.task, d.turn)), keys.append(d.key)
+            k.append(p._bucket(d.task, d.turn)), keys.append(d.key), tasks.append(d.task)
         x, y, k = np.array(x), np.array(y), np.array(k)
+        if design == "reward_static":
+            p._fit_aware(x, y, np.array(tasks))
+            p.reset()
+            return p
         if design in ("boost", "gbm"):
             p._fit_boost(x, y, np.array(keys), len(records))
             p.reset()
@@ -447,6 +470,20 @@ class Predictor:
         p.reset()
         return p
 
+    def _fit_aware(self, x: np.ndarray, y: np.ndarray, tasks: np.ndarray) -> None:
+        """The reward_static design: its tables, and quantile offsets as ``boost``'s
+        (the reward's apart, the others' by turn index; on the training decisions: a
+        median per cell overfits little)."""
+        reward = x[:, 9] > 0.5
+        turn = np.minimum(np.rint(np.expm1(x[:, 6])).astype(int), _K_CAP)
+        for t in np.unique(tasks):
+            tool, rew = (tasks == t) & ~reward, (tasks == t) & reward
+            by_k = {int(b): list(y[tool & (turn == b)]) for b in np.unique(turn[tool])}
+            tab = table(by_k, np.median) if by_k else np.zeros(1)
+            self.aware[str(t)] = (tab, float(np.median(y[rew])) if rew.any() else tab[-1])
+        pred = np.array([self._log_median(r, str(t)) for r, t in zip(x, tasks, strict=True)])
+        self.resid_q = quantile_table(y - pred, np.where(reward, 0, turn + 1))
+
     def _fit_boost(self, x: np.ndarray, y: np.ndarray, keys: np.ndarray, n: int) -> None:
         """The boost design: boosted trees for the median of log remaining time on
         every feature, fitted to the decisions of the first ``1 - _HOLDOUT`` of the
@@ -454,32 +491,12 @@ class Predictor:
         reward's apart from the others', by turn index): out-of-sample, as served."""
         fit = keys < (1.0 - _HOLDOUT) * n if n >= 8 else np.ones(len(y), bool)
         held = ~fit if (~fit).any() else fit
-        if self.design == "gbm":
-            self.gbm = fit_gbm(x[fit], y[fit], categorical=[x.shape[1] - 1])
-            resid = y[held] - self.gbm.predict(x[held])
-        else:
-            self.boost = QuantileBoost.fit(x[fit], y[fit], 0.5)
-            resid = y[held] - self.boost.predict(x[held])
+        categorical = [x.shape[1] - 1] if self.design == "gbm" else []  # the repository
+        self.boost = fit_gbm(x[fit], y[fit], categorical)
+        resid = y[held] - self.boost.predict(x[held])
         turn = np.rint(np.expm1(x[held, 6])).astype(int)
         row = np.where(x[held, 9] > 0.5, 0, np.minimum(turn, _K_CAP) + 1)
         self.resid_q = quantile_table(resid, row)
-
-
-def fit_gbm(x: np.ndarray, y: np.ndarray, categorical: list[int]):
-    """LightGBM's gradient-boosted trees for the median of ``y`` (the L1 objective: the
-    mean |log error| is what is scored), deterministic, on one thread (a prediction of
-    one row on more spins threads for milliseconds on a busy machine)."""
-    try:
-        import lightgbm as lgb
-    except ImportError:
-        raise ConfigError("predictor", "the gbm design needs LightGBM and scikit-learn: "
-                          "pip install 'metasched[predict]'") from None
-    params = {"objective": "l1", "learning_rate": 0.05, "num_leaves": 15,
-              "min_data_in_leaf": 40, "feature_fraction": 0.8, "bagging_fraction": 0.8,
-              "bagging_freq": 1, "lambda_l2": 1.0, "seed": 0, "deterministic": True,
-              "num_threads": 1, "verbose": -1}
-    data = lgb.Dataset(x, y, categorical_feature=categorical, free_raw_data=False)
-    return lgb.train(params, data, num_boost_round=300)
 
 
 def replay(p: Predictor, records: list[TrajRecord]) -> Iterator[tuple[Decision, np.ndarray]]:

@@ -1,11 +1,13 @@
 """Fitting helpers of the remaining-work predictor (:mod:`metasched.core.predictor`):
-ridge regression, variance components, per-turn tables."""
+ridge regression, variance components, per-turn tables, LightGBM's trees."""
 
 from __future__ import annotations
 
 import math
 
 import numpy as np
+
+from metasched.errors import ConfigError
 
 GEN = "gen"  # the type name of generation gaps (as the predictor's)
 QUANTILES = (0.1, 0.5, 0.9)  # as the predictor's
@@ -78,4 +80,27 @@ def quantile_table(resid: np.ndarray, k: np.ndarray) -> np.ndarray:
     return np.array(rows)
 
 
-__all__ = ["components", "quantile_table", "ridge", "table"]
+def lightgbm():
+    """LightGBM, or a one-line error naming the extra that brings it."""
+    try:
+        import lightgbm
+    except ImportError:
+        raise ConfigError("predictor", "the boost and gbm designs need LightGBM: pip "
+                          "install 'metasched[predict]' (or design shrinkage or linear)"
+                          ) from None
+    return lightgbm
+
+
+def fit_gbm(x: np.ndarray, y: np.ndarray, categorical: list[int]):
+    """LightGBM's gradient-boosted trees for the median of ``y`` (the L1 objective: the
+    mean |log error| is what is scored), deterministic, fitted on one thread."""
+    lgb = lightgbm()
+    params = {"objective": "l1", "learning_rate": 0.05, "num_leaves": 15,
+              "min_data_in_leaf": 40, "feature_fraction": 0.8, "bagging_fraction": 0.8,
+              "bagging_freq": 1, "lambda_l2": 1.0, "seed": 0, "deterministic": True,
+              "num_threads": 1, "verbose": -1}
+    data = lgb.Dataset(x, y, categorical_feature=categorical, free_raw_data=False)
+    return lgb.train(params, data, num_boost_round=300)
+
+
+__all__ = ["components", "fit_gbm", "lightgbm", "quantile_table", "ridge", "table"]

@@ -6,8 +6,9 @@ Each decision point of a training replay (:func:`metasched.core.predictor.replay
 row: the predictor's features and the logs of its p10/p50/p90 remaining time. Pairs are
 decision points of one RL step close in time on the replay's clock (the ``window``
 nearest in time), labelled by which has the more true remaining time; a linear score
-on the standardised rows is fitted by pairwise logistic regression (Newton steps, an L2
-penalty). A scheduler orders by the score, highest first (``learned_priority``).
+on the standardised rows is fitted by pairwise logistic regression (scikit-learn's, an L2
+penalty; the ``predict`` extra). A scheduler orders by the score, highest first
+(``learned_priority``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from metasched.core.predictor import Predictor, TrajRecord, replay
+from metasched.errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,9 +64,25 @@ def rows(p: Predictor, records: list[TrajRecord]) -> tuple[np.ndarray, ...]:
 
 
 def fit_ranker(p: Predictor, records: list[TrajRecord], window: int = 8,
-               penalty: float = 1e-3, iters: int = 8) -> Ranker:
+               penalty: float = 1e-3) -> Ranker:
     """Fit on ``records`` replayed through ``p`` (see the module docstring)."""
-    x, y, step, t = rows(p, records)
+    return fit_ranker_rows(*rows(p, records), window=window, penalty=penalty)
+
+
+def fit_ranker_rows(x: np.ndarray, y: np.ndarray, step: np.ndarray, t: np.ndarray,
+                    window: int = 8, penalty: float = 1e-3) -> Ranker:
+    """Fit on :func:`rows`' arrays (see the module docstring): scikit-learn's logistic
+    regression on the pairs' row differences, without intercept (the order of a pair
+    is arbitrary), its L2 penalty ``penalty`` on the mean loss.
+
+    Raises:
+        ConfigError: scikit-learn (the ``predict`` extra) is not installed.
+    """
+    try:
+        from sklearn.linear_model import LogisticRegression
+    except ImportError:
+        raise ConfigError("learned_priority", "its ranker needs scikit-learn: pip install "
+                          "'metasched[predict]'") from None
     mean, sd = x.mean(0), x.std(0)
     sd[sd < 1e-9] = 1.0
     z = (x - mean) / sd
@@ -75,15 +93,15 @@ def fit_ranker(p: Predictor, records: list[TrajRecord], window: int = 8,
         keep = (step[i] == step[j]) & (y[i] != y[j])
         i_all.append(i[keep]), j_all.append(j[keep])
     i, j = np.concatenate(i_all), np.concatenate(j_all)
-    dz = z[i] - z[j]
-    lab = (y[i] > y[j]).astype(float)
-    w = np.zeros(z.shape[1])
-    for _ in range(iters):  # Newton steps of the penalised logistic loss
-        s = 1.0 / (1.0 + np.exp(-(dz @ w)))
-        grad = dz.T @ (s - lab) / len(lab) + penalty * w
-        hess = (dz * (s * (1 - s))[:, None]).T @ dz / len(lab) + penalty * np.eye(len(w))
-        w -= np.linalg.solve(hess, grad)
-    return Ranker(mean, sd, w)
+    # Both orders of every pair: the two labels balanced, as the score is antisymmetric.
+    dz = np.concatenate([z[i] - z[j], z[j] - z[i]])
+    lab = np.concatenate([y[i] > y[j], y[j] > y[i]])
+    if len(lab) == 0:
+        return Ranker(mean, sd, np.zeros(z.shape[1]))
+    # scikit-learn's loss is C x the summed log loss + |w|^2 / 2: C = 1 / (penalty x pairs).
+    model = LogisticRegression(C=1.0 / (penalty * len(lab)), fit_intercept=False,
+                               solver="newton-cholesky")
+    return Ranker(mean, sd, model.fit(dz, lab).coef_[0])
 
 
 def pair_accuracy(score: np.ndarray, y: np.ndarray, step: np.ndarray, t: np.ndarray,
@@ -100,4 +118,4 @@ def pair_accuracy(score: np.ndarray, y: np.ndarray, step: np.ndarray, t: np.ndar
     return hit / max(n, 1)
 
 
-__all__ = ["Ranker", "fit_ranker", "pair_accuracy", "row", "rows"]
+__all__ = ["Ranker", "fit_ranker", "fit_ranker_rows", "pair_accuracy", "row", "rows"]

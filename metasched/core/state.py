@@ -80,6 +80,9 @@ class ClusterState(Ahead, Readiness):
         # The remaining-work predictor (metasched.core.predictor) the clock feeds, if any:
         # ``predictor.remaining_of(traj)`` gives a trajectory's remaining-time quantiles.
         self.predictor: Predictor | None = None
+        # The generation pool's order a scheduler asks for (a meta-policy option's; see
+        # metasched.sim.llm_turns), None: the configured one. Applies to later requests.
+        self.generation_order: str | None = None
         # Handing ahead (see hand_ahead): per node, the actions handed there ahead of free
         # cores, and the freed cores kept for the first of them (idle, not free: another
         # grant there would start behind the node's queue, not on them).

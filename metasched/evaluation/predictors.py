@@ -70,42 +70,45 @@ def _records(workload: WorkloadConfig, time_scale: float = 1.0) -> list[TrajReco
 
 
 def fitted_predictor(workload: WorkloadConfig, time_scale: float = 1.0,
-                     fit_on: str = "auto") -> Predictor | CrossFitted:
+                     fit_on: str = "auto", design: str = DESIGN) -> Predictor | CrossFitted:
     """A predictor fitted for ``workload`` (see the module docstring), its online state
     empty and its own; ``time_scale``: for a replay of it with every duration and gap
-    times this; ``fit_on``: ``auto``, ``cross`` or another trace's path.
+    times this; ``fit_on``: ``auto``, ``cross`` or another trace's path; ``design``: one
+    of :data:`~metasched.core.predictor.DESIGNS` (``reward_static``: the baseline a
+    learned design is judged beside).
 
     Raises:
         ConfigError: ``fit_on`` is none of those, or cannot be fitted on.
     """
-    key = pickle.dumps((workload, time_scale, fit_on))
+    key = pickle.dumps((workload, time_scale, fit_on, design))
     p = _FITTED.get(key)
     if p is None:
-        p = _FITTED[key] = _fit(workload, time_scale, fit_on)
+        p = _FITTED[key] = _fit(workload, time_scale, fit_on, design)
     if isinstance(p, CrossFitted):
         return p.fresh()
     return replace(p, trajs={}, groups={}, finished={})
 
 
-def _fit(workload: WorkloadConfig, time_scale: float, fit_on: str) -> Predictor | CrossFitted:
+def _fit(workload: WorkloadConfig, time_scale: float, fit_on: str,
+         design: str) -> Predictor | CrossFitted:
     from metasched.errors import ConfigError
 
     if fit_on not in FIT_ON:
         other = replace(workload, trace=fit_on)
         try:
-            return Predictor.fit(_records(other, time_scale), DESIGN)
+            return Predictor.fit(_records(other, time_scale), design)
         except ValueError as e:
             raise ConfigError("predictor.fit_on", f"{fit_on}: {e}") from None
     if workload.trace is None:
         if fit_on == "cross":
             raise ConfigError("predictor.fit_on", "cross is for a trace workload (a "
                               "sampled profile fits on a training seed: use auto)")
-        return Predictor.fit(_records(workload, time_scale), DESIGN)
+        return Predictor.fit(_records(workload, time_scale), design)
     from metasched.sim.trace import read_trace
 
     folds = folds_of(read_trace(workload.trace).steps, FOLDS)
     try:
-        return CrossFitted.fit(_records(workload, time_scale), folds, FOLDS, DESIGN)
+        return CrossFitted.fit(_records(workload, time_scale), folds, FOLDS, design)
     except ValueError as e:
         raise ConfigError("predictor.fit_on", f"{workload.trace}: {e}") from None
 

@@ -40,6 +40,7 @@ class Job:
     estimates: str = "given"  # see metasched.sim.simulator.ESTIMATES
     group: str | None = None  # which of several evaluations run together it belongs to
     fit_on: str = "auto"  # what the predictor is fitted on (metasched.evaluation.predictors)
+    design: str = "boost"  # the predictor's design (metasched.core.predictor.DESIGNS)
 
 
 # The workload instances sampled last in this process, by (pickled workload, seed): the
@@ -75,7 +76,7 @@ def run_job(job: Job) -> dict[str, Any]:
     if getattr(sched, "estimates", None) == "predictor":  # it reads state.predictor
         from metasched.evaluation.predictors import fitted_predictor
 
-        predictor = fitted_predictor(job.workload, fit_on=job.fit_on)
+        predictor = fitted_predictor(job.workload, fit_on=job.fit_on, design=job.design)
         if getattr(sched, "ranker", False) is None:  # a learned priority, not yet fitted
             from metasched.evaluation.predictors import fitted_ranker
 
@@ -277,14 +278,16 @@ def eval_jobs(workload: WorkloadConfig, cluster: ClusterConfig, schedulers: Sequ
               seeds: Sequence[int], *, params: dict[str, dict[str, Any]] | None = None,
               timeline_dt: float = 10.0, max_wait_s: float | None = None,
               paths: dict[str, str] | None = None, group: str | None = None,
-              estimates: str = "given", fit_on: str = "auto") -> list[Job]:
+              estimates: str = "given", fit_on: str = "auto",
+              design: str = "boost") -> list[Job]:
     """The jobs of one evaluation: every scheduler on every seed. ``paths`` maps a
-    scheduler name to what loads it (a checkpoint directory); ``estimates`` and
-    ``fit_on``: see :func:`evaluate`."""
+    scheduler name to what loads it (a checkpoint directory); ``estimates``, ``fit_on``
+    and ``design``: see :func:`evaluate`."""
     params, paths = params or {}, paths or {}
     # Seed by seed: a worker then samples each instance once for all schedulers.
     return [Job(workload, cluster, paths.get(s, s), dict(params.get(s, {})), seed, timeline_dt,
-                max_wait_s, label=s, group=group, estimates=estimates, fit_on=fit_on)
+                max_wait_s, label=s, group=group, estimates=estimates, fit_on=fit_on,
+                design=design)
             for seed in seeds for s in schedulers]
 
 
@@ -313,19 +316,19 @@ def evaluate(workload: WorkloadConfig, cluster: ClusterConfig, schedulers: Seque
              seeds: Sequence[int], *, params: dict[str, dict[str, Any]] | None = None,
              workers: int = 1, timeline_dt: float = 10.0, max_wait_s: float | None = None,
              paths: dict[str, str] | None = None, estimates: str = "given",
-             reference: str | None = None, fit_on: str = "auto",
+             reference: str | None = None, fit_on: str = "auto", design: str = "boost",
              progress: bool = True) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Run every scheduler on every seed; returns (results document, per-run data).
     ``paths`` maps a scheduler name to what loads it (a checkpoint directory);
     ``estimates`` is ``"given"`` (each action's own estimate) or ``"online"`` (the
     live dispatcher's cost model, learned from the run's measured durations);
-    ``fit_on``: what a predictor-fed scheduler's predictor is fitted on
-    (:func:`metasched.evaluation.predictors.fitted_predictor`). The
+    ``fit_on``: what a predictor-fed scheduler's predictor is fitted on, ``design`` its
+    design (:func:`metasched.evaluation.predictors.fitted_predictor`). The
     document compares every scheduler, paired by seed, with ``reference`` (default: the
     best heuristic of the run by mean ACT; see :func:`compare_paired`)."""
     jobs = eval_jobs(workload, cluster, schedulers, seeds, params=params,
                      timeline_dt=timeline_dt, max_wait_s=max_wait_s, paths=paths,
-                     estimates=estimates, fit_on=fit_on)
+                     estimates=estimates, fit_on=fit_on, design=design)
     runs = run_jobs(jobs, workers=workers, progress=progress)
     doc = results_document(workload.name, schedulers, seeds, runs, paths=paths,
                            reference=reference)

@@ -23,14 +23,11 @@ from metasched.runtime.process import Process, start_process
 from metasched.runtime.sandbox.config import SandboxConfig
 from metasched.runtime.sandbox.manager import Sandbox, Sandboxes
 from metasched.runtime.sandbox.rundir import RunDirectory, remove_dead_runs
-from metasched.runtime.sandbox.workspace import WORKSPACE
+from metasched.runtime.sandbox.workspace import SANDBOX_ENV
 
 __all__ = ["gpu_sandbox", "launch", "open_sandboxes"]
 
 log = logging.getLogger("metasched.dispatch")
-
-# What a command in a sandbox sees as its home and identity (its workspace, its own /tmp).
-SANDBOX_ENV = {"HOME": WORKSPACE, "TMPDIR": "/tmp", "USER": "sandbox", "LOGNAME": "sandbox"}
 
 
 async def open_sandboxes(workdir: str | None, config: SandboxConfig, *,

@@ -116,7 +116,8 @@ def create_app(dispatcher: DispatcherLike | Callable[[], DispatcherLike],
     mount_e2b(app, service)  # /e2b: checks its own API keys and access tokens
     # The last added is the outermost: requests refused by the gate are counted too.
     app.add_middleware(Gate, clients=config.clients, max_body=config.max_body_bytes,
-                       body_timeout_s=config.body_timeout_s, own_auth=(E2B_PREFIX + "/",))
+                       body_timeout_s=config.body_timeout_s, own_auth=(E2B_PREFIX + "/",),
+                       streamed={("POST", E2B_PREFIX + "/files"): config.max_file_bytes})
     app.add_middleware(_CountRequests, metrics=service.metrics)
     if config.e2b_sdk1_ports and getattr(app.state, "e2b", None) is not None:
         from metasched.serve.e2b.sdk1_door import SDK1Door

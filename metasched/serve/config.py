@@ -201,10 +201,12 @@ class ServeConfig(Checked):
             (``token`` or ``tokens``), each token is one client: a trajectory belongs to
             the client that opened it, and only that client may act on it, close it or
             read its actions' results. Without it, every client is the same, trusted.
-        max_body_mb: request bodies larger than this are refused (413); an E2B upload
-            is one, streamed to the sandbox as it comes.
-        max_file_mb: an E2B download of a larger file is refused (413, one line); a
-            smaller one is streamed as it is read (the service holds one piece of it).
+        max_body_mb: request bodies larger than this are refused (413), E2B uploads'
+            aside (``max_file_mb``); a ``/run_code`` body's ``files`` are bounded by it.
+        max_file_mb: an E2B download of a larger file, or an E2B upload of a larger
+            body, is refused (413, one line); so is a file of ``fetch_files`` that would
+            take one answer's files past it (named in ``fetch_errors``). Smaller ones
+            stream as they are read or written (the service holds a piece or two).
         header_timeout_s: a request's headers must arrive within this many seconds of
             the connection's opening (of its next request's first byte, on a kept-alive
             connection); later, 408 and the connection is closed.

@@ -46,7 +46,14 @@ from metasched.runtime.requests import Flag, Result, Text, TrajectoryId, Turn
 from metasched.serve.bodies import JSONRoute
 from metasched.serve.context import context_from
 from metasched.serve.disconnect import Gone, unless_disconnected
-from metasched.serve.files import fetch_argv, parse_fetched, write_argvs
+from metasched.serve.files import (
+    FetchStream,
+    fetch_argv,
+    kept_output,
+    parse_fetched,
+    stream_large,
+    write_argvs,
+)
 from metasched.serve.native import error
 from metasched.serve.openapi import GATED, TRAJECTORY_HEADERS, responses
 from metasched.serve.ownership import scoped_prompt, with_scoped_prompt
@@ -130,9 +137,12 @@ def _cell(result: Result) -> tuple[CellRunResult, str]:
 
 
 async def run_jupyter(service: Service, req: RunJupyterRequest, context: dict[str, Any], *,
-                      ids: list[str] | None = None) -> RunJupyterResponse:
+                      ids: list[str] | None = None,
+                      streams: list[FetchStream] | None = None) -> RunJupyterResponse:
     """Run one ``/run_jupyter`` request (see the module docstring); ``ids`` collects the
-    ids of the actions submitted (what a cancel names)."""
+    ids of the actions submitted (what a cancel names), ``streams`` the fetched files
+    too large for one command's output, as ``/run_code``'s
+    (:func:`~metasched.serve.sandbox_fusion.run_code`)."""
     kernels = getattr(service.dispatcher, "kernels", None)
     if kernels is None:
         return RunJupyterResponse(status="SandboxError", message="kernels run only on a "
@@ -143,7 +153,7 @@ async def run_jupyter(service: Service, req: RunJupyterRequest, context: dict[st
                               "turn": given.get("turn", 0),
                               "task": given.get("task") or service.config.task,
                               "prompt": given.get("prompt")}
-    tail = int(getattr(getattr(service.dispatcher, "config", None), "tail_bytes", 4096))
+    tail = kept_output(service.dispatcher)
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     files_s = min(FILES_TIMEOUT_S, service.limits.max_timeout_s)
@@ -155,6 +165,11 @@ async def run_jupyter(service: Service, req: RunJupyterRequest, context: dict[st
         return await service.submit({**common, "argv": argv, "name": f"jupyter:{name}",
                                      "timeout_s": timeout_s, "id": rid})
 
+    def close() -> None:
+        if "trajectory" not in given or given.get("reward"):
+            service.dispatcher.close_trajectory(trajectory)  # the kernel goes with it
+
+    streaming = False  # the trajectory then ends with the answer's stream
     inputs = {p: c for p, c in req.files.items() if c is not None}
     inputs[DRIVER_PATH] = base64.b64encode(DRIVER.encode()).decode()
     cells: list[CellRunResult] = []
@@ -195,17 +210,23 @@ async def run_jupyter(service: Service, req: RunJupyterRequest, context: dict[st
                 driver, message = "Error", f"cell {len(cells) - 1}: {cell.error[0]['evalue']}"
                 break
         if req.fetch_files:
-            r = await step(fetch_argv(list(req.fetch_files), PYTHON), "fetch", files_s)
+            r = await step(fetch_argv(list(req.fetch_files), PYTHON, answer_chars=tail - 64,
+                                      cap=service.config.max_file_bytes), "fetch", files_s)
             try:
                 if not r.ok:
                     raise ValueError(r.reason)
-                fetched, unfetched = parse_fetched(r.stdout)
+                got = parse_fetched(r.stdout)
             except ValueError as e:
                 return RunJupyterResponse(status="SandboxError", message=f"fetch_files: {e}",
                                           cells=cells)
+            fetched, unfetched = got.files, got.errors
+            streaming = stream_large(got, list(req.fetch_files), streams,
+                                     lambda argv: step(argv, "fetch", files_s), tail, close,
+                                     PYTHON)
+            fetched = {} if streaming else fetched
     finally:
-        if "trajectory" not in given or given.get("reward"):
-            service.dispatcher.close_trajectory(trajectory)  # the kernel goes with it
+        if not streaming:
+            close()
     took = loop.time() - t0
     return RunJupyterResponse(
         status="Success" if driver == "Finished" else "Failed", message=message,
@@ -243,11 +264,17 @@ def jupyter_router(service: Service) -> APIRouter:
             req = req.model_copy(update={"prompt": scoped_prompt(
                 req.prompt, request.scope.get(CLIENT))})
         ids: list[str] = []
+        streams: list[FetchStream] = []
         try:
-            return await unless_disconnected(
-                request, run_jupyter(service, req, context, ids=ids),
+            resp = await unless_disconnected(
+                request, run_jupyter(service, req, context, ids=ids, streams=streams),
                 lambda: [service.cancel(rid, "disconnect") for rid in ids])
         except Gone:
             return error(499, "client disconnected: its actions were cancelled")
+        except BaseException:  # the handler cancelled (the server stops)
+            for stream in streams:
+                stream.close()
+            raise
+        return streams[0].response(resp) if streams else resp
 
     return router

@@ -14,10 +14,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import httpx
+import aiohttp
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.background import BackgroundTask
 
 from metasched.errors import ConfigError, validation_error
 from metasched.serve.context import context_from
@@ -86,18 +87,20 @@ def openai_router(service: Service) -> APIRouter:
             body["priority"] = priority
         gen = Generation(trajectory, ctx.get("turn"), door.replica_for(trajectory),
                          priority if priority is not None else req.priority,
-                         count_tokens(body.get("prompt")), time.perf_counter())
+                         count_tokens(body.get("prompt")), time.perf_counter(), req.stream)
         try:
             resp = await door.open(path, body, dict(request.headers), gen)
-        except httpx.HTTPError as e:
+        except (aiohttp.ClientError, TimeoutError) as e:
             return error(502, f"generation: replica {door.config.replicas[gen.replica]} "
                               f"unreachable ({type(e).__name__})")
         headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP}
+        # Counted and traced once the answer is out (not on the client's time).
+        after = BackgroundTask(door.finish, gen, resp.status)
         if req.stream:
-            return StreamingResponse(door.relay(resp, gen), status_code=resp.status_code,
-                                     headers=headers)
-        return Response(await door.read(resp, gen), status_code=resp.status_code,
-                        headers=headers)
+            return StreamingResponse(door.relay(resp, gen), status_code=resp.status,
+                                     headers=headers, background=after)
+        return Response(await door.read(resp, gen), status_code=resp.status,
+                        headers=headers, background=after)
 
     def route(contract: type[_OpenAIRequest], what: str) -> dict[str, Any]:
         return {"summary": f"{what}, forwarded to a vLLM or SGLang replica",

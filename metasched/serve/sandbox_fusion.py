@@ -16,12 +16,13 @@ TimeLimitExceeded, execution_time, return_code, stdout, stderr}`` or null), ``fi
 (path -> base64 of each fetched file that could be read) and, beyond SandboxFusion's
 fields (its clients ignore it), ``fetch_errors`` (path -> why not, one line, for each
 other path of ``fetch_files``: a file that is missing or unreadable does not fail the
-request). ``SandboxError`` is a fault of the
-sandbox (a command that could not start, a request the dispatcher rejected, a language
-not offered here), ``Failed`` a compile error, a non-zero exit or a time limit, and
-``Success`` everything else. A compile that fails is not followed by a run
-(``run_result`` null). Every answer is ``200`` but for a body that is not a request or
-asks more than the dispatcher's ``limits`` allow (``422``, one line), a trajectory
+request; files larger than one command's output stream in the answer as they are
+read, and those past ``max_file_mb`` in all are named there). ``SandboxError`` is a
+fault of the sandbox (a command that could not start, a request the dispatcher
+rejected, a language not offered here), ``Failed`` a compile error, a non-zero exit
+or a time limit, and ``Success`` everything else. A compile that fails is not followed
+by a run (``run_result`` null). Every answer is ``200`` but for a body that is not a
+request or asks more than the dispatcher's ``limits`` allow (``422``, one line), a trajectory
 of another client (``403``, with authentication on), and, with the dispatcher's
 ``deadlines.on_deadline: refuse``, a request that could not start in time (``504``,
 one line, before its caller gives up: SandboxFusion's clients retry it).
@@ -79,7 +80,16 @@ from metasched.serve.deadlines import (
     run_code_deadline,
 )
 from metasched.serve.disconnect import Gone, unless_disconnected
-from metasched.serve.files import decoded_size, fetch_argv, parse_fetched, stdin_argv, write_argvs
+from metasched.serve.files import (
+    FetchStream,
+    decoded_size,
+    fetch_argv,
+    kept_output,
+    parse_fetched,
+    stdin_argv,
+    stream_large,
+    write_argvs,
+)
 from metasched.serve.languages import LANGUAGES, Language
 from metasched.serve.native import error
 from metasched.serve.openapi import GATED, TRAJECTORY_HEADERS, ErrorDetail, responses
@@ -260,7 +270,8 @@ def step_deadlines(deadline_at: float | None, req: RunCodeRequest, compiles: boo
 async def run_code(service: Service, req: RunCodeRequest, context: dict[str, Any], *,
                    language: Language | None = None,
                    ids: list[str] | None = None,
-                   deadline_at: float | None = None) -> RunCodeResponse:
+                   deadline_at: float | None = None,
+                   streams: list[FetchStream] | None = None) -> RunCodeResponse:
     """Run one ``/run_code`` request through the service's dispatcher: its files
     written, its code compiled (if the language compiles) and run, its ``fetch_files``
     read back, each step an action of the request's trajectory (see :mod:`.files`).
@@ -273,6 +284,10 @@ async def run_code(service: Service, req: RunCodeRequest, context: dict[str, Any
         ids: the id of each action submitted is appended here (what a cancel names).
         deadline_at: when the caller stops waiting (``time.monotonic()``; None: the
             dispatcher's default deadline, if any): each step gets its share of it.
+        streams: where fetched files too large for one command's output go, as a
+            :class:`~metasched.serve.files.FetchStream` to answer with (the answer's
+            ``files`` then empty; the trajectory then ends with the stream); None: such
+            files are named in ``fetch_errors`` instead.
 
     Raises:
         DeadlineMissed: a step was refused at its latest start.
@@ -303,6 +318,9 @@ async def run_code(service: Service, req: RunCodeRequest, context: dict[str, Any
     ran: CommandRunResult | None = None
     fetched: dict[str, str] = {}
     unfetched: dict[str, str] = {}
+    # A request's own trajectory ends with it (its workspace too); a named one stays.
+    close = (lambda _: None) if "trajectory" in given else service.dispatcher.close_trajectory
+    streaming = False  # the trajectory then ends with the answer's stream
 
 
     async def step(argv: list[str], name: str, timeout_s: float, **extra: Any) -> Result:
@@ -340,18 +358,27 @@ async def run_code(service: Service, req: RunCodeRequest, context: dict[str, Any
                                        compile_result=compiled)
             ran = command_result(r)
         if req.fetch_files:
-            r = await step(fetch_argv(list(req.fetch_files)), "fetch", files_s)
+            kept = kept_output(service.dispatcher)
+            r = await step(fetch_argv(list(req.fetch_files), answer_chars=kept - 64,
+                                      cap=service.config.max_file_bytes), "fetch", files_s)
             try:
                 if not r.ok:  # the command's last line only: never a traceback
                     last = (r.stderr.strip().splitlines() or [""])[-1][-300:]
                     raise ValueError(f"{r.reason}: {last}" if last else r.reason)
-                fetched, unfetched = parse_fetched(r.stdout)
+                got = parse_fetched(r.stdout)
             except ValueError as e:
                 return RunCodeResponse(status="SandboxError", message=f"fetch_files: {e}",
                                        compile_result=compiled, run_result=ran)
+            fetched, unfetched = got.files, got.errors
+            # No deadline for the pieces: the answer has begun, its caller reads it.
+            streaming = stream_large(got, list(req.fetch_files), streams, lambda argv: (
+                service.submit({**common, "argv": argv, "name": f"{lang.name}:fetch",
+                                "id": uuid.uuid4().hex, "timeout_s": files_s})),
+                kept, lambda: close(trajectory))
+            fetched = {} if streaming else fetched
     finally:
-        if "trajectory" not in given:
-            service.dispatcher.close_trajectory(trajectory)  # its workspace goes with it
+        if not streaming:
+            close(trajectory)
     status, message = run_status(compiled, ran)
     return RunCodeResponse(status=status, message=message, compile_result=compiled,
                            run_result=ran, files=fetched, fetch_errors=unfetched)
@@ -448,10 +475,12 @@ def run_code_router(service: Service) -> APIRouter:
         if req.prompt is not None:
             req = req.model_copy(update={"prompt": scoped_prompt(req.prompt, client)})
         ids: list[str] = []
+        streams: list[FetchStream] = []
         try:
             resp = await unless_disconnected(
                 request, run_code(service, req, context, ids=ids,
-                                  deadline_at=None if wait_s is None else received + wait_s),
+                                  deadline_at=None if wait_s is None else received + wait_s,
+                                  streams=streams),
                 lambda: [service.cancel(rid, "disconnect") for rid in ids])
         except Gone:
             return error(499, "client disconnected: its actions were cancelled")
@@ -459,8 +488,13 @@ def run_code_router(service: Service) -> APIRouter:
             service.metrics.run_code.labels(req.language if req.language in LANGUAGES
                                             else "other", "Timeout").inc()
             return error(504, str(e))
+        except BaseException:  # the handler cancelled (the server stops)
+            for stream in streams:
+                stream.close()
+            raise
         service.metrics.run_code.labels(req.language if req.language in LANGUAGES
                                         else "other", resp.status).inc()
-        return resp
+        # Files larger than one command's output: the answer streams as they are read.
+        return streams[0].response(resp) if streams else resp
 
     return router

@@ -1,7 +1,9 @@
 """What every request passes before a route sees it: the bearer token (when the service
 has one), the body size limit and the body's deadline. One ASGI middleware, so that a
 refused request costs no parsing, an oversized body is cut off while it streams in, and
-a body that does not come in time is answered 408. The client a token belongs to is left
+a body that does not come in time is answered 408. Most bodies are read here whole;
+those of the routes named ``streamed`` (E2B uploads) pass on as they come, each
+under its own cap, for the route to write out piece by piece. The client a token belongs to is left
 in the request's scope (:data:`CLIENT`) for the routes that check who owns a trajectory
 (:mod:`metasched.serve.ownership`)."""
 
@@ -13,7 +15,7 @@ import json
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
 
-__all__ = ["CLIENT", "OPEN_PATHS", "Gate"]
+__all__ = ["CLIENT", "OPEN_PATHS", "BodyRefused", "Gate"]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -23,6 +25,14 @@ Send = Callable[[Message], Awaitable[None]]
 # Answered without a token: liveness checks carry none.
 OPEN_PATHS = frozenset({"/v1/ping", "/v1/health"})
 CLIENT = "metasched.client"  # scope key: the client's name (None: authentication off)
+
+
+class BodyRefused(Exception):
+    """A streamed body refused while it came in: the answer's status and one line."""
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(detail)
+        self.status, self.detail = status, detail
 
 
 async def _refuse(send: Send, status: int, detail: str,
@@ -49,13 +59,19 @@ class Gate:
             headers: later, the request is answered 408 and its connection closed.
         own_auth: path prefixes whose routes check credentials of their own (the E2B
             API's keys and access tokens): no bearer token asked there.
+        streamed: ``(method, path)`` of routes whose bodies pass on as they come, to
+            the cap given here instead of ``max_body`` (a ``Content-Length`` over it:
+            413 at once); ``body_timeout_s`` then bounds each wait for the next piece,
+            not the whole body (its pace is the route's, which writes as it reads).
     """
 
     def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], *,
                  clients: Mapping[str, str], max_body: int,
-                 body_timeout_s: float = 60.0, own_auth: tuple[str, ...] = ()) -> None:
+                 body_timeout_s: float = 60.0, own_auth: tuple[str, ...] = (),
+                 streamed: Mapping[tuple[str, str], int] | None = None) -> None:
         self.app = app
         self.own_auth = own_auth
+        self.streamed = dict(streamed or {})
         self.expected = [(f"Bearer {token}".encode(), name) for token, name in clients.items()]
         self.max_body = max_body
         self.body_timeout_s = body_timeout_s
@@ -79,8 +95,13 @@ class Gate:
                 return
             scope[CLIENT] = client
         length = headers.get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body:
-            await _refuse(send, 413, f"request body over {self.max_body} bytes")
+        cap = self.streamed.get((scope.get("method", ""), scope["path"]))
+        limit = self.max_body if cap is None else cap
+        if length is not None and length.isdigit() and int(length) > limit:
+            await _refuse(send, 413, f"request body over {limit} bytes")
+            return
+        if cap is not None:
+            await self.app(scope, self._paced(receive, cap), send)
             return
         # The body is read here, within the limit, and handed on whole: a route then
         # never sees a body over it (FastAPI would turn an error raised while it reads
@@ -104,6 +125,28 @@ class Gate:
             return await receive()  # after the body: the disconnect, when it comes
 
         await self.app(scope, replay, send)
+
+    def _paced(self, receive: Receive, cap: int) -> Receive:
+        """``receive`` for a streamed body: each piece within ``body_timeout_s``, and
+        the body within ``cap`` bytes (past either, :class:`BodyRefused`: the route
+        answers it)."""
+        seen = 0
+
+        async def paced() -> Message:
+            nonlocal seen
+            try:
+                async with asyncio.timeout(self.body_timeout_s):
+                    message = await receive()
+            except TimeoutError:
+                raise BodyRefused(408, f"body: no data for {self.body_timeout_s:g} s "
+                                  f"(body_timeout_s)") from None
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > cap:
+                    raise BodyRefused(413, f"request body over {cap} bytes")
+            return message
+
+        return paced
 
     async def _read(self, receive: Receive, send: Send) -> bytes | None:
         """The whole body, within the limit (None: answered 413, or the client left)."""

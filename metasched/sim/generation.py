@@ -58,6 +58,9 @@ class GenerationConfig(Strict):
             running one of lowest priority when its own is higher (vLLM V0's priority
             policy did; V1 preempts only when a running sequence needs room). Only
             with an order other than ``fifo``.
+        overprovision: responses launched per prompt group beyond its size (RollPacker's
+            over-provisioning, :mod:`metasched.sim.overprovision`): the first ``size`` to
+            finish are kept, the rest aborted. 0: off.
     """
 
     replicas: Count(1) = 1
@@ -68,6 +71,7 @@ class GenerationConfig(Strict):
     order: Literal[ORDERS] = "fifo"  # type: ignore[valid-type]
     affinity: Flag = False
     priority_preemption: Flag = False
+    overprovision: Count(0) = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -100,6 +104,7 @@ class GenRequest:
     prefills: int = 0
     prefill_tokens: float = 0.0
     swap_tokens: float = 0.0
+    aborted: bool = False  # its trajectory was aborted (over-provisioning)
 
     @property
     def ctx(self) -> int:
@@ -194,6 +199,27 @@ class GenerationPool:
             if low[0] > (req.priority, req.seq):
                 self._wake(self.replicas[low[1]], t)
 
+    def order_by(self, priority: Callable[[GenRequest], float] | None) -> None:
+        """Stamp requests submitted from now on with ``priority`` (None: FIFO); those
+        waiting keep theirs, as an engine's do."""
+        self._priority = priority
+
+    def abort(self, traj_id: int, t: float) -> None:
+        """Drop a trajectory's requests at ``t`` (an aborted response): a waiting one
+        leaves its queue; a running one leaves its batch at the end of the step in
+        progress, its KV cache freed, and never finishes."""
+        for queue in (self._waiting, *(r.waiting for r in self.replicas)):
+            kept = [x for x in queue if x[2].traj.id != traj_id]
+            if len(kept) != len(queue):
+                queue[:] = kept
+                heapq.heapify(queue)
+        for r in self.replicas:
+            for q in r.running:
+                if q.traj.id == traj_id and not q.aborted:
+                    q.aborted = True
+                    self._wake(r, t)
+        self.forget(traj_id)
+
     def forget(self, traj_id: int) -> None:
         """A trajectory has ended: its replica binding and cached prefix go."""
         self._home.pop(traj_id, None)
@@ -247,7 +273,10 @@ class GenerationPool:
                     done.append(q)
             r.ctx += n * k
             r.busy = False
-            for q in done:
+            for q in [q for q in r.running if q.aborted]:
+                r.running.remove(q)
+                r.ctx -= q.ctx
+            for q in (q for q in done if not q.aborted):
                 r.running.remove(q)
                 r.ctx -= q.ctx
                 q.end_t = t

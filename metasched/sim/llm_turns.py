@@ -19,6 +19,10 @@ Orders (the priority a request is stamped with, lower first):
   where every trajectory starts together, it orders as ``oracle`` does.
 - ``predicted``: longest predicted remaining first: minus the run's predictor's median
   remaining time (``metasched.core.predictor``), as the live side would stamp it.
+
+A scheduler may ask for another order (``state.generation_order``: a meta-policy option
+that sets it, ``metasched.agents.meta_options``); requests submitted after take it, and
+the configured one again once it asks for none.
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ class LLMTurns:
         self._first: dict[object, int] = {}  # prompt group -> its first prompt's tokens
         self._not_before: dict[int, float] = {}  # trajectory -> its sandbox is ready
         self.pool = GenerationPool(config, self._push, self._done, self._order(config.order))
+        self._asked: str | None = None  # the order the scheduler asks for (state's)
 
     def _order(self, order: str) -> Callable[[GenRequest], float] | None:
         if order == "fifo":
@@ -103,6 +108,10 @@ class LLMTurns:
     def turn(self, traj: Trajectory, i: int, t: float) -> None:
         """Generate ``traj``'s turn ``i`` from ``t`` (its action arrives after)."""
         prompts, outs = self._tokens[traj.id]
+        asked = self.sim.state.generation_order
+        if asked != self._asked:
+            self._asked = asked
+            self.pool.order_by(self._order(asked or self.config.order))
         if outs[i] == 0:  # no generation before it (an action submitted with another)
             self.sim.push_event(max(t, self._not_before.pop(traj.id, t)), self._arrive, traj)
             return
@@ -111,6 +120,7 @@ class LLMTurns:
     def close(self, traj: Trajectory) -> None:
         """``traj`` has ended."""
         self._tokens.pop(traj.id, None)
+        self._not_before.pop(traj.id, None)
         self.pool.forget(traj.id)
 
     # ------------------------------------------------------------------ internals

@@ -44,6 +44,9 @@ class WorkloadInstance:
 
     steps: list[list[TrajectorySpec]] = field(default_factory=list)
     independent: list[IndependentAction] = field(default_factory=list)
+    # Per prompt id: its task and latent difficulties (that of its draws, that of its
+    # turn counts), where prompt groups were drawn: more siblings can be drawn later.
+    prompt_latents: dict[str, tuple[str, float, float]] = field(default_factory=dict)
 
     def demand_by_task(self) -> dict[str, dict[str, float]]:
         """Per pool, each task's total estimated work (est_s x min cores for cpu).
@@ -231,19 +234,31 @@ def sample_prompts(w: WorkloadConfig, rng: np.random.Generator) -> WorkloadInsta
     counts = split_counts([t.share for t in w.tasks], w.trajectories_per_step)
     g = w.groups
     loads = {t.name: TaskLoadings.of(t, g) for t in w.tasks}
-    steps, prompts = [], 0
+    steps, prompts, latents = [], 0, {}
     for _ in range(w.steps):
         step: list[TrajectorySpec] = []
         for task, c in zip(w.tasks, counts, strict=True):
             for first in range(0, c, g.size):
                 d, d2 = rng.standard_normal(2).tolist()
                 dt = g.turns_coupling * d + math.sqrt(1.0 - g.turns_coupling ** 2) * d2
+                latents[str(prompts)] = (task.name, d, dt)
                 step.extend(_sample_sibling(task, rng, w.estimate_error, loads[task.name], d,
                                             dt, str(prompts))
                             for _ in range(min(g.size, c - first)))
                 prompts += 1
         steps.append(step)
-    return WorkloadInstance(steps=steps)
+    return WorkloadInstance(steps=steps, prompt_latents=latents)
+
+
+def sample_siblings(w: WorkloadConfig, instance: WorkloadInstance, prompt: str, n: int,
+                    rng: np.random.Generator) -> list[TrajectorySpec]:
+    """``n`` more responses to ``prompt`` of ``instance`` (drawn by
+    :func:`sample_prompts`), at its latent difficulties, from ``rng``."""
+    name, d, dt = instance.prompt_latents[prompt]
+    task = next(t for t in w.tasks if t.name == name)
+    loads = TaskLoadings.of(task, w.groups)
+    return [_sample_sibling(task, rng, w.estimate_error, loads, d, dt, prompt)
+            for _ in range(n)]
 
 
 def _scored(d: Dist, z: np.ndarray, rng: np.random.Generator) -> np.ndarray:

@@ -183,6 +183,11 @@ class Simulator:
             from metasched.sim.llm_turns import LLMTurns
 
             self.llm = LLMTurns(self, workload.generation, seed, GEN, ARRIVE)
+        self.over = None  # over-provisioned prompt groups (opt-in)
+        if workload.generation is not None and workload.generation.overprovision:
+            from metasched.sim.overprovision import OverProvision
+
+            self.over = OverProvision(self, workload.generation.overprovision, seed)
         self.rollout = None
         if workload.max_offpolicyness is not None:
             from metasched.sim.async_rollout import AsyncRollout
@@ -394,6 +399,8 @@ class Simulator:
     def _on_arrive(self, traj: Trajectory) -> None:
         # This turn's action, and those submitted together with it; a chained one waits
         # for the action before it (submitted from _on_end).
+        if self.over is not None and traj.id in self.over.aborted:
+            return
         i = self._next_turn.get(traj.id, 0)
         if self.predictor is not None:
             self.predictor.observe_gap(traj, traj.turns[i].gen_s)
@@ -435,6 +442,9 @@ class Simulator:
                                    prompt=None if traj is None else traj.prompt)
         if traj is None:
             return
+        if self.over is not None and traj.id in self.over.aborted:
+            self.over.action_ended(traj)
+            return
         nxt = a.turn + 1
         if nxt > self.turns_done.get(traj.id, (0, 0.0))[0]:
             self.turns_done[traj.id] = (nxt, self.state.t)
@@ -462,6 +472,8 @@ class Simulator:
         if self.rollout is not None:
             self.rollout.done(traj)
             return
+        if self.over is not None:
+            self.over.finished(traj)
         self.open_waiting_sandboxes()
         self.state.step_done += 1
         if self.state.step_done == self.state.step_total:
@@ -493,6 +505,8 @@ class Simulator:
         self.step_trajs = []
         for ts in specs:
             self.start_trajectory(ts, self._step)
+        if self.over is not None:
+            self.over.launch(specs, self._step)
         self.open_waiting_sandboxes()
 
     def start_trajectory(self, ts: TrajectorySpec, version: int) -> Trajectory:

@@ -8,9 +8,13 @@ is taken as the first said). A remaining-work predictor (the ``predictor`` setti
 :func:`fit_predictor`) learns each turn's generation gap (from the trajectory's last
 event to a request that finds nothing of it queued or running) and each end, and reads
 a trajectory's open and finished siblings (those with its prompt) as the simulator's
-does; once none of a prompt's trajectories is open, its group is forgotten, so that a
-long-running dispatcher's predictor state stays bounded (and a prompt sampled again in
-a later RL step starts a new group, as groups are per step in training)."""
+does. Where the OpenAI front door forwarded the turn's generations
+(:meth:`Trajectories.generated`), the gap it learns is their measured time (queue and
+run at the replica) instead of the wall time between the requests, which also holds
+the client's own work. Once none of a prompt's trajectories is open, its group is
+forgotten, so that a long-running dispatcher's predictor state stays bounded (and a
+prompt sampled again in a later RL step starts a new group, as groups are per step in
+training)."""
 
 from __future__ import annotations
 
@@ -60,6 +64,7 @@ class Trajectories:
         self._live: dict[int, int] = {}  # trajectory id -> actions queued or running
         self._ended: set[int] = set()
         self._seen: dict[int, float] = {}
+        self._generated: dict[int, float] = {}  # trajectory id -> its gap's generations, s
         self._prompts: dict[str, int] = {}  # prompt -> its open trajectories
         self._next = 0
 
@@ -81,13 +86,27 @@ class Trajectories:
             self.by_name[req.trajectory] = traj
         p = self.d.state.predictor
         if p is not None and not self._live.get(traj.id):  # a new turn: its gap ended
-            p.observe_gap(traj, t - self._seen.get(traj.id, t))
+            gap = self._generated.pop(traj.id, None)
+            p.observe_gap(traj, t - self._seen.get(traj.id, t) if gap is None else gap)
         traj.turn = max(traj.turn, req.turn + 1)
         self._live[traj.id] = self._live.get(traj.id, 0) + 1
         self._seen[traj.id] = t
         if req.reward:
             self._ended.add(traj.id)
         return traj
+
+    def generated(self, name: str, seconds: float, t: float) -> None:
+        """The front door forwarded one of trajectory ``name``'s generations, which took
+        ``seconds`` at its replica and ended at ``t``: its gap is learned as the sum of
+        these (one gap a turn, as the predictor was fitted), and the trajectory is not
+        idle. A trajectory not yet open (its first turn's generation: the predictor's
+        clock starts at its first action) or with an action running is left as it is."""
+        traj = self.by_name.get(name)
+        if traj is None or self._live.get(traj.id):
+            return
+        self._seen[traj.id] = max(t, self._seen.get(traj.id, t))
+        if self.d.state.predictor is not None:
+            self._generated[traj.id] = self._generated.get(traj.id, 0.0) + seconds
 
     def finished(self, traj: Trajectory, t: float) -> None:
         """One of ``traj``'s actions finished at ``t``: it closes if it was its last
@@ -116,6 +135,7 @@ class Trajectories:
         self._live.pop(traj.id, None)
         self._ended.discard(traj.id)
         self._seen.pop(traj.id, None)
+        self._generated.pop(traj.id, None)
         for name, tr in list(self.by_name.items()):
             if tr is traj:
                 del self.by_name[name]

@@ -129,6 +129,12 @@ class SandboxConfig(Checked):
             emptied, checked) and serves the next one asked instead of a new container
             (:mod:`~metasched.runtime.sandbox.warm`; the docs' Sandboxes page says when
             that is as safe as a new one).
+        gvisor_zygote: with ``isolation: gvisor``, whether a ``python3 FILE`` or
+            ``python3 -c CODE`` command runs in a fork of the sandbox's warm interpreter
+            instead of an exec and an interpreter start-up
+            (:mod:`~metasched.runtime.sandbox.gvisor_zygote`; the docs' Sandboxes page
+            says what differs: every such command of a container shares its
+            interpreter's hash seed and address layout).
     """
 
     isolation: Literal[ISOLATION_MODES] = "auto"  # type: ignore[valid-type]
@@ -150,6 +156,7 @@ class SandboxConfig(Checked):
     gvisor_warm: Count(0, 64) = 1
     gvisor_starts: Count(1, 1024) = 4
     gvisor_reuse: Flag = True
+    gvisor_zygote: Flag = True
 
     one_line_at = ("sandbox",)
 

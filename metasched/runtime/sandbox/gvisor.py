@@ -43,7 +43,7 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-from metasched.runtime.sandbox import egress
+from metasched.runtime.sandbox import egress, gvisor_exec
 from metasched.runtime.sandbox.bwrap import ETC_PATHS, SYSTEM_PATHS, identity_files, within
 from metasched.runtime.sandbox.handles import Sandbox
 from metasched.runtime.sandbox.server_records import HOME
@@ -293,11 +293,12 @@ class Bundles:
                 if m["type"] == "bind" and m["source"] == m["destination"]]
         return {"runsc": argv, "bundle": bundle, "cid": cid, "seen": seen}
 
-    def open_request(self, sb: Sandbox, *, hide: Sequence[str],
-                     system_paths: Sequence[str]) -> tuple[dict[str, Any], list[int]]:
+    def open_request(self, sb: Sandbox, *, hide: Sequence[str], system_paths: Sequence[str],
+                     env: dict[str, str] | None) -> tuple[dict[str, Any], list[int]]:
         """The sandbox server's ``open`` request for ``sb`` (its bundle written) and the
         descriptors that go with it (its slot's ``cgroup.procs``: the container starts
-        in it)."""
+        in it); ``env``: the environment its commands get where a request adds none
+        (its zygote's Python environment: :mod:`.gvisor_zygote`; None: no zygote)."""
         files = identity_files(sb.uid, sb.uid)
         if sb.network:  # names the user-mode stack's resolver (see .egress)
             with open(egress.RESOLV_CONF) as f:
@@ -305,6 +306,8 @@ class Bundles:
         request = self.bundle(sb.sid, uid=sb.uid, gid=sb.uid, size=sb.size_bytes,
                               files=files, hide=hide, system_paths=system_paths,
                               network=sb.network)
+        if env is not None:
+            request["python_env"] = gvisor_exec.python_env(env)
         fds = list(sb.box_slot.procs_fds) if sb.box_slot is not None else []
         return {"sid": sb.sid, "uid": sb.uid, "gid": sb.uid, "gvisor": request}, fds
 

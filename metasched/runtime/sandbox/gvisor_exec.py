@@ -35,11 +35,14 @@ of file on stdin the server kills everything and exits.
 The argument after ``-c`` is the seccomp program (raw BPF, hex; :func:`.userns.bpf`).
 """
 
+import collections
 import ctypes
+import errno
 import json
 import os
 import selectors
 import signal
+import socket
 import stat
 import struct
 import subprocess
@@ -52,8 +55,17 @@ _PR_SET_NO_NEW_PRIVS = 38
 _PR_SET_SECCOMP = 22
 _SECCOMP_MODE_FILTER = 2
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
-_CAP_V3, _CAP_SYS_ADMIN = 0x20080522, 21
+_CAP_V3, _CAP_SETGID, _CAP_SETUID, _CAP_SYS_ADMIN = 0x20080522, 6, 7, 21
 OWNER = 0x7FFFFFF0  # the affinity setter's id in the program as made (.userns.bpf)
+PYTHON = "/usr/bin/python3"  # the zygote's interpreter
+# The variables an interpreter reads as it starts (or its first modules as they load),
+# with every PYTHON*: a command runs in the zygote only if its own are the zygote's.
+PYTHON_ENV = ("HOME", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "TZ")
+
+
+def python_env(env: dict) -> dict:
+    """The variables of ``env`` that shape an interpreter's start (:data:`PYTHON_ENV`)."""
+    return {k: v for k, v in env.items() if k.startswith("PYTHON") or k in PYTHON_ENV}
 
 
 class _Fprog(ctypes.Structure):
@@ -90,18 +102,26 @@ def hide_descriptors(pids: tuple[int, ...]) -> None:
                           | _MS_NOEXEC, b"size=4096,mode=0555") != 0:
                 e = ctypes.get_errno()
                 raise OSError(e, f"cannot hide {path.decode()}: {os.strerror(e)}")
+    _keep_caps(~(1 << _CAP_SYS_ADMIN))
+
+
+def _keep_caps(mask: int) -> None:
+    """Give up for good the capabilities not in ``mask`` (bits by number)."""
+    libc = ctypes.CDLL(None, use_errno=True)
     header = (ctypes.c_uint32 * 2)(_CAP_V3, 0)
     data = (ctypes.c_uint32 * 6)()  # (effective, permitted, inheritable) x 2
     if libc.capget(header, data) != 0:
         raise OSError(ctypes.get_errno(), "cannot read its capabilities")
     for i in (0, 1, 2):
-        data[i] &= ~(1 << _CAP_SYS_ADMIN)
+        data[i] &= mask & 0xFFFFFFFF
+        data[i + 3] &= mask >> 32
     if libc.capset(header, data) != 0:
-        raise OSError(ctypes.get_errno(), "cannot give up CAP_SYS_ADMIN")
+        raise OSError(ctypes.get_errno(), "cannot give up its capabilities")
 
 
 class Server:
-    def __init__(self, program: bytes) -> None:
+    def __init__(self, program: bytes, zygote: str = "", zygote_env: dict | None = None
+                 ) -> None:
         self.program = program
         self.sel = selectors.DefaultSelector()
         self.out = sys.stdout.buffer
@@ -113,7 +133,15 @@ class Server:
         self.pid = os.getpid()
         self.cpus = sorted(os.sched_getaffinity(0))
         self.procs: dict[int, subprocess.Popen] = {}  # by pid, until reaped here
-        hide_descriptors((1, self.pid))
+        self.zygote, self.zygote_env, self.zygote_ready = -1, zygote_env or {}, False
+        self.forking: collections.deque = collections.deque()  # ids the zygote forks
+        self.kill_asked: set[int] = set()  # ids killed before their pid was known
+        self.held: list[dict] = []  # requests for the zygote while it starts
+        self.forked: set[int] = set()  # pids of the zygote's running children
+        if zygote:
+            self.zsock = self._start_zygote(zygote, program)
+            self.sel.register(self.zsock, selectors.EVENT_READ, self._zygote_said)
+        hide_descriptors((1, self.pid) + ((self.zygote,) if self.zygote > 0 else ()))
         confine(program)
         rfd, self.wake = os.pipe()
         os.set_blocking(rfd, False)
@@ -140,16 +168,26 @@ class Server:
                 self._run(msg)
             elif "kill" in msg and msg["kill"] in self.running:
                 _kill(-self.running[msg["kill"]])
+            elif "kill" in msg and (msg["kill"] in self.forking or any(
+                    h["run"] == msg["kill"] for h in self.held)):
+                self.kill_asked.add(msg["kill"])  # (killed once it has a pid)
 
     def _run(self, msg: dict) -> None:
         cid = msg["run"]
         cores = [c for c in msg.get("cores") or () if c in self.cpus] or self.cpus
+        python = "" if msg.get("wipe") else self._in_zygote(msg)
+        if python and not self.zygote_ready:  # (starting: sooner than an exec)
+            self.held.append(msg)
+            return
+        if python:
+            self._fork_in_zygote(cid, {**msg, "executable": python}, cores)
+            return
         os.sched_setaffinity(self.pid, cores)  # the command inherits it
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         try:
             if msg.get("wipe"):
-                pid = _fork_wipe(msg["uid"], msg["gid"], err_w)
+                pid = _fork_wipe(msg["uid"], msg["gid"], err_w, self.zygote)
             else:
                 p = subprocess.Popen(
                     [os.fsencode(a) for a in msg["argv"]], stdin=subprocess.DEVNULL,
@@ -167,14 +205,135 @@ class Server:
         finally:
             os.close(out_w)
             os.close(err_w)
-        self.running[cid] = pid
-        self.by_pid[pid] = cid
+        self._read_output(cid, out_r, err_r)
+        self._started(cid, pid)
+
+    def _read_output(self, cid: int, out_r: int, err_r: int) -> None:
         self.pipes[cid] = [out_r, err_r]
         for fd, kind in ((out_r, OUT), (err_r, ERR)):
             os.set_blocking(fd, False)
             self.sel.register(fd, selectors.EVENT_READ,
                               lambda f, c=cid, k=kind: self._output(c, k, f))
+
+    def _started(self, cid: int, pid: int) -> None:
+        self.running[cid] = pid
+        self.by_pid[pid] = cid
         self.send(cid, STARTED, str(pid).encode())
+
+    def _start_zygote(self, source: str, program: bytes) -> socket.socket:
+        """Fork and exec the zygote (:mod:`.gvisor_zygote`): fd 3 the other end of the
+        socket returned, ``CAP_SETUID`` and ``CAP_SETGID`` only, this program loaded
+        with its own pid as the affinity owner (no new privileges: an exec as root
+        gains nothing), in :attr:`zygote_env`."""
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.dup2(theirs.fileno(), 3)
+                null = os.open("/dev/null", os.O_RDWR)
+                os.dup2(null, 0)
+                os.dup2(null, 1)
+                _keep_caps((1 << _CAP_SETUID) | (1 << _CAP_SETGID))
+                confine(program)
+                os.execve(PYTHON, [PYTHON, "-c", source], self.zygote_env)
+            finally:
+                os._exit(127)
+        theirs.close()
+        self.zygote = pid
+        return mine
+
+    def _in_zygote(self, msg: dict) -> str:
+        """The interpreter's path, where the command is ``python3 FILE ARGS`` or
+        ``python3 -c CODE ARGS`` of the zygote's interpreter (its path, as given or
+        found on the command's ``PATH``), in
+        the zygote's Python environment, and the zygote is there; else ""."""
+        argv = msg["argv"]
+        if self.zygote < 0 or len(argv) < 2 or (argv[1].startswith("-") and (
+                argv[1] != "-c" or len(argv) < 3)):
+            return ""
+        if python_env(msg["env"]) != self.zygote_env:
+            return ""
+        name = argv[0]
+        where = [name] if "/" in name else [
+            os.path.join(d or ".", name) for d in msg["env"].get("PATH", "").split(":")]
+        for path in where:  # (found elsewhere, its sys.prefix and sys.path would differ)
+            if os.path.isfile(path) and os.access(path, os.X_OK):
+                return path if os.path.normpath(path) == PYTHON else ""
+        return ""
+
+    def _fork_in_zygote(self, cid: int, msg: dict, cores: list[int]) -> None:
+        """Order the zygote to fork the command: its request in a memfd only the child
+        reads, its output pipes; the pid (or why not) comes back to :meth:`_zygote_said`."""
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        memfd = os.memfd_create("request", os.MFD_CLOEXEC)
+        try:
+            data = memoryview(json.dumps(msg).encode())
+            while data:
+                data = data[os.write(memfd, data):]
+            os.lseek(memfd, 0, os.SEEK_SET)
+            socket.send_fds(self.zsock, [struct.pack(f"<{len(cores)}I", *cores)],
+                            [memfd, out_w, err_w])
+        except OSError as e:
+            for fd in (out_r, err_r):
+                os.close(fd)
+            self.send(cid, STARTED, b"-%d" % (e.errno or 1))
+            return
+        finally:
+            for fd in (memfd, out_w, err_w):
+                os.close(fd)
+        self.forking.append(cid)
+        self._read_output(cid, out_r, err_r)
+
+    def _zygote_said(self, fd: int) -> None:
+        """The zygote is up, forked a command (its pid, or why not), or a command ended;
+        at end of file it is gone: commands waiting for it are refused, its running
+        ones killed (reported so), held ones run by exec."""
+        try:
+            data = self.zsock.recv(256)
+        except OSError:
+            data = b""
+        if not data:
+            self.sel.unregister(self.zsock)
+            self.zygote, self.zygote_ready = -1, False
+            while self.forking:
+                cid = self.forking.popleft()
+                self._drop_pipes(cid)
+                self.send(cid, STARTED, b"-%d" % errno.ESRCH)
+            for pid in list(self.forked):  # their exits would never be told: killed
+                _kill(-pid)
+                self._exited(pid, int(signal.SIGKILL), 0, 0.0)
+            self._run_held()  # by exec now
+            return
+        words = data.split()
+        if words[0] == b"ready":
+            self.zygote_ready = True
+            self._run_held()
+        elif words[0] == b"x":
+            self.forked.discard(int(words[1]))
+            self._exited(int(words[1]), int(words[2]), int(words[3]), float(words[4]))
+        else:
+            cid, pid, why = self.forking.popleft(), int(words[0]), int(words[1])
+            if why:
+                self._drop_pipes(cid)
+                self.send(cid, STARTED, b"-%d" % why)
+                return
+            self.forked.add(pid)
+            self._started(cid, pid)
+            if cid in self.kill_asked:
+                self.kill_asked.discard(cid)
+                _kill(-pid)
+
+    def _run_held(self) -> None:
+        held, self.held = self.held, []
+        for msg in held:
+            self._run(msg)
+
+    def _drop_pipes(self, cid: int) -> None:
+        for fd in self.pipes.pop(cid, []):
+            self.sel.unregister(fd)
+            os.close(fd)
+        self.kill_asked.discard(cid)
 
     def _output(self, cid: int, kind: int, fd: int) -> None:
         try:
@@ -201,20 +360,42 @@ class Server:
                 return
             if pid == 0:
                 return
-            cid = self.by_pid.pop(pid, None)
             proc = self.procs.pop(pid, None)
             if proc is not None:
                 proc.returncode = os.waitstatus_to_exitcode(status)
-            if cid is None:
-                continue
-            del self.running[cid]
-            _kill(-pid)
-            if not self.running:
-                _kill(-1)  # every process of the sandbox but the init and this one
-            self.ended[cid] = json.dumps({
-                "status": status, "maxrss_kb": usage.ru_maxrss,
-                "cpu_s": usage.ru_utime + usage.ru_stime}).encode()
-            self._maybe_done(cid)
+            self._exited(pid, status, usage.ru_maxrss, usage.ru_utime + usage.ru_stime)
+
+    def _exited(self, pid: int, status: int, maxrss_kb: int, cpu_s: float) -> None:
+        """A command's process ended: what is left of it killed (and where no other
+        command runs, every process of the sandbox but the init, the zygote and this
+        one), its exit sent once its pipes are at their end."""
+        cid = self.by_pid.pop(pid, None)
+        if cid is None:
+            return
+        del self.running[cid]
+        _kill(-pid)
+        if not self.running:
+            self._kill_others()
+        self.ended[cid] = json.dumps({
+            "status": status, "maxrss_kb": maxrss_kb, "cpu_s": cpu_s}).encode()
+        self._maybe_done(cid)
+
+    def _kill_others(self) -> None:
+        """SIGKILL every process of the sandbox but the init, this server and its
+        zygote: ``kill(-1)`` without a zygote, else each in ``/proc`` until a pass finds
+        none not yet killed (a killed process forks no more)."""
+        if self.zygote < 0:
+            _kill(-1)
+            return
+        spared = {1, self.pid, self.zygote}
+        killed: set[int] = set()
+        while True:
+            found = {int(p) for p in os.listdir("/proc") if p.isdigit()} - spared - killed
+            if not found:
+                return
+            for pid in found:
+                _kill(pid)
+            killed |= found
 
     def _maybe_done(self, cid: int) -> None:
         if cid in self.ended and not self.pipes.get(cid):
@@ -234,7 +415,7 @@ class Server:
 WIPED = ("/workspace", "/tmp", "/dev/shm")
 
 
-def _fork_wipe(uid: int, gid: int, err: int) -> int:
+def _fork_wipe(uid: int, gid: int, err: int, zygote: int) -> int:
     """Fork the wipe (:func:`wipe`) as ``uid``/``gid`` in a session of its own, its
     reason on ``err`` where it fails; its pid."""
     pid = os.fork()
@@ -248,7 +429,7 @@ def _fork_wipe(uid: int, gid: int, err: int) -> int:
         os.setgid(gid)
         os.setuid(uid)
         os.chdir("/")
-        why = wipe()
+        why = wipe(spared=(zygote,))
         if why:
             os.write(2, why.encode() + b"\n")
         else:
@@ -261,22 +442,23 @@ def _fork_wipe(uid: int, gid: int, err: int) -> int:
     os._exit(code)
 
 
-def wipe() -> str:
+def wipe(spared: tuple[int, ...] = ()) -> str:
     """Leave the sandbox as a new one's commands find it (run as the user of the
     commands before, after their end): "" if done, else why not.
 
-    It fails if a process is left but the init, the exec server and itself (after up
-    to 2 s: killed ones are being reaped by the init); empties ``/workspace``, ``/tmp``
-    and ``/dev/shm`` (directories made writable by their owner first: the commands'
-    user owns all they made there), puts ``/workspace``'s mode back to 0700 and removes
-    its extended attributes; and fails if any of them is not empty then, or if a System
-    V shared memory segment, message queue or semaphore set is left (gVisor keeps them
+    It fails if a process is left but the init, the exec server, ``spared`` (its
+    zygote) and itself (after up to 2 s: killed ones are being reaped by the init);
+    empties ``/workspace``, ``/tmp`` and ``/dev/shm`` (directories made writable by
+    their owner first: the commands' user owns all they made there), puts
+    ``/workspace``'s mode back to 0700 and removes its extended attributes; and fails
+    if any of them is not empty then, or if a System V shared memory segment, message
+    queue or semaphore set is left (gVisor keeps them
     in the sandbox's kernel across commands: counted with ``SHM_INFO``, ``MSG_INFO`` and
     ``SEM_INFO``)."""
     me, server = os.getpid(), os.getppid()
     for _ in range(200):
         others = [p for p in os.listdir("/proc")
-                  if p.isdigit() and int(p) not in (1, me, server)]
+                  if p.isdigit() and int(p) not in (1, me, server, *spared)]
         if not others:
             break
         time.sleep(0.01)
@@ -334,4 +516,5 @@ def _kill(target: int) -> None:
 
 
 if __name__ == "__main__":
-    Server(bytes.fromhex(sys.argv[1])).serve()
+    Server(bytes.fromhex(sys.argv[1]), *sys.argv[2:3],
+           *[json.loads(a) for a in sys.argv[3:4]]).serve()

@@ -23,14 +23,14 @@ from typing import Any
 from metasched.errors import ConfigError
 from metasched.runtime.sandbox import bwrap, cgroups, devices, egress, gvisor, summary
 from metasched.runtime.sandbox.cgroups import Slot
-from metasched.runtime.sandbox.config import SandboxConfig
+from metasched.runtime.sandbox.config import SandboxConfig, allowed_env
 from metasched.runtime.sandbox.connection import ServerConnection, ServerGone, spawned_pid
 from metasched.runtime.sandbox.handles import Sandbox, Started
 from metasched.runtime.sandbox.lifeline import Lifeline
 from metasched.runtime.sandbox.slots import _MB, SlotKeeping, _bytes
 from metasched.runtime.sandbox.uids import UidPool
 from metasched.runtime.sandbox.warm import WarmPool
-from metasched.runtime.sandbox.workspace import WORKSPACE, Template
+from metasched.runtime.sandbox.workspace import SANDBOX_ENV, WORKSPACE, Template
 
 __all__ = ["Sandbox", "Sandboxes", "Slot", "Started"]
 
@@ -283,7 +283,9 @@ class Sandboxes(SlotKeeping, WarmPool):
                 sb.box_slot = self._take_slot([])
                 self._confine_box(sb)
             request, fds = self.gvisor.open_request(
-                sb, hide=self.hide, system_paths=self.config.system_paths)
+                sb, hide=self.hide, system_paths=self.config.system_paths,
+                env=({**allowed_env(self.config.env_allow), **SANDBOX_ENV}
+                     if self.config.gvisor_zygote else None))
             request["net"] = self._net_spec() if network else None
             self.server.open(request, fds)
         except (OSError, ServerGone) as e:

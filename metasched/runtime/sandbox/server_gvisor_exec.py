@@ -31,26 +31,32 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from metasched.runtime.sandbox import gvisor_exec, userns
+from metasched.runtime.sandbox import gvisor_exec, gvisor_zygote, userns
 from metasched.runtime.sandbox.server_gvisor import _check_program, _searchable
 from metasched.runtime.sandbox.server_records import _close, _Sandbox
 
 _SOURCE: str | None = None
+_ZYGOTE: str | None = None
 _PROGRAM: str | None = None
 _CAPS = ("CAP_SETUID", "CAP_SETGID", "CAP_KILL", "CAP_DAC_READ_SEARCH", "CAP_SYS_ADMIN")
 _HEADER = gvisor_exec.HEADER
 
 
-def exec_server_argv(runsc: list[str], cid: str) -> list[str]:
-    """``runsc exec`` of a sandbox's exec server (see the module docstring)."""
-    global _SOURCE, _PROGRAM
+def exec_server_argv(runsc: list[str], cid: str,
+                     python_env: dict[str, str] | None = None) -> list[str]:
+    """``runsc exec`` of a sandbox's exec server (see the module docstring); with
+    ``python_env``, its zygote (:mod:`.gvisor_zygote`) started in that environment."""
+    global _SOURCE, _ZYGOTE, _PROGRAM
     if _SOURCE is None:
         with open(gvisor_exec.__file__) as f:
             _SOURCE = f.read()
+        with open(gvisor_zygote.__file__) as f:
+            _ZYGOTE = f.read()
         _PROGRAM = userns.bpf(affinity_owner=gvisor_exec.OWNER).hex()
     caps = [a for c in _CAPS for a in ("--cap", c)]
+    zygote = [] if python_env is None else [str(_ZYGOTE), json.dumps(python_env)]
     return [*runsc, "exec", "--user", "0:0", *caps, cid,
-            "/usr/bin/python3", "-I", "-S", "-c", _SOURCE, str(_PROGRAM)]
+            "/usr/bin/python3", "-I", "-S", "-c", _SOURCE, str(_PROGRAM), *zygote]
 
 
 @dataclass
@@ -81,7 +87,7 @@ class GvisorExec:
         """Start ``sb``'s exec server (its init is up); ready on its first event."""
         gv = sb.gvisor
         assert gv is not None
-        argv = exec_server_argv(gv["runsc"], gv["cid"])
+        argv = exec_server_argv(gv["runsc"], gv["cid"], gv.get("python_env"))
         req_r, req_w = os.pipe2(os.O_CLOEXEC)
         ev_r, ev_w = os.pipe2(os.O_CLOEXEC)
         err = os.open(os.path.join(gv["bundle"], "exec.err"),

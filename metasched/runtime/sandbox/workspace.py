@@ -20,6 +20,8 @@ ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", "
                     ".tar.zst", ".tzst")
 _OVERLAY_UNSAFE = (",", ":", "\\", "\n")  # characters overlayfs options cannot carry
 WORKSPACE = "/workspace"
+# What a command in a sandbox sees as its home and identity (its workspace, its own /tmp).
+SANDBOX_ENV = {"HOME": WORKSPACE, "TMPDIR": "/tmp", "USER": "sandbox", "LOGNAME": "sandbox"}
 MOUNT_POINT = "/.template"  # where the template is bound (read-only) inside the sandbox
 
 

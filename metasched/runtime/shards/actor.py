@@ -57,7 +57,8 @@ class ShardActor:
             adopt one another: one node, or a shared volume); None: no journals.
         standin: stand-in nodes (``{"nodes": n, "cores": k}``: commands end at once,
             nothing runs) instead of the Ray cluster's nodes.
-        shared: the endpoints whose quota the lease service holds.
+        shared: the endpoints whose quota, and the GPU services whose slots, the lease
+            service holds.
         lease_ttl_s: the lease service's TTL.
         submit: how commands reach the nodes' daemons (see
             :class:`~metasched.runtime.ray_backend.cluster.RayBackend`).
@@ -186,10 +187,12 @@ class ShardActor:
         return dumps(acks)
 
     def _on_shared_pool(self, req: Any) -> bool:
-        """Whether ``req`` is an API call on a shared pool (read before it is parsed:
-        only those are parsed here; the rest as the dispatcher parses them)."""
+        """Whether ``req`` is an API call or a GPU service's request on a shared pool
+        (read before it is parsed: only those are parsed here; the rest as the
+        dispatcher parses them)."""
         get = req.get if isinstance(req, Mapping) else lambda k: getattr(req, k, None)
-        return get("kind") == "api" and get("endpoint") in self.shared
+        pool = {"api": "endpoint", "gpu": "service"}.get(get("kind"))
+        return pool is not None and get(pool) in self.shared
 
     @staticmethod
     def _parsed(req: Any) -> Any:
@@ -201,10 +204,14 @@ class ShardActor:
         return req
 
     async def _leased(self, d: Dispatcher, req: Request, call: Any, box: ResultBox) -> None:
-        """Run API request ``req`` under a lease of its endpoint's shared quota."""
+        """Run ``req`` under a lease of its pool: an API call's endpoint quota, a GPU
+        request's service slots (held from its grant until its result)."""
         leases = self._lease_client()
         try:
-            ticket = await leases.acquire(req.endpoint, float(req.tokens))
+            if req.kind == "api":
+                ticket = await leases.acquire(req.endpoint, float(req.tokens))
+            else:
+                ticket = await leases.acquire(req.service)
         except ValueError as e:
             box.put(Result(req.id, "rejected", str(e)))
             return

@@ -65,8 +65,10 @@ def start_shards(n: int, config: DispatcherConfig | None = None, *,
             requests are then lost to it and sent again to its adopter as new).
         standin: stand-in nodes per shard (``{"nodes": 1, "cores": 64}``) instead of
             the cluster's: commands end at once (for measuring the control plane).
-        pools: the shared pools the lease service grants (an endpoint's pool is named
-            as the endpoint; the shards' ``config.endpoints`` must have it too).
+        pools: the shared pools the lease service grants: an endpoint's quota named as
+            the endpoint (the shards' ``config.endpoints`` must have it too), a GPU
+            service's slots (:meth:`PoolLimit.service`) named as the service; a request
+            on one runs only under a lease of it.
         lease_ttl_s: a lease's life unless renewed.
         lease_file: the lease service's file (what a restarted one reads back).
         prefix: the shards' names' prefix (``<prefix>-<i>``).
@@ -81,10 +83,12 @@ def start_shards(n: int, config: DispatcherConfig | None = None, *,
     """
     config = config or DispatcherConfig()
     pools = dict(pools or {})
-    missing = sorted(set(pools) - set(config.endpoints))
+    missing = sorted(p for p, limit in pools.items() if p not in config.endpoints
+                     and (limit.calls, limit.tokens, limit.max_held is None) != (None, None, False))
     if missing:
-        raise ConfigError("pools", f"{missing}: a shared pool must be one of the "
-                          f"dispatcher's endpoints ({sorted(config.endpoints)})")
+        raise ConfigError("pools", f"{missing}: a shared pool is one of the dispatcher's "
+                          f"endpoints ({sorted(config.endpoints)}) or a GPU service's slots "
+                          f"(PoolLimit.service)")
     if pools:
         start_lease_service(pools, ttl_s=lease_ttl_s, path=lease_file)
     names = shard_names(n, prefix)

@@ -1,13 +1,14 @@
 """Stand-in nodes for measuring the control plane alone: a
 :class:`~metasched.runtime.backend.Backend` whose nodes exist only in the dispatcher's
-books and whose commands end (exit 0, nothing run) at once or after a set time. A
+books and whose commands end (exit 0, nothing run) at once or after a set time, with
+stand-in GPUs whose services' batches end so too (a result of None per request). A
 shard on it pays every cost of an action but the work: the request's trip, the
 journal, the queue, the decision, the grant, the completion, the result's trip."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from metasched.core.pools import ServiceSpec
@@ -40,31 +41,45 @@ class _DoneCommand:
         """Nothing runs."""
 
 
-class _NoGpus:
-    specs: dict[str, ServiceSpec] = {}
+class _StandinGpus:
+    """Stand-in GPU services: a batch ends after ``seconds`` of nothing."""
+
+    def __init__(self, specs: dict[str, ServiceSpec], seconds: float) -> None:
+        self.specs = specs
+        self.seconds = seconds
 
     async def run_batch(self, service: str, device: LiveDevice, resident_now: Collection[str],
                         payloads: list[Any]) -> Outcome:
-        return Outcome(ok=False, reason="stand-in nodes have no GPU")
+        if service not in self.specs:
+            return Outcome(ok=False, reason=f"unknown service {service!r}")
+        if self.seconds > 0:
+            await asyncio.sleep(self.seconds)
+        return Outcome(ok=True, value=[None] * len(payloads), detail={"batch": len(payloads)})
 
 
 class StandinBackend:
     """``nodes`` stand-in nodes of ``cores`` cores each, named after ``owner``, whose
-    commands take ``seconds`` (of nothing) each (see the module docstring)."""
+    commands take ``seconds`` (of nothing) each; ``gpus`` stand-in devices of
+    ``gpu_mem_gb`` serving ``services`` (name: :class:`ServiceSpec` fields), a batch
+    taking ``seconds`` too (see the module docstring)."""
 
     name = "standin"
     AHEAD_PER_CORE = 0  # a command ends as it starts: nothing to hand ahead
     EXECUTORS = NodeExecutors
     cores: tuple[int, ...] = ()
-    devices: list[LiveDevice] = []
     no_gpu_reason = "no GPU: stand-in nodes"
 
     def __init__(self, owner: str, nodes: int = 1, cores: int = 64,
-                 mem_gb: float = 256.0, seconds: float = 0.0) -> None:
+                 mem_gb: float = 256.0, seconds: float = 0.0, gpus: int = 0,
+                 gpu_mem_gb: float = 80.0,
+                 services: Mapping[str, Mapping[str, Any]] | None = None) -> None:
         self.seconds = seconds
         self.nodes = [Node(f"{owner}-standin-{i}", tuple(range(cores)), mem_gb)
                       for i in range(nodes)]
-        self.host = _NoGpus()
+        self.devices = [LiveDevice(i, f"standin-{i}", gpu_mem_gb, "cpu", None, "")
+                        for i in range(gpus)]
+        self.host = _StandinGpus({name: ServiceSpec(**spec)
+                                  for name, spec in (services or {}).items()}, seconds)
 
     async def start_sandboxes(self, config: SandboxConfig, hide: list[str]) -> RemoteSandboxes:
         fact = {"isolated": False, "warnings": [], "sandboxes": "stand-ins (nothing runs)"}

@@ -11,8 +11,9 @@ at it with ``E2B_API_URL`` and ``E2B_SANDBOX_URL`` both ``http://<host>:<port>/e
   ``/execute`` and ``/contexts``, each context a kernel in the sandbox.
 
 Each sandbox is a trajectory of the dispatcher, each command and file call one of its
-actions (:mod:`.sandboxes`). It needs the ``connectrpc`` and ``protobuf-py`` packages
-(``pip install metasched[e2b]``); without them the service runs without ``/e2b``.
+actions (:mod:`.sandboxes`). It needs the ``connectrpc``, ``protobuf-py`` and
+``python-multipart`` packages (``pip install metasched[e2b]``); without them the service
+runs without ``/e2b``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def mount_e2b(app: FastAPI, service: Service) -> bool:
     """Add the E2B API to ``app`` under :data:`PREFIX`; False (and one log line) when
     its packages are not installed."""
     try:
+        from python_multipart import MultipartParser  # noqa: F401 - uploads' parser
+
         from metasched.serve.e2b.envd.filesystem_connect import FilesystemASGIApplication
         from metasched.serve.e2b.envd.process_connect import ProcessASGIApplication
     except ImportError as e:

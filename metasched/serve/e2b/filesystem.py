@@ -1,8 +1,9 @@
 """envd's filesystem: the Connect RPC ``filesystem.Filesystem`` service (``Stat``,
 ``ListDir``, ``MakeDir``, ``Move``, ``Remove``) and the plain HTTP file transfer
 (``GET /files``: download, ``POST /files``: upload, ``application/octet-stream`` or
-``multipart/form-data``), each operation one action of the sandbox running
-:func:`.programs.fs_argv` in its workspace (the paths confined to it).
+``multipart/form-data``, written as it comes in: see :mod:`.uploads`), each operation
+one action of the sandbox running :func:`.programs.fs_argv` in its workspace (the
+paths confined to it).
 
 A download reads the file in pieces that fit the output an action's result keeps
 (the dispatcher's ``tail_bytes``): a file of n bytes takes about n / (0.75 tail_bytes)
@@ -16,8 +17,6 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
-from email.parser import BytesParser
-from email.policy import HTTP
 from typing import Any
 
 from connectrpc.code import Code
@@ -30,6 +29,7 @@ from metasched.serve.e2b import programs
 from metasched.serve.e2b.envd import filesystem_pb as pb
 from metasched.serve.e2b.lifecycle import e2b_error
 from metasched.serve.e2b.sandboxes import Sandbox, Sandboxes
+from metasched.serve.e2b.uploads import UploadRefused, receive_upload
 from metasched.serve.e2b.users import user_refusal
 
 __all__ = ["FilesystemService", "files_router", "run_fs"]
@@ -191,31 +191,6 @@ class FilesystemService:
         raise ConnectError(Code.UNIMPLEMENTED, "watching directories is not offered here")
 
 
-def _uploads(request: Request, body: bytes) -> list[tuple[str, bytes]]:
-    """The (path, content) pairs of an upload.
-
-    Raises:
-        FsError: a body that is neither (or a part without a path).
-    """
-    kind = request.headers.get("content-type", "")
-    path = request.query_params.get("path")
-    if kind.startswith("multipart/form-data"):
-        msg = BytesParser(policy=HTTP).parsebytes(
-            b"Content-Type: " + kind.encode() + b"\r\n\r\n" + body)
-        out = []
-        for part in msg.iter_parts():
-            name = path if path and not msg.get_payload()[1:] else part.get_filename()
-            if not name:
-                raise FsError("invalid", "file: a part names no file (filename=...)")
-            out.append((name, part.get_payload(decode=True) or b""))
-        return out
-    if request.headers.get("content-encoding", "identity") not in ("identity", ""):
-        raise FsError("invalid", "Content-Encoding: compressed uploads are not accepted")
-    if not path:
-        raise FsError("invalid", "path: required for an application/octet-stream upload")
-    return [(path, body)]
-
-
 def files_router(sandboxes: Sandboxes) -> APIRouter:
     """``GET /files`` and ``POST /files`` (envd's download and upload), under ``/e2b``."""
     router = APIRouter(include_in_schema=False)
@@ -258,17 +233,17 @@ def files_router(sandboxes: Sandboxes) -> APIRouter:
 
     @router.post("/files")
     async def upload(request: Request) -> Response:
+        """Written as it comes in, each file under its name once the body is whole
+        (see :mod:`.uploads`); a body refused on the way leaves none of its files."""
         try:
-            sb = find(request)
-            written = []
-            for path, data in _uploads(request, await request.body()):
-                entry: Any = None
-                for argv in programs.write_argvs(path, data):
-                    entry = await run_fs(sb, {"op": "write"}, argv=argv)
-                written.append({"name": entry["name"], "type": "file", "path": entry["path"]})
-            return JSONResponse(written)
+            return JSONResponse(await receive_upload(
+                request, find(request), run_fs, sandboxes.service.config.max_file_bytes))
         except FsError as e:
             return e.http()
+        except UploadRefused as e:
+            answer = e2b_error(e.status, e.message)
+            answer.headers["connection"] = "close"  # the rest of its body is not read
+            return answer
 
     @router.get("/health")
     async def health(request: Request) -> Response:

@@ -9,7 +9,8 @@ of the sandbox's trajectory (the service never reaches into a sandbox: see
   :data:`CONTROL`, in its workspace) and, where the service reads them while it runs
   (:mod:`.output`), writes its stdout and stderr to files there.
 - :func:`fs_argv`: one filesystem operation (``stat``, ``list``, ``mkdir``, ``remove``,
-  ``move``, ``read``, ``write``), printed as one JSON object.
+  ``move``, ``read``, ``write``; ``commit``: an upload's files renamed into place from
+  their temporary names, or written from base64 pieces), printed as one JSON object.
 
 Paths are the workspace's: relative ones from its root, ``/home/user`` (E2B's home) and
 ``~`` standing for it, any other absolute path only where it lies in the workspace. A
@@ -203,6 +204,34 @@ def run(op):
             for piece in sys.argv[2:]:
                 f.write(base64.b64decode(piece))
         return entry(full)
+    if kind == "commit":  # uploads: each file whole under its name, or not at all
+        out, n = [], 2
+        for f in op["files"]:
+            full = real(place(f["path"]), missing_ok=True)
+            if os.path.isdir(full):
+                raise IsADirectoryError(21, "Is a directory")
+            os.makedirs(os.path.dirname(full), exist_ok=True)
+            target = os.path.realpath(real(full, missing_ok=True))  # through a link in
+            src = f.get("from") or ".e2b/up-%s-%d" % (op["spill"], len(out))
+            src = place(src)
+            if not f.get("from"):
+                os.makedirs(os.path.dirname(src), exist_ok=True)
+                with open(src, "wb") as w:
+                    for piece in sys.argv[n:n + f["pieces"]]:
+                        w.write(base64.b64decode(piece))
+                n += f["pieces"]
+            if os.path.exists(target):  # its mode stays as it was
+                os.chmod(src, stat.S_IMODE(os.stat(target).st_mode))
+            try:
+                os.replace(src, target)
+            except OSError as e:  # another mount of the workspace (/home/user)
+                if e.errno != 18:
+                    raise
+                import shutil
+                shutil.copyfile(src, target)
+                os.unlink(src)
+            out.append(entry(full))
+        return out
     if kind == "mkdir":
         full = real(place(op["path"]), missing_ok=True)
         if os.path.isdir(full):
