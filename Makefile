@@ -48,11 +48,11 @@ sandbox-tools:
 install: $(STAMP)
 
 # The first run: the step story at a tool-bound point in GRPO prompt groups (576 code-tool
-# trajectories on 10 cores), today's practice, the best heuristics by ACT and by step, the
-# slack rule on static estimates and fed the learned predictor, the shipped policy, and
-# the meta-policies over the rules (objective step, objective ACT).
+# trajectories on 10 cores): today's practice, every rule the shipped meta-policy chooses
+# among (its endgame fractions aside), the slack rule fed the learned predictor, the
+# shipped policy (the meta-policy for the step) and the meta-policy for mean ACT.
 RUN_ARGS ?= workload=retool_grouped_c10 \
-	'schedulers=[static,rate_greedy,critical_path,slack_first,slack_first_predicted,checkpoints/default,checkpoints/meta_step,checkpoints/meta_act]'
+	'schedulers=[static,fifo,elastic_greedy,rate_greedy,rate_greedy_step,critical_path,least_slack,slack_first,slack_first_predicted,checkpoints/default,checkpoints/meta_act]'
 
 run: $(STAMP)
 	$(VENV)/bin/metasched-eval $(RUN_ARGS)

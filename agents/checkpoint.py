@@ -102,6 +102,10 @@ def load_metadata(path: str | Path) -> dict[str, Any]:
         raise ConfigError("checkpoint", f"{p} is not a checkpoint directory (no {METADATA})")
     try:
         meta = json.loads((p / METADATA).read_text())
+        if "meta_policy" in meta and "obs_schema" not in meta:
+            raise ConfigError("checkpoint", f"{p} is a meta-policy over the rules, not a "
+                              "per-action policy (a warm start needs one: "
+                              "checkpoints/per_action)")
         saved = meta["obs_schema"]
         version = saved["version"]
     except (ValueError, KeyError, TypeError) as e:

@@ -128,6 +128,7 @@ class MetaScheduler(Scheduler):
         self.choice = self.active = None
         self.gated = False
         self._features: np.ndarray | None = None
+        self._limit: float | None = None
         self._steps_seen = 0
 
     def choose(self, x: np.ndarray) -> int:
@@ -140,6 +141,15 @@ class MetaScheduler(Scheduler):
         self._rule = self.active.build()
         self._rule.reset(state, self._rng)
 
+    def gate_limit(self, x: np.ndarray, k: int) -> float | None:
+        """The log of the run's figure above which the gate hands over, for features ``x``
+        and chosen option ``k`` (None where the gate never acts: it is off, there are no
+        estimates, or ``k`` is the fallback itself)."""
+        if not self.use_gate or self.values is None or k == self.fallback:
+            return None
+        return (self.values.log_figure(x, self.fallback)
+                + 2.0 * float(self.values.spread[self.fallback]))
+
     def _gate(self, state: ClusterState) -> None:
         """Hand over to the fallback once the chosen option is worse than the fallback's
         estimate by more than twice its spread (checked as steps finish)."""
@@ -150,8 +160,7 @@ class MetaScheduler(Scheduler):
         fig = objective_figure(state, self.objective, 0)
         if fig is None or fig <= 0:
             return
-        est = self.values.log_figure(self._features, self.fallback)
-        if math.log(fig) > est + 2.0 * float(self.values.spread[self.fallback]):
+        if math.log(fig) > self._limit:
             self.gated = True
             self._hand_to(state, self.fallback)
 
@@ -160,9 +169,9 @@ class MetaScheduler(Scheduler):
             self._features = workload_features(state)
             k = self.choose(self._features)
             self.choice = self.options[k]
+            self._limit = self.gate_limit(self._features, k)
             self._hand_to(state, k)
-        elif (self.use_gate and not self.gated and self.values is not None
-              and self.active is not self.options[self.fallback]):
+        elif self._limit is not None and not self.gated:
             self._gate(state)
         return self._rule.decide(state)
 

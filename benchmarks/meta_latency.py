@@ -6,7 +6,7 @@ network; every later one is the chosen rule's decision behind one check). Prints
 option chosen, the number of decisions, p50 and p99 and the first call, in µs.
 
     python benchmarks/meta_latency.py [--profile retool_grouped] [--load 0.25]
-        [--schedulers checkpoints/meta_step,critical_path,checkpoints/meta_act,rate_greedy]
+        [--schedulers checkpoints/default,critical_path,checkpoints/meta_act,rate_greedy]
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def main() -> None:
     ap.add_argument("--profile", default="retool_grouped")
     ap.add_argument("--load", type=float, default=0.25, help="x trajectories per step")
     ap.add_argument("--seed", type=int, default=1_000_000)
-    ap.add_argument("--schedulers", default="checkpoints/meta_step,critical_path,"
+    ap.add_argument("--schedulers", default="checkpoints/default,critical_path,"
                     "checkpoints/meta_act,rate_greedy")
     args = ap.parse_args()
     w, c = profile(args.profile)

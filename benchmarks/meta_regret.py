@@ -11,20 +11,36 @@ on the evaluation seeds (1,000,000.., never a training seed). Per point and chec
   per-run choice among the options can reach under the cap (per seed, the best option
   by step among those within the cap on that seed, ÷ the best variant's step).
 
+With ``--real``, the real traces of ``benchmarks/data/real/`` (written by
+``benchmarks/real_traces.py``, not kept in the repository) are points too: each replayed
+on ``swe_grouped``'s cluster (``real-<source>``), the predictor, for a rule that reads
+it, fitted out of sample (``predictor.fit_on: cross``: by prompt group, 5 folds). A
+replay's seeds vary only what the trace does not fix (the scheduler's and the launch
+streams).
+
 Points run one after another and each point's runs are saved as it ends. Per rule: its
 worst regret (mean step ÷ the best rule's, and mean ACT ÷ the best's) over
 the points. Runs are kept in ``--out``/runs.json and reused (a run is a point, a label
-and a seed), so adding a checkpoint runs only its own runs (after retraining one, give
-a fresh ``--out``).
+and a seed; a checkpoint's label carries its files' digest), so adding or retraining a
+checkpoint runs only its own runs.
 
-    python benchmarks/meta_regret.py --checkpoints checkpoints/default,checkpoints/act
-        [--seeds 8] [--points retool,retool_grouped] [--cap act=1.10] [--workers 2]
-        [--out outputs/meta_regret]
+A checkpoint's run is a rule's run, decision for decision, where it picks that rule at
+the first decision and its gate cannot act on that rule's run (the gate is off for the
+fallback; for the step objective, the rule's mean step after each finished step stays
+under the gate's limit). So a checkpoint runs on the first seed of each point, and on
+the others only where that is not so; elsewhere it takes the rule's figures (marked
+``reused``). Where the first seed's run differs from the rule it would reuse, it runs on
+every seed. ``meta_regret.json`` counts the reused runs.
+
+    python benchmarks/meta_regret.py [--checkpoints checkpoints/default,checkpoints/meta_act]
+        [--seeds 8] [--points retool,retool_grouped] [--real agentcgroup,mini_swe_agent]
+        [--cap act=1.10] [--workers 2] [--out outputs/meta_regret]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import time
@@ -34,16 +50,28 @@ from typing import Any
 import numpy as np
 
 from metasched.agents.checkpoint import resolve_scheduler
-from metasched.agents.meta_options import OPTIONS
+from metasched.agents.meta_options import OPTIONS, workload_features
 from metasched.compose import compose, load_profile
 from metasched.evaluation.runs import Job, run_jobs
 from metasched.evaluation.step_story import ratio_entry
 from metasched.sim.seeds import EVAL_SEED_OFFSET
+from metasched.sim.simulator import Simulator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from grid import POINTS  # noqa: E402  (the grid's points, one definition)
+from real_traces import produced  # noqa: E402  (the traces are written, not kept)
 
 SYNC_POINTS = [p for p in POINTS if not p.endswith("-async")]
+REAL_DIR = Path(__file__).resolve().parent / "data" / "real"
+REAL_SOURCES = ("agentcgroup", "mini_swe_agent")
+REAL_PROFILE = "swe_grouped"  # the cluster a real trace is replayed on
+
+
+def real_point(source: str) -> tuple[str, tuple[str, ...]]:
+    """(profile, overrides) replaying the real trace ``source`` (exits in one line where
+    the file is absent)."""
+    path = produced(REAL_DIR / f"{source}.jsonl.gz").resolve()
+    return REAL_PROFILE, (f"workload.trace={path}",)
 
 
 def _fmt(e: dict[str, Any]) -> str:
@@ -51,29 +79,109 @@ def _fmt(e: dict[str, Any]) -> str:
     return f"{e['ratio']:.3f} ({lo:.3f}–{hi:.3f})"
 
 
-def run_all(points: list[str], labels: dict[str, tuple[str, dict]], seeds: list[int],
-            cache: dict[str, dict], workers: int) -> None:
-    """Run what ``cache`` lacks (key ``point|label|seed``) and add it."""
-    jobs = []
-    for p in points:
-        prof, overrides = POINTS[p]
-        w, c = load_profile(compose("eval", [f"workload={prof}", *overrides]))
-        for s in seeds:
-            for label, (sched, params) in labels.items():
-                if f"{p}|{label}|{s}" not in cache:
-                    jobs.append(Job(w, c, sched, params, s, max_wait_s=300.0, label=label,
-                                    group=p))
-    if jobs:
-        for r in run_jobs(jobs, workers=workers):
-            cache[f"{r['group']}|{r['scheduler']}|{r['seed']}"] = {
-                "step": float(np.mean(r["step_s"])), "act": r["mean_act_s"]}
+def checkpoint_key(name: str) -> str:
+    """``name@<digest>``: a checkpoint's runs are kept under its files' sha256, so a
+    retrained checkpoint runs again while the rules' runs are reused."""
+    path = Path(resolve_scheduler(name))
+    h = hashlib.sha256()
+    for f in sorted(path.iterdir()):
+        if f.is_file():
+            h.update(f.name.encode() + f.read_bytes())
+    return f"{name}@{h.hexdigest()[:12]}"
+
+
+def first_features(w: Any, c: Any, seed: int) -> np.ndarray | None:
+    """The workload features at a run's first decision (the state there is the same under
+    every scheduler: none has acted yet); None for a run with no decision."""
+    sim = Simulator(w, c, seed, max_wait_s=300.0)
+    return workload_features(sim.state) if sim.next_decision() else None
+
+
+def reused_rule(meta: Any, x: np.ndarray | None, rules: set[str],
+                row: dict[str, Any] | None) -> str | None:
+    """The rule whose run a checkpoint's run is, decision for decision, on this seed: the
+    option it picks at the first decision, where its gate cannot act on that rule's run
+    (the gate is off for that choice, or, for the step objective, the mean step after
+    every finished step stays within the gate's limit). None: run the checkpoint."""
+    if x is None or row is None:
+        return None
+    k = meta.choose(x)
+    name = meta.options[k].name
+    if name not in rules:
+        return None
+    limit = meta.gate_limit(x, k)
+    if limit is None:
+        return name
+    if meta.objective != "step" or "steps" not in row:
+        return None
+    spans = np.asarray(row["steps"])
+    means = np.cumsum(spans) / np.arange(1, len(spans) + 1)
+    return name if bool(np.all(np.log(means) <= limit)) else None
+
+
+def _row(r: dict[str, Any]) -> dict[str, Any]:
+    return {"step": float(np.mean(r["step_s"])), "act": r["mean_act_s"],
+            "steps": [float(v) for v in r["step_s"]]}
+
+
+def run_point(p: str, spec: tuple[str, tuple[str, ...]], rules: dict[str, tuple[str, dict]],
+              ckpts: dict[str, str], seeds: list[int], cache: dict[str, dict],
+              workers: int) -> None:
+    """Run what ``cache`` lacks at point ``p`` (keys ``point|label|seed``; ``ckpts`` maps a
+    checkpoint's cache label to its path). Every rule runs; a checkpoint runs on the first
+    seed, and on the others where its run is not provably one of the rules' runs
+    (:func:`reused_rule`); there it takes that rule's figures, marked ``reused``. Where
+    the first seed's run differs from the rule it reuses, every seed runs."""
+    from metasched.agents import make_scheduler
+
+    prof, overrides = spec
+    w, c = load_profile(compose("eval", [f"workload={prof}", *overrides]))
+
+    def job(label: str, sched: str, params: dict, s: int) -> Job:
+        return Job(w, c, sched, params, s, max_wait_s=300.0, label=label, group=p,
+                   fit_on="cross")
+
+    def run(jobs: list[Job]) -> None:
+        for r in run_jobs(jobs, workers=workers) if jobs else ():
+            cache[f"{p}|{r['scheduler']}|{r['seed']}"] = _row(r)
+
+    todo = {(lab, s) for lab in ckpts for s in seeds if f"{p}|{lab}|{s}" not in cache}
+    run([job(lab, sched, params, s) for s in seeds for lab, (sched, params) in rules.items()
+         if f"{p}|{lab}|{s}" not in cache]
+        + [job(lab, ckpts[lab], {}, s) for lab, s in sorted(todo) if s == seeds[0]])
+    feats: dict[int, np.ndarray | None] = {}
+
+    def rule_of(lab: str, s: int) -> str | None:  # the rule lab's run is on seed s, or None
+        if s not in feats:
+            feats[s] = first_features(w, c, s)
+        meta, x = metas[lab], feats[s]
+        pick = None if x is None else meta.options[meta.choose(x)].name
+        return reused_rule(meta, x, set(rules), cache.get(f"{p}|{pick}|{s}"))
+
+    metas = {lab: make_scheduler(path) for lab, path in ckpts.items()}
+    full = []
+    for lab in ckpts:
+        first, rule0 = cache[f"{p}|{lab}|{seeds[0]}"], rule_of(lab, seeds[0])
+        verified = rule0 is not None and all(
+            first.get(f) == cache[f"{p}|{rule0}|{seeds[0]}"].get(f) for f in ("step", "act"))
+        for s in seeds[1:]:
+            if (lab, s) not in todo:
+                continue
+            rule = rule_of(lab, s) if verified else None
+            if rule is None:
+                full.append(job(lab, ckpts[lab], {}, s))
+            else:
+                cache[f"{p}|{lab}|{s}"] = {**cache[f"{p}|{rule}|{s}"], "reused": rule}
+    run(full)
 
 
 def point_table(p: str, rules: list[str], ckpts: list[str], seeds: list[int],
-                cache: dict[str, dict], caps: dict[str, float]) -> dict[str, Any]:
-    """One point's comparison (see the module docstring)."""
+                cache: dict[str, dict], caps: dict[str, float],
+                keys: dict[str, str]) -> dict[str, Any]:
+    """One point's comparison (see the module docstring); ``keys`` maps a checkpoint to
+    its label in ``cache``."""
     def per_seed(label: str, fig: str) -> list[float]:
-        return [cache[f"{p}|{label}|{s}"][fig] for s in seeds]
+        return [cache[f"{p}|{keys.get(label, label)}|{s}"][fig] for s in seeds]
 
     mean = {lab: {f: float(np.mean(per_seed(lab, f))) for f in ("step", "act")}
             for lab in [*rules, *ckpts]}
@@ -137,8 +245,11 @@ def markdown(doc: dict[str, Any], ckpts: list[str], rules: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--checkpoints", default="checkpoints/default")
-    ap.add_argument("--points", default=",".join(SYNC_POINTS))
+    ap.add_argument("--checkpoints", default="checkpoints/default,checkpoints/meta_act")
+    ap.add_argument("--points", default=",".join(SYNC_POINTS),
+                    help="grid points (empty: none)")
+    ap.add_argument("--real", default="", help="real traces to replay, e.g. "
+                    f"{','.join(REAL_SOURCES)} (default: none)")
     ap.add_argument("--seeds", type=int, default=8)
     ap.add_argument("--cap", action="append", default=[], help="FIGURE=FACTOR, e.g. act=1.10")
     ap.add_argument("--workers", type=int, default=2)
@@ -150,6 +261,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --points: unknown {', '.join(unknown)} (known: {', '.join(SYNC_POINTS)})",
               file=sys.stderr)
         return 2
+    sources = [r for r in args.real.split(",") if r]
+    unknown = [r for r in sources if r not in REAL_SOURCES]
+    if unknown:
+        print(f"error: --real: unknown {', '.join(unknown)} (known: {', '.join(REAL_SOURCES)})",
+              file=sys.stderr)
+        return 2
+    where = {p: POINTS[p] for p in points}
+    where.update({f"real-{r}": real_point(r) for r in sources})
     caps = {}
     for c in args.cap:
         fig, _, val = c.partition("=")
@@ -158,20 +277,24 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         caps[fig] = float(val)
     ckpts = [c for c in args.checkpoints.split(",") if c]
-    labels = {o.name: (o.rule, dict(o.params)) for o in OPTIONS}
-    labels.update({k: (resolve_scheduler(k), {}) for k in ckpts})
+    rule_jobs = {o.name: (o.rule, dict(o.params)) for o in OPTIONS}
+    keys = {k: checkpoint_key(k) for k in ckpts}
     seeds = list(range(EVAL_SEED_OFFSET, EVAL_SEED_OFFSET + args.seeds))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cache_path = out / "runs.json"
     cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
     t0 = time.perf_counter()
-    for p in points:  # point by point, each saved as it ends (a long run can be resumed)
-        run_all([p], labels, seeds, cache, args.workers)
+    for p, spec in where.items():  # point by point, each saved as it ends (resumable)
+        run_point(p, spec, rule_jobs, {keys[k]: resolve_scheduler(k) for k in ckpts}, seeds,
+                  cache, args.workers)
         cache_path.write_text(json.dumps(cache) + "\n")
     rules = [o.name for o in OPTIONS]
-    doc = {"seeds": seeds, "wall_s": time.perf_counter() - t0,
-           "points": {p: point_table(p, rules, ckpts, seeds, cache, caps) for p in points}}
+    doc = {"seeds": seeds, "wall_s": time.perf_counter() - t0, "checkpoints": keys,
+           "reused": {k: {p: sum("reused" in cache[f"{p}|{keys[k]}|{s}"] for s in seeds)
+                          for p in where} for k in ckpts},
+           "points": {p: point_table(p, rules, ckpts, seeds, cache, caps, keys)
+                      for p in where}}
     (out / "meta_regret.json").write_text(json.dumps(doc, indent=2) + "\n")
     md = markdown(doc, ckpts, rules)
     (out / "meta_regret.md").write_text(md + "\n")

@@ -56,8 +56,8 @@ def saved(tmp_path, model):
 
 @pytest.fixture
 def ckpt(tmp_path):
-    """A copy of the shipped checkpoint (the checks below need no torch)."""
-    return Path(shutil.copytree(package_dir("metasched.checkpoints") / "default",
+    """A copy of the shipped per-action checkpoint (the checks below need no torch)."""
+    return Path(shutil.copytree(package_dir("metasched.checkpoints") / "per_action",
                                 tmp_path / "ckpt"))
 
 
@@ -256,3 +256,11 @@ def test_eval_app_relative_checkpoint_in_worker_processes(tmp_path, ckpt, monkey
     assert doc["seeds"] == [1_000_000, 1_000_001]
     res = doc["schedulers"]["runs/mine"]
     assert res["actions"] > 0 and res["decisions"] > 0 and "guard_fired" in res
+
+
+def test_the_shipped_meta_policy_is_no_warm_start(tmp_path):
+    meta = Path(shutil.copytree(package_dir("metasched.checkpoints") / "default",
+                                tmp_path / "meta"))
+    with pytest.raises(ConfigError, match="meta-policy over the rules") as e:
+        load_metadata(meta)
+    assert_one_line_naming(e.value, meta)

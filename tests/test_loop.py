@@ -56,7 +56,7 @@ def test_the_loop_writes_profile_checkpoint_evaluation_and_summary(looped) -> No
     assert saved["new_checkpoint"] == str(out / "checkpoint")
     # The new checkpoint is the warm-started run's best, a new run from the shipped one.
     meta = json.loads((out / "checkpoint" / "metadata.json").read_text())
-    assert meta["training"]["initialised_from"].endswith("checkpoints/default/model.zip")
+    assert meta["training"]["initialised_from"].endswith("checkpoints/per_action/model.zip")
     assert meta["training"]["resumed_from"] is None
     assert meta["config"]["workload"]["name"] == "small"
     assert meta["config"]["ppo"]["bc"]["decisions"] == 0
@@ -108,6 +108,7 @@ def test_recommendation_rule(act, step, decision) -> None:
     ([], "trace"),
     (["trace=/nonexistent/trace.jsonl"], "trace"),
     (["trace={trace}", "checkpoint=/nonexistent/ckpt"], "checkpoint"),
+    (["trace={trace}", "checkpoint=checkpoints/default"], "checkpoint"),  # the meta-policy
     (["trace={trace}", "evaluation.heuristics=[fifo,oracle]"], "evaluation.heuristics[1]"),
     (["trace={trace}", "evaluation.n_seeds=1"], "evaluation.n_seeds"),
     (["trace={trace}", "evaluation.seed_offset=5"], "evaluation.seed_offset"),  # not held out

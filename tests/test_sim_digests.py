@@ -1,6 +1,7 @@
 """The simulator's outputs pinned on fixed seeds: every grant (instant, action, cores,
 node, device, batch, hold) and every finish (submission, start, end, outcome) of small
-instances of each profile, under every heuristic and the shipped policy, hashed and
+instances of each profile, under every heuristic and the shipped policies (the
+meta-policy ``checkpoints/default`` and the per-action ``checkpoints/per_action``), hashed and
 compared with digests stored in ``tests/data/sim_digests.json``. The default run checks
 a subset (``DEFAULT_PAIRS``); ``pytest -m slow tests/test_sim_digests.py`` checks the rest.
 
@@ -28,15 +29,16 @@ from metasched.envs.scheduling import scale_workload
 from metasched.sim.simulator import Simulator
 
 DIGESTS = Path(__file__).parent / "data" / "sim_digests.json"
-CHECKPOINT = str(Path(__file__).resolve().parents[1] / "checkpoints" / "default")
-SCHEDULERS = (*BASELINES, "checkpoints/default")
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = ("checkpoints/default", "checkpoints/per_action")
+SCHEDULERS = (*BASELINES, *SHIPPED)
 SEEDS = (1_000_000, 1_000_001)
 
 
 def _case(name: str):
     """(workload, cluster, simulator options) of a named case: each profile at a quarter
     of its trajectories for one step on its own cluster; ``coding-nodes``: half of
-    coding's trajectories spread over 8 nodes, the most the shipped policy observes
+    coding's trajectories spread over 8 nodes, the most the per-action policy observes
     (sandbox placement and per-node queues across nodes); ``mixed-guard``: mixed with
     the starvation guard on."""
     if name == "coding-nodes":
@@ -69,7 +71,7 @@ def run_digest(case: str, scheduler: str, seed: int,
         apply(g)
 
     sim.apply = recording_apply  # the run loop and the guard both call self.apply
-    name = CHECKPOINT if scheduler == "checkpoints/default" else scheduler
+    name = str(ROOT / scheduler) if scheduler in SHIPPED else scheduler
     r = sim.run(make_scheduler(name))
     for col in (r.kind, r.submit, r.start, r.end, r.ok):
         h.update(np.ascontiguousarray(col).tobytes())
@@ -86,8 +88,10 @@ def _key(case: str, scheduler: str, seed: int) -> str:
 
 
 # The default run's subset (first seed): every scheduler and every case at least once, the
-# shipped policy on the most nodes it observes. Every pair on both seeds runs with -m slow.
-DEFAULT_PAIRS = {("coding-nodes", "checkpoints/default"), ("coding", "elastic_greedy"),
+# per-action policy on the most nodes it observes, the meta-policy where the rule it picks
+# is not rate_greedy's. Every pair on both seeds runs with -m slow.
+DEFAULT_PAIRS = {("coding-nodes", "checkpoints/per_action"), ("retool", "checkpoints/default"),
+                 ("coding", "elastic_greedy"),
                  ("mixed", "rate_greedy"), ("mixed-guard", "sjf"), ("search", "fifo"),
                  ("rm_math", "static"), ("rm_math", "random"), ("retool", "task_isolated"),
                  ("retool", "critical_path"), ("coding", "least_slack"),

@@ -103,8 +103,10 @@ def test_wheel_holds_the_configs_and_the_shipped_checkpoint(wheel):
                  "metasched/configs/cluster/rm_math.yaml", "metasched/configs/examples/jobs.jsonl",
                  "metasched/configs/calibrate.yaml",
                  "metasched/configs/hydra/help/metasched.yaml",  # every app's --help
-                 "metasched/checkpoints/default/policy.npz",
+                 "metasched/checkpoints/default/meta_policy.npz",
                  "metasched/checkpoints/default/metadata.json",
+                 "metasched/checkpoints/meta_act/meta_policy.npz",
+                 "metasched/checkpoints/per_action/policy.npz",
                  "metasched/envs/scheduling.py", "metasched/agents/elastic.py"):
         assert must in names, must
     assert not any(n.startswith(("envs/", "agents/", "configs/", "checkpoints/")) for n in names)

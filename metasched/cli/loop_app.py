@@ -18,7 +18,7 @@ then recommends switching or keeping (:data:`RULE`) and writes ``loop.json``.
 Examples::
 
     metasched-serve trace=live.jsonl ...                  # or metasched-dispatch trace=...
-    metasched-loop trace=live.jsonl                       # the shipped policy, default budget
+    metasched-loop trace=live.jsonl            # the shipped per-action policy, default budget
     metasched-loop trace=live.jsonl checkpoint=outputs/loop/<run>/checkpoint budget=50000
 """
 

@@ -6,7 +6,7 @@ Examples::
     metasched-train workload=rm_math ppo.total_timesteps=100000
     metasched-train --multirun seed=0,1,2             # a sweep, one run directory each
     metasched-train resume=outputs/train/mixed/<run>/checkpoint ppo.total_timesteps=600000
-    metasched-train init=checkpoints/default ppo.bc.decisions=0   # a warm start
+    metasched-train init=checkpoints/per_action ppo.bc.decisions=0   # a warm start
 
 A run directory holds ``checkpoint/`` (final), ``best/`` (lowest validation mean ACT;
 mean step with ``env.reward.objective=step``),
