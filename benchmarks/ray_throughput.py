@@ -28,17 +28,21 @@ Prints the cost of one Ray actor call (CPU in the caller and the callee: what
 raw run just before it, the acceptance figure: >= 0.8) and its median, and where the CPU
 went: the dispatcher actor's CPU seconds per action, and so the ceiling of one
 dispatcher actor on one core (actions/s it could schedule were the tasks free), and the
-rate of empty Ray tasks (no command) here, Ray's own floor.
+rate of empty Ray tasks (no command) here, Ray's own floor. With ``--floor``, after
+each way, the dispatcher actor's own floor: the CPU per action of an actor that makes
+the same Ray calls (a batch call per client loop turn, the results stream) and nothing
+else, its results paced at the rate the dispatcher just reached.
 
     python benchmarks/ray_throughput.py [--n 2000] [--rounds 3] [--cpus 2]
         [--submit stream,daemon,task] [--ahead 0,1] [--isolation auto] [--trajectories 0]
-        [--address auto]
+        [--address auto] [--floor]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import pickle
 import statistics
@@ -134,6 +138,93 @@ async def _call_cost(n: int) -> tuple[float, float]:
     return caller, per_callee
 
 
+class _Floor:
+    """The floor of the dispatcher actor's own Ray traffic: an async actor with its
+    calls (one ``accept_batch`` per client loop turn, one ``results`` stream yielding
+    every :data:`YIELD_INTERVAL_S` at most, the same classes) that queues, schedules,
+    journals and runs nothing: each request's result is made at the pace ``rate``
+    (the rate the dispatcher just reached, so that results come as spread out)."""
+
+    def __init__(self, rate: float) -> None:
+        from metasched.runtime.ray_backend.actor import YIELD_INTERVAL_S, ResultBox
+
+        self.rate = rate
+        self.boxes: dict = {}
+        self.box = lambda: ResultBox(YIELD_INTERVAL_S)
+        self.pacers: set = set()
+
+    async def accept_batch(self, client: str, packed: bytes, calls=None) -> bytes:
+        from metasched.runtime.ray_backend.actor import dumps
+
+        requests = pickle.loads(packed)
+        box = self.boxes.setdefault(client, self.box())
+        task = asyncio.ensure_future(self._pace(requests, box))
+        self.pacers.add(task)
+        task.add_done_callback(self.pacers.discard)
+        return dumps([None] * len(requests))
+
+    async def _pace(self, requests: list, box) -> None:
+        from metasched.runtime.requests import DONE, Result
+
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        for i, req in enumerate(requests):
+            wait = t0 + i / self.rate - loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            now = time.time()
+            box.put(Result(req["id"], DONE, exit_code=0, queued_at=now, started_at=now,
+                           finished_at=now, allocation={"node": "n", "cores": [0]},
+                           attempts=1))
+
+    async def results(self, client: str):
+        from metasched.runtime.ray_backend.actor import dumps
+
+        box = self.boxes.setdefault(client, self.box())
+        while True:
+            yield dumps(await box.take())
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def _floor_actor(rate: float):
+    """:class:`_Floor` with the dispatcher actor's direct results connection."""
+    from metasched.runtime.ray_backend.actor import DispatcherActor
+
+    class Floor(_Floor):
+        open_results = DispatcherActor.open_results
+        _serve_results = DispatcherActor._serve_results
+
+        def __init__(self, rate: float) -> None:
+            super().__init__(rate)
+            self._boxes = self.boxes
+
+    return Floor
+
+
+async def _floor(n: int, rate: float) -> float:
+    """CPU seconds per action of a :class:`_Floor` actor answering ``n`` actions at
+    ``rate`` through a dispatcher handle (after a warm-up of 200)."""
+    import psutil
+    import ray
+
+    from metasched.runtime.ray_backend.client import MAX_CONCURRENCY, DispatcherHandle
+
+    actor = ray.remote(_floor_actor(rate)).options(num_cpus=0, max_concurrency=MAX_CONCURRENCY
+                                       ).remote(rate)
+    proc = psutil.Process(await actor.pid.remote())
+    handle = DispatcherHandle(actor, "floor")
+    try:
+        await _through_actor(handle, min(n, 200))
+        c0 = sum(proc.cpu_times()[:2])
+        await _through_actor(handle, n)
+        return (sum(proc.cpu_times()[:2]) - c0) / n
+    finally:
+        await handle.aclose()
+        ray.kill(actor)
+
+
 _loop = None
 
 
@@ -190,6 +281,9 @@ def main() -> None:
                    help="the dispatcher's sandbox.isolation")
     p.add_argument("--trajectories", type=int, default=0,
                    help="spread the actor's actions over this many trajectories (0: none)")
+    p.add_argument("--floor", action="store_true",
+                   help="after each way, the CPU per action of an actor that does nothing "
+                        "but the dispatcher actor's Ray calls, at the rate it reached")
     args = p.parse_args()
     if args.n < 1 or args.rounds < 1 or args.trajectories < 0:
         raise SystemExit("error: n, rounds, trajectories: must be >= 1 (trajectories >= 0)")
@@ -263,11 +357,12 @@ def main() -> None:
         cores = args.cpus
         print(f"| round | way | load avg | raw Ray tasks /s | through the actor /s | actor ÷ "
               f"raw | raw, {cores} in flight /s | actor ÷ raw {cores} in flight | actor CPU "
-              f"ms/action |")
-        print("|---|---|---|---|---|---|---|---|---|")
+              f"ms/action | floor ms/action |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         ratios = {m: [] for m in runs}
         ratios_k = {m: [] for m in runs}
         cpu_per = {m: [] for m in runs}
+        floors = {m: [] for m in runs}
         stats = {}
         for r in range(args.rounds):
             raw_k = await _raw(args.n, "command", in_flight=cores)
@@ -279,9 +374,11 @@ def main() -> None:
                 ratios[m].append(rate / raw)
                 ratios_k[m].append(rate / raw_k)
                 cpu_per[m].append(per)
+                floor = await _floor(args.n, rate) if args.floor else math.nan
+                floors[m].append(floor)
                 print(f"| {r + 1} | {label(m)} | {load:.1f} | {raw:,.0f} | {rate:,.0f} | "
                       f"{rate / raw:.2f} | {raw_k:,.0f} | {rate / raw_k:.2f} | "
-                      f"{per * 1e3:.2f} |", flush=True)
+                      f"{per * 1e3:.3f} | {floor * 1e3:.3f} |", flush=True)
         print()
         for m in runs:
             med = statistics.median(cpu_per[m])
@@ -294,6 +391,10 @@ def main() -> None:
                   f"actions/s; decision latency µs p50 {lat.get('p50', 0):.0f}, p99 "
                   f"{lat.get('p99', 0):.0f}; ahead_per_core {stats[m]['ahead_per_core']}; "
                   f"{stats[m]['sandboxes']}")
+            if args.floor:
+                print(f"{label(m)}: floor (Ray calls and the results stream alone, at the "
+                      f"same rate) {statistics.median(floors[m]) * 1e3:.3f} ms CPU per "
+                      f"action (median)")
 
     with tempfile.TemporaryDirectory() as tmp:
         asyncio.run(rounds(tmp))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -151,6 +152,21 @@ def test_features_land_where_documented(state):
     assert pools["api1_req_frac"] == 0.0
     assert obs["slots"].reshape(SMALL.k_slots, F)[:, col("present")].tolist() == [1, 0, 0, 0]
     assert all(0.0 <= v <= 1e4 for k in ("slots", "backlog", "pools") for v in obs[k])
+
+
+def test_a_re_estimated_action_is_encoded_afresh(state):
+    """The features of an action's spec are kept between observations: a spec
+    replaced (re-estimated) is read again, as a new encoder reads it."""
+    enc = ObservationEncoder(state, SMALL, make_advisor(SMALL))
+    a = submit_at(state, 0.0, cpu_spec(est=2.0, cores=(2, 8)))
+    enc.observe(state)
+    a.spec = replace(a.spec, est_s=50.0, min_cores=4)
+    state.version += 1
+    fresh = ObservationEncoder(state, SMALL, make_advisor(SMALL)).observe(state)
+    x = enc.observe(state)["slots"].reshape(SMALL.k_slots, F)
+    assert x.tolist() == fresh["slots"].reshape(SMALL.k_slots, F).tolist()
+    assert x[0, col("log_est_s")] == pytest.approx(math.log1p(50.0))
+    assert x[0, col("min_cores_frac")] == pytest.approx(4 / 8)
 
 
 # ------------------------------------------------------------------ slots and backlog

@@ -330,6 +330,24 @@ async def test_finished_ids_are_answered_from_the_journal_after_a_restart(side, 
     assert other.status == "rejected"
 
 
+@pytest.mark.ray
+async def test_ray_results_come_on_a_direct_connection_and_survive_its_loss(ray_cluster):
+    """A handle reads its results on its own connection to the dispatcher actor; when
+    that connection is cut, it connects again, sends what was unanswered again under
+    the same ids, and every result comes."""
+    side = RaySide()
+    async with side.dispatcher(cfg()) as handle:
+        assert (await handle.submit(cpu("/bin/true"))).ok
+        assert handle.results_via == "direct"
+        futures = [handle.accept(cpu("/bin/sleep", "0.05", id=f"cut-{i}")) for i in range(20)]
+        await asyncio.sleep(0.1)
+        handle._direct.transport.abort()  # the connection is cut (as by the network)
+        results = await asyncio.wait_for(asyncio.gather(*futures), 60)
+        assert [r.id for r in results] == [f"cut-{i}" for i in range(20)]
+        assert all(r.ok for r in results), [r.reason for r in results if not r.ok]
+        assert handle.results_via == "direct" and handle._direct is not None
+
+
 # On Ray the same kill is checked, with commands handed ahead besides, by
 # test_ray_a_killed_dispatcher_with_commands_handed_ahead_loses_nothing (the journal's
 # answers after a restart by test_finished_ids_...): this Ray case is the slow one.

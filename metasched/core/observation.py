@@ -46,7 +46,7 @@ from functools import cache
 
 import numpy as np
 
-from metasched.core.actions import Action, Grant
+from metasched.core.actions import Action, ActionSpec, Grant
 from metasched.core.ledger import Ledger
 from metasched.core.scheduler import Scheduler
 from metasched.core.state import ClusterState
@@ -170,6 +170,10 @@ class ObservationEncoder:
             advisor.reset(state, np.random.default_rng(0))
         self._cache_key: tuple[int, int] | None = None
         self._cache: tuple[list[Action], dict[int, float], dict[int, Grant]] = ([], {}, {})
+        # Per action id, its spec and the slot features that depend on the spec alone:
+        # a decision reads 16 slots, which mostly held the same actions at the previous
+        # one (a spec replaced, e.g. re-estimated, is a new object: its row is rebuilt).
+        self._fixed: dict[int, tuple[ActionSpec, list[float]]] = {}
         self.service_index = {s: i for i, s in enumerate(sorted(state.gpu.services))}
         self.endpoint_names = sorted(state.api.endpoints)
         self.node_cores = max(1, state.cluster.cores_per_node)
@@ -207,10 +211,15 @@ class ObservationEncoder:
         advised: list[Action] = []
         ready: list[Action] = []
         blocked: list[Action] = []
+        # cpu feasibility (state.cpu_feasible) with the freest node's cores read once
+        cpu_free = state.cpu.free
+        freest = max(cpu_free, default=0)
         for a in merged:
             if a.id in advice:
                 advised.append(a)
-            elif state.feasible(a):
+            elif (((cpu_free[a.node] if a.node >= 0 else freest) >= a.spec.min_cores
+                   - (a.traj.held_cores if a.traj is not None else 0))
+                  if a.spec.kind == "cpu" else state.feasible(a)):
                 if len(ready) < k:
                     ready.append(a)
             elif len(blocked) < k:
@@ -340,9 +349,10 @@ class ObservationEncoder:
         slots = self.slots(state)
         led = Ledger(state)
         t = state.t
-        # Rows are filled as Python lists and converted once: a NumPy element write
-        # costs several times a list's, and a slot has F of them.
-        rows: list[list[float]] = []
+        # Rows are filled in one flat Python list and converted once: a NumPy element
+        # write costs several times a list's (a slot has F of them), and a flat list
+        # converts several times faster than a list of rows.
+        flat = [0.0] * (cfg.k_slots * F)
         L = cfg.levels
         mask = [False] * cfg.n_actions  # (a list: a slice write costs a NumPy array's ~10x)
         nc = self.node_cores
@@ -352,57 +362,80 @@ class ObservationEncoder:
         if state.pending["gpu"]:
             for a in state.pending["gpu"].values():
                 queued_by_service[a.spec.service] = queued_by_service.get(a.spec.service, 0) + 1
+        fixed = self._fixed
+        # cpu slots' legal levels by (min cores, max cores, room): slots mostly repeat them
+        cpu_legal: dict[tuple[int, int, int], list[bool]] = {}
+        any_room: int | None = None
+        if len(fixed) > 64 * cfg.k_slots:  # rows of actions long gone: start again
+            fixed.clear()
         for i, a in enumerate(slots):
             spec = a.spec
-            row = [0.0] * F
-            rows.append(row)
-            row[0 if spec.kind == "cpu" else 1 if spec.kind == "gpu" else 2] = 1.0
-            row[3] = math.log1p(spec.est_s)
-            row[4] = math.log1p(spec.est_run_s(spec.max_cores))
-            row[5] = spec.min_cores / nc
-            row[6] = spec.max_cores / nc
-            row[7] = spec.parallel_fraction
-            row[8] = math.log1p(t - a.submit_t)
-            row[9] = float(spec.reward)
+            known = fixed.get(a.id)
+            if known is None or known[0] is not spec:
+                known = fixed[a.id] = (spec, self._fixed_row(spec))
+            o = i * F
+            flat[o:o + F] = known[1]
+            flat[o + 8] = math.log1p(t - a.submit_t)
             traj = a.traj
             if traj is not None:
-                row[10] = math.log1p(traj.turn)
-                row[11] = math.log1p(max(0.0, t - traj.start_t))
-                row[12] = math.log1p(traj.act_s)
+                flat[o + 10] = math.log1p(traj.turn)
+                flat[o + 11] = math.log1p(max(0.0, t - traj.start_t))
+                flat[o + 12] = math.log1p(traj.act_s)
             room = None
             if spec.kind == "cpu":
-                _, room = led.cpu_room(a)
-                row[13] = room / nc
+                if a.node < 0 and traj is None:  # the freest node's room: the same for all
+                    if any_room is None:
+                        any_room = max(led.free, default=0)
+                    room = any_room
+                else:
+                    _, room = led.cpu_room(a)
+                flat[o + 13] = room / nc
+                key = (spec.min_cores, spec.max_cores, room)
+                legal = cpu_legal.get(key)
+                if legal is None:
+                    legal = cpu_legal[key] = self._legal_levels(state, led, a, room)
             elif spec.kind == "gpu":
                 d = led.idle_device_for(spec.service)
                 if d >= 0:
-                    row[14] = float(spec.service in gpu.devices[d].resident)
-                    row[15] = math.log1p(gpu.restore_cost(spec.service, d))
+                    flat[o + 14] = float(spec.service in gpu.devices[d].resident)
+                    flat[o + 15] = math.log1p(gpu.restore_cost(spec.service, d))
                 queued = queued_by_service.get(spec.service, 0)
-                row[16] = queued / gpu.services[spec.service].max_batch
+                flat[o + 16] = queued / gpu.services[spec.service].max_batch
             else:
                 ep = api.endpoints[spec.endpoint]
                 ep.refill(t)
-                row[17] = ep.req / ep.spec.req_capacity
-                row[18] = min(1.0, ep.tok / spec.tokens) if spec.tokens else 1.0
-                row[19] = ep.in_flight / ep.spec.max_concurrency
-            legal = self._legal_levels(state, led, a, room)
+                flat[o + 17] = ep.req / ep.spec.req_capacity
+                flat[o + 18] = min(1.0, ep.tok / spec.tokens) if spec.tokens else 1.0
+                flat[o + 19] = ep.in_flight / ep.spec.max_concurrency
+            if room is None:
+                legal = self._legal_levels(state, led, a)
             mask[i * L:(i + 1) * L] = legal
-            row[20] = float(any(legal))
+            flat[o + 20] = float(any(legal))
             if a.id in advice:
-                row[21] = 1.0
-                row[22] = advice[a.id]
-            row[23] = 1.0
+                flat[o + 21] = 1.0
+                flat[o + 22] = advice[a.id]
         mask[-1] = True
-        x = np.zeros((cfg.k_slots, F), dtype=np.float32)
-        if rows:
-            x[:len(rows)] = rows
+        x = np.array(flat, dtype=np.float32)
         np.minimum(np.maximum(x, 0.0, out=x), OBS_HIGH, out=x)  # np.clip's, without its wrapper
         pools = self._pools(state)
         pools[-1] = float(self.advisor is not None and not advice)
-        return {"slots": x.reshape(-1), "backlog": self._backlog(state, slots).reshape(-1),
+        return {"slots": x, "backlog": self._backlog(state, slots).reshape(-1),
                 "pools": np.minimum(np.maximum(pools, 0.0, out=pools), OBS_HIGH, out=pools),
                 "action_mask": np.array(mask, dtype=np.int8)}
+
+    def _fixed_row(self, spec: ActionSpec) -> list[float]:
+        """A slot row with the features of ``spec`` alone filled in (the rest 0)."""
+        nc = self.node_cores
+        row = [0.0] * F
+        row[0 if spec.kind == "cpu" else 1 if spec.kind == "gpu" else 2] = 1.0
+        row[3] = math.log1p(spec.est_s)
+        row[4] = math.log1p(spec.est_run_s(spec.max_cores))
+        row[5] = spec.min_cores / nc
+        row[6] = spec.max_cores / nc
+        row[7] = spec.parallel_fraction
+        row[9] = float(spec.reward)
+        row[23] = 1.0  # present
+        return row
 
     def _backlog(self, state: ClusterState, slots: list[Action]) -> np.ndarray:
         b = np.zeros((3, 3), dtype=np.float32)

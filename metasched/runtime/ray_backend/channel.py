@@ -30,7 +30,7 @@ import struct
 from typing import Any
 
 __all__ = ["ChannelError", "Outbox", "answer_challenge", "new_secret", "read_frame",
-           "serve_challenge"]
+           "serve_challenge", "write_frame"]
 
 _LENGTH = struct.Struct("!I")
 MAX_FRAME_BYTES = 1 << 30  # a frame longer than this is a broken stream, not a message
@@ -96,6 +96,13 @@ async def read_frame(reader: asyncio.StreamReader) -> list[Any]:
         raise ChannelError("the stream ended") from None
 
 
+def write_frame(writer: asyncio.StreamWriter, messages: list[Any]) -> None:
+    """Write ``messages`` as one frame (nothing if the stream is closing)."""
+    if not writer.is_closing():
+        data = pickle.dumps(messages, pickle.HIGHEST_PROTOCOL)
+        writer.write(_LENGTH.pack(len(data)) + data)
+
+
 class Outbox:
     """Messages for the peer, written as one frame at the end of the current loop turn
     (whatever the turn put here: nothing waits for a batch to fill)."""
@@ -111,6 +118,5 @@ class Outbox:
 
     def flush(self) -> None:
         items, self.items = self.items, []
-        if items and not self.writer.is_closing():
-            data = pickle.dumps(items, pickle.HIGHEST_PROTOCOL)
-            self.writer.write(_LENGTH.pack(len(data)) + data)
+        if items:
+            write_frame(self.writer, items)

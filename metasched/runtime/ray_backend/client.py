@@ -7,7 +7,8 @@ cluster. Both return a :class:`DispatcherHandle`, with the dispatcher's interfac
 ``handle.sync()`` for code without one.
 
 The handle sends the requests accepted in one turn of its event loop in one actor call,
-and receives results from one streaming call (see :mod:`.actor`). If the actor dies,
+and receives results on one direct connection to the actor, or from one streaming call
+where the actor's address cannot be reached (see :mod:`.actor`). If the actor dies,
 the handle waits for Ray to restart it and submits what it had not been answered again,
 under the same ids: with a journal, the restarted dispatcher runs each of them once
 more at most (finished ids are answered from the journal, unfinished ones join the
@@ -31,6 +32,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from metasched.errors import ConfigError
 from metasched.runtime.dispatch import DispatcherConfig
 from metasched.runtime.gpu import LiveService
+from metasched.runtime.ray_backend import channel
 from metasched.runtime.ray_backend.actor import DispatcherActor, dumps
 from metasched.runtime.ray_backend.cluster import DEFAULT_SUBMIT, check_submit
 from metasched.runtime.ray_backend.commands import lost
@@ -154,6 +156,10 @@ class DispatcherHandle:
         self._reader: asyncio.Task | None = None
         self._senders: set[asyncio.Task] = set()
         self._recovering: asyncio.Task | None = None
+        # How results come: "direct" (a connection to the actor), "ray" (its results
+        # stream, where the actor cannot be reached directly), "" (not read yet).
+        self.results_via = ""
+        self._direct: asyncio.StreamWriter | None = None  # the connection, while open
 
     # ------------------------------------------------------------- the interface
 
@@ -281,7 +287,60 @@ class DispatcherHandle:
                 sent.future.set_result(result)
 
     async def _read(self) -> None:
-        """Deliver results from the actor's stream; after a restart, open a new one."""
+        """Deliver results from a direct connection to the actor (or, if its address
+        cannot be reached from here, from its results stream); after a restart, or if
+        the connection breaks, connect again (what was not answered is sent again)."""
+        while True:
+            try:
+                reader, writer = await self._connect()
+            except ray.exceptions.RayActorError as e:
+                self._recover(e)
+                recovering = self._recovering
+                if recovering is not None:
+                    await recovering
+                continue
+            except (OSError, channel.ChannelError) as e:
+                log.info("dispatcher %s: no direct connection (%s): results come through "
+                         "Ray", self.name, e)
+                await self._read_stream()
+                return
+            self.results_via, self._direct = "direct", writer
+            try:
+                while True:
+                    for result in await channel.read_frame(reader):
+                        self._answer(result)
+            except (channel.ChannelError, ConnectionError) as e:
+                writer.close()
+                self._direct = None
+                self._recover(e)
+                recovering = self._recovering
+                if recovering is not None:
+                    await recovering
+            except asyncio.CancelledError:
+                writer.close()
+                raise
+
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """The direct connection to the actor's results (see
+        :meth:`DispatcherActor.open_results`)."""
+        try:
+            opener = self.actor.open_results
+        except AttributeError:  # an actor that offers only the stream (a shard's)
+            raise channel.ChannelError("the actor sends results through Ray only") from None
+        secret = channel.new_secret()
+        host, port = await opener.remote(self.client, secret)
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            await channel.answer_challenge(reader, writer, secret)
+        except BaseException:
+            writer.close()
+            raise
+        return reader, writer
+
+    async def _read_stream(self) -> None:
+        """Deliver results from the actor's results stream; after a restart, open a new
+        one."""
+        self.results_via = "ray"
         while True:
             stream = self.actor.results.options(num_returns="streaming").remote(self.client)
             try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import pickle
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -46,7 +47,10 @@ class RemoteCommand:
 
 class StreamedCommand:
     """A command sent on its node's stream (``submit="stream"``): ``wait()`` awaits its
-    result from the stream; cancelling the wait, or ``abandon()``, cancels it there."""
+    result from the stream, or ``then(callback)`` has the stream call ``callback`` with
+    it as it reads it (no task, no loop turn of its own: what the dispatcher does for
+    each of thousands of commands a second); cancelling the wait, or ``abandon()``,
+    cancels it there."""
 
     __slots__ = ("link", "key", "future", "cores")
 
@@ -63,6 +67,15 @@ class StreamedCommand:
         self.cores = list(out.detail.get("cores", self.cores))
         return out
 
+    def then(self, callback: Callable[[Outcome], None]) -> None:
+        """Call ``callback(outcome)`` when the command ends, instead of a ``wait()``
+        (on the loop, as the stream reads its result; at the next loop turn if it has
+        one already)."""
+        if self.future.done():
+            asyncio.get_running_loop().call_soon(callback, self.future.result())
+        else:
+            self.link.waiting[self.key] = callback
+
     def abandon(self) -> None:
         self.link.cancel(self.key)
 
@@ -76,7 +89,8 @@ class NodeLink:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.writer = writer
         self.out = channel.Outbox(writer)
-        self.waiting: dict[int, asyncio.Future[Outcome]] = {}
+        # By key: the future of a command's Outcome, or the callback to hand it to.
+        self.waiting: dict[int, asyncio.Future[Outcome] | Callable[[Outcome], None]] = {}
         self.next_key = 0
         self.broken = ""  # why the stream ended ("" while it works)
         self.reader = asyncio.get_running_loop().create_task(self._read(reader))
@@ -110,18 +124,17 @@ class NodeLink:
         return StreamedCommand(self, key, fut)
 
     def cancel(self, key: int) -> None:
-        fut = self.waiting.pop(key, None)
-        if fut is not None:
-            fut.cancel()
+        waiter = self.waiting.pop(key, None)
+        if waiter is not None:
+            if isinstance(waiter, asyncio.Future):
+                waiter.cancel()
             self.out.put(("cancel", key))
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
         try:
             while True:
                 for key, data in await channel.read_frame(reader):
-                    fut = self.waiting.pop(key, None)
-                    if fut is not None and not fut.done():
-                        fut.set_result(pickle.loads(data))
+                    _hand(self.waiting.pop(key, None), data)
         except (channel.ChannelError, ConnectionError) as e:
             self.fail(f"ray: lost the node's daemon ({e})")
 
@@ -129,9 +142,8 @@ class NodeLink:
         """Every command waiting on this node ends failed with ``why``."""
         self.broken = self.broken or why
         waiting, self.waiting = self.waiting, {}
-        for fut in waiting.values():
-            if not fut.done():
-                fut.set_result(Outcome(ok=False, reason=why))
+        for waiter in waiting.values():
+            _hand(waiter, Outcome(ok=False, reason=why))
 
     async def close(self) -> None:
         self.out.flush()
@@ -139,6 +151,18 @@ class NodeLink:
         self.reader.cancel()
         await asyncio.gather(self.reader, return_exceptions=True)
         self.fail("the dispatcher closed")
+
+
+def _hand(waiter: asyncio.Future[Outcome] | Callable[[Outcome], None] | None,
+          out: Outcome | bytes) -> None:
+    """A command's Outcome (or its pickle) to what waits for it."""
+    if waiter is None:
+        return
+    if isinstance(waiter, asyncio.Future):
+        if not waiter.done():
+            waiter.set_result(pickle.loads(out) if isinstance(out, bytes) else out)
+    else:
+        waiter(pickle.loads(out) if isinstance(out, bytes) else out)
 
 
 def lost(e: BaseException) -> str:

@@ -67,8 +67,9 @@ class Executors:
     def check_ahead(cls, ahead: int) -> None:
         """ConfigError if ``ahead`` commands per core cannot be handed to nodes."""
 
-    def start_cpu(self, job: Job, g: Grant) -> Callable[[], Awaitable[None]]:
-        """Start a granted cpu command now; what waits for it, as its task's work."""
+    def start_cpu(self, job: Job, g: Grant) -> Callable[[], Awaitable[None]] | None:
+        """Start a granted cpu command now; what waits for it, as its task's work (None:
+        the command completes its job itself when it ends)."""
         raise NotImplementedError
 
     async def run_gpu_command(self, job: Job, device: int) -> None:
@@ -119,7 +120,8 @@ class Executors:
         else:
             jobs[0].alloc = {"endpoint": g.action.spec.endpoint}
             work = partial(self._run_api, jobs[0])
-        self.spawn(work, jobs)
+        if work is not None:  # None: the command calls back when it ends (no task)
+            self.spawn(work, jobs)
 
     def spawn(self, work: Callable[[], Awaitable[None]], jobs: list[Job]) -> None:
         task = self.d.loop.task(self._guarded(work, jobs))
@@ -144,12 +146,16 @@ class Executors:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001
-            log.exception("executor failed")
-            for job in jobs:
-                if (self.d.jobs.get(job.request.id) is not None
-                        and job.action.status in ("running", AHEAD)):
-                    self.d.complete(job, Outcome(False, f"internal error: "
-                                                  f"{type(e).__name__}: {e}"))
+            self.broke(jobs, e)
+
+    def broke(self, jobs: list[Job], e: Exception) -> None:
+        """An executor broke with ``e`` (a bug): its actions still running end failed."""
+        log.exception("executor failed", exc_info=e)
+        for job in jobs:
+            if (self.d.jobs.get(job.request.id) is not None
+                    and job.action.status in ("running", AHEAD)):
+                self.d.complete(job, Outcome(False, f"internal error: "
+                                              f"{type(e).__name__}: {e}"))
 
     # ------------------------------------------------------------ gpu
 

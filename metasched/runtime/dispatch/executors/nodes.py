@@ -39,9 +39,9 @@ class NodeExecutors(Executors):
     def reserved_ids(self, k: int) -> list[int]:
         return []  # the backend picks them on the node
 
-    def start_cpu(self, job: Job, g: Grant) -> Callable[[], Awaitable[None]]:
+    def start_cpu(self, job: Job, g: Grant) -> Callable[[], Awaitable[None]] | None:
         cmd = self._start_remote(job, g.action.node, g.cores)
-        return partial(self._run_remote, job, cmd)
+        return self._awaited(job, cmd)
 
     def start_ahead(self, a: Action) -> None:
         """Hand an action the state put in its node's queue to the backend now: the node
@@ -49,8 +49,28 @@ class NodeExecutors(Executors):
         (a crash re-queues it, and the next dispatcher kills it where it runs)."""
         job = self.d.jobs.of_action(a.id)
         self.mark_started(job, self.d.loop.wall0 + self.d.state.t)
-        cmd = self._start_remote(job, a.node, a.cores)
-        self.spawn(partial(self._run_remote, job, cmd), [job])
+        work = self._awaited(job, self._start_remote(job, a.node, a.cores))
+        if work is not None:
+            self.spawn(work, [job])
+
+    def _awaited(self, job: Job, cmd: Command | Exception
+                 ) -> Callable[[], Awaitable[None]] | None:
+        """What waits for ``cmd``: a task's work, or None where the command calls back
+        as it ends (a node's stream: no task and no loop turn per command)."""
+        then = getattr(cmd, "then", None)
+        if then is None:
+            return partial(self._run_remote, job, cmd)
+        then(partial(self._ended, job, cmd))
+        return None
+
+    def _ended(self, job: Job, cmd: Command, out: Outcome) -> None:
+        self.commands.discard(cmd)
+        if "cores" in out.detail:  # the node chose them (in its queue's order)
+            job.alloc["cores"] = list(out.detail["cores"])
+        try:
+            self.d.complete(job, out)
+        except Exception as e:  # noqa: BLE001 - a bug: its job must still end
+            self.broke([job], e)
 
     def _command_spec(self, req: Request, extra_env: Mapping[str, str] | None = None,
                       gpu: int | None = None) -> CommandSpec:
