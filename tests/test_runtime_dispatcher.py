@@ -471,11 +471,12 @@ async def test_idle_cluster_rule_holds_live_as_in_simulation():
 
 
 async def test_policy_that_cannot_see_this_machine_falls_back():
-    """More GPU services than the checkpoint's observation holds: elastic_greedy, and
-    the reason."""
+    """More GPU services than the per-action policy's observation holds: elastic_greedy,
+    and the reason (the shipped meta-policy reads no such observation)."""
     services = {f"s{i}": linear_scorer(4, seed=i) for i in range(4)}  # + the command one
-    (r,), d = await dispatch([cpu("/bin/true")], DispatcherConfig(gpu_standin=1,
-                                                                 sample_interval_s=0.05),
+    (r,), d = await dispatch([cpu("/bin/true")],
+                             DispatcherConfig(scheduler="checkpoints/per_action",
+                                              gpu_standin=1, sample_interval_s=0.05),
                              services=services)
     assert r.ok and d.scheduler.name == "elastic_greedy"
     assert "GPU services: 5 exceed the observation's 4" in d.fallback_reason
