@@ -236,8 +236,12 @@ def files_router(sandboxes: Sandboxes) -> APIRouter:
         """Written as it comes in, each file under its name once the body is whole
         (see :mod:`.uploads`); a body refused on the way leaves none of its files."""
         try:
+            sb = find(request)
+        except FsError as e:
+            return await _refuse_unread(request, e.http())
+        try:
             return JSONResponse(await receive_upload(
-                request, find(request), run_fs, sandboxes.service.config.max_file_bytes))
+                request, sb, run_fs, sandboxes.service.config.max_file_bytes))
         except FsError as e:
             return e.http()
         except UploadRefused as e:
@@ -257,3 +261,20 @@ def files_router(sandboxes: Sandboxes) -> APIRouter:
 
     return router
 
+
+# A refused body up to this size is read and dropped before the answer: closing a socket
+# with unread bytes in it resets the connection, and the client may then see the reset
+# instead of the answer. A larger body is not read: its answer closes the connection.
+DRAIN_BYTES = 1 << 20
+
+
+async def _refuse_unread(request: Request, answer: Response) -> Response:
+    """``answer`` to an upload refused before its body was read (the client still sees
+    it, whatever the body's size)."""
+    read = 0
+    async for piece in request.stream():
+        read += len(piece)
+        if read > DRAIN_BYTES:
+            answer.headers["connection"] = "close"
+            break
+    return answer
