@@ -210,8 +210,12 @@ def test_plan_keeps_each_finished_plan_through_ctrl_c(tmp_path):
     import time
 
     exe = Path(sys.executable).parent / "metasched-plan"
-    p = subprocess.Popen([str(exe), *PLAN, "schedulers=[fifo,elastic_greedy,sjf,rate_greedy]",
-                          "target_step_s=200", f"hydra.run.dir={tmp_path}"], cwd="/tmp",
+    # Plans of about 2 s each (a searched scale, 128 trajectories), so the signal lands
+    # while later plans run even on a fast, idle machine.
+    plan = [a for a in PLAN if not a.startswith("workload.trajectories_per_step=")]
+    p = subprocess.Popen([str(exe), *plan, "workload.trajectories_per_step=128",
+                          "schedulers=[fifo,elastic_greedy,sjf,rate_greedy]",
+                          "target_step_s=3000", f"hydra.run.dir={tmp_path}"], cwd="/tmp",
                          text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     saved = tmp_path / "plan.json"
     try:
