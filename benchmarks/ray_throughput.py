@@ -146,18 +146,17 @@ class _Floor:
     (the rate the dispatcher just reached, so that results come as spread out)."""
 
     def __init__(self, rate: float) -> None:
-        from metasched.runtime.ray_backend.actor import YIELD_INTERVAL_S, ResultBox
+        from metasched.runtime.ray_backend.actor import YIELD_INTERVAL_S, ResultBoxes
 
         self.rate = rate
-        self.boxes: dict = {}
-        self.box = lambda: ResultBox(YIELD_INTERVAL_S)
+        self.boxes = ResultBoxes(YIELD_INTERVAL_S)
         self.pacers: set = set()
 
     async def accept_batch(self, client: str, packed: bytes, calls=None) -> bytes:
         from metasched.runtime.ray_backend.actor import dumps
 
         requests = pickle.loads(packed)
-        box = self.boxes.setdefault(client, self.box())
+        box = self.boxes.get(client)
         task = asyncio.ensure_future(self._pace(requests, box))
         self.pacers.add(task)
         task.add_done_callback(self.pacers.discard)
@@ -180,7 +179,7 @@ class _Floor:
     async def results(self, client: str):
         from metasched.runtime.ray_backend.actor import dumps
 
-        box = self.boxes.setdefault(client, self.box())
+        box = self.boxes.get(client)
         while True:
             yield dumps(await box.take())
 

@@ -81,6 +81,33 @@ class ResultBox:
         return out
 
 
+class ResultBoxes:
+    """Each client's :class:`ResultBox`, made on first use and dropped once the reader
+    that took from it has ended with nothing left in it."""
+
+    __slots__ = ("_boxes", "interval_s")
+
+    def __init__(self, interval_s: float) -> None:
+        self._boxes: dict[str, ResultBox] = {}
+        self.interval_s = interval_s
+
+    def __len__(self) -> int:
+        return len(self._boxes)
+
+    def get(self, client: str) -> ResultBox:
+        """``client``'s box (a new one if it has none)."""
+        box = self._boxes.get(client)
+        if box is None:
+            box = self._boxes[client] = ResultBox(self.interval_s)
+        return box
+
+    def done_with(self, client: str, box: ResultBox) -> None:
+        """``box``'s reader ended: drop it if it is still ``client``'s and empty (a
+        result put after this makes a new box for the next reader)."""
+        if self._boxes.get(client) is box and not box.items:
+            del self._boxes[client]
+
+
 def dumps(obj: Any) -> bytes:
     """``obj`` as bytes for an actor call: bytes pass through Ray without its serializer,
     which costs several times a pickle of lists of requests and results (paid on every
@@ -118,7 +145,7 @@ class DispatcherActor:
         self.dispatcher: Dispatcher | None = None
         self.backend: RayBackend | None = None
         self._starting: asyncio.Task | None = None
-        self._boxes: dict[str, ResultBox] = {}
+        self._boxes = ResultBoxes(YIELD_INTERVAL_S)
 
     async def _ready(self) -> Dispatcher:
         if self.dispatcher is None:
@@ -175,8 +202,6 @@ class DispatcherActor:
         d = await self._ready()
         requests: list[Any] = pickle.loads(packed)
         box = self._boxes.get(client)
-        if box is None:
-            box = self._boxes[client] = ResultBox(YIELD_INTERVAL_S)
         calls = calls or {}
         acks: list[Result | None] = []
         futures = []
@@ -197,14 +222,11 @@ class DispatcherActor:
         """``client``'s results, in batches (each a :func:`dumps`'d list), as they finish
         (a streaming call)."""
         box = self._boxes.get(client)
-        if box is None:
-            box = self._boxes[client] = ResultBox(YIELD_INTERVAL_S)
         try:
             while True:
                 yield dumps(await box.take())
         finally:
-            if self._boxes.get(client) is box and not box.items:
-                del self._boxes[client]
+            self._boxes.done_with(client, box)
 
     async def open_results(self, client: str, secret: bytes) -> tuple[str, int]:
         """Listen, on this node's address, for ``client``'s results stream: a direct
@@ -215,8 +237,6 @@ class DispatcherActor:
         and port (one connection: the listener closes once it is served)."""
         host = ray.util.get_node_ip_address()
         box = self._boxes.get(client)
-        if box is None:
-            box = self._boxes[client] = ResultBox(YIELD_INTERVAL_S)
         server = await asyncio.start_server(
             lambda r, w: self._serve_results(client, secret, box, server, r, w), host, 0)
         # A client that never comes (it died meanwhile) leaves no listener behind.
@@ -245,8 +265,7 @@ class DispatcherActor:
         finally:
             ended.cancel()
             writer.close()
-            if self._boxes.get(client) is box and not box.items:
-                del self._boxes[client]
+            self._boxes.done_with(client, box)
 
     async def stats(self) -> dict[str, Any]:
         """The dispatcher's counters (as :meth:`Dispatcher.stats`), and its process's."""

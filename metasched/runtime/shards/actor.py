@@ -32,7 +32,12 @@ from metasched.errors import ConfigError
 from metasched.runtime.backend import Node
 from metasched.runtime.dispatch import Dispatcher, DispatcherConfig
 from metasched.runtime.leases.service import LEASE_SERVICE, NAMESPACE, LeaseClient
-from metasched.runtime.ray_backend.actor import YIELD_INTERVAL_S, ResultBox, dumps
+from metasched.runtime.ray_backend.actor import (
+    YIELD_INTERVAL_S,
+    ResultBox,
+    ResultBoxes,
+    dumps,
+)
 from metasched.runtime.ray_backend.cluster import DEFAULT_SUBMIT, RayBackend, cluster_view
 from metasched.runtime.requests import Request, Result, parse_request
 from metasched.runtime.shards.ring import ShardRing
@@ -87,7 +92,7 @@ class ShardActor:
         self.submit_mode = submit
         self.dispatchers: dict[str, Dispatcher] = {}  # by the shard whose journal it is
         self._starting: dict[str, asyncio.Future] = {}
-        self._boxes: dict[str, ResultBox] = {}
+        self._boxes = ResultBoxes(yield_s)
         self._owner_of: dict[str, str] = {}  # client -> the shard it was a client of
         self._leases: LeaseClient | None = None
         self.lease_waits = 0
@@ -164,7 +169,7 @@ class ShardActor:
         client is a client of (this one, or one this shard adopted)."""
         d = await self._dispatcher(self._owner_of.get(client, self.name))
         requests: list[Any] = pickle.loads(packed)
-        box = self._box(client)
+        box = self._boxes.get(client)
         calls = calls or {}
         acks: list[Result | None] = []
         journaled = False
@@ -221,21 +226,14 @@ class ShardActor:
             leases.release(ticket)
         box.put(result)
 
-    def _box(self, client: str) -> ResultBox:
-        box = self._boxes.get(client)
-        if box is None:
-            box = self._boxes[client] = ResultBox(self.yield_s)
-        return box
-
     async def results(self, client: str) -> AsyncIterator[bytes]:
         """``client``'s results, in batches, as they finish (a streaming call)."""
-        box = self._box(client)
+        box = self._boxes.get(client)
         try:
             while True:
                 yield dumps(await box.take())
         finally:
-            if self._boxes.get(client) is box and not box.items:
-                del self._boxes[client]
+            self._boxes.done_with(client, box)
 
     async def stats(self) -> dict[str, Any]:
         """Per dispatcher it runs (its own, adopted ones), its counters; the process's
